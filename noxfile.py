@@ -1,0 +1,83 @@
+"""Test, lint and benchmark sessions for the offload monorepo.
+
+Run ``nox -s tests`` for the CPU suite of every package, ``nox -s gpu_tests`` on a CUDA
+machine, ``nox -l`` for the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent
+CONSTRAINTS = str(ROOT / "constraints.txt")
+# Order matters only for readability: dependencies point down this list.
+PACKAGES = ["solver", "trace", "runtime", "optim", "gpt-example"]
+PACKAGE_DIRS = [f"packages/offload-{name}" for name in PACKAGES]
+TEST_DIRS = [f"{d}/tests" for d in PACKAGE_DIRS]
+SRC_DIRS = [f"{d}/src" for d in PACKAGE_DIRS]
+TEST_TOOLS = ["pytest", "hypothesis"]
+
+nox.options.sessions = ["tests", "solver_only", "typecheck", "lint"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install_all(session: nox.Session, *extra: str) -> None:
+    """Install every package editable, torch pinned to the CPU build."""
+    editable = [arg for d in PACKAGE_DIRS for arg in ("-e", d)]
+    session.install("-c", CONSTRAINTS, *editable, *TEST_TOOLS, *extra)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """CPU tests of every package in one virtualenv (tests marked ``gpu`` are left out)."""
+    _install_all(session)
+    session.run("pytest", "-m", "not gpu", *TEST_DIRS, *session.posargs)
+
+
+@nox.session
+def solver_only(session: nox.Session) -> None:
+    """offload-solver alone: no torch may be importable, and its tests pass."""
+    session.install("-c", CONSTRAINTS, "packages/offload-solver", *TEST_TOOLS)
+    session.run(
+        "python",
+        "-c",
+        "import importlib.util, sys; "
+        "sys.exit('torch is installed in the solver-only environment') "
+        "if importlib.util.find_spec('torch') else print('torch absent: ok')",
+    )
+    session.run("pytest", "packages/offload-solver/tests", *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """``mypy --strict`` over the sources and tests of every package."""
+    _install_all(session, "mypy")
+    session.run("mypy", "--strict", *SRC_DIRS, *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the whole tree."""
+    session.install("ruff")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(venv_backend="none")
+def gpu_tests(session: nox.Session) -> None:
+    """Tests marked ``gpu``, in the current interpreter (a CUDA machine may have no network)."""
+    try:
+        import torch
+    except ImportError:
+        session.skip("torch is not importable in this interpreter")
+    if not torch.cuda.is_available():
+        session.skip("CUDA is not available: gpu tests need an NVIDIA GPU")
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [*(str(ROOT / s) for s in SRC_DIRS), os.environ.get("PYTHONPATH", "")]
+        )
+    }
+    session.run("python", "-m", "pytest", "-m", "gpu", *TEST_DIRS, *session.posargs, env=env)

@@ -1,0 +1,639 @@
+"""The solver's data model: what a model costs, what a machine can do, and the plan.
+
+Every record here is a frozen dataclass of plain numbers and strings, with units in the
+field names (``_bytes``, ``_s``, ``_flop``), so that any framework can build them and the
+solver never sees a framework object. Each top-level record has a JSON round trip through
+``to_json`` / ``from_json`` carrying :data:`SCHEMA_VERSION`.
+
+[Note: memory model]
+The simulator accounts device memory as the sum of
+- parameters in the training dtype (``Parameter.size_bytes``) of every region that is on
+  the device at that moment (resident regions always, offloaded ones while in use);
+- per-parameter optimizer bytes (``ModelProfile.device_state_bytes_per_param``: master
+  weights, Adam moments and the full-precision gradient accumulator) of every region whose
+  optimizer state the plan keeps on the device;
+- gradients in the training dtype of host-state regions, from the end of that region's
+  backward until their copy to the host completes;
+- activations: for operation ``i`` in forward, the saved bytes of operations ``< i``,
+  plus ``fwd_out_bytes`` and ``fwd_tmp_bytes`` of ``i``; in backward, the saved bytes of
+  operations ``<= i`` not yet released, plus ``bwd_out_bytes`` and ``bwd_tmp_bytes`` of
+  ``i``. After operation ``i``'s backward its ``saved_bytes`` are released.
+A profiler fills ``fwd_tmp_bytes`` / ``bwd_tmp_bytes`` with whatever else is alive at that
+point (inputs still needed by later operations, workspaces, incoming gradients), so that
+the formula above gives the true live bytes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, fields
+from enum import Enum
+from typing import Any, TypeVar
+
+SCHEMA_VERSION = 1
+"""Version of the JSON documents written by ``to_json``; readers reject any other."""
+
+_T = TypeVar("_T")
+
+
+class ParamPlacement(str, Enum):
+    """Where a region's parameters (training dtype) live between uses."""
+
+    RESIDENT = "resident"
+    """Always on the device."""
+    SYNC = "sync"
+    """On the host; uploaded on the compute stream just before use, in forward and backward."""
+    ASYNC = "async"
+    """On the host; prefetched on the host-to-device stream ahead of use."""
+
+
+class StatePlacement(str, Enum):
+    """Where a region's master weights and optimizer state live."""
+
+    DEVICE = "device"
+    HOST = "host"
+
+
+class Stream(str, Enum):
+    """Lanes of the simulated timeline."""
+
+    COMPUTE = "compute"
+    H2D = "h2d"
+    D2H = "d2h"
+    HOST = "host"
+    """The host CPU running the optimizer step of host-state regions."""
+
+
+# --------------------------------------------------------------------------------------
+# Model profile
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One named parameter of the model.
+
+    Members of a tied group are each listed with the same ``numel`` / ``size_bytes``; the
+    solver counts the group's storage once.
+    """
+
+    name: str
+    numel: int
+    """Number of elements."""
+    size_bytes: int
+    """Bytes in the training dtype on the device (``numel`` x element size)."""
+
+
+@dataclass(frozen=True)
+class Operation:
+    """One operation of the forward pass, in execution order.
+
+    ``name`` is unique within the profile; a tracer uses the graph node's name so that a
+    plan can be mapped back onto the graph.
+    """
+
+    name: str
+    param_names: tuple[str, ...] = ()
+    """Parameters the operation reads directly (any member of a tied group may appear)."""
+    fwd_out_bytes: int = 0
+    """Bytes of the operation's outputs."""
+    fwd_tmp_bytes: int = 0
+    """Other bytes alive while it runs forward (see the memory model note)."""
+    saved_bytes: int = 0
+    """Bytes kept from its forward until its backward (storages counted once, parameter
+    aliases left out)."""
+    bwd_tmp_bytes: int = 0
+    """Other bytes alive while its backward runs (incoming gradients, workspaces)."""
+    bwd_out_bytes: int = 0
+    """Bytes of the gradients its backward produces for its inputs."""
+    fwd_flop: int = 0
+    bwd_flop: int = 0
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """A model as the solver sees it: parameters, operations and tied groups."""
+
+    name: str
+    parameters: tuple[Parameter, ...]
+    operations: tuple[Operation, ...]
+    tied_groups: tuple[tuple[str, ...], ...] = ()
+    """Groups of parameter names sharing one storage; the first member owns it."""
+    device_state_bytes_per_param: int = 16
+    """Device bytes per parameter element when a region's optimizer state lives on the
+    device: fp32 master (4) + Adam moments (8) + fp32 gradient (4) for fp16/bf16 training."""
+    host_grad_bytes_per_param: int = 2
+    """Bytes per parameter element copied device-to-host as a gradient (training dtype)."""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        validate_profile(self)
+
+    @property
+    def parameter_map(self) -> dict[str, Parameter]:
+        return {p.name: p for p in self.parameters}
+
+    def canonical_names(self) -> dict[str, str]:
+        """Map every parameter name to the owner of its storage (itself when untied)."""
+        out = {p.name: p.name for p in self.parameters}
+        for group in self.tied_groups:
+            for member in group:
+                out[member] = group[0]
+        return out
+
+    @property
+    def total_param_bytes(self) -> int:
+        """Parameter bytes in the training dtype, tied storage counted once."""
+        canon = self.canonical_names()
+        return sum(p.size_bytes for p in self.parameters if canon[p.name] == p.name)
+
+    @property
+    def total_param_numel(self) -> int:
+        canon = self.canonical_names()
+        return sum(p.numel for p in self.parameters if canon[p.name] == p.name)
+
+    def to_json(self) -> str:
+        return json.dumps(_to_jsonable(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelProfile:
+        data = _load_document(text, "ModelProfile")
+        try:
+            return ModelProfile(
+                name=_get(data, "name", str),
+                parameters=tuple(
+                    _record(Parameter, p, f"parameters[{i}]")
+                    for i, p in enumerate(_get(data, "parameters", list))
+                ),
+                operations=tuple(
+                    _record(Operation, o, f"operations[{i}]")
+                    for i, o in enumerate(_get(data, "operations", list))
+                ),
+                tied_groups=tuple(
+                    tuple(_str_list(g, f"tied_groups[{i}]"))
+                    for i, g in enumerate(data.get("tied_groups", []))
+                ),
+                device_state_bytes_per_param=_get(
+                    data, "device_state_bytes_per_param", int, default=16
+                ),
+                host_grad_bytes_per_param=_get(data, "host_grad_bytes_per_param", int, default=2),
+            )
+        except TypeError as exc:  # a field of the wrong JSON type deep in a record
+            raise ValueError(f"malformed ModelProfile JSON: {exc}") from exc
+
+
+def validate_profile(profile: ModelProfile) -> None:
+    """Raise ``ValueError`` naming the field when the profile is inconsistent."""
+    if profile.schema_version != SCHEMA_VERSION:
+        raise ValueError(
+            f"ModelProfile.schema_version is {profile.schema_version}; "
+            f"this solver reads version {SCHEMA_VERSION}"
+        )
+    if not profile.operations:
+        raise ValueError("ModelProfile.operations is empty: the model has no operations")
+    names: set[str] = set()
+    for p in profile.parameters:
+        if p.name in names:
+            raise ValueError(f"ModelProfile.parameters: duplicate parameter name {p.name!r}")
+        names.add(p.name)
+        if p.numel < 0 or p.size_bytes < 0:
+            raise ValueError(f"Parameter {p.name!r}: numel and size_bytes must be >= 0")
+    op_names: set[str] = set()
+    for i, op in enumerate(profile.operations):
+        if op.name in op_names:
+            raise ValueError(f"ModelProfile.operations[{i}]: duplicate operation name {op.name!r}")
+        op_names.add(op.name)
+        for pname in op.param_names:
+            if pname not in names:
+                raise ValueError(
+                    f"ModelProfile.operations[{i}] ({op.name!r}) uses unknown parameter "
+                    f"{pname!r}; add it to ModelProfile.parameters"
+                )
+        for f in fields(Operation):
+            value = getattr(op, f.name)
+            if isinstance(value, int) and value < 0:
+                raise ValueError(
+                    f"ModelProfile.operations[{i}] ({op.name!r}).{f.name} is {value}; must be >= 0"
+                )
+    seen: set[str] = set()
+    for gi, group in enumerate(profile.tied_groups):
+        if len(group) < 2:
+            raise ValueError(f"ModelProfile.tied_groups[{gi}] has fewer than two members")
+        sizes = set()
+        for member in group:
+            if member not in names:
+                raise ValueError(
+                    f"ModelProfile.tied_groups[{gi}] names unknown parameter {member!r}"
+                )
+            if member in seen:
+                raise ValueError(
+                    f"ModelProfile.tied_groups: parameter {member!r} is in more than one group"
+                )
+            seen.add(member)
+            sizes.add(profile.parameter_map[member].size_bytes)
+        if len(sizes) != 1:
+            raise ValueError(
+                f"ModelProfile.tied_groups[{gi}] members have different sizes {sorted(sizes)}"
+            )
+    if profile.device_state_bytes_per_param < 0 or profile.host_grad_bytes_per_param < 0:
+        raise ValueError("ModelProfile bytes-per-parameter fields must be >= 0")
+
+
+# --------------------------------------------------------------------------------------
+# Hardware profile
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BandwidthPoint:
+    """A measured copy rate for one transfer size."""
+
+    size_bytes: int
+    bytes_per_s: float
+
+
+def _interp_bandwidth(points: Sequence[BandwidthPoint], size_bytes: int) -> float:
+    """Bandwidth at ``size_bytes``: linear in log(size) between points, flat outside."""
+    if size_bytes <= points[0].size_bytes:
+        return points[0].bytes_per_s
+    if size_bytes >= points[-1].size_bytes:
+        return points[-1].bytes_per_s
+    lo, hi = 0, len(points) - 1
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if points[mid].size_bytes <= size_bytes:
+            lo = mid
+        else:
+            hi = mid
+    a, b = points[lo], points[hi]
+    t = (math.log(size_bytes) - math.log(a.size_bytes)) / (
+        math.log(b.size_bytes) - math.log(a.size_bytes)
+    )
+    return a.bytes_per_s + t * (b.bytes_per_s - a.bytes_per_s)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What the machine can move and compute.
+
+    Bandwidths are interpolated in log(size) between measured points and held flat below
+    the smallest and beyond the largest measured size.
+    """
+
+    name: str
+    h2d: tuple[BandwidthPoint, ...]
+    """Pinned host-to-device copy rates, sorted by size."""
+    d2h: tuple[BandwidthPoint, ...]
+    """Pinned device-to-host copy rates, sorted by size."""
+    compute_flop_per_s: float
+    """Peak (or measured best) matrix-multiply rate of the device."""
+    compute_efficiency: float
+    """Fraction of ``compute_flop_per_s`` a training step achieves (0 < e <= 1)."""
+    device_memory_bytes: int
+    host_memory_bytes: int
+    host_adam_params_per_s: float = 4.4e9
+    """Host optimizer throughput, parameter elements per second (fused CPU Adam)."""
+    device_adam_params_per_s: float = 50e9
+    """Device optimizer throughput, parameter elements per second (fused CUDA Adam)."""
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        for lane in ("h2d", "d2h"):
+            pts: tuple[BandwidthPoint, ...] = getattr(self, lane)
+            if not pts:
+                raise ValueError(f"HardwareProfile.{lane} needs at least one bandwidth point")
+            if any(p.size_bytes <= 0 or p.bytes_per_s <= 0 for p in pts):
+                raise ValueError(f"HardwareProfile.{lane}: sizes and rates must be > 0")
+            if any(a.size_bytes >= b.size_bytes for a, b in itertools.pairwise(pts)):
+                raise ValueError(f"HardwareProfile.{lane}: points must be sorted by size")
+        if self.compute_flop_per_s <= 0:
+            raise ValueError("HardwareProfile.compute_flop_per_s must be > 0")
+        if not 0 < self.compute_efficiency <= 1:
+            raise ValueError(
+                f"HardwareProfile.compute_efficiency is {self.compute_efficiency}; "
+                "must be in (0, 1]"
+            )
+        if self.host_adam_params_per_s <= 0 or self.device_adam_params_per_s <= 0:
+            raise ValueError("HardwareProfile optimizer throughputs must be > 0")
+        if self.schema_version != SCHEMA_VERSION:
+            raise ValueError(
+                f"HardwareProfile.schema_version is {self.schema_version}; "
+                f"this solver reads version {SCHEMA_VERSION}"
+            )
+
+    def h2d_bytes_per_s(self, size_bytes: int) -> float:
+        return _interp_bandwidth(self.h2d, size_bytes)
+
+    def d2h_bytes_per_s(self, size_bytes: int) -> float:
+        return _interp_bandwidth(self.d2h, size_bytes)
+
+    def h2d_time_s(self, size_bytes: int) -> float:
+        """Seconds to copy ``size_bytes`` from pinned host memory to the device."""
+        return size_bytes / self.h2d_bytes_per_s(size_bytes) if size_bytes > 0 else 0.0
+
+    def d2h_time_s(self, size_bytes: int) -> float:
+        """Seconds to copy ``size_bytes`` from the device to pinned host memory."""
+        return size_bytes / self.d2h_bytes_per_s(size_bytes) if size_bytes > 0 else 0.0
+
+    def compute_time_s(self, flop: int) -> float:
+        """Seconds of device compute for ``flop`` floating-point operations."""
+        return flop / (self.compute_flop_per_s * self.compute_efficiency)
+
+    def to_json(self) -> str:
+        return json.dumps(_to_jsonable(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> HardwareProfile:
+        data = _load_document(text, "HardwareProfile")
+        try:
+            return HardwareProfile(
+                name=_get(data, "name", str),
+                h2d=tuple(
+                    _record(BandwidthPoint, p, f"h2d[{i}]")
+                    for i, p in enumerate(_get(data, "h2d", list))
+                ),
+                d2h=tuple(
+                    _record(BandwidthPoint, p, f"d2h[{i}]")
+                    for i, p in enumerate(_get(data, "d2h", list))
+                ),
+                compute_flop_per_s=float(_get(data, "compute_flop_per_s", (int, float))),
+                compute_efficiency=float(_get(data, "compute_efficiency", (int, float))),
+                device_memory_bytes=_get(data, "device_memory_bytes", int),
+                host_memory_bytes=_get(data, "host_memory_bytes", int),
+                host_adam_params_per_s=float(
+                    _get(data, "host_adam_params_per_s", (int, float), default=4.4e9)
+                ),
+                device_adam_params_per_s=float(
+                    _get(data, "device_adam_params_per_s", (int, float), default=50e9)
+                ),
+            )
+        except TypeError as exc:
+            raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------
+# Plan
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """A contiguous run of operations and the parameters whose storage it owns.
+
+    A region owns the storage of every parameter first used by one of its operations
+    (a tied group is owned by the region of its first use). ``pinned`` regions own a
+    parameter that is also used outside the region's operations; the solvers never
+    offload them.
+    """
+
+    index: int
+    op_start: int
+    """Index of the first operation (into ``ModelProfile.operations``)."""
+    op_end: int
+    """One past the last operation."""
+    param_names: tuple[str, ...]
+    """Canonical names of the parameters whose storage the region owns, in first-use order."""
+    numel: int
+    size_bytes: int
+    """Parameter bytes in the training dtype (the region's flat device buffer)."""
+    pinned: bool = False
+
+
+@dataclass(frozen=True)
+class RegionPlan:
+    """The plan's decision for one region."""
+
+    region: Region
+    placement: ParamPlacement
+    state: StatePlacement
+    prefetch_at: int | None = None
+    """ASYNC only: index of the region whose backward start issues this region's backward
+    prefetch (a later region in forward order). ``None`` for the other placements."""
+    pool_offset_bytes: int | None = None
+    """Offloaded regions: byte offset of the region's buffer in the device pool."""
+
+
+@dataclass(frozen=True)
+class TimelineInterval:
+    """One busy interval of one stream in the simulated step."""
+
+    stream: Stream
+    region: int
+    kind: str
+    """What runs: ``fwd``, ``bwd``, ``upload``, ``prefetch``, ``grad_offload``,
+    ``host_step``, ``device_step``, ``param_upload``."""
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    """Device bytes in use from ``time_s`` until the next sample."""
+
+    time_s: float
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The solver's answer, ready for a runtime to execute."""
+
+    solver: str
+    budget_bytes: int
+    """The budget the user asked for (the solver plans against 0.95 of it)."""
+    regions: tuple[RegionPlan, ...]
+    predicted_peak_bytes: int
+    predicted_step_time_s: float
+    timeline: tuple[TimelineInterval, ...]
+    memory_curve: tuple[MemorySample, ...]
+    pool_size_bytes: int
+    """Device bytes of the pool that holds offloaded regions while they are in use."""
+    model_name: str = ""
+    hardware_name: str = ""
+    solve_time_s: float = 0.0
+    num_simulations: int = 0
+    schema_version: int = SCHEMA_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(_to_jsonable(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = _load_document(text, "Plan")
+        try:
+            regions = []
+            for i, rp in enumerate(_get(data, "regions", list)):
+                where = f"regions[{i}]"
+                if not isinstance(rp, dict):
+                    raise ValueError(f"Plan JSON: {where} must be an object")
+                region = _record(Region, rp.get("region"), f"{where}.region")
+                region = Region(**{**asdict(region), "param_names": tuple(region.param_names)})
+                regions.append(
+                    RegionPlan(
+                        region=region,
+                        placement=_enum(ParamPlacement, rp.get("placement"), f"{where}.placement"),
+                        state=_enum(StatePlacement, rp.get("state"), f"{where}.state"),
+                        prefetch_at=rp.get("prefetch_at"),
+                        pool_offset_bytes=rp.get("pool_offset_bytes"),
+                    )
+                )
+            timeline = []
+            for i, iv in enumerate(_get(data, "timeline", list)):
+                if not isinstance(iv, dict):
+                    raise ValueError(f"Plan JSON: timeline[{i}] must be an object")
+                timeline.append(
+                    TimelineInterval(
+                        stream=_enum(Stream, iv.get("stream"), f"timeline[{i}].stream"),
+                        region=int(iv["region"]),
+                        kind=str(iv["kind"]),
+                        start_s=float(iv["start_s"]),
+                        end_s=float(iv["end_s"]),
+                    )
+                )
+            return Plan(
+                solver=_get(data, "solver", str),
+                budget_bytes=_get(data, "budget_bytes", int),
+                regions=tuple(regions),
+                predicted_peak_bytes=_get(data, "predicted_peak_bytes", int),
+                predicted_step_time_s=float(_get(data, "predicted_step_time_s", (int, float))),
+                timeline=tuple(timeline),
+                memory_curve=tuple(
+                    _record(MemorySample, m, f"memory_curve[{i}]")
+                    for i, m in enumerate(_get(data, "memory_curve", list))
+                ),
+                pool_size_bytes=_get(data, "pool_size_bytes", int),
+                model_name=_get(data, "model_name", str, default=""),
+                hardware_name=_get(data, "hardware_name", str, default=""),
+                solve_time_s=float(_get(data, "solve_time_s", (int, float), default=0.0)),
+                num_simulations=_get(data, "num_simulations", int, default=0),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed Plan JSON: missing or mistyped field {exc}") from exc
+
+
+# --------------------------------------------------------------------------------------
+# JSON helpers
+# --------------------------------------------------------------------------------------
+
+
+def _to_jsonable(obj: object) -> Any:
+    if isinstance(obj, Enum):
+        return obj.value
+    if hasattr(obj, "__dataclass_fields__"):
+        return {f.name: _to_jsonable(getattr(obj, f.name)) for f in fields(obj)}  # type: ignore[arg-type]
+    if isinstance(obj, (list, tuple)):
+        return [_to_jsonable(x) for x in obj]
+    return obj
+
+
+def _load_document(text: str, kind: str) -> dict[str, Any]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{kind} JSON is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{kind} JSON must be an object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{kind} JSON has schema_version {version!r}; this solver reads version "
+            f"{SCHEMA_VERSION}"
+        )
+    return data
+
+
+_MISSING = object()
+
+
+def _get(data: Mapping[str, Any], key: str, typ: Any, default: Any = _MISSING) -> Any:
+    if key not in data:
+        if default is _MISSING:
+            raise ValueError(f"JSON field {key!r} is missing")
+        return default
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, typ):
+        raise ValueError(f"JSON field {key!r} has type {type(value).__name__}, expected {typ}")
+    return value
+
+
+def _str_list(value: object, where: str) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"JSON field {where} must be a list of strings")
+    return value
+
+
+def _record(cls: type[_T], value: object, where: str) -> _T:
+    """Build dataclass ``cls`` from a JSON object, naming ``where`` in every error."""
+    if not isinstance(value, dict):
+        raise ValueError(f"JSON field {where} must be an object")
+    names = {f.name: f for f in fields(cls)}  # type: ignore[arg-type]
+    unknown = set(value) - set(names)
+    if unknown:
+        raise ValueError(f"JSON field {where} has unknown keys {sorted(unknown)}")
+    kwargs: dict[str, Any] = {}
+    for key, raw in value.items():
+        kwargs[key] = tuple(raw) if isinstance(raw, list) else raw
+    try:
+        return cls(**kwargs)
+    except TypeError as exc:
+        raise ValueError(f"JSON field {where}: {exc}") from exc
+
+
+def _enum(cls: type[Enum], value: object, where: str) -> Any:
+    try:
+        return cls(value)
+    except ValueError:
+        allowed = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"JSON field {where} is {value!r}; expected one of {allowed}") from None
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a size such as ``16GiB``, ``16GB``, ``512MiB`` or ``1000`` into bytes.
+
+    ``GB``/``MB``/``KB`` are decimal (1e9...), ``GiB``/``MiB``/``KiB`` binary.
+    """
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num) :]
+    if unit not in units or not num:
+        raise ValueError(f"cannot parse size {text!r}; write e.g. '16GiB', '16GB' or '512MiB'")
+    try:
+        value = float(num)
+    except ValueError:
+        raise ValueError(f"cannot parse size {text!r}; write e.g. '16GiB'") from None
+    return int(value * units[unit])
+
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "BandwidthPoint",
+    "HardwareProfile",
+    "MemorySample",
+    "ModelProfile",
+    "Operation",
+    "ParamPlacement",
+    "Parameter",
+    "Plan",
+    "Region",
+    "RegionPlan",
+    "StatePlacement",
+    "Stream",
+    "TimelineInterval",
+    "parse_bytes",
+    "validate_profile",
+]
