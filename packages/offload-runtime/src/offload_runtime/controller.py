@@ -1,0 +1,403 @@
+"""The per-step state machine that moves regions between host and device.
+
+The graph passes insert calls into this controller at region boundaries of the forward
+graph; the backward side is driven by autograd itself:
+- saved-tensor hooks pushed while a region's forward runs fire when its backward first
+  unpacks a saved tensor, which is before any backward use of its parameters: that is
+  where the region is uploaded again and where planned backward prefetches are issued;
+- a post-accumulate-grad hook on every parameter tells when all of a region's gradients
+  exist: the region's gradients are then moved out (to the host on the d2h stream, or into
+  the device fp32 accumulator), and an offloaded region's slot is released;
+- a callback queued on the autograd engine closes the backward pass.
+See [Note: streams] in streams.py and [Note: region storage] in storage.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from enum import Enum
+from typing import Any
+
+import torch
+from offload_runtime.storage import RegionStorage
+from offload_runtime.streams import Event, StreamSet
+from offload_solver import ParamPlacement, Plan
+from torch._C._autograd import (
+    _pop_saved_tensors_default_hooks,
+    _push_saved_tensors_default_hooks,
+)
+
+log = logging.getLogger(__name__)
+
+GradReadyHook = Callable[[int], None]
+"""Called with a region index once that region's fp32 gradients of a backward are complete.
+Host-state regions call it on the host worker thread, device-state regions on the thread
+that runs backward."""
+
+
+class RegionState(Enum):
+    """Where an offloaded region's training-dtype parameters are."""
+
+    ON_HOST = "on_host"
+    """Only the pinned host copy is valid; the pool slot may hold another region."""
+    IN_FLIGHT = "in_flight"
+    """A prefetch is queued on the h2d stream; wait for its event before use."""
+    ON_DEVICE = "on_device"
+    """The pool slot holds the region (uploaded, or prefetched and waited for)."""
+
+
+class OffloadController:
+    """Executes a plan's uploads, prefetches, releases and gradient moves."""
+
+    def __init__(self, plan: Plan, storages: list[RegionStorage], streams: StreamSet) -> None:
+        self.plan = plan
+        self.storages = storages
+        self.streams = streams
+        n = len(storages)
+        self.state = [RegionState.ON_HOST] * n
+        for st in storages:
+            if not st.offloaded:
+                self.state[st.index] = RegionState.ON_DEVICE
+        # h2d event of an in-flight prefetch, or of a post-step upload of a resident region.
+        self.ready_event: list[Event | None] = [None] * n
+        self.slot_occupant: dict[int, int | None] = {}
+        self.slot_free_event: dict[int, Event | None] = {}
+        # Regions whose backward prefetch is issued at the backward start of a host region.
+        self.prefetch_at: dict[int, list[int]] = {}
+        for rp in plan.regions:
+            if rp.placement is ParamPlacement.ASYNC and rp.prefetch_at is not None:
+                self.prefetch_at.setdefault(rp.prefetch_at, []).append(rp.region.index)
+        # Per-backward bookkeeping.
+        self._bwd_started: set[int] = set()
+        self._grads_done: set[int] = set()
+        self._received: list[int] = [0] * n
+        self._expected = [sum(p.requires_grad for p in st.params.values()) for st in storages]
+        self._callback_queued = False
+        self._hook_depth = 0
+        self._grad_hooks: list[GradReadyHook] = []
+        self._lock = threading.Lock()
+        # One host worker keeps host-side gradient work (and optimizer steps that hang off
+        # the grad-ready hooks) in backward order and off the thread that launches kernels.
+        self._executor = ThreadPoolExecutor(1, "offload-host") if streams.is_cuda else None
+        self._futures: list[Future[None]] = []
+        # Last host task that reads each region's grad staging buffer.
+        self._staging_reader: dict[int, Future[None]] = {}
+        self.stats = {"sync_uploads": 0, "prefetches": 0, "prefetch_fallbacks": 0}
+        self._register_grad_hooks()
+
+    # ---- region residency ------------------------------------------------------------
+
+    def _claim_slot(self, r: int) -> None:
+        st = self.storages[r]
+        assert st.slot is not None
+        occupant = self.slot_occupant.get(st.slot)
+        if occupant is not None and occupant != r:
+            if self.state[occupant] is RegionState.IN_FLIGHT:
+                # A prefetched region not yet used loses the slot; it is uploaded again at use.
+                self.streams.compute.wait(self.ready_event[occupant])
+                self.state[occupant] = RegionState.ON_HOST
+                self.ready_event[occupant] = None
+            else:
+                raise RuntimeError(
+                    f"offload runtime: region {r} needs pool slot {st.slot}, still held by "
+                    f"region {occupant}; the plan's pool assignment does not match the "
+                    "execution order (please report this with the plan JSON)"
+                )
+        self.slot_occupant[st.slot] = r
+
+    def upload(self, r: int) -> None:
+        """Make region ``r``'s parameters usable by the compute stream (sync upload)."""
+        state = self.state[r]
+        if state is RegionState.ON_DEVICE:
+            return
+        if state is RegionState.IN_FLIGHT:
+            self.streams.compute.wait(self.ready_event[r])
+            self.ready_event[r] = None
+            self.state[r] = RegionState.ON_DEVICE
+            return
+        st = self.storages[r]
+        assert st.host_params is not None and st.slot is not None
+        self._claim_slot(r)
+        self.streams.compute.wait(self.slot_free_event.get(st.slot))
+        with torch.no_grad():
+            # Queued on the compute stream: compute waits for it, the host does not.
+            st.device_params.copy_(st.host_params, non_blocking=True)
+        self.state[r] = RegionState.ON_DEVICE
+        self.stats["sync_uploads"] += 1
+
+    def prefetch(self, r: int) -> None:
+        """Queue region ``r``'s upload on the h2d stream, if its slot is free."""
+        if self.state[r] is not RegionState.ON_HOST:
+            return
+        st = self.storages[r]
+        assert st.host_params is not None and st.slot is not None
+        occupant = self.slot_occupant.get(st.slot)
+        if occupant is not None and occupant != r:
+            # The slot's previous region is still in use: r is uploaded at use instead.
+            self.stats["prefetch_fallbacks"] += 1
+            return
+        self.slot_occupant[st.slot] = r
+        h2d = self.streams.h2d
+        with h2d.context():
+            # Do not overwrite the slot before compute has finished with its last occupant.
+            h2d.wait(self.slot_free_event.get(st.slot))
+            with torch.no_grad():
+                st.device_params.copy_(st.host_params, non_blocking=True)
+            self.ready_event[r] = h2d.record()
+        self.state[r] = RegionState.IN_FLIGHT
+        self.stats["prefetches"] += 1
+
+    def release(self, r: int) -> None:
+        """Give an offloaded region's slot back once queued compute is done with it."""
+        st = self.storages[r]
+        if not st.offloaded or self.state[r] is RegionState.ON_HOST:
+            return
+        assert st.slot is not None
+        if self.state[r] is RegionState.IN_FLIGHT:
+            self.streams.compute.wait(self.ready_event[r])
+            self.ready_event[r] = None
+        self.slot_free_event[st.slot] = self.streams.compute.record()
+        self.slot_occupant[st.slot] = None
+        self.state[r] = RegionState.ON_HOST
+
+    # ---- forward-side entry points (called from graph nodes) -------------------------
+
+    def begin_forward(self, r: int) -> None:
+        st = self.storages[r]
+        if not st.offloaded and self.ready_event[r] is not None:
+            # Updated parameters of a resident host-state region are uploading on h2d.
+            self.streams.compute.wait(self.ready_event[r])
+            self.ready_event[r] = None
+        if st.offloaded:
+            self.upload(r)
+        if torch.is_grad_enabled() and self._needs_backward_trigger(r):
+            self._push_hooks(r)
+
+    def end_forward(self, r: int) -> None:
+        if self._hook_depth and self._pushed_region == r:
+            self._pop_hooks()
+        self.release(r)
+
+    def _needs_backward_trigger(self, r: int) -> bool:
+        return self.storages[r].offloaded or r in self.prefetch_at
+
+    # ---- backward-side triggers ----------------------------------------------------------
+
+    _pushed_region = -1
+
+    def _push_hooks(self, r: int) -> None:
+        def pack(t: torch.Tensor) -> tuple[int, torch.Tensor]:
+            return (r, t)
+
+        def unpack(packed: tuple[int, torch.Tensor]) -> torch.Tensor:
+            region, t = packed
+            if region not in self._bwd_started:
+                self.pre_backward(region)
+            return t
+
+        _push_saved_tensors_default_hooks(pack, unpack)
+        self._hook_depth += 1
+        self._pushed_region = r
+
+    def _pop_hooks(self) -> None:
+        _pop_saved_tensors_default_hooks()
+        self._hook_depth -= 1
+        self._pushed_region = -1
+
+    def pop_all_hooks(self) -> None:
+        """Undo hooks left pushed by a forward that raised."""
+        while self._hook_depth:
+            self._pop_hooks()
+
+    def pre_backward(self, r: int) -> None:
+        """Region ``r``'s backward is about to use its saved tensors."""
+        self._bwd_started.add(r)
+        self._queue_end_callback()
+        for q in self.prefetch_at.get(r, ()):
+            if q not in self._grads_done:
+                self.prefetch(q)
+        if self.storages[r].offloaded:
+            self.upload(r)
+
+    def _register_grad_hooks(self) -> None:
+        for st in self.storages:
+            for param in st.params.values():
+                if param.requires_grad:
+                    hook = self._make_grad_hook(st.index)
+                    param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+
+    def _make_grad_hook(self, r: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self._queue_end_callback()
+            self._received[r] += 1
+            if self._received[r] == self._expected[r]:
+                self._finish_region_backward(r)
+
+        return hook
+
+    def _queue_end_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _finish_region_backward(self, r: int) -> None:
+        """All of region ``r``'s gradients exist: move them out and release the region."""
+        if r in self._grads_done:
+            return
+        self._grads_done.add(r)
+        st = self.storages[r]
+        grads = []
+        views = []
+        for layout in st.layouts:
+            param = st.params[layout.name]
+            if param.grad is not None:
+                grads.append(param.grad)
+                views.append(layout)
+            param.grad = None
+        if st.host_state:
+            self._offload_grads(st, grads, views)
+        else:
+            with torch.no_grad():
+                self._relink_master_grad(st)
+                if grads:
+                    torch._foreach_add_([st.grad_views[v.name] for v in views], grads)
+            self._notify(r)
+        self.release(r)
+
+    def _offload_grads(
+        self, st: RegionStorage, grads: list[torch.Tensor], layouts: list[Any]
+    ) -> None:
+        assert st.grad_staging is not None
+        r = st.index
+        if not grads:
+            self._submit(lambda: self._host_accumulate(r, None))
+            return
+        reader = self._staging_reader.pop(r, None)
+        if reader is not None and not reader.done():
+            # Host sync point, only when the host lags a whole backward behind (gradient
+            # accumulation): the staging buffer is still being read from the last backward.
+            reader.result()
+        with torch.no_grad():
+            # One device-side gather so the offload is a single large copy.
+            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
+        offsets = [(lay.offset, lay.numel) for lay in layouts]
+        contiguous = offsets == [(lay.offset, lay.numel) for lay in st.layouts]
+        d2h = self.streams.d2h
+        d2h.wait(self.streams.compute.record())
+        with d2h.context(), torch.no_grad():
+            if contiguous:
+                st.grad_staging.copy_(flat.reshape(-1), non_blocking=True)
+            else:
+                pos = 0
+                for off, n in offsets:
+                    st.grad_staging[off : off + n].copy_(flat[pos : pos + n], non_blocking=True)
+                    pos += n
+            done = d2h.record()
+        if self.streams.is_cuda:
+            # The gathered gradient is freed by Python now; keep its memory until the copy ends.
+            flat.record_stream(d2h.cuda)  # type: ignore[arg-type]
+        present = None if contiguous else offsets
+        fut = self._submit(lambda: self._host_accumulate(r, done, present))
+        if fut is not None:
+            self._staging_reader[r] = fut
+
+    def _host_accumulate(
+        self, r: int, done: Event | None, present: list[tuple[int, int]] | None = None
+    ) -> None:
+        st = self.storages[r]
+        assert st.grad_staging is not None
+        if done is not None:
+            done.synchronize()  # host worker thread only: waits for this region's d2h copy
+        with torch.no_grad():
+            self._relink_master_grad(st)
+            if done is not None:
+                if present is None:
+                    st.grad.add_(st.grad_staging)
+                else:
+                    for off, n in present:
+                        st.grad[off : off + n].add_(st.grad_staging[off : off + n])
+        self._notify(r)
+
+    def _relink_master_grad(self, st: RegionStorage) -> None:
+        """Re-attach ``.grad`` of master views after an optimizer set them to ``None``.
+
+        ``zero_grad(set_to_none=True)`` drops the views; the flat accumulator then still
+        holds old sums, so it is zeroed before this backward's gradients are added.
+        """
+        lost = False
+        for name, master in st.master_views.items():
+            if master.grad is None:
+                lost = True
+                master.grad = st.grad_views[name]
+        if lost:
+            st.grad.zero_()
+
+    def _submit(self, fn: Callable[[], None]) -> Future[None] | None:
+        if self._executor is None:
+            fn()
+            return None
+        fut = self._executor.submit(fn)
+        self._futures.append(fut)
+        return fut
+
+    def _notify(self, r: int) -> None:
+        for hook in self._grad_hooks:
+            hook(r)
+
+    def _end_backward(self) -> None:
+        """Autograd-engine callback at the end of a backward pass."""
+        for st in self.storages:
+            r = st.index
+            if r not in self._grads_done and (self._received[r] or r in self._bwd_started):
+                self._finish_region_backward(r)
+            elif r not in self._grads_done:
+                self.release(r)
+        self._bwd_started.clear()
+        self._grads_done.clear()
+        self._received = [0] * len(self.storages)
+        self._callback_queued = False
+
+    # ---- optimizer-facing API ----------------------------------------------------------
+
+    def add_grad_ready_hook(self, hook: GradReadyHook) -> None:
+        """Call ``hook(region_index)`` whenever a region's fp32 gradients are complete."""
+        self._grad_hooks.append(hook)
+
+    def submit_host(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the host worker after the host work queued so far (inline on CPU)."""
+        self._submit(fn)
+
+    def wait_host(self) -> None:
+        """Block until all queued host work is done; re-raise its first error. A sync point."""
+        futures, self._futures = self._futures, []
+        for fut in futures:
+            fut.result()
+
+    def publish(self, r: int) -> None:
+        """Propagate region ``r``'s updated master into its training-dtype copies.
+
+        Host-state regions: call from the host worker (the cast runs on the CPU); a resident
+        one then uploads on the h2d stream and the next forward waits for it. Device-state
+        regions: call from the main thread; the cast is queued on the compute stream.
+        """
+        st = self.storages[r]
+        with torch.no_grad():
+            if st.offloaded:
+                assert st.host_params is not None
+                st.host_params.copy_(st.master)
+            elif st.host_state:
+                assert st.grad_staging is not None
+                st.grad_staging.copy_(st.master)
+                h2d = self.streams.h2d
+                with h2d.context():
+                    st.device_params.copy_(st.grad_staging, non_blocking=True)
+                    self.ready_event[r] = h2d.record()
+            else:
+                st.device_params.copy_(st.master)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)

@@ -1,0 +1,206 @@
+"""OffloadModule: the traced, rewritten model that trains under the plan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+from offload_runtime.controller import OffloadController
+from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
+from offload_runtime.storage import RegionStorage, build_storage
+from offload_runtime.streams import make_streams
+from offload_solver import Plan
+from torch import fx
+
+log = logging.getLogger(__name__)
+
+
+def _set_attr(gm: torch.nn.Module, target: str, value: torch.Tensor, *, buffer: bool) -> None:
+    owner_path, _, leaf = target.rpartition(".")
+    owner = gm.get_submodule(owner_path) if owner_path else gm
+    if buffer:
+        owner._buffers[leaf] = value
+    else:
+        assert isinstance(value, torch.nn.Parameter)
+        owner._parameters[leaf] = value
+
+
+class OffloadModule:
+    """A model whose parameters move between host and device as its plan says.
+
+    Call it like the original model; run ``backward(loss)`` (or ``loss.backward()``);
+    read full-precision gradients with :meth:`named_gradients`, or train it with an
+    optimizer over :meth:`parameters` (the fp32 master weights). ``state_dict`` holds
+    ordinary full-precision CPU tensors under the original parameter names.
+    """
+
+    def __init__(
+        self,
+        *,
+        plan: Plan,
+        graph_train: fx.GraphModule,
+        graph_eval: fx.GraphModule,
+        param_targets: Mapping[str, str],
+        canonical: Mapping[str, str],
+        buffers: Mapping[str, torch.Tensor],
+        state: Mapping[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        op_names: tuple[str, ...],
+        tied_groups: tuple[tuple[str, ...], ...] = (),
+    ) -> None:
+        self.plan = plan
+        self.device = device
+        self.dtype = dtype
+        self.training = True
+        self._canonical = dict(canonical)
+        shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
+        requires_grad = {name: bool(state[name].requires_grad) for name in shapes}
+        self.storages, self.pool = build_storage(
+            plan, shapes, tied_groups, requires_grad, device, dtype
+        )
+        self._by_name: dict[str, RegionStorage] = {}
+        for st in self.storages:
+            for layout in st.layouts:
+                self._by_name[layout.name] = st
+        missing = sorted(set(shapes) - set(self._by_name))
+        if missing:
+            raise ValueError(f"the plan's regions do not cover parameters {missing[:5]}")
+        for st in self.storages:
+            st.load(state)
+        self.streams = make_streams(device)
+        self.controller = OffloadController(plan, self.storages, self.streams)
+        key = register_controller(self.controller)
+        self._buffers = {name: b.to(device) for name, b in buffers.items()}
+        for gm in (graph_train, graph_eval):
+            for target, original in param_targets.items():
+                canon = self._canonical[original]
+                _set_attr(gm, target, self._by_name[canon].params[canon], buffer=False)
+            for name, buf in self._buffers.items():
+                _set_attr(gm, name, buf, buffer=True)
+            gm.meta[META_OP_NAMES] = op_names
+            gm.meta[META_CONTROLLER] = key
+            apply_plan(gm, plan)
+        self._graph_train = graph_train
+        self._graph_eval = graph_eval
+
+    # ---- running --------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        gm = self._graph_train if self.training else self._graph_eval
+        try:
+            return gm(*args, **kwargs)
+        finally:
+            self.controller.pop_all_hooks()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``; gradients then reach the fp32 accumulators region by region."""
+        loss.backward()  # type: ignore[no-untyped-call]
+
+    def train(self, mode: bool = True) -> OffloadModule:
+        self.training = mode
+        return self
+
+    def eval(self) -> OffloadModule:
+        return self.train(False)
+
+    # ---- parameters and gradients ---------------------------------------------------
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fp32 master weights by original name (tied aliases listed once)."""
+        for st in self.storages:
+            for layout in st.layouts:
+                yield layout.name, st.master_views[layout.name]
+
+    def parameters(self) -> Iterator[torch.Tensor]:
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full-precision gradients by original name, every tied alias included.
+
+        Waits for host-side gradient work first (a host sync point).
+        """
+        self.controller.wait_host()
+        for st in self.storages:
+            for layout in st.layouts:
+                for alias in layout.aliases:
+                    yield alias, st.grad_views[layout.name]
+
+    def zero_grad(self) -> None:
+        """Zero the fp32 gradient accumulators (waits for pending host work)."""
+        self.controller.wait_host()
+        with torch.no_grad():
+            for st in self.storages:
+                st.grad.zero_()
+                for name, master in st.master_views.items():
+                    master.grad = st.grad_views[name]
+
+    def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self._buffers.items()
+
+    # ---- checkpoints ----------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 CPU copies of every parameter (all tied names) and every buffer."""
+        self.controller.wait_host()
+        out: dict[str, torch.Tensor] = {}
+        for st in self.storages:
+            for layout in st.layouts:
+                value = st.master_views[layout.name].detach().to("cpu", copy=True)
+                for alias in layout.aliases:
+                    out[alias] = value
+        for name, buf in self._buffers.items():
+            out[name] = buf.detach().to("cpu", copy=True)
+        return out
+
+    def load_state_dict(self, state: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load parameters (any tied name) and buffers; publishes the new weights."""
+        self.controller.wait_host()
+        if self.streams.is_cuda:
+            torch.cuda.synchronize(self.device)  # uploads may still read the host copies
+        by_canon: dict[str, torch.Tensor] = {}
+        unknown = []
+        for name, value in state.items():
+            if name in self._canonical:
+                by_canon[self._canonical[name]] = value
+            elif name in self._buffers:
+                with torch.no_grad():
+                    self._buffers[name].copy_(value)
+            else:
+                unknown.append(name)
+        missing = sorted(set(self._by_name) - set(by_canon))
+        if strict and (unknown or missing):
+            raise ValueError(
+                f"load_state_dict: unexpected keys {sorted(unknown)[:5]}, missing keys "
+                f"{missing[:5]}; pass strict=False to load a subset"
+            )
+        for st in self.storages:
+            subset = {
+                layout.name: by_canon[layout.name]
+                for layout in st.layouts
+                if layout.name in by_canon
+            }
+            if len(subset) == len(st.layouts):
+                st.load(subset)
+            elif subset:
+                with torch.no_grad():
+                    for name, value in subset.items():
+                        st.master_views[name].copy_(value)
+                    st.publish_now()
+
+    # ---- introspection --------------------------------------------------------------
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The rewritten graph run in training mode."""
+        return self._graph_train
+
+    def close(self) -> None:
+        """Stop the host worker thread."""
+        self.controller.close()

@@ -1,0 +1,272 @@
+"""Region storage: flat buffers that hold each region's parameters, masters and gradients.
+
+[Note: region storage]
+Each region of the plan owns, for its parameters laid out one after another:
+- ``device_params``: the training-dtype copy the model computes with. A resident region
+  has its own device buffer; an offloaded region's buffer is a slot of the device pool,
+  shared with the regions the plan never keeps on the device at the same time. The
+  ``nn.Parameter`` objects put into the graph module are views of this buffer made with
+  ``set_`` so that each has its own autograd version counter: re-uploading a slot between
+  forward and backward is not an in-place change of the saved parameter.
+- ``host_params`` (offloaded regions): a pinned training-dtype copy, the upload source.
+- ``master``: full-precision (fp32) weights, on the device or in pinned host memory as the
+  plan's ``StatePlacement`` says; the optimizer updates these.
+- ``grad``: the full-precision gradient accumulator, next to the master. Gradients of one
+  backward are added to it, so accumulation over micro-batches sums in fp32.
+- ``grad_staging`` (host-state regions): pinned training-dtype buffer that receives the
+  region's gradients from the device; also the staging buffer for uploading updated
+  resident parameters after a host step.
+Tied parameters appear once, under the group's canonical name; every alias name maps to it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from offload_solver import ParamPlacement, Plan, RegionPlan, StatePlacement
+
+MASTER_DTYPE = torch.float32
+_ALIGN_ELEMS = 128
+"""Pool slots start on a multiple of this many elements (256 bytes in fp16)."""
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where one (canonical) parameter lives inside its region's flat buffers."""
+
+    name: str
+    aliases: tuple[str, ...]
+    """Every original name sharing this storage, ``name`` included."""
+    offset: int
+    """Element offset into the region's flat buffers."""
+    shape: torch.Size
+    requires_grad: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _view(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """A tensor over ``flat``'s storage with its own autograd version counter."""
+    out = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    strides = torch.empty(shape, device="meta").stride()
+    out.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape, strides)
+    return out
+
+
+def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    try:
+        return torch.empty(numel, dtype=dtype, pin_memory=pin)
+    except RuntimeError as exc:
+        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+        kind = "pinned " if pin else ""
+        raise RuntimeError(
+            f"could not allocate {nbytes / 2**20:.1f} MiB of {kind}host memory for region "
+            f"storage ({exc}). Free host memory, lower the model size, or raise the memory "
+            "budget so that more state stays on the device."
+        ) from exc
+
+
+class RegionStorage:
+    """The buffers of one region (see [Note: region storage])."""
+
+    def __init__(
+        self,
+        plan: RegionPlan,
+        layouts: tuple[ParamLayout, ...],
+        device: torch.device,
+        dtype: torch.dtype,
+        pool_slot: torch.Tensor | None,
+        slot: int | None = None,
+    ) -> None:
+        self.plan = plan
+        self.index = plan.region.index
+        self.layouts = layouts
+        self.numel = sum(layout.numel for layout in layouts)
+        self.dtype = dtype
+        self.device = device
+        pin = device.type == "cuda"
+        self.offloaded = plan.placement is not ParamPlacement.RESIDENT
+        self.slot = slot
+        """Pool slot index of an offloaded region (regions sharing it never coexist)."""
+        self.host_state = plan.state is StatePlacement.HOST
+        if self.offloaded:
+            assert pool_slot is not None and pool_slot.numel() >= self.numel
+            self.device_params = pool_slot[: self.numel]
+            self.host_params: torch.Tensor | None = _alloc_host(self.numel, dtype, pin)
+        else:
+            self.device_params = torch.empty(self.numel, dtype=dtype, device=device)
+            self.host_params = None
+        state_device = torch.device("cpu") if self.host_state else device
+        if state_device.type == "cpu":
+            self.master = _alloc_host(self.numel, MASTER_DTYPE, pin)
+            self.grad = _alloc_host(self.numel, MASTER_DTYPE, pin)
+        else:
+            self.master = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
+            self.grad = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
+        self.grad.zero_()
+        self.grad_staging: torch.Tensor | None = (
+            _alloc_host(self.numel, dtype, pin) if self.host_state else None
+        )
+        self.params: dict[str, torch.nn.Parameter] = {}
+        self.master_views: dict[str, torch.Tensor] = {}
+        self.grad_views: dict[str, torch.Tensor] = {}
+        for layout in layouts:
+            param = torch.nn.Parameter(
+                _view(self.device_params, layout.offset, layout.shape),
+                requires_grad=layout.requires_grad,
+            )
+            self.params[layout.name] = param
+            self.master_views[layout.name] = self.master[
+                layout.offset : layout.offset + layout.numel
+            ].view(layout.shape)
+            self.grad_views[layout.name] = self.grad[
+                layout.offset : layout.offset + layout.numel
+            ].view(layout.shape)
+
+    @property
+    def state_on_device(self) -> bool:
+        return not self.host_state
+
+    def load(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Fill the master from full-precision ``tensors`` (by canonical name) and publish."""
+        with torch.no_grad():
+            for layout in self.layouts:
+                src = tensors[layout.name]
+                if tuple(src.shape) != tuple(layout.shape):
+                    raise ValueError(
+                        f"parameter {layout.name!r} has shape {tuple(src.shape)}, "
+                        f"expected {tuple(layout.shape)}"
+                    )
+                self.master_views[layout.name].copy_(src)
+            self.publish_now()
+
+    def publish_now(self) -> None:
+        """Copy the master into the training-dtype copies, synchronously.
+
+        Used at set-up and after ``load_state_dict``; the optimizer's step publishes through
+        the controller instead, so that uploads go on the h2d stream.
+        """
+        with torch.no_grad():
+            if self.host_params is not None:
+                self.host_params.copy_(self.master)
+            if not self.offloaded:
+                self.device_params.copy_(self.master)
+
+
+def _layouts(
+    plan: RegionPlan,
+    shapes: Mapping[str, torch.Size],
+    aliases: Mapping[str, tuple[str, ...]],
+    requires_grad: Mapping[str, bool],
+) -> tuple[ParamLayout, ...]:
+    out = []
+    offset = 0
+    for name in plan.region.param_names:
+        shape = shapes[name]
+        out.append(
+            ParamLayout(
+                name=name,
+                aliases=aliases.get(name, (name,)),
+                offset=offset,
+                shape=shape,
+                requires_grad=requires_grad.get(name, True),
+            )
+        )
+        offset += math.prod(shape)
+    return tuple(out)
+
+
+def required_host_bytes(plan: Plan, dtype: torch.dtype) -> int:
+    """Host bytes the storage will pin for ``plan`` (Adam moments included)."""
+    elem = torch.empty(0, dtype=dtype).element_size()
+    total = 0
+    for rp in plan.regions:
+        n = rp.region.numel
+        if rp.placement is not ParamPlacement.RESIDENT:
+            total += n * elem  # host_params
+        if rp.state is StatePlacement.HOST:
+            # master + grad (fp32) + staging (dtype) + two fp32 Adam moments.
+            total += n * (4 + 4 + elem + 8)
+    return total
+
+
+def available_host_bytes() -> int:
+    """Host memory available to this process now (MemAvailable), in bytes."""
+    try:
+        with Path("/proc/meminfo").open(encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    pages = os.sysconf("SC_AVPHYS_PAGES")
+    return int(pages * os.sysconf("SC_PAGE_SIZE"))
+
+
+def build_storage(
+    plan: Plan,
+    shapes: Mapping[str, torch.Size],
+    tied_groups: Iterable[tuple[str, ...]],
+    requires_grad: Mapping[str, bool],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[list[RegionStorage], torch.Tensor | None]:
+    """Allocate every region's buffers and the device pool for the plan's offloaded regions.
+
+    Raises ``RuntimeError`` before allocating anything when host memory cannot hold the
+    host-resident state.
+    """
+    needed = required_host_bytes(plan, dtype)
+    available = available_host_bytes()
+    if needed > available:
+        raise RuntimeError(
+            f"host memory too small for this plan: it needs {needed / 2**30:.2f} GiB of host "
+            f"memory for masters, gradients and optimizer state, but {available / 2**30:.2f} "
+            "GiB is available. Raise the memory budget (more state stays on the device), "
+            "free host memory, or train a smaller model."
+        )
+    aliases: dict[str, tuple[str, ...]] = {}
+    for group in tied_groups:
+        for member in group:
+            aliases[member] = tuple(group)
+    # Pool slots: regions that the plan put at the same pool offset share one slot.
+    slot_of: dict[int, int] = {}
+    slot_elems: dict[int, int] = {}
+    next_slot = 0
+    for rp in plan.regions:
+        if rp.placement is ParamPlacement.RESIDENT:
+            continue
+        key = rp.pool_offset_bytes if rp.pool_offset_bytes is not None else -1 - rp.region.index
+        if key not in slot_of:
+            slot_of[key] = next_slot
+            next_slot += 1
+        slot = slot_of[key]
+        elems = -(-rp.region.numel // _ALIGN_ELEMS) * _ALIGN_ELEMS
+        slot_elems[slot] = max(slot_elems.get(slot, 0), elems)
+    pool: torch.Tensor | None = None
+    slot_start: dict[int, int] = {}
+    if slot_elems:
+        start = 0
+        for slot in sorted(slot_elems):
+            slot_start[slot] = start
+            start += slot_elems[slot]
+        pool = torch.empty(start, dtype=dtype, device=device)
+    storages = []
+    for rp in plan.regions:
+        slot_tensor = None
+        s: int | None = None
+        if rp.placement is not ParamPlacement.RESIDENT:
+            assert pool is not None
+            key = rp.pool_offset_bytes if rp.pool_offset_bytes is not None else -1 - rp.region.index
+            s = slot_of[key]
+            slot_tensor = pool[slot_start[s] : slot_start[s] + slot_elems[s]]
+        layouts = _layouts(rp, shapes, aliases, requires_grad)
+        storages.append(RegionStorage(rp, layouts, device, dtype, slot_tensor, s))
+    return storages, pool
