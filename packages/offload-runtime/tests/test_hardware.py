@@ -1,0 +1,393 @@
+"""Hardware profiling: the CPU default, the per-device cache, and (on a GPU) real numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from offload_runtime import hardware
+from offload_runtime.hardware import (
+    DEFAULT_COMPUTE_EFFICIENCY,
+    DeviceIdentity,
+    default_cache_dir,
+    default_cpu_profile,
+    device_identity,
+    measure_host_adam_params_per_s,
+    profile_hardware,
+)
+from offload_solver import BandwidthPoint, HardwareProfile
+
+FAKE_IDENTITY = DeviceIdentity(
+    device_type="cuda",
+    index=0,
+    name="NVIDIA Fake GPU/80GB",
+    uuid="GPU-0123abcd-0000-1111-2222-333344445555",
+    pci_bus_id="00000000:01:00.0",
+    total_memory_bytes=80 * 2**30,
+    driver_version="999.1",
+    cuda_version="13.0",
+    torch_version="2.11.0+cu130",
+    source="nvml",
+)
+
+FAKE_PROFILE = HardwareProfile(
+    name="NVIDIA Fake GPU (float16)",
+    h2d=(BandwidthPoint(1024, 1e9), BandwidthPoint(2**30, 50e9)),
+    d2h=(BandwidthPoint(1024, 2e9), BandwidthPoint(2**30, 51e9)),
+    compute_flop_per_s=700e12,
+    compute_efficiency=DEFAULT_COMPUTE_EFFICIENCY,
+    device_memory_bytes=80 * 2**30,
+    host_memory_bytes=256 * 2**30,
+    host_adam_params_per_s=4e9,
+    device_adam_params_per_s=90e9,
+)
+
+FAKE_EFFICIENCY = 0.25
+
+
+class FakeCuda:
+    """Pretends a CUDA device exists and counts the measurements made on it."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.measure_calls = 0
+        self.efficiency_calls = 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+        monkeypatch.setattr(hardware, "device_identity", lambda device=None: FAKE_IDENTITY)
+        monkeypatch.setattr(hardware, "measure_hardware", self._measure)
+        monkeypatch.setattr(hardware, "measure_matmul_efficiency", self._efficiency)
+        monkeypatch.delenv("OFFLOAD_REPROFILE", raising=False)
+
+    def _measure(self, device: torch.device, **kwargs: object) -> HardwareProfile:
+        assert device == torch.device("cuda", 0)
+        self.measure_calls += 1
+        return FAKE_PROFILE
+
+    def _efficiency(self, device: torch.device, shapes: object, **kwargs: object) -> float:
+        self.efficiency_calls += 1
+        return FAKE_EFFICIENCY
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCuda:
+    return FakeCuda(monkeypatch)
+
+
+def _cache_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.json"))
+
+
+# ---------------------------------------------------------------------------- CPU default
+
+
+def test_default_cpu_profile_is_valid_constant_and_round_trips() -> None:
+    first, second = default_cpu_profile(), default_cpu_profile()
+    assert first == second
+    assert HardwareProfile.from_json(first.to_json()) == first
+    assert "not measured" in first.name
+    # A region copy and a step take a positive, finite, size-dependent time.
+    assert 0 < first.h2d_time_s(2**20) < first.h2d_time_s(2**30)
+    assert first.d2h_time_s(2**20) > 0
+    assert first.compute_time_s(10**9) > 0
+
+
+def test_no_cuda_gives_the_default_profile_and_writes_no_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in (None, "cpu", torch.device("cpu")):
+        profile = profile_hardware(device, cache_dir=tmp_path, progress=False)
+        assert profile == default_cpu_profile()
+    assert not list(tmp_path.iterdir())
+
+
+def test_cpu_device_gets_the_default_even_when_cuda_is_present(
+    tmp_path: Path, fake_cuda: FakeCuda
+) -> None:
+    assert profile_hardware("cpu", cache_dir=tmp_path, progress=False) == default_cpu_profile()
+    assert fake_cuda.measure_calls == 0
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", torch.device("cuda", 1)])
+def test_cuda_without_cuda_is_a_named_error(
+    device: str | torch.device, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        profile_hardware(device, cache_dir=tmp_path, progress=False)
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        device_identity(device)
+
+
+@pytest.mark.parametrize("device", ["meta", "not-a-device"])
+def test_unsupported_device_is_a_value_error(device: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=re.escape(repr(device))):
+        profile_hardware(device, cache_dir=tmp_path, progress=False)
+
+
+def test_cuda_index_out_of_range_is_a_value_error(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        profile_hardware("cuda:3", cache_dir=tmp_path, progress=False)
+
+
+def test_unsupported_dtype_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="float64"):
+        profile_hardware("cpu", dtype=torch.float64, cache_dir=tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("shape", [(0, 4, 4), (4, -1, 4), (4, 4), (4.0, 4, 4), (True, 4, 4)])
+def test_malformed_matmul_shape_is_a_value_error(shape: object, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"matmul_shapes\[1\]"):
+        profile_hardware(
+            "cpu",
+            matmul_shapes=[(8, 8, 8), shape],  # type: ignore[list-item]
+            cache_dir=tmp_path,
+            progress=False,
+        )
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def test_profile_is_measured_once_then_loaded_from_the_cache(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    first = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    assert fake_cuda.measure_calls == 1
+    files = _cache_files(tmp_path)
+    assert len(files) == 1
+    assert FAKE_IDENTITY.cache_key in files[0].name
+    assert "float16" in files[0].name
+    assert HardwareProfile.from_json(files[0].read_text()) == FAKE_PROFILE
+
+    second = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    assert fake_cuda.measure_calls == 1
+    assert second == first == FAKE_PROFILE
+
+
+def test_each_dtype_has_its_own_cache_file(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    profile_hardware("cuda:0", cache_dir=tmp_path, dtype=torch.float16, progress=False)
+    profile_hardware("cuda:0", cache_dir=tmp_path, dtype=torch.bfloat16, progress=False)
+    assert fake_cuda.measure_calls == 2
+    assert len(_cache_files(tmp_path)) == 2
+
+
+def test_default_cache_dir_follows_the_environment(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "explicit"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_cache_dir() == tmp_path / "explicit"
+    profile_hardware("cuda:0", progress=False)
+    assert len(_cache_files(tmp_path / "explicit")) == 1
+
+    monkeypatch.delenv("OFFLOAD_CACHE_DIR")
+    assert default_cache_dir() == tmp_path / "xdg" / "offload"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert default_cache_dir() == tmp_path / "home" / ".cache" / "offload"
+
+
+def test_force_remeasures_and_overwrites(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    (path,) = _cache_files(tmp_path)
+    stale = dataclasses.replace(FAKE_PROFILE, compute_flop_per_s=1.0)
+    path.write_text(stale.to_json())
+
+    assert profile_hardware("cuda:0", cache_dir=tmp_path, progress=False) == stale
+    assert fake_cuda.measure_calls == 1
+    assert profile_hardware("cuda:0", cache_dir=tmp_path, force=True, progress=False) == (
+        FAKE_PROFILE
+    )
+    assert fake_cuda.measure_calls == 2
+    assert HardwareProfile.from_json(path.read_text()) == FAKE_PROFILE
+
+
+@pytest.mark.parametrize(("value", "remeasures"), [("1", True), ("0", False), ("", False)])
+def test_reprofile_environment_variable(
+    value: str,
+    remeasures: bool,
+    fake_cuda: FakeCuda,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    monkeypatch.setenv("OFFLOAD_REPROFILE", value)
+    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    assert fake_cuda.measure_calls == (2 if remeasures else 1)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"{ this is not json",
+        b"\xff\xfe\x00 binary garbage",
+        b"[]",
+        json.dumps({"schema_version": 999}).encode(),
+        json.dumps({**json.loads(FAKE_PROFILE.to_json()), "compute_efficiency": 7.0}).encode(),
+        b"",
+    ],
+)
+def test_corrupt_cache_is_remeasured_with_a_warning(
+    content: bytes, fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    (path,) = _cache_files(tmp_path)
+    path.write_bytes(content)
+
+    with pytest.warns(UserWarning, match="unusable"):
+        profile = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    assert profile == FAKE_PROFILE
+    assert fake_cuda.measure_calls == 2
+    assert HardwareProfile.from_json(path.read_text()) == FAKE_PROFILE
+
+
+def test_unwritable_cache_warns_and_still_returns_the_profile(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file-not-a-folder"
+    blocker.write_text("")
+    with pytest.warns(UserWarning, match="could not write"):
+        profile = profile_hardware("cuda:0", cache_dir=blocker, progress=False)
+    assert profile == FAKE_PROFILE
+
+
+def test_matmul_shapes_reuse_the_device_measurements(fake_cuda: FakeCuda, tmp_path: Path) -> None:
+    shapes = [(512, 1024, 4096), (512, 4096, 1024), (512, 1024, 4096)]
+    profile = profile_hardware("cuda:0", cache_dir=tmp_path, matmul_shapes=shapes, progress=False)
+    assert profile == dataclasses.replace(FAKE_PROFILE, compute_efficiency=FAKE_EFFICIENCY)
+    assert (fake_cuda.measure_calls, fake_cuda.efficiency_calls) == (1, 1)
+    assert len(_cache_files(tmp_path)) == 2
+
+    # The same multiset of shapes in another order is the same cache entry.
+    again = profile_hardware(
+        "cuda:0", cache_dir=tmp_path, matmul_shapes=shapes[::-1], progress=False
+    )
+    assert again == profile
+    assert (fake_cuda.measure_calls, fake_cuda.efficiency_calls) == (1, 1)
+
+    # Another model's shapes cost only the matmul timing, not a new device sweep.
+    profile_hardware("cuda:0", cache_dir=tmp_path, matmul_shapes=[(64, 64, 64)], progress=False)
+    assert (fake_cuda.measure_calls, fake_cuda.efficiency_calls) == (1, 2)
+    assert len(_cache_files(tmp_path)) == 3
+
+    # Without shapes, the device-level file answers, with the default efficiency.
+    plain = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    assert plain.compute_efficiency == DEFAULT_COMPUTE_EFFICIENCY
+    assert fake_cuda.measure_calls == 1
+
+
+def test_progress_lines_go_to_stderr_only_when_asked(
+    fake_cuda: FakeCuda, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    profile_hardware("cuda:0", cache_dir=tmp_path, force=True, progress=False)
+    quiet = capsys.readouterr()
+    assert quiet.out == quiet.err == ""
+
+    profile_hardware("cuda:0", cache_dir=tmp_path, force=True, progress=True)
+    loud = capsys.readouterr()
+    assert loud.out == ""
+    assert "profiling NVIDIA Fake GPU" in loud.err
+    assert "cached at" in loud.err
+
+
+# ---------------------------------------------------------------------------- identity
+
+
+def test_cache_key_is_file_name_safe_and_names_the_device() -> None:
+    key = FAKE_IDENTITY.cache_key
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", key)
+    assert "NVIDIA_Fake_GPU_80GB" in key
+    assert "0123abcd" in key
+    assert "torch2.11.0_cu130" in key
+    other_card = dataclasses.replace(FAKE_IDENTITY, uuid="GPU-ffff")
+    assert other_card.cache_key != key
+    newer_torch = dataclasses.replace(FAKE_IDENTITY, torch_version="2.13.0")
+    assert newer_torch.cache_key != key
+    no_uuid = dataclasses.replace(FAKE_IDENTITY, uuid=None)
+    assert "00000000_01_00.0" in no_uuid.cache_key
+
+
+def test_cpu_identity_is_stable() -> None:
+    first, second = device_identity("cpu"), device_identity("cpu")
+    assert first == second
+    assert first.device_type == "cpu"
+    assert first.name
+    assert first.total_memory_bytes >= 0
+    assert re.fullmatch(r"[A-Za-z0-9._-]+", first.cache_key)
+
+
+def test_host_memory_readings_are_consistent() -> None:
+    total = hardware.total_host_memory_bytes()
+    available = hardware.available_host_memory_bytes()
+    assert total > 0
+    assert 0 < available <= total
+
+
+# ---------------------------------------------------------------------------- host Adam
+
+
+def test_host_adam_throughput_is_positive_and_quick() -> None:
+    started = time.perf_counter()
+    rate = measure_host_adam_params_per_s(1 << 18, steps=2)
+    assert rate > 1e5
+    assert time.perf_counter() - started < 5.0
+
+
+def test_host_adam_rejects_empty_sizes() -> None:
+    with pytest.raises(ValueError, match="numel"):
+        measure_host_adam_params_per_s(0)
+
+
+# ---------------------------------------------------------------------------- GPU
+
+
+@pytest.mark.gpu
+def test_cuda_profile_is_measured_plausibly_and_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("this test is marked gpu: run it on a machine with CUDA")
+    monkeypatch.delenv("OFFLOAD_REPROFILE", raising=False)
+    shapes = [(512, 1024, 4096), (512, 4096, 1024), (512, 1024, 3072)]
+
+    started = time.perf_counter()
+    profile = profile_hardware(
+        "cuda", cache_dir=tmp_path, force=True, matmul_shapes=shapes, progress=True
+    )
+    elapsed_s = time.perf_counter() - started
+    assert elapsed_s < 60, f"profiling took {elapsed_s:.1f} s"
+
+    size = 64 * 2**20
+    assert profile.h2d_bytes_per_s(size) > 1e9
+    assert profile.d2h_bytes_per_s(size) > 1e9
+    assert profile.h2d[0].size_bytes == 1024
+    assert profile.h2d[-1].size_bytes >= size
+    assert profile.compute_flop_per_s > 1e12
+    assert 0 < profile.compute_efficiency <= 1
+    assert profile.host_adam_params_per_s > 1e7
+    assert profile.device_adam_params_per_s > profile.host_adam_params_per_s
+    _free, total = torch.cuda.mem_get_info()
+    assert profile.device_memory_bytes == total
+
+    identity = device_identity("cuda")
+    assert identity.name and identity.total_memory_bytes > 0
+    files = _cache_files(tmp_path)
+    assert len(files) == 2
+    assert all(identity.cache_key in f.name for f in files)
+
+    # The second call is answered from the cache, without measuring.
+    started = time.perf_counter()
+    again = profile_hardware("cuda", cache_dir=tmp_path, matmul_shapes=shapes, progress=False)
+    assert again == profile
+    assert time.perf_counter() - started < 1.0
