@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,6 +72,14 @@ def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
             f"storage ({exc}). Free host memory, lower the model size, or raise the memory "
             "budget so that more state stays on the device."
         ) from exc
+
+
+_OWNER: weakref.WeakKeyDictionary[torch.Tensor, RegionStorage] = weakref.WeakKeyDictionary()
+
+
+def region_of(master: torch.Tensor) -> RegionStorage | None:
+    """The region storage whose master weights ``master`` is a view of, if any."""
+    return _OWNER.get(master)
 
 
 class RegionStorage:
@@ -129,6 +138,9 @@ class RegionStorage:
             self.grad_views[layout.name] = self.grad[
                 layout.offset : layout.offset + layout.numel
             ].view(layout.shape)
+            # Optimizers over the masters read gradients here (see _relink_master_grad).
+            self.master_views[layout.name].grad = self.grad_views[layout.name]
+            _OWNER[self.master_views[layout.name]] = self
 
     @property
     def state_on_device(self) -> bool:
