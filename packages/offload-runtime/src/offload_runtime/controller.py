@@ -22,13 +22,14 @@ from enum import Enum
 from typing import Any
 
 import torch
-from offload_runtime.storage import RegionStorage
-from offload_runtime.streams import Event, StreamSet
-from offload_solver import ParamPlacement, Plan
 from torch._C._autograd import (
     _pop_saved_tensors_default_hooks,
     _push_saved_tensors_default_hooks,
 )
+
+from offload_runtime.storage import RegionStorage
+from offload_runtime.streams import Event, StreamSet
+from offload_solver import ParamPlacement, Plan
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,13 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import fx
+
 from offload_runtime.controller import OffloadController
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
 from offload_runtime.streams import make_streams
-from offload_solver import Plan
-from torch import fx
+from offload_solver import ModelProfile, Plan
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class OffloadModule:
         self.device = device
         self.dtype = dtype
         self.training = True
+        self.profile: ModelProfile | None = None
+        """The traced model profile the plan was made from, when built by memory_optimize."""
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         requires_grad = {name: bool(state[name].requires_grad) for name in shapes}

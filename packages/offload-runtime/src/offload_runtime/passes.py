@@ -16,9 +16,10 @@ import logging
 import weakref
 from collections.abc import Iterable
 
+from torch import fx
+
 from offload_runtime.controller import OffloadController
 from offload_solver import ParamPlacement, Plan, StatePlacement
-from torch import fx
 
 log = logging.getLogger(__name__)
 

@@ -22,13 +22,13 @@ Tied parameters appear once, under the group's canonical name; every alias name 
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from offload_runtime.hardware import available_host_memory_bytes
 from offload_solver import ParamPlacement, Plan, RegionPlan, StatePlacement
 
 MASTER_DTYPE = torch.float32
@@ -209,19 +209,6 @@ def required_host_bytes(plan: Plan, dtype: torch.dtype) -> int:
     return total
 
 
-def available_host_bytes() -> int:
-    """Host memory available to this process now (MemAvailable), in bytes."""
-    try:
-        with Path("/proc/meminfo").open(encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    pages = os.sysconf("SC_AVPHYS_PAGES")
-    return int(pages * os.sysconf("SC_PAGE_SIZE"))
-
-
 def build_storage(
     plan: Plan,
     shapes: Mapping[str, torch.Size],
@@ -236,7 +223,7 @@ def build_storage(
     host-resident state.
     """
     needed = required_host_bytes(plan, dtype)
-    available = available_host_bytes()
+    available = available_host_memory_bytes()
     if needed > available:
         raise RuntimeError(
             f"host memory too small for this plan: it needs {needed / 2**30:.2f} GiB of host "
