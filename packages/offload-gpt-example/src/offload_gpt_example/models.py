@@ -1,0 +1,263 @@
+"""GPT-2 model zoo, LM loss and random data for the offload example.
+
+The sizes are the reference example's (Colossal-AI ``auto_offload``), plus ``gpt2_tiny``
+for machines without a GPU and ``gpt2_6b`` for the benchmarks. Every model uses a
+vocabulary of 1024 tokens, like the reference, so that the embedding and LM head stay a
+small share of the parameters and the transformer blocks dominate.
+
+Big models are built without a full fp32 copy: on the meta device for planning
+(:func:`build_model` with ``device="meta"``), or on the meta device and then materialised
+directly in the training dtype on the CPU, where the weights are initialised with GPT-2's
+scheme (normal(0, 0.02), residual projections scaled by ``1/sqrt(2 * n_layer)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
+
+VOCAB_SIZE = 1024
+"""Tokens in the vocabulary of every model in the zoo (the reference's value)."""
+DEFAULT_SEQ_LEN = 8
+"""Sequence length of the reference's random data."""
+DEFAULT_N_POSITIONS = 1024
+"""Position-embedding rows when the sequence is shorter (GPT-2's value)."""
+HF_DEFAULT_DROPOUT = 0.1
+"""Hugging Face's ``resid_pdrop`` / ``embd_pdrop`` / ``attn_pdrop`` default."""
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """The shape of one model in the zoo."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+
+    @property
+    def approx_numel(self) -> int:
+        """Parameter count at the default 1024 positions (tied embedding counted once)."""
+        h, layers = self.hidden_size, self.num_layers
+        per_block = 12 * h * h + 13 * h
+        return layers * per_block + (VOCAB_SIZE + DEFAULT_N_POSITIONS) * h + 2 * h
+
+
+_REGISTRY: dict[str, GPTSpec] = {
+    spec.name: spec
+    for spec in (
+        GPTSpec("gpt2_tiny", hidden_size=128, num_layers=4, num_heads=4),
+        GPTSpec("gpt2_medium", hidden_size=1024, num_layers=24, num_heads=16),
+        GPTSpec("gpt2_xl", hidden_size=1600, num_layers=48, num_heads=32),
+        GPTSpec("gpt2_6b", hidden_size=4096, num_layers=30, num_heads=16),
+        GPTSpec("gpt2_10b", hidden_size=4096, num_layers=50, num_heads=16),
+        GPTSpec("gpt2_14b", hidden_size=4096, num_layers=70, num_heads=16),
+        GPTSpec("gpt2_20b", hidden_size=8192, num_layers=25, num_heads=16),
+        GPTSpec("gpt2_24b", hidden_size=8192, num_layers=30, num_heads=16),
+    )
+}
+
+
+def model_names() -> tuple[str, ...]:
+    """Names of the registered models, smallest first."""
+    return tuple(_REGISTRY)
+
+
+def get_spec(name: str) -> GPTSpec:
+    """The spec registered as ``name``; ``ValueError`` listing the known names otherwise."""
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(_REGISTRY)
+        raise ValueError(f"Model {name!r} is not registered; known: {known}") from None
+
+
+class GPTLMModel(nn.Module):
+    """Hugging Face ``GPT2LMHeadModel`` with a ``forward(input_ids, attention_mask) -> logits``.
+
+    The KV cache is off: training never reuses it, and a cache output would be one more
+    tensor for the tracer to follow.
+    """
+
+    def __init__(self, config: GPT2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = GPT2LMHeadModel(config)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits of shape ``(batch, seq, vocab)`` in the parameters' dtype."""
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        logits: torch.Tensor = out.logits
+        return logits
+
+
+def gpt2_config(
+    spec: GPTSpec,
+    *,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    dropout: float = HF_DEFAULT_DROPOUT,
+) -> GPT2Config:
+    """The ``GPT2Config`` of ``spec``; ``dropout`` sets all three HF dropout rates."""
+    if seq_len <= 0:
+        raise ValueError(f"seq_len is {seq_len}; it must be a positive number of tokens")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout is {dropout}; use a probability in [0, 1)")
+    return GPT2Config(
+        vocab_size=VOCAB_SIZE,
+        n_positions=max(DEFAULT_N_POSITIONS, seq_len),
+        n_embd=spec.hidden_size,
+        n_layer=spec.num_layers,
+        n_head=spec.num_heads,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        use_cache=False,
+        # GPT-2's 50256 lies outside the 1024-token vocabulary; these ids are never used.
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+
+
+def build_model(
+    name: str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float16,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    dropout: float = HF_DEFAULT_DROPOUT,
+    seed: int | None = 0,
+) -> GPTLMModel:
+    """Build zoo model ``name`` with parameters of ``dtype`` on ``device``.
+
+    ``device="meta"`` allocates nothing (for planning any size on any machine). Otherwise
+    the model is created on meta and materialised directly in ``dtype`` on ``device``, so
+    that a 24B-parameter model never needs an fp32 copy (96 GB) on the host.
+    ``seed`` makes the initial weights reproducible (``None`` leaves the global RNG alone).
+    """
+    spec = get_spec(name)
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype {dtype} is not a floating-point type; use float16/bfloat16/float32"
+        )
+    config = gpt2_config(spec, seq_len=seq_len, dropout=dropout)
+    with torch.device("meta"):
+        model = GPTLMModel(config)
+    model = model.to(dtype=dtype)
+    dev = torch.device(device)
+    if dev.type == "meta":
+        return model
+    model = model.to_empty(device=dev)
+    # to_empty gives the LM head its own storage; re-tie it to the token embedding.
+    model.model.tie_weights()
+    init_gpt2_weights(model, num_layers=spec.num_layers, seed=seed)
+    return model
+
+
+@torch.no_grad()
+def init_gpt2_weights(model: nn.Module, *, num_layers: int, seed: int | None = 0) -> None:
+    """GPT-2's initialisation, in place, in the parameters' own dtype.
+
+    Matrices and embeddings ~ normal(0, 0.02); the residual projections ``c_proj`` ~
+    normal(0, 0.02 / sqrt(2 * num_layers)); biases 0; LayerNorm weights 1.
+    """
+    gen: torch.Generator | None = None
+    if seed is not None:
+        devices = {p.device for p in model.parameters()}
+        gen = torch.Generator(device=devices.pop() if len(devices) == 1 else "cpu")
+        gen.manual_seed(seed)
+    std = 0.02
+    seen: set[int] = set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:  # a tied parameter is initialised once
+            continue
+        seen.add(id(p))
+        leaf = name.rsplit(".", 2)
+        if name.endswith(".bias"):
+            p.zero_()
+        elif len(leaf) >= 2 and leaf[-2].startswith("ln_"):
+            p.fill_(1.0)
+        elif name.endswith("c_proj.weight"):
+            p.normal_(0.0, std / math.sqrt(2 * num_layers), generator=gen)
+        else:
+            p.normal_(0.0, std, generator=gen)
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters, tied storage counted once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy: position ``t`` predicts label ``t + 1``, computed in fp32.
+
+    The logits are upcast before the softmax because fp16/bf16 log-sum-exp over the
+    vocabulary loses most of the loss's precision.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"logits of shape {tuple(logits.shape)} do not match labels of shape "
+            f"{tuple(labels.shape)}; labels must be (batch, seq)"
+        )
+    shift_logits = logits[..., :-1, :].float()
+    shift_labels = labels[..., 1:]
+    return F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.shape[-1]), shift_labels.reshape(-1)
+    )
+
+
+class LMLoss(nn.Module):
+    """:func:`lm_loss` as a module."""
+
+    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return lm_loss(logits, labels)
+
+
+def random_batch(
+    batch_size: int,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    *,
+    device: torch.device | str = "cpu",
+    generator: torch.Generator | None = None,
+) -> dict[str, torch.Tensor]:
+    """Random ``input_ids`` (vocab 1024) and an all-ones ``attention_mask``, int64."""
+    if batch_size <= 0 or seq_len <= 0:
+        raise ValueError(
+            f"batch_size={batch_size} and seq_len={seq_len} must both be positive integers"
+        )
+    dev = torch.device(device)
+    if dev.type == "meta":
+        input_ids = torch.empty(batch_size, seq_len, dtype=torch.long, device=dev)
+    else:
+        input_ids = torch.randint(
+            0, VOCAB_SIZE, (batch_size, seq_len), device=dev, generator=generator
+        )
+    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+
+
+def labels_for(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Labels for a batch: its own ``input_ids``, so their shape always matches the batch."""
+    return batch["input_ids"]
+
+
+__all__ = [
+    "DEFAULT_SEQ_LEN",
+    "HF_DEFAULT_DROPOUT",
+    "VOCAB_SIZE",
+    "GPTLMModel",
+    "GPTSpec",
+    "LMLoss",
+    "build_model",
+    "get_spec",
+    "gpt2_config",
+    "init_gpt2_weights",
+    "labels_for",
+    "lm_loss",
+    "model_names",
+    "parameter_bytes",
+    "random_batch",
+]
