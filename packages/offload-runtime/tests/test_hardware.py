@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from offload_runtime import hardware
 from offload_runtime.hardware import (
     DEFAULT_COMPUTE_EFFICIENCY,
