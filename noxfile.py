@@ -81,3 +81,49 @@ def gpu_tests(session: nox.Session) -> None:
         )
     }
     session.run("python", "-m", "pytest", "-m", "gpu", *TEST_DIRS, *session.posargs, env=env)
+
+
+@nox.session(venv_backend="none")
+def example(session: nox.Session) -> None:
+    """The GPT-2 example (run.sh): on a GPU with this interpreter, else the CPU fallback.
+
+    When the interpreter running nox has a CUDA build of torch and a GPU, run.sh runs with it
+    and the packages' src folders on PYTHONPATH (a GPU machine may have no network, so
+    nothing is installed). Otherwise a virtualenv in ``.nox/example-cpu`` gets every
+    package (torch pinned by constraints.txt) and run.sh trains the CPU fallback there.
+    Arguments after ``--`` go to the training script; MODEL_TYPE, BATCH_SIZE,
+    MEMORY_BUDGET and SOLVER_TYPE are read from the environment as run.sh documents.
+    """
+    import subprocess
+    import sys
+
+    run_sh = str(ROOT / "packages/offload-gpt-example/run.sh")
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)",
+        ],
+        capture_output=True,
+        check=False,
+    )
+    if probe.returncode == 0:
+        session.log(f"CUDA torch found in {sys.executable}: running run.sh with it")
+        session.run("bash", run_sh, *session.posargs, env={"PYTHON": sys.executable}, external=True)
+        return
+    session.log("no CUDA torch in this interpreter: CPU fallback in .nox/example-cpu")
+    venv = ROOT / ".nox" / "example-cpu"
+    bindir = venv / ("Scripts" if os.name == "nt" else "bin")
+    python = bindir / ("python.exe" if os.name == "nt" else "python")
+    if not python.exists():
+        # virtualenv comes with nox; the stdlib venv needs python3-venv on Debian.
+        session.run(sys.executable, "-m", "virtualenv", str(venv), external=True)
+    editable = [arg for d in PACKAGE_DIRS for arg in ("-e", str(ROOT / d))]
+    session.run(
+        str(python), "-m", "pip", "install", "-q", "-c", CONSTRAINTS, *editable, external=True
+    )
+    env = {
+        "PYTHON": str(python),
+        "PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")]),
+    }
+    session.run("bash", run_sh, *session.posargs, env=env, external=True)
