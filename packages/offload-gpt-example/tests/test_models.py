@@ -73,7 +73,7 @@ def test_dropout_is_configurable_and_defaults_to_hugging_faces() -> None:
     ) * 3
     off = gpt2_config(spec, dropout=0.0)
     assert (off.resid_pdrop, off.embd_pdrop, off.attn_pdrop) == (0.0, 0.0, 0.0)
-    with pytest.raises(ValueError, match="dropout is 1.5"):
+    with pytest.raises(ValueError, match=r"dropout is 1\.5"):
         gpt2_config(spec, dropout=1.5)
 
 
