@@ -339,10 +339,12 @@ def test_host_memory_readings_are_consistent() -> None:
 
 
 def test_host_adam_throughput_is_positive_and_quick() -> None:
+    # The first optimizer of a process imports torch._dynamo (seconds, once): not timed.
+    measure_host_adam_params_per_s(1 << 10, steps=1)
     started = time.perf_counter()
     rate = measure_host_adam_params_per_s(1 << 18, steps=2)
     assert rate > 1e5
-    assert time.perf_counter() - started < 5.0
+    assert time.perf_counter() - started < 2.0
 
 
 def test_host_adam_rejects_empty_sizes() -> None:

@@ -24,8 +24,8 @@ document per file:
   peak matmul rate, Adam rates) with :data:`DEFAULT_COMPUTE_EFFICIENCY`;
 - ``hardware-<identity key>-<dtype>-mm<digest>.json``: the same with the efficiency measured
   on one set of matrix shapes. A new model only costs the matmul timing (under a second
-  for GPT-2's four shapes on an H200), not a new copy sweep (about 1.5 s, 6 s in a process
-  that has not used CUDA yet).
+  for GPT-2's four shapes on an H200), not a new copy sweep (about 1.5 s, plus 1-6 s in a
+  process that has not built a torch optimizer yet: that lazily imports ``torch._dynamo``).
 
 The identity key (:attr:`DeviceIdentity.cache_key`) names the GPU model, its UUID (or PCI
 bus id) and the torch version, so a different card, or a torch upgrade that may change the
