@@ -1,0 +1,26 @@
+"""offload-optim: the optimizer side of offloaded training.
+
+- :class:`HybridAdam`: Adam(W) over an ``OffloadModule``'s fp32 master weights, one fused
+  kernel launch per region (CPU for host-resident state, CUDA for device-resident state),
+  with optional bf16 moments for host-resident state;
+- :class:`AMPOptimizer`: fp16 loss scaling with overflow skip, bf16 / fp32 without scaling,
+  global-norm clipping, gradient accumulation, checkpoints, and host steps that overlap
+  backward.
+"""
+
+from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
+from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
+from offload_optim.kernels import CHUNK_NUMEL, AdamHyper, fused_adam_
+from offload_optim.scaler import DynamicLossScaler
+
+__all__ = [
+    "CHUNK_NUMEL",
+    "AMPOptimizer",
+    "AdamHyper",
+    "DynamicLossScaler",
+    "HybridAdam",
+    "OverlapMode",
+    "RegionStepTiming",
+    "StepReport",
+    "fused_adam_",
+]

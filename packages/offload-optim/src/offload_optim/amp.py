@@ -1,0 +1,474 @@
+"""AMPOptimizer: loss scaling, overflow skip, clipping, accumulation and overlap.
+
+[Note: overlapping the host step with backward]
+The step of a host-state region can start as soon as that region's fp32 gradients are
+complete on the host (the runtime's grad-ready hook, on the host worker), while the GPU
+still runs backward for the regions before it. Whether that early step equals the step
+after backward depends on whether the step needs a *global* answer first:
+- fp16 training needs to know whether any region overflowed (then no region steps);
+- global-norm clipping needs the norm over all regions (it scales every gradient).
+Both answers exist only once the last region's gradients are in. Options considered:
+1. step speculatively and undo when the answer says so: Adam is not invertible in floating
+   point, so an exact undo needs a copy of master and moments taken before the step, 12
+   bytes per parameter written and read back every step, against 28 bytes per parameter
+   for the step itself. It would nearly double the host step's memory traffic on every
+   step to save the rare overflowing or clipping step; rejected.
+2. speculate only where no answer is needed (chosen), and otherwise overlap only the
+   answer-independent work:
+   - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
+     host-state region steps in its hook. The gradients it reads are final, so the result
+     is the step after backward, bit for bit.
+   - fp16 training, or clipping (:attr:`OverlapMode.PARTIALS`): each host-state region's
+     hook computes the region's contribution to the answer (the sum of its gradients, whose
+     finiteness is the overflow check, or its gradient norm) while backward runs; after
+     backward the partials are combined, and the regions step then (host regions on the
+     host worker while the device regions step on the GPU).
+   Device-state regions always step after backward: their step is GPU work that would
+   queue behind backward on the same stream anyway.
+Speculation happens only in the backward of the last micro-batch of an accumulation
+window (``accumulation_steps`` says which one), so accumulated gradients are never stepped
+early. The hyperparameters an early step used are checked again in :meth:`step`: changing
+a learning rate between ``backward`` and ``step`` raises instead of silently differing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, cast, overload
+
+import torch
+
+from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
+from offload_optim.kernels import AdamHyper
+from offload_optim.scaler import DynamicLossScaler
+from offload_runtime.module import OffloadModule
+
+log = logging.getLogger(__name__)
+
+_CLIP_EPS = 1e-6
+"""Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
+
+
+def _partial_of(grad: torch.Tensor, norm_type: float, as_norm: bool) -> torch.Tensor:
+    """One gradient's share of a global answer, as a 0-dim fp32 tensor on its device.
+
+    ``as_norm``: its ``norm_type`` norm (for clipping). Otherwise its sum, which is finite
+    exactly when every element is (the overflow check): fp16 gradients are at most 65504 per
+    element and micro-batch, so the fp32 sum of any model that fits in memory cannot
+    overflow by itself; and a sum reads the gradient once, as cheaply as possible.
+    """
+    if as_norm:
+        return cast(torch.Tensor, torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
+    return grad.sum(dtype=torch.float32)
+
+
+class OverlapMode(str, Enum):
+    """What the grad-ready hook of a host-state region does (see the note above)."""
+
+    NONE = "none"
+    """Nothing: accumulating micro-batches, or overlap disabled."""
+    SPECULATIVE = "speculative"
+    """Step the region (no global answer needed)."""
+    PARTIALS = "partials"
+    """Compute the region's overflow / norm partial; the region steps after backward."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one :meth:`AMPOptimizer.step` did. Times are ``time.perf_counter()`` seconds."""
+
+    step: int
+    """Optimizer steps taken so far, this one included (skipped steps do not count)."""
+    skipped: bool
+    """True when fp16 gradients overflowed and no parameter changed."""
+    loss_scale: float
+    """The scale the step's gradients carried (1.0 without loss scaling)."""
+    grad_norm: float | None
+    """Global gradient norm before clipping (unscaled), when it was computed."""
+    clip_coef: float
+    """Factor the gradients were multiplied by (1.0 when not clipped)."""
+    overlap: OverlapMode
+    region_steps: tuple[RegionStepTiming, ...]
+    backward_start_s: float | None
+    """When the last micro-batch's ``backward`` was called."""
+    backward_end_s: float | None
+    """When it returned (on CUDA: all kernels launched, not necessarily finished)."""
+
+    @property
+    def host_step_s(self) -> float:
+        """Total time of host-state region steps."""
+        return sum(t.duration_s for t in self.region_steps if t.host)
+
+    def hidden_fraction(self, backward_end_s: float | None = None) -> float:
+        """Fraction of the host step time that ran before ``backward_end_s``.
+
+        Pass the time backward really ended on the device (after a synchronize); default
+        :attr:`backward_end_s`. 1.0 when there was no host step.
+        """
+        end = self.backward_end_s if backward_end_s is None else backward_end_s
+        total = self.host_step_s
+        if total == 0.0 or end is None or self.backward_start_s is None:
+            return 1.0
+        hidden = 0.0
+        for t in self.region_steps:
+            if t.host:
+                hidden += max(0.0, min(t.end_s, end) - max(t.start_s, self.backward_start_s))
+        return hidden / total
+
+
+class AMPOptimizer(torch.optim.Optimizer):
+    """Mixed-precision training of an OffloadModule with a :class:`HybridAdam`.
+
+    The training loop::
+
+        amp = AMPOptimizer(HybridAdam(module.parameters(), lr=3e-4), module)
+        for batch in batches:
+            amp.zero_grad()
+            loss = loss_fn(module(**batch))
+            amp.backward(loss)            # scales fp16 losses; may start host steps
+            amp.step()
+
+    - Loss scaling: in fp16 (``module.dtype``) ``backward`` multiplies the loss by the
+      dynamic scale (see :class:`DynamicLossScaler` for the rule and its hysteresis). bf16
+      and fp32 train unscaled and never skip.
+    - Overflow: inf or nan in any gradient (host or device) skips the whole step.
+    - Clipping: ``clipping_norm > 0`` clips the global ``norm_type`` norm of all gradients
+      like ``torch.nn.utils.clip_grad_norm_``; :meth:`clip_grad_norm` does it on demand.
+    - Accumulation: ``accumulation_steps=k`` means ``k`` calls of ``backward`` per ``step``;
+      gradients are summed in fp32 and nothing steps in between. Divide each micro-batch
+      loss by ``k`` yourself if you want the mean.
+    - Overlap (``overlap=True``): see [Note: overlapping the host step with backward].
+    - ``param_groups`` are the HybridAdam's own, so ``torch.optim.lr_scheduler``
+      schedulers take this object (or the HybridAdam) and the step uses their lr.
+    - :meth:`state_dict` holds master weights, Adam moments, the scaler and the step count.
+    """
+
+    def __init__(
+        self,
+        optimizer: HybridAdam,
+        module: OffloadModule,
+        initial_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+        min_scale: float = 1.0,
+        max_scale: float = 2.0**32,
+        clipping_norm: float = 0.0,
+        norm_type: float = 2.0,
+        *,
+        accumulation_steps: int = 1,
+        overlap: bool = True,
+    ) -> None:
+        if not isinstance(optimizer, HybridAdam):
+            raise TypeError(
+                f"AMPOptimizer steps a HybridAdam, got {type(optimizer).__name__}; build "
+                "HybridAdam(module.parameters(), ...) and pass it"
+            )
+        if not clipping_norm >= 0:
+            raise ValueError(f"clipping_norm={clipping_norm} must be >= 0 (0 disables clipping)")
+        if not (norm_type > 0 or norm_type == math.inf):
+            raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
+        if accumulation_steps < 1:
+            raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
+        self._initialized = False
+        super().__init__(optimizer.param_groups, optimizer.defaults)
+        # Share the HybridAdam's groups and state: schedulers edit these very dicts.
+        self.param_groups = optimizer.param_groups
+        self.state = optimizer.state
+        self._initialized = True
+        optimizer.bind(module)
+        self.optimizer = optimizer
+        self.module = module
+        self.controller = module.controller
+        self.scaling = module.dtype == torch.float16
+        self.scaler = DynamicLossScaler(
+            initial_scale,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
+        )
+        self.clipping_norm = float(clipping_norm)
+        self.norm_type = float(norm_type)
+        self.accumulation_steps = int(accumulation_steps)
+        self.overlap = overlap
+        self.step_count = 0
+        """Optimizer steps taken (skipped steps excluded)."""
+        self.last_step: StepReport | None = None
+        # ---- the current accumulation window (reset by step() and zero_grad()) ----
+        self._micro = 0
+        self._window_mode = OverlapMode.NONE
+        self._host_mode = OverlapMode.NONE  # read by hooks on the host worker
+        self._notified: set[int] = set()  # regions whose gradients arrived in the window
+        self._stepped: set[int] = set()  # regions stepped early (SPECULATIVE)
+        self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS)
+        self._hypers: list[AdamHyper] = []
+        self._backward_s: tuple[float, float] | None = None
+        ref = weakref.ref(self)
+
+        def hook(r: int) -> None:
+            amp = ref()
+            if amp is not None:
+                amp._on_grad_ready(r)
+
+        self.controller.add_grad_ready_hook(hook)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if self._initialized:
+            self.optimizer.add_param_group(param_group)
+
+    # ---- properties ----------------------------------------------------------------
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale (1.0 when the module does not train in fp16)."""
+        return self.scaler.scale if self.scaling else 1.0
+
+    def _needs_answer(self) -> bool:
+        return self.scaling or self.clipping_norm > 0
+
+    # ---- backward ------------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch: scale (fp16), run, and arm the grad-ready hooks."""
+        if self._micro >= self.accumulation_steps:
+            raise RuntimeError(
+                f"backward() called {self._micro + 1} times since the last step(), but "
+                f"AMPOptimizer(accumulation_steps={self.accumulation_steps}) steps after "
+                "every that many micro-batches: call step() (or zero_grad() to drop them)"
+            )
+        self._micro += 1
+        last = self._micro == self.accumulation_steps
+        mode = OverlapMode.NONE
+        if last and self.overlap:
+            mode = OverlapMode.PARTIALS if self._needs_answer() else OverlapMode.SPECULATIVE
+        if mode is OverlapMode.SPECULATIVE:
+            self._hypers = [AdamHyper.of_group(g) for g in self.param_groups]
+        self._window_mode = mode
+        # Queued on the host worker, behind the previous micro-batch's gradient work: the
+        # hooks of that backward still see the old mode, those of this one the new mode.
+        self.controller.submit_host(lambda: self._set_host_mode(mode))
+        scaled = loss.float() * self.scaler.scale if self.scaling else loss
+        start = time.perf_counter()
+        self.module.backward(scaled)
+        self._backward_s = (start, time.perf_counter())
+
+    def _set_host_mode(self, mode: OverlapMode) -> None:
+        self._host_mode = mode
+
+    def _on_grad_ready(self, r: int) -> None:
+        """Grad-ready hook: host worker (host-state regions) or backward thread (others)."""
+        self._notified.add(r)
+        if r not in self.optimizer.region_indices:
+            return
+        if not self.optimizer.region_storage(r).host_state:
+            return
+        mode = self._host_mode
+        if mode is OverlapMode.SPECULATIVE:
+            if self.optimizer.step_region(r):
+                self._stepped.add(r)
+        elif mode is OverlapMode.PARTIALS:
+            self._partials[r] = self._partial(self.optimizer.region_grad(r))
+
+    # ---- global answers ------------------------------------------------------------
+
+    def _partial(self, grad: torch.Tensor) -> torch.Tensor:
+        """A gradient's share of the global answer (0-dim fp32 tensor on its device)."""
+        return _partial_of(grad, self.norm_type, as_norm=self.clipping_norm > 0)
+
+    def _combine(self, norm_type: float, *, fresh: bool) -> tuple[torch.Tensor, bool]:
+        """Combine every gradient's partial: (total on the CPU, whether it is a norm).
+
+        Reads one value per device back to the host: a sync point.
+        """
+        as_norm = fresh or self.clipping_norm > 0
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for r in sorted(self._notified):
+            if r not in self.optimizer.region_indices:
+                continue
+            part = None if fresh else self._partials.get(r)
+            if part is None:
+                part = _partial_of(self.optimizer.region_grad(r), norm_type, as_norm)
+            by_device.setdefault(part.device, []).append(part)
+        for g in self.optimizer.plain_grads():
+            part = _partial_of(g, norm_type, as_norm)
+            by_device.setdefault(part.device, []).append(part)
+        if not by_device:
+            return torch.zeros(()), as_norm
+        host = torch.cat([torch.stack(parts).to("cpu") for parts in by_device.values()])
+        if as_norm:
+            return torch.linalg.vector_norm(host, norm_type), True
+        return host.sum(), False
+
+    # ---- step ----------------------------------------------------------------------
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Finish the window: skip on fp16 overflow, else clip and step every region.
+
+        ``closure``, if given, runs first and must call :meth:`backward` itself.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if 0 < self._micro < self.accumulation_steps:
+            raise RuntimeError(
+                f"step() after {self._micro} of {self.accumulation_steps} accumulated "
+                "micro-batches; call backward() for the rest first (or zero_grad() to drop them)"
+            )
+        if self._micro == 0 and self.scaling:
+            raise RuntimeError(
+                "step() without AMPOptimizer.backward(loss): fp16 training must scale the loss; "
+                "call amp.backward(loss) instead of loss.backward()"
+            )
+        self.controller.wait_host()  # sync point: every hook of this window has run
+        scale = self.loss_scale
+        grad_norm: float | None = None
+        coef = 1.0
+        skipped = False
+        mode = self._window_mode
+        if mode is OverlapMode.SPECULATIVE:
+            now = [AdamHyper.of_group(g) for g in self.param_groups]
+            if self._stepped and now != self._hypers:
+                raise RuntimeError(
+                    "hyperparameters changed between backward() and step(), but host regions "
+                    "already stepped during backward with the old ones; change the lr (e.g. "
+                    "scheduler.step()) after step() and before the next backward(), or build "
+                    "AMPOptimizer(..., overlap=False)"
+                )
+            rest = self._notified - self._stepped
+            self.optimizer.step_regions(rest)
+        else:
+            divisor = scale
+            if self._needs_answer():
+                total, is_norm = self._combine(self.norm_type, fresh=False)
+                overflow = not bool(torch.isfinite(total))
+                if is_norm:
+                    unscaled = total / scale
+                    grad_norm = float(unscaled)
+                    if self.clipping_norm > 0 and not overflow:
+                        clip = (self.clipping_norm / (unscaled + _CLIP_EPS)).clamp(max=1.0)
+                        coef = float(clip)
+                skipped = self.scaling and overflow
+            if not skipped:
+                divisor = scale / coef
+                self.optimizer.step_regions(self._notified, None if divisor == 1.0 else divisor)
+        if self.scaling:
+            self.scaler.update(skipped)
+        if not skipped:
+            self.step_count += 1
+        self.last_step = StepReport(
+            step=self.step_count,
+            skipped=skipped,
+            loss_scale=scale,
+            grad_norm=grad_norm,
+            clip_coef=coef,
+            overlap=mode,
+            region_steps=tuple(self.optimizer.timings),
+            backward_start_s=None if self._backward_s is None else self._backward_s[0],
+            backward_end_s=None if self._backward_s is None else self._backward_s[1],
+        )
+        self._reset_window()
+        return loss
+
+    def _reset_window(self) -> None:
+        """Start a new accumulation window (the host worker is idle: wait_host ran)."""
+        self._micro = 0
+        self._window_mode = OverlapMode.NONE
+        self._host_mode = OverlapMode.NONE
+        self._notified = set()
+        self._stepped = set()
+        self._partials = {}
+        self._backward_s = None
+        self.optimizer.timings.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop gradients and any unfinished accumulation window.
+
+        ``set_to_none`` (default) lets the runtime zero each region's accumulator when its
+        next gradients arrive, on the host worker for host-state regions.
+        """
+        self.optimizer.zero_grad(set_to_none)  # waits for host work
+        self._reset_window()
+
+    # ---- clipping on demand --------------------------------------------------------
+
+    @torch.no_grad()
+    def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the global gradient norm now, like ``torch.nn.utils.clip_grad_norm_``.
+
+        Call between :meth:`backward` and :meth:`step`. Returns the (unscaled) total norm
+        before clipping; leaves the gradients alone when it is not finite (fp16 overflow:
+        the step will be skipped).
+        """
+        if self._micro == 0:
+            raise RuntimeError("clip_grad_norm() needs gradients: call it after backward()")
+        if self._stepped:
+            raise RuntimeError(
+                "clip_grad_norm() after a backward whose host regions already stepped (the "
+                "overlap speculates when no clipping is configured): pass "
+                "clipping_norm=max_norm to AMPOptimizer, or build it with overlap=False"
+            )
+        if not (norm_type > 0 or norm_type == math.inf):
+            raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
+        self.controller.wait_host()
+        total, _ = self._combine(norm_type, fresh=True)
+        unscaled = total / self.loss_scale
+        if bool(torch.isfinite(unscaled)):
+            clip = (max_norm / (unscaled + _CLIP_EPS)).clamp(max=1.0)
+            coef = float(clip)
+            if coef < 1.0:
+                grads = [
+                    self.optimizer.region_grad(r)
+                    for r in sorted(self._notified)
+                    if r in self.optimizer.region_indices
+                ]
+                grads += list(self.optimizer.plain_grads())
+                torch._foreach_mul_(grads, coef)
+                self._partials = {}  # stale now: step() recomputes them
+        return float(unscaled)
+
+    # ---- checkpoints ---------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Master weights (fp32, CPU), Adam moments and steps, the scaler and step count."""
+        if self._micro:
+            raise RuntimeError(
+                f"state_dict() in the middle of an accumulation window ({self._micro} of "
+                f"{self.accumulation_steps} micro-batches); save after step()"
+            )
+        return {
+            "module": self.module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "step_count": self.step_count,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved; the next step continues the run exactly."""
+        missing = {"module", "optimizer", "scaler", "step_count"} - set(state_dict)
+        if missing:
+            raise ValueError(
+                f"AMPOptimizer state_dict lacks {sorted(missing)}; pass what "
+                "AMPOptimizer.state_dict() returned"
+            )
+        self.zero_grad()
+        self.module.load_state_dict(state_dict["module"])
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        self.scaler.load_state_dict(state_dict["scaler"])
+        self.step_count = int(state_dict["step_count"])

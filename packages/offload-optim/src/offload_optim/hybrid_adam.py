@@ -1,0 +1,545 @@
+"""HybridAdam: Adam(W) that steps an OffloadModule region by region, on host or device.
+
+[Note: region segments]
+The runtime keeps each region's fp32 master weights and fp32 gradients in two flat buffers
+(see [Note: region storage] in offload_runtime/storage.py). HybridAdam gives each region two
+flat moment buffers of the same length next to the master, and steps the region with as
+few fused-kernel launches as possible: the region's parameters of one parameter group
+that lie next to each other in the flat buffers form one *segment*, stepped as a single
+tensor. A region whose parameters all belong to one group (the usual case) is one segment
+and one kernel launch, whatever its number of parameters. A segment keeps one step count,
+since all its parameters step together.
+
+Host-state regions are stepped by torch's fused CPU Adam, device-state regions by its
+fused CUDA Adam. Parameters that are not OffloadModule masters ("plain" parameters) are
+stepped like ``torch.optim.AdamW(fused=True)`` would step them.
+
+Threads: the step of a host-state region runs on the runtime's host worker (it is queued
+with ``controller.submit_host``, or called from a grad-ready hook, which runs there), and
+so does its ``controller.publish``; device-state regions and plain parameters are stepped
+on the calling thread. A region is only ever stepped by one thread at a time.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any, cast, overload
+
+import torch
+
+from offload_optim.kernels import AdamHyper, fused_adam_
+from offload_runtime.storage import RegionStorage, region_of
+
+if TYPE_CHECKING:
+    from offload_runtime.controller import OffloadController
+    from offload_runtime.module import OffloadModule
+
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class RegionStepTiming:
+    """When one region's optimizer step ran, in ``time.perf_counter()`` seconds."""
+
+    region: int
+    start_s: float
+    end_s: float
+    host: bool
+    """True for a host-state region (stepped on the host worker)."""
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+class _Segment:
+    """Parameters of one group stepped as one tensor (see [Note: region segments])."""
+
+    def __init__(
+        self,
+        group: dict[str, Any],
+        views: tuple[torch.Tensor, ...],
+        param: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor | None = None,
+        grad_views: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self.group = group
+        self.views = views
+        """The optimizer's parameters in this segment (master views, or one plain tensor)."""
+        self.param = param
+        self.grad = grad
+        """The flat gradient slice of a region segment; None for a plain parameter."""
+        self.grad_views = grad_views
+        """The runtime's gradient view of each of ``views`` (what ``view.grad`` should be)."""
+        self.exp_avg = exp_avg
+        self.exp_avg_sq = exp_avg_sq
+        # fp32 0-dim on the parameter's device, as the fused kernels read it.
+        self.step = torch.zeros((), dtype=torch.float32, device=param.device)
+
+
+class _RegionState:
+    def __init__(self, storage: RegionStorage, moments_dtype: torch.dtype) -> None:
+        self.storage = storage
+        device = storage.master.device
+        self.exp_avg = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
+        self.exp_avg_sq = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
+        self.segments: list[_Segment] = []
+
+
+class HybridAdam(torch.optim.Optimizer):
+    """Adam(W) over OffloadModule master weights (by region) and ordinary tensors.
+
+    Args:
+        params: tensors or parameter groups, as for any ``torch.optim`` optimizer; usually
+            ``module.parameters()`` of an ``OffloadModule`` (its fp32 master weights).
+        lr, betas, eps, weight_decay: Adam's hyperparameters (per group, like torch's).
+        adamw_mode: decoupled weight decay (AdamW) when true, L2 regularisation when false.
+        moments_dtype: dtype of the Adam moments of host-resident state (host-state regions
+            and plain fp32 CPU tensors): ``torch.float32`` or ``torch.bfloat16``. bf16 halves
+            the moment bytes the host step streams (see [Note: bf16 moments] in kernels.py);
+            device-resident moments stay fp32.
+        module: the OffloadModule whose masters are among ``params``; needed to step them
+            (its controller orders the step after the host gradient work and publishes the
+            new weights). ``AMPOptimizer`` binds it for you.
+
+    ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
+    schedulers work. Each region's moments are allocated up front, next to its master.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        adamw_mode: bool = True,
+        *,
+        moments_dtype: torch.dtype = torch.float32,
+        module: OffloadModule | None = None,
+    ) -> None:
+        if not lr >= 0:
+            raise ValueError(f"lr={lr} must be >= 0")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"betas={betas} must each lie in [0, 1)")
+        if not eps >= 0:
+            raise ValueError(f"eps={eps} must be >= 0")
+        if not weight_decay >= 0:
+            raise ValueError(f"weight_decay={weight_decay} must be >= 0")
+        if moments_dtype not in MOMENT_DTYPES:
+            raise ValueError(
+                f"moments_dtype={moments_dtype} is not supported; use torch.float32 or "
+                "torch.bfloat16"
+            )
+        # Set before Optimizer.__init__, which calls add_param_group.
+        self.moments_dtype = moments_dtype
+        self._regions: dict[int, _RegionState] = {}
+        self._plain: list[_Segment] = []
+        self._controller: OffloadController | None = None
+        self._masters: dict[int, tuple[RegionStorage, str]] | None = None
+        self._laid_out = False
+        self.timings: list[RegionStepTiming] = []
+        """Region steps since this list was last cleared (appended from two threads)."""
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "adamw_mode": adamw_mode,
+        }
+        super().__init__(params, defaults)
+        if module is not None:
+            self.bind(module)
+
+    # ---- set-up --------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group (torch's checks apply); its region parameters are laid out in segments."""
+        super().add_param_group(param_group)
+        if self._laid_out:
+            self._lay_out_group(self.param_groups[-1])
+
+    def _ensure_laid_out(self) -> None:
+        """Lay every group out in segments (deferred until the module is known)."""
+        if not self._laid_out:
+            self._laid_out = True
+            for group in self.param_groups:
+                self._lay_out_group(group)
+
+    def _owner(self, p: torch.Tensor) -> tuple[RegionStorage, str] | None:
+        """The region and parameter name whose master weights ``p`` is, if any."""
+        if self._masters is not None:
+            return self._masters.get(id(p))
+        try:
+            found = region_of(p) is not None
+        except RuntimeError:
+            # region_of's weak dictionary compares tensors with ==, which raises for a
+            # registered multi-element tensor: that it raised means p is registered.
+            found = True
+        if found:
+            raise RuntimeError(
+                "HybridAdam got OffloadModule master weights but no module: pass "
+                "module=... to HybridAdam, call optimizer.bind(module), or wrap the optimizer "
+                "in AMPOptimizer(optimizer, module)"
+            )
+        return None
+
+    def _lay_out_group(self, group: dict[str, Any]) -> None:
+        by_region: dict[int, list[tuple[int, str, torch.Tensor]]] = {}
+        for p in group["params"]:
+            owner = self._owner(p)
+            if owner is None:
+                self._add_plain(group, p)
+                continue
+            st, name = owner
+            if st.index not in self._regions:
+                dtype = self.moments_dtype if st.host_state else torch.float32
+                self._regions[st.index] = _RegionState(st, dtype)
+            layout = next(lay for lay in st.layouts if lay.name == name)
+            by_region.setdefault(st.index, []).append((layout.offset, name, p))
+        for r, members in by_region.items():
+            self._add_region_segments(group, self._regions[r], sorted(members, key=lambda m: m[0]))
+
+    def _add_plain(self, group: dict[str, Any], p: torch.Tensor) -> None:
+        host_fp32 = p.device.type == "cpu" and p.dtype == torch.float32
+        dtype = self.moments_dtype if host_fp32 else p.dtype
+        m = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        v = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        seg = _Segment(group, (p,), p, m, v)
+        self._plain.append(seg)
+        self.state[p] = {"step": seg.step, "exp_avg": m, "exp_avg_sq": v}
+
+    def _add_region_segments(
+        self,
+        group: dict[str, Any],
+        rs: _RegionState,
+        members: list[tuple[int, str, torch.Tensor]],
+    ) -> None:
+        st = rs.storage
+        runs: list[list[tuple[int, str, torch.Tensor]]] = []
+        end = -1
+        for offset, name, p in members:
+            if runs and offset == end:
+                runs[-1].append((offset, name, p))
+            else:
+                runs.append([(offset, name, p)])
+            end = offset + p.numel()
+        for run in runs:
+            start = run[0][0]
+            stop = run[-1][0] + run[-1][2].numel()
+            seg = _Segment(
+                group,
+                tuple(p for _, _, p in run),
+                st.master[start:stop],
+                rs.exp_avg[start:stop],
+                rs.exp_avg_sq[start:stop],
+                grad=st.grad[start:stop],
+                grad_views=tuple(st.grad_views[name] for _, name, _ in run),
+            )
+            rs.segments.append(seg)
+            for offset, _, p in run:
+                n = p.numel()
+                self.state[p] = {
+                    "step": seg.step,
+                    "exp_avg": rs.exp_avg[offset : offset + n].view(p.shape),
+                    "exp_avg_sq": rs.exp_avg_sq[offset : offset + n].view(p.shape),
+                }
+
+    def bind(self, module: OffloadModule) -> None:
+        """Step ``module``'s masters through its controller (required to step regions)."""
+        if self._controller is not None:
+            if self._controller is module.controller:
+                return
+            raise ValueError("HybridAdam is already bound to another OffloadModule")
+        masters = {
+            id(view): (st, name) for st in module.storages for name, view in st.master_views.items()
+        }
+        if self._laid_out and self._regions:
+            raise ValueError("HybridAdam laid its parameters out before bind(); bind it first")
+        if self._laid_out:
+            # Laid out unbound (plain tensors only): a master among them would be stepped as
+            # a plain tensor, bypassing the runtime.
+            for seg in self._plain:
+                if id(seg.param) in masters:
+                    raise ValueError(
+                        "HybridAdam treated master weights of the module as plain tensors; "
+                        "pass module=... when building it"
+                    )
+        self._masters = masters
+        self._controller = module.controller
+        self._ensure_laid_out()
+
+    # ---- introspection used by AMPOptimizer ----------------------------------------
+
+    @property
+    def region_indices(self) -> list[int]:
+        """Regions that hold parameters of this optimizer, in forward order."""
+        self._ensure_laid_out()
+        return sorted(self._regions)
+
+    def region_storage(self, r: int) -> RegionStorage:
+        return self._regions[r].storage
+
+    def region_grad(self, r: int) -> torch.Tensor:
+        """Region ``r``'s flat fp32 gradient accumulator."""
+        return self._regions[r].storage.grad
+
+    def plain_grads(self) -> Iterator[torch.Tensor]:
+        """Gradients of the plain (non-region) parameters that have one."""
+        self._ensure_laid_out()
+        for seg in self._plain:
+            g = seg.param.grad
+            if g is not None:
+                yield g
+
+    # ---- stepping ------------------------------------------------------------------
+
+    def _segment_has_grad(self, seg: _Segment) -> bool:
+        """Whether a region segment's gradients are present (all of them, or none).
+
+        A gradient assigned by hand to a master view is copied into the accumulator, since
+        the step reads the flat buffer.
+        """
+        present = 0
+        for view, expected in zip(seg.views, seg.grad_views, strict=True):
+            g = view.grad
+            if g is None:
+                continue
+            present += 1
+            if g is not expected:
+                with torch.no_grad():
+                    expected.copy_(g)
+                view.grad = expected
+        if present and present != len(seg.views):
+            raise RuntimeError(
+                f"{len(seg.views) - present} of {len(seg.views)} parameters stepped together "
+                "in one region have no gradient (.grad is None) while the others have one; "
+                "HybridAdam steps a region's parameters as one tensor: zero their gradients "
+                "(zero_grad(set_to_none=False)) instead of setting some to None"
+            )
+        return present > 0
+
+    def _run(self, segments: list[_Segment], grad_scale: float | None) -> None:
+        """One fused launch per (group, device) over ``segments`` (steps counted here)."""
+        buckets: dict[tuple[int, torch.device], list[_Segment]] = {}
+        for seg in segments:
+            buckets.setdefault((id(seg.group), seg.param.device), []).append(seg)
+        for (_, device), segs in buckets.items():
+            hyper = AdamHyper.of_group(segs[0].group)
+            grads = [seg.grad if seg.grad is not None else seg.param.grad for seg in segs]
+            for g in grads:
+                if g is None or g.is_sparse:
+                    raise RuntimeError("HybridAdam: a parameter has no dense gradient")
+            steps = [seg.step for seg in segs]
+            torch._foreach_add_(steps, 1.0)
+            scale = None
+            if grad_scale is not None and grad_scale != 1.0:
+                scale = torch.full((), grad_scale, dtype=torch.float32, device=device)
+            fused_adam_(
+                [seg.param for seg in segs],
+                cast(list[torch.Tensor], grads),
+                [seg.exp_avg for seg in segs],
+                [seg.exp_avg_sq for seg in segs],
+                steps,
+                hyper,
+                scale,
+            )
+
+    @torch.no_grad()
+    def step_region(self, r: int, grad_scale: float | None = None) -> bool:
+        """Step region ``r``'s parameters and publish its new weights; False if it had none.
+
+        Gradients are divided by ``grad_scale`` first (loss scale over clip coefficient).
+        Usable from a grad-ready hook: call it on the host worker for a host-state region,
+        on the main thread for a device-state one (see [Note: region segments]).
+        """
+        self._ensure_laid_out()
+        rs = self._regions.get(r)
+        if rs is None:
+            return False
+        controller = self._require_controller()
+        start = time.perf_counter()
+        segments = [seg for seg in rs.segments if self._segment_has_grad(seg)]
+        if not segments:
+            return False
+        self._run(segments, grad_scale)
+        controller.publish(r)
+        self.timings.append(
+            RegionStepTiming(r, start, time.perf_counter(), host=rs.storage.host_state)
+        )
+        return True
+
+    def _step_region_task(self, r: int, grad_scale: float | None) -> None:
+        self.step_region(r, grad_scale)
+
+    @torch.no_grad()
+    def step_plain(self, grad_scale: float | None = None) -> None:
+        """Step the plain (non-region) parameters that have gradients."""
+        self._ensure_laid_out()
+        segments = [seg for seg in self._plain if seg.param.grad is not None]
+        if segments:
+            self._run(segments, grad_scale)
+
+    def step_regions(
+        self,
+        regions: Iterable[int] | None = None,
+        grad_scale: float | None = None,
+        *,
+        plain: bool = True,
+    ) -> None:
+        """Step ``regions`` (default: all) and, if ``plain``, the plain parameters; wait.
+
+        Host-state regions are queued on the host worker in forward order and run while
+        this thread steps the device-state regions; returns when all are done (a host sync
+        point).
+        """
+        chosen = self.region_indices if regions is None else sorted(regions)
+        chosen = [r for r in chosen if r in self._regions]
+        controller = self._require_controller() if chosen else self._controller
+        for r in chosen:
+            if self._regions[r].storage.host_state:
+                assert controller is not None
+                controller.submit_host(partial(self._step_region_task, r, grad_scale))
+        for r in chosen:
+            if not self._regions[r].storage.host_state:
+                self.step_region(r, grad_scale)
+        if plain:
+            self.step_plain(grad_scale)
+        if controller is not None:
+            controller.wait_host()
+
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """Step every parameter that has a gradient; returns ``closure()`` if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.step_regions()
+        return loss
+
+    def _require_controller(self) -> OffloadController:
+        if self._controller is None:
+            raise RuntimeError(
+                "HybridAdam steps OffloadModule master weights only when bound to the module: "
+                "pass module=... to HybridAdam, call optimizer.bind(module), or wrap the "
+                "optimizer in AMPOptimizer(optimizer, module)"
+            )
+        return self._controller
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Like ``torch.optim.Optimizer.zero_grad``; waits for host work first.
+
+        With ``set_to_none`` the runtime zeroes each region's accumulator when the region's
+        next gradients arrive (on the host worker for host-state regions), off this thread.
+        """
+        if self._controller is not None:
+            self._controller.wait_host()
+        super().zero_grad(set_to_none)
+
+    # ---- checkpoints ---------------------------------------------------------------
+
+    def _ordered_params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's optimizer format (``state`` by parameter index, ``param_groups``).
+
+        Moments are copied to CPU tensors in their stored dtype; ``step`` is a 0-dim fp32
+        tensor, as ``torch.optim.AdamW(fused=True)`` keeps it, so either can load the other's.
+        """
+        if self._controller is not None:
+            self._controller.wait_host()
+        self._ensure_laid_out()
+        groups = []
+        index = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(packed)
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for i, p in enumerate(self._ordered_params()):
+            entry = self.state.get(p)
+            if entry:
+                state[i] = {k: v.detach().to("cpu", copy=True) for k, v in entry.items()}
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load :meth:`state_dict` output (or a ``torch.optim.Adam``/``AdamW`` one).
+
+        The parameter groups must have the same sizes in the same order. Parameters stepped
+        together in one segment must carry the same step count.
+        """
+        if self._controller is not None:
+            self._controller.wait_host()
+        self._ensure_laid_out()
+        saved_groups = state_dict.get("param_groups")
+        saved_state = state_dict.get("state")
+        if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+            raise ValueError("optimizer state_dict needs 'state' and 'param_groups' entries")
+        sizes = [len(g["params"]) for g in self.param_groups]
+        saved_sizes = [len(g["params"]) for g in saved_groups]
+        if sizes != saved_sizes:
+            raise ValueError(
+                f"optimizer state_dict has parameter groups of sizes {saved_sizes}, this "
+                f"optimizer {sizes}; build the optimizer over the same parameters"
+            )
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for key, value in saved.items():
+                if key != "params":
+                    group[key] = tuple(value) if key == "betas" else value
+        index_of = {}
+        for group, saved in zip(self.param_groups, saved_groups, strict=True):
+            for p, saved_index in zip(group["params"], saved["params"], strict=True):
+                index_of[p] = saved_index
+        segments = [seg for rs in self._regions.values() for seg in rs.segments] + self._plain
+        with torch.no_grad():
+            for seg in segments:
+                entries = [
+                    saved_state.get(index_of[p], saved_state.get(str(index_of[p])))
+                    for p in seg.views
+                ]
+                if all(e is None for e in entries):
+                    for p in seg.views:
+                        self.state[p]["exp_avg"].zero_()
+                        self.state[p]["exp_avg_sq"].zero_()
+                    seg.step.zero_()
+                    continue
+                if any(e is None for e in entries):
+                    raise ValueError(
+                        "optimizer state_dict has state for some parameters of one region "
+                        "segment but not for others; save and load the whole optimizer"
+                    )
+                steps = {float(cast(dict[str, Any], e)["step"]) for e in entries}
+                if len(steps) != 1:
+                    raise ValueError(
+                        f"parameters stepped together have different step counts {sorted(steps)}"
+                        " in the optimizer state_dict; HybridAdam keeps one count per segment"
+                    )
+                for p, e in zip(seg.views, entries, strict=True):
+                    entry = cast(dict[str, torch.Tensor], e)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        src = entry[key]
+                        dst = self.state[p][key]
+                        if tuple(src.shape) != tuple(dst.shape):
+                            raise ValueError(
+                                f"optimizer state_dict {key} has shape {tuple(src.shape)}, "
+                                f"the parameter {tuple(dst.shape)}"
+                            )
+                        dst.copy_(src)
+                step = steps.pop()
+                if not math.isfinite(step) or step < 0:
+                    raise ValueError(f"optimizer state_dict step count {step} is invalid")
+                seg.step.fill_(step)

@@ -1,0 +1,207 @@
+"""Shared helpers of the offload-optim tests: a tiny GPT-2 and hand-made offload plans.
+
+The plans mix every kind of region the runtime has, so that one model exercises them all:
+parameters resident or offloaded (sync or async prefetch), and master weights plus Adam
+state on the host or on the "device" (on a CPU-only machine both are host memory, but they
+take different code paths: host-state regions go through the gradient staging buffer and
+the host worker, device-state regions are stepped on the main thread).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from offload_runtime.module import OffloadModule
+from offload_solver import ParamPlacement, Plan, Region, RegionPlan, StatePlacement
+
+VOCAB = 96
+SEQ = 8
+
+
+class LogitsOnly(torch.nn.Module):
+    """``forward(input_ids, attention_mask) -> logits`` around a Hugging Face model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.logits  # type: ignore[no-any-return]
+
+
+def tiny_gpt2(layers: int = 3, width: int = 32, seed: int = 0) -> torch.nn.Module:
+    """A deterministic (dropout off) GPT-2 small enough for fast CPU tests."""
+    torch.manual_seed(seed)
+    cfg = GPT2Config(
+        n_embd=width,
+        n_layer=layers,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LogitsOnly(GPT2LMHeadModel(cfg))
+
+
+def batch(step: int, size: int = 4) -> dict[str, torch.Tensor]:
+    """The (deterministic) batch of a training step."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+    return {"input_ids": ids, "attention_mask": torch.ones(size, SEQ, dtype=torch.long)}
+
+
+def loss_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Shifted next-token cross-entropy, computed in fp32."""
+    shift = logits[:, :-1].float().reshape(-1, logits.shape[-1])
+    return torch.nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
+
+
+def _regions(
+    gm: torch.fx.GraphModule, canon: dict[str, str], numel: dict[str, int], min_numel: int
+) -> tuple[tuple[str, ...], list[tuple[int, int, tuple[str, ...]]]]:
+    """Operation names, and regions cut where an operation first uses a new parameter.
+
+    Consecutive cuts are merged until a region holds at least ``min_numel`` elements, as
+    the solver's region builder does, so that a model has a handful of regions.
+    """
+    ops = [n for n in gm.graph.nodes if n.op in ("call_function", "call_module", "call_method")]
+    owned: set[str] = set()
+    cuts: list[tuple[int, list[str]]] = []
+    for i, node in enumerate(ops):
+        new = []
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr" and isinstance(arg.target, str) and arg.target in canon:
+                name = canon[arg.target]
+                if name not in owned:
+                    owned.add(name)
+                    new.append(name)
+        if not new:
+            continue
+        if cuts and sum(numel[p] for p in cuts[-1][1]) < min_numel:
+            cuts[-1][1].extend(new)
+        else:
+            cuts.append((i if cuts else 0, new))
+    regions = []
+    for k, (start, names) in enumerate(cuts):
+        end = cuts[k + 1][0] if k + 1 < len(cuts) else len(ops)
+        regions.append((start, end, tuple(names)))
+    return tuple(n.name for n in ops), regions
+
+
+def _placement(k: int, last: int, pinned: bool) -> tuple[ParamPlacement, StatePlacement]:
+    """Cycle through every region kind; the first and last regions stay resident."""
+    if pinned or k in (0, last):
+        return ParamPlacement.RESIDENT, StatePlacement.HOST if k == 0 else StatePlacement.DEVICE
+    kinds = [
+        (ParamPlacement.SYNC, StatePlacement.HOST),
+        (ParamPlacement.RESIDENT, StatePlacement.DEVICE),
+        (ParamPlacement.ASYNC, StatePlacement.HOST),
+        (ParamPlacement.RESIDENT, StatePlacement.HOST),
+    ]
+    return kinds[(k - 1) % len(kinds)]
+
+
+def offload_module(
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    min_region_numel: int = 2000,
+    all_host_state: bool = False,
+) -> OffloadModule:
+    """An OffloadModule over a copy of ``model`` with a hand-made mixed plan.
+
+    ``model`` itself is left untouched, so it can be trained in parallel as the reference.
+    """
+    device = torch.device(device)
+    model = copy.deepcopy(model).to(device=device, dtype=dtype)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    canon: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, p in named.items():
+        first.setdefault(id(p), name)
+        canon[name] = first[id(p)]
+    ep = torch.export.export(model, (), inputs, strict=False)
+    gm = ep.module()
+    numel = {name: p.numel() for name, p in named.items()}
+    op_names, regions = _regions(gm, canon, numel, min_region_numel)
+    tied = tuple(
+        tuple(n for n in named if canon[n] == c)
+        for c in dict.fromkeys(canon.values())
+        if sum(1 for n in named if canon[n] == c) > 1
+    )
+    tied_owners = {group[0] for group in tied}
+    plans = []
+    async_slot = 0
+    for k, (start, end, names) in enumerate(regions):
+        size = sum(numel[p] for p in names)
+        pinned = any(p in tied_owners for p in names)
+        placement, state = _placement(k, len(regions) - 1, pinned)
+        if all_host_state:
+            state = StatePlacement.HOST
+        region = Region(
+            index=k,
+            op_start=start,
+            op_end=end,
+            param_names=names,
+            numel=size,
+            size_bytes=size * 4,
+            pinned=pinned,
+        )
+        if placement is ParamPlacement.SYNC:
+            plans.append(RegionPlan(region, placement, state, pool_offset_bytes=0))
+        elif placement is ParamPlacement.ASYNC:
+            async_slot += 1
+            plans.append(
+                RegionPlan(
+                    region,
+                    placement,
+                    state,
+                    prefetch_at=min(k + 1, len(regions) - 1),
+                    pool_offset_bytes=10**7 * (1 + async_slot % 2),
+                )
+            )
+        else:
+            plans.append(RegionPlan(region, placement, state))
+    plan = Plan(
+        solver="hand",
+        budget_bytes=1,
+        regions=tuple(plans),
+        predicted_peak_bytes=0,
+        predicted_step_time_s=0.0,
+        timeline=(),
+        memory_curve=(),
+        pool_size_bytes=0,
+    )
+    targets = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    return OffloadModule(
+        plan=plan,
+        graph_train=gm,
+        graph_eval=copy.deepcopy(gm),
+        param_targets={t: t for t in targets if isinstance(t, str) and t in canon},
+        canonical=canon,
+        buffers={},
+        state=named,
+        device=device,
+        dtype=dtype,
+        op_names=op_names,
+        tied_groups=tied,
+    )
+
+
+def region_kinds(module: OffloadModule) -> Iterator[tuple[bool, bool]]:
+    """(offloaded, host_state) of every region, to check a plan covers every kind."""
+    for st in module.storages:
+        yield st.offloaded, st.host_state
