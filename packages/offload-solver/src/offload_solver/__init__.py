@@ -5,6 +5,7 @@ then call :func:`solve` to get a :class:`Plan`. Nothing here imports anything ou
 Python standard library.
 """
 
+from offload_solver.hardware import default_hardware
 from offload_solver.model import (
     SCHEMA_VERSION,
     BandwidthPoint,
@@ -22,11 +23,28 @@ from offload_solver.model import (
     TimelineInterval,
     parse_bytes,
 )
+from offload_solver.regions import RegionLayout, build_regions, search_block_size
+from offload_solver.simulators import (
+    RegionAssignment,
+    SimulationContext,
+    SimulationResult,
+    get_simulator,
+    simulate,
+)
+from offload_solver.solve import (
+    BUDGET_SAFETY_FACTOR,
+    InfeasibleBudgetError,
+    least_budget_bytes,
+    solve,
+)
+from offload_solver.solvers import get_solver
 
 __all__ = [
+    "BUDGET_SAFETY_FACTOR",
     "SCHEMA_VERSION",
     "BandwidthPoint",
     "HardwareProfile",
+    "InfeasibleBudgetError",
     "MemorySample",
     "ModelProfile",
     "Operation",
@@ -34,9 +52,21 @@ __all__ = [
     "Parameter",
     "Plan",
     "Region",
+    "RegionAssignment",
+    "RegionLayout",
     "RegionPlan",
+    "SimulationContext",
+    "SimulationResult",
     "StatePlacement",
     "Stream",
     "TimelineInterval",
+    "build_regions",
+    "default_hardware",
+    "get_simulator",
+    "get_solver",
+    "least_budget_bytes",
     "parse_bytes",
+    "search_block_size",
+    "simulate",
+    "solve",
 ]

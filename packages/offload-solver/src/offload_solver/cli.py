@@ -1,0 +1,109 @@
+"""``offload-solve``: plan a profile from the command line.
+
+    offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json] [-o PLAN.json]
+    python -m offload_solver PROFILE.json --budget 16GiB
+
+Prints one line per region (operations, MiB, placement, optimizer state, backward prefetch
+host) and the predicted peak and step time. Bad input prints a message and exits with 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from offload_solver.hardware import default_hardware
+from offload_solver.model import HardwareProfile, ModelProfile, Plan, parse_bytes
+from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
+from offload_solver.solvers import SOLVERS
+
+MiB = 2**20
+GiB = 2**30
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="offload-solve",
+        description="Plan parameter offload for one training step under a device memory budget.",
+    )
+    p.add_argument("profile", type=Path, help="ModelProfile JSON (e.g. from offload-trace)")
+    p.add_argument("--budget", required=True, help="device memory budget, e.g. 16GiB, 16GB, 512MiB")
+    p.add_argument("--solver", default="asyn", help=f"one of {', '.join(sorted(SOLVERS))}")
+    p.add_argument(
+        "--hardware",
+        type=Path,
+        help="HardwareProfile JSON (default: a PCIe Gen5 H200-like machine)",
+    )
+    p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
+    return p
+
+
+def _read(path: Path, what: str) -> str:
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} file {str(path)!r}: {exc.strerror}") from None
+
+
+def format_plan(plan: Plan) -> str:
+    """A short table of the plan's regions and its predictions."""
+    lines = [
+        f"{'region':>6} {'ops':>13} {'MiB':>10} {'placement':>9} {'state':>6} {'prefetch_at':>11}"
+    ]
+    for rp in plan.regions:
+        reg = rp.region
+        ops = f"{reg.op_start}-{reg.op_end - 1}"
+        pf = "" if rp.prefetch_at is None else str(rp.prefetch_at)
+        pin = "*" if reg.pinned else ""
+        lines.append(
+            f"{reg.index:>6} {ops:>13} {reg.size_bytes / MiB:>10.2f} "
+            f"{rp.placement.value + pin:>9} {rp.state.value:>6} {pf:>11}"
+        )
+    n_off = sum(rp.placement.value != "resident" for rp in plan.regions)
+    lines.append("(* pinned: owns a parameter used outside its operations)")
+    lines.append(
+        f"solver {plan.solver}: {n_off}/{len(plan.regions)} regions offloaded; "
+        f"predicted peak {plan.predicted_peak_bytes / GiB:.3f} GiB of "
+        f"{plan.budget_bytes * BUDGET_SAFETY_FACTOR / GiB:.3f} GiB planned "
+        f"({BUDGET_SAFETY_FACTOR} x budget {plan.budget_bytes / GiB:.3f} GiB), "
+        f"pool {plan.pool_size_bytes / MiB:.1f} MiB; "
+        f"predicted step {plan.predicted_step_time_s * 1e3:.2f} ms; "
+        f"solved in {plan.solve_time_s:.3f} s with {plan.num_simulations} simulations"
+    )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit code (0 ok, 2 bad input or no feasible plan)."""
+    args = _parser().parse_args(argv)
+    try:
+        budget = parse_bytes(args.budget)
+        profile = ModelProfile.from_json(_read(args.profile, "profile"))
+        if args.hardware is not None:
+            hardware = HardwareProfile.from_json(_read(args.hardware, "hardware"))
+        else:
+            hardware = default_hardware()
+        plan = solve(profile, hardware, budget, solver=args.solver)
+        if args.output is not None:
+            try:
+                args.output.write_text(plan.to_json())
+            except OSError as exc:
+                raise ValueError(
+                    f"cannot write plan file {str(args.output)!r}: {exc.strerror}"
+                ) from None
+    except InfeasibleBudgetError as exc:
+        print(f"offload-solve: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"offload-solve: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_plan(plan))
+    if args.output is not None:
+        print(f"plan written to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised through __main__.py
+    sys.exit(main())

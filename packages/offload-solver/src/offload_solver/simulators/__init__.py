@@ -1,0 +1,64 @@
+"""Training-step simulators, registered by name.
+
+All strategies share one interface (:class:`Simulator`): ``run(ctx, assignment)`` for the
+raw outcome a solver reads and ``simulate(ctx, assignment)`` for a
+:class:`SimulationResult` with timelines and memory curves. The model they implement is
+[Note: step model] in ``offload_solver.simulators._engine``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from offload_solver.model import HardwareProfile, ModelProfile
+from offload_solver.simulators._engine import (
+    RegionAssignment,
+    SimulationContext,
+    SimulationResult,
+)
+from offload_solver.simulators.asynchronous import AsyncSimulator
+from offload_solver.simulators.base import Simulator
+from offload_solver.simulators.sync import SyncSimulator
+
+SIMULATORS: dict[str, Simulator] = {
+    SyncSimulator.name: SyncSimulator(),
+    AsyncSimulator.name: AsyncSimulator(),
+}
+
+
+def get_simulator(name: str) -> Simulator:
+    """The simulator registered as ``name``; ``ValueError`` listing the known ones if none."""
+    try:
+        return SIMULATORS[name]
+    except KeyError:
+        known = ", ".join(repr(k) for k in sorted(SIMULATORS))
+        raise ValueError(f"Simulator {name!r} is not registered; known: {known}") from None
+
+
+def simulate(
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    assignment: Sequence[RegionAssignment],
+    simulator: str = "async",
+) -> SimulationResult:
+    """Simulate one training step of ``profile`` on ``hardware``.
+
+    ``assignment`` has one entry per region of ``build_regions(profile)``. For many
+    simulations of one profile, build a :class:`SimulationContext` once and call
+    ``get_simulator(name).simulate(ctx, assignment)``.
+    """
+    ctx = SimulationContext.build(profile, hardware)
+    return get_simulator(simulator).simulate(ctx, assignment)
+
+
+__all__ = [
+    "SIMULATORS",
+    "AsyncSimulator",
+    "RegionAssignment",
+    "SimulationContext",
+    "SimulationResult",
+    "Simulator",
+    "SyncSimulator",
+    "get_simulator",
+    "simulate",
+]

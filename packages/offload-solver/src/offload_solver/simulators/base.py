@@ -1,0 +1,35 @@
+"""The interface every simulator strategy implements (see [Note: step model] in _engine)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from offload_solver.simulators._engine import (
+    EngineRun,
+    RegionAssignment,
+    SimulationContext,
+    SimulationResult,
+    run,
+    to_result,
+)
+
+
+class Simulator:
+    """A strategy for simulating one training step; subclasses set what they model."""
+
+    name: ClassVar[str] = ""
+    allow_async: ClassVar[bool] = True
+    """Whether ASYNC (prefetched) regions are part of this strategy's model."""
+
+    def run(self, ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> EngineRun:
+        """Simulate and keep the raw run (what solvers read); raises ``ValueError`` on a bad
+        assignment."""
+        ctx.validate(assignment, allow_async=self.allow_async)
+        return run(ctx, assignment)
+
+    def simulate(
+        self, ctx: SimulationContext, assignment: Sequence[RegionAssignment]
+    ) -> SimulationResult:
+        """Simulate and expand the run into timelines and memory curves."""
+        return to_result(ctx, self.run(ctx, assignment))

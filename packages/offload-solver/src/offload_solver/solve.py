@@ -1,0 +1,157 @@
+"""``solve``: from a model profile, a machine and a budget to a plan.
+
+The steps, shared by every solver strategy:
+
+1. If every region resident with its optimizer state on the device fits, that is the
+   plan: nothing moves and nothing waits for the host.
+2. Otherwise start from every region resident with optimizer state on the host and let
+   the strategy (``syn``, ``asyn``) offload regions until the simulated peak fits.
+3. Where the budget leaves room, move resident regions' optimizer state back to the
+   device, the one saving most step time first (``GreedySearch.place_optimizer_state``).
+4. If the strategy cannot fit the budget, fall back to the floor plan: every non-pinned
+   region uploaded synchronously and all optimizer state on the host (one pool block,
+   the fewest resident bytes). If even that does not fit, raise
+   :class:`InfeasibleBudgetError` naming the least budget at which step 4 succeeds, so
+   solving again with it always succeeds.
+
+All planning is against ``budget * BUDGET_SAFETY_FACTOR``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+from offload_solver.model import (
+    HardwareProfile,
+    ModelProfile,
+    ParamPlacement,
+    Plan,
+    RegionPlan,
+    StatePlacement,
+)
+from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
+from offload_solver.simulators._engine import to_result
+from offload_solver.solvers import get_solver
+from offload_solver.solvers._search import GreedySearch, SolveStats
+
+BUDGET_SAFETY_FACTOR = 0.95
+"""Solvers plan against this fraction of the budget: the simulator's estimates of memory
+(allocator rounding, fragmentation, workspaces) are not exact."""
+
+GiB = 2**30
+
+
+class InfeasibleBudgetError(ValueError):
+    """No plan fits the budget; ``least_budget_bytes`` is the least budget that does."""
+
+    def __init__(self, budget_bytes: int, least_budget_bytes: int, floor_peak_bytes: int):
+        self.budget_bytes = budget_bytes
+        self.least_budget_bytes = least_budget_bytes
+        self.floor_peak_bytes = floor_peak_bytes
+        super().__init__(
+            f"memory budget {budget_bytes} bytes ({budget_bytes / GiB:.3f} GiB) is too small: "
+            f"the least budget that works is {least_budget_bytes} bytes "
+            f"({least_budget_bytes / GiB:.3f} GiB). Even with every non-pinned region "
+            f"offloaded and all optimizer state on the host the predicted peak is "
+            f"{floor_peak_bytes} bytes, and plans must fit {BUDGET_SAFETY_FACTOR} of the budget"
+        )
+
+
+def least_budget_bytes(peak_bytes: int) -> int:
+    """The smallest integer budget whose planning share holds ``peak_bytes``."""
+    budget = max(1, math.ceil(peak_bytes / BUDGET_SAFETY_FACTOR))
+    while budget * BUDGET_SAFETY_FACTOR < peak_bytes:
+        budget += 1
+    while budget > 1 and (budget - 1) * BUDGET_SAFETY_FACTOR >= peak_bytes:
+        budget -= 1
+    return budget
+
+
+def _check_budget(budget_bytes: object) -> int:
+    if (
+        isinstance(budget_bytes, bool)
+        or not isinstance(budget_bytes, (int, float))
+        or not math.isfinite(budget_bytes)
+        or budget_bytes <= 0
+    ):
+        raise ValueError(
+            f"budget_bytes is {budget_bytes!r}; it must be a positive number of bytes, "
+            "e.g. 16 * 2**30 for 16 GiB"
+        )
+    return int(budget_bytes)
+
+
+def solve(
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    budget_bytes: int,
+    solver: str = "asyn",
+) -> Plan:
+    """Plan which regions to offload, how to bring them back and where optimizer state lives.
+
+    Raises:
+        ValueError: a non-positive budget or an unknown solver name.
+        InfeasibleBudgetError: no plan fits; the error carries ``least_budget_bytes``.
+    """
+    t0 = time.perf_counter()
+    budget = _check_budget(budget_bytes)
+    strategy = get_solver(solver)
+    simulator = get_simulator(strategy.simulator)
+    ctx = SimulationContext.build(profile, hardware)
+    cap = budget * BUDGET_SAFETY_FACTOR
+    stats = SolveStats()
+    n_reg = ctx.num_regions
+
+    on_device = [RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)] * n_reg
+    stats.num_simulations += 1
+    first = simulator.run(ctx, on_device)
+    if first.peak_bytes <= cap:
+        chosen, result = on_device, first
+    else:
+        start = [RegionAssignment()] * n_reg
+        search = GreedySearch(ctx, simulator, cap, stats, start)
+        all_resident_peak = search.peak_bytes
+        if not strategy.offload(search):
+            floor = [
+                RegionAssignment(ParamPlacement.SYNC)
+                if not ctx.pinned[r] and ctx.size[r] > 0
+                else RegionAssignment()
+                for r in range(n_reg)
+            ]
+            floor_run = search.simulate(floor)
+            if floor_run.peak_bytes > cap:
+                floor_peak = min(floor_run.peak_bytes, all_resident_peak)
+                raise InfeasibleBudgetError(budget, least_budget_bytes(floor_peak), floor_peak)
+            search.reset(floor, floor_run)
+        search.place_optimizer_state()
+        chosen, result = search.assignment, search.current
+
+    detail = to_result(ctx, result)
+    regions = tuple(
+        RegionPlan(
+            region=ctx.regions[r],
+            placement=a.placement,
+            state=a.state,
+            prefetch_at=a.prefetch_at,
+            pool_offset_bytes=(None if b is None else b * ctx.block_size_bytes),
+        )
+        for r, (a, b) in enumerate(zip(chosen, detail.pool_blocks, strict=True))
+    )
+    return Plan(
+        solver=strategy.name,
+        budget_bytes=budget,
+        regions=regions,
+        predicted_peak_bytes=detail.peak_bytes,
+        predicted_step_time_s=detail.step_time_s,
+        timeline=detail.timeline,
+        memory_curve=detail.memory_curve,
+        pool_size_bytes=detail.pool_size_bytes,
+        model_name=profile.name,
+        hardware_name=hardware.name,
+        solve_time_s=time.perf_counter() - t0,
+        num_simulations=stats.num_simulations,
+    )
+
+
+__all__ = ["BUDGET_SAFETY_FACTOR", "InfeasibleBudgetError", "least_budget_bytes", "solve"]

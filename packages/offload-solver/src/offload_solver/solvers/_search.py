@@ -1,0 +1,316 @@
+"""Greedy search state shared by the solvers: the current assignment and cheap estimates.
+
+[Note: incremental candidate evaluation]
+Simulating every candidate would cost a whole step per candidate per greedy round, which
+is quadratic in the number of regions. Instead each round simulates the current
+assignment once, runs a critical-path analysis over its tasks (``_engine.slack``: how
+late each task could start without ending the step later), and estimates every candidate
+from a handful of per-region numbers:
+
+- Memory. Offloaded regions live in the pool, so offloading region r lowers the static
+  bytes by its size, as long as some existing pool block is free during r's lifetimes
+  (read off the current timeline and the lifetimes of nearby offloaded regions); otherwise
+  it needs another block. Candidates that fit the existing blocks are preferred (the
+  first block is free: any offload needs one); among them, or when none fits, the one
+  with most bytes saved per second of extra time wins.
+- Time. A candidate inserts delays: a sync upload delays region r's forward and
+  backward computes by the upload time; a prefetch delays r's compute by however much it
+  ends after the compute would otherwise start, and delays the next H2D transfer by
+  however much it overlaps it. A delay ``d`` at a task with slack ``s`` lengthens the step
+  by ``max(0, d - s)``; a forward delay is assumed to reach the backward in full, so the
+  estimate errs long.
+
+The chosen candidate is then simulated in full (``num_simulations`` counts these runs),
+and the next round starts from that simulation, so an estimate's error never carries
+into the plan, only into which candidate is tried.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.simulators._engine import (
+    ASYNC,
+    RESIDENT,
+    EngineRun,
+    RegionAssignment,
+    SimulationContext,
+    first_fit,
+    overlaps,
+    slack,
+)
+from offload_solver.simulators.base import Simulator
+
+_EPS_S = 1e-12
+"""Times within this many seconds count as equal (float noise in summed durations)."""
+
+
+@dataclass(frozen=True)
+class Move:
+    """One candidate change: give ``region`` a new placement (and backward prefetch host)."""
+
+    region: int
+    placement: ParamPlacement
+    prefetch_at: int | None = None
+
+
+@dataclass
+class SolveStats:
+    """Counters a solve reports in its plan."""
+
+    num_simulations: int = 0
+
+
+class GreedySearch:
+    """The current assignment of a greedy solver and its latest full simulation."""
+
+    def __init__(
+        self,
+        ctx: SimulationContext,
+        simulator: Simulator,
+        cap_bytes: float,
+        stats: SolveStats,
+        start: Sequence[RegionAssignment],
+    ) -> None:
+        self.ctx = ctx
+        self.simulator = simulator
+        self.cap_bytes = cap_bytes
+        self.stats = stats
+        self.assignment = list(start)
+        self.current = self.simulate(self.assignment)
+        self._slack: list[float] | None = None
+        self._next_fwd_prefetch: list[int] | None = None
+        self._window: int | None = None
+
+    # ---- state ---------------------------------------------------------------------
+
+    def simulate(self, assignment: Sequence[RegionAssignment]) -> EngineRun:
+        """A full simulation, counted."""
+        self.stats.num_simulations += 1
+        return self.simulator.run(self.ctx, assignment)
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.current.peak_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.current.peak_bytes <= self.cap_bytes
+
+    def reset(self, assignment: Sequence[RegionAssignment], result: EngineRun) -> None:
+        """Make ``assignment`` (simulated as ``result``) the current state."""
+        self.assignment = list(assignment)
+        self.current = result
+        self._slack = None
+        self._next_fwd_prefetch = None
+        self._window = None
+
+    def try_assignment(self, assignment: Sequence[RegionAssignment]) -> EngineRun:
+        """Simulate ``assignment`` and make it current (callers keep the previous state to
+        go back with ``reset``)."""
+        result = self.simulate(assignment)
+        self.reset(assignment, result)
+        return result
+
+    def slack(self) -> list[float]:
+        """Per task slack of the current run (computed once per run)."""
+        if self._slack is None:
+            self._slack = slack(self.current)
+        return self._slack
+
+    def offloadable(self) -> list[int]:
+        """Resident, non-pinned regions that own parameter bytes."""
+        ctx = self.ctx
+        codes = self.current.codes
+        return [
+            r
+            for r in range(ctx.num_regions)
+            if codes[r] == RESIDENT and not ctx.pinned[r] and ctx.size[r] > 0
+        ]
+
+    def apply(self, move: Move) -> EngineRun:
+        """Offload (or re-place) ``move.region`` as the move says and simulate."""
+        asg = list(self.assignment)
+        asg[move.region] = RegionAssignment(move.placement, StatePlacement.HOST, move.prefetch_at)
+        return self.try_assignment(asg)
+
+    # ---- estimates (see the note) -------------------------------------------------
+
+    def window(self) -> int:
+        """Longest backward prefetch distance in the current assignment (at least 1)."""
+        if self._window is None:
+            run = self.current
+            self._window = max(
+                [1] + [run.prefetch_at[j] - j for j, c in enumerate(run.codes) if c == ASYNC]
+            )
+        return self._window
+
+    def next_fwd_prefetch(self) -> list[int]:
+        """Per region r, the forward prefetch task of the first async region after r."""
+        if self._next_fwd_prefetch is None:
+            run = self.current
+            out = [-1] * self.ctx.num_regions
+            nxt = -1
+            for r in range(self.ctx.num_regions - 1, -1, -1):
+                out[r] = nxt
+                if run.codes[r] == ASYNC:
+                    nxt = run.pf_f_task[r]
+            self._next_fwd_prefetch = out
+        return self._next_fwd_prefetch
+
+    def _estimate(self, move: Move) -> tuple[float, list[tuple[float, float]]]:
+        """(extra step seconds, device lifetimes) of ``move`` on the current timeline."""
+        run = self.current
+        sl = self.slack()
+        r = move.region
+        u = self.ctx.upload_s[r]
+        f_slack = sl[run.f_task[r]]
+        b_slack = sl[run.b_task[r]]
+        code = run.codes[r]
+        if move.placement is ParamPlacement.SYNC:
+            # Resident -> sync: an upload before each compute. Async -> sync (repair): the
+            # upload replaces the wait for the prefetch.
+            d_f = max(0.0, run.reach_f[r] + u - run.cs_f[r]) if code == ASYNC else u
+            d_b = max(0.0, run.reach_b[r] + u - run.cs_b[r]) if code == ASYNC else u
+            extra = max(0.0, d_f - f_slack, d_f + d_b - b_slack)
+            life = [(run.reach_f[r], run.ce_f[r]), (run.reach_b[r], run.ce_b[r])]
+            return extra, life
+        assert move.prefetch_at is not None
+        p = move.prefetch_at
+        start = run.start
+        # Forward prefetch, issued when the compute lane reaches region r-1.
+        s_f = 0.0 if r == 0 else max(run.reach_f[r - 1], run.h2d_free_at_reach_f[r - 1])
+        e_f = s_f + u
+        d_f = max(0.0, e_f - run.cs_f[r])
+        extra = max(0.0, d_f - f_slack)
+        nxt = self.next_fwd_prefetch()[r]
+        if nxt >= 0:
+            extra = max(extra, e_f - start[nxt] - sl[nxt])
+        # Backward prefetch, issued when the compute lane reaches region p's backward.
+        s_b = max(run.reach_b[p], run.h2d_free_after_b[p])
+        e_b = s_b + u
+        d_b = max(0.0, e_b - run.cs_b[r])
+        extra = max(extra, d_f + d_b - b_slack)
+        pos = run.h2d_pos_after_b[p]
+        if pos < len(run.h2d_order):
+            nb = run.h2d_order[pos]
+            extra = max(extra, d_f + e_b - start[nb] - sl[nb])
+        life = [(s_f, run.ce_f[r]), (s_b, run.ce_b[r])]
+        return extra, life
+
+    def needs_new_block(self, r: int, life: Sequence[tuple[float, float]], reach: int) -> bool:
+        """Whether every existing pool block is held by a region coexisting with ``life``."""
+        run = self.current
+        have = max(run.num_blocks, 1)
+        used: set[int] = set()
+        lo = max(0, r - self.window() - 2)
+        hi = min(self.ctx.num_regions, max(r, reach) + 3)
+        for j in range(lo, hi):
+            if j != r and run.codes[j] and overlaps(run.lifetimes[j], life):
+                used.add(run.blocks[j])
+                if len(used) >= have:
+                    return True
+        return False
+
+    def choose(self, moves: Sequence[Move]) -> Move:
+        """The move to make next: fits the pool's blocks, then most bytes per second."""
+        ctx = self.ctx
+        scored = []
+        for i, m in enumerate(moves):
+            extra, life = self._estimate(m)
+            size = ctx.size[m.region]
+            ratio = size / extra if extra > _EPS_S else math.inf
+            p = m.prefetch_at if m.prefetch_at is not None else m.region
+            scored.append((-ratio, -size, m.region, p, i, life))
+        scored.sort(key=lambda x: x[:5])
+        for _, _, r, p, i, life in scored:
+            if not self.needs_new_block(r, life, p):
+                return moves[i]
+        return moves[scored[0][4]]
+
+    # ---- repair ---------------------------------------------------------------------
+
+    def repair(self) -> bool:
+        """Turn the async prefetch whose sync upload frees most pool bytes per second back
+        into a sync upload; ``False`` when none lowers the simulated peak."""
+        run = self.current
+        ctx = self.ctx
+        offloaded = [r for r, c in enumerate(run.codes) if c]
+        window = self.window()
+        tried: list[tuple[float, int, int]] = []
+        for r in offloaded:
+            if run.codes[r] != ASYNC:
+                continue
+            extra, life = self._estimate(Move(r, ParamPlacement.SYNC))
+            adjacent = dict(run.adjacent)
+            for j in run.adjacent[r]:
+                adjacent[j] = adjacent[j] - {r}
+            adjacent[r] = set()
+            lo, hi = max(0, r - window - 2), min(ctx.num_regions, r + window + 3)
+            for j in range(lo, hi):
+                if j != r and run.codes[j] and overlaps(run.lifetimes[j], life):
+                    adjacent[j] = adjacent[j] | {r}
+                    adjacent[r].add(j)
+            blocks = first_fit(offloaded, adjacent)
+            freed = run.num_blocks - (max(blocks.values()) + 1)
+            if freed > 0:
+                saving = freed * ctx.block_size_bytes
+                ratio = saving / extra if extra > _EPS_S else math.inf
+                tried.append((-ratio, -saving, r))
+        tried.sort()
+        before_asg, before_run = list(self.assignment), run
+        for _, _, r in tried[:3]:
+            result = self.apply(Move(r, ParamPlacement.SYNC))
+            if result.peak_bytes < before_run.peak_bytes:
+                return True
+            self.reset(before_asg, before_run)
+        return False
+
+    # ---- optimizer state placement ----------------------------------------------------
+
+    def place_optimizer_state(self) -> None:
+        """Move resident regions' optimizer state to the device while the cap allows, the
+        region whose host step is on the critical path and longest first.
+
+        The host steps of the earliest forward regions run last, so they are usually the
+        critical tail of the step; a region whose host step has slack saves nothing and
+        keeps its state on the host. Each move is simulated and kept only if the peak
+        still fits and the step got shorter.
+        """
+        ctx = self.ctx
+        excluded: set[int] = set()
+        while True:
+            run = self.current
+            sl = self.slack()
+            best: tuple[float, int] | None = None
+            for r in range(ctx.num_regions):
+                if (
+                    run.codes[r] != RESIDENT
+                    or run.device_state[r]
+                    or ctx.numel[r] == 0
+                    or r in excluded
+                    or run.peak_bytes + ctx.state_bytes[r] > self.cap_bytes
+                ):
+                    continue
+                ht = run.host_task[r]
+                if ht < 0 or sl[ht] > _EPS_S:
+                    continue
+                gain = run.end[ht] - run.start[ht]
+                if best is None or gain > best[0]:
+                    best = (gain, r)
+            if best is None:
+                return
+            r = best[1]
+            before_asg, before_run = list(self.assignment), run
+            asg = list(self.assignment)
+            asg[r] = RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)
+            result = self.try_assignment(asg)
+            if (
+                result.peak_bytes > self.cap_bytes
+                or result.step_time_s >= before_run.step_time_s - _EPS_S
+            ):
+                self.reset(before_asg, before_run)
+                excluded.add(r)

@@ -1,0 +1,24 @@
+"""The interface every solver strategy implements."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+from offload_solver.solvers._search import GreedySearch
+
+
+class Solver:
+    """A strategy that offloads regions until the simulated peak fits.
+
+    ``offload`` starts from ``search``'s current assignment (everything resident, optimizer
+    state on the host), changes it through ``search`` and returns whether the peak now
+    fits ``search.cap_bytes``. Optimizer placement, the first all-device check and the
+    infeasibility error are shared and live in ``offload_solver.solve``.
+    """
+
+    name: ClassVar[str] = ""
+    simulator: ClassVar[str] = "async"
+    """Name of the registered simulator whose model this strategy plans for."""
+
+    def offload(self, search: GreedySearch) -> bool:
+        raise NotImplementedError

@@ -1,0 +1,207 @@
+"""Simulators: a hand-checked step, agreement with a brute-force reference, curve
+properties, sync/async agreement with nothing offloaded, the pool, and bad assignments."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from solver_helpers import (
+    assignments,
+    flat_hardware,
+    hardware_profiles,
+    profiles,
+    reference_simulate,
+)
+
+from offload_solver import (
+    HardwareProfile,
+    ModelProfile,
+    Operation,
+    Parameter,
+    ParamPlacement,
+    RegionAssignment,
+    SimulationContext,
+    StatePlacement,
+    Stream,
+    get_simulator,
+    simulate,
+)
+
+A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
+HOST, DEVICE = StatePlacement.HOST, StatePlacement.DEVICE
+
+
+def three_layers() -> ModelProfile:
+    params = tuple(Parameter(f"w{i}", 100, 200) for i in range(3))
+    ops = tuple(
+        Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000, bwd_flop=2000)
+        for i in range(3)
+    )
+    return ModelProfile("three", params, ops)
+
+
+def test_hand_checked_step() -> None:
+    # Upload and gradient copy 200 B at 1000 B/s = 0.2 s; forward 1 s, backward 2 s per
+    # region; host Adam 100 params at 1000/s = 0.1 s.
+    # Forward: pf(1) [0,0.2] issued as region 0 starts; F0 [0,1]; F1 [1,2]; region 2 sync:
+    #   upload [2,2.2], F2 [2.2,3.2].
+    # Backward: at 3.2 region 2 issues pf_b(1) [3.2,3.4] and uploads itself [3.2,3.4];
+    #   B2 [3.4,5.4], grad copy [5.4,5.6], host [5.6,5.7]; B1 [5.4,7.4] (prefetch done),
+    #   copy [7.4,7.6], host [7.6,7.7]; B0 [7.4,9.4], copy [9.4,9.6], host [9.6,9.7],
+    #   then resident region 0's updated parameters go up [9.7,9.9]: the step is 9.9 s.
+    # Lifetimes: region 1 [0,2) and [3.2,7.4), region 2 [2,3.2) and [3.2,5.4): they coexist,
+    #   so the pool has two 200 B blocks.
+    # Memory: static 200 (region 0) + pool 400; the highest level after the forward is the
+    #   gap after B2: saved of ops 0-1 (20) + region 2's gradient (200) until 5.6, which
+    #   op 1's backward at 5.4 also sees (20 + 200): peak 600 + 220 = 820.
+    #   Raw: at B2's start (3.4) regions 1 and 2 are both up: 200 + 400 + 30 = 630.
+    ctx = SimulationContext.build(three_layers(), flat_hardware(host_adam_params_per_s=1000.0))
+    assert ctx.block_size_bytes == 200 and ctx.num_regions == 3
+    asg = [RegionAssignment(R, HOST), RegionAssignment(A, HOST, 2), RegionAssignment(S, HOST)]
+    res = get_simulator("async").simulate(ctx, asg)
+    assert res.step_time_s == pytest.approx(9.9)
+    assert res.peak_bytes == 820
+    assert res.raw_peak_bytes == 630
+    assert res.coexisting == ((1, 2),)
+    assert res.pool_blocks == (None, 0, 1)
+    assert res.pool_size_bytes == 400
+    spans = {(iv.stream, iv.region, iv.kind): (iv.start_s, iv.end_s) for iv in res.timeline}
+    assert spans[Stream.H2D, 1, "prefetch"] == pytest.approx((3.2, 3.4))
+    assert spans[Stream.COMPUTE, 2, "upload"] == pytest.approx((3.2, 3.4))
+    assert spans[Stream.COMPUTE, 1, "bwd"] == pytest.approx((5.4, 7.4))
+    assert spans[Stream.D2H, 2, "grad_offload"] == pytest.approx((5.4, 5.6))
+    assert spans[Stream.HOST, 0, "host_step"] == pytest.approx((9.6, 9.7))
+    assert spans[Stream.H2D, 0, "param_upload"] == pytest.approx((9.7, 9.9))
+    assert max(m.bytes for m in res.memory_curve) == 820
+
+
+def test_device_state_and_device_step() -> None:
+    # All resident, region 1 keeps its optimizer state on the device: 100 params x 16 B
+    # resident, and its step (100 / 1e6 s) runs on compute after the backward.
+    profile = three_layers()
+    ctx = SimulationContext.build(profile, flat_hardware())
+    asg = [RegionAssignment(R, HOST), RegionAssignment(R, DEVICE), RegionAssignment(R, HOST)]
+    res = get_simulator("sync").simulate(ctx, asg)
+    assert res.static_bytes == 600 + 100 * profile.device_state_bytes_per_param
+    steps = [iv for iv in res.timeline if iv.kind == "device_step"]
+    assert len(steps) == 1 and steps[0].region == 1 and steps[0].stream is Stream.COMPUTE
+    bwd_end = max(iv.end_s for iv in res.timeline if iv.kind == "bwd")
+    assert steps[0].start_s == pytest.approx(bwd_end)
+    assert not [iv for iv in res.timeline if iv.region == 1 and iv.kind == "grad_offload"]
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), profile=profiles(), hardware=hardware_profiles())
+def test_engine_agrees_with_the_reference(
+    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
+) -> None:
+    ctx = SimulationContext.build(profile, hardware)
+    asg = data.draw(assignments(ctx.layout))
+    res = get_simulator("async").simulate(ctx, asg)
+    ref = reference_simulate(profile, hardware, ctx.layout, asg)
+    assert res.step_time_s == pytest.approx(ref.step_time_s, rel=1e-9, abs=1e-12)
+    assert res.peak_bytes == ref.peak_bytes
+    assert set(res.coexisting) == ref.coexisting
+    assert res.pool_size_bytes == ref.num_blocks * ctx.block_size_bytes
+    # The raw curve also samples prefetch starts inside operations, which the reference
+    # does not, and never exceeds the pooled peak.
+    assert ref.raw_peak_bytes <= res.raw_peak_bytes <= res.peak_bytes
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), profile=profiles(), hardware=hardware_profiles())
+def test_memory_curves_are_consistent(
+    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
+) -> None:
+    ctx = SimulationContext.build(profile, hardware)
+    asg = data.draw(assignments(ctx.layout))
+    res = get_simulator("async").simulate(ctx, asg)
+    for curve in (res.memory_curve, res.raw_memory_curve):
+        times = [m.time_s for m in curve]
+        assert times == sorted(times)
+        assert min(m.bytes for m in curve) >= 0
+        # The step starts and ends with only static bytes (nothing waiting, no activations).
+        assert curve[-1].bytes == curve[0].bytes
+    assert res.memory_curve[0].bytes == res.static_bytes
+    assert min(m.bytes for m in res.memory_curve) >= res.static_bytes
+    assert max(m.bytes for m in res.memory_curve) == res.peak_bytes
+    assert max(m.bytes for m in res.raw_memory_curve) == res.raw_peak_bytes
+    # Pool: never fails, coexisting regions never share a block, at least the lower bound.
+    blocks = res.pool_blocks
+    for a, b in res.coexisting:
+        assert blocks[a] is not None and blocks[a] != blocks[b]
+    n_blocks = res.pool_size_bytes // ctx.block_size_bytes if ctx.block_size_bytes else 0
+    offloaded = [r for r, a in enumerate(asg) if a.placement is not R]
+    if offloaded and ctx.block_size_bytes:
+        assert n_blocks >= res.pool_lower_bound_blocks >= 1
+        assert {blocks[r] for r in offloaded} == set(range(n_blocks))
+    # Every lane runs one task at a time.
+    for lane in Stream:
+        spans = sorted((iv.start_s, iv.end_s) for iv in res.timeline if iv.stream is lane)
+        assert all(e1 <= s2 + 1e-12 for (_, e1), (s2, _) in zip(spans, spans[1:], strict=False))
+    assert max((iv.end_s for iv in res.timeline), default=0.0) == pytest.approx(res.step_time_s)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data(), profile=profiles(), hardware=hardware_profiles())
+def test_sync_and_async_agree_when_nothing_is_offloaded(
+    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
+) -> None:
+    ctx = SimulationContext.build(profile, hardware)
+    states = data.draw(st.lists(st.sampled_from([HOST, DEVICE]), min_size=ctx.num_regions,
+                                max_size=ctx.num_regions))
+    asg = [RegionAssignment(R, s) for s in states]
+    sync = get_simulator("sync").simulate(ctx, asg)
+    asyn = get_simulator("async").simulate(ctx, asg)
+    assert sync.peak_bytes == asyn.peak_bytes
+    assert sync.step_time_s == asyn.step_time_s
+    assert sync.pool_size_bytes == asyn.pool_size_bytes == 0
+
+
+def test_sync_simulator_rejects_prefetches() -> None:
+    ctx = SimulationContext.build(three_layers(), flat_hardware())
+    asg = [RegionAssignment(A, HOST, 1), RegionAssignment(), RegionAssignment()]
+    with pytest.raises(ValueError, match="region 0 is async.*'async' simulator"):
+        get_simulator("sync").run(ctx, asg)
+
+
+@pytest.mark.parametrize(
+    ("asg", "message"),
+    [
+        ([RegionAssignment()] * 2, "2 entries; the layout has 3 regions"),
+        (
+            [RegionAssignment(), RegionAssignment(), RegionAssignment(A, HOST, 2)],
+            "last region",
+        ),
+        (
+            [RegionAssignment(A, HOST, 0), RegionAssignment(), RegionAssignment()],
+            r"prefetch_at=0; it must be a later region index in 1\.\.2",
+        ),
+        (
+            [RegionAssignment(S, DEVICE), RegionAssignment(), RegionAssignment()],
+            "device state is only allowed for resident regions",
+        ),
+        (
+            [RegionAssignment(S, HOST, 2), RegionAssignment(), RegionAssignment()],
+            "only async regions are prefetched",
+        ),
+    ],
+)
+def test_bad_assignments_are_named(asg: list[RegionAssignment], message: str) -> None:
+    ctx = SimulationContext.build(three_layers(), flat_hardware())
+    with pytest.raises(ValueError, match=message):
+        get_simulator("async").run(ctx, asg)
+
+
+def test_pinned_regions_cannot_be_offloaded() -> None:
+    params = (Parameter("wte", 10, 20), Parameter("w", 10, 20), Parameter("head", 10, 20))
+    ops = (Operation("emb", ("wte",)), Operation("mm", ("w",)), Operation("out", ("head",)))
+    profile = ModelProfile("tied", params, ops, tied_groups=(("wte", "head"),))
+    with pytest.raises(ValueError, match="region 0 is pinned"):
+        simulate(profile, flat_hardware(), [RegionAssignment(S), RegionAssignment()])
+
+
+def test_unknown_simulator_is_named() -> None:
+    with pytest.raises(ValueError, match="Simulator 'fast' is not registered; known: 'async', 'sync'"):
+        get_simulator("fast")
