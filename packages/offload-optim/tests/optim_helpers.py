@@ -10,7 +10,8 @@ the host worker, device-state regions are stepped on the main thread).
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
@@ -54,9 +55,14 @@ def tiny_gpt2(layers: int = 3, width: int = 32, seed: int = 0) -> torch.nn.Modul
 
 
 def batch(step: int, size: int = 4) -> dict[str, torch.Tensor]:
-    """The (deterministic) batch of a training step."""
+    """The (deterministic) batch of a training step: counting sequences, easy to learn.
+
+    Each row counts up by one from a random start (mod the vocabulary), so the loss falls
+    quickly and a test can tell a training run from a broken one.
+    """
     gen = torch.Generator().manual_seed(1000 + step)
-    ids = torch.randint(0, VOCAB, (size, SEQ), generator=gen)
+    start = torch.randint(0, VOCAB, (size, 1), generator=gen)
+    ids = (start + torch.arange(SEQ)) % VOCAB
     return {"input_ids": ids, "attention_mask": torch.ones(size, SEQ, dtype=torch.long)}
 
 
@@ -107,6 +113,7 @@ def _placement(k: int, last: int, pinned: bool) -> tuple[ParamPlacement, StatePl
         (ParamPlacement.RESIDENT, StatePlacement.DEVICE),
         (ParamPlacement.ASYNC, StatePlacement.HOST),
         (ParamPlacement.RESIDENT, StatePlacement.HOST),
+        (ParamPlacement.SYNC, StatePlacement.DEVICE),
     ]
     return kinds[(k - 1) % len(kinds)]
 
@@ -189,7 +196,7 @@ def offload_module(
     return OffloadModule(
         plan=plan,
         graph_train=gm,
-        graph_eval=copy.deepcopy(gm),
+        graph_eval=ep.module(),
         param_targets={t: t for t in targets if isinstance(t, str) and t in canon},
         canonical=canon,
         buffers={},
@@ -205,3 +212,62 @@ def region_kinds(module: OffloadModule) -> Iterator[tuple[bool, bool]]:
     """(offloaded, host_state) of every region, to check a plan covers every kind."""
     for st in module.storages:
         yield st.offloaded, st.host_state
+
+
+def train_offload(
+    amp: Any, module: OffloadModule, steps: range, *, micro: int = 1, size: int = 4
+) -> list[float]:
+    """Train ``steps`` through an AMPOptimizer; returns each step's loss (summed over micro)."""
+    losses = []
+    for step in steps:
+        amp.zero_grad()
+        total = 0.0
+        for k in range(micro):
+            b = batch(step * micro + k, size)
+            loss = loss_of(module(**b), b["input_ids"]) / micro
+            amp.backward(loss)
+            total += loss.item()
+        amp.step()
+        losses.append(total)
+    return losses
+
+
+def train_plain(
+    opt: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    steps: range,
+    *,
+    size: int = 4,
+    after_backward: Callable[[], object] | None = None,
+    sched: Any = None,
+) -> list[float]:
+    """The reference: the same loop over the plain model with a torch optimizer."""
+    losses = []
+    for step in steps:
+        opt.zero_grad()
+        b = batch(step, size)
+        loss = loss_of(model(**b), b["input_ids"])
+        loss.backward()  # type: ignore[no-untyped-call]
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+        losses.append(loss.item())
+    return losses
+
+
+def rel_diff(a: list[float], b: list[float]) -> float:
+    """Largest relative difference between two loss curves."""
+    assert len(a) == len(b)
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def masters(module: OffloadModule) -> dict[str, torch.Tensor]:
+    """Copies of the module's fp32 master weights."""
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def fell(losses: list[float], by: float = 0.1) -> bool:
+    """Whether the mean of the last three losses is ``by`` below that of the first three."""
+    return sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - by
