@@ -1,0 +1,123 @@
+"""Predictions against a real CUDA run (gpt2_medium, fp16); run with ``nox -s gpu_tests``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from trace_helpers import GPT2_SIZES, VOCAB, assign_real, gpt2, hook_counted_saved_bytes
+
+from offload_trace import TracedModel, trace
+
+pytestmark = pytest.mark.gpu
+
+WORKLOADS = [(64, 8), (8, 1024)]
+
+
+def _traced_and_real(
+    batch: int, seq: int
+) -> tuple[TracedModel, torch.fx.GraphModule, torch.nn.Module, dict[str, torch.Tensor]]:
+    hidden, layers, heads = GPT2_SIZES["gpt2_medium"]
+    positions = max(1024, seq)
+    with torch.device("meta"):
+        meta_model = gpt2(hidden, layers, heads, vocab=VOCAB, positions=positions)
+    meta_ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    traced = trace(
+        meta_model,
+        {"input_ids": meta_ids, "attention_mask": meta_ids},
+        dtype=torch.float16,
+        target_device="cuda",
+    )
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    with torch.device(device):
+        real = gpt2(hidden, layers, heads, vocab=VOCAB, positions=positions).half()
+    gm = assign_real(traced.module_for(device), real)
+    ids = torch.randint(0, VOCAB, (batch, seq), device=device)
+    return traced, gm, real, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _warm_up(gm: torch.fx.GraphModule, real: torch.nn.Module, inputs: dict) -> None:
+    """One step first, so cuBLAS / cuDNN workspaces are not counted as activations."""
+    out = gm(**inputs)
+    out.backward(torch.zeros_like(out))
+    for p in real.parameters():
+        p.grad = None
+    del out
+    torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize(("batch", "seq"), WORKLOADS)
+def test_forward_activation_peak_matches_cuda(batch: int, seq: int) -> None:
+    """The memory model's forward peak is within 10% of max_memory_allocated's."""
+    traced, gm, real, inputs = _traced_and_real(batch, seq)
+    profile = traced.to_profile()
+    predicted = 0
+    saved_before = 0
+    for op in profile.operations:
+        predicted = max(predicted, saved_before + op.fwd_out_bytes + op.fwd_tmp_bytes)
+        saved_before += op.saved_bytes
+    _warm_up(gm, real, inputs)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()  # parameters, inputs and workspaces
+    with torch.enable_grad():
+        out = gm(**inputs)
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    del out
+    print(
+        f"forward peak B{batch} S{seq}: predicted {predicted / 2**20:.1f} MiB, "
+        f"measured {measured / 2**20:.1f} MiB"
+    )
+    assert abs(predicted - measured) <= 0.10 * measured
+
+
+@pytest.mark.parametrize(("batch", "seq"), WORKLOADS)
+def test_saved_bytes_match_cuda_hook_count(batch: int, seq: int) -> None:
+    traced, gm, real, inputs = _traced_and_real(batch, seq)
+    excluded = [*real.parameters(), *real.buffers()]
+    with torch.enable_grad():
+        measured, out = hook_counted_saved_bytes(lambda: gm(**inputs), excluded)
+    del out
+    print(
+        f"saved B{batch} S{seq}: predicted {traced.saved_bytes / 2**20:.1f} MiB, "
+        f"measured {measured / 2**20:.1f} MiB"
+    )
+    assert abs(traced.saved_bytes - measured) <= 0.05 * measured
+
+
+@pytest.mark.parametrize(("batch", "seq"), WORKLOADS)
+def test_training_step_peak_matches_cuda(batch: int, seq: int) -> None:
+    """Forward and backward under the memory model peak within 10% of CUDA's.
+
+    Parameter gradients are dropped as they are accumulated, because the solver accounts
+    them per region, outside the profile.
+    """
+    traced, gm, real, inputs = _traced_and_real(batch, seq)
+    profile = traced.to_profile()
+    predicted = 0
+    saved = 0
+    for op in profile.operations:
+        predicted = max(predicted, saved + op.fwd_out_bytes + op.fwd_tmp_bytes)
+        saved += op.saved_bytes
+    for op in reversed(profile.operations):
+        predicted = max(predicted, saved + op.bwd_out_bytes + op.bwd_tmp_bytes)
+        saved -= op.saved_bytes
+    _warm_up(gm, real, inputs)
+    hooks = [
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        for p in real.parameters()
+    ]
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.enable_grad():
+        out = gm(**inputs)
+    out.backward(torch.zeros_like(out))
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - base
+    for h in hooks:
+        h.remove()
+    print(
+        f"step peak B{batch} S{seq}: predicted {predicted / 2**20:.1f} MiB, "
+        f"measured {measured / 2**20:.1f} MiB"
+    )
+    assert abs(predicted - measured) <= 0.10 * measured
