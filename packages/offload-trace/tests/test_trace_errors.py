@@ -95,3 +95,22 @@ def test_tracing_leaves_the_callers_model_untouched() -> None:
     for n, p in model.named_parameters():
         assert before[n] == (p, p.device, p.dtype)
     assert model.first.weight is model.third.weight
+
+
+class _Boxed:
+    def __init__(self, value: torch.Tensor) -> None:
+        self.value = value
+
+
+class _ReturnsAnObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> _Boxed:
+        return _Boxed(self.proj(x))
+
+
+def test_an_unflattenable_output_asks_for_plain_tensors() -> None:
+    with pytest.raises(TraceError, match="return plain tensors"):
+        trace(_ReturnsAnObject(), (torch.randn(2, 4),), target_device="cpu")

@@ -54,9 +54,11 @@ def build_meta_twin(model: nn.Module, dtype: torch.dtype) -> MetaTwin:
     for name, p in model.named_parameters(remove_duplicate=False):
         param_names.append(name)
         numel[name] = p.numel()
-        if id(p) not in memo:
-            memo[id(p)] = nn.Parameter(_meta_like(p, dtype), requires_grad=p.requires_grad)
-        pdtype[name] = memo[id(p)].dtype  # type: ignore[attr-defined]
+        twin_param = memo.get(id(p))
+        if not isinstance(twin_param, nn.Parameter):
+            twin_param = nn.Parameter(_meta_like(p, dtype), requires_grad=p.requires_grad)
+            memo[id(p)] = twin_param
+        pdtype[name] = twin_param.dtype
         names_by_orig_id.setdefault(id(p), []).append(name)
     buffer_names: list[str] = []
     for name, b in model.named_buffers(remove_duplicate=False):
