@@ -1,7 +1,8 @@
 """Time the offload solver on GPT-2-10B-shaped profiles (a script, not a test).
 
     PYTHONPATH=packages/offload-solver/src python benchmarks/solver_bench.py
-    PYTHONPATH=packages/offload-solver/src python benchmarks/solver_bench.py --layers 50 --budget 16GiB
+    PYTHONPATH=packages/offload-solver/src python benchmarks/solver_bench.py \
+        --layers 50 --budget 16GiB
 
 It synthesises a profile shaped like gpt2_10b (hidden 4096, 16 heads, batch 64 x sequence
 8, vocabulary 50257 with tied wte / lm_head): per layer about 54 operations as a traced

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -150,7 +152,7 @@ def test_layout_invariants(profile: ModelProfile) -> None:
     canon = profile.canonical_names()
     # Regions partition the operations in order.
     assert regions[0].op_start == 0 and regions[-1].op_end == len(profile.operations)
-    assert all(a.op_end == b.op_start for a, b in zip(regions, regions[1:], strict=False))
+    assert all(a.op_end == b.op_start for a, b in itertools.pairwise(regions))
     assert all(r.op_start < r.op_end for r in regions)
     assert [r.index for r in regions] == list(range(len(regions)))
     # Every storage is owned exactly once; tied members count once.

@@ -3,6 +3,8 @@ properties, sync/async agreement with nothing offloaded, the pool, and bad assig
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -139,7 +141,7 @@ def test_memory_curves_are_consistent(
     # Every lane runs one task at a time.
     for lane in Stream:
         spans = sorted((iv.start_s, iv.end_s) for iv in res.timeline if iv.stream is lane)
-        assert all(e1 <= s2 + 1e-12 for (_, e1), (s2, _) in zip(spans, spans[1:], strict=False))
+        assert all(e1 <= s2 + 1e-12 for (_, e1), (s2, _) in itertools.pairwise(spans))
     assert max((iv.end_s for iv in res.timeline), default=0.0) == pytest.approx(res.step_time_s)
 
 
@@ -149,8 +151,11 @@ def test_sync_and_async_agree_when_nothing_is_offloaded(
     data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
 ) -> None:
     ctx = SimulationContext.build(profile, hardware)
-    states = data.draw(st.lists(st.sampled_from([HOST, DEVICE]), min_size=ctx.num_regions,
-                                max_size=ctx.num_regions))
+    states = data.draw(
+        st.lists(
+            st.sampled_from([HOST, DEVICE]), min_size=ctx.num_regions, max_size=ctx.num_regions
+        )
+    )
     asg = [RegionAssignment(R, s) for s in states]
     sync = get_simulator("sync").simulate(ctx, asg)
     asyn = get_simulator("async").simulate(ctx, asg)
@@ -162,7 +167,7 @@ def test_sync_and_async_agree_when_nothing_is_offloaded(
 def test_sync_simulator_rejects_prefetches() -> None:
     ctx = SimulationContext.build(three_layers(), flat_hardware())
     asg = [RegionAssignment(A, HOST, 1), RegionAssignment(), RegionAssignment()]
-    with pytest.raises(ValueError, match="region 0 is async.*'async' simulator"):
+    with pytest.raises(ValueError, match=r"region 0 is async.*'async' simulator"):
         get_simulator("sync").run(ctx, asg)
 
 
@@ -203,5 +208,7 @@ def test_pinned_regions_cannot_be_offloaded() -> None:
 
 
 def test_unknown_simulator_is_named() -> None:
-    with pytest.raises(ValueError, match="Simulator 'fast' is not registered; known: 'async', 'sync'"):
+    with pytest.raises(
+        ValueError, match="Simulator 'fast' is not registered; known: 'async', 'sync'"
+    ):
         get_simulator("fast")

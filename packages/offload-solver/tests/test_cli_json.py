@@ -1,0 +1,177 @@
+"""JSON documents and the ``offload-solve`` CLI: round trips and named errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from solver_helpers import flat_hardware, hardware_profiles, profiles
+
+import offload_solver
+from offload_solver import (
+    HardwareProfile,
+    ModelProfile,
+    Operation,
+    Parameter,
+    ParamPlacement,
+    Plan,
+    default_hardware,
+)
+from offload_solver.cli import main
+
+
+def small_profile() -> ModelProfile:
+    params = tuple(Parameter(f"w{i}", s // 2, s) for i, s in enumerate([200, 300, 150, 250]))
+    ops = tuple(
+        Operation(f"op{i}", (f"w{i}",), saved_bytes=1000, fwd_flop=100, bwd_flop=400)
+        for i in range(4)
+    )
+    return ModelProfile("small", params, ops, host_grad_bytes_per_param=0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(profile=profiles(), hardware=hardware_profiles())
+def test_profiles_round_trip(profile: ModelProfile, hardware: HardwareProfile) -> None:
+    assert ModelProfile.from_json(profile.to_json()) == profile
+    assert HardwareProfile.from_json(hardware.to_json()) == hardware
+
+
+def test_default_hardware_round_trips_and_is_h200_like() -> None:
+    hw = default_hardware()
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    assert hw.h2d_bytes_per_s(256 * 10**6) == pytest.approx(55e9)
+    assert hw.h2d_bytes_per_s(10**6) < hw.h2d_bytes_per_s(16 * 10**6)
+    assert hw.device_memory_bytes == 140 * 2**30 and hw.host_memory_bytes == 128 * 2**30
+
+
+@pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, Plan])
+def test_wrong_schema_version_is_named(kind: type[ModelProfile | HardwareProfile | Plan]) -> None:
+    with pytest.raises(ValueError, match="schema_version 99; this solver reads version 1"):
+        kind.from_json(json.dumps({"schema_version": 99}))
+
+
+@pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, Plan])
+def test_malformed_json_is_named(kind: type[ModelProfile | HardwareProfile | Plan]) -> None:
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        kind.from_json("{not json")
+    with pytest.raises(ValueError, match="must be an object"):
+        kind.from_json("[1, 2]")
+
+
+def test_profile_field_errors_are_named() -> None:
+    doc = json.loads(small_profile().to_json())
+    del doc["operations"]
+    with pytest.raises(ValueError, match="'operations' is missing"):
+        ModelProfile.from_json(json.dumps(doc))
+    doc = json.loads(small_profile().to_json())
+    doc["operations"][1]["param_names"] = ["nope"]
+    with pytest.raises(
+        ValueError, match=r"operations\[1\] \('op1'\) uses unknown parameter 'nope'"
+    ):
+        ModelProfile.from_json(json.dumps(doc))
+    doc = json.loads(small_profile().to_json())
+    doc["operations"] = []
+    with pytest.raises(ValueError, match="operations is empty"):
+        ModelProfile.from_json(json.dumps(doc))
+
+
+def _write_inputs(tmp_path: Path) -> tuple[Path, Path]:
+    profile = tmp_path / "profile.json"
+    profile.write_text(small_profile().to_json())
+    hardware = tmp_path / "hw.json"
+    hardware.write_text(
+        flat_hardware(
+            h2d_bytes_per_s=100.0,
+            d2h_bytes_per_s=1e12,
+            flop_per_s=100.0,
+            host_adam_params_per_s=1e12,
+        ).to_json()
+    )
+    return profile, hardware
+
+
+def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile, hardware = _write_inputs(tmp_path)
+    out = tmp_path / "plan.json"
+    code = main([str(profile), "--budget", "5130", "--hardware", str(hardware), "-o", str(out)])
+    assert code == 0
+    plan = Plan.from_json(out.read_text())
+    assert [rp.placement for rp in plan.regions] == [
+        ParamPlacement.ASYNC,
+        ParamPlacement.RESIDENT,
+        ParamPlacement.ASYNC,
+        ParamPlacement.RESIDENT,
+    ]
+    printed = capsys.readouterr().out
+    assert "prefetch_at" in printed and "predicted peak" in printed
+    assert "2/4 regions offloaded" in printed
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--budget", "lots"], "cannot parse size 'lots'"),
+        (["--budget", "0"], "budget_bytes is 0"),
+        (["--budget", "1KB"], "least budget that works is"),
+        (["--budget", "16GiB", "--solver", "magic"], "Solver 'magic' is not registered"),
+        (["--budget", "16GiB", "--hardware", "missing.json"], "cannot read hardware file"),
+    ],
+)
+def test_cli_bad_input_exits_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    profile, _ = _write_inputs(tmp_path)
+    os.chdir(tmp_path)
+    assert main([str(profile), *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_cli_rejects_wrong_version_profile(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    doc = json.loads(small_profile().to_json())
+    doc["schema_version"] = 2
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(doc))
+    assert main([str(path), "--budget", "1GiB"]) == 2
+    assert "schema_version 2" in capsys.readouterr().err
+
+
+def test_python_dash_m_runs_the_cli(tmp_path: Path) -> None:
+    profile, hardware = _write_inputs(tmp_path)
+    src = str(Path(offload_solver.__file__).parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "offload_solver",
+            str(profile),
+            "--budget",
+            "5130",
+            "--hardware",
+            str(hardware),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "predicted step" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "offload_solver", str(tmp_path / "none.json"), "--budget", "1GB"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert bad.returncode == 2
+    assert "cannot read profile file" in bad.stderr and "Traceback" not in bad.stderr

@@ -1,0 +1,215 @@
+"""Solvers: hand-derived greedy choices, budget properties over random profiles, optimizer
+placement, and named errors."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from solver_helpers import flat_hardware, hardware_profiles, profiles
+
+from offload_solver import (
+    BUDGET_SAFETY_FACTOR,
+    BandwidthPoint,
+    HardwareProfile,
+    InfeasibleBudgetError,
+    ModelProfile,
+    Operation,
+    Parameter,
+    ParamPlacement,
+    Plan,
+    RegionAssignment,
+    SimulationContext,
+    StatePlacement,
+    get_simulator,
+    solve,
+)
+
+A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
+HOST, DEVICE = StatePlacement.HOST, StatePlacement.DEVICE
+
+
+def chain(sizes: list[int], fwd_flop: int, bwd_flop: int) -> ModelProfile:
+    """One operation per parameter; each saves 1000 bytes for backward, nothing else."""
+    params = tuple(Parameter(f"w{i}", s // 2, s) for i, s in enumerate(sizes))
+    ops = tuple(
+        Operation(f"op{i}", (f"w{i}",), saved_bytes=1000, fwd_flop=fwd_flop, bwd_flop=bwd_flop)
+        for i in range(len(sizes))
+    )
+    # No gradient bytes cross to the host, so gradients never wait on the device and the
+    # dynamic peak is the activations alone: the last op's backward sees all 1000 x n saved.
+    return ModelProfile("chain", params, ops, host_grad_bytes_per_param=0)
+
+
+def placements(plan: Plan) -> list[tuple[ParamPlacement, int | None]]:
+    return [(rp.placement, rp.prefetch_at) for rp in plan.regions]
+
+
+def resimulate(plan: Plan, profile: ModelProfile, hardware: HardwareProfile) -> int:
+    ctx = SimulationContext.build(profile, hardware)
+    asg = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
+    return get_simulator("sync" if plan.solver == "syn" else "async").run(ctx, asg).peak_bytes
+
+
+def test_syn_greedy_choices_by_hand() -> None:
+    # Sizes 300/400/500/400/300 B: no two neighbours fit the largest (500), so the block
+    # size is 500 and no regions merge. Upload rates by size (log-interpolated): 300 B at
+    # 150 B/s; 400 B at 150 - 90 * ln(4/3)/ln(10/3) = 128.5 B/s; 500 B at 111.8 B/s.
+    # Backward takes 10 s per region, longer than any upload, so the step ends with the
+    # compute chain and region 0's parameter upload: every compute task is critical (no
+    # slack) and a sync upload of region r costs 2 * size / rate(size) seconds.
+    # Bytes per second = rate / 2: regions 0 and 4 give 75, 1 and 3 give 64.2, 2 gives 55.9.
+    # Ties go to the lower index: the order is 0, 4, 1, 3, 2.
+    # Peak = resident + pool (one 500 B block once anything is offloaded) + 5000 of
+    # activations: 6900 at start, then 1600+500+5000 = 7100, 6800, 6400, 6000, 5500.
+    # With a budget of 6500 the solver plans against 6175, so it stops after region 3.
+    profile = chain([300, 400, 500, 400, 300], fwd_flop=100, bwd_flop=1000)
+    hardware = HardwareProfile(
+        name="hand",
+        h2d=(BandwidthPoint(100, 50.0), BandwidthPoint(300, 150.0), BandwidthPoint(1000, 60.0)),
+        d2h=(BandwidthPoint(1, 1e12),),
+        compute_flop_per_s=100.0,
+        compute_efficiency=1.0,
+        device_memory_bytes=10**6,
+        host_memory_bytes=10**6,
+        host_adam_params_per_s=1e12,
+    )
+    assert SimulationContext.build(profile, hardware).block_size_bytes == 500
+    plan = solve(profile, hardware, 6500, solver="syn")
+    assert placements(plan) == [(S, None), (S, None), (R, None), (S, None), (S, None)]
+    assert plan.predicted_peak_bytes == 6000
+    assert plan.pool_size_bytes == 500
+    # One all-device check, the all-resident start, then one simulation per offload.
+    assert plan.num_simulations == 2 + 4
+    # Optimizer state of region 2 on the device would need 250 x 16 more bytes: no room.
+    assert all(rp.state is HOST for rp in plan.regions)
+
+
+def test_asyn_greedy_choices_by_hand() -> None:
+    # Sizes 200/300/150/250 B at 100 B/s: uploads take 2, 3, 1.5 and 2.5 s; block 300 B
+    # (neighbours never share a block). Forward 1 s and backward 4 s per region; host work
+    # is instant, so resident regions' parameter uploads follow their backward on H2D and
+    # the step ends with region 0's (every compute task is critical, no slack).
+    # Round 1 (all resident; backward starts at 4 s):
+    #   region 2, prefetch at 3: issued at region 1's forward (1 s), done at 2.5, half a
+    #     second after region 2's forward could start; the backward prefetch is hidden.
+    #     0.5 s extra for 150 B: 300 B/s.
+    #   region 1, prefetch at 2 or 3: issued at 0, done at 3 (forward starts at 1): 2 s
+    #     for 300 B: 150 B/s. Region 0, any prefetch host: 2 s for 200 B: 100 B/s.
+    #   region 3 is last, so sync: 2 x 2.5 s for 250 B: 50 B/s.
+    #   -> region 2 async with prefetch at 3 (its only choice). Peak 900 + 4000 = 4900 rises
+    #   to 5050: 750 resident + a 300 B pool block + 4000 of activations.
+    # Round 2: forward prefetch of region 2 [1,2.5]; its forward [2.5,3.5]; backward from
+    #   4.5, prefetch of region 2 [4.5,6], region 2's backward [8.5,12.5]. Region 2 holds
+    #   the only block during [1,3.5) and [4.5,12.5).
+    #   region 1 still gives 150 B/s (prefetch hidden in backward, 2 s in forward) but its
+    #     forward lifetime [0,2) meets region 2's: it would need a second block.
+    #   region 0 with prefetch at 1 (100 B/s) is up during [0,1) and [12.5,20.5): it fits
+    #     region 2's block, which hosts 2 and 3 do not (their backward lifetimes would start
+    #     at 8.5 or 6, inside region 2's).
+    #   -> region 0 async, prefetch at 1. Peak 550 + 300 + 4000 = 4850.
+    # A budget of 5130 means planning against 4873.5: rounds 0 and 1 do not fit, 2 does.
+    profile = chain([200, 300, 150, 250], fwd_flop=100, bwd_flop=400)
+    hardware = flat_hardware(
+        h2d_bytes_per_s=100.0,
+        d2h_bytes_per_s=1e12,
+        flop_per_s=100.0,
+        host_adam_params_per_s=1e12,
+    )
+    assert SimulationContext.build(profile, hardware).block_size_bytes == 300
+    plan = solve(profile, hardware, 5130, solver="asyn")
+    assert placements(plan) == [(A, 1), (R, None), (A, 3), (R, None)]
+    assert plan.predicted_peak_bytes == 4850
+    assert plan.pool_size_bytes == 300
+    assert [rp.pool_offset_bytes for rp in plan.regions] == [0, None, 0, None]
+    assert plan.num_simulations == 2 + 2
+
+
+def test_roomy_budget_keeps_everything_on_the_device() -> None:
+    profile = chain([300, 400, 500], fwd_flop=100, bwd_flop=200)
+    plan = solve(profile, flat_hardware(), 10**9)
+    assert all(rp.placement is R and rp.state is DEVICE for rp in plan.regions)
+    assert plan.num_simulations == 1
+    assert plan.pool_size_bytes == 0
+
+
+def test_optimizer_state_moves_to_the_device_where_it_saves_time() -> None:
+    # Host Adam is slow (10 params/s): the host steps are the step's tail. All on the device
+    # needs 1200 + 600 x 16 + 3000 bytes; all on the host 4200. With 9000 the solver keeps
+    # some regions' optimizer state on the device and the step gets shorter.
+    profile = chain([300, 400, 500], fwd_flop=100, bwd_flop=200)
+    hardware = flat_hardware(host_adam_params_per_s=10.0)
+    budget = 9000
+    plan = solve(profile, hardware, budget)
+    assert all(rp.placement is R for rp in plan.regions)
+    on_device = [rp.region.index for rp in plan.regions if rp.state is DEVICE]
+    assert on_device
+    assert plan.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR
+    ctx = SimulationContext.build(profile, hardware)
+    all_host = get_simulator("async").run(ctx, [RegionAssignment()] * 3)
+    assert plan.predicted_step_time_s < all_host.step_time_s
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    profile=profiles(),
+    hardware=hardware_profiles(),
+    solver=st.sampled_from(["syn", "asyn"]),
+    fraction=st.floats(0.05, 1.5),
+)
+def test_plans_fit_the_budget_or_name_a_budget_that_does(
+    profile: ModelProfile, hardware: HardwareProfile, solver: str, fraction: float
+) -> None:
+    ctx = SimulationContext.build(profile, hardware)
+    everything = get_simulator("async").run(ctx, [RegionAssignment()] * ctx.num_regions)
+    budget = max(1, int(everything.peak_bytes * fraction))
+    try:
+        plan = solve(profile, hardware, budget, solver=solver)
+    except InfeasibleBudgetError as exc:
+        assert exc.least_budget_bytes > budget
+        assert str(exc.least_budget_bytes) in str(exc)
+        plan = solve(profile, hardware, exc.least_budget_bytes, solver=solver)
+        budget = exc.least_budget_bytes
+    assert plan.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR
+    assert resimulate(plan, profile, hardware) == plan.predicted_peak_bytes
+    for rp in plan.regions:
+        if rp.placement is not R:
+            assert not rp.region.pinned and rp.state is HOST
+            assert rp.pool_offset_bytes is not None
+            assert rp.pool_offset_bytes + rp.region.size_bytes <= plan.pool_size_bytes
+        if solver == "syn":
+            assert rp.placement is not A
+
+
+def test_infeasible_budget_names_the_least_budget() -> None:
+    profile = chain([300, 400, 500, 400, 300], fwd_flop=100, bwd_flop=1000)
+    hardware = flat_hardware()
+    with pytest.raises(InfeasibleBudgetError, match=r"least budget that works is \d+ bytes") as e:
+        solve(profile, hardware, 1000, solver="asyn")
+    # Floor: nothing resident, one 500 B block, 5000 of activations.
+    assert e.value.floor_peak_bytes == 5500
+    assert e.value.least_budget_bytes * BUDGET_SAFETY_FACTOR >= 5500
+    assert (e.value.least_budget_bytes - 1) * BUDGET_SAFETY_FACTOR < 5500
+    assert isinstance(e.value, ValueError)
+    plan = solve(profile, hardware, e.value.least_budget_bytes, solver="asyn")
+    assert plan.predicted_peak_bytes <= 5500
+
+
+@pytest.mark.parametrize("budget", [0, -5, 0.0, True, float("nan")])
+def test_bad_budget_is_named(budget: object) -> None:
+    with pytest.raises(ValueError, match=r"budget_bytes is .*positive number of bytes"):
+        solve(chain([10], 1, 1), flat_hardware(), budget)  # type: ignore[arg-type]
+
+
+def test_unknown_solver_is_named() -> None:
+    with pytest.raises(
+        ValueError, match=r"Solver 'greedy' is not registered; known: 'asyn', 'syn'"
+    ):
+        solve(chain([10], 1, 1), flat_hardware(), 10**6, solver="greedy")
+
+
+def test_plan_round_trips_through_json() -> None:
+    profile = chain([200, 300, 150, 250], fwd_flop=100, bwd_flop=400)
+    hardware = flat_hardware(h2d_bytes_per_s=100.0, flop_per_s=100.0)
+    plan = solve(profile, hardware, 5200)
+    assert Plan.from_json(plan.to_json()) == plan
