@@ -94,14 +94,16 @@ def test_initialisation_follows_gpt2_and_is_seeded() -> None:
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         assert torch.equal(pa, pb), name
     assert not torch.equal(a.model.transformer.wte.weight, c.model.transformer.wte.weight)
-    block = a.model.transformer.h[0]
+    params = dict(a.named_parameters())
+    block = "model.transformer.h.0."
     layers = get_spec("gpt2_tiny").num_layers
-    assert block.attn.c_attn.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert block.attn.c_proj.weight.std().item() == pytest.approx(
+    assert params[block + "attn.c_attn.weight"].std().item() == pytest.approx(0.02, rel=0.05)
+    assert params[block + "attn.c_proj.weight"].std().item() == pytest.approx(
         0.02 / math.sqrt(2 * layers), rel=0.1
     )
-    assert torch.all(block.ln_1.weight == 1) and torch.all(block.ln_1.bias == 0)
-    assert torch.all(block.mlp.c_fc.bias == 0)
+    assert torch.all(params[block + "ln_1.weight"] == 1)
+    assert torch.all(params[block + "ln_1.bias"] == 0)
+    assert torch.all(params[block + "mlp.c_fc.bias"] == 0)
 
 
 def test_forward_returns_logits_for_every_position() -> None:

@@ -1,0 +1,388 @@
+"""Train GPT-2 on one GPU under a memory budget, with the offload plan chosen automatically.
+
+Run it (defaults are the reference's: gpt2_medium, batch 64, 16 GB, the asyn solver):
+
+    python -m offload_gpt_example
+    python -m offload_gpt_example --model_type gpt2_10b --batch_size 16 --memory_budget 24
+    MODEL_TYPE=gpt2_xl MEMORY_BUDGET=8 bash packages/offload-gpt-example/run.sh   # logged
+
+Plan only, on any machine (the model is built on the meta device; no weights allocated):
+
+    python -m offload_gpt_example --model_type gpt2_24b --plan_only
+
+Without a GPU, ``--device auto`` (the default) trains gpt2_tiny at a small batch on the
+CPU instead and says so; ``--device cpu`` trains the model you name on the CPU.
+
+What it prints, in the reference's words (MB = 2**20 bytes, GB = 2**30 bytes):
+
+    init_param_size=... MB | init_model_time=... s
+    act_peak_mem=... MB | max_param_mem=... MB | total_param_mem=... MB
+    solver_time=... s
+    | exec_time=... s | param_size=... MB | runtime_peak_mem_alc=... MB| \
+runtime_peak_mem_res=... MB|
+    predicted_peak_mem=... MB | runtime_peak_mem_alc=... MB | \
+predicted_step_time=... s | exec_time=... s
+
+``exec_time`` is the mean of the 5 fastest training steps; unlike the reference, a step
+includes the optimizer step. ``solver_time`` covers tracing, hardware profiling (cached
+per device) and solving. On the CPU the runtime peaks are 0: there is no CUDA allocator
+to ask. Beside the log (``--log_dir``) it writes the plan as JSON and a PNG of the
+simulated step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
+
+from offload_gpt_example.models import (
+    build_model,
+    get_spec,
+    labels_for,
+    lm_loss,
+    model_names,
+    parameter_bytes,
+    random_batch,
+)
+from offload_gpt_example.plot import save_plan_png
+from offload_optim import AMPOptimizer, HybridAdam
+from offload_runtime.api import matmul_shapes, memory_optimize, plan_summary
+from offload_runtime.hardware import profile_hardware
+from offload_solver import (
+    HardwareProfile,
+    InfeasibleBudgetError,
+    ModelProfile,
+    Plan,
+    default_hardware,
+    solve,
+)
+from offload_trace import trace
+
+# -----------------------------------------------------------------------------
+# config (the reference's defaults; every one is a command-line flag)
+MODEL_TYPE = "gpt2_medium"
+BATCH_SIZE = 64
+MEMORY_BUDGET_GB = 16.0  # GB = 1024**3 bytes, as in the reference
+SOLVER_TYPE = "asyn"  # "asyn": prefetch on the H2D stream; "syn": upload when needed
+SEQ_LEN = 8
+DTYPE = "fp16"  # fp16 (loss scaling), bf16, or fp32 (exact; for CPU tests)
+STEPS = 10
+DEVICE = "auto"  # auto: CUDA when present, else the CPU fallback below
+LOG_DIR = "offload_logs"
+LEARNING_RATE = 1e-3
+DROPOUT = 0.0  # HF's default is 0.1; 0 keeps the steps of a benchmark comparable
+SEED = 0
+# What --device auto trains when there is no GPU: big enough to exercise every part of the
+# pipeline, small enough for a laptop.
+CPU_FALLBACK_MODEL = "gpt2_tiny"
+CPU_FALLBACK_BATCH = 4
+FASTEST_STEPS = 5  # exec_time is the mean of this many fastest steps
+# -----------------------------------------------------------------------------
+
+MB = 1024**2
+GB = 1024**3
+SOLVERS = ("asyn", "syn")
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+EXIT_USAGE = 2  # argparse's code for a bad command line
+EXIT_FAILURE = 1  # a valid command that cannot run here (no CUDA, budget too small)
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
+    p = argparse.ArgumentParser(
+        prog="offload-gpt-example",
+        description="Train GPT-2 under a GPU memory budget with automatic parameter offload.",
+    )
+    p.add_argument(
+        "--model_type",
+        default=MODEL_TYPE,
+        help=f"one of {', '.join(model_names())} (default {MODEL_TYPE})",
+    )
+    p.add_argument("--batch_size", type=int, default=BATCH_SIZE)
+    p.add_argument(
+        "--memory_budget",
+        type=float,
+        default=MEMORY_BUDGET_GB,
+        help=f"device memory budget in GB of 1024**3 bytes (default {MEMORY_BUDGET_GB:g})",
+    )
+    p.add_argument("--solver_type", choices=SOLVERS, default=SOLVER_TYPE)
+    p.add_argument("--seq_len", type=int, default=SEQ_LEN)
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=DTYPE)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=DEVICE)
+    p.add_argument(
+        "--plan_only",
+        action="store_true",
+        help="trace on the meta device, solve, write the plan and its picture; no training",
+    )
+    p.add_argument("--log_dir", default=LOG_DIR, help="folder for the plan JSON and PNG")
+    p.add_argument("--lr", type=float, default=LEARNING_RATE)
+    p.add_argument("--dropout", type=float, default=DROPOUT)
+    p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument(
+        "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
+    )
+    return p, p.parse_args(argv)
+
+
+def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
+    """The reference's log-file stem; the plan files share it."""
+    return f"{model_type}_bs_{batch_size}_st_{solver_type}"
+
+
+def infeasible_message(exc: InfeasibleBudgetError, budget_gb: float, what: str) -> str:
+    least_gb = exc.least_budget_bytes / GB
+    # Round up to 3 significant digits so that the suggested flag value is itself feasible.
+    digits = 2 - math.floor(math.log10(least_gb))
+    suggest = math.ceil(least_gb * 10**digits) / 10**digits
+    return (
+        f"error: memory budget {budget_gb:g} GB is below the least feasible budget "
+        f"{least_gb:.6g} GB ({exc.least_budget_bytes} bytes) for {what}; rerun with "
+        f"--memory_budget {suggest:g} or more (or a smaller --batch_size)"
+    )
+
+
+def write_plan_files(plan: Plan, log_dir: Path, stem: str, title: str) -> tuple[Path, Path]:
+    """The plan JSON and its picture, beside the run's log."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    json_path = log_dir / f"{stem}.plan.json"
+    json_path.write_text(plan.to_json())
+    png_path = save_plan_png(plan, log_dir / f"{stem}.plan.png", title=title)
+    print(f"plan written to {json_path} and {png_path}", flush=True)
+    return json_path, png_path
+
+
+def print_summary(profile: ModelProfile, plan: Plan) -> None:
+    s = plan_summary(profile, plan)
+    print(
+        f"act_peak_mem={s['act_peak_mem_mb']:.3f} MB | "
+        f"max_param_mem={s['max_param_mem_mb']:.3f} MB | "
+        f"total_param_mem={s['total_param_mem_mb']:.3f} MB",
+        flush=True,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, args = parse_args(argv)
+    # ---- check the command line before anything slow happens
+    try:
+        get_spec(args.model_type)
+    except ValueError as exc:
+        parser.error(str(exc))  # exits with EXIT_USAGE
+    for flag in ("batch_size", "seq_len", "steps"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
+    if not args.memory_budget > 0:
+        parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
+    budget_bytes = int(args.memory_budget * GB)
+    dtype = DTYPES[args.dtype]
+    stem = run_name(args.model_type, args.batch_size, args.solver_type)
+    log_dir = Path(args.log_dir)
+    show = not args.no_progress
+    torch.manual_seed(args.seed)
+
+    if args.plan_only:
+        return plan_only(args, dtype, budget_bytes, log_dir, stem, show)
+
+    # ---- pick the device
+    has_cuda = torch.cuda.is_available()
+    if args.device == "cuda" and not has_cuda:
+        print(
+            "error: --device cuda was requested but CUDA is not available here "
+            f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}); use "
+            "--device cpu, --device auto (CPU fallback) or --plan_only",
+            file=sys.stderr,
+        )
+        return EXIT_FAILURE
+    model_type, batch_size = args.model_type, args.batch_size
+    if args.device == "auto" and not has_cuda:
+        model_type, batch_size = CPU_FALLBACK_MODEL, min(batch_size, CPU_FALLBACK_BATCH)
+        print(
+            f"no CUDA device: falling back to {model_type} at batch {batch_size} on the CPU "
+            f"(asked for {args.model_type} at batch {args.batch_size}; use --device cpu to "
+            f"train that on the CPU, or --plan_only to plan it)",
+            flush=True,
+        )
+    device = torch.device("cuda" if args.device != "cpu" and has_cuda else "cpu")
+    if device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    on_cuda = device.type == "cuda"
+
+    phases = tqdm(total=3, desc="build", unit="phase", disable=not show, file=sys.stderr)
+    # ---- build the model in the training dtype on the CPU; memory_optimize copies the
+    # weights into fp32 masters (pinned host or device, as the plan says)
+    t0 = time.perf_counter()
+    model = build_model(
+        model_type, device="cpu", dtype=dtype, seq_len=args.seq_len, dropout=args.dropout
+    )
+    model.train()
+    init_model_time = time.perf_counter() - t0
+    print(
+        f"init_param_size={parameter_bytes(model) / MB:.3f} MB | "
+        f"init_model_time={init_model_time:.3f} s",
+        flush=True,
+    )
+    phases.update()
+    phases.set_description("trace, profile, solve")
+
+    data = random_batch(batch_size, args.seq_len, device=device)
+    labels = labels_for(data)  # shaped from the batch actually used, not a fixed (64, 8)
+
+    # ---- trace, profile the hardware, solve, build the offloaded module
+    t0 = time.perf_counter()
+    try:
+        module = memory_optimize(
+            model, data, budget_bytes, args.solver_type, dtype=dtype, device=device, progress=show
+        )
+    except InfeasibleBudgetError as exc:
+        phases.close()
+        what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
+        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+        return EXIT_FAILURE
+    solver_time = time.perf_counter() - t0
+    del model  # the masters now hold the weights; free the half-precision copy
+    if not show:  # memory_optimize printed the summary line itself when progress is on
+        assert module.profile is not None
+        print_summary(module.profile, module.plan)
+    print(f"solver_time={solver_time:.3f} s", flush=True)
+    plan = module.plan
+    write_plan_files(
+        plan, log_dir, stem, f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
+    )
+    phases.update()
+    phases.set_description("train")
+
+    optimizer = AMPOptimizer(HybridAdam(module.parameters(), lr=args.lr), module)
+    module.train()
+    if on_cuda:
+        # Tracing and hardware profiling used device memory too; the budget is about training.
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+    # ---- the training loop
+    step_times: list[float] = []
+    bar = tqdm(range(args.steps), desc="train", unit="step", disable=not show, file=sys.stderr)
+    for _ in bar:
+        if on_cuda:
+            torch.cuda.synchronize(device)  # a sync point: the timer starts on an idle device
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        logits = module(**data)
+        loss = lm_loss(logits, labels)
+        optimizer.backward(loss)
+        optimizer.step()
+        if on_cuda:
+            torch.cuda.synchronize(device)  # a sync point: wait for the step's last kernels
+        step_times.append(time.perf_counter() - t0)
+        # .item() is another sync point, outside the timed region.
+        bar.set_postfix(loss=f"{loss.item():.4f}", step_ms=f"{step_times[-1] * 1e3:.1f}")
+    bar.close()
+    phases.update()
+    phases.close()
+
+    fastest = sorted(step_times)[:FASTEST_STEPS]
+    exec_time = sum(fastest) / len(fastest)
+    if on_cuda:
+        peak_alc = torch.cuda.max_memory_allocated(device) / MB
+        peak_res = torch.cuda.max_memory_reserved(device) / MB
+    else:
+        peak_alc = peak_res = 0.0
+    assert module.profile is not None
+    param_size = module.profile.total_param_bytes / MB
+    print(f"final_loss={loss.item():.6f}", flush=True)
+    print(
+        f"| exec_time={exec_time:.5f} s | param_size={param_size:.3f} MB | "
+        f"runtime_peak_mem_alc={peak_alc:.3f} MB| runtime_peak_mem_res={peak_res:.3f} MB|",
+        flush=True,
+    )
+    print(
+        f"predicted_peak_mem={plan.predicted_peak_bytes / MB:.3f} MB | "
+        f"runtime_peak_mem_alc={peak_alc:.3f} MB | "
+        f"predicted_step_time={plan.predicted_step_time_s:.5f} s | exec_time={exec_time:.5f} s",
+        flush=True,
+    )
+    if not on_cuda:
+        print(
+            "note: runtime_peak_mem_* are 0 on the CPU (there is no CUDA allocator to ask), "
+            "and the predicted step time is for the planning hardware, not this CPU",
+            flush=True,
+        )
+    return 0
+
+
+def plan_only(
+    args: argparse.Namespace,
+    dtype: torch.dtype,
+    budget_bytes: int,
+    log_dir: Path,
+    stem: str,
+    show: bool,
+) -> int:
+    """Trace on meta, solve for the GPU (measured if present, else the default), write files."""
+    phases = tqdm(total=4, desc="build (meta)", unit="phase", disable=not show, file=sys.stderr)
+    t0 = time.perf_counter()
+    model = build_model(
+        args.model_type, device="meta", dtype=dtype, seq_len=args.seq_len, dropout=args.dropout
+    )
+    model.train()
+    init_model_time = time.perf_counter() - t0
+    print(
+        f"init_param_size={parameter_bytes(model) / MB:.3f} MB | "
+        f"init_model_time={init_model_time:.3f} s",
+        flush=True,
+    )
+    phases.update()
+    phases.set_description("trace (meta)")
+    t0 = time.perf_counter()
+    inputs = random_batch(args.batch_size, args.seq_len, device="meta")
+    traced = trace(model, inputs, dtype=dtype, target_device="cuda")
+    profile = traced.to_profile(name=args.model_type)
+    phases.update()
+    phases.set_description("hardware")
+    hardware: HardwareProfile
+    if torch.cuda.is_available():
+        hardware = profile_hardware(
+            torch.device("cuda", torch.cuda.current_device()),
+            dtype=dtype,
+            matmul_shapes=matmul_shapes(traced.graph_module),
+            progress=show,
+        )
+    else:
+        hardware = default_hardware()
+        print(f"no CUDA device: planning for {hardware.name}", flush=True)
+    phases.update()
+    phases.set_description("solve")
+    try:
+        plan = solve(profile, hardware, budget_bytes, solver=args.solver_type)
+    except InfeasibleBudgetError as exc:
+        phases.close()
+        what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
+        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+        return EXIT_FAILURE
+    solver_time = time.perf_counter() - t0
+    phases.update()
+    phases.close()
+    print_summary(profile, plan)
+    print(f"solver_time={solver_time:.3f} s", flush=True)
+    write_plan_files(
+        plan,
+        log_dir,
+        stem,
+        f"{args.model_type} bs {args.batch_size} seq {args.seq_len} {args.dtype}",
+    )
+    print(
+        f"predicted_peak_mem={plan.predicted_peak_bytes / MB:.3f} MB | "
+        f"predicted_step_time={plan.predicted_step_time_s:.5f} s | hardware={hardware.name}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,336 @@
+"""The training script end to end on gpt2_tiny, run.sh, --plan_only, and bad input.
+
+Every run here trains on the CPU: uploads and offloads are host-to-host copies there, so
+the whole pipeline (trace, solve, rewrite, offloaded training, plan files) is exercised
+without a GPU. The last test, marked ``gpu``, runs run.sh with the reference defaults.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload_gpt_example.__main__ import main
+from offload_gpt_example.models import build_model, labels_for, lm_loss, random_batch
+from offload_solver import ParamPlacement, Plan
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+RUN_SH = PACKAGE_DIR / "run.sh"
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+GB = 1024**3
+MB = 1024**2
+
+NUM = r"([0-9]+(?:\.[0-9]+)?)"
+INIT_LINE = re.compile(rf"^init_param_size={NUM} MB \| init_model_time={NUM} s$", re.M)
+SUMMARY_LINE = re.compile(
+    rf"^act_peak_mem={NUM} MB \| max_param_mem={NUM} MB \| total_param_mem={NUM} MB$", re.M
+)
+SOLVER_LINE = re.compile(rf"^solver_time={NUM} s$", re.M)
+FINAL_LINE = re.compile(
+    rf"^\| exec_time={NUM} s \| param_size={NUM} MB \| runtime_peak_mem_alc={NUM} MB\| "
+    rf"runtime_peak_mem_res={NUM} MB\|$",
+    re.M,
+)
+PREDICTED_LINE = re.compile(
+    rf"^predicted_peak_mem={NUM} MB \| runtime_peak_mem_alc={NUM} MB \| "
+    rf"predicted_step_time={NUM} s \| exec_time={NUM} s$",
+    re.M,
+)
+LOSS_LINE = re.compile(r"^final_loss=([-+0-9.eE]+|nan|inf)$", re.M)
+LEAST_BUDGET = re.compile(r"below the least feasible budget [0-9.e+-]+ GB \(([0-9]+) bytes\)")
+
+TINY = ["--model_type", "gpt2_tiny", "--device", "cpu", "--no_progress"]
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """Run the script in this process; (exit code, stdout, stderr)."""
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _least_budget_gb(base: list[str], capsys: pytest.CaptureFixture[str]) -> float:
+    """The least feasible budget the script reports for ``base`` (asking for 1 byte)."""
+    code, _, err = _run([*base, "--memory_budget", str(1 / GB)], capsys)
+    assert code == 1, err
+    match = LEAST_BUDGET.search(err)
+    assert match is not None, err
+    return int(match.group(1)) / GB
+
+
+@pytest.fixture(scope="module")
+def least_tiny_gb() -> dict[tuple[str, str], float]:
+    """Cache of least budgets per (solver, dtype), filled by the tests that need one."""
+    return {}
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_trains_gpt2_tiny_at_its_least_budget(
+    solver: str,
+    dtype: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = [*TINY, "--batch_size", "2", "--solver_type", solver, "--dtype", dtype]
+    base += ["--log_dir", str(tmp_path), "--steps", "3"]
+    # Just above the least feasible budget: the tightest plan the solver accepts.
+    budget_gb = _least_budget_gb(base, capsys) * 1.02
+    code, out, err = _run([*base, "--memory_budget", repr(budget_gb)], capsys)
+    assert code == 0, err
+
+    init = INIT_LINE.search(out)
+    assert init is not None, out
+    bytes_per = {"fp32": 4, "bf16": 2}[dtype]
+    numel = sum(p.numel() for p in build_model("gpt2_tiny", device="meta").parameters())
+    assert float(init.group(1)) == pytest.approx(numel * bytes_per / MB, abs=1e-3)
+    assert SUMMARY_LINE.search(out) is not None, out
+    assert SOLVER_LINE.search(out) is not None, out
+    final = FINAL_LINE.search(out)
+    assert final is not None, out
+    exec_time, param_size, alc, res = (float(g) for g in final.groups())
+    assert exec_time > 0
+    assert param_size == pytest.approx(numel * bytes_per / MB, abs=1e-3)
+    assert (alc, res) == (0.0, 0.0)  # no CUDA allocator on the CPU, and the script says so
+    assert "runtime_peak_mem_* are 0 on the CPU" in out
+    predicted = PREDICTED_LINE.search(out)
+    assert predicted is not None, out
+    assert float(predicted.group(1)) <= budget_gb * 1024  # MB
+    loss = LOSS_LINE.search(out)
+    assert loss is not None, out
+    # Three Adam steps on one batch: the loss falls below its starting log(vocab).
+    assert math.isfinite(float(loss.group(1)))
+    assert float(loss.group(1)) < math.log(1024)
+
+    stem = f"gpt2_tiny_bs_2_st_{solver}"
+    plan = Plan.from_json((tmp_path / f"{stem}.plan.json").read_text())
+    assert plan.solver == solver
+    assert plan.budget_bytes == int(budget_gb * GB)
+    assert plan.predicted_peak_bytes <= 0.95 * plan.budget_bytes + 1
+    # The tiny model's blocks merge into one region (the pool's block-size search packs a
+    # model under 128 MiB into one block), so the least budget keeps it resident; what is
+    # checked here is that the plan respects the solver that was asked for.
+    if solver == "syn":
+        assert all(rp.placement is not ParamPlacement.ASYNC for rp in plan.regions)
+    assert sum(rp.region.size_bytes for rp in plan.regions) == numel * bytes_per
+    assert (tmp_path / f"{stem}.plan.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_fp32_offloaded_training_matches_plain_adamw(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The script's loss after 3 steps equals the same 3 steps of plain torch AdamW."""
+    steps, batch, lr = 3, 2, 1e-3
+    base = [*TINY, "--batch_size", str(batch), "--dtype", "fp32", "--solver_type", "asyn"]
+    base += ["--log_dir", str(tmp_path), "--steps", str(steps), "--lr", str(lr)]
+    least_gb = _least_budget_gb(base, capsys)
+    code, out, err = _run([*base, "--memory_budget", repr(least_gb * 1.02)], capsys)
+    assert code == 0, err
+    match = LOSS_LINE.search(out)
+    assert match is not None, out
+
+    # The script seeds the global RNG, builds the model (its own seeded generator), then
+    # draws the batch: repeat that order.
+    torch.manual_seed(0)
+    model = build_model("gpt2_tiny", dtype=torch.float32, dropout=0.0)
+    data = random_batch(batch, 8)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = lm_loss(model(**data), labels_for(data))
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    assert float(match.group(1)) == pytest.approx(loss.item(), rel=1e-5)
+
+
+def test_run_sh_tees_to_the_reference_log_name(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+        "PYTHON": sys.executable,
+        "MODEL_TYPE": "gpt2_tiny",
+        "BATCH_SIZE": "2",
+        "MEMORY_BUDGET": "1",
+        "SOLVER_TYPE": "syn",
+    }
+    # Run from an unrelated folder: run.sh finds the packages from its own location.
+    proc = subprocess.run(
+        ["bash", str(RUN_SH), "--device", "cpu", "--dtype", "fp32", "--steps", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    log_dir = tmp_path / "offload_logs"
+    log = log_dir / "gpt2_tiny_bs_2_st_syn.log"
+    text = log.read_text()
+    assert FINAL_LINE.search(text) is not None, text
+    assert SOLVER_LINE.search(text) is not None, text
+    # The log holds what the terminal showed.
+    assert FINAL_LINE.search(proc.stdout) is not None
+    assert Plan.from_json((log_dir / "gpt2_tiny_bs_2_st_syn.plan.json").read_text()).solver == "syn"
+    assert (log_dir / "gpt2_tiny_bs_2_st_syn.plan.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_run_sh_fails_when_the_script_fails(tmp_path: Path) -> None:
+    env = {
+        **os.environ,
+        "PYTHON": sys.executable,
+        "MODEL_TYPE": "gpt2_nope",
+    }
+    proc = subprocess.run(
+        ["bash", str(RUN_SH)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    log = tmp_path / "offload_logs" / "gpt2_nope_bs_64_st_asyn.log"
+    assert "Model 'gpt2_nope' is not registered" in log.read_text()
+
+
+def test_plan_only_gpt2_24b_is_fast_and_allocates_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Plan for the default GPU profile even on a machine that has one, so the test is the
+    # same everywhere.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    started = time.perf_counter()
+    code, out, err = _run(
+        ["--model_type", "gpt2_24b", "--plan_only", "--log_dir", str(tmp_path), "--no_progress"],
+        capsys,
+    )
+    elapsed = time.perf_counter() - started
+    assert code == 0, err
+    assert elapsed < 60, f"--plan_only for gpt2_24b took {elapsed:.1f} s"
+    init = INIT_LINE.search(out)
+    assert init is not None, out
+    # 24.2e9 fp16 parameters: about 46,000 MB.
+    assert float(init.group(1)) == pytest.approx(24.179e9 * 2 / MB, rel=1e-3)
+    assert SOLVER_LINE.search(out) is not None, out
+    assert FINAL_LINE.search(out) is None  # nothing was trained
+    plan = Plan.from_json((tmp_path / "gpt2_24b_bs_64_st_asyn.plan.json").read_text())
+    assert plan.budget_bytes == 16 * GB
+    assert plan.predicted_peak_bytes <= 0.95 * 16 * GB
+    # 48 GB of fp16 weights cannot sit in 16 GB: most regions are offloaded.
+    offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
+    assert len(offloaded) > len(plan.regions) // 2
+    assert (tmp_path / "gpt2_24b_bs_64_st_asyn.plan.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_unknown_model_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(["--model_type", "gpt5"], capsys)
+    assert code == 2
+    assert "Model 'gpt5' is not registered; known: gpt2_tiny, gpt2_medium" in err
+    assert "gpt2_24b" in err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--batch_size", "0", "--batch_size is 0"),
+        ("--steps", "-1", "--steps is -1"),
+        ("--memory_budget", "0", "--memory_budget is 0"),
+        ("--solver_type", "greedy", "invalid choice: 'greedy'"),
+        ("--dtype", "fp8", "invalid choice: 'fp8'"),
+    ],
+)
+def test_bad_flags_are_usage_errors(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = _run([*TINY, flag, value], capsys)
+    assert code == 2
+    assert message in err
+
+
+def test_budget_below_least_prints_it_and_fails(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [*TINY, "--batch_size", "2", "--dtype", "fp32", "--log_dir", str(tmp_path)]
+    least_gb = _least_budget_gb(base, capsys)
+    assert least_gb > 0
+    # Just below the least: still refused, and no plan file is written.
+    code, _, err = _run([*base, "--memory_budget", repr(least_gb * 0.9)], capsys)
+    assert code == 1
+    assert "rerun with --memory_budget" in err
+    assert not list(tmp_path.glob("*.plan.json"))
+    code, _, err = _run(
+        ["--model_type", "gpt2_24b", "--plan_only", "--memory_budget", "0.001", "--no_progress"],
+        capsys,
+    )
+    assert code == 1
+    assert LEAST_BUDGET.search(err) is not None, err
+
+
+def test_device_cuda_without_cuda_says_so(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = _run(["--device", "cuda", "--no_progress"], capsys)
+    assert code == 1
+    assert "--device cuda was requested but CUDA is not available" in err
+    assert INIT_LINE.search(out) is None  # it stopped before building anything
+
+
+def test_device_auto_without_gpu_falls_back_to_tiny(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, out, err = _run(
+        ["--steps", "2", "--log_dir", str(tmp_path), "--no_progress", "--dtype", "bf16"], capsys
+    )
+    assert code == 0, err
+    assert "no CUDA device: falling back to gpt2_tiny at batch 4 on the CPU" in out
+    assert "asked for gpt2_medium at batch 64" in out
+    final = FINAL_LINE.search(out)
+    assert final is not None, out
+    numel = sum(p.numel() for p in build_model("gpt2_tiny", device="meta").parameters())
+    assert float(final.group(2)) == pytest.approx(numel * 2 / MB, abs=1e-3)
+    # The files keep the requested run's name, so they sit beside run.sh's log.
+    plan = Plan.from_json((tmp_path / "gpt2_medium_bs_64_st_asyn.plan.json").read_text())
+    assert plan.budget_bytes == 16 * GB
+
+
+@pytest.mark.gpu
+def test_run_sh_defaults_fit_the_budget_on_a_gpu(tmp_path: Path) -> None:
+    """The reference default (gpt2_medium, bs 64, 16 GB, asyn) trains within its budget."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    for name in ("MODEL_TYPE", "BATCH_SIZE", "MEMORY_BUDGET", "SOLVER_TYPE"):
+        env.pop(name, None)
+    proc = subprocess.run(
+        ["bash", str(RUN_SH)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    text = (tmp_path / "offload_logs" / "gpt2_medium_bs_64_st_asyn.log").read_text()
+    final = FINAL_LINE.search(text)
+    assert final is not None, text[-4000:]
+    exec_time, param_size, alc, res = (float(g) for g in final.groups())
+    assert exec_time > 0
+    assert param_size == pytest.approx(304_408_576 * 2 / MB, rel=1e-3)
+    assert 0 < alc <= 16 * 1024, f"peak allocated {alc:.1f} MB exceeds the 16 GB budget"
+    assert res >= alc
+    loss = LOSS_LINE.search(text)
+    assert loss is not None and math.isfinite(float(loss.group(1)))
