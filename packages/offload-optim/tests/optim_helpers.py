@@ -126,10 +126,13 @@ def offload_module(
     device: torch.device | str = "cpu",
     min_region_numel: int = 2000,
     all_host_state: bool = False,
+    all_resident: bool = False,
 ) -> OffloadModule:
     """An OffloadModule over a copy of ``model`` with a hand-made mixed plan.
 
     ``model`` itself is left untouched, so it can be trained in parallel as the reference.
+    ``all_host_state`` / ``all_resident`` override the mix: every region keeps its optimizer
+    state on the host / its parameters on the device.
     """
     device = torch.device(device)
     model = copy.deepcopy(model).to(device=device, dtype=dtype)
@@ -158,6 +161,8 @@ def offload_module(
         placement, state = _placement(k, len(regions) - 1, pinned)
         if all_host_state:
             state = StatePlacement.HOST
+        if all_resident:
+            placement = ParamPlacement.RESIDENT
         region = Region(
             index=k,
             op_start=start,

@@ -76,17 +76,20 @@ def _as_float(value: object, name: str) -> float:
 _scratch = threading.local()
 
 
-def _scratch_pair(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _scratch_pair(device: torch.device, numel: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-thread fp32 scratch for both moments of one chunk (reused: no page faults)."""
-    cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = getattr(_scratch, "by", {})
+    cache: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = getattr(
+        _scratch, "by", {}
+    )
     _scratch.by = cache
-    pair = cache.get(device)
+    pair = cache.get((device, numel))
     if pair is None:
+        cache.clear()  # CHUNK_NUMEL changed: drop the old size
         pair = (
-            torch.empty(CHUNK_NUMEL, dtype=torch.float32, device=device),
-            torch.empty(CHUNK_NUMEL, dtype=torch.float32, device=device),
+            torch.empty(numel, dtype=torch.float32, device=device),
+            torch.empty(numel, dtype=torch.float32, device=device),
         )
-        cache[device] = pair
+        cache[(device, numel)] = pair
     return pair
 
 
@@ -131,10 +134,11 @@ def _chunked(
     """Adam over one flat tensor whose moments are narrower than fp32 (see the note)."""
     p, g = param.view(-1), grad.view(-1)
     m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
-    m32_full, v32_full = _scratch_pair(param.device)
+    chunk = CHUNK_NUMEL  # read at call time, so a benchmark can tune it
+    m32_full, v32_full = _scratch_pair(param.device, chunk)
     n = p.numel()
-    for start in range(0, n, CHUNK_NUMEL):
-        end = min(n, start + CHUNK_NUMEL)
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
         m32, v32 = m32_full[: end - start], v32_full[: end - start]
         m32.copy_(m[start:end])
         v32.copy_(v[start:end])
