@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     on_cuda = device.type == "cuda"
 
-    phases = tqdm(total=3, desc="build", unit="phase", disable=not show, file=sys.stderr)
+    phases = tqdm(total=2, desc="build model", unit="phase", disable=not show, file=sys.stderr)
     # ---- build the model in the training dtype on the CPU; memory_optimize copies the
     # weights into fp32 masters (pinned host or device, as the plan says)
     t0 = time.perf_counter()
@@ -256,7 +256,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan, log_dir, stem, f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
     )
     phases.update()
-    phases.set_description("train")
+    phases.close()  # the training bar below takes over
 
     optimizer = AMPOptimizer(HybridAdam(module.parameters(), lr=args.lr), module)
     module.train()
@@ -283,8 +283,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         # .item() is another sync point, outside the timed region.
         bar.set_postfix(loss=f"{loss.item():.4f}", step_ms=f"{step_times[-1] * 1e3:.1f}")
     bar.close()
-    phases.update()
-    phases.close()
 
     fastest = sorted(step_times)[:FASTEST_STEPS]
     exec_time = sum(fastest) / len(fastest)

@@ -78,6 +78,8 @@ def plan_figure(plan: Plan, *, title: str | None = None) -> Figure:
             (iv.start_s * scale, max(iv.end_s - iv.start_s, 0.0) * scale)
         )
     bar_h = 0.7
+    # White separators help while bars are wide; on a long timeline they would whiten the lane.
+    edge_w = 0.3 if len(plan.timeline) <= 4 * len(_LANES) * 25 else 0.0
     for (lane, kind), spans in sorted(by_lane_kind.items()):
         y = len(_LANES) - 1 - lane  # compute on top
         ax_lanes.broken_barh(
@@ -85,7 +87,7 @@ def plan_figure(plan: Plan, *, title: str | None = None) -> Figure:
             (y - bar_h / 2, bar_h),
             facecolors=_KIND_COLORS.get(kind, _OTHER_COLOR),
             edgecolor="white",
-            linewidth=0.3,
+            linewidth=edge_w,
         )
     # Region labels only where the bar is wide enough to hold them (about 2% of the axis).
     min_label_w = 0.02 * span_s * scale
