@@ -123,6 +123,39 @@ def test_constants_created_on_the_input_device_are_refused_by_name() -> None:
     assert "register_buffer" in str(info.value)
 
 
+class _NoGradRegion(nn.Module):
+    """A ``torch.no_grad()`` block with a device-dependent factory, as in rotary
+    embeddings: export nests it in a ``wrap_with_set_grad_enabled`` subgraph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.drop = nn.Dropout(0.5)
+        self.register_buffer("freq", torch.arange(4.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            pos = torch.arange(x.shape[0], device=x.device, dtype=x.dtype)[:, None]
+            angle = pos * self.freq
+        return self.drop(self.proj(x)) * angle.cos()
+
+
+def test_module_for_rewrites_nested_graphs() -> None:
+    torch.manual_seed(0)
+    model = _NoGradRegion()
+    x = torch.randn(3, 4)
+    traced = trace(model, (x,), dtype=torch.float32, target_device="cpu")
+    nested = [m for m in traced.graph_module.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(nested) >= 2  # the premise: the no_grad block is a nested graph
+    gm = assign_real(traced.module_for("cpu", training=False), model)
+    model.eval()
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    model.train()
+    train_gm = assign_real(traced.module_for("cpu"), model)
+    out = train_gm(x)
+    assert out.requires_grad and torch.is_grad_enabled()
+
+
 def test_module_for_rejects_a_bad_device() -> None:
     traced = trace(ThreeWayTied(), (torch.randn(4, 16),), target_device="cpu")
     with pytest.raises(ValueError, match="'meta'"):

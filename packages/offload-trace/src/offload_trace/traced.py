@@ -175,13 +175,19 @@ class TracedModel:
                 "module_for: torch.export produced different node names on a second "
                 "unlift; this torch version is not supported by offload-trace"
             )
-        moved = move_device_constants(gm, dev)
-        flipped = 0 if training else to_eval(gm)
+        moved = flipped = 0
+        # Regions such as `with torch.no_grad():` are exported as higher-order ops whose
+        # bodies are nested graph modules: rewrite every graph, not only the top one.
+        graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
+        for graph_module in graphs:
+            moved += move_device_constants(graph_module, dev)
+            flipped += 0 if training else to_eval(graph_module)
         for target in _lifted_constants(self):
             value = _get_attr(gm, target)
             if isinstance(value, torch.Tensor):
                 _set_attr(gm, target, value.to(dev))
-        gm.recompile()
+        for graph_module in graphs:
+            graph_module.recompile()
         logger.info(
             "module_for(%s, training=%s): %d device constants moved, %d nodes set to eval",
             dev,
