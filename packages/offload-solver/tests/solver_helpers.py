@@ -44,17 +44,22 @@ def flat_hardware(
 
 @st.composite
 def hardware_profiles(draw: st.DrawFn) -> HardwareProfile:
+    """Flat machines whose rates are powers of two: every duration is then an exact binary
+    fraction, so events that coincide in exact arithmetic coincide in floats too and the
+    engine and the reference (which add times up in different orders) agree on ties."""
     return flat_hardware(
-        h2d_bytes_per_s=draw(st.sampled_from([100.0, 1000.0, 10000.0])),
-        d2h_bytes_per_s=draw(st.sampled_from([100.0, 1000.0, 10000.0])),
-        flop_per_s=draw(st.sampled_from([100.0, 1000.0, 10000.0])),
-        host_adam_params_per_s=draw(st.sampled_from([10.0, 100.0, 10000.0])),
-        device_adam_params_per_s=draw(st.sampled_from([1000.0, 1e6])),
+        h2d_bytes_per_s=draw(st.sampled_from([64.0, 1024.0, 8192.0])),
+        d2h_bytes_per_s=draw(st.sampled_from([64.0, 1024.0, 8192.0])),
+        flop_per_s=draw(st.sampled_from([64.0, 1024.0, 8192.0])),
+        host_adam_params_per_s=draw(st.sampled_from([8.0, 128.0, 8192.0])),
+        device_adam_params_per_s=draw(st.sampled_from([1024.0, 2.0**20])),
     )
 
 
 @st.composite
-def profiles(draw: st.DrawFn, max_params: int = 7, max_ops: int = 14) -> ModelProfile:
+def profiles(
+    draw: st.DrawFn, max_params: int = 7, max_ops: int = 14, max_act_bytes: int = 300
+) -> ModelProfile:
     """Random small profiles: parameters, tied groups of any size, operations using them."""
     n_base = draw(st.integers(0, max_params))
     params: list[Parameter] = []
@@ -72,7 +77,7 @@ def profiles(draw: st.DrawFn, max_params: int = 7, max_ops: int = 14) -> ModelPr
     names = [p.name for p in params]
     n_ops = draw(st.integers(1, max_ops))
     ops = []
-    small = st.integers(0, 300)
+    small = st.integers(0, max_act_bytes)
     for j in range(n_ops):
         uses = tuple(draw(st.lists(st.sampled_from(names), max_size=2))) if names else ()
         ops.append(
@@ -95,6 +100,44 @@ def profiles(draw: st.DrawFn, max_params: int = 7, max_ops: int = 14) -> ModelPr
         tied_groups=tuple(groups),
         device_state_bytes_per_param=draw(st.sampled_from([0, 8, 16])),
         host_grad_bytes_per_param=draw(st.sampled_from([0, 2, 4])),
+    )
+
+
+@st.composite
+def layered_profiles(draw: st.DrawFn) -> ModelProfile:
+    """Profiles shaped like a network: each parameter is used by a few consecutive
+    operations, so most regions can be offloaded; optionally a tied embedding/head pair."""
+    n_layers = draw(st.integers(2, 12))
+    params = [Parameter("emb", 50, 100)]
+    ops = [Operation("emb", ("emb",), fwd_out_bytes=draw(st.integers(0, 40)), saved_bytes=5)]
+    small = st.integers(0, 40)
+    for i in range(n_layers):
+        numel = draw(st.integers(1, 300))
+        params.append(Parameter(f"w{i}", numel, 2 * numel))
+        for k in range(draw(st.integers(1, 3))):
+            ops.append(
+                Operation(
+                    f"l{i}_{k}",
+                    (f"w{i}",) if k == 0 else (),
+                    fwd_out_bytes=draw(small),
+                    fwd_tmp_bytes=draw(small),
+                    saved_bytes=draw(small),
+                    bwd_tmp_bytes=draw(small),
+                    bwd_out_bytes=draw(small),
+                    fwd_flop=draw(st.sampled_from([0, 100, 1000, 5000])),
+                    bwd_flop=draw(st.sampled_from([0, 200, 2000, 10000])),
+                )
+            )
+    tied = draw(st.booleans())
+    if tied:
+        params.append(Parameter("head", 50, 100))
+    ops.append(Operation("head", ("head",) if tied else ("emb",), fwd_flop=100, bwd_flop=200))
+    return ModelProfile(
+        name="layered",
+        parameters=tuple(params),
+        operations=tuple(ops),
+        tied_groups=(("emb", "head"),) if tied else (),
+        host_grad_bytes_per_param=draw(st.sampled_from([0, 2])),
     )
 
 

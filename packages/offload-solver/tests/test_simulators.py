@@ -12,6 +12,7 @@ from solver_helpers import (
     assignments,
     flat_hardware,
     hardware_profiles,
+    layered_profiles,
     profiles,
     reference_simulate,
 )
@@ -94,7 +95,9 @@ def test_device_state_and_device_step() -> None:
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), profile=profiles(), hardware=hardware_profiles())
+@given(
+    data=st.data(), profile=st.one_of(profiles(), layered_profiles()), hardware=hardware_profiles()
+)
 def test_engine_agrees_with_the_reference(
     data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
 ) -> None:
@@ -111,8 +114,10 @@ def test_engine_agrees_with_the_reference(
     assert ref.raw_peak_bytes <= res.raw_peak_bytes <= res.peak_bytes
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(data=st.data(), profile=profiles(), hardware=hardware_profiles())
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(), profile=st.one_of(profiles(), layered_profiles()), hardware=hardware_profiles()
+)
 def test_memory_curves_are_consistent(
     data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
 ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import flat_hardware, hardware_profiles, profiles
+from solver_helpers import flat_hardware, hardware_profiles, layered_profiles, profiles
 
 from offload_solver import (
     BUDGET_SAFETY_FACTOR,
@@ -152,17 +152,24 @@ def test_optimizer_state_moves_to_the_device_where_it_saves_time() -> None:
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    profile=profiles(),
+    profile=st.one_of(profiles(), layered_profiles()),
     hardware=hardware_profiles(),
     solver=st.sampled_from(["syn", "asyn"]),
-    fraction=st.floats(0.05, 1.5),
+    where=st.floats(-0.3, 1.2),
 )
 def test_plans_fit_the_budget_or_name_a_budget_that_does(
-    profile: ModelProfile, hardware: HardwareProfile, solver: str, fraction: float
+    profile: ModelProfile, hardware: HardwareProfile, solver: str, where: float
 ) -> None:
+    # Budgets around the interesting range: from below the floor plan (every offloadable
+    # region sync) to above everything resident.
     ctx = SimulationContext.build(profile, hardware)
-    everything = get_simulator("async").run(ctx, [RegionAssignment()] * ctx.num_regions)
-    budget = max(1, int(everything.peak_bytes * fraction))
+    sim = get_simulator("async")
+    top = sim.run(ctx, [RegionAssignment()] * ctx.num_regions).peak_bytes
+    floor_asg = [
+        RegionAssignment(S if not reg.pinned and reg.size_bytes else R) for reg in ctx.regions
+    ]
+    floor = min(top, sim.run(ctx, floor_asg).peak_bytes)
+    budget = max(1, int((floor + where * (top - floor)) / BUDGET_SAFETY_FACTOR))
     try:
         plan = solve(profile, hardware, budget, solver=solver)
     except InfeasibleBudgetError as exc:
