@@ -88,7 +88,7 @@ def test_param_names_map_graph_attributes_to_original_names(
     used = {n for names in traced.op_param_names for n in names}
     # Every parameter is read by some op, one name per tied group.
     assert len(used) == len(original) - 1
-    assert {n for n, _ in traced.parameters} == original
+    assert {p.name for p in traced.parameters} == original
 
 
 def test_profile_round_trips_through_json_and_describes_the_graph(

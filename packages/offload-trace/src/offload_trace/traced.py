@@ -64,8 +64,9 @@ class TracedModel:
     """Measured costs, one per entry of ``operation_names``."""
     op_param_names: tuple[tuple[str, ...], ...]
     """Original names of the parameters each operation reads directly."""
-    parameters: tuple[tuple[str, int], ...]
-    """Every original parameter name with its number of elements, in model order."""
+    parameters: tuple[Parameter, ...]
+    """Every original parameter (``remove_duplicate=False``, model order) with its size in
+    the training dtype; tied names are each listed with the shared size."""
     model_name: str
     """Class name of the traced model (default profile name)."""
     valueless_constants: tuple[str, ...] = ()
@@ -103,10 +104,6 @@ class TracedModel:
             name: profile name; defaults to the model's class name.
         """
         itemsize = self.dtype.itemsize
-        parameters = tuple(
-            Parameter(name=pname, numel=numel, size_bytes=numel * itemsize)
-            for pname, numel in self.parameters
-        )
         operations = tuple(
             Operation(
                 name=c.name,
@@ -123,7 +120,7 @@ class TracedModel:
         )
         return ModelProfile(
             name=name if name is not None else self.model_name,
-            parameters=parameters,
+            parameters=self.parameters,
             operations=operations,
             tied_groups=self.tied_groups,
             device_state_bytes_per_param=device_state_bytes_per_param(self.dtype),

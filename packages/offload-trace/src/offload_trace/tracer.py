@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from offload_solver import Parameter
 from offload_trace._costs import CALL_OPS, measure_costs
 from offload_trace._export import export_twin
 from offload_trace._inputs import check_example_inputs
@@ -132,7 +133,14 @@ def trace(
         operation_names=tuple(n.name for n in op_nodes),
         op_costs=tuple(costs),
         op_param_names=op_params,
-        parameters=tuple((n, twin.param_numel[n]) for n in twin.param_names),
+        parameters=tuple(
+            Parameter(
+                name=n,
+                numel=twin.param_numel[n],
+                size_bytes=twin.param_numel[n] * twin.param_dtype[n].itemsize,
+            )
+            for n in twin.param_names
+        ),
         model_name=name,
         valueless_constants=valueless,
     )
