@@ -76,7 +76,11 @@ class OffloadModule:
         self.streams = make_streams(device)
         self.controller = OffloadController(plan, self.storages, self.streams)
         key = register_controller(self.controller)
-        self._buffers = {name: b.to(device) for name, b in buffers.items()}
+        # The trace ran floating buffers in the training dtype; the graph expects them so.
+        self._buffers = {
+            name: b.to(device, dtype if b.is_floating_point() else b.dtype)
+            for name, b in buffers.items()
+        }
         for gm in (graph_train, graph_eval):
             for target, original in param_targets.items():
                 canon = self._canonical[original]

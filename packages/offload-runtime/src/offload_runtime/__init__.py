@@ -1,0 +1,37 @@
+"""offload-runtime: run an offload plan.
+
+``memory_optimize(model, inputs, memory_budget, solver_name)`` traces the model, measures
+(or loads) the hardware profile, solves, lays the parameters out in region storage, rewrites
+the graph and returns an :class:`OffloadModule` to train.
+"""
+
+from offload_runtime.api import build_offload_module, memory_optimize, plan_summary
+from offload_runtime.controller import OffloadController, RegionState
+from offload_runtime.hardware import (
+    DeviceIdentity,
+    default_cpu_profile,
+    device_identity,
+    profile_hardware,
+)
+from offload_runtime.module import OffloadModule
+from offload_runtime.passes import apply_plan, insert_async_ops, insert_state_ops, insert_sync_ops
+from offload_runtime.storage import RegionStorage, region_of
+
+__all__ = [
+    "DeviceIdentity",
+    "OffloadController",
+    "OffloadModule",
+    "RegionState",
+    "RegionStorage",
+    "apply_plan",
+    "build_offload_module",
+    "default_cpu_profile",
+    "device_identity",
+    "insert_async_ops",
+    "insert_state_ops",
+    "insert_sync_ops",
+    "memory_optimize",
+    "plan_summary",
+    "profile_hardware",
+    "region_of",
+]

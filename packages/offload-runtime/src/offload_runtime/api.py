@@ -1,0 +1,190 @@
+"""``memory_optimize``: trace, profile, solve and build the OffloadModule in one call."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import fx
+
+from offload_runtime.hardware import MatmulShape, profile_hardware
+from offload_runtime.module import OffloadModule
+from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Plan, StatePlacement
+from offload_solver import solve as solve_plan
+from offload_trace import TracedModel, trace
+
+log = logging.getLogger(__name__)
+
+MiB = 2**20
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def resolve_device(device: torch.device | str | None) -> torch.device:
+    """``None`` means the current CUDA device when CUDA is available, else the CPU."""
+    if device is None:
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device 'cuda' was requested but CUDA is not available here")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"device {dev} is not supported; use 'cuda' or 'cpu'")
+    return dev
+
+
+def matmul_shapes(gm: fx.GraphModule) -> list[MatmulShape]:
+    """The (m, k, n) of every matrix product in a traced graph, for compute profiling."""
+    out: list[MatmulShape] = []
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        vals = [a.meta.get("val") for a in node.all_input_nodes]
+        if node.target in (aten.mm.default, aten.addmm.default, aten.linear.default):
+            tensors = [v for v in vals if isinstance(v, torch.Tensor) and v.dim() >= 2]
+            if node.target is aten.addmm.default:
+                tensors = tensors[-2:]
+            if len(tensors) < 2:
+                continue
+            x, w = tensors[0], tensors[1]
+            m = x.numel() // x.shape[-1]
+            k = x.shape[-1]
+            n = w.shape[0] if node.target is aten.linear.default else w.shape[-1]
+            out.append((int(m), int(k), int(n)))
+    return out
+
+
+def plan_summary(profile: ModelProfile, plan: Plan) -> dict[str, float]:
+    """The reference's summary numbers (MB = 2**20 bytes) for a plan."""
+    resident = sum(
+        rp.region.size_bytes for rp in plan.regions if rp.placement is ParamPlacement.RESIDENT
+    )
+    state = sum(
+        rp.region.numel * profile.device_state_bytes_per_param
+        for rp in plan.regions
+        if rp.state is StatePlacement.DEVICE
+    )
+    max_param = resident + plan.pool_size_bytes
+    act = max(0, plan.predicted_peak_bytes - max_param - state)
+    return {
+        "act_peak_mem_mb": act / MiB,
+        "max_param_mem_mb": max_param / MiB,
+        "total_param_mem_mb": profile.total_param_bytes / MiB,
+        "device_state_mem_mb": state / MiB,
+    }
+
+
+def build_offload_module(
+    model: torch.nn.Module,
+    traced: TracedModel,
+    profile: ModelProfile,
+    plan: Plan,
+    device: torch.device,
+) -> OffloadModule:
+    """Region storage from the model's real weights, passes applied to both graph modes."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    meta = [name for name, p in named.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"model parameters are on the meta device (e.g. {meta[0]!r}): memory_optimize "
+            "needs real weights; build the model on the CPU or load a state dict first "
+            "(meta models can still be planned with offload_trace + offload_solver)"
+        )
+    buffers = dict(model.named_buffers(remove_duplicate=False))
+    wanted = set(traced.buffer_names)
+    return OffloadModule(
+        plan=plan,
+        graph_train=traced.module_for(device, training=True),
+        graph_eval=traced.module_for(device, training=False),
+        param_targets=dict(traced.param_names),
+        canonical=profile.canonical_names(),
+        buffers={name: b for name, b in buffers.items() if name in wanted},
+        state=named,
+        device=device,
+        dtype=traced.dtype,
+        op_names=tuple(traced.operation_names),
+        tied_groups=profile.tied_groups,
+    )
+
+
+def memory_optimize(
+    model: torch.nn.Module,
+    inputs: Mapping[str, torch.Tensor] | tuple[Any, ...],
+    memory_budget: int,
+    solver_name: str = "asyn",
+    *,
+    dtype: torch.dtype = torch.float16,
+    hardware: HardwareProfile | None = None,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> OffloadModule:
+    """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
+
+    Args:
+        model: the model with real weights (CPU or GPU); it is traced, not modified.
+        inputs: example inputs, a dict of keyword tensors or a tuple of positional ones;
+            shapes are fixed at trace time.
+        memory_budget: device memory budget in bytes (the solver plans against 0.95 of it).
+        solver_name: ``"asyn"`` (prefetch on the h2d stream) or ``"syn"``.
+        dtype: training dtype: float16, bfloat16, or float32 (for exact tests).
+        hardware: a profile to plan with; default: measured on this device (cached), or
+            the documented CPU default when there is no CUDA.
+        device: where to train; default CUDA when available, else the CPU.
+        progress: print the phases and the summary line.
+
+    Raises:
+        ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
+            feasible one, which the message names.
+        RuntimeError: host memory too small for the plan's host-resident state.
+    """
+    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype} is not supported; use float16, bfloat16 or float32")
+    dev = resolve_device(device)
+    say = _say if progress else _quiet
+    t0 = time.perf_counter()
+    traced = trace(model, inputs, dtype=dtype, target_device=dev.type)
+    profile = traced.to_profile(name=type(model).__name__)
+    say(f"traced {len(profile.operations)} operations in {time.perf_counter() - t0:.1f} s")
+    if hardware is None:
+        hardware = profile_hardware(
+            dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
+        )
+    t1 = time.perf_counter()
+    plan = solve_plan(profile, hardware, memory_budget, solver=solver_name)
+    say(
+        f"solver {solver_name}: {len(plan.regions)} regions, "
+        f"{sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)} offloaded, "
+        f"predicted peak {plan.predicted_peak_bytes / MiB:.1f} MB, step "
+        f"{plan.predicted_step_time_s * 1e3:.1f} ms ({time.perf_counter() - t1:.2f} s)"
+    )
+    module = build_offload_module(model, traced, profile, plan, dev)
+    module.profile = profile
+    s = plan_summary(profile, plan)
+    if progress:  # the reference's summary line, on stdout
+        print(
+            f"act_peak_mem={s['act_peak_mem_mb']:.3f} MB | "
+            f"max_param_mem={s['max_param_mem_mb']:.3f} MB | "
+            f"total_param_mem={s['total_param_mem_mb']:.3f} MB",
+            flush=True,
+        )
+    return module
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _quiet(message: str) -> None:
+    log.info(message)

@@ -1,0 +1,159 @@
+"""Offloaded training computes exactly what plain PyTorch training computes (CPU, fp32)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from tiny_models import ThreeWayTied, inputs, loss_of, tiny_bert, tiny_gpt2, tiny_llama
+
+from offload_runtime import OffloadModule, memory_optimize
+from offload_runtime.hardware import default_cpu_profile
+from offload_solver import InfeasibleBudgetError, ParamPlacement, Plan, solve
+from offload_trace import trace
+
+MODELS: dict[str, Callable[[], torch.nn.Module]] = {
+    "gpt2": tiny_gpt2,
+    "bert": tiny_bert,
+    "llama": tiny_llama,
+    "tied3": ThreeWayTied,
+}
+
+
+def least_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], solver: str) -> int:
+    """The smallest budget the solver accepts: it offloads every region it can."""
+    profile = trace(model, inp, dtype=torch.float32, target_device="cpu").to_profile()
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(profile, default_cpu_profile(), 1, solver=solver)
+    return info.value.least_budget_bytes
+
+
+def offloaded_half(plan: Plan, solver: str) -> bool:
+    """At least half the regions with parameters offloaded (some async for ``asyn``)."""
+    regions = [rp for rp in plan.regions if rp.region.numel > 0]
+    offloaded = [rp for rp in regions if rp.placement is not ParamPlacement.RESIDENT]
+    has_async = any(rp.placement is ParamPlacement.ASYNC for rp in offloaded)
+    return len(offloaded) * 2 >= len(regions) and (solver == "syn" or has_async)
+
+
+def forcing_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], solver: str) -> int:
+    """The least budget above the infeasible one at which the plan offloads half the
+    regions (with async prefetches for ``asyn``, which need a little room to coexist)."""
+    profile = trace(model, inp, dtype=torch.float32, target_device="cpu").to_profile()
+    least = least_budget(model, inp, solver)
+    for step in range(60):
+        budget = int(least * (1 + 0.02 * step))
+        if offloaded_half(solve(profile, default_cpu_profile(), budget, solver=solver), solver):
+            return budget
+    raise AssertionError(f"no budget above {least} forces {solver} to offload half the regions")
+
+
+def build(name: str, solver: str) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    inp = inputs()
+    budget = forcing_budget(model, inp, solver)
+    module = memory_optimize(
+        model,
+        inp,
+        budget,
+        solver,
+        dtype=torch.float32,
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+    )
+    return model, module, inp
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_offloaded_gradients_match_plain_training(name: str, solver: str) -> None:
+    model, module, inp = build(name, solver)
+    assert offloaded_half(module.plan, solver)
+
+    ref_logits = model(**inp)
+    loss_of(ref_logits, inp["input_ids"]).backward()
+    logits = module(**inp)
+    module.backward(loss_of(logits, inp["input_ids"]))
+
+    assert rel_err(logits.detach(), ref_logits.detach()) <= 1e-6
+    grads = dict(module.named_gradients())
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        assert param.grad is not None
+        assert rel_err(grads[pname], param.grad) <= 1e-6, pname
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_repeated_steps_accumulate_like_plain_training(solver: str) -> None:
+    model, module, inp = build("gpt2", solver)
+    other = inputs(seed=1)
+    for batch in (inp, other):
+        loss_of(model(**batch), batch["input_ids"]).backward()
+        module.backward(loss_of(module(**batch), batch["input_ids"]))
+    grads = dict(module.named_gradients())
+    for pname, param in model.named_parameters():
+        assert param.grad is not None
+        assert rel_err(grads[pname], param.grad) <= 1e-6, pname
+    module.zero_grad()
+    assert all(float(g.abs().max()) == 0.0 for _, g in module.named_gradients())
+
+
+def test_state_dict_round_trip_and_eval_mode() -> None:
+    model, module, inp = build("tied3", "asyn")
+    state = module.state_dict()
+    reference = model.state_dict(keep_vars=False)
+    assert set(reference) <= set(state)
+    for key, value in reference.items():
+        assert torch.equal(state[key], value), key
+    # Loading new weights changes what the module computes, exactly like the plain model.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    module.load_state_dict(model.state_dict())
+    module.eval()
+    model.eval()
+    with torch.no_grad():
+        assert rel_err(module(**inp), model(**inp)) <= 1e-6
+    module.train()
+
+
+def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_gpt2()
+    inp = inputs()
+    with pytest.raises(ValueError, match="memory_budget"):
+        memory_optimize(model, inp, 0, "syn", dtype=torch.float32, device="cpu", progress=False)
+    with pytest.raises(ValueError, match="not registered"):
+        memory_optimize(
+            model, inp, 2**30, "nope", dtype=torch.float32, device="cpu", progress=False
+        )
+    with pytest.raises(InfeasibleBudgetError) as info:
+        memory_optimize(model, inp, 1000, "syn", dtype=torch.float32, device="cpu", progress=False)
+    assert str(info.value.least_budget_bytes) in str(info.value).replace(",", "")
+    with torch.device("meta"):
+        meta_model = tiny_gpt2()
+    with pytest.raises(ValueError, match="meta"):
+        memory_optimize(
+            meta_model, inp, 2**30, "syn", dtype=torch.float32, device="cpu", progress=False
+        )
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA is not available"):
+            memory_optimize(model, inp, 2**30, "syn", device="cuda", progress=False)
+    import offload_runtime.storage as storage
+
+    monkeypatch.setattr(storage, "available_host_memory_bytes", lambda: 1)
+    with pytest.raises(RuntimeError, match="host memory too small"):
+        memory_optimize(
+            model,
+            inp,
+            least_budget(model, inp, "syn"),
+            "syn",
+            dtype=torch.float32,
+            device="cpu",
+            progress=False,
+        )
