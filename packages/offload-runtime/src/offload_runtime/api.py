@@ -35,7 +35,8 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("device 'cuda' was requested but CUDA is not available here")
-    if dev.type == "cuda" and dev.index is None:
+    index: int | None = dev.index  # None for a bare "cuda"
+    if dev.type == "cuda" and index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if dev.type not in ("cuda", "cpu"):
         raise ValueError(f"device {dev} is not supported; use 'cuda' or 'cpu'")
