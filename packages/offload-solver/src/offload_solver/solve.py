@@ -7,7 +7,10 @@ The steps, shared by every solver strategy:
 2. Otherwise start from every region resident with optimizer state on the host and let
    the strategy (``syn``, ``asyn``) offload regions until the simulated peak fits.
 3. Where the budget leaves room, move resident regions' optimizer state back to the
-   device, the one saving most step time first (``GreedySearch.place_optimizer_state``).
+   device, the one saving most step time first (``GreedySearch.place_optimizer_state``);
+   then, while it shortens the simulated step, offload more parameters to make room for
+   the next region's state (``GreedySearch.make_room_for_state``): state costs 8x the
+   parameters' bytes, and when the host optimizer is the step's tail, uploads are cheaper.
 4. If the strategy cannot fit the budget, fall back to the floor plan: every non-pinned
    region uploaded synchronously and all optimizer state on the host (one pool block,
    the fewest resident bytes). If even that does not fit, raise
@@ -125,6 +128,7 @@ def solve(
                 raise InfeasibleBudgetError(budget, least_budget_bytes(floor_peak), floor_peak)
             search.reset(floor, floor_run)
         search.place_optimizer_state()
+        search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
 
     detail = to_result(ctx, result)

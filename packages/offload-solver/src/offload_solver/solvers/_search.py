@@ -28,7 +28,7 @@ into the plan, only into which candidate is tried.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from offload_solver.model import ParamPlacement, StatePlacement
@@ -84,6 +84,8 @@ class GreedySearch:
         self._slack: list[float] | None = None
         self._next_fwd_prefetch: list[int] | None = None
         self._window: int | None = None
+        self.keep_resident: set[int] = set()
+        """Regions the strategies must not offload (the target of ``make_room_for_state``)."""
 
     # ---- state ---------------------------------------------------------------------
 
@@ -122,13 +124,18 @@ class GreedySearch:
         return self._slack
 
     def offloadable(self) -> list[int]:
-        """Resident, non-pinned regions that own parameter bytes."""
+        """Resident, non-pinned regions that own parameter bytes and keep their optimizer
+        state on the host (minus those ``keep_resident`` holds back)."""
         ctx = self.ctx
-        codes = self.current.codes
+        run = self.current
         return [
             r
             for r in range(ctx.num_regions)
-            if codes[r] == RESIDENT and not ctx.pinned[r] and ctx.size[r] > 0
+            if run.codes[r] == RESIDENT
+            and not run.device_state[r]
+            and not ctx.pinned[r]
+            and ctx.size[r] > 0
+            and r not in self.keep_resident
         ]
 
     def apply(self, move: Move) -> EngineRun:
@@ -271,46 +278,95 @@ class GreedySearch:
 
     # ---- optimizer state placement ----------------------------------------------------
 
+    def _state_candidate(self, excluded: set[int], *, need_room: bool) -> int | None:
+        """The resident host-state region whose host step is critical and longest.
+
+        The host steps of the earliest forward regions run last, so they are usually the
+        critical tail of the step; a region whose host step has slack would save nothing.
+        With ``need_room`` only regions whose state fits under the cap now are considered.
+        """
+        ctx = self.ctx
+        run = self.current
+        sl = self.slack()
+        best: tuple[float, int] | None = None
+        for r in range(ctx.num_regions):
+            if (
+                run.codes[r] != RESIDENT
+                or run.device_state[r]
+                or ctx.numel[r] == 0
+                or r in excluded
+                or (need_room and run.peak_bytes + ctx.state_bytes[r] > self.cap_bytes)
+            ):
+                continue
+            ht = run.host_task[r]
+            if ht < 0 or sl[ht] > _EPS_S:
+                continue
+            gain = run.end[ht] - run.start[ht]
+            if best is None or gain > best[0]:
+                best = (gain, r)
+        return None if best is None else best[1]
+
+    def _to_device_state(self, r: int) -> EngineRun:
+        asg = list(self.assignment)
+        asg[r] = RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)
+        return self.try_assignment(asg)
+
     def place_optimizer_state(self) -> None:
         """Move resident regions' optimizer state to the device while the cap allows, the
         region whose host step is on the critical path and longest first.
 
-        The host steps of the earliest forward regions run last, so they are usually the
-        critical tail of the step; a region whose host step has slack saves nothing and
-        keeps its state on the host. Each move is simulated and kept only if the peak
-        still fits and the step got shorter.
+        Each move is simulated and kept only if the peak still fits and the step got
+        shorter; a region whose move is not kept is not tried again.
         """
-        ctx = self.ctx
         excluded: set[int] = set()
-        while True:
-            run = self.current
-            sl = self.slack()
-            best: tuple[float, int] | None = None
-            for r in range(ctx.num_regions):
-                if (
-                    run.codes[r] != RESIDENT
-                    or run.device_state[r]
-                    or ctx.numel[r] == 0
-                    or r in excluded
-                    or run.peak_bytes + ctx.state_bytes[r] > self.cap_bytes
-                ):
-                    continue
-                ht = run.host_task[r]
-                if ht < 0 or sl[ht] > _EPS_S:
-                    continue
-                gain = run.end[ht] - run.start[ht]
-                if best is None or gain > best[0]:
-                    best = (gain, r)
-            if best is None:
-                return
-            r = best[1]
-            before_asg, before_run = list(self.assignment), run
-            asg = list(self.assignment)
-            asg[r] = RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)
-            result = self.try_assignment(asg)
+        while (r := self._state_candidate(excluded, need_room=True)) is not None:
+            before_asg, before_run = list(self.assignment), self.current
+            result = self._to_device_state(r)
             if (
                 result.peak_bytes > self.cap_bytes
                 or result.step_time_s >= before_run.step_time_s - _EPS_S
             ):
                 self.reset(before_asg, before_run)
                 excluded.add(r)
+
+    def make_room_for_state(
+        self, offload: Callable[[GreedySearch], bool], max_failures: int = 2
+    ) -> None:
+        """Offload more parameters where that makes room for a critical region's optimizer
+        state on the device and the step gets shorter.
+
+        Device optimizer state costs ``device_state_bytes_per_param`` per element (16 for
+        fp16 training) against 2 for the parameters, so room for one region's state takes
+        several offloaded regions; when the host optimizer is the step's tail, offloading
+        them costs less than it saves. For the region :meth:`place_optimizer_state` would
+        move next, ``offload`` (the strategy) offloads against the cap minus its state,
+        then the state moves; the whole change is kept only if it fits and the simulated
+        step is shorter. Stops after ``max_failures`` regions in a row gain nothing.
+        """
+        excluded: set[int] = set()
+        failures = 0
+        while failures < max_failures:
+            target = self._state_candidate(excluded, need_room=False)
+            if target is None:
+                return
+            before_asg, before_run = list(self.assignment), self.current
+            cap = self.cap_bytes
+            self.cap_bytes = cap - self.ctx.state_bytes[target]
+            self.keep_resident.add(target)
+            try:
+                made_room = offload(self)
+            finally:
+                self.cap_bytes = cap
+                self.keep_resident.discard(target)
+            if made_room:
+                result = self._to_device_state(target)
+                if (
+                    result.peak_bytes <= cap
+                    and result.step_time_s < before_run.step_time_s - _EPS_S
+                ):
+                    failures = 0
+                    self.place_optimizer_state()
+                    continue
+            self.reset(before_asg, before_run)
+            excluded.add(target)
+            failures += 1
