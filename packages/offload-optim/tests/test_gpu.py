@@ -6,6 +6,7 @@ Run with ``nox -s gpu_tests`` (or ``pytest -m gpu -s`` to see the benchmark's nu
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import time
 
@@ -23,6 +24,7 @@ from optim_helpers import (
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_runtime.module import OffloadModule
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -123,6 +125,47 @@ def gpt2_xl() -> torch.nn.Module:
     return model.half()
 
 
+def measure(
+    amp: AMPOptimizer,
+    module: OffloadModule,
+    inputs: dict[str, torch.Tensor],
+    numel: int,
+    moments: torch.dtype,
+    steps: int = 5,
+) -> tuple[float, float, float]:
+    """Train ``steps`` steps; print each; return median backward s, host step s, hidden."""
+    results = []
+    for step in range(steps):
+        amp.zero_grad()
+        loss = loss_of(module(**inputs), inputs["input_ids"])
+        torch.cuda.synchronize()
+        bwd_start = time.perf_counter()
+        amp.backward(loss)
+        torch.cuda.synchronize()  # backward (and its gradient copies) really ended here
+        bwd_end = time.perf_counter()
+        amp.step()
+        step_end = time.perf_counter()
+        report = amp.last_step
+        assert report is not None and not report.skipped
+        host_s = report.host_step_s
+        hidden = report.hidden_fraction(bwd_end)
+        bwd_s = bwd_end - bwd_start
+        print(
+            f"{str(moments)[6:]} moments, step {step}: loss {loss.item():.4f}, backward "
+            f"{bwd_s * 1e3:.0f} ms, host step {host_s * 1e3:.0f} ms "
+            f"({numel / host_s / 1e9:.2f} Gparam/s), hidden {hidden:.0%}, after backward "
+            f"{(step_end - bwd_end) * 1e3:.0f} ms, mode {report.overlap.value}"
+        )
+        if step >= 2:  # the first steps touch fresh host pages and warm the allocator
+            results.append((bwd_s, host_s, hidden))
+    med = [sorted(r[i] for r in results)[len(results) // 2] for i in range(3)]
+    print(
+        f"{str(moments)[6:]} moments, median: backward {med[0] * 1e3:.0f} ms, host step "
+        f"{med[1] * 1e3:.0f} ms = {numel / med[1] / 1e9:.2f} Gparam/s, hidden {med[2]:.0%}"
+    )
+    return med[0], med[1], med[2]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpt2_xl_host_step_hides_under_backward(dtype: torch.dtype) -> None:
     """Host step throughput, and the share of it hidden under backward.
@@ -154,42 +197,20 @@ def test_gpt2_xl_host_step_hides_under_backward(dtype: torch.dtype) -> None:
         f"\nbuilt gpt2_xl ({numel / 1e9:.2f} G parameters, {len(module.storages)} regions, "
         f"{dtype}) in {time.perf_counter() - start:.1f} s"
     )
-    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-5), module)
     cuda_inputs = {k: v.to(CUDA) for k, v in inputs.items()}
-    results = []
-    for step in range(6):
-        amp.zero_grad()
-        loss = loss_of(module(**cuda_inputs), cuda_inputs["input_ids"])
-        torch.cuda.synchronize()
-        bwd_start = time.perf_counter()
-        amp.backward(loss)
-        torch.cuda.synchronize()  # backward (and its gradient copies) really ended here
-        bwd_end = time.perf_counter()
-        amp.step()
-        step_end = time.perf_counter()
-        report = amp.last_step
-        assert report is not None and not report.skipped
-        host_s = report.host_step_s
-        hidden = report.hidden_fraction(bwd_end)
-        bwd_s = bwd_end - bwd_start
-        after_s = step_end - bwd_end
-        print(
-            f"step {step}: loss {loss.item():.4f} backward {bwd_s * 1e3:.0f} ms, host step "
-            f"{host_s * 1e3:.0f} ms ({numel / host_s / 1e9:.2f} Gparam/s), hidden "
-            f"{hidden:.0%}, after backward {after_s * 1e3:.0f} ms, mode {report.overlap.value}"
-        )
-        if step >= 2:  # the first steps touch fresh host pages and warm the allocator
-            results.append((bwd_s, host_s, hidden))
-    bwd_s = sorted(r[0] for r in results)[len(results) // 2]
-    host_s = sorted(r[1] for r in results)[len(results) // 2]
-    hidden = sorted(r[2] for r in results)[len(results) // 2]
-    print(
-        f"median: backward {bwd_s * 1e3:.0f} ms, host step {host_s * 1e3:.0f} ms = "
-        f"{numel / host_s / 1e9:.2f} Gparam/s, hidden {hidden:.0%}"
-    )
-    if dtype == torch.bfloat16:
-        assert amp.last_step is not None and amp.last_step.overlap is OverlapMode.SPECULATIVE
+    failures = []
+    for moments in (torch.float32, torch.bfloat16):
+        opt = HybridAdam(module.parameters(), lr=1e-5, moments_dtype=moments)
+        amp = AMPOptimizer(opt, module)
+        bwd_s, host_s, hidden = measure(amp, module, cuda_inputs, numel, moments)
+        assert amp.last_step is not None
         # What could be hidden: all of the host step if backward is longer, else backward.
         possible = min(1.0, bwd_s / host_s)
-        assert hidden >= 0.8 * possible, (hidden, possible)
+        if dtype == torch.bfloat16 and (
+            amp.last_step.overlap is not OverlapMode.SPECULATIVE or hidden < 0.8 * possible
+        ):
+            failures.append((moments, amp.last_step.overlap, hidden, possible))
+        del amp, opt  # its grad-ready hook holds it weakly: gone, the hook does nothing
+        gc.collect()
+    assert not failures, failures
     module.close()
