@@ -197,7 +197,7 @@ def reference_simulate(
 
     t = 0.0
     h2d = 0.0
-    pf_start: dict[tuple[str, int], float] = {}
+    pf_issue: dict[tuple[str, int], float] = {}
     pf_end: dict[tuple[str, int], float] = {}
     life: dict[int, list[tuple[float, float]]] = {r: [] for r in range(n) if offl[r]}
     fwd_op_start: dict[int, float] = {}
@@ -207,7 +207,7 @@ def reference_simulate(
         nonlocal h2d
         s = max(issue, h2d)
         h2d = s + up(r)
-        pf_start[tag, r], pf_end[tag, r] = s, h2d
+        pf_issue[tag, r], pf_end[tag, r] = issue, h2d
 
     if place[0] is ParamPlacement.ASYNC:
         prefetch("f", 0, 0.0)
@@ -219,7 +219,7 @@ def reference_simulate(
         if place[r] is ParamPlacement.SYNC:
             t += up(r)
         elif place[r] is ParamPlacement.ASYNC:
-            acquired = pf_start["f", r]
+            acquired = pf_issue["f", r]
             t = max(t, pf_end["f", r])
         for j in range(reg.op_start, reg.op_end):
             fwd_op_start[j] = t
@@ -246,7 +246,7 @@ def reference_simulate(
         if place[r] is ParamPlacement.SYNC:
             t += up(r)
         elif place[r] is ParamPlacement.ASYNC:
-            acquired = pf_start["b", r]
+            acquired = pf_issue["b", r]
             t = max(t, pf_end["b", r])
         for j in range(reg.op_end - 1, reg.op_start - 1, -1):
             bwd_op_start[j] = t

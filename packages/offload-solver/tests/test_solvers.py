@@ -106,7 +106,7 @@ def test_asyn_greedy_choices_by_hand() -> None:
     #     forward lifetime [0,2) meets region 2's: it would need a second block.
     #   region 0 with prefetch at 1 (100 B/s) is up during [0,1) and [12.5,20.5): it fits
     #     region 2's block, which hosts 2 and 3 do not (their backward lifetimes would start
-    #     at 8.5 or 6, inside region 2's).
+    #     at 8.5 or 4.5, inside region 2's).
     #   -> region 0 async, prefetch at 1. Peak 550 + 300 + 4000 = 4850.
     # A budget of 5130 means planning against 4873.5: rounds 0 and 1 do not fit, 2 does.
     profile = chain([200, 300, 150, 250], fwd_flop=100, bwd_flop=400)

@@ -26,14 +26,17 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
 
 Memory follows [Note: memory model] in ``offload_solver.model``. Offloaded regions live in
 a device pool allocated once for the step: each takes one block of the layout's block size.
-Two offloaded regions coexist when their device lifetimes (from the start of the upload or
-prefetch that brings them in to the end of the compute that uses them; half-open) overlap;
-blocks are assigned by first fit in region order over that coexistence relation, opening
-another block whenever no existing one is free, so placement never fails (the pool then is
-larger than the lower bound, the most regions alive at once). The predicted peak is the
+Two offloaded regions coexist when their device lifetimes overlap. A lifetime runs from
+the moment a sync upload starts or a prefetch is issued (its block must be free then, even
+if the H2D lane starts the copy later) to the end of the compute that uses the region, and
+is half-open: a block released at an instant can be claimed at that instant. Issues and
+releases are compute-lane moments, so a runtime sees them in this order. Blocks are
+assigned by first fit in region order over the coexistence relation, opening another block
+whenever no existing one is free, so placement never fails (the pool is then larger than
+the lower bound, the most regions alive at once). The predicted peak is the
 maximum over time of static bytes (resident parameters, device optimizer state, the pool)
 + activations + gradients waiting for their copy. The raw curve counts each offloaded
-region only while it is on the device, instead of the pool.
+region only during its lifetimes, instead of the pool.
 
 Compute is accounted per region (the sum of its operations' times); memory per operation,
 so a gradient copy that ends in the middle of a region lowers the level of the operations
@@ -335,6 +338,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     last_c = -1
     h2d_free = 0.0
     last_h = -1
+    pf_issue = [0.0] * n_reg  # when each region's current prefetch was issued
     if n_reg and codes[0] == ASYNC:
         e = up[0]
         last_h = pf_f_task[0] = add(LANE_H2D, 0, KIND_PREFETCH, 0.0, e, -1, -1)
@@ -346,6 +350,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
         free_at_reach_f[r] = h2d_free
         q = r + 1
         if q < n_reg and codes[q] == ASYNC:
+            pf_issue[q] = reach
             s = reach if reach > h2d_free else h2d_free
             e = s + up[q]
             last_h = pf_f_task[q] = add(LANE_H2D, q, KIND_PREFETCH, s, e, last_h, last_c)
@@ -360,7 +365,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
             t = e
         elif c == ASYNC:
             wait_task = pf_f_task[r]
-            life_start = t_start[wait_task]
+            life_start = pf_issue[r]
             pe = t_end[wait_task]
             if pe > t:
                 t = pe
@@ -406,6 +411,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
             h2d_order.append(last_h)
             h2d_free = e
         for i in by_host[r]:
+            pf_issue[i] = reach
             s = reach if reach > h2d_free else h2d_free
             e = s + up[i]
             last_h = pf_b_task[i] = add(LANE_H2D, i, KIND_PREFETCH, s, e, last_h, last_c)
@@ -422,7 +428,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
             t = e
         elif c == ASYNC:
             wait_task = pf_b_task[r]
-            life_start = t_start[wait_task]
+            life_start = pf_issue[r]
             pe = t_end[wait_task]
             if pe > t:
                 t = pe
@@ -638,7 +644,7 @@ def _memory_curves(
         side.append((copied, 0, -nbytes, 0))
     for r in range(n_reg):
         for s, e in out.lifetimes[r]:
-            # Acquired when its upload or prefetch starts, released at the end of its compute.
+            # Held from its upload's start or prefetch's issue to the end of its compute.
             side.append((s, 1, 0, ctx.size[r]))
             side.append((e, 0, 0, -ctx.size[r]))
     heapq.heapify(side)

@@ -205,7 +205,8 @@ class GreedySearch:
         if pos < len(run.h2d_order):
             nb = run.h2d_order[pos]
             extra = max(extra, d_f + e_b - start[nb] - sl[nb])
-        life = [(s_f, run.ce_f[r]), (s_b, run.ce_b[r])]
+        issue_f = 0.0 if r == 0 else run.reach_f[r - 1]
+        life = [(issue_f, run.ce_f[r]), (run.reach_b[p], run.ce_b[r])]
         return extra, life
 
     def needs_new_block(self, r: int, life: Sequence[tuple[float, float]], reach: int) -> bool:
