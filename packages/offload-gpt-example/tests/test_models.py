@@ -147,3 +147,16 @@ def test_lm_loss_predicts_the_next_token_in_fp32() -> None:
 def test_lm_loss_rejects_mismatched_labels() -> None:
     with pytest.raises(ValueError, match=r"labels of shape \(64, 8\)"):
         lm_loss(torch.zeros(4, 8, VOCAB_SIZE), torch.zeros(64, 8, dtype=torch.long))
+
+
+@pytest.mark.gpu
+def test_weights_drawn_on_the_gpu_land_on_the_cpu_with_gpt2_statistics() -> None:
+    model = build_model("gpt2_xl", dtype=torch.float16, init_device="cuda")
+    params = dict(model.named_parameters())
+    assert {p.device.type for p in params.values()} == {"cpu"}
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    c_attn = params["model.transformer.h.0.attn.c_attn.weight"].float()
+    assert c_attn.std().item() == pytest.approx(0.02, rel=0.01)
+    c_proj = params["model.transformer.h.47.mlp.c_proj.weight"].float()
+    assert c_proj.std().item() == pytest.approx(0.02 / math.sqrt(2 * 48), rel=0.01)
+    assert torch.all(params["model.transformer.ln_f.weight"] == 1)

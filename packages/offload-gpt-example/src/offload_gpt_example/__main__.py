@@ -219,7 +219,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     # weights into fp32 masters (pinned host or device, as the plan says)
     t0 = time.perf_counter()
     model = build_model(
-        model_type, device="cpu", dtype=dtype, seq_len=args.seq_len, dropout=args.dropout
+        model_type,
+        device="cpu",
+        dtype=dtype,
+        seq_len=args.seq_len,
+        dropout=args.dropout,
+        seed=args.seed,
+        init_device=device if on_cuda else None,  # the GPU draws random weights far faster
     )
     model.train()
     init_model_time = time.perf_counter() - t0
