@@ -112,6 +112,18 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "2/4 regions offloaded" in printed
 
 
+def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    profile = tmp_path / "layers.json"
+    sizes = [1000, 24, 1000, 24, 1000, 24, 1000]  # one 4072 B region by default
+    params = tuple(Parameter(f"w{i}", s // 2, s) for i, s in enumerate(sizes))
+    ops = tuple(Operation(f"op{i}", (f"w{i}",), saved_bytes=1000) for i in range(7))
+    profile.write_text(ModelProfile("layers", params, ops).to_json())
+    assert main([str(profile), "--budget", "10000"]) == 2
+    assert "least budget" in capsys.readouterr().err
+    assert main([str(profile), "--budget", "10000", "--block-search-range", "0"]) == 0
+    assert "/7 regions offloaded" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -173,6 +173,24 @@ def test_parameters_are_offloaded_to_make_room_for_optimizer_state(solver: str) 
     assert plan.predicted_step_time_s < all_host.step_time_s - 14.0
 
 
+def test_block_search_range_keeps_small_models_apart() -> None:
+    # Layers of 1000 and 24 B (4072 in all = 1000 + 3 x 1024): the reference's search in
+    # 1 KiB steps finds a single 4072 B block with no waste and merges everything into one
+    # region, and offloading that one saves nothing (the pool holds a block as large). With
+    # a range of 0 the block is the largest layer (1000 B) and the layers stay apart.
+    # Activations: 7 x 1000 saved. All resident: 4072 + 7000 = 11072; budget 10000 plans
+    # against 9500.
+    profile = chain([1000, 24, 1000, 24, 1000, 24, 1000], fwd_flop=100, bwd_flop=200)
+    hardware = flat_hardware()
+    assert SimulationContext.build(profile, hardware).num_regions == 1
+    with pytest.raises(InfeasibleBudgetError):
+        solve(profile, hardware, 10000)
+    plan = solve(profile, hardware, 10000, block_search_range_bytes=0)
+    assert len(plan.regions) == 7
+    assert any(rp.placement is not R for rp in plan.regions)
+    assert plan.predicted_peak_bytes <= 9500
+
+
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     profile=st.one_of(profiles(), layered_profiles()),

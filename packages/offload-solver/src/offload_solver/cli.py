@@ -1,6 +1,7 @@
 """``offload-solve``: plan a profile from the command line.
 
     offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json] [-o PLAN.json]
+                  [--block-search-range 128MiB]
     python -m offload_solver PROFILE.json --budget 16GiB
 
 Prints one line per region (operations, MiB, placement, optimizer state, backward prefetch
@@ -16,6 +17,7 @@ from pathlib import Path
 
 from offload_solver.hardware import default_hardware
 from offload_solver.model import HardwareProfile, ModelProfile, Plan, parse_bytes
+from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
 from offload_solver.solvers import SOLVERS
 
@@ -35,6 +37,12 @@ def _parser() -> argparse.ArgumentParser:
         "--hardware",
         type=Path,
         help="HardwareProfile JSON (default: a PCIe Gen5 H200-like machine)",
+    )
+    p.add_argument(
+        "--block-search-range",
+        default=None,
+        help="how far above the largest region the pool block-size search looks "
+        "(default 128MiB, the reference's; 0 keeps small models' regions apart)",
     )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
@@ -85,7 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             hardware = HardwareProfile.from_json(_read(args.hardware, "hardware"))
         else:
             hardware = default_hardware()
-        plan = solve(profile, hardware, budget, solver=args.solver)
+        search_range = (
+            BLOCK_SEARCH_RANGE_BYTES
+            if args.block_search_range is None
+            else parse_bytes(args.block_search_range)
+        )
+        plan = solve(
+            profile, hardware, budget, solver=args.solver, block_search_range_bytes=search_range
+        )
         if args.output is not None:
             try:
                 args.output.write_text(plan.to_json())

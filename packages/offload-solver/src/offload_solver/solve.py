@@ -33,6 +33,7 @@ from offload_solver.model import (
     RegionPlan,
     StatePlacement,
 )
+from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_BYTES
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
 from offload_solver.simulators._engine import to_result
 from offload_solver.solvers import get_solver
@@ -90,8 +91,16 @@ def solve(
     hardware: HardwareProfile,
     budget_bytes: int,
     solver: str = "asyn",
+    *,
+    block_search_step_bytes: int = BLOCK_SEARCH_STEP_BYTES,
+    block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
+
+    ``block_search_*`` bound the pool block-size search (see ``offload_solver.regions``).
+    The defaults are the reference's; they merge a model smaller than the range into one
+    offloadable region, which is pointless to offload. For such (test-sized) models a
+    range of 0 keeps regions at parameter boundaries, merging only what fits the largest.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -101,7 +110,12 @@ def solve(
     budget = _check_budget(budget_bytes)
     strategy = get_solver(solver)
     simulator = get_simulator(strategy.simulator)
-    ctx = SimulationContext.build(profile, hardware)
+    ctx = SimulationContext.build(
+        profile,
+        hardware,
+        block_search_step_bytes=block_search_step_bytes,
+        block_search_range_bytes=block_search_range_bytes,
+    )
     cap = budget * BUDGET_SAFETY_FACTOR
     stats = SolveStats()
     n_reg = ctx.num_regions

@@ -60,7 +60,12 @@ from offload_solver.model import (
     Stream,
     TimelineInterval,
 )
-from offload_solver.regions import RegionLayout, build_regions
+from offload_solver.regions import (
+    BLOCK_SEARCH_RANGE_BYTES,
+    BLOCK_SEARCH_STEP_BYTES,
+    RegionLayout,
+    build_regions,
+)
 
 RESIDENT, SYNC, ASYNC = 0, 1, 2
 _CODES = {ParamPlacement.RESIDENT: RESIDENT, ParamPlacement.SYNC: SYNC, ParamPlacement.ASYNC: ASYNC}
@@ -192,9 +197,19 @@ class SimulationContext:
         self._rmq = table
 
     @classmethod
-    def build(cls, profile: ModelProfile, hardware: HardwareProfile) -> SimulationContext:
+    def build(
+        cls,
+        profile: ModelProfile,
+        hardware: HardwareProfile,
+        *,
+        block_search_step_bytes: int = BLOCK_SEARCH_STEP_BYTES,
+        block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
+    ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
-        return cls(profile, hardware, build_regions(profile))
+        layout = build_regions(
+            profile, step_bytes=block_search_step_bytes, range_bytes=block_search_range_bytes
+        )
+        return cls(profile, hardware, layout)
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
         """Largest backward activation level of operations ``lo..hi-1`` (``lo < hi``)."""
