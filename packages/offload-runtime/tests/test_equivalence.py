@@ -25,7 +25,7 @@ def least_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], solver: s
     """The smallest budget the solver accepts: it offloads every region it can."""
     profile = trace(model, inp, dtype=torch.float32, target_device="cpu").to_profile()
     with pytest.raises(InfeasibleBudgetError) as info:
-        solve(profile, default_cpu_profile(), 1, solver=solver)
+        solve(profile, default_cpu_profile(), 1, solver=solver, block_search_range_bytes=0)
     return info.value.least_budget_bytes
 
 
@@ -44,7 +44,10 @@ def forcing_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], solver:
     least = least_budget(model, inp, solver)
     for step in range(60):
         budget = int(least * (1 + 0.02 * step))
-        if offloaded_half(solve(profile, default_cpu_profile(), budget, solver=solver), solver):
+        plan = solve(
+            profile, default_cpu_profile(), budget, solver=solver, block_search_range_bytes=0
+        )
+        if offloaded_half(plan, solver):
             return budget
     raise AssertionError(f"no budget above {least} forces {solver} to offload half the regions")
 
@@ -63,6 +66,7 @@ def build(name: str, solver: str) -> tuple[torch.nn.Module, OffloadModule, dict[
         hardware=default_cpu_profile(),
         device="cpu",
         progress=False,
+        block_search_range_bytes=0,
     )
     return model, module, inp
 
@@ -156,4 +160,5 @@ def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:
             dtype=torch.float32,
             device="cpu",
             progress=False,
+            block_search_range_bytes=0,
         )

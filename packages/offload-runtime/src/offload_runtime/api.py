@@ -15,6 +15,7 @@ from offload_runtime.hardware import MatmulShape, profile_hardware
 from offload_runtime.module import OffloadModule
 from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Plan, StatePlacement
 from offload_solver import solve as solve_plan
+from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_trace import TracedModel, trace
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,7 @@ def memory_optimize(
     hardware: HardwareProfile | None = None,
     device: torch.device | str | None = None,
     progress: bool = True,
+    block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -142,6 +144,9 @@ def memory_optimize(
             the documented CPU default when there is no CUDA.
         device: where to train; default CUDA when available, else the CPU.
         progress: print the phases and the summary line.
+        block_search_range_bytes: how far above the largest region the region builder
+            searches for the pool block size (the reference's 128 MiB); small regions packed
+            into one block are merged, so 0 keeps the finest regions (useful for tiny models).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -163,7 +168,13 @@ def memory_optimize(
             dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
         )
     t1 = time.perf_counter()
-    plan = solve_plan(profile, hardware, memory_budget, solver=solver_name)
+    plan = solve_plan(
+        profile,
+        hardware,
+        memory_budget,
+        solver=solver_name,
+        block_search_range_bytes=block_search_range_bytes,
+    )
     say(
         f"solver {solver_name}: {len(plan.regions)} regions, "
         f"{sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)} offloaded, "
