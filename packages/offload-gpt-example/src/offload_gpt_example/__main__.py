@@ -36,7 +36,8 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -136,6 +137,18 @@ def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
     return f"{model_type}_bs_{batch_size}_st_{solver_type}"
 
 
+@contextmanager
+def phase(desc: str, show: bool) -> Iterator[None]:
+    """A progress bar over one blocking phase, on stderr.
+
+    The bar is closed, with its newline, before the caller prints again, so that in a log
+    that combines stdout and stderr (run.sh's) every result line starts a line of its own.
+    """
+    with tqdm(total=1, desc=desc, unit="phase", disable=not show, file=sys.stderr) as bar:
+        yield
+        bar.update()
+
+
 def infeasible_message(exc: InfeasibleBudgetError, budget_gb: float, what: str) -> str:
     least_gb = exc.least_budget_bytes / GB
     # Round up to 3 significant digits so that the suggested flag value is itself feasible.
@@ -214,19 +227,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     on_cuda = device.type == "cuda"
 
-    phases = tqdm(total=2, desc="build model", unit="phase", disable=not show, file=sys.stderr)
     # ---- build the model in the training dtype on the CPU; memory_optimize copies the
     # weights into fp32 masters (pinned host or device, as the plan says)
     t0 = time.perf_counter()
-    model = build_model(
-        model_type,
-        device="cpu",
-        dtype=dtype,
-        seq_len=args.seq_len,
-        dropout=args.dropout,
-        seed=args.seed,
-        init_device=device if on_cuda else None,  # the GPU draws random weights far faster
-    )
+    with phase(f"build {model_type}", show):
+        model = build_model(
+            model_type,
+            device="cpu",
+            dtype=dtype,
+            seq_len=args.seq_len,
+            dropout=args.dropout,
+            seed=args.seed,
+            init_device=device if on_cuda else None,  # the GPU draws random weights far faster
+        )
     model.train()
     init_model_time = time.perf_counter() - t0
     print(
@@ -234,20 +247,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"init_model_time={init_model_time:.3f} s",
         flush=True,
     )
-    phases.update()
-    phases.set_description("trace, profile, solve")
-
     data = random_batch(batch_size, args.seq_len, device=device)
     labels = labels_for(data)  # shaped from the batch actually used, not a fixed (64, 8)
 
-    # ---- trace, profile the hardware, solve, build the offloaded module
+    # ---- trace, profile the hardware, solve, build the offloaded module; memory_optimize
+    # reports each of these phases itself when progress is on
+    if show:
+        print(
+            f"memory_optimize: {args.solver_type} solver, budget {args.memory_budget:g} GB",
+            file=sys.stderr,
+        )
     t0 = time.perf_counter()
     try:
         module = memory_optimize(
             model, data, budget_bytes, args.solver_type, dtype=dtype, device=device, progress=show
         )
     except InfeasibleBudgetError as exc:
-        phases.close()
         what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
         print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
         return EXIT_FAILURE
@@ -261,9 +276,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_plan_files(
         plan, log_dir, stem, f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
     )
-    phases.update()
-    phases.close()  # the training bar below takes over
-
     optimizer = AMPOptimizer(HybridAdam(module.parameters(), lr=args.lr), module)
     module.train()
     if on_cuda:
@@ -329,11 +341,11 @@ def plan_only(
     show: bool,
 ) -> int:
     """Trace on meta, solve for the GPU (measured if present, else the default), write files."""
-    phases = tqdm(total=4, desc="build (meta)", unit="phase", disable=not show, file=sys.stderr)
     t0 = time.perf_counter()
-    model = build_model(
-        args.model_type, device="meta", dtype=dtype, seq_len=args.seq_len, dropout=args.dropout
-    )
+    with phase(f"build {args.model_type} on meta", show):
+        model = build_model(
+            args.model_type, device="meta", dtype=dtype, seq_len=args.seq_len, dropout=args.dropout
+        )
     model.train()
     init_model_time = time.perf_counter() - t0
     print(
@@ -341,16 +353,14 @@ def plan_only(
         f"init_model_time={init_model_time:.3f} s",
         flush=True,
     )
-    phases.update()
-    phases.set_description("trace (meta)")
     t0 = time.perf_counter()
-    inputs = random_batch(args.batch_size, args.seq_len, device="meta")
-    traced = trace(model, inputs, dtype=dtype, target_device="cuda")
-    profile = traced.to_profile(name=args.model_type)
-    phases.update()
-    phases.set_description("hardware")
+    with phase("trace on meta", show):
+        inputs = random_batch(args.batch_size, args.seq_len, device="meta")
+        traced = trace(model, inputs, dtype=dtype, target_device="cuda")
+        profile = traced.to_profile(name=args.model_type)
     hardware: HardwareProfile
     if torch.cuda.is_available():
+        # profile_hardware reports its own phases (or loads the per-device cache).
         hardware = profile_hardware(
             torch.device("cuda", torch.cuda.current_device()),
             dtype=dtype,
@@ -360,18 +370,14 @@ def plan_only(
     else:
         hardware = default_hardware()
         print(f"no CUDA device: planning for {hardware.name}", flush=True)
-    phases.update()
-    phases.set_description("solve")
     try:
-        plan = solve(profile, hardware, budget_bytes, solver=args.solver_type)
+        with phase(f"solve ({args.solver_type})", show):
+            plan = solve(profile, hardware, budget_bytes, solver=args.solver_type)
     except InfeasibleBudgetError as exc:
-        phases.close()
         what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
         print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
         return EXIT_FAILURE
     solver_time = time.perf_counter() - t0
-    phases.update()
-    phases.close()
     print_summary(profile, plan)
     print(f"solver_time={solver_time:.3f} s", flush=True)
     write_plan_files(
