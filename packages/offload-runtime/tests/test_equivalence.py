@@ -6,12 +6,21 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from tiny_models import ThreeWayTied, inputs, loss_of, tiny_bert, tiny_gpt2, tiny_llama
+from tiny_models import (
+    ThreeWayTied,
+    forcing_budget,
+    inputs,
+    least_budget,
+    loss_of,
+    offloaded_half,
+    tiny_bert,
+    tiny_gpt2,
+    tiny_llama,
+)
 
 from offload_runtime import OffloadModule, memory_optimize
 from offload_runtime.hardware import default_cpu_profile
-from offload_solver import InfeasibleBudgetError, ParamPlacement, Plan, solve
-from offload_trace import trace
+from offload_solver import InfeasibleBudgetError
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt2": tiny_gpt2,
@@ -21,42 +30,11 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-def least_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], solver: str) -> int:
-    """The smallest budget the solver accepts: it offloads every region it can."""
-    profile = trace(model, inp, dtype=torch.float32, target_device="cpu").to_profile()
-    with pytest.raises(InfeasibleBudgetError) as info:
-        solve(profile, default_cpu_profile(), 1, solver=solver, block_search_range_bytes=0)
-    return info.value.least_budget_bytes
-
-
-def offloaded_half(plan: Plan, solver: str) -> bool:
-    """At least half the regions with parameters offloaded (some async for ``asyn``)."""
-    regions = [rp for rp in plan.regions if rp.region.numel > 0]
-    offloaded = [rp for rp in regions if rp.placement is not ParamPlacement.RESIDENT]
-    has_async = any(rp.placement is ParamPlacement.ASYNC for rp in offloaded)
-    return len(offloaded) * 2 >= len(regions) and (solver == "syn" or has_async)
-
-
-def forcing_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], solver: str) -> int:
-    """The least budget above the infeasible one at which the plan offloads half the
-    regions (with async prefetches for ``asyn``, which need a little room to coexist)."""
-    profile = trace(model, inp, dtype=torch.float32, target_device="cpu").to_profile()
-    least = least_budget(model, inp, solver)
-    for step in range(60):
-        budget = int(least * (1 + 0.02 * step))
-        plan = solve(
-            profile, default_cpu_profile(), budget, solver=solver, block_search_range_bytes=0
-        )
-        if offloaded_half(plan, solver):
-            return budget
-    raise AssertionError(f"no budget above {least} forces {solver} to offload half the regions")
-
-
 def build(name: str, solver: str) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = MODELS[name]()
     inp = inputs()
-    budget = forcing_budget(model, inp, solver)
+    budget = forcing_budget(model, inp, solver, torch.float32, default_cpu_profile())
     module = memory_optimize(
         model,
         inp,
@@ -155,7 +133,7 @@ def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:
         memory_optimize(
             model,
             inp,
-            least_budget(model, inp, "syn"),
+            least_budget(model, inp, "syn", torch.float32, default_cpu_profile()),
             "syn",
             dtype=torch.float32,
             device="cpu",

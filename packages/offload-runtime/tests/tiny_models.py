@@ -12,6 +12,15 @@ from transformers import (
     LlamaForCausalLM,
 )
 
+from offload_solver import (
+    HardwareProfile,
+    InfeasibleBudgetError,
+    ParamPlacement,
+    Plan,
+    solve,
+)
+from offload_trace import trace
+
 VOCAB = 96
 
 
@@ -112,3 +121,66 @@ def loss_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """Shifted next-token cross-entropy in fp32."""
     shift = logits[:, :-1].float().reshape(-1, logits.shape[-1])
     return torch.nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
+
+
+def gpt2(hidden: int, layers: int, heads: int, *, seq: int = 1024) -> torch.nn.Module:
+    """A GPT-2 of the given shape (vocab 1024, dropout off), fp32 on the CPU."""
+    cfg = GPT2Config(
+        n_embd=hidden,
+        n_layer=layers,
+        n_head=heads,
+        vocab_size=1024,
+        n_positions=max(1024, seq),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return LogitsOnly(GPT2LMHeadModel(cfg))
+
+
+def least_budget(
+    model: torch.nn.Module,
+    inp: dict[str, torch.Tensor],
+    solver: str,
+    dtype: torch.dtype,
+    hardware: HardwareProfile,
+) -> int:
+    """The smallest budget the solver accepts (finest regions): it offloads all it can."""
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = trace(model, inp, dtype=dtype, target_device=target).to_profile()
+    try:
+        solve(profile, hardware, 1, solver=solver, block_search_range_bytes=0)
+    except InfeasibleBudgetError as exc:
+        return exc.least_budget_bytes
+    raise AssertionError("a 1-byte budget was accepted")
+
+
+def offloaded_half(plan: Plan, solver: str) -> bool:
+    """At least half the regions with parameters offloaded (some async for ``asyn``)."""
+    regions = [rp for rp in plan.regions if rp.region.numel > 0]
+    offloaded = [rp for rp in regions if rp.placement is not ParamPlacement.RESIDENT]
+    has_async = any(rp.placement is ParamPlacement.ASYNC for rp in offloaded)
+    return len(offloaded) * 2 >= len(regions) and (solver == "syn" or has_async)
+
+
+def forcing_budget(
+    model: torch.nn.Module,
+    inp: dict[str, torch.Tensor],
+    solver: str,
+    dtype: torch.dtype,
+    hardware: HardwareProfile,
+) -> int:
+    """The least budget above the infeasible one at which the plan offloads half the
+    regions (with async prefetches for ``asyn``, which need a little room to coexist)."""
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = trace(model, inp, dtype=dtype, target_device=target).to_profile()
+    least = least_budget(model, inp, solver, dtype, hardware)
+    for step in range(60):
+        budget = int(least * (1 + 0.02 * step))
+        plan = solve(profile, hardware, budget, solver=solver, block_search_range_bytes=0)
+        if offloaded_half(plan, solver):
+            return budget
+    raise AssertionError(f"no budget above {least} forces {solver} to offload half the regions")

@@ -1,0 +1,118 @@
+"""GPU behaviour of the runtime: fp16 equivalence, peak memory under the budget, speed.
+
+Run with ``nox -s gpu_tests`` on a CUDA machine.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import pytest
+import torch
+from tiny_models import forcing_budget, gpt2, loss_of, offloaded_half
+
+from offload_runtime import OffloadModule, memory_optimize, profile_hardware
+from offload_solver import ParamPlacement
+
+pytestmark = pytest.mark.gpu
+
+GiB = 2**30
+
+
+@pytest.fixture(autouse=True)
+def _cuda() -> None:
+    if not torch.cuda.is_available():
+        pytest.fail("this test is marked gpu: run it on a machine with CUDA")
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def batch(b: int, s: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 1024, (b, s), generator=gen).cuda()
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def train_steps(module: OffloadModule, inp: dict[str, torch.Tensor], steps: int) -> list[float]:
+    """Forward + backward ``steps`` times; seconds of each step (CUDA synchronized)."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        module.backward(loss_of(module(**inp), inp["input_ids"]))
+        module.controller.wait_host()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        module.zero_grad()
+    return times
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_fp16_gradients_match_plain_fp16_training(solver: str) -> None:
+    torch.manual_seed(0)
+    model = gpt2(256, 6, 4)
+    inp = batch(8, 64)
+    reference = copy.deepcopy(model).half().cuda()
+    loss_of(reference(**inp), inp["input_ids"]).backward()
+    hardware = profile_hardware("cuda", progress=False)
+    budget = forcing_budget(model, inp, solver, torch.float16, hardware)
+    module = memory_optimize(
+        model,
+        inp,
+        budget,
+        solver,
+        dtype=torch.float16,
+        hardware=hardware,
+        progress=False,
+        block_search_range_bytes=0,
+    )
+    assert offloaded_half(module.plan, solver)
+    logits = module(**inp)
+    module.backward(loss_of(logits, inp["input_ids"]))
+    assert torch.allclose(logits.float(), reference(**inp).float(), atol=2e-2, rtol=2e-2)
+    grads = dict(module.named_gradients())
+    for name, p in reference.named_parameters():
+        assert p.grad is not None
+        err = float((grads[name].float() - p.grad.float()).abs().max())
+        scale = float(p.grad.float().abs().max()) + 1e-6
+        assert err <= 2e-2 * scale, (name, err, scale)
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_measured_peak_stays_within_budget(solver: str) -> None:
+    torch.manual_seed(0)
+    model = gpt2(1024, 24, 16)  # gpt2_medium shape
+    inp = batch(64, 8)
+    budget = int(1.5 * GiB)  # parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB
+    torch.cuda.reset_peak_memory_stats()
+    module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
+    assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
+    train_steps(module, inp, 3)
+    peak = torch.cuda.max_memory_allocated()
+    print(
+        f"{solver}: measured peak {peak / 2**20:.1f} MiB, predicted "
+        f"{module.plan.predicted_peak_bytes / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB"
+    )
+    assert peak <= budget
+
+
+def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
+    torch.manual_seed(0)
+    model = gpt2(1600, 48, 32)  # gpt2_xl shape
+    inp = batch(64, 8)
+    budget = 3 * GiB
+    medians = {}
+    for solver in ("syn", "asyn"):
+        module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
+        times = train_steps(module, inp, 8)[2:]
+        medians[solver] = statistics.median(times)
+        module.close()
+        del module
+        torch.cuda.empty_cache()
+    print(
+        f"gpt2_xl fwd+bwd at 3 GiB: sync {medians['syn'] * 1e3:.1f} ms, "
+        f"async {medians['asyn'] * 1e3:.1f} ms"
+    )
+    assert medians["asyn"] < medians["syn"]
