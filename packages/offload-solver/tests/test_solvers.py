@@ -24,6 +24,7 @@ from offload_solver import (
     get_simulator,
     solve,
 )
+from offload_solver.simulators._engine import KIND_HOST_STEP
 
 A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
 HOST, DEVICE = StatePlacement.HOST, StatePlacement.DEVICE
@@ -261,3 +262,35 @@ def test_plan_round_trips_through_json() -> None:
     hardware = flat_hardware(h2d_bytes_per_s=100.0, flop_per_s=100.0)
     plan = solve(profile, hardware, 5200)
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_host_steps_wait_for_backward_when_the_step_needs_a_global_answer() -> None:
+    # Three 1000-byte regions, all resident with host state: backward takes 10 s per region,
+    # gradient copies 1 s (1000 B at 1000 B/s), host steps 0.5 s (500 params at 1000/s).
+    # Overlapped, region 2's step starts at 31 s (forward 3 x 1 s, its backward ends at 13 s,
+    # copy ends at 14 s ...); after backward, every step starts at or after backward's end.
+    profile = chain([1000, 1000, 1000], fwd_flop=1000, bwd_flop=10_000)
+    hw = flat_hardware()
+    asg = [RegionAssignment(R, HOST)] * 3
+    sim = get_simulator("async")
+    early = sim.run(SimulationContext.build(profile, hw), asg)
+    late_ctx = SimulationContext.build(profile, hw, host_step_after_backward=True)
+    late = sim.run(late_ctx, asg)
+    bwd_end = 3 * 1.0 + 3 * 10.0
+    early_steps = [s for s, k in zip(early.start, early.kind, strict=True) if k == KIND_HOST_STEP]
+    late_steps = [s for s, k in zip(late.start, late.kind, strict=True) if k == KIND_HOST_STEP]
+    assert min(early_steps) < bwd_end
+    assert min(late_steps) >= bwd_end
+    # Forward order after backward: region 0's step first.
+    late_order = [r for r, k in zip(late.region, late.kind, strict=True) if k == KIND_HOST_STEP]
+    assert late_order == [0, 1, 2]
+    assert late.step_time_s > early.step_time_s
+
+
+def test_state_on_device_false_keeps_every_region_state_on_the_host() -> None:
+    profile = chain([1000, 1000, 1000], fwd_flop=1000, bwd_flop=10_000)
+    roomy = 10**9
+    assert all(rp.state is DEVICE for rp in solve(profile, flat_hardware(), roomy).regions)
+    plan = solve(profile, flat_hardware(), roomy, state_on_device=False)
+    assert all(rp.state is HOST for rp in plan.regions)
+    assert all(rp.placement is R for rp in plan.regions)

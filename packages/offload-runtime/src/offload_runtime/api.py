@@ -130,6 +130,8 @@ def memory_optimize(
     device: torch.device | str | None = None,
     progress: bool = True,
     block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
+    host_step_after_backward: bool | None = None,
+    state_on_device: bool = True,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -147,6 +149,11 @@ def memory_optimize(
         block_search_range_bytes: how far above the largest region the region builder
             searches for the pool block size (the reference's 128 MiB); small regions packed
             into one block are merged, so 0 keeps the finest regions (useful for tiny models).
+        host_step_after_backward: tell the planner that the optimizer steps host regions
+            only after backward (fp16 overflow check or clipping need a global answer);
+            default: True for float16, False otherwise (offload_optim speculates there).
+        state_on_device: allow the plan to keep optimizer state on the device (False: all
+            on the host, the reference's behaviour).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -174,6 +181,10 @@ def memory_optimize(
         memory_budget,
         solver=solver_name,
         block_search_range_bytes=block_search_range_bytes,
+        host_step_after_backward=(
+            dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
+        ),
+        state_on_device=state_on_device,
     )
     say(
         f"solver {solver_name}: {len(plan.regions)} regions, "

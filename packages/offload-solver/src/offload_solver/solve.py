@@ -94,6 +94,8 @@ def solve(
     *,
     block_search_step_bytes: int = BLOCK_SEARCH_STEP_BYTES,
     block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
+    host_step_after_backward: bool = False,
+    state_on_device: bool = True,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -101,6 +103,12 @@ def solve(
     The defaults are the reference's; they merge a model smaller than the range into one
     offloadable region, which is pointless to offload. For such (test-sized) models a
     range of 0 keeps regions at parameter boundaries, merging only what fits the largest.
+
+    ``host_step_after_backward``: the optimizer runs host steps only after backward (it needs
+    a global answer first: fp16 overflow check or clipping); the simulator then starts them
+    at the end of backward instead of as soon as each region's gradients land.
+    ``state_on_device=False`` keeps every region's optimizer state on the host (the
+    reference's behaviour, for ablations).
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -115,6 +123,7 @@ def solve(
         hardware,
         block_search_step_bytes=block_search_step_bytes,
         block_search_range_bytes=block_search_range_bytes,
+        host_step_after_backward=host_step_after_backward,
     )
     cap = budget * BUDGET_SAFETY_FACTOR
     stats = SolveStats()
@@ -123,7 +132,7 @@ def solve(
     on_device = [RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)] * n_reg
     stats.num_simulations += 1
     first = simulator.run(ctx, on_device)
-    if first.peak_bytes <= cap:
+    if state_on_device and first.peak_bytes <= cap:
         chosen, result = on_device, first
     else:
         start = [RegionAssignment()] * n_reg
@@ -141,8 +150,9 @@ def solve(
                 floor_peak = min(floor_run.peak_bytes, all_resident_peak)
                 raise InfeasibleBudgetError(budget, least_budget_bytes(floor_peak), floor_peak)
             search.reset(floor, floor_run)
-        search.place_optimizer_state()
-        search.make_room_for_state(strategy.offload)
+        if state_on_device:
+            search.place_optimizer_state()
+            search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
 
     detail = to_result(ctx, result)

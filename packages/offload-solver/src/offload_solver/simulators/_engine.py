@@ -127,8 +127,19 @@ class SimulationContext:
     Build it with :meth:`build`; simulators and solvers share it across many simulations.
     """
 
-    def __init__(self, profile: ModelProfile, hardware: HardwareProfile, layout: RegionLayout):
+    def __init__(
+        self,
+        profile: ModelProfile,
+        hardware: HardwareProfile,
+        layout: RegionLayout,
+        *,
+        host_step_after_backward: bool = False,
+    ):
         self.profile = profile
+        self.host_step_after_backward = host_step_after_backward
+        """Host optimizer steps wait for the end of backward (then run in forward order):
+        what an optimizer does when the step needs a global answer first (fp16 overflow
+        check, global-norm clipping). Otherwise each starts when its gradients land."""
         self.hardware = hardware
         self.layout = layout
         self.regions: tuple[Region, ...] = layout.regions
@@ -204,12 +215,13 @@ class SimulationContext:
         *,
         block_search_step_bytes: int = BLOCK_SEARCH_STEP_BYTES,
         block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
+        host_step_after_backward: bool = False,
     ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
         layout = build_regions(
             profile, step_bytes=block_search_step_bytes, range_bytes=block_search_range_bytes
         )
-        return cls(profile, hardware, layout)
+        return cls(profile, hardware, layout, host_step_after_backward=host_step_after_backward)
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
         """Largest backward activation level of operations ``lo..hi-1`` (``lo < hi``)."""
@@ -415,6 +427,8 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
     bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
     grads = out.grads
+    after_backward = ctx.host_step_after_backward
+    deferred: list[tuple[int, float, int]] = []  # (region, gradients landed, d2h task)
     for r in range(n_reg - 1, -1, -1):
         reach = t
         reach_b[r] = reach
@@ -494,17 +508,31 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
                 in_flight.append((e, size[r]))
                 grads.append((r, end, e, size[r]))
                 level += size[r]
-            s = e if e > host_free else host_free
-            e = s + hs[r]
-            last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, last_d)
-            host_free = e
-            if c == RESIDENT:
-                pending.append((e, r, last_o))
+            if after_backward:
+                deferred.append((r, e, last_d))
+            else:
+                s = e if e > host_free else host_free
+                e = s + hs[r]
+                last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, last_d)
+                host_free = e
+                if c == RESIDENT:
+                    pending.append((e, r, last_o))
         gap = saved_prefix[op_start[r]] + level
         if gap > dyn:
             dyn = gap
         if c:
             lifetimes[r].append((life_start, end))
+    # Host steps that waited for the global answer: after backward, in forward order.
+    bwd_end, bwd_task = t, last_c
+    for r, landed, d_task in sorted(deferred):
+        s = max(landed, bwd_end, host_free)
+        e = s + hs[r]
+        last_o = host_task[r] = add(
+            LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, d_task if landed > bwd_end else bwd_task
+        )
+        host_free = e
+        if codes[r] == RESIDENT:
+            pending.append((e, r, last_o))
     while pending:
         issue, pr, ht = pending.popleft()
         s = issue if issue > h2d_free else h2d_free
