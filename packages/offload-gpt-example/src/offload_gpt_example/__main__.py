@@ -85,6 +85,10 @@ SEED = 0
 CPU_FALLBACK_MODEL = "gpt2_tiny"
 CPU_FALLBACK_BATCH = 4
 FASTEST_STEPS = 5  # exec_time is the mean of this many fastest steps
+# The pool block-size search looks this far above the largest region (the reference's
+# 128 MiB); regions packed into one block merge, so a model smaller than this becomes one
+# region. 0 keeps regions at parameter boundaries (for tiny models and tests).
+BLOCK_SEARCH_RANGE_MB = 128.0
 # -----------------------------------------------------------------------------
 
 MB = 1024**2
@@ -126,6 +130,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument("--lr", type=float, default=LEARNING_RATE)
     p.add_argument("--dropout", type=float, default=DROPOUT)
     p.add_argument("--seed", type=int, default=SEED)
+    p.add_argument(
+        "--block_search_range",
+        type=float,
+        default=BLOCK_SEARCH_RANGE_MB,
+        help="MB (2**20 bytes) above the largest region searched for the pool block size; "
+        f"0 keeps the finest regions (default {BLOCK_SEARCH_RANGE_MB:g})",
+    )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
     )
@@ -193,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
     if not args.memory_budget > 0:
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
+    if not args.block_search_range >= 0:
+        parser.error(f"--block_search_range is {args.block_search_range:g}; give MB >= 0")
     budget_bytes = int(args.memory_budget * GB)
     dtype = DTYPES[args.dtype]
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
@@ -260,7 +273,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         module = memory_optimize(
-            model, data, budget_bytes, args.solver_type, dtype=dtype, device=device, progress=show
+            model,
+            data,
+            budget_bytes,
+            args.solver_type,
+            dtype=dtype,
+            device=device,
+            progress=show,
+            block_search_range_bytes=int(args.block_search_range * MB),
         )
     except InfeasibleBudgetError as exc:
         what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
@@ -372,7 +392,13 @@ def plan_only(
         print(f"no CUDA device: planning for {hardware.name}", flush=True)
     try:
         with phase(f"solve ({args.solver_type})", show):
-            plan = solve(profile, hardware, budget_bytes, solver=args.solver_type)
+            plan = solve(
+                profile,
+                hardware,
+                budget_bytes,
+                solver=args.solver_type,
+                block_search_range_bytes=int(args.block_search_range * MB),
+            )
     except InfeasibleBudgetError as exc:
         what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
         print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
