@@ -60,6 +60,7 @@ def main() -> None:
         default="256K,1M,4M",
         help="chunk sizes of the bf16-moment route to sweep (comma separated)",
     )
+    parser.add_argument("--conversions", action="store_true", help="also time dtype copies")
     args = parser.parse_args()
     print(
         f"host: {torch.get_num_threads()} threads, torch {torch.__version__}, "
@@ -76,6 +77,24 @@ def main() -> None:
     if torch.cuda.is_available():
         t = time_step(args.numel, args.tensors, "cuda", torch.float32, args.repeats)
         rows.append(("cuda", "fp32", "-", t))
+    if args.conversions:
+        # What the bf16 route adds per chunk: widening and narrowing copies of moments.
+        n = args.numel
+        b16 = torch.zeros(n, dtype=torch.bfloat16)
+        f32 = torch.zeros(n)
+        for name, fn in (
+            ("widen bf16->fp32", lambda: f32.copy_(b16)),
+            ("narrow fp32->bf16", lambda: b16.copy_(f32)),
+            # The runtime's host gradient accumulation: zero, then add the staged gradient.
+            ("zero fp32", lambda: f32.zero_()),
+            ("add bf16 into fp32", lambda: f32.add_(b16)),
+            ("add fp32 into fp32", lambda: f32.add_(f32)),
+        ):
+            fn()
+            start = time.perf_counter()
+            fn()
+            t = time.perf_counter() - start
+            print(f"{name:>18}: {t * 1e3:7.1f} ms = {n / t / 1e9:6.2f} Gelem/s")
     for device, moments, chunk, t in rows:
         print(f"{device:>6} {moments:>8} {chunk:>8} {t * 1e3:9.1f} {args.numel / t / 1e9:9.3f}")
 

@@ -102,8 +102,9 @@ class HybridAdam(torch.optim.Optimizer):
         adamw_mode: decoupled weight decay (AdamW) when true, L2 regularisation when false.
         moments_dtype: dtype of the Adam moments of host-resident state (host-state regions
             and plain fp32 CPU tensors): ``torch.float32`` or ``torch.bfloat16``. bf16 halves
-            the moment bytes the host step streams (see [Note: bf16 moments] in kernels.py);
-            device-resident moments stay fp32.
+            the moments' host memory; with torch's kernels it makes the host step slower,
+            not faster (see [Note: bf16 moments] in kernels.py). Device-resident moments
+            stay fp32.
         module: the OffloadModule whose masters are among ``params``; needed to step them
             (its controller orders the step after the host gradient work and publishes the
             new weights). ``AMPOptimizer`` binds it for you.

@@ -1,0 +1,52 @@
+"""Training an OffloadModule built by ``memory_optimize`` (the user's entry point)."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from optim_helpers import batch, fell, rel_diff, tiny_gpt2, train_offload, train_plain
+
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_runtime import OffloadModule, default_cpu_profile, memory_optimize
+from offload_solver import InfeasibleBudgetError
+
+
+def at_least_budget(model: torch.nn.Module, solver: str, **kwargs: Any) -> OffloadModule:
+    """memory_optimize at the least budget the solver accepts: it offloads all it can."""
+    options: dict[str, Any] = {
+        "hardware": default_cpu_profile(),
+        "device": "cpu",
+        "progress": False,
+        "block_search_range_bytes": 0,  # the finest regions: several of each kind
+        **kwargs,
+    }
+    with pytest.raises(InfeasibleBudgetError) as info:
+        memory_optimize(model, batch(0), 1, solver, **options)
+    return memory_optimize(model, batch(0), info.value.least_budget_bytes, solver, **options)
+
+
+@pytest.mark.parametrize("solver", ["syn", "asyn"])
+def test_twenty_steps_through_memory_optimize_match_adamw(solver: str) -> None:
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    module = at_least_budget(model, solver, dtype=torch.float32, state_on_device=False)
+    assert any(st.offloaded for st in module.storages)
+    assert all(st.host_state for st in module.storages)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01), module)
+    losses = train_offload(amp, module, range(20))
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    expected = train_plain(opt, reference, range(20))
+    assert fell(losses)
+    assert rel_diff(losses, expected) < 1e-5
+    assert amp.last_step is not None and amp.last_step.overlap is OverlapMode.SPECULATIVE
+
+
+def test_bf16_through_memory_optimize_trains_unscaled() -> None:
+    module = at_least_budget(tiny_gpt2(), "asyn", dtype=torch.bfloat16)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+    losses = train_offload(amp, module, range(15))
+    assert amp.loss_scale == 1.0
+    assert fell(losses)
