@@ -127,3 +127,24 @@ def example(session: nox.Session) -> None:
         "PATH": os.pathsep.join([str(bindir), os.environ.get("PATH", "")]),
     }
     session.run("bash", run_sh, *session.posargs, env=env, external=True)
+
+
+@nox.session(venv_backend="none")
+def bench(session: nox.Session) -> None:
+    """GPU benchmark against full-GPU training, FSDP2 and torchao (benchmarks/offload_bench.py).
+
+    Runs in the current interpreter (CUDA torch; no network needed). Arguments after ``--``
+    go to the script, e.g. ``nox -s bench -- --workloads W1 --append BENCHMARKS.md``.
+    """
+    try:
+        import torch
+    except ImportError:
+        session.skip("torch is not importable in this interpreter")
+    if not torch.cuda.is_available():
+        session.skip("CUDA is not available: the benchmark needs an NVIDIA GPU")
+    env = {
+        "PYTHONPATH": os.pathsep.join(
+            [*(str(ROOT / s) for s in SRC_DIRS), os.environ.get("PYTHONPATH", "")]
+        )
+    }
+    session.run("python", str(ROOT / "benchmarks/offload_bench.py"), *session.posargs, env=env)

@@ -1,0 +1,432 @@
+"""Benchmark offloaded training against full-GPU training and the CPU-offload peers.
+
+Run on a CUDA machine (each measurement in its own subprocess, so one that fails - host
+out of memory, say - is a row in the table rather than the end of the run):
+
+    python benchmarks/offload_bench.py                       # all workloads, all kinds
+    python benchmarks/offload_bench.py --workloads W1,W2 --kinds ours,full_gpu
+    python benchmarks/offload_bench.py --append BENCHMARKS.md --json bench.json
+
+Workloads (fp16, vocab 1024; budgets in GiB = 2**30 bytes):
+    W1 gpt2_medium 64 x 8    16     W2 gpt2_xl 64 x 8     3
+    W3 gpt2_xl     8 x 1024  40     W4 gpt2_6b 4 x 512   24
+Kinds:
+    ours        memory_optimize(asyn) + AMPOptimizer(HybridAdam), fp32 state where the plan says
+    ours_bf16m  the same with bf16 host Adam moments
+    ablation    the reference's behaviour: all optimizer state on the host, host step after
+                backward (no overlap)
+    full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam (speed ceiling);
+                also times forward+backward alone (the compute floor)
+    fsdp2       fully_shard per block + root, CPUOffloadPolicy, fp16 MixedPrecisionPolicy,
+                fused Adam on the host, world size 1
+    torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
+Step time is the mean of the 5 fastest of ``--steps`` timed steps after ``--warmup`` steps;
+each step is forward, backward and optimizer step, synchronised.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+GiB = 2**30
+MiB = 2**20
+
+WORKLOADS: dict[str, tuple[str, int, int, int]] = {
+    # name: (model, batch, seq, budget GiB)
+    "W1": ("gpt2_medium", 64, 8, 16),
+    "W2": ("gpt2_xl", 64, 8, 3),
+    "W3": ("gpt2_xl", 8, 1024, 40),
+    "W4": ("gpt2_6b", 4, 512, 24),
+}
+KINDS = ("ours", "ours_bf16m", "ablation", "full_gpu", "fsdp2", "torchao")
+RESULT_TAG = "BENCH_RESULT "
+
+
+# --------------------------------------------------------------------------------------
+# Child side: one measurement
+# --------------------------------------------------------------------------------------
+
+
+def _timed_steps(step: Any, warmup: int, steps: int) -> list[float]:
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()  # sync point: the step is timed end to end
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _fastest5_mean_s(times: list[float]) -> float:
+    return statistics.mean(sorted(times)[:5])
+
+
+def _memory() -> dict[str, float]:
+    import torch
+
+    return {
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB,
+        "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
+    }
+
+
+def _ours(
+    workload: str, kind: str, warmup: int, steps: int, profile_dir: Path | None
+) -> dict[str, Any]:
+    import torch
+    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from offload_optim import AMPOptimizer, HybridAdam
+    from offload_runtime import memory_optimize
+    from offload_runtime.hardware import profile_hardware
+    from offload_solver import ParamPlacement, StatePlacement
+
+    name, batch, seq, budget_gib = WORKLOADS[workload]
+    budget = budget_gib * GiB
+    model = build_model(name, device="cpu", dtype=torch.float16, seq_len=seq)
+    data = random_batch(batch, seq, device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    ablation = kind == "ablation"
+    t0 = time.perf_counter()
+    module = memory_optimize(
+        model,
+        data,
+        budget,
+        "asyn",
+        dtype=torch.float16,
+        progress=False,
+        state_on_device=not ablation,
+    )
+    setup_s = time.perf_counter() - t0
+    del model
+    moments = torch.bfloat16 if kind == "ours_bf16m" else torch.float32
+    opt = AMPOptimizer(
+        HybridAdam(module.parameters(), lr=1e-4, moments_dtype=moments),
+        module,
+        overlap=not ablation,
+    )
+
+    def step() -> None:
+        loss = lm_loss(module(**data), data["input_ids"])
+        opt.backward(loss)
+        opt.step()
+        opt.zero_grad()
+
+    times = _timed_steps(step, warmup, steps)
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, "setup_s": setup_s}
+    out.update(_memory())
+    plan = module.plan
+    out["pred_peak_gib"] = plan.predicted_peak_bytes / GiB
+    out["pred_step_ms"] = plan.predicted_step_time_s * 1e3
+    out["solver_s"] = plan.solve_time_s
+    offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
+    host = [rp for rp in plan.regions if rp.state is StatePlacement.HOST]
+    out["regions"] = len(plan.regions)
+    out["offloaded_regions"] = len(offloaded)
+    out["host_state_regions"] = len(host)
+    # Bytes moved per step, for the floor: offloaded regions come up twice (forward and
+    # backward); resident host-state regions once after their host step; host-state
+    # gradients go down once.
+    h2d = sum(2 * rp.region.size_bytes for rp in offloaded) + sum(
+        rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT
+    )
+    d2h = sum(rp.region.size_bytes for rp in host)
+    host_params = sum(rp.region.numel for rp in host)
+    hw = profile_hardware("cuda", progress=False)
+    out["floor_parts_ms"] = {
+        "h2d": h2d / hw.h2d_bytes_per_s(GiB) * 1e3,
+        "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,
+        "host_adam": host_params / hw.host_adam_params_per_s * 1e3,
+    }
+    report = opt.last_step
+    if report is not None and report.region_steps:
+        out["host_step_hidden_fraction"] = report.hidden_fraction()
+    if profile_dir is not None:
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        (profile_dir / f"profile_{workload}_{kind}.txt").write_text(table)
+    module.close()
+    return out
+
+
+def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
+    import torch
+    from offload_gpt_example.models import build_model, lm_loss, random_batch
+
+    name, batch, seq, _ = WORKLOADS[workload]
+    model = build_model(name, device="cuda", dtype=torch.float16, seq_len=seq)
+    data = random_batch(batch, seq, device="cuda")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+    def fwd_bwd() -> None:
+        lm_loss(model(**data), data["input_ids"]).backward()
+
+    def step() -> None:
+        fwd_bwd()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    times = _timed_steps(step, warmup, steps)
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3}
+    out.update(_memory())
+
+    def compute_only() -> None:
+        fwd_bwd()
+        opt.zero_grad(set_to_none=True)
+
+    out["fwd_bwd_ms"] = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
+    return out
+
+
+def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    name, batch, seq, _ = WORKLOADS[workload]
+    model = build_model(name, device="cpu", dtype=torch.float32, seq_len=seq)
+    mesh = init_device_mesh("cuda", (1,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    for block in model.model.transformer.h:
+        fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    data = random_batch(batch, seq, device="cuda")
+
+    def step() -> None:
+        lm_loss(model(**data), data["input_ids"]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch.cuda.reset_peak_memory_stats()
+    times = _timed_steps(step, warmup, steps)
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3}
+    out.update(_memory())
+    dist.destroy_process_group()
+    return out
+
+
+def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
+    import torch
+    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from torchao.optim import CPUOffloadOptimizer
+
+    name, batch, seq, _ = WORKLOADS[workload]
+    model = build_model(name, device="cuda", dtype=torch.bfloat16, seq_len=seq)
+    data = random_batch(batch, seq, device="cuda")
+    opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4)
+
+    def step() -> None:
+        lm_loss(model(**data), data["input_ids"]).backward()
+        opt.step()
+        opt.zero_grad()
+
+    torch.cuda.reset_peak_memory_stats()
+    times = _timed_steps(step, warmup, steps)
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3}
+    out.update(_memory())
+    return out
+
+
+def child_main(args: argparse.Namespace) -> None:
+    profile_dir = Path(args.profile_dir) if args.profile_dir else None
+    try:
+        if args.child in ("ours", "ours_bf16m", "ablation"):
+            result = _ours(args.workload, args.child, args.warmup, args.steps, profile_dir)
+        elif args.child == "full_gpu":
+            result = _full_gpu(args.workload, args.warmup, args.steps)
+        elif args.child == "fsdp2":
+            result = _fsdp2(args.workload, args.warmup, args.steps)
+        elif args.child == "torchao":
+            result = _torchao(args.workload, args.warmup, args.steps)
+        else:
+            raise ValueError(f"unknown kind {args.child!r}; known: {', '.join(KINDS)}")
+        result["ok"] = True
+    except Exception as exc:  # reported as a row, never fatal
+        traceback.print_exc()
+        result = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    print(RESULT_TAG + json.dumps(result), flush=True)
+
+
+# --------------------------------------------------------------------------------------
+# Parent side: run every measurement in its own process, tabulate
+# --------------------------------------------------------------------------------------
+
+
+def run_child(workload: str, kind: str, args: argparse.Namespace) -> dict[str, Any]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        kind,
+        "--workload",
+        workload,
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+    ]
+    if args.profile_dir:
+        cmd += ["--profile-dir", args.profile_dir]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=args.timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {args.timeout_s} s"}
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+    if not lines:
+        tail = (proc.stderr or proc.stdout)[-300:].replace("\n", " | ")
+        return {"ok": False, "error": f"exit {proc.returncode}: {tail}"}
+    result: dict[str, Any] = json.loads(lines[-1][len(RESULT_TAG) :])
+    result["wall_s"] = time.perf_counter() - t0
+    if not result.get("ok"):
+        sys.stderr.write(proc.stderr[-2000:])
+    return result
+
+
+def _cell(r: dict[str, Any] | None) -> str:
+    if r is None:
+        return "-"
+    if not r.get("ok"):
+        return f"failed ({r.get('error', '?')[:60]})"
+    return f"{r['step_ms']:.0f} ms / {r['peak_alloc_gib']:.2f} GiB"
+
+
+def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]) -> str:
+    lines = [
+        f"### {meta['date']} - commit {meta['commit']} - {meta['gpu']} - torch {meta['torch']}",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        "| workload | ours (step / peak) | predicted (step / peak) | floor | ours / floor "
+        "| full GPU | FSDP2 CPU offload | ours / FSDP2 | torchao | ablation | ours bf16 moments |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for w, by_kind in results.items():
+        name, batch, seq, budget = WORKLOADS[w]
+        ours = by_kind.get("ours")
+        full = by_kind.get("full_gpu")
+        pred = floor = ratio_floor = ratio_fsdp = "-"
+        if ours and ours.get("ok"):
+            pred = f"{ours['pred_step_ms']:.0f} ms / {ours['pred_peak_gib']:.2f} GiB"
+            parts = dict(ours.get("floor_parts_ms", {}))
+            if full and full.get("ok"):
+                parts["gpu_compute"] = full["fwd_bwd_ms"]
+            if parts:
+                key = max(parts, key=lambda k: parts[k])
+                floor_ms = parts[key]
+                floor = f"{floor_ms:.0f} ms ({key})"
+                ratio_floor = f"{ours['step_ms'] / floor_ms:.2f}"
+            fsdp = by_kind.get("fsdp2")
+            if fsdp and fsdp.get("ok"):
+                ratio_fsdp = f"{ours['step_ms'] / fsdp['step_ms']:.2f}"
+        lines.append(
+            f"| {w} {name} {batch}x{seq} @ {budget} GiB | {_cell(ours)} | {pred} | {floor} "
+            f"| {ratio_floor} | {_cell(full)} | {_cell(by_kind.get('fsdp2'))} | {ratio_fsdp} "
+            f"| {_cell(by_kind.get('torchao'))} | {_cell(by_kind.get('ablation'))} "
+            f"| {_cell(by_kind.get('ours_bf16m'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _meta(argv: list[str]) -> dict[str, str]:
+    import torch
+
+    commit = (
+        subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            check=False,
+        ).stdout.strip()
+        or "unknown"
+    )
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "command": " ".join(["python", "benchmarks/offload_bench.py", *argv]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--timeout-s", type=int, default=600)
+    parser.add_argument("--json", default="", help="write all results to this JSON file")
+    parser.add_argument("--append", default="", help="append a markdown table to this file")
+    parser.add_argument(
+        "--profile-dir",
+        default="",
+        help="write a torch.profiler summary of one step of each 'ours' run here",
+    )
+    parser.add_argument("--child", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps < 5:
+        parser.error("--steps must be at least 5 (the step time is the mean of the 5 fastest)")
+    if args.child:
+        child_main(args)
+        return 0
+    workloads = [w for w in args.workloads.split(",") if w]
+    kinds = [k for k in args.kinds.split(",") if k]
+    bad = [w for w in workloads if w not in WORKLOADS] + [k for k in kinds if k not in KINDS]
+    if bad:
+        parser.error(f"unknown workloads/kinds {bad}; known: {list(WORKLOADS)} {list(KINDS)}")
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    for w in workloads:
+        results[w] = {}
+        for k in kinds:
+            print(f"[bench] {w} {k} ...", file=sys.stderr, flush=True)
+            results[w][k] = r = run_child(w, k, args)
+            print(f"[bench] {w} {k}: {json.dumps(r)}", file=sys.stderr, flush=True)
+    meta = _meta(sys.argv[1:] if argv is None else argv)
+    table = markdown(results, meta)
+    print(table)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    if args.append:
+        with Path(args.append).open("a", encoding="utf-8") as f:
+            f.write("\n" + table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
