@@ -91,6 +91,7 @@ def _ours(
     workload: str, kind: str, warmup: int, steps: int, profile_dir: Path | None
 ) -> dict[str, Any]:
     import torch
+
     from offload_gpt_example.models import build_model, lm_loss, random_batch
     from offload_optim import AMPOptimizer, HybridAdam
     from offload_runtime import memory_optimize
@@ -171,6 +172,7 @@ def _ours(
 
 def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     import torch
+
     from offload_gpt_example.models import build_model, lm_loss, random_batch
 
     name, batch, seq, _ = WORKLOADS[workload]
@@ -202,9 +204,10 @@ def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
-    from offload_gpt_example.models import build_model, lm_loss, random_batch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from offload_gpt_example.models import build_model, lm_loss, random_batch
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:
@@ -237,8 +240,9 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 
 def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     import torch
-    from offload_gpt_example.models import build_model, lm_loss, random_batch
     from torchao.optim import CPUOffloadOptimizer
+
+    from offload_gpt_example.models import build_model, lm_loss, random_batch
 
     name, batch, seq, _ = WORKLOADS[workload]
     model = build_model(name, device="cuda", dtype=torch.bfloat16, seq_len=seq)
