@@ -427,6 +427,7 @@ class HybridAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.timings.clear()  # keep the last step's only
         self.step_regions()
         return loss
 
