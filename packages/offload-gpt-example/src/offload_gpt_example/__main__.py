@@ -41,7 +41,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
+from tqdm import tqdm
 
 from offload_gpt_example.models import (
     build_model,

@@ -263,8 +263,14 @@ class OffloadController:
         else:
             with torch.no_grad():
                 self._relink_master_grad(st)
-                if grads:
-                    torch._foreach_add_([st.grad_views[v.name] for v in views], grads)
+                targets = [st.grad_views[v.name] for v in views]
+                if st.grad_stale and len(views) == len(st.layouts):
+                    torch._foreach_copy_(targets, grads)  # overwrite: logically zero before
+                    st.grad_stale = False
+                else:
+                    st.materialize_grad()
+                    if grads:
+                        torch._foreach_add_(targets, grads)
             self._notify(r)
         self.release(r)
 
@@ -281,25 +287,21 @@ class OffloadController:
             # Host sync point, only when the host lags a whole backward behind (gradient
             # accumulation): the staging buffer is still being read from the last backward.
             reader.result()
-        with torch.no_grad():
-            # One device-side gather so the offload is a single large copy.
-            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0]
         offsets = [(lay.offset, lay.numel) for lay in layouts]
         contiguous = offsets == [(lay.offset, lay.numel) for lay in st.layouts]
         d2h = self.streams.d2h
         d2h.wait(self.streams.compute.record())
         with d2h.context(), torch.no_grad():
-            if contiguous:
-                st.grad_staging.copy_(flat.reshape(-1), non_blocking=True)
-            else:
-                pos = 0
-                for off, n in offsets:
-                    st.grad_staging[off : off + n].copy_(flat[pos : pos + n], non_blocking=True)
-                    pos += n
+            # One copy per parameter straight into its slot of the staging buffer: a gather
+            # into one flat tensor first would hold a second copy of the region's gradients
+            # on the device, memory the plan does not count.
+            for (off, n), g in zip(offsets, grads, strict=True):
+                st.grad_staging[off : off + n].copy_(g.reshape(-1), non_blocking=True)
             done = d2h.record()
         if self.streams.is_cuda:
-            # The gathered gradient is freed by Python now; keep its memory until the copy ends.
-            flat.record_stream(d2h.cuda)  # type: ignore[arg-type]
+            for g in grads:
+                # Python drops the gradient now; keep its memory until the copy has read it.
+                g.record_stream(d2h.cuda)  # type: ignore[arg-type]
         present = None if contiguous else offsets
         fut = self._submit(lambda: self._host_accumulate(r, done, present))
         if fut is not None:
@@ -314,19 +316,25 @@ class OffloadController:
             done.synchronize()  # host worker thread only: waits for this region's d2h copy
         with torch.no_grad():
             self._relink_master_grad(st)
-            if done is not None:
+            if done is not None and present is None and st.grad_stale:
+                st.grad.copy_(st.grad_staging)  # overwrite: the accumulator was logically zero
+                st.grad_stale = False
+            elif done is not None:
+                st.materialize_grad()
                 if present is None:
                     st.grad.add_(st.grad_staging)
                 else:
                     for off, n in present:
                         st.grad[off : off + n].add_(st.grad_staging[off : off + n])
+            else:
+                st.materialize_grad()
         self._notify(r)
 
     def _relink_master_grad(self, st: RegionStorage) -> None:
         """Re-attach ``.grad`` of master views after an optimizer set them to ``None``.
 
         ``zero_grad(set_to_none=True)`` drops the views; the flat accumulator then still
-        holds old sums, so it is zeroed before this backward's gradients are added.
+        holds old sums, so it is marked stale: this backward overwrites it.
         """
         lost = False
         for name, master in st.master_views.items():
@@ -334,7 +342,7 @@ class OffloadController:
                 lost = True
                 master.grad = st.grad_views[name]
         if lost:
-            st.grad.zero_()
+            st.grad_stale = True
 
     def _submit(self, fn: Callable[[], None]) -> Future[None] | None:
         if self._executor is None:

@@ -135,18 +135,21 @@ class OffloadModule:
         """
         self.controller.wait_host()
         for st in self.storages:
+            st.materialize_grad()
             for layout in st.layouts:
                 for alias in layout.aliases:
                     yield alias, st.grad_views[layout.name]
 
     def zero_grad(self) -> None:
-        """Zero the fp32 gradient accumulators (waits for pending host work)."""
+        """Zero the fp32 gradient accumulators (waits for pending host work).
+
+        The buffers are marked stale rather than cleared: the next backward overwrites them.
+        """
         self.controller.wait_host()
-        with torch.no_grad():
-            for st in self.storages:
-                st.grad.zero_()
-                for name, master in st.master_views.items():
-                    master.grad = st.grad_views[name]
+        for st in self.storages:
+            st.grad_stale = True
+            for name, master in st.master_views.items():
+                master.grad = st.grad_views[name]
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._buffers.items()
