@@ -394,3 +394,10 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
     again = profile_hardware("cuda", cache_dir=tmp_path, matmul_shapes=shapes, progress=False)
     assert again == profile
     assert time.perf_counter() - started < 1.0
+
+
+def test_op_overhead_is_a_small_positive_time_on_the_cpu() -> None:
+    from offload_runtime.hardware import measure_op_overhead_s
+
+    overhead = measure_op_overhead_s("cpu", ops=200)
+    assert 0 < overhead < 1e-2

@@ -294,3 +294,19 @@ def test_state_on_device_false_keeps_every_region_state_on_the_host() -> None:
     plan = solve(profile, flat_hardware(), roomy, state_on_device=False)
     assert all(rp.state is HOST for rp in plan.regions)
     assert all(rp.placement is R for rp in plan.regions)
+
+
+def test_operations_take_at_least_the_issue_overhead() -> None:
+    # Three regions of 1000 FLOP forward / 10000 backward at 1000 FLOP/s: 1 s and 10 s per op.
+    # With a 20 s issue cost per op, every op takes 20 s: 3 x 20 forward + 3 x 20 backward.
+    import dataclasses
+
+    profile = chain([1000, 1000, 1000], fwd_flop=1000, bwd_flop=10_000)
+    slow = dataclasses.replace(flat_hardware(), op_overhead_s=20.0)
+    asg = [RegionAssignment(R, DEVICE)] * 3
+    sim = get_simulator("sync")
+    fast_run = sim.run(SimulationContext.build(profile, flat_hardware()), asg)
+    slow_run = sim.run(SimulationContext.build(profile, slow), asg)
+    assert fast_run.step_time_s < 40
+    assert slow_run.step_time_s >= 120
+    assert HardwareProfile.from_json(slow.to_json()).op_overhead_s == 20.0

@@ -71,6 +71,7 @@ __all__ = [
     "measure_hardware",
     "measure_host_adam_params_per_s",
     "measure_matmul_efficiency",
+    "measure_op_overhead_s",
     "measure_peak_matmul_flop_per_s",
     "profile_hardware",
     "total_host_memory_bytes",
@@ -629,6 +630,8 @@ def measure_hardware(
                 f"fused Adam host {host_adam / 1e9:.2f} Gparam/s, "
                 f"device {device_adam / 1e9:.1f} Gparam/s"
             )
+            overhead = measure_op_overhead_s(dev)
+            say(f"per-operation issue cost {overhead * 1e6:.1f} us")
             _, device_total = torch.cuda.mem_get_info(dev)
         finally:
             _release_cached_memory()
@@ -642,7 +645,39 @@ def measure_hardware(
         host_memory_bytes=total_host_memory_bytes(),
         host_adam_params_per_s=host_adam,
         device_adam_params_per_s=device_adam,
+        op_overhead_s=overhead,
     )
+
+
+def measure_op_overhead_s(device: torch.device | str = "cpu", *, ops: int = 2000) -> float:
+    """Seconds per operation of a chain of tiny autograd-recorded ops, forward and backward.
+
+    Each op launches one kernel on a 16-element tensor, so the time is what issuing an
+    operation costs (Python, dispatcher, autograd bookkeeping, launch), the floor under
+    every operation of a training step. The mean of the forward and backward rates.
+    """
+    dev = torch.device(device)
+    x = torch.zeros(16, device=dev, requires_grad=True)
+
+    def chain(n: int) -> torch.Tensor:
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        return y.sum()
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    chain(50).backward()  # type: ignore[no-untyped-call]
+    sync()
+    t0 = time.perf_counter()
+    loss = chain(ops)
+    sync()
+    loss.backward()  # type: ignore[no-untyped-call]
+    sync()
+    t2 = time.perf_counter()
+    return (t2 - t0) / (2 * ops)
 
 
 def measure_copy_bandwidth(

@@ -298,6 +298,9 @@ class HardwareProfile:
     """Host optimizer throughput, parameter elements per second (fused CPU Adam)."""
     device_adam_params_per_s: float = 50e9
     """Device optimizer throughput, parameter elements per second (fused CUDA Adam)."""
+    op_overhead_s: float = 0.0
+    """Host-side cost of issuing one operation (Python, dispatcher, kernel launch), seconds.
+    An operation takes at least this long: small-batch steps are bound by it, not FLOPs."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -318,6 +321,10 @@ class HardwareProfile:
             )
         if self.host_adam_params_per_s <= 0 or self.device_adam_params_per_s <= 0:
             raise ValueError("HardwareProfile optimizer throughputs must be > 0")
+        if not self.op_overhead_s >= 0:
+            raise ValueError(
+                f"HardwareProfile.op_overhead_s is {self.op_overhead_s}; must be >= 0 seconds"
+            )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
                 f"HardwareProfile.schema_version is {self.schema_version}; "
@@ -341,6 +348,11 @@ class HardwareProfile:
     def compute_time_s(self, flop: int) -> float:
         """Seconds of device compute for ``flop`` floating-point operations."""
         return flop / (self.compute_flop_per_s * self.compute_efficiency)
+
+    def op_time_s(self, flop: int) -> float:
+        """Seconds one operation of ``flop`` FLOPs takes in a step: its compute, or the cost
+        of issuing it when that is larger (the device then waits for the host)."""
+        return max(self.compute_time_s(flop), self.op_overhead_s)
 
     def to_json(self) -> str:
         return json.dumps(_to_jsonable(self), indent=1)
@@ -369,6 +381,7 @@ class HardwareProfile:
                 device_adam_params_per_s=float(
                     _get(data, "device_adam_params_per_s", (int, float), default=50e9)
                 ),
+                op_overhead_s=float(_get(data, "op_overhead_s", (int, float), default=0.0)),
             )
         except TypeError as exc:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
