@@ -53,7 +53,7 @@ def solver_only(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """``mypy --strict`` over the sources and tests of every package."""
+    """``mypy --strict`` over the sources of every package."""
     _install_all(session, "mypy")
     session.run("mypy", "--strict", *SRC_DIRS, *session.posargs)
 
@@ -66,20 +66,25 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
 
 
-@nox.session(venv_backend="none")
-def gpu_tests(session: nox.Session) -> None:
-    """Tests marked ``gpu``, in the current interpreter (a CUDA machine may have no network)."""
+def _cuda_env(session: nox.Session, what: str) -> dict[str, str]:
+    """Skip unless this interpreter has CUDA torch; the env that puts every src on the path."""
     try:
         import torch
     except ImportError:
         session.skip("torch is not importable in this interpreter")
     if not torch.cuda.is_available():
-        session.skip("CUDA is not available: gpu tests need an NVIDIA GPU")
-    env = {
+        session.skip(f"CUDA is not available here, and {what} run on an NVIDIA GPU only")
+    return {
         "PYTHONPATH": os.pathsep.join(
             [*(str(ROOT / s) for s in SRC_DIRS), os.environ.get("PYTHONPATH", "")]
         )
     }
+
+
+@nox.session(venv_backend="none")
+def gpu_tests(session: nox.Session) -> None:
+    """Tests marked ``gpu``, in the current interpreter (a CUDA machine may have no network)."""
+    env = _cuda_env(session, "the gpu tests")
     session.run("python", "-m", "pytest", "-m", "gpu", *TEST_DIRS, *session.posargs, env=env)
 
 
@@ -136,15 +141,5 @@ def bench(session: nox.Session) -> None:
     Runs in the current interpreter (CUDA torch; no network needed). Arguments after ``--``
     go to the script, e.g. ``nox -s bench -- --workloads W1 --append BENCHMARKS.md``.
     """
-    try:
-        import torch
-    except ImportError:
-        session.skip("torch is not importable in this interpreter")
-    if not torch.cuda.is_available():
-        session.skip("CUDA is not available: the benchmark needs an NVIDIA GPU")
-    env = {
-        "PYTHONPATH": os.pathsep.join(
-            [*(str(ROOT / s) for s in SRC_DIRS), os.environ.get("PYTHONPATH", "")]
-        )
-    }
+    env = _cuda_env(session, "benchmarks")
     session.run("python", str(ROOT / "benchmarks/offload_bench.py"), *session.posargs, env=env)
