@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import ClassVar
 
 from offload_solver.solvers._search import GreedySearch
 
 
-class Solver:
+class Solver(ABC):
     """A strategy that offloads regions until the simulated peak fits.
 
     ``offload`` starts from ``search``'s current assignment (everything resident, optimizer
@@ -20,5 +21,6 @@ class Solver:
     simulator: ClassVar[str] = "async"
     """Name of the registered simulator whose model this strategy plans for."""
 
+    @abstractmethod
     def offload(self, search: GreedySearch) -> bool:
-        raise NotImplementedError
+        """Offload regions through ``search``; True when the peak fits its cap."""
