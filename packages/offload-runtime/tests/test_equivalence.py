@@ -30,7 +30,9 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 }
 
 
-def build(name: str, solver: str) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
+def build(
+    name: str, solver: str, *, host_worker: bool | None = None
+) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = MODELS[name]()
     inp = inputs()
@@ -45,6 +47,7 @@ def build(name: str, solver: str) -> tuple[torch.nn.Module, OffloadModule, dict[
         device="cpu",
         progress=False,
         block_search_range_bytes=0,
+        host_worker=host_worker,
     )
     return model, module, inp
 
@@ -71,9 +74,12 @@ def test_offloaded_gradients_match_plain_training(name: str, solver: str) -> Non
         assert rel_err(grads[pname], param.grad) <= 1e-6, pname
 
 
+@pytest.mark.parametrize("host_worker", [False, True])
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
-def test_repeated_steps_accumulate_like_plain_training(solver: str) -> None:
-    model, module, inp = build("gpt2", solver)
+def test_repeated_steps_accumulate_like_plain_training(solver: str, host_worker: bool) -> None:
+    # host_worker=True runs the CUDA machines' threaded host path (gradient accumulation on
+    # a worker thread, staging-buffer hand-off between backwards) on the CPU.
+    model, module, inp = build("gpt2", solver, host_worker=host_worker)
     other = inputs(seed=1)
     for batch in (inp, other):
         loss_of(model(**batch), batch["input_ids"]).backward()

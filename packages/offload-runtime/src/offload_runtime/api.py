@@ -92,6 +92,8 @@ def build_offload_module(
     profile: ModelProfile,
     plan: Plan,
     device: torch.device,
+    *,
+    host_worker: bool | None = None,
 ) -> OffloadModule:
     """Region storage from the model's real weights, passes applied to both graph modes."""
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -116,6 +118,7 @@ def build_offload_module(
         dtype=traced.dtype,
         op_names=tuple(traced.operation_names),
         tied_groups=profile.tied_groups,
+        host_worker=host_worker,
     )
 
 
@@ -132,6 +135,7 @@ def memory_optimize(
     block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
     host_step_after_backward: bool | None = None,
     state_on_device: bool = True,
+    host_worker: bool | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -154,6 +158,7 @@ def memory_optimize(
             default: True for float16, False otherwise (offload_optim speculates there).
         state_on_device: allow the plan to keep optimizer state on the device (False: all
             on the host, the reference's behaviour).
+        host_worker: host-side gradient work on a worker thread (default: on CUDA only).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -192,7 +197,7 @@ def memory_optimize(
         f"predicted peak {plan.predicted_peak_bytes / MiB:.1f} MB, step "
         f"{plan.predicted_step_time_s * 1e3:.1f} ms ({time.perf_counter() - t1:.2f} s)"
     )
-    module = build_offload_module(model, traced, profile, plan, dev)
+    module = build_offload_module(model, traced, profile, plan, dev, host_worker=host_worker)
     module.profile = profile
     s = plan_summary(profile, plan)
     if progress:  # the reference's summary line, on stdout

@@ -53,7 +53,17 @@ class RegionState(Enum):
 class OffloadController:
     """Executes a plan's uploads, prefetches, releases and gradient moves."""
 
-    def __init__(self, plan: Plan, storages: list[RegionStorage], streams: StreamSet) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        storages: list[RegionStorage],
+        streams: StreamSet,
+        *,
+        host_worker: bool | None = None,
+    ) -> None:
+        """``host_worker``: run host-side gradient work (and optimizer steps hung off the
+        grad-ready hooks) on a worker thread; default: on CUDA only. On the CPU it exists so
+        that tests exercise the threaded path."""
         self.plan = plan
         self.storages = storages
         self.streams = streams
@@ -82,7 +92,8 @@ class OffloadController:
         self._lock = threading.Lock()
         # One host worker keeps host-side gradient work (and optimizer steps that hang off
         # the grad-ready hooks) in backward order and off the thread that launches kernels.
-        self._executor = ThreadPoolExecutor(1, "offload-host") if streams.is_cuda else None
+        threaded = streams.is_cuda if host_worker is None else host_worker
+        self._executor = ThreadPoolExecutor(1, "offload-host") if threaded else None
         self._futures: list[Future[None]] = []
         # Last host task that reads each region's grad staging buffer.
         self._staging_reader: dict[int, Future[None]] = {}

@@ -51,6 +51,7 @@ class OffloadModule:
         dtype: torch.dtype,
         op_names: tuple[str, ...],
         tied_groups: tuple[tuple[str, ...], ...] = (),
+        host_worker: bool | None = None,
     ) -> None:
         self.plan = plan
         self.device = device
@@ -74,7 +75,9 @@ class OffloadModule:
         for st in self.storages:
             st.load(state)
         self.streams = make_streams(device)
-        self.controller = OffloadController(plan, self.storages, self.streams)
+        self.controller = OffloadController(
+            plan, self.storages, self.streams, host_worker=host_worker
+        )
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.
         self._buffers = {
