@@ -37,20 +37,7 @@ class LogitsOnly(torch.nn.Module):
 
 
 def tiny_gpt2(layers: int = 3) -> torch.nn.Module:
-    cfg = GPT2Config(
-        n_embd=32,
-        n_layer=layers,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return LogitsOnly(GPT2LMHeadModel(cfg))
+    return gpt2(32, layers, 4, vocab=VOCAB, positions=32)
 
 
 def tiny_bert() -> torch.nn.Module:
@@ -123,14 +110,16 @@ def loss_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(shift, input_ids[:, 1:].reshape(-1))
 
 
-def gpt2(hidden: int, layers: int, heads: int, *, seq: int = 1024) -> torch.nn.Module:
-    """A GPT-2 of the given shape (vocab 1024, dropout off), fp32 on the CPU."""
+def gpt2(
+    hidden: int, layers: int, heads: int, *, vocab: int = 1024, positions: int = 1024
+) -> torch.nn.Module:
+    """A GPT-2 of the given shape with dropout off, fp32 on the CPU."""
     cfg = GPT2Config(
         n_embd=hidden,
         n_layer=layers,
         n_head=heads,
-        vocab_size=1024,
-        n_positions=max(1024, seq),
+        vocab_size=vocab,
+        n_positions=positions,
         resid_pdrop=0.0,
         embd_pdrop=0.0,
         attn_pdrop=0.0,

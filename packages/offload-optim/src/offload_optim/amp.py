@@ -357,6 +357,8 @@ class AMPOptimizer(torch.optim.Optimizer):
             divisor = scale
             if self._needs_answer():
                 total, is_norm = self._combine(self.norm_type, fresh=False)
+                # Host sync point (once per step, after backward): the skip/clip answer
+                # decides what every region does next.
                 overflow = not bool(torch.isfinite(total))
                 if is_norm:
                     unscaled = total / scale
