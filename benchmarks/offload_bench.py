@@ -100,7 +100,7 @@ def _ours(
 
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = budget_gib * GiB
-    model = build_model(name, device="cpu", dtype=torch.float16, seq_len=seq)
+    model = build_model(name, device="cpu", dtype=torch.float16, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
     ablation = kind == "ablation"
     t0 = time.perf_counter()
@@ -219,7 +219,7 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(name, device="cpu", dtype=torch.float32, seq_len=seq)
+    model = build_model(name, device="cpu", dtype=torch.float32, seq_len=seq, init_device="cuda")
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for block in model.model.transformer.h:

@@ -86,7 +86,9 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     torch.manual_seed(0)
     model = gpt2(1024, 24, 16)  # gpt2_medium shape
     inp = batch(64, 8)
-    budget = int(1.5 * GiB)  # parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB
+    # Parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB. At 1.5 GiB the sync
+    # solver keeps every region resident (state on the host); 1.25 GiB makes both offload.
+    budget = int(1.25 * GiB)
     module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
     # Training is what the budget is for: hardware profiling inside memory_optimize uses

@@ -102,6 +102,8 @@ class OffloadModule:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.closed:
+            raise RuntimeError("this OffloadModule was closed (its device memory is freed)")
         gm = self._graph_train if self.training else self._graph_eval
         try:
             return gm(*args, **kwargs)
@@ -215,5 +217,26 @@ class OffloadModule:
         return self._graph_train
 
     def close(self) -> None:
-        """Stop the host worker thread."""
+        """Stop the host worker thread and free the module's device memory.
+
+        Waits for queued host work first. The module cannot run afterwards (its parameters
+        are empty); save ``state_dict()`` before closing to keep the weights. Closing twice
+        is harmless.
+        """
         self.controller.close()
+        if self.closed:
+            return
+        self.closed = True
+        with torch.no_grad():
+            empty = torch.empty(0, dtype=self.dtype, device=self.device)
+            for st in self.storages:
+                for param in st.params.values():
+                    param.grad = None
+                    param.data = empty
+                st.device_params = empty
+            self.pool = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    closed = False
+    """Set by :meth:`close`: the device buffers are gone."""

@@ -1,0 +1,221 @@
+"""Where an offloaded training step spends its time: phases, streams and a profiler trace.
+
+For one workload and each solver asked for, on a CUDA machine:
+
+    python benchmarks/step_trace.py --model gpt2_xl --batch 64 --seq 8 --budget-gib 3 \
+        --solvers syn,asyn --out /tmp/trace
+
+prints per-phase wall times (forward, backward, host gradient work, optimizer step) as
+medians over ``--steps`` steps, the controller's counters (synchronous uploads,
+prefetches, prefetch fallbacks), and a per-stream summary of one profiled step: how long
+each CUDA stream was busy, how much of the copy streams' time overlapped compute, and how
+long the compute stream sat idle. The profiled step is also written as a Chrome trace
+(``<out>/<solver>.trace.json.gz``) for chrome://tracing or Perfetto.
+
+``summarise_trace`` works on any Chrome trace torch.profiler writes, so a trace can be
+summarised again on another machine: ``python benchmarks/step_trace.py --summarise FILE``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``intervals`` (microseconds)."""
+    total = 0.0
+    end = -1.0
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def _intersect_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length covered by both interval sets (microseconds)."""
+    return _union_us(a) + _union_us(b) - _union_us(a + b)
+
+
+def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
+    """Per-stream busy time of the device events in a torch.profiler Chrome trace.
+
+    Returns ``{"span_ms", "streams": {stream: {"busy_ms", "kinds"}}, "compute_stream",
+    "copy_overlap_ms": {stream: ms overlapped with compute}, "compute_idle_ms"}``. The
+    compute stream is the one with the most kernel time.
+    """
+    by_stream: dict[str, list[tuple[float, float]]] = {}
+    kinds: dict[str, dict[str, float]] = {}
+    kernel_us: dict[str, float] = {}
+    for ev in trace.get("traceEvents", []):
+        if ev.get("ph") != "X":
+            continue
+        cat = str(ev.get("cat", ""))
+        if cat not in ("kernel", "gpu_memcpy", "gpu_memset"):
+            continue
+        stream = str(ev.get("args", {}).get("stream", "?"))
+        start = float(ev["ts"])
+        dur = float(ev.get("dur", 0.0))
+        by_stream.setdefault(stream, []).append((start, start + dur))
+        name = str(ev.get("name", ""))
+        kind = cat
+        if cat == "gpu_memcpy":  # "Memcpy HtoD (Pinned -> Device)": keep the direction
+            kind = "memcpy " + (name.split(" ")[1] if " " in name else name)
+        kinds.setdefault(stream, {})
+        kinds[stream][kind] = kinds[stream].get(kind, 0.0) + dur / 1e3
+        if cat == "kernel":
+            kernel_us[stream] = kernel_us.get(stream, 0.0) + dur
+    if not by_stream:
+        return {"span_ms": 0.0, "streams": {}}
+    everything = [iv for ivs in by_stream.values() for iv in ivs]
+    t0 = min(s for s, _ in everything)
+    t1 = max(e for _, e in everything)
+    compute = max(kernel_us, key=lambda k: kernel_us[k]) if kernel_us else next(iter(by_stream))
+    out: dict[str, Any] = {
+        "span_ms": (t1 - t0) / 1e3,
+        "compute_stream": compute,
+        "streams": {
+            s: {
+                "busy_ms": _union_us(ivs) / 1e3,
+                "kinds": {k: round(v, 3) for k, v in kinds[s].items()},
+            }
+            for s, ivs in by_stream.items()
+        },
+        "copy_overlap_ms": {
+            s: _intersect_us(ivs, by_stream[compute]) / 1e3
+            for s, ivs in by_stream.items()
+            if s != compute
+        },
+        "compute_idle_ms": (t1 - t0 - _union_us(by_stream[compute])) / 1e3,
+    }
+    return out
+
+
+def _load_trace(path: Path) -> dict[str, Any]:
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:  # type: ignore[operator]
+        data: dict[str, Any] = json.load(f)
+    return data
+
+
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Namespace) -> Any:
+    """Phase times, counters and a profiled step of one solver's plan."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from offload_gpt_example.models import lm_loss
+    from offload_optim import AMPOptimizer, HybridAdam
+    from offload_runtime import memory_optimize
+
+    module = memory_optimize(
+        model, data, int(args.budget_gib * GiB), solver, dtype=torch.float16, progress=False
+    )
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-5), module)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "host": [], "step": []}
+    torch.cuda.reset_peak_memory_stats()
+
+    def one_step(record: bool) -> None:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = lm_loss(module(**data), data["input_ids"])
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        amp.backward(loss)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        module.controller.wait_host()
+        t3 = time.perf_counter()
+        amp.step()
+        amp.zero_grad()
+        torch.cuda.synchronize()
+        t4 = time.perf_counter()
+        if record:
+            for key, value in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                phases[key].append(value)
+
+    for i in range(args.warmup + args.steps):
+        one_step(record=i >= args.warmup)
+    stats_before = dict(module.controller.stats)
+    one_step(record=False)
+    per_step = {k: v - stats_before[k] for k, v in module.controller.stats.items()}
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step(record=False)
+    out_dir = Path(args.out)
+    trace_path = out_dir / f"{solver}.trace.json"
+    prof.export_chrome_trace(str(trace_path))
+    trace = _load_trace(trace_path)
+    with gzip.open(str(trace_path) + ".gz", "wt") as f:
+        json.dump(trace, f)
+    trace_path.unlink()
+    plan = module.plan
+    result = {
+        "phases_ms": {k: round(_median_ms(v), 2) for k, v in phases.items()},
+        "total_ms": round(sum(_median_ms(v) for v in phases.values()), 2),
+        "controller_per_step": per_step,
+        "peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB,
+        "pred_step_ms": plan.predicted_step_time_s * 1e3,
+        "pred_peak_gib": plan.predicted_peak_bytes / GiB,
+        "placements": "".join(rp.placement.value[0] for rp in plan.regions),
+        "states": "".join(rp.state.value[0] for rp in plan.regions),
+        "streams": summarise_trace(trace),
+    }
+    module.close()
+    return result
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from offload_gpt_example.models import build_model, random_batch
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    model = build_model(
+        args.model, device="cpu", dtype=torch.float16, seq_len=args.seq, init_device="cuda"
+    )
+    data = random_batch(args.batch, args.seq, device="cuda")
+    results: dict[str, Any] = {}
+    for solver in args.solvers.split(","):
+        results[solver] = _measure(solver, model, data, args)
+        print(json.dumps({solver: results[solver]}, indent=1), flush=True)
+        torch.cuda.empty_cache()
+    (Path(args.out) / "step_trace.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt2_xl")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=8)
+    parser.add_argument("--budget-gib", type=float, default=3.0)
+    parser.add_argument("--solvers", default="syn,asyn")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default="step_trace_out")
+    parser.add_argument("--summarise", default="", help="summarise this Chrome trace and exit")
+    args = parser.parse_args(argv)
+    if args.summarise:
+        print(json.dumps(summarise_trace(_load_trace(Path(args.summarise))), indent=1))
+        return 0
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
