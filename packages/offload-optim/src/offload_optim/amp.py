@@ -55,17 +55,21 @@ _CLIP_EPS = 1e-6
 """Added to the norm before dividing, as ``torch.nn.utils.clip_grad_norm_`` does."""
 
 
-def _partial_of(grad: torch.Tensor, norm_type: float, as_norm: bool) -> torch.Tensor:
-    """One gradient's share of a global answer, as a 0-dim fp32 tensor on its device.
+def _partials_of(grads: list[torch.Tensor], norm_type: float, as_norm: bool) -> list[torch.Tensor]:
+    """Each gradient's share of a global answer, as 0-dim fp32 tensors on its device.
 
-    ``as_norm``: its ``norm_type`` norm (for clipping). Otherwise its sum, which is finite
-    exactly when every element is (the overflow check): fp16 gradients are at most 65504 per
-    element and micro-batch, so the fp32 sum of any model that fits in memory cannot
-    overflow by itself; and a sum reads the gradient once, as cheaply as possible.
+    One ``torch._foreach_norm`` call for all of ``grads`` (which share a device): a
+    reduction launched per gradient made the answer CPU-bound with many small regions.
+    ``as_norm``: their ``norm_type`` norms (for clipping). Otherwise their L1 norms, finite
+    exactly when every element is (the overflow check): fp16 gradients are at most 65504
+    per element and micro-batch, so the fp32 sum of any model that fits in memory cannot
+    overflow by itself. A gradient's partial does not depend on the other tensors of the
+    call (on the CPU each is reduced alone; CUDA's multi-tensor kernel reduces each
+    tensor's chunks in a fixed order), so partials computed one region at a time in the
+    grad-ready hooks equal those computed together after backward.
     """
-    if as_norm:
-        return cast(torch.Tensor, torch.linalg.vector_norm(grad, norm_type, dtype=torch.float32))
-    return grad.sum(dtype=torch.float32)
+    ord_ = norm_type if as_norm else 1.0
+    return list(torch._foreach_norm(grads, ord_, dtype=torch.float32))
 
 
 class OverlapMode(str, Enum):
@@ -268,7 +272,7 @@ class AMPOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, r: int) -> None:
         """Grad-ready hook: host worker (host-state regions) or backward thread (others)."""
         self._notified.add(r)
-        if r not in self.optimizer.region_indices:
+        if not self.optimizer.has_region(r):
             return
         if not self.optimizer.region_storage(r).host_state:
             return
@@ -277,34 +281,49 @@ class AMPOptimizer(torch.optim.Optimizer):
             if self.optimizer.step_region(r):
                 self._stepped.add(r)
         elif mode is OverlapMode.PARTIALS:
-            self._partials[r] = self._partial(self.optimizer.region_grad(r))
+            grad = self.optimizer.region_grad(r)
+            as_norm = self.clipping_norm > 0
+            self._partials[r] = _partials_of([grad], self.norm_type, as_norm)[0]
 
     # ---- global answers ------------------------------------------------------------
-
-    def _partial(self, grad: torch.Tensor) -> torch.Tensor:
-        """A gradient's share of the global answer (0-dim fp32 tensor on its device)."""
-        return _partial_of(grad, self.norm_type, as_norm=self.clipping_norm > 0)
 
     def _combine(self, norm_type: float, *, fresh: bool) -> tuple[torch.Tensor, bool]:
         """Combine every gradient's partial: (total on the CPU, whether it is a norm).
 
-        Reads one value per device back to the host: a sync point.
+        Partials the hooks did not compute are computed here, one batched call per device.
+        They are combined in region order whoever computed them, so that the total does
+        not depend on the overlap. Reads one value per device back to the host: a sync
+        point.
         """
         as_norm = fresh or self.clipping_norm > 0
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        # Per device: (slot -> partial) in region order; missing ones computed below.
+        slots: dict[torch.device, list[torch.Tensor | None]] = {}
+        missing: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
         for r in sorted(self._notified):
-            if r not in self.optimizer.region_indices:
+            if not self.optimizer.has_region(r):
                 continue
+            grad = self.optimizer.region_grad(r)
             part = None if fresh else self._partials.get(r)
+            device_slots = slots.setdefault(grad.device, [])
             if part is None:
-                part = _partial_of(self.optimizer.region_grad(r), norm_type, as_norm)
-            by_device.setdefault(part.device, []).append(part)
+                where, grads = missing.setdefault(grad.device, ([], []))
+                where.append(len(device_slots))
+                grads.append(grad)
+            device_slots.append(part)
         for g in self.optimizer.plain_grads():
-            part = _partial_of(g, norm_type, as_norm)
-            by_device.setdefault(part.device, []).append(part)
-        if not by_device:
+            where, grads = missing.setdefault(g.device, ([], []))
+            device_slots = slots.setdefault(g.device, [])
+            where.append(len(device_slots))
+            grads.append(g)
+            device_slots.append(None)
+        for device, (where, grads) in missing.items():
+            for i, part in zip(where, _partials_of(grads, norm_type, as_norm), strict=True):
+                slots[device][i] = part
+        if not slots:
             return torch.zeros(()), as_norm
-        host = torch.cat([torch.stack(parts).to("cpu") for parts in by_device.values()])
+        host = torch.cat(
+            [torch.stack(cast(list[torch.Tensor], parts)).to("cpu") for parts in slots.values()]
+        )
         if as_norm:
             return torch.linalg.vector_norm(host, norm_type), True
         return host.sum(), False
@@ -438,7 +457,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                 grads = [
                     self.optimizer.region_grad(r)
                     for r in sorted(self._notified)
-                    if r in self.optimizer.region_indices
+                    if self.optimizer.has_region(r)
                 ]
                 grads += list(self.optimizer.plain_grads())
                 torch._foreach_mul_(grads, coef)

@@ -141,6 +141,7 @@ class HybridAdam(torch.optim.Optimizer):
         # Set before Optimizer.__init__, which calls add_param_group.
         self.moments_dtype = moments_dtype
         self._regions: dict[int, _RegionState] = {}
+        self._region_list: list[int] = []  # sorted keys of _regions, kept with it
         self._plain: list[_Segment] = []
         self._controller: OffloadController | None = None
         self._masters: dict[int, tuple[RegionStorage, str]] | None = None
@@ -202,6 +203,7 @@ class HybridAdam(torch.optim.Optimizer):
             if st.index not in self._regions:
                 dtype = self.moments_dtype if st.host_state else torch.float32
                 self._regions[st.index] = _RegionState(st, dtype)
+                self._region_list = sorted(self._regions)
             layout = next(lay for lay in st.layouts if lay.name == name)
             by_region.setdefault(st.index, []).append((layout.offset, name, p))
         for r, members in by_region.items():
@@ -282,7 +284,20 @@ class HybridAdam(torch.optim.Optimizer):
     def region_indices(self) -> list[int]:
         """Regions that hold parameters of this optimizer, in forward order."""
         self._ensure_laid_out()
-        return sorted(self._regions)
+        return list(self._region_list)
+
+    def has_region(self, r: int) -> bool:
+        """Whether region ``r`` holds parameters of this optimizer (cheap: called per hook)."""
+        self._ensure_laid_out()
+        return r in self._regions
+
+    def hypers(self) -> dict[int, AdamHyper]:
+        """Each parameter group's hyperparameters now, by ``id(group)``.
+
+        A step queued on the host worker takes this snapshot along, so that a scheduler
+        changing ``lr`` on this thread afterwards does not reach a step already decided.
+        """
+        return {id(group): AdamHyper.of_group(group) for group in self.param_groups}
 
     def region_storage(self, r: int) -> RegionStorage:
         return self._regions[r].storage
@@ -307,6 +322,9 @@ class HybridAdam(torch.optim.Optimizer):
         A gradient assigned by hand to a master view is copied into the accumulator, since
         the step reads the flat buffer.
         """
+        grads = [view.grad for view in seg.views]
+        if all(g is e for g, e in zip(grads, seg.grad_views, strict=True)):
+            return True  # the usual case, checked cheaply: it runs for every region and step
         present = 0
         for view, expected in zip(seg.views, seg.grad_views, strict=True):
             g = view.grad
@@ -326,13 +344,21 @@ class HybridAdam(torch.optim.Optimizer):
             )
         return present > 0
 
-    def _run(self, segments: list[_Segment], grad_scale: float | None) -> None:
-        """One fused launch per (group, device) over ``segments`` (steps counted here)."""
+    def _run(
+        self,
+        segments: list[_Segment],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper] | None = None,
+    ) -> None:
+        """One fused launch per (group, device) over ``segments`` (steps counted here).
+
+        ``hypers``: a :meth:`hypers` snapshot to step with; default: the groups' values now.
+        """
         buckets: dict[tuple[int, torch.device], list[_Segment]] = {}
         for seg in segments:
             buckets.setdefault((id(seg.group), seg.param.device), []).append(seg)
-        for (_, device), segs in buckets.items():
-            hyper = AdamHyper.of_group(segs[0].group)
+        for (group_id, device), segs in buckets.items():
+            hyper = AdamHyper.of_group(segs[0].group) if hypers is None else hypers[group_id]
             grads = [seg.grad if seg.grad is not None else seg.param.grad for seg in segs]
             for g in grads:
                 if g is None or g.is_sparse:
@@ -352,40 +378,97 @@ class HybridAdam(torch.optim.Optimizer):
                 scale,
             )
 
+    def _segments_with_grad(self, r: int) -> list[_Segment]:
+        return [seg for seg in self._regions[r].segments if self._segment_has_grad(seg)]
+
     @torch.no_grad()
-    def step_region(self, r: int, grad_scale: float | None = None) -> bool:
+    def step_region(
+        self,
+        r: int,
+        grad_scale: float | None = None,
+        *,
+        hypers: dict[int, AdamHyper] | None = None,
+        timings: list[RegionStepTiming] | None = None,
+    ) -> bool:
         """Step region ``r``'s parameters and publish its new weights; False if it had none.
 
         Gradients are divided by ``grad_scale`` first (loss scale over clip coefficient).
-        Usable from a grad-ready hook: call it on the host worker for a host-state region,
-        on the main thread for a device-state one (see [Note: region segments]).
+        ``hypers``: a :meth:`hypers` snapshot (default: the groups' values now); ``timings``:
+        where to record the step (default :attr:`timings`). Usable from a grad-ready hook:
+        call it on the host worker for a host-state region, on the main thread for a
+        device-state one (see [Note: region segments]).
         """
         self._ensure_laid_out()
-        rs = self._regions.get(r)
-        if rs is None:
+        if r not in self._regions:
             return False
         controller = self._require_controller()
         start = time.perf_counter()
-        segments = [seg for seg in rs.segments if self._segment_has_grad(seg)]
+        segments = self._segments_with_grad(r)
         if not segments:
             return False
-        self._run(segments, grad_scale)
+        self._run(segments, grad_scale, hypers)
         controller.publish(r)
-        self.timings.append(
-            RegionStepTiming(r, start, time.perf_counter(), host=rs.storage.host_state)
+        sink = self.timings if timings is None else timings
+        sink.append(
+            RegionStepTiming(
+                r, start, time.perf_counter(), host=self._regions[r].storage.host_state
+            )
         )
         return True
+
+    @torch.no_grad()
+    def step_device_regions(
+        self,
+        regions: Iterable[int],
+        grad_scale: float | None = None,
+        *,
+        hypers: dict[int, AdamHyper] | None = None,
+        timings: list[RegionStepTiming] | None = None,
+    ) -> list[int]:
+        """Step device-state ``regions`` together; returns those that had gradients.
+
+        One fused launch per (group, device) for all of them and one batched publish,
+        instead of a few launches per region: with many small regions, per-region launches
+        made the step CPU-bound. Main thread only. Each region's recorded timing spans the
+        whole batch.
+        """
+        self._ensure_laid_out()
+        controller = self._require_controller()
+        start = time.perf_counter()
+        stepped: list[int] = []
+        segments: list[_Segment] = []
+        for r in regions:
+            rs = self._regions[r]
+            if rs.storage.host_state:
+                raise ValueError(
+                    f"step_device_regions got host-state region {r}; step it with "
+                    "step_region on the host worker"
+                )
+            segs = self._segments_with_grad(r)
+            if segs:
+                stepped.append(r)
+                segments.extend(segs)
+        if not segments:
+            return []
+        self._run(segments, grad_scale, hypers)
+        controller.publish_many(stepped)
+        end = time.perf_counter()
+        sink = self.timings if timings is None else timings
+        sink.extend(RegionStepTiming(r, start, end, host=False) for r in stepped)
+        return stepped
 
     def _step_region_task(self, r: int, grad_scale: float | None) -> None:
         self.step_region(r, grad_scale)
 
     @torch.no_grad()
-    def step_plain(self, grad_scale: float | None = None) -> None:
+    def step_plain(
+        self, grad_scale: float | None = None, *, hypers: dict[int, AdamHyper] | None = None
+    ) -> None:
         """Step the plain (non-region) parameters that have gradients."""
         self._ensure_laid_out()
         segments = [seg for seg in self._plain if seg.param.grad is not None]
         if segments:
-            self._run(segments, grad_scale)
+            self._run(segments, grad_scale, hypers)
 
     def step_regions(
         self,
@@ -397,19 +480,21 @@ class HybridAdam(torch.optim.Optimizer):
         """Step ``regions`` (default: all) and, if ``plain``, the plain parameters; wait.
 
         Host-state regions are queued on the host worker in forward order and run while
-        this thread steps the device-state regions; returns when all are done (a host sync
-        point).
+        this thread steps the device-state regions (all in one batch); returns when all
+        are done (a host sync point).
         """
         chosen = self.region_indices if regions is None else sorted(regions)
         chosen = [r for r in chosen if r in self._regions]
         controller = self._require_controller() if chosen else self._controller
+        device = []
         for r in chosen:
             if self._regions[r].storage.host_state:
                 assert controller is not None
                 controller.submit_host(partial(self._step_region_task, r, grad_scale))
-        for r in chosen:
-            if not self._regions[r].storage.host_state:
-                self.step_region(r, grad_scale)
+            else:
+                device.append(r)
+        if device:
+            self.step_device_regions(device, grad_scale)
         if plain:
             self.step_plain(grad_scale)
         if controller is not None:
