@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -109,6 +111,23 @@ def test_state_dict_round_trip_and_eval_mode() -> None:
     with torch.no_grad():
         assert rel_err(module(**inp), model(**inp)) <= 1e-6
     module.train()
+
+
+def test_modules_are_freed_and_close_releases_device_memory() -> None:
+    """Dropping a trained module frees its storages (no global registry keeps them), and
+    close() empties its buffers at once and refuses to run afterwards."""
+    _, module, inp = build("gpt2", "asyn", host_worker=True)
+    module.backward(loss_of(module(**inp), inp["input_ids"]))
+    storages = [weakref.ref(st) for st in module.storages]
+    module.close()
+    assert module.closed
+    assert all(p.numel() == 0 for st in module.storages for p in st.params.values())
+    with pytest.raises(RuntimeError, match="closed"):
+        module(**inp)
+    module.close()  # twice is harmless
+    del module
+    gc.collect()
+    assert all(ref() is None for ref in storages)
 
 
 def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
@@ -242,11 +243,19 @@ class OffloadController:
                     param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     def _make_grad_hook(self, r: int) -> Callable[[torch.Tensor], None]:
+        # A weak reference: the hook lives on the parameter, which autograd's C++ side also
+        # holds (its gradient accumulator), so the cyclic collector cannot see through it;
+        # a strong one would keep the controller, and every region buffer, alive forever.
+        ref = weakref.ref(self)
+
         def hook(_: torch.Tensor) -> None:
-            self._queue_end_callback()
-            self._received[r] += 1
-            if self._received[r] == self._expected[r]:
-                self._finish_region_backward(r)
+            controller = ref()
+            if controller is None:
+                return
+            controller._queue_end_callback()
+            controller._received[r] += 1
+            if controller._received[r] == controller._expected[r]:
+                controller._finish_region_backward(r)
 
         return hook
 

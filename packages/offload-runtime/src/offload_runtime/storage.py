@@ -22,6 +22,7 @@ Tied parameters appear once, under the group's canonical name; every alias name 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -74,13 +75,16 @@ def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
         ) from exc
 
 
-# Keyed by identity: a WeakKeyDictionary would compare tensors with ``==``.
+# Keyed by identity: a WeakKeyDictionary would compare tensors with ``==``. The values are
+# weak too: a storage holds its master views, so a strong value would keep its own key
+# (and with it every buffer of the region, device memory included) alive forever.
 _OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 def region_of(master: torch.Tensor) -> RegionStorage | None:
     """The region storage whose master weights ``master`` is a view of, if any."""
-    owner = _OWNER.get(master)  # type: ignore[no-untyped-call]
+    ref = _OWNER.get(master)  # type: ignore[no-untyped-call]
+    owner = ref() if isinstance(ref, weakref.ref) else None
     return owner if isinstance(owner, RegionStorage) else None
 
 
@@ -146,7 +150,7 @@ class RegionStorage:
             ].view(layout.shape)
             # Optimizers over the masters read gradients here (see _relink_master_grad).
             self.master_views[layout.name].grad = self.grad_views[layout.name]
-            _OWNER[self.master_views[layout.name]] = self
+            _OWNER[self.master_views[layout.name]] = weakref.ref(self)
 
     def materialize_grad(self) -> None:
         """Clear a stale gradient buffer so that it reads as zeros."""
