@@ -89,6 +89,9 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     # Parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB. At 1.5 GiB the sync
     # solver keeps every region resident (state on the host); 1.25 GiB makes both offload.
     budget = int(1.25 * GiB)
+    # Whatever this process holds already (CUDA context aside, nothing after the earlier
+    # tests are collected) is not the module's: count from here.
+    base = torch.cuda.memory_allocated()
     module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
     # Training is what the budget is for: hardware profiling inside memory_optimize uses
@@ -96,7 +99,7 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     # module's own buffers are still allocated, so they count.
     torch.cuda.reset_peak_memory_stats()
     train_steps(module, inp, 3)
-    peak = torch.cuda.max_memory_allocated()
+    peak = torch.cuda.max_memory_allocated() - base
     print(
         f"{solver}: measured peak {peak / 2**20:.1f} MiB, predicted "
         f"{module.plan.predicted_peak_bytes / 2**20:.1f} MiB, budget {budget / 2**20:.0f} MiB"
@@ -105,20 +108,31 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
 
 
 def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
+    """At 4 x 1024 tokens both plans offload most of gpt2_xl under 19 GiB, and the step has
+    enough GPU work for prefetches to hide under. (At 64 x 8 the GPU computes for only
+    ~25 ms of a step bound by the host: measured 273 ms sync vs 268 ms async, noise.)"""
     torch.manual_seed(0)
     model = gpt2(1600, 48, 32)  # gpt2_xl shape
-    inp = batch(64, 8)
-    budget = 3 * GiB
+    inp = batch(4, 1024)
+    budget = 19 * GiB
     medians = {}
     for solver in ("syn", "asyn"):
         module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
+        offloaded = sum(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
+        assert offloaded * 2 >= len(module.plan.regions), module.plan.regions
+        before = dict(module.controller.stats)
         times = train_steps(module, inp, 8)[2:]
         medians[solver] = statistics.median(times)
+        counts = {k: (v - before[k]) // 8 for k, v in module.controller.stats.items()}
+        print(
+            f"{solver}: {offloaded} of {len(module.plan.regions)} regions offloaded, per "
+            f"step {counts}, predicted step {module.plan.predicted_step_time_s * 1e3:.0f} ms"
+        )
         module.close()
         del module
         torch.cuda.empty_cache()
     print(
-        f"gpt2_xl fwd+bwd at 3 GiB: sync {medians['syn'] * 1e3:.1f} ms, "
+        f"gpt2_xl 4 x 1024 fwd+bwd at 19 GiB: sync {medians['syn'] * 1e3:.1f} ms, "
         f"async {medians['asyn'] * 1e3:.1f} ms"
     )
     assert medians["asyn"] < medians["syn"]
