@@ -103,6 +103,49 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def summarise_memory(snapshot: dict[str, Any], top: int = 12) -> dict[str, Any]:
+    """What was allocated at the peak of a ``torch.cuda.memory._snapshot()`` trace.
+
+    Replays the allocator's event trace (alloc / free_completed) of device 0, finds the
+    moment the allocated total peaked (counted from the trace's start, so blocks allocated
+    before recording began are not in it), and groups the blocks live at that moment by
+    the innermost stack frame outside torch. Returns ``{"peak_mib", "by_site": [(site,
+    MiB, count)]}``.
+    """
+    traces = snapshot.get("device_traces") or [[]]
+    live: dict[int, tuple[int, str]] = {}
+    total = peak = 0
+    at_peak: dict[int, tuple[int, str]] = {}
+    for ev in traces[0]:
+        action = ev.get("action")
+        addr = int(ev.get("addr", 0))
+        size = int(ev.get("size", 0))
+        if action == "alloc":
+            site = "?"
+            for fr in ev.get("frames", []):
+                name = str(fr.get("filename", ""))
+                if "/torch/" not in name and "<" not in name:
+                    site = f"{name.rsplit('/', 1)[-1]}:{fr.get('line')} {fr.get('name')}"
+                    break
+            live[addr] = (size, site)
+            total += size
+            if total > peak:
+                peak = total
+                at_peak = dict(live)
+        elif action == "free_completed" and addr in live:
+            total -= live.pop(addr)[0]
+    by_site: dict[str, list[int]] = {}
+    for size, site in at_peak.values():
+        entry = by_site.setdefault(site, [0, 0])
+        entry[0] += size
+        entry[1] += 1
+    ranked = sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "peak_mib": peak / 2**20,
+        "by_site": [(site, round(b / 2**20, 1), n) for site, (b, n) in ranked],
+    }
+
+
 def _load_trace(path: Path) -> dict[str, Any]:
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as f:  # type: ignore[operator]
@@ -154,6 +197,16 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
     stats_before = dict(module.controller.stats)
     one_step(record=False)
     per_step = {k: v - stats_before[k] for k, v in module.controller.stats.items()}
+    memory: dict[str, Any] = {}
+    if args.memory_snapshot:
+        torch.cuda.synchronize()
+        base_mib = torch.cuda.memory_allocated() / 2**20
+        torch.cuda.memory._record_memory_history(max_entries=400_000)
+        one_step(record=False)
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        memory = summarise_memory(snapshot)
+        memory["allocated_before_step_mib"] = base_mib
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one_step(record=False)
     out_dir = Path(args.out)
@@ -174,6 +227,7 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
         "placements": "".join(rp.placement.value[0] for rp in plan.regions),
         "states": "".join(rp.state.value[0] for rp in plan.regions),
         "streams": summarise_trace(trace),
+        "memory_at_peak": memory,
     }
     module.close()
     return result
@@ -208,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default="step_trace_out")
+    parser.add_argument(
+        "--memory-snapshot",
+        action="store_true",
+        help="record the allocator during one step and report what is live at its peak",
+    )
     parser.add_argument("--summarise", default="", help="summarise this Chrome trace and exit")
     args = parser.parse_args(argv)
     if args.summarise:
