@@ -127,12 +127,14 @@ def offload_module(
     min_region_numel: int = 2000,
     all_host_state: bool = False,
     all_resident: bool = False,
+    host_worker: bool | None = None,
 ) -> OffloadModule:
     """An OffloadModule over a copy of ``model`` with a hand-made mixed plan.
 
     ``model`` itself is left untouched, so it can be trained in parallel as the reference.
     ``all_host_state`` / ``all_resident`` override the mix: every region keeps its optimizer
-    state on the host / its parameters on the device.
+    state on the host / its parameters on the device. ``host_worker=True`` runs host work on
+    the runtime's worker thread even on the CPU (the threaded path CUDA machines take).
     """
     device = torch.device(device)
     model = copy.deepcopy(model).to(device=device, dtype=dtype)
@@ -210,6 +212,7 @@ def offload_module(
         dtype=dtype,
         op_names=op_names,
         tied_groups=tied,
+        host_worker=host_worker,
     )
 
 

@@ -19,25 +19,56 @@ Both answers exist only once the last region's gradients are in. Options conside
      host-state region steps in its hook. The gradients it reads are final, so the result
      is the step after backward, bit for bit.
    - fp16 training, or clipping (:attr:`OverlapMode.PARTIALS`): each host-state region's
-     hook computes the region's contribution to the answer (the sum of its gradients, whose
-     finiteness is the overflow check, or its gradient norm) while backward runs; after
-     backward the partials are combined, and the regions step then (host regions on the
-     host worker while the device regions step on the GPU).
-   Device-state regions always step after backward: their step is GPU work that would
-   queue behind backward on the same stream anyway.
+     hook computes the region's contribution to the answer (the L1 norm of its gradients,
+     finite exactly when they all are: the overflow check; or its gradient norm) while
+     backward runs; after backward the partials are combined, and the regions step then.
+   Device-state regions always step after backward, all in one batch: their step is GPU
+   work that would queue behind backward on the same stream anyway.
 Speculation happens only in the backward of the last micro-batch of an accumulation
 window (``accumulation_steps`` says which one), so accumulated gradients are never stepped
 early. The hyperparameters an early step used are checked again in :meth:`step`: changing
 a learning rate between ``backward`` and ``step`` raises instead of silently differing.
+
+After backward, the host steps also overlap the *next forward* (with ``overlap``):
+- :meth:`step` waits for the window's host gradient work (it holds the partials, and says
+  which regions stepped early), then queues the remaining host-state regions' steps on the
+  host worker in forward order, steps the device-state regions on this thread, and
+  returns without waiting. The runtime's ``begin_forward`` / ``upload`` / ``prefetch`` of
+  region ``r`` waits (on the host, only while it still runs) for ``r``'s step and publish
+  (``OffloadController.expect_updates``), so region 0 computes while later regions still
+  step. In fp16 that is where the host step hides: it cannot start before backward ends.
+- A queued step is fixed when queued: the hyperparameters (a scheduler may change ``lr``
+  right after :meth:`step`), the loss scale and clip factor, and which segments have
+  gradients. It reads the flat gradient accumulators, never ``.grad``.
+- :meth:`zero_grad` does not wait for queued steps: ``set_to_none`` only drops the
+  ``.grad`` references, and the runtime overwrites each accumulator when the region's next
+  gradients arrive, on the host worker, which runs them after the queued steps (one FIFO
+  worker); ``set_to_none=False`` zeroes host accumulators on the worker, after the steps.
+- Whatever reads master weights or optimizer state waits for the queued steps first:
+  ``module.named_parameters()``, ``state_dict()`` / ``load_state_dict()`` (module and
+  optimizers), ``module.close()``, :attr:`last_step` (it is completed with the steps'
+  timings), :meth:`synchronize` (call it before reading ``amp.state`` directly).
+- An error raised by a queued step surfaces at the next of those waits, or at the forward
+  of that region.
+- SPECULATIVE tail: hooks step their region (in backward order) only while the device
+  still runs backward, which is when the step hides under it. A hook that runs once
+  backward has finished on the device (an event recorded on the d2h stream after
+  backward, polled without blocking) leaves its region to :meth:`step`, which queues such
+  regions in forward order: region 0, whose gradients arrive last, then steps first and
+  the next forward can start while the others step.
+``overlap=False`` is the reference's behaviour: every host region steps in :meth:`step`,
+after backward, and :meth:`step` waits for them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 import weakref
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, cast, overload
@@ -48,6 +79,7 @@ from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
 from offload_optim.kernels import AdamHyper
 from offload_optim.scaler import DynamicLossScaler
 from offload_runtime.module import OffloadModule
+from offload_runtime.streams import Event
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +135,9 @@ class StepReport:
     """When the last micro-batch's ``backward`` was called."""
     backward_end_s: float | None
     """When it returned (on CUDA: all kernels launched, not necessarily finished)."""
+    step_end_s: float | None = None
+    """When :meth:`AMPOptimizer.step` returned; host steps still queued then overlapped
+    the caller's next work (the next forward)."""
 
     @property
     def host_step_s(self) -> float:
@@ -125,6 +160,22 @@ class StepReport:
                 hidden += max(0.0, min(t.end_s, end) - max(t.start_s, self.backward_start_s))
         return hidden / total
 
+    def after_step_fraction(self) -> float:
+        """Fraction of the host step time that ran after :meth:`AMPOptimizer.step` returned.
+
+        That part overlapped the next forward instead of delaying ``step()``; how much of
+        it the forward then waited for is ``OffloadController.update_wait_s``. 0.0 when
+        there was no host step.
+        """
+        total = self.host_step_s
+        if total == 0.0 or self.step_end_s is None:
+            return 0.0
+        after = 0.0
+        for t in self.region_steps:
+            if t.host:
+                after += max(0.0, t.end_s - max(t.start_s, self.step_end_s))
+        return after / total
+
 
 class AMPOptimizer(torch.optim.Optimizer):
     """Mixed-precision training of an OffloadModule with a :class:`HybridAdam`.
@@ -136,7 +187,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             amp.zero_grad()
             loss = loss_fn(module(**batch))
             amp.backward(loss)            # scales fp16 losses; may start host steps
-            amp.step()
+            amp.step()                    # returns before the host steps are done
 
     - Loss scaling: in fp16 (``module.dtype``) ``backward`` multiplies the loss by the
       dynamic scale (see :class:`DynamicLossScaler` for the rule and its hysteresis). bf16
@@ -147,7 +198,9 @@ class AMPOptimizer(torch.optim.Optimizer):
     - Accumulation: ``accumulation_steps=k`` means ``k`` calls of ``backward`` per ``step``;
       gradients are summed in fp32 and nothing steps in between. Divide each micro-batch
       loss by ``k`` yourself if you want the mean.
-    - Overlap (``overlap=True``): see [Note: overlapping the host step with backward].
+    - Overlap (``overlap=True``): host steps overlap backward and the next forward; see
+      [Note: overlapping the host step with backward]. ``overlap=False`` steps everything
+      after backward and waits (the reference's behaviour).
     - ``param_groups`` are the HybridAdam's own, so ``torch.optim.lr_scheduler``
       schedulers take this object (or the HybridAdam) and the step uses their lr.
     - :meth:`state_dict` holds master weights, Adam moments, the scaler and the step count.
@@ -207,7 +260,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         self.overlap = overlap
         self.step_count = 0
         """Optimizer steps taken (skipped steps excluded)."""
-        self.last_step: StepReport | None = None
+        self._last_step: StepReport | None = None
+        # The last step's report without its region timings, the list the timings go to
+        # and the host steps still queued: last_step completes the report once they are done.
+        self._pending: tuple[StepReport, list[RegionStepTiming], list[Future[None]]] | None = None
         # ---- the current accumulation window (reset by step() and zero_grad()) ----
         self._micro = 0
         self._window_mode = OverlapMode.NONE
@@ -215,7 +271,11 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._notified: set[int] = set()  # regions whose gradients arrived in the window
         self._stepped: set[int] = set()  # regions stepped early (SPECULATIVE)
         self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS)
-        self._hypers: list[AdamHyper] = []
+        self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE)
+        self._timings: list[RegionStepTiming] = []  # the window's region steps
+        # Recorded on the d2h stream after the last backward (SPECULATIVE): once complete,
+        # hooks leave their region to step() (see the note's SPECULATIVE tail).
+        self._backward_done: Event | None = None
         self._backward_s: tuple[float, float] | None = None
         ref = weakref.ref(self)
 
@@ -256,8 +316,9 @@ class AMPOptimizer(torch.optim.Optimizer):
         if last and self.overlap:
             mode = OverlapMode.PARTIALS if self._needs_answer() else OverlapMode.SPECULATIVE
         if mode is OverlapMode.SPECULATIVE:
-            self._hypers = [AdamHyper.of_group(g) for g in self.param_groups]
+            self._hypers = self.optimizer.hypers()
         self._window_mode = mode
+        self._backward_done = None
         # Queued on the host worker, behind the previous micro-batch's gradient work: the
         # hooks of that backward still see the old mode, those of this one the new mode.
         self.controller.submit_host(lambda: self._set_host_mode(mode))
@@ -265,6 +326,9 @@ class AMPOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         self.module.backward(scaled)
         self._backward_s = (start, time.perf_counter())
+        if mode is OverlapMode.SPECULATIVE:
+            # Every gradient copy of this backward is queued on d2h by now.
+            self._backward_done = self.controller.streams.d2h.record()
 
     def _set_host_mode(self, mode: OverlapMode) -> None:
         self._host_mode = mode
@@ -278,7 +342,10 @@ class AMPOptimizer(torch.optim.Optimizer):
             return
         mode = self._host_mode
         if mode is OverlapMode.SPECULATIVE:
-            if self.optimizer.step_region(r):
+            done = self._backward_done
+            if done is not None and done.query():
+                return  # backward is over on the device: step() queues r in forward order
+            if self.optimizer.step_region(r, hypers=self._hypers, timings=self._timings):
                 self._stepped.add(r)
         elif mode is OverlapMode.PARTIALS:
             grad = self.optimizer.region_grad(r)
@@ -339,7 +406,8 @@ class AMPOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Finish the window: skip on fp16 overflow, else clip and step every region.
 
-        ``closure``, if given, runs first and must call :meth:`backward` itself.
+        With ``overlap`` the host-state regions' steps are queued, not waited for (see the
+        note). ``closure``, if given, runs first and must call :meth:`backward` itself.
         """
         loss = None
         if closure is not None:
@@ -355,23 +423,34 @@ class AMPOptimizer(torch.optim.Optimizer):
                 "step() without AMPOptimizer.backward(loss): fp16 training must scale the loss; "
                 "call amp.backward(loss) instead of loss.backward()"
             )
-        self.controller.wait_host()  # sync point: every hook of this window has run
+        # Host sync point: every gradient hook of this window has run (partials computed,
+        # early steps done). Steps queued by the last step() may still run.
+        self.controller.wait_gradients()
         scale = self.loss_scale
         grad_norm: float | None = None
         coef = 1.0
         skipped = False
         mode = self._window_mode
+        timings = self._timings
+        hypers = self.optimizer.hypers()
+        futures: dict[int, Future[None]] = {}
         if mode is OverlapMode.SPECULATIVE:
-            now = [AdamHyper.of_group(g) for g in self.param_groups]
-            if self._stepped and now != self._hypers:
+            # Whether host regions stepped in their hooks depends on thread timing (see the
+            # SPECULATIVE tail), so this raises whenever one could have.
+            early = any(
+                self.optimizer.region_storage(r).host_state
+                for r in self._notified
+                if self.optimizer.has_region(r)
+            )
+            if early and hypers != self._hypers:
                 raise RuntimeError(
                     "hyperparameters changed between backward() and step(), but host regions "
-                    "already stepped during backward with the old ones; change the lr (e.g. "
+                    "step during backward with the old ones; change the lr (e.g. "
                     "scheduler.step()) after step() and before the next backward(), or build "
                     "AMPOptimizer(..., overlap=False)"
                 )
             rest = self._notified - self._stepped
-            self.optimizer.step_regions(rest)
+            futures = self._step_regions(rest, None, hypers, timings)
         else:
             divisor = scale
             if self._needs_answer():
@@ -388,43 +467,86 @@ class AMPOptimizer(torch.optim.Optimizer):
                 skipped = self.scaling and overflow
             if not skipped:
                 divisor = scale / coef
-                self.optimizer.step_regions(self._notified, None if divisor == 1.0 else divisor)
+                grad_scale = None if divisor == 1.0 else divisor
+                futures = self._step_regions(self._notified, grad_scale, hypers, timings)
         if self.scaling:
             self.scaler.update(skipped)
         if not skipped:
             self.step_count += 1
-        self.last_step = StepReport(
+        backward_s = self._backward_s
+        self._reset_window()
+        report = StepReport(
             step=self.step_count,
             skipped=skipped,
             loss_scale=scale,
             grad_norm=grad_norm,
             clip_coef=coef,
             overlap=mode,
-            region_steps=tuple(self.optimizer.timings),
-            backward_start_s=None if self._backward_s is None else self._backward_s[0],
-            backward_end_s=None if self._backward_s is None else self._backward_s[1],
+            region_steps=(),
+            backward_start_s=None if backward_s is None else backward_s[0],
+            backward_end_s=None if backward_s is None else backward_s[1],
+            step_end_s=time.perf_counter(),
         )
-        self._reset_window()
+        self._last_step = None
+        self._pending = (report, timings, list(futures.values()))
         return loss
 
+    def _step_regions(
+        self,
+        regions: set[int],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper],
+        timings: list[RegionStepTiming],
+    ) -> dict[int, Future[None]]:
+        """Step ``regions`` and the plain parameters; host regions queued in forward order."""
+        return self.optimizer.step_regions(
+            regions, grad_scale, wait=not self.overlap, hypers=hypers, timings=timings
+        )
+
+    @property
+    def last_step(self) -> StepReport | None:
+        """What the last :meth:`step` did; None before the first.
+
+        Waits for that step's host steps still queued (a host sync point while they run),
+        since the report holds their timings, and re-raises their error.
+        """
+        if self._pending is not None:
+            report, timings, futures = self._pending
+            for fut in futures:
+                fut.result()
+            self._pending = None
+            self._last_step = dataclasses.replace(report, region_steps=tuple(timings))
+        return self._last_step
+
+    def synchronize(self) -> None:
+        """Wait for the host steps still queued; re-raise their first error.
+
+        Needed only before reading optimizer state directly (``amp.state``); every other
+        reader of masters or moments waits by itself.
+        """
+        self.controller.wait_host()
+
     def _reset_window(self) -> None:
-        """Start a new accumulation window (the host worker is idle: wait_host ran)."""
+        """Start a new accumulation window (its host gradient work has finished)."""
         self._micro = 0
         self._window_mode = OverlapMode.NONE
         self._host_mode = OverlapMode.NONE
         self._notified = set()
         self._stepped = set()
         self._partials = {}
+        self._hypers = {}
+        self._timings = []
+        self._backward_done = None
         self._backward_s = None
-        self.optimizer.timings.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop gradients and any unfinished accumulation window.
 
-        ``set_to_none`` (default) lets the runtime zero each region's accumulator when its
-        next gradients arrive, on the host worker for host-state regions.
+        Does not wait for host steps queued by :meth:`step` (see the note); waits for host
+        gradient work still running. ``set_to_none`` (default) lets the runtime overwrite
+        each region's accumulator when its next gradients arrive.
         """
-        self.optimizer.zero_grad(set_to_none)  # waits for host work
+        self.optimizer.zero_grad(set_to_none)  # waits for host gradient work only
         self._reset_window()
 
     # ---- clipping on demand --------------------------------------------------------

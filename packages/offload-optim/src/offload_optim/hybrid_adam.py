@@ -14,10 +14,12 @@ Host-state regions are stepped by torch's fused CPU Adam, device-state regions b
 fused CUDA Adam. Parameters that are not OffloadModule masters ("plain" parameters) are
 stepped like ``torch.optim.AdamW(fused=True)`` would step them.
 
-Threads: the step of a host-state region runs on the runtime's host worker (it is queued
-with ``controller.submit_host``, or called from a grad-ready hook, which runs there), and
-so does its ``controller.publish``; device-state regions and plain parameters are stepped
-on the calling thread. A region is only ever stepped by one thread at a time.
+Threads: the step of a host-state region runs on the runtime's host worker (queued by
+:meth:`HybridAdam.submit_host_steps`, or called from a grad-ready hook, which runs there),
+and so does its ``controller.publish``; device-state regions and plain parameters are
+stepped on the calling thread. A region is only ever stepped by one thread at a time.
+:meth:`HybridAdam.step` waits for the host steps; ``AMPOptimizer`` does not (see [Note:
+overlapping the host step with backward] in amp.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast, overload
@@ -54,6 +57,11 @@ class RegionStepTiming:
     @property
     def duration_s(self) -> float:
         return self.end_s - self.start_s
+
+
+@torch.no_grad()
+def _zero_on_host(grads: list[torch.Tensor]) -> None:
+    torch._foreach_zero_(grads)
 
 
 class _Segment:
@@ -457,8 +465,73 @@ class HybridAdam(torch.optim.Optimizer):
         sink.extend(RegionStepTiming(r, start, end, host=False) for r in stepped)
         return stepped
 
-    def _step_region_task(self, r: int, grad_scale: float | None) -> None:
-        self.step_region(r, grad_scale)
+    def submit_host_steps(
+        self,
+        regions: Iterable[int],
+        grad_scale: float | None = None,
+        *,
+        hypers: dict[int, AdamHyper] | None = None,
+        timings: list[RegionStepTiming] | None = None,
+    ) -> dict[int, Future[None]]:
+        """Queue host-state ``regions``' steps on the host worker, in the given order.
+
+        Returns at once: one future per region that has gradients, completed once the
+        region is stepped and published (the runtime makes the region's next forward wait
+        for it: ``OffloadController.expect_updates``). What a queued step uses is fixed
+        here, on the calling thread: which segments have gradients (a later ``zero_grad``
+        may drop the ``.grad`` references before the worker gets there; the step reads the
+        flat accumulators, which stay) and the hyperparameters (``hypers``, default a
+        snapshot now: a scheduler may change ``lr`` before the worker gets there). One
+        task steps the regions one after another, so their publishes come in that order.
+        """
+        self._ensure_laid_out()
+        controller = self._require_controller()
+        jobs: list[tuple[int, list[_Segment]]] = []
+        for r in regions:
+            if not self._regions[r].storage.host_state:
+                raise ValueError(
+                    f"submit_host_steps got device-state region {r}; step it with "
+                    "step_device_regions on the main thread"
+                )
+            segs = self._segments_with_grad(r)
+            if segs:
+                jobs.append((r, segs))
+        if not jobs:
+            return {}
+        snapshot = self.hypers() if hypers is None else hypers
+        sink = self.timings if timings is None else timings
+        futures = controller.expect_updates(r for r, _ in jobs)
+        controller.submit_host(
+            partial(self._host_steps_task, controller, jobs, grad_scale, snapshot, futures, sink)
+        )
+        return futures
+
+    @torch.no_grad()
+    def _host_steps_task(
+        self,
+        controller: OffloadController,
+        jobs: list[tuple[int, list[_Segment]]],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper],
+        futures: dict[int, Future[None]],
+        sink: list[RegionStepTiming],
+    ) -> None:
+        """Host worker: step and publish each job's region, completing its future."""
+        done = 0
+        try:
+            for r, segments in jobs:
+                start = time.perf_counter()
+                self._run(segments, grad_scale, hypers)
+                controller.publish(r)
+                sink.append(RegionStepTiming(r, start, time.perf_counter(), host=True))
+                futures[r].set_result(None)
+                done += 1
+        except BaseException as exc:
+            # Every announced future must complete, or the region's next use would wait
+            # forever: the error reaches whoever waits for any of them.
+            for r, _ in jobs[done:]:
+                futures[r].set_exception(exc)
+            raise
 
     @torch.no_grad()
     def step_plain(
@@ -476,29 +549,34 @@ class HybridAdam(torch.optim.Optimizer):
         grad_scale: float | None = None,
         *,
         plain: bool = True,
-    ) -> None:
-        """Step ``regions`` (default: all) and, if ``plain``, the plain parameters; wait.
+        wait: bool = True,
+        hypers: dict[int, AdamHyper] | None = None,
+        timings: list[RegionStepTiming] | None = None,
+    ) -> dict[int, Future[None]]:
+        """Step ``regions`` (default: all) and, if ``plain``, the plain parameters.
 
-        Host-state regions are queued on the host worker in forward order and run while
-        this thread steps the device-state regions (all in one batch); returns when all
-        are done (a host sync point).
+        Host-state regions are queued on the host worker in forward order
+        (:meth:`submit_host_steps`) and run while this thread steps the device-state
+        regions (all in one batch). With ``wait`` this returns when all are done (a host
+        sync point); otherwise at once, with the host regions' futures. ``hypers``: a
+        :meth:`hypers` snapshot for every region (default: now).
         """
-        chosen = self.region_indices if regions is None else sorted(regions)
+        self._ensure_laid_out()
+        chosen = self._region_list if regions is None else sorted(regions)
         chosen = [r for r in chosen if r in self._regions]
-        controller = self._require_controller() if chosen else self._controller
-        device = []
-        for r in chosen:
-            if self._regions[r].storage.host_state:
-                assert controller is not None
-                controller.submit_host(partial(self._step_region_task, r, grad_scale))
-            else:
-                device.append(r)
+        snapshot = self.hypers() if hypers is None else hypers
+        host = [r for r in chosen if self._regions[r].storage.host_state]
+        device = [r for r in chosen if not self._regions[r].storage.host_state]
+        futures: dict[int, Future[None]] = {}
+        if host:
+            futures = self.submit_host_steps(host, grad_scale, hypers=snapshot, timings=timings)
         if device:
-            self.step_device_regions(device, grad_scale)
+            self.step_device_regions(device, grad_scale, hypers=snapshot, timings=timings)
         if plain:
-            self.step_plain(grad_scale)
-        if controller is not None:
-            controller.wait_host()
+            self.step_plain(grad_scale, hypers=snapshot)
+        if wait and self._controller is not None:
+            self._controller.wait_host()
+        return futures
 
     @overload
     def step(self, closure: None = None) -> None: ...
@@ -507,7 +585,7 @@ class HybridAdam(torch.optim.Optimizer):
     def step(self, closure: Callable[[], float]) -> float: ...
 
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """Step every parameter that has a gradient; returns ``closure()`` if given."""
+        """Step every parameter that has a gradient and wait; returns ``closure()`` if given."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -526,19 +604,66 @@ class HybridAdam(torch.optim.Optimizer):
         return self._controller
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Like ``torch.optim.Optimizer.zero_grad``; waits for host work first.
+        """Like ``torch.optim.Optimizer.zero_grad``, without waiting for queued steps.
 
-        With ``set_to_none`` the runtime zeroes each region's accumulator when the region's
-        next gradients arrive (on the host worker for host-state regions), off this thread.
+        Waits only for host gradient work still running (it reads the ``.grad``
+        references). Optimizer steps queued on the host worker read the flat accumulators,
+        not ``.grad``: with ``set_to_none`` only the references are dropped, and the
+        runtime overwrites each accumulator when the region's next gradients arrive, on the
+        host worker after the queued steps. ``set_to_none=False`` zeroes the host-state
+        accumulators on the host worker too, after the queued steps, and the others here.
         """
+        self._ensure_laid_out()
         if self._controller is not None:
-            self._controller.wait_host()
-        super().zero_grad(set_to_none)
+            self._controller.wait_gradients()
+        host: list[torch.Tensor] = []
+        here: list[torch.Tensor] = []
+        with torch.no_grad():
+            for rs in self._regions.values():
+                for seg in rs.segments:
+                    present = False
+                    for view, linked in zip(seg.views, seg.grad_views, strict=True):
+                        g = view.grad
+                        if g is None:
+                            continue
+                        present = True
+                        if set_to_none:
+                            view.grad = None
+                        elif g is not linked:
+                            here.append(g)  # assigned by hand: zero it where it is
+                    if present and not set_to_none:
+                        assert seg.grad is not None
+                        (host if rs.storage.host_state else here).append(seg.grad)
+            for seg in self._plain:
+                p = seg.param
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    here.append(p.grad)
+            by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+            for g in here:
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+            for grads in by_kind.values():
+                torch._foreach_zero_(grads)
+        if host:
+            controller = self._require_controller()
+            controller.submit_host(partial(_zero_on_host, host))
 
     # ---- checkpoints ---------------------------------------------------------------
 
     def _ordered_params(self) -> list[torch.Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
+
+    def synchronize(self) -> None:
+        """Wait for the steps queued on the host worker; re-raise their first error."""
+        if self._controller is not None:
+            self._controller.wait_host()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer format (``state`` by parameter index, ``param_groups``).

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -96,8 +97,17 @@ class OffloadController:
         threaded = streams.is_cuda if host_worker is None else host_worker
         self._executor = ThreadPoolExecutor(1, "offload-host") if threaded else None
         self._futures: list[Future[None]] = []
+        # Host gradient work (accumulation and the grad-ready hooks) not yet waited for.
+        self._grad_work: list[Future[None]] = []
         # Last host task that reads each region's grad staging buffer.
         self._staging_reader: dict[int, Future[None]] = {}
+        # Optimizer steps queued on the host worker that will change a region's parameters
+        # (see expect_updates): the region's next use waits for its future.
+        self._updates: dict[int, Future[None]] = {}
+        self.update_wait_s = 0.0
+        """Seconds this process blocked in :meth:`wait_update` for steps still running
+        (cumulative): the part of the host optimizer steps that the next forward did not
+        hide."""
         self.stats = {"sync_uploads": 0, "prefetches": 0, "prefetch_fallbacks": 0}
         self._register_grad_hooks()
 
@@ -123,6 +133,7 @@ class OffloadController:
 
     def upload(self, r: int) -> None:
         """Make region ``r``'s parameters usable by the compute stream (sync upload)."""
+        self.wait_update(r)
         state = self.state[r]
         if state is RegionState.ON_DEVICE:
             return
@@ -143,6 +154,7 @@ class OffloadController:
 
     def prefetch(self, r: int) -> None:
         """Queue region ``r``'s upload on the h2d stream, if its slot is free."""
+        self.wait_update(r)
         if self.state[r] is not RegionState.ON_HOST:
             return
         st = self.storages[r]
@@ -179,6 +191,7 @@ class OffloadController:
     # ---- forward-side entry points (called from graph nodes) -------------------------
 
     def begin_forward(self, r: int) -> None:
+        self.wait_update(r)
         st = self.storages[r]
         if not st.offloaded and self.ready_event[r] is not None:
             # Updated parameters of a resident host-state region are uploading on h2d.
@@ -300,7 +313,9 @@ class OffloadController:
         assert st.grad_staging is not None
         r = st.index
         if not grads:
-            self._submit(lambda: self._host_accumulate(r, None))
+            empty = self._submit(lambda: self._host_accumulate(r, None))
+            if empty is not None:
+                self._grad_work.append(empty)
             return
         reader = self._staging_reader.pop(r, None)
         if reader is not None and not reader.done():
@@ -326,6 +341,7 @@ class OffloadController:
         fut = self._submit(lambda: self._host_accumulate(r, done, present))
         if fut is not None:
             self._staging_reader[r] = fut
+            self._grad_work.append(fut)
 
     def _host_accumulate(
         self, r: int, done: Event | None, present: list[tuple[int, int]] | None = None
@@ -400,10 +416,70 @@ class OffloadController:
         self._submit(fn)
 
     def wait_host(self) -> None:
-        """Block until all queued host work is done; re-raise its first error. A sync point."""
+        """Block until all queued host work is done; re-raise its first error. A sync point.
+
+        Every task is waited for even when an earlier one failed, so that nothing still runs
+        on the host worker when this raises.
+        """
         futures, self._futures = self._futures, []
-        for fut in futures:
+        updates, self._updates = self._updates, {}
+        self._grad_work = []
+        error: BaseException | None = None
+        for fut in [*futures, *updates.values()]:
+            try:
+                fut.result()
+            except BaseException as exc:  # re-raised below, after the rest are waited for
+                if error is None:
+                    error = exc
+        if error is not None:
+            raise error
+
+    def wait_gradients(self) -> None:
+        """Block until the host gradient work of finished backward passes is done.
+
+        That work (accumulating each host-state region's gradients, and the grad-ready
+        hooks it calls) is waited for, but not the optimizer steps queued after it; its
+        first error is re-raised. A host sync point while that work runs.
+        """
+        work, self._grad_work = self._grad_work, []
+        for fut in work:
             fut.result()
+        # Forget finished tasks that succeeded; failed ones stay for wait_host to re-raise.
+        self._futures = [f for f in self._futures if not f.done() or f.exception() is not None]
+
+    def expect_updates(self, regions: Iterable[int]) -> dict[int, Future[None]]:
+        """Announce host work, queued next, that steps and publishes ``regions``.
+
+        Returns one future per region. The work completes each (``set_result(None)``, or
+        ``set_exception``) once that region's master is stepped and published, and must
+        complete every one of them even when it fails. Until then the region's next
+        :meth:`begin_forward`, :meth:`upload` or :meth:`prefetch` waits for it on the host
+        (see [Note: overlapping the host step with backward] in offload_optim/amp.py), and
+        :meth:`wait_host` waits for all. Main thread only.
+        """
+        futures: dict[int, Future[None]] = {}
+        for r in regions:
+            fut: Future[None] = Future()
+            futures[r] = fut
+            self._updates[r] = fut
+        return futures
+
+    def wait_update(self, r: int) -> None:
+        """Block until region ``r``'s announced update (if any) is done; re-raise its error.
+
+        A host sync point only while that step still runs; the blocked time is added to
+        :attr:`update_wait_s`.
+        """
+        fut = self._updates.pop(r, None)
+        if fut is None:
+            return
+        if not fut.done():
+            start = time.perf_counter()
+            try:
+                fut.result()
+            finally:
+                self.update_wait_s += time.perf_counter() - start
+        fut.result()
 
     def publish(self, r: int) -> None:
         """Propagate region ``r``'s updated master into its training-dtype copies.
@@ -448,5 +524,7 @@ class OffloadController:
                 torch._foreach_copy_(targets, sources)
 
     def close(self) -> None:
+        """Stop the host worker after its queued work; re-raise that work's first error."""
         if self._executor is not None:
             self._executor.shutdown(wait=True)
+        self.wait_host()

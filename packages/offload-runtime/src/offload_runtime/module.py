@@ -124,7 +124,12 @@ class OffloadModule:
     # ---- parameters and gradients ---------------------------------------------------
 
     def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The fp32 master weights by original name (tied aliases listed once)."""
+        """The fp32 master weights by original name (tied aliases listed once).
+
+        Waits for optimizer steps still running on the host worker first (a host sync
+        point only while they run), so that the masters read are the stepped ones.
+        """
+        self.controller.wait_host()
         for st in self.storages:
             for layout in st.layouts:
                 yield layout.name, st.master_views[layout.name]
@@ -219,11 +224,16 @@ class OffloadModule:
     def close(self) -> None:
         """Stop the host worker thread and free the module's device memory.
 
-        Waits for queued host work first. The module cannot run afterwards (its parameters
-        are empty); save ``state_dict()`` before closing to keep the weights. Closing twice
-        is harmless.
+        Waits for queued host work first, and re-raises its first error after freeing. The
+        module cannot run afterwards (its parameters are empty); save ``state_dict()``
+        before closing to keep the weights. Closing twice is harmless.
         """
-        self.controller.close()
+        try:
+            self.controller.close()
+        finally:
+            self._free_device_memory()
+
+    def _free_device_memory(self) -> None:
         if self.closed:
             return
         self.closed = True
