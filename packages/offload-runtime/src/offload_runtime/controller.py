@@ -62,12 +62,27 @@ class OffloadController:
         streams: StreamSet,
         *,
         host_worker: bool | None = None,
+        batch_device_grads: bool = False,
     ) -> None:
         """``host_worker``: run host-side gradient work (and optimizer steps hung off the
         grad-ready hooks) on a worker thread; default: on CUDA only. On the CPU it exists so
-        that tests exercise the threaded path."""
+        that tests exercise the threaded path.
+
+        ``batch_device_grads``: fold the training-dtype gradients of every device-state
+        region into the fp32 accumulators in one batched operation at the end of backward,
+        instead of region by region as each region's backward ends (see
+        :meth:`_finish_device_regions`). It saves per-region launches and Python when the
+        step is launch-bound, but keeps those gradients alive until backward ends, so it is
+        only for plans whose budget has room for them.
+        """
         self.plan = plan
         self.storages = storages
+        self.batched_device_regions = frozenset(
+            st.index
+            for st in storages
+            if batch_device_grads and not st.host_state and not st.offloaded
+        )
+        """Device-state regions whose gradients are folded in at the end of backward."""
         self.streams = streams
         n = len(storages)
         self.state = [RegionState.ON_HOST] * n
@@ -249,10 +264,20 @@ class OffloadController:
             self.upload(r)
 
     def _register_grad_hooks(self) -> None:
+        ref = weakref.ref(self)
+
+        def queue_only(_: torch.Tensor) -> None:
+            controller = ref()
+            if controller is not None and not controller._callback_queued:
+                controller._queue_end_callback()
+
         for st in self.storages:
+            batched = st.index in self.batched_device_regions
             for param in st.params.values():
                 if param.requires_grad:
-                    hook = self._make_grad_hook(st.index)
+                    # A batched region's gradients are read at the end of backward; its hook
+                    # only makes sure that end-of-backward callback is queued.
+                    hook = queue_only if batched else self._make_grad_hook(st.index)
                     param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
 
     def _make_grad_hook(self, r: int) -> Callable[[torch.Tensor], None]:
@@ -392,8 +417,50 @@ class OffloadController:
         for hook in self._grad_hooks:
             hook(r)
 
+    def _finish_device_regions(self, regions: list[int]) -> None:
+        """Fold the gradients of device-state ``regions`` into their fp32 accumulators in
+        one copy and one add over all of them (the same per-tensor operations as
+        :meth:`_finish_region_backward`, batched); regions without gradients are skipped."""
+        copy_dst: list[torch.Tensor] = []
+        copy_src: list[torch.Tensor] = []
+        add_dst: list[torch.Tensor] = []
+        add_src: list[torch.Tensor] = []
+        done = []
+        with torch.no_grad():
+            for r in regions:
+                st = self.storages[r]
+                grads = []
+                targets = []
+                for layout in st.layouts:
+                    param = st.params[layout.name]
+                    if param.grad is not None:
+                        grads.append(param.grad)
+                        targets.append(st.grad_views[layout.name])
+                        param.grad = None
+                if not grads:
+                    continue
+                done.append(r)
+                self._grads_done.add(r)
+                self._relink_master_grad(st)
+                if st.grad_stale and len(grads) == len(st.layouts):
+                    copy_dst += targets  # overwrite: logically zero before
+                    copy_src += grads
+                    st.grad_stale = False
+                else:
+                    st.materialize_grad()
+                    add_dst += targets
+                    add_src += grads
+            if copy_dst:
+                torch._foreach_copy_(copy_dst, copy_src)
+            if add_dst:
+                torch._foreach_add_(add_dst, add_src)
+        for r in done:
+            self._notify(r)
+
     def _end_backward(self) -> None:
         """Autograd-engine callback at the end of a backward pass."""
+        if self.batched_device_regions:
+            self._finish_device_regions(sorted(self.batched_device_regions))
         for st in self.storages:
             r = st.index
             if r not in self._grads_done and (self._received[r] or r in self._bwd_started):

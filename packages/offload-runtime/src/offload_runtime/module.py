@@ -13,7 +13,7 @@ from offload_runtime.controller import OffloadController
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
 from offload_runtime.streams import make_streams
-from offload_solver import ModelProfile, Plan
+from offload_solver import BUDGET_SAFETY_FACTOR, ModelProfile, Plan
 
 log = logging.getLogger(__name__)
 
@@ -75,8 +75,20 @@ class OffloadModule:
         for st in self.storages:
             st.load(state)
         self.streams = make_streams(device)
+        # Batched device gradients keep each device-state region's training-dtype gradients
+        # alive until backward ends: only where the plan leaves room for all of them.
+        device_grad_bytes = sum(
+            st.numel * dtype.itemsize
+            for st in self.storages
+            if not st.host_state and not st.offloaded
+        )
+        room = plan.budget_bytes * BUDGET_SAFETY_FACTOR - plan.predicted_peak_bytes
         self.controller = OffloadController(
-            plan, self.storages, self.streams, host_worker=host_worker
+            plan,
+            self.storages,
+            self.streams,
+            host_worker=host_worker,
+            batch_device_grads=device_grad_bytes <= room,
         )
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.
