@@ -33,6 +33,17 @@ class LogitsOnly(nn.Module):
         return out.logits  # type: ignore[no-any-return]
 
 
+class IdsOnly(nn.Module):
+    """``forward(input_ids) -> logits``: no attention mask, so the model masks causally."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids, use_cache=False).logits  # type: ignore[no-any-return]
+
+
 def _quiet(fn: Callable[[], nn.Module]) -> nn.Module:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

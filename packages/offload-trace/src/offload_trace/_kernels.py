@@ -14,6 +14,21 @@ and saves:
   32) and, when a boolean mask is given, that mask converted to the compute dtype. The
   meta run takes the math path and keeps the B x H x S x S attention matrices instead
   (4.4x too many bytes at sequence 1024 for gpt2_medium).
+  Which kernel may run follows torch's dispatcher (``select_sdp_backend`` in
+  ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, torch 2.11):
+  * flash (fp16/bf16, head dim <= 256) takes no explicit mask. ``attention.cpp`` pads q,
+    k and v to a head dim that is a multiple of 8 (``pad_last_dim<8>``) before calling
+    it, so for other head dims the saved q/k/v are padded copies and the output is a
+    slice of a padded buffer;
+  * memory-efficient needs head dims divisible by ``minimum_gemm_alignment``: 8 for
+    fp16/bf16 and 4 for fp32 on sm80 and newer (``check_head_dim_size_mem_efficient``);
+  * cuDNN needs fp16/bf16 and head dims divisible by 8 (``check_cudnn_tensor_shapes``).
+  So with an explicit mask and a head dim off that alignment (GPT-2 XL: 50) no fused
+  kernel applies and CUDA runs the math path; the model then lets the meta run take the
+  math path too. That over-estimates a little: on CUDA the math path's inner dropout is
+  ``native_dropout`` (a one-byte mask) where the meta decomposition keeps a noise tensor,
+  and an over-estimate only makes the plan more careful. fp32 without a mask needs the
+  same 4-alignment (flash and cuDNN are fp16/bf16 only).
   On the CPU the flash kernel is used when dropout is off (it saves the same set, with a
   B x H x S log-sum-exp); with dropout the CPU takes the math path, which the meta run
   reproduces exactly.
@@ -67,23 +82,33 @@ class _FusedAttention(torch.autograd.Function):
         v: torch.Tensor,
         mask: torch.Tensor | None,
         lse_len: int,
+        pad_to: int,
         sink: FlopSink,
     ) -> torch.Tensor:
         # Fused kernels write the output as (batch, seq, heads, dim) and return it
         # transposed; a later `.transpose(1, 2).contiguous()` is then free.
         b, h, s_q = q.shape[0], q.shape[1], q.shape[2]
-        out = q.new_empty((b, s_q, h, v.shape[-1])).transpose(1, 2)
+        q_dim, k_dim, d_v = q.shape[-1], k.shape[-1], v.shape[-1]
+        padded_v = pad_to * math.ceil(d_v / pad_to)
+        out_buf = q.new_empty((b, s_q, h, padded_v)).transpose(1, 2)
+        out = out_buf[..., :d_v] if padded_v != d_v else out_buf
+        if pad_to > 1 and (q.shape[-1] % pad_to or d_v % pad_to):
+            # The kernel sees zero-padded copies; they, not the caller's q/k/v, are saved.
+            q, k, v = (_padded(t, pad_to) for t in (q, k, v))
         lse = q.new_empty((*q.shape[:-2], lse_len), dtype=torch.float32)
+        # FLOPs at the padded head dim: the kernel does that work, and torch's flop
+        # counter sees the padded inputs of the flash op on CUDA too.
+        fwd_flop, bwd_flop = _attention_flop(q, k, v)
         bias = mask
         if mask is not None and mask.dtype != q.dtype:
             # The kernel converts a boolean (or other-dtype) mask into an additive bias of
             # the compute dtype and keeps that copy for backward.
             bias = torch.empty(tuple(mask.shape), dtype=q.dtype, device=q.device)
-        fwd_flop, bwd_flop = _attention_flop(q, k, v)
         sink.add_flop(fwd_flop)
         ctx.sink = sink  # type: ignore[attr-defined]
         ctx.bwd_flop = bwd_flop  # type: ignore[attr-defined]
-        ctx.save_for_backward(q, k, v, out, lse, bias)  # type: ignore[arg-type]
+        ctx.dims = (q_dim, k_dim, d_v)  # type: ignore[attr-defined]
+        ctx.save_for_backward(q, k, v, out_buf, lse, bias)  # type: ignore[arg-type]
         return out
 
     @staticmethod
@@ -92,14 +117,18 @@ class _FusedAttention(torch.autograd.Function):
         ctx.sink.add_flop(ctx.bwd_flop)
         need = ctx.needs_input_grad
         grad_mask = torch.empty_like(bias) if need[3] and bias is not None else None
-        return (
-            torch.empty_like(q) if need[0] else None,
-            torch.empty_like(k) if need[1] else None,
-            torch.empty_like(v) if need[2] else None,
-            grad_mask,
-            None,
-            None,
+        # Gradients come out at the kernel's (padded) head dim and are sliced back.
+        grads = tuple(
+            torch.empty_like(t)[..., :dim] if need[i] else None
+            for i, (t, dim) in enumerate(zip((q, k, v), ctx.dims, strict=True))
         )
+        return (*grads, grad_mask, None, None, None)
+
+
+def _padded(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    """A new tensor like ``t`` with its last dimension rounded up to ``multiple``."""
+    dim = multiple * math.ceil(t.shape[-1] / multiple)
+    return t.new_empty((*t.shape[:-1], dim))
 
 
 class _FusedDropout(torch.autograd.Function):
@@ -134,11 +163,26 @@ def _sdpa(
     if q.shape[-1] != k.shape[-1]:
         return NotImplemented
     s_q = q.shape[-2]
+    pad_to = 1
+    if mask is not None and not isinstance(mask, torch.Tensor):
+        return NotImplemented
     if device_type == "cuda":
+        # Kernel eligibility as in the note: flash (no mask, fp16/bf16, pads the head dim
+        # to 8), memory-efficient / cuDNN (head dims aligned to 8, fp32: 4), else math.
+        d_q, d_v = q.shape[-1], v.shape[-1]
         if q.dtype in (torch.float16, torch.bfloat16):
             lse_len = s_q
+            aligned = d_q % 8 == 0 and d_v % 8 == 0
+            is_causal = bool(_arg(args, kwargs, 5, "is_causal", False))
+            flash = mask is None and d_q == d_v and d_q <= 256
+            if flash and not (is_causal and s_q != k.shape[-2]):
+                pad_to = 8
+            elif not aligned:
+                return NotImplemented
         elif q.dtype == torch.float32:
             lse_len = 32 * math.ceil(s_q / 32)  # memory-efficient kernel pads to 32
+            if d_q % 4 or d_v % 4:
+                return NotImplemented
         else:
             return NotImplemented
     elif device_type == "cpu":
@@ -150,9 +194,7 @@ def _sdpa(
         lse_len = s_q
     else:
         return NotImplemented
-    if mask is not None and not isinstance(mask, torch.Tensor):
-        return NotImplemented
-    return _FusedAttention.apply(q, k, v, mask, lse_len, sink)  # type: ignore[no-untyped-call]
+    return _FusedAttention.apply(q, k, v, mask, lse_len, pad_to, sink)  # type: ignore[no-untyped-call]
 
 
 def _dropout(args: tuple[Any, ...], kwargs: dict[str, Any], sink: FlopSink) -> Any:

@@ -11,6 +11,7 @@ import torch
 from torch import fx
 
 from offload_solver import ModelProfile, Operation, Parameter
+from offload_trace._causal import apply_causal_attention
 from offload_trace._costs import CALL_OPS, OpCost
 from offload_trace._rewrite import move_device_constants, to_eval
 
@@ -72,6 +73,10 @@ class TracedModel:
     valueless_constants: tuple[str, ...] = ()
     """Lifted tensor constants created on the meta device during tracing; they have no
     values, so :meth:`module_for` refuses to build a runnable module while any exist."""
+    causal_attention: tuple[str, ...] = ()
+    """Attention nodes whose constant causal mask was replaced by ``is_causal=True`` (see
+    [Note: causal attention] in ``_causal.py``); :meth:`module_for` applies the same
+    rewrite."""
 
     @property
     def forward_peak_bytes(self) -> int:
@@ -131,11 +136,13 @@ class TracedModel:
         """A fresh graph module that runs on ``device``.
 
         Node names equal :attr:`operation_names` (plus placeholders, ``get_attr`` and
-        output nodes). Device constants baked in at trace time (``arange(device=meta)``,
-        ``.to(meta)``, metadata asserts) point at ``device``; lifted tensor constants are
-        moved there. Parameters and buffers stay meta placeholders: assign real tensors
-        with ``setattr`` along the original names (both names of a tied group). Call it
-        with the same argument structure as the example inputs.
+        output nodes); attention listed in :attr:`causal_attention` is rewritten as in
+        :func:`~offload_trace.trace`. Device constants baked in at trace time
+        (``arange(device=meta)``, ``.to(meta)``, metadata asserts) point at ``device``;
+        lifted tensor constants are moved there. Parameters and buffers stay meta
+        placeholders: assign real tensors with ``setattr`` along the original names (both
+        names of a tied group). Call it with the same argument structure as the example
+        inputs.
 
         Args:
             device: where the module will run.
@@ -166,6 +173,7 @@ class TracedModel:
                 "(self.register_buffer(name, tensor, persistent=False)) and trace again"
             )
         gm = self.exported.module()
+        apply_causal_attention(gm, self.causal_attention)
         names = tuple(n.name for n in gm.graph.nodes if n.op in CALL_OPS)
         if names != self.operation_names:
             raise RuntimeError(

@@ -12,6 +12,7 @@ import torch
 from torch import fx, nn
 
 from offload_solver import Parameter
+from offload_trace._causal import apply_causal_attention, constant_lookup, find_causal_attention
 from offload_trace._costs import CALL_OPS, measure_costs
 from offload_trace._export import export_twin
 from offload_trace._inputs import check_example_inputs
@@ -53,6 +54,7 @@ def trace(
     dtype: torch.dtype = torch.float16,
     target_device: torch.device | str = "cuda",
     dynamic_batch: bool = False,
+    causal_attention: bool = True,
 ) -> TracedModel:
     """Trace ``model`` on the meta device and measure what each operation costs.
 
@@ -71,6 +73,10 @@ def trace(
             ``"cpu"``).
         dynamic_batch: trace with a symbolic batch dimension (dimension 0 of every input);
             costs are still measured at the example batch size.
+        causal_attention: rewrite attention whose mask is provably the constant causal
+            mask into ``is_causal=True`` attention, as eager mode runs it (see
+            [Note: causal attention] in ``_causal.py``). The returned graph, the costs and
+            :meth:`TracedModel.module_for` all use the rewritten attention.
 
     Raises:
         ValueError: a bad argument: ``model`` not a module, ``example_inputs`` of the
@@ -101,6 +107,7 @@ def trace(
     )
     exported_s = time.perf_counter() - start
     gm = ep.module()
+    causal = _rewrite_causal_attention(gm, model) if causal_attention else ()
     op_nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     param_names = _map_param_names(gm, twin)
     try:
@@ -143,6 +150,7 @@ def trace(
         ),
         model_name=name,
         valueless_constants=valueless,
+        causal_attention=causal,
     )
     logger.info(
         "traced %s: %d operations, %d parameters, %d tied groups; export %.1f s, total "
@@ -158,6 +166,36 @@ def trace(
         traced.fwd_flop + traced.bwd_flop,
     )
     return traced
+
+
+def _rewrite_causal_attention(gm: fx.GraphModule, model: nn.Module) -> tuple[str, ...]:
+    """Apply the causal-attention pass to ``gm``; the names of the rewritten nodes."""
+
+    def original_buffer(name: str) -> torch.Tensor | None:
+        try:
+            return model.get_buffer(name)
+        except AttributeError:
+            return None
+
+    report = find_causal_attention(gm, constant_lookup(gm, original_buffer))
+    erased = apply_causal_attention(gm, report.rewritten)
+    gm.recompile()
+    masked = len(report.rewritten) + len(report.input_dependent) + len(report.other)
+    logger.info(
+        "causal attention pass: %d of %d masked attention nodes rewritten to "
+        "is_causal=True, %d mask nodes removed",
+        len(report.rewritten),
+        masked,
+        erased,
+    )
+    if report.input_dependent:
+        logger.info(
+            "%d attention masks are computed from graph inputs (e.g. attention_mask) and "
+            "stay explicit; on CUDA that can rule out fused attention kernels. If the "
+            "inputs never pad (an all-ones attention_mask), call the model without it",
+            len(report.input_dependent),
+        )
+    return report.rewritten
 
 
 def _map_param_names(gm: fx.GraphModule, twin: MetaTwin) -> dict[str, str]:
