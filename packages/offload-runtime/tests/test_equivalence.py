@@ -34,7 +34,7 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 def build(
-    name: str, solver: str, *, host_worker: bool | None = None
+    name: str, solver: str, *, host_worker: bool | None = None, widen: bool = False
 ) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = MODELS[name]()
@@ -51,6 +51,7 @@ def build(
         progress=False,
         block_search_range_bytes=0,
         host_worker=host_worker,
+        widen_grads_on_device=widen,
     )
     return model, module, inp
 
@@ -77,16 +78,36 @@ def test_offloaded_gradients_match_plain_training(name: str, solver: str) -> Non
         assert rel_err(grads[pname], param.grad) <= 1e-6, pname
 
 
+@pytest.mark.parametrize("widen", [False, True])
 @pytest.mark.parametrize("host_worker", [False, True])
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
-def test_repeated_steps_accumulate_like_plain_training(solver: str, host_worker: bool) -> None:
+def test_repeated_steps_accumulate_like_plain_training(
+    solver: str, host_worker: bool, widen: bool
+) -> None:
     # host_worker=True runs the CUDA machines' threaded host path (gradient accumulation on
-    # a worker thread, staging-buffer hand-off between backwards) on the CPU.
-    model, module, inp = build("gpt2", solver, host_worker=host_worker)
+    # a worker thread, staging-buffer hand-off between backwards) on the CPU. widen: the
+    # first backward after zero_grad copies fp32 gradients straight into the accumulators.
+    model, module, inp = build("gpt2", solver, host_worker=host_worker, widen=widen)
+    host_regions = sum(st.host_state for st in module.storages)
+    assert host_regions > 0
     other = inputs(seed=1)
+    stats = module.controller.stats
     for batch in (inp, other):
         loss_of(model(**batch), batch["input_ids"]).backward()
         module.backward(loss_of(module(**batch), batch["input_ids"]))
+    # widen: the first backward lands in the zeroed fp32 accumulators directly, the second
+    # goes through staging to be added. Otherwise both go through staging.
+    assert stats["grads_to_accumulator"] == (host_regions if widen else 0)
+    assert stats["grads_to_staging"] == (host_regions if widen else 2 * host_regions)
+    grads = dict(module.named_gradients())
+    for pname, param in model.named_parameters():
+        assert param.grad is not None
+        assert rel_err(grads[pname], param.grad) <= 1e-6, pname
+    module.zero_grad()
+    module.backward(loss_of(module(**other), other["input_ids"]))  # after zero_grad: direct
+    assert stats["grads_to_accumulator"] == (2 * host_regions if widen else 0)
+    model.zero_grad()
+    loss_of(model(**other), other["input_ids"]).backward()
     grads = dict(module.named_gradients())
     for pname, param in model.named_parameters():
         assert param.grad is not None

@@ -35,6 +35,10 @@ from offload_solver import ParamPlacement, Plan
 
 log = logging.getLogger(__name__)
 
+_WIDEN_CHUNK_NUMEL = 4 << 20
+"""Elements widened to fp32 on the device at a time when gradients go straight into a
+host-state region's fp32 accumulator: 16 MiB of device memory, whatever the parameter."""
+
 GradReadyHook = Callable[[int], None]
 """Called with a region index once that region's fp32 gradients of a backward are complete.
 Host-state regions call it on the host worker thread, device-state regions on the thread
@@ -63,6 +67,7 @@ class OffloadController:
         *,
         host_worker: bool | None = None,
         batch_device_grads: bool = False,
+        widen_grads_on_device: bool = False,
     ) -> None:
         """``host_worker``: run host-side gradient work (and optimizer steps hung off the
         grad-ready hooks) on a worker thread; default: on CUDA only. On the CPU it exists so
@@ -74,7 +79,13 @@ class OffloadController:
         :meth:`_finish_device_regions`). It saves per-region launches and Python when the
         step is launch-bound, but keeps those gradients alive until backward ends, so it is
         only for plans whose budget has room for them.
+
+        ``widen_grads_on_device``: when a host-state region's fp32 accumulator holds nothing
+        to add to, widen its gradients to fp32 on the device and copy them straight into it,
+        so the host makes no conversion pass (twice the d2h bytes; the plan must have been
+        made with ``host_grad_bytes_per_param=4``).
         """
+        self.widen_grads_on_device = widen_grads_on_device
         self.plan = plan
         self.storages = storages
         self.batched_device_regions = frozenset(
@@ -123,7 +134,13 @@ class OffloadController:
         """Seconds this process blocked in :meth:`wait_update` for steps still running
         (cumulative): the part of the host optimizer steps that the next forward did not
         hide."""
-        self.stats = {"sync_uploads": 0, "prefetches": 0, "prefetch_fallbacks": 0}
+        self.stats = {
+            "sync_uploads": 0,
+            "prefetches": 0,
+            "prefetch_fallbacks": 0,
+            "grads_to_accumulator": 0,  # host-state regions copied straight to fp32
+            "grads_to_staging": 0,  # ... or to staging, for the host worker to add
+        }
         self._register_grad_hooks()
 
     # ---- region residency ------------------------------------------------------------
@@ -349,6 +366,12 @@ class OffloadController:
             reader.result()
         offsets = [(lay.offset, lay.numel) for lay in layouts]
         contiguous = offsets == [(lay.offset, lay.numel) for lay in st.layouts]
+        # The accumulator holds nothing this backward must add to (zero_grad ran): the
+        # gradients go straight into it in full precision, converted on the device, and the
+        # host has no conversion pass to make. Otherwise they land in the training-dtype
+        # staging buffer and the host worker adds them. Either way the values are the same:
+        # widening to fp32 is exact.
+        direct = self.widen_grads_on_device and contiguous and self._accumulator_is_zero(st)
         d2h = self.streams.d2h
         d2h.wait(self.streams.compute.record())
         with d2h.context(), torch.no_grad():
@@ -356,17 +379,51 @@ class OffloadController:
             # into one flat tensor first would hold a second copy of the region's gradients
             # on the device, memory the plan does not count.
             for (off, n), g in zip(offsets, grads, strict=True):
-                st.grad_staging[off : off + n].copy_(g.reshape(-1), non_blocking=True)
+                flat = g.reshape(-1)
+                if not direct:
+                    st.grad_staging[off : off + n].copy_(flat, non_blocking=True)
+                    continue
+                for a in range(0, n, _WIDEN_CHUNK_NUMEL):
+                    b = min(n, a + _WIDEN_CHUNK_NUMEL)
+                    # Allocated on the d2h stream and dropped at once: the next chunk reuses
+                    # the block in stream order, so one chunk's fp32 copy is all that exists.
+                    wide = flat[a:b].to(st.grad.dtype)
+                    st.grad[off + a : off + b].copy_(wide, non_blocking=True)
             done = d2h.record()
         if self.streams.is_cuda:
             for g in grads:
                 # Python drops the gradient now; keep its memory until the copy has read it.
                 g.record_stream(d2h.cuda)  # type: ignore[arg-type]
         present = None if contiguous else offsets
-        fut = self._submit(lambda: self._host_accumulate(r, done, present))
+        self.stats["grads_to_accumulator" if direct else "grads_to_staging"] += 1
+        if direct:
+            fut = self._submit(lambda: self._host_landed(r, done))
+        else:
+            fut = self._submit(lambda: self._host_accumulate(r, done, present))
         if fut is not None:
             self._staging_reader[r] = fut
             self._grad_work.append(fut)
+
+    def _accumulator_is_zero(self, st: RegionStorage) -> bool:
+        """Whether region ``st``'s fp32 gradient is logically zero (lazily zeroed, or its
+        views dropped by ``zero_grad(set_to_none=True)``) for the backward now running.
+
+        Called on the backward thread. The host worker only ever changes this from "zero"
+        to "not zero" by running the gradient task of an earlier backward, and zero_grad
+        waits for those, so the answer cannot go stale before this backward's task runs.
+        """
+        if st.grad_stale:
+            return True
+        return any(m.grad is None for m in st.master_views.values())
+
+    def _host_landed(self, r: int, done: Event) -> None:
+        """Host worker: region ``r``'s gradients were copied straight into its fp32
+        accumulator (see _offload_grads); wait for the copy and announce them."""
+        st = self.storages[r]
+        done.synchronize()  # host worker thread only: waits for this region's d2h copy
+        self._relink_master_grad(st)
+        st.grad_stale = False  # overwritten in full by the copy
+        self._notify(r)
 
     def _host_accumulate(
         self, r: int, done: Event | None, present: list[tuple[int, int]] | None = None

@@ -52,6 +52,7 @@ class OffloadModule:
         op_names: tuple[str, ...],
         tied_groups: tuple[tuple[str, ...], ...] = (),
         host_worker: bool | None = None,
+        widen_grads_on_device: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
@@ -89,6 +90,7 @@ class OffloadModule:
             self.streams,
             host_worker=host_worker,
             batch_device_grads=device_grad_bytes <= room,
+            widen_grads_on_device=widen_grads_on_device,
         )
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.

@@ -126,7 +126,9 @@ class RegionStorage:
             self.master = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
             self.grad = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
         self.grad.zero_()
-        self.grad_stale = False
+        # Zero in memory too, but flagged so that the first backward overwrites rather than
+        # adds (for host-state regions: copies straight into it, see the controller).
+        self.grad_stale = True
         """True when ``grad`` is logically zero but its memory was not cleared: the next
         backward overwrites it instead of adding (a copy is ~5x faster than zero + add on
         the host), and readers clear it first (:meth:`materialize_grad`)."""

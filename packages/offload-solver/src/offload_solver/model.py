@@ -126,7 +126,9 @@ class ModelProfile:
     """Device bytes per parameter element when a region's optimizer state lives on the
     device: fp32 master (4) + Adam moments (8) + fp32 gradient (4) for fp16/bf16 training."""
     host_grad_bytes_per_param: int = 2
-    """Bytes per parameter element copied device-to-host as a gradient (training dtype)."""
+    """Bytes per parameter element copied device-to-host as a gradient: the training dtype's
+    size, or 4 for a runtime that widens gradients to fp32 on the device before the copy
+    (the offload runtime's ``widen_grads_on_device`` option)."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

@@ -108,7 +108,6 @@ class TracedModel:
         Args:
             name: profile name; defaults to the model's class name.
         """
-        itemsize = self.dtype.itemsize
         operations = tuple(
             Operation(
                 name=c.name,
@@ -129,7 +128,7 @@ class TracedModel:
             operations=operations,
             tied_groups=self.tied_groups,
             device_state_bytes_per_param=device_state_bytes_per_param(self.dtype),
-            host_grad_bytes_per_param=itemsize,
+            host_grad_bytes_per_param=self.dtype.itemsize,
         )
 
     def module_for(self, device: torch.device | str, *, training: bool = True) -> fx.GraphModule:
