@@ -78,10 +78,14 @@ def get_spec(name: str) -> GPTSpec:
 
 
 class GPTLMModel(nn.Module):
-    """Hugging Face ``GPT2LMHeadModel`` with a ``forward(input_ids, attention_mask) -> logits``.
+    """Hugging Face ``GPT2LMHeadModel`` as ``forward(input_ids, attention_mask=None) -> logits``.
 
     The KV cache is off: training never reuses it, and a cache output would be one more
-    tensor for the tracer to follow.
+    tensor for the tracer to follow. Without an ``attention_mask`` (the example's batches:
+    packed sequences, no padding) the traced graph's attention is plain causal attention,
+    which offload-trace turns into ``is_causal=True`` so that CUDA's fused kernels apply;
+    an explicit all-ones mask means the same but keeps a mask tensor in the graph, which at
+    some head sizes (gpt2_xl's 50) sends attention down the O(S^2) math path.
     """
 
     def __init__(self, config: GPT2Config) -> None:
@@ -89,9 +93,14 @@ class GPTLMModel(nn.Module):
         self.config = config
         self.model = GPT2LMHeadModel(config)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of shape ``(batch, seq, vocab)`` in the parameters' dtype."""
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        if attention_mask is None:
+            out = self.model(input_ids=input_ids, use_cache=False)
+        else:
+            out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         logits: torch.Tensor = out.logits
         return logits
 
@@ -241,7 +250,7 @@ def random_batch(
     device: torch.device | str = "cpu",
     generator: torch.Generator | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Random ``input_ids`` (vocab 1024) and an all-ones ``attention_mask``, int64."""
+    """Random ``input_ids`` (vocab 1024), int64: no padding, so no attention mask."""
     if batch_size <= 0 or seq_len <= 0:
         raise ValueError(
             f"batch_size={batch_size} and seq_len={seq_len} must both be positive integers"
@@ -253,7 +262,7 @@ def random_batch(
         input_ids = torch.randint(
             0, VOCAB_SIZE, (batch_size, seq_len), device=dev, generator=generator
         )
-    return {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    return {"input_ids": input_ids}
 
 
 def labels_for(batch: dict[str, torch.Tensor]) -> torch.Tensor:
