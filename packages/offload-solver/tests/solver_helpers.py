@@ -27,6 +27,7 @@ def flat_hardware(
     flop_per_s: float = 1000.0,
     host_adam_params_per_s: float = 1000.0,
     device_adam_params_per_s: float = 1e6,
+    host_convert_elems_per_s: float = 0.0,
 ) -> HardwareProfile:
     """A machine with size-independent copy rates, for hand arithmetic."""
     return HardwareProfile(
@@ -39,6 +40,7 @@ def flat_hardware(
         host_memory_bytes=2**40,
         host_adam_params_per_s=host_adam_params_per_s,
         device_adam_params_per_s=device_adam_params_per_s,
+        host_convert_elems_per_s=host_convert_elems_per_s,
     )
 
 
@@ -53,6 +55,7 @@ def hardware_profiles(draw: st.DrawFn) -> HardwareProfile:
         flop_per_s=draw(st.sampled_from([64.0, 1024.0, 8192.0])),
         host_adam_params_per_s=draw(st.sampled_from([8.0, 128.0, 8192.0])),
         device_adam_params_per_s=draw(st.sampled_from([1024.0, 2.0**20])),
+        host_convert_elems_per_s=draw(st.sampled_from([0.0, 16.0, 256.0, 8192.0])),
     )
 
 
@@ -183,8 +186,21 @@ def reference_simulate(
     hardware: HardwareProfile,
     layout: RegionLayout,
     assignment: list[RegionAssignment],
+    *,
+    host_step_after_backward: bool = False,
 ) -> ReferenceResult:
-    """The step model of the issue, simulated operation by operation, memory by brute force."""
+    """The step model of the issue, simulated operation by operation, memory by brute force.
+
+    Host work per host-state region, on one FIFO worker: widen the copied gradients
+    (unless they cross as fp32 or not at all), the overflow/norm partial when the step waits
+    for backward, Adam, publish; conversions cost ``numel / host_convert_elems_per_s``.
+    """
+    rate = hardware.host_convert_elems_per_s
+
+    def convert(numel: int) -> float:
+        return numel / rate if rate > 0 else 0.0
+
+    widens = profile.host_grad_bytes_per_param in (1, 2, 3)
     regions = layout.regions
     ops = profile.operations
     n = len(regions)
@@ -230,6 +246,7 @@ def reference_simulate(
     d2h = 0.0
     host = 0.0
     pending: list[tuple[float, int]] = []
+    waiting: list[int] = []  # regions whose host step waits for the end of backward
     grads: list[tuple[int, float, float, int]] = []  # (region, added, copied, bytes)
     region_end: dict[int, float] = {}
     for r in range(n - 1, -1, -1):
@@ -259,10 +276,23 @@ def reference_simulate(
             d2h = s + hardware.d2h_time_s(reg.numel * profile.host_grad_bytes_per_param)
             if d2h > t and reg.size_bytes:
                 grads.append((r, t, d2h, reg.size_bytes))
-            s = max(d2h, host)
-            host = s + reg.numel / hardware.host_adam_params_per_s
+            # Gradient work starts as the copy lands, whether or not the step waits.
+            host = max(d2h, host)
+            if widens:
+                host += convert(reg.numel)
+            if host_step_after_backward:
+                host += convert(reg.numel)
+                waiting.append(r)
+                continue
+            host += reg.numel / hardware.host_adam_params_per_s + convert(reg.numel)
             if not offl[r]:
                 pending.append((host, r))
+    # Steps that waited for the global answer: after backward, in forward order.
+    for r in sorted(waiting):
+        host = max(host, t)
+        host += regions[r].numel / hardware.host_adam_params_per_s + convert(regions[r].numel)
+        if not offl[r]:
+            pending.append((host, r))
     for issue, q in pending:
         s = max(issue, h2d)
         h2d = s + up(q)

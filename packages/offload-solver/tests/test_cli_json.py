@@ -49,6 +49,31 @@ def test_default_hardware_round_trips_and_is_h200_like() -> None:
     assert hw.device_memory_bytes == 140 * 2**30 and hw.host_memory_bytes == 128 * 2**30
 
 
+def test_hardware_json_without_the_conversion_rate_still_loads() -> None:
+    # Profiles cached before the field existed: the rate is unknown (0), so the simulator
+    # charges the host optimizer step alone, as it did when they were written.
+    hw = default_hardware()
+    assert hw.host_convert_elems_per_s == 11e9
+    old = json.loads(hw.to_json())
+    del old["host_convert_elems_per_s"]
+    loaded = HardwareProfile.from_json(json.dumps(old))
+    assert loaded.host_convert_elems_per_s == 0.0
+    assert loaded.host_convert_time_s(10**9) == 0.0
+    assert loaded.to_json() != hw.to_json()
+    assert HardwareProfile.from_json(loaded.to_json()) == loaded
+    assert hw.host_convert_time_s(11 * 10**9) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
+def test_bad_conversion_rate_is_named(rate: float) -> None:
+    with pytest.raises(ValueError, match="host_convert_elems_per_s"):
+        flat_hardware(host_convert_elems_per_s=rate)
+    doc = json.loads(flat_hardware().to_json())
+    doc["host_convert_elems_per_s"] = "fast"
+    with pytest.raises(ValueError, match="host_convert_elems_per_s"):
+        HardwareProfile.from_json(json.dumps(doc))
+
+
 @pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, Plan])
 def test_wrong_schema_version_is_named(kind: type[ModelProfile | HardwareProfile | Plan]) -> None:
     with pytest.raises(ValueError, match="schema_version 99; this solver reads version 1"):

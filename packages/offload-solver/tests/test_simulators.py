@@ -25,6 +25,7 @@ from offload_solver import (
     ParamPlacement,
     RegionAssignment,
     SimulationContext,
+    SimulationResult,
     StatePlacement,
     Stream,
     get_simulator,
@@ -96,15 +97,20 @@ def test_device_state_and_device_step() -> None:
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
-    data=st.data(), profile=st.one_of(profiles(), layered_profiles()), hardware=hardware_profiles()
+    data=st.data(),
+    profile=st.one_of(profiles(), layered_profiles()),
+    hardware=hardware_profiles(),
+    after_backward=st.booleans(),
 )
 def test_engine_agrees_with_the_reference(
-    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
+    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile, after_backward: bool
 ) -> None:
-    ctx = SimulationContext.build(profile, hardware)
+    ctx = SimulationContext.build(profile, hardware, host_step_after_backward=after_backward)
     asg = data.draw(assignments(ctx.layout))
     res = get_simulator("async").simulate(ctx, asg)
-    ref = reference_simulate(profile, hardware, ctx.layout, asg)
+    ref = reference_simulate(
+        profile, hardware, ctx.layout, asg, host_step_after_backward=after_backward
+    )
     assert res.step_time_s == pytest.approx(ref.step_time_s, rel=1e-9, abs=1e-12)
     assert res.peak_bytes == ref.peak_bytes
     assert set(res.coexisting) == ref.coexisting
@@ -112,6 +118,128 @@ def test_engine_agrees_with_the_reference(
     # The raw curve also samples prefetch starts inside operations, which the reference
     # does not, and never exceeds the pooled peak.
     assert ref.raw_peak_bytes <= res.raw_peak_bytes <= res.peak_bytes
+
+
+def _host_spans(res: SimulationResult) -> list[tuple[int, str, float, float]]:
+    """(region, kind, start, end) of every host-lane task, in lane order."""
+    return [
+        (iv.region, iv.kind, iv.start_s, iv.end_s)
+        for iv in res.timeline
+        if iv.stream is Stream.HOST
+    ]
+
+
+def _approx_spans(
+    spans: list[tuple[int, str, float, float]],
+) -> list[tuple[int, str, object, object]]:
+    return [(r, k, pytest.approx(s), pytest.approx(e)) for r, k, s, e in spans]
+
+
+def test_host_conversions_run_as_gradients_land_then_adam_then_publish() -> None:
+    # Three resident host-state regions of 100 parameters (200 B): forward 1 s and backward
+    # 2 s per region, gradient copy 200 B at 1000 B/s = 0.2 s, Adam 100 / 1000 = 0.1 s,
+    # a conversion 100 / 500 = 0.2 s. B2 [3,5], B1 [5,7], B0 [7,9]; copies end at 5.2,
+    # 7.2, 9.2. Each region then widens, steps and publishes on the host, and its updated
+    # parameters go up (0.2 s) after the publish: region 0's last upload is [9.7, 9.9].
+    # No partial: the step does not wait for a global answer.
+    hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=500.0)
+    ctx = SimulationContext.build(three_layers(), hw)
+    res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
+    assert _host_spans(res) == _approx_spans(
+        [
+            (2, "grad_widen", 5.2, 5.4),
+            (2, "host_step", 5.4, 5.5),
+            (2, "publish", 5.5, 5.7),
+            (1, "grad_widen", 7.2, 7.4),
+            (1, "host_step", 7.4, 7.5),
+            (1, "publish", 7.5, 7.7),
+            (0, "grad_widen", 9.2, 9.4),
+            (0, "host_step", 9.4, 9.5),
+            (0, "publish", 9.5, 9.7),
+        ]
+    )
+    uploads = [iv for iv in res.timeline if iv.kind == "param_upload"]
+    assert [iv.region for iv in uploads] == [2, 1, 0]
+    assert [(iv.start_s, iv.end_s) for iv in uploads] == [
+        pytest.approx((5.7, 5.9)),
+        pytest.approx((7.7, 7.9)),
+        pytest.approx((9.7, 9.9)),
+    ]
+    assert res.step_time_s == pytest.approx(9.9)
+    # Without a conversion rate only Adam is charged: region 0 steps [9.2, 9.3], uploads
+    # [9.3, 9.5].
+    plain = get_simulator("async").simulate(
+        SimulationContext.build(three_layers(), flat_hardware(host_adam_params_per_s=1000.0)),
+        [RegionAssignment(R, HOST)] * 3,
+    )
+    assert {k for _, k, _, _ in _host_spans(plain)} == {"host_step"}
+    assert plain.step_time_s == pytest.approx(9.5)
+
+
+def test_gradient_work_spills_past_backward_when_the_step_waits_for_it() -> None:
+    # As above, conversions at 100 elements/s (1 s each) and the step waiting for the
+    # global answer: each region widens and computes its partial as its copy lands (the
+    # host worker queues them, so they run on 2.2 s past the backward's end at 9 s), then
+    # Adam and publish run in forward order: 11.2 + 3 x (0.1 + 1) = 14.5, and region 2's
+    # parameters go up [14.5, 14.7].
+    hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=100.0)
+    ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
+    res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
+    assert _host_spans(res) == _approx_spans(
+        [
+            (2, "grad_widen", 5.2, 6.2),
+            (2, "grad_partial", 6.2, 7.2),
+            (1, "grad_widen", 7.2, 8.2),
+            (1, "grad_partial", 8.2, 9.2),
+            (0, "grad_widen", 9.2, 10.2),
+            (0, "grad_partial", 10.2, 11.2),
+            (0, "host_step", 11.2, 11.3),
+            (0, "publish", 11.3, 12.3),
+            (1, "host_step", 12.3, 12.4),
+            (1, "publish", 12.4, 13.4),
+            (2, "host_step", 13.4, 13.5),
+            (2, "publish", 13.5, 14.5),
+        ]
+    )
+    assert res.step_time_s == pytest.approx(14.7)
+    # Device memory does not depend on host work: the same peak as without conversions.
+    plain = get_simulator("async").simulate(
+        SimulationContext.build(
+            three_layers(),
+            flat_hardware(host_adam_params_per_s=1000.0),
+            host_step_after_backward=True,
+        ),
+        [RegionAssignment(R, HOST)] * 3,
+    )
+    assert res.peak_bytes == plain.peak_bytes
+
+
+@pytest.mark.parametrize("after_backward", [False, True])
+def test_fp32_gradients_from_the_device_are_not_widened_on_the_host(after_backward: bool) -> None:
+    # host_grad_bytes_per_param == 4: the runtime widened on the device and copies 400 B
+    # (0.4 s). Region 2's copy lands at 5.4; the partial (only when the step waits) or Adam
+    # starts right then.
+    base = three_layers()
+    profile = ModelProfile(base.name, base.parameters, base.operations, host_grad_bytes_per_param=4)
+    hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=100.0)
+    ctx = SimulationContext.build(profile, hw, host_step_after_backward=after_backward)
+    res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
+    spans = _host_spans(res)
+    assert "grad_widen" not in {k for _, k, _, _ in spans}
+    first = (2, "grad_partial", 5.4, 6.4) if after_backward else (2, "host_step", 5.4, 5.5)
+    assert spans[0] == _approx_spans([first])[0]
+    kinds = [k for _, k, _, _ in spans]
+    assert kinds.count("publish") == 3
+    assert kinds.count("grad_partial") == (3 if after_backward else 0)
+
+
+def test_host_work_is_never_charged_to_device_state_regions() -> None:
+    hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=100.0)
+    ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
+    asg = [RegionAssignment(R, DEVICE), RegionAssignment(R, HOST), RegionAssignment(R, DEVICE)]
+    res = get_simulator("async").simulate(ctx, asg)
+    assert {r for r, _, _, _ in _host_spans(res)} == {1}
+    assert ctx.host_work_s[1] == pytest.approx(1.0 + 1.0 + 0.1 + 1.0)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -303,6 +303,11 @@ class HardwareProfile:
     op_overhead_s: float = 0.0
     """Host-side cost of issuing one operation (Python, dispatcher, kernel launch), seconds.
     An operation takes at least this long: small-batch steps are bound by it, not FLOPs."""
+    host_convert_elems_per_s: float = 0.0
+    """Rate of one dtype-converting copy between host tensors (fp16/bf16 <-> fp32), elements
+    per second: what widening a region's gradients into its fp32 accumulator and publishing
+    its fp32 master into the training-dtype copy cost on the host. 0 means unknown: the
+    simulator then charges host-state regions the optimizer step alone."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -326,6 +331,11 @@ class HardwareProfile:
         if not self.op_overhead_s >= 0:
             raise ValueError(
                 f"HardwareProfile.op_overhead_s is {self.op_overhead_s}; must be >= 0 seconds"
+            )
+        if not 0 <= self.host_convert_elems_per_s < math.inf:
+            raise ValueError(
+                f"HardwareProfile.host_convert_elems_per_s is {self.host_convert_elems_per_s}; "
+                "must be a finite rate >= 0 elements/s (0 when unknown)"
             )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
@@ -356,6 +366,12 @@ class HardwareProfile:
         of issuing it when that is larger (the device then waits for the host)."""
         return max(self.compute_time_s(flop), self.op_overhead_s)
 
+    def host_convert_time_s(self, numel: int) -> float:
+        """Seconds of one host dtype-converting copy of ``numel`` elements (0 when the rate
+        is unknown)."""
+        rate = self.host_convert_elems_per_s
+        return numel / rate if rate > 0 else 0.0
+
     def to_json(self) -> str:
         return json.dumps(_to_jsonable(self), indent=1)
 
@@ -384,6 +400,9 @@ class HardwareProfile:
                     _get(data, "device_adam_params_per_s", (int, float), default=50e9)
                 ),
                 op_overhead_s=float(_get(data, "op_overhead_s", (int, float), default=0.0)),
+                host_convert_elems_per_s=float(
+                    _get(data, "host_convert_elems_per_s", (int, float), default=0.0)
+                ),
             )
         except TypeError as exc:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
@@ -439,7 +458,8 @@ class TimelineInterval:
     region: int
     kind: str
     """What runs: ``fwd``, ``bwd``, ``upload``, ``prefetch``, ``grad_offload``,
-    ``host_step``, ``device_step``, ``param_upload``."""
+    ``grad_widen``, ``grad_partial``, ``host_step``, ``publish``, ``device_step``,
+    ``param_upload`` (see [Note: step model] in ``offload_solver.simulators._engine``)."""
     start_s: float
     end_s: float
 

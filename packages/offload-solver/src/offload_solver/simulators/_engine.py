@@ -14,11 +14,26 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   Region i's compute waits for its prefetch. They are released like SYNC ones.
 - After region i's backward, a HOST-state region copies its gradients to the host on D2H
   (``numel * host_grad_bytes_per_param``); its gradient (``size_bytes``) stays on the
-  device until that copy ends. The host optimizer step of i then runs on HOST as soon as
-  the copy has landed and the lane is free, and a RESIDENT region's updated parameters go
-  back on H2D (offloaded regions are uploaded by the next forward anyway). H2D tasks
-  issued at the same instant: parameter uploads issued so far, then prefetches (the
-  region needed first first).
+  device until that copy ends. Then, on HOST (one worker: each task waits for the lane
+  and for the one before it of the same region), as the runtime's host worker runs them:
+  1. ``grad_widen``: the copied gradients widened into the fp32 accumulator, ``numel /
+     host_convert_elems_per_s``; none when ``0 < host_grad_bytes_per_param < 4`` is false
+     (the runtime sent fp32, widened on the device, or nothing crossed);
+  2. ``grad_partial`` (only with ``host_step_after_backward``): the region's share of the
+     global answer (overflow check or gradient norm), a pass reading the 4-byte fp32
+     gradient, charged as one more conversion pass (``numel / host_convert_elems_per_s``);
+     on the H200, widening plus partial this way reproduce the measured ~130 ms that W2's
+     host gradient work ran past the end of backward;
+  3. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``;
+  4. ``publish``: the fp32 master cast into the training-dtype copy (pinned host
+     parameters, or the upload buffer of a RESIDENT region), ``numel /
+     host_convert_elems_per_s``.
+  Steps 1-2 run as the copy lands even when the step waits for the global answer; steps
+  3-4 then run after the whole backward, in forward order. With
+  ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. A RESIDENT
+  region's updated parameters go back on H2D after its publish (offloaded regions are
+  uploaded by the next forward anyway). H2D tasks issued at the same instant: parameter
+  uploads issued so far, then prefetches (the region needed first first).
 - DEVICE-state regions (RESIDENT only) keep ``numel * device_state_bytes_per_param``
   bytes on the device all step; their optimizer steps run on the compute lane after the
   whole backward.
@@ -74,6 +89,7 @@ LANE_COMPUTE, LANE_H2D, LANE_D2H, LANE_HOST = 0, 1, 2, 3
 LANES = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.HOST)
 KIND_FWD, KIND_BWD, KIND_UPLOAD, KIND_PREFETCH = 0, 1, 2, 3
 KIND_GRAD_OFFLOAD, KIND_HOST_STEP, KIND_DEVICE_STEP, KIND_PARAM_UPLOAD = 4, 5, 6, 7
+KIND_GRAD_WIDEN, KIND_GRAD_PARTIAL, KIND_PUBLISH = 8, 9, 10
 KINDS = (
     "fwd",
     "bwd",
@@ -83,6 +99,9 @@ KINDS = (
     "host_step",
     "device_step",
     "param_upload",
+    "grad_widen",
+    "grad_partial",
+    "publish",
 )
 
 
@@ -139,7 +158,8 @@ class SimulationContext:
         self.host_step_after_backward = host_step_after_backward
         """Host optimizer steps wait for the end of backward (then run in forward order):
         what an optimizer does when the step needs a global answer first (fp16 overflow
-        check, global-norm clipping). Otherwise each starts when its gradients land."""
+        check, global-norm clipping), whose per-region partial is then charged on the host
+        as the gradients land. Otherwise each starts when its gradients land."""
         self.hardware = hardware
         self.layout = layout
         self.regions: tuple[Region, ...] = layout.regions
@@ -158,6 +178,22 @@ class SimulationContext:
         self.upload_s = [hw.h2d_time_s(s) for s in self.size]
         self.grad_d2h_s = [hw.d2h_time_s(n * profile.host_grad_bytes_per_param) for n in self.numel]
         self.host_step_s = [n / hw.host_adam_params_per_s for n in self.numel]
+        # Host conversion passes of a host-state region (see the note); zero when the rate
+        # is unknown, so the engine can skip them with one test.
+        widens = 0 < profile.host_grad_bytes_per_param < 4
+        self.widen_s = [hw.host_convert_time_s(n) if widens else 0.0 for n in self.numel]
+        self.partial_s = [
+            hw.host_convert_time_s(n) if host_step_after_backward else 0.0 for n in self.numel
+        ]
+        self.publish_s = [hw.host_convert_time_s(n) for n in self.numel]
+        self.host_work_s = [
+            a + b + c + d
+            for a, b, c, d in zip(
+                self.widen_s, self.partial_s, self.host_step_s, self.publish_s, strict=True
+            )
+        ]
+        """Per region, all host-lane seconds of its optimizer work when its state is on
+        the host: widening, partial, Adam and publish."""
         self.device_step_s = [n / hw.device_adam_params_per_s for n in self.numel]
         self.state_bytes = [n * profile.device_state_bytes_per_param for n in self.numel]
 
@@ -339,15 +375,18 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
 
     lane, region, kind = out.lane, out.region, out.kind
     t_start, t_end, pred_a, pred_b = out.start, out.end, out.pred_a, out.pred_b
+    # Bound methods looked up once: ``add`` runs for every task of every simulation.
+    lane_add, region_add, kind_add = lane.append, region.append, kind.append
+    start_add, end_add, pa_add, pb_add = t_start.append, t_end.append, pred_a.append, pred_b.append
 
     def add(ln: int, r: int, kd: int, s: float, e: float, pa: int, pb: int) -> int:
-        lane.append(ln)
-        region.append(r)
-        kind.append(kd)
-        t_start.append(s)
-        t_end.append(e)
-        pred_a.append(pa)
-        pred_b.append(pb)
+        lane_add(ln)
+        region_add(r)
+        kind_add(kd)
+        start_add(s)
+        end_add(e)
+        pa_add(pa)
+        pb_add(pb)
         return len(lane) - 1
 
     lifetimes: list[list[tuple[float, float]]] = [[] for _ in range(n_reg)]
@@ -424,6 +463,8 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     dyn = ctx.act_fwd_max
     size, numel = ctx.size, ctx.numel
     gd, hs = ctx.grad_d2h_s, ctx.host_step_s
+    widen_s, partial_s, publish_s = ctx.widen_s, ctx.partial_s, ctx.publish_s
+    converts = ctx.hardware.host_convert_elems_per_s > 0
     saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
     bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
     grads = out.grads
@@ -508,13 +549,33 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
                 in_flight.append((e, size[r]))
                 grads.append((r, end, e, size[r]))
                 level += size[r]
+            ready = last_d  # the task after which the region's gradients are usable
+            if converts:
+                # Gradient work on the host worker as the copy lands, even when the step
+                # itself waits for the end of backward.
+                w = widen_s[r]
+                if w > 0.0:
+                    s = e if e > host_free else host_free
+                    e = s + w
+                    last_o = ready = add(LANE_HOST, r, KIND_GRAD_WIDEN, s, e, last_o, ready)
+                    host_free = e
+                w = partial_s[r]
+                if w > 0.0:
+                    s = e if e > host_free else host_free
+                    e = s + w
+                    last_o = ready = add(LANE_HOST, r, KIND_GRAD_PARTIAL, s, e, last_o, ready)
+                    host_free = e
             if after_backward:
-                deferred.append((r, e, last_d))
+                deferred.append((r, e, ready))
             else:
                 s = e if e > host_free else host_free
                 e = s + hs[r]
-                last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, last_d)
+                last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, ready)
                 host_free = e
+                if converts:
+                    e = e + publish_s[r]
+                    last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
+                    host_free = e
                 if c == RESIDENT:
                     pending.append((e, r, last_o))
         gap = saved_prefix[op_start[r]] + level
@@ -524,13 +585,17 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
             lifetimes[r].append((life_start, end))
     # Host steps that waited for the global answer: after backward, in forward order.
     bwd_end, bwd_task = t, last_c
-    for r, landed, d_task in sorted(deferred):
+    for r, landed, ready in sorted(deferred):
         s = max(landed, bwd_end, host_free)
         e = s + hs[r]
         last_o = host_task[r] = add(
-            LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, d_task if landed > bwd_end else bwd_task
+            LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, ready if landed > bwd_end else bwd_task
         )
         host_free = e
+        if converts:
+            e = e + publish_s[r]
+            last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
+            host_free = e
         if codes[r] == RESIDENT:
             pending.append((e, r, last_o))
     while pending:

@@ -280,7 +280,8 @@ class GreedySearch:
     # ---- optimizer state placement ----------------------------------------------------
 
     def _state_candidate(self, excluded: set[int], *, need_room: bool) -> int | None:
-        """The resident host-state region whose host step is critical and longest.
+        """The resident host-state region whose host step is critical and whose host work
+        (gradient widening and partial, Adam, publish) is longest.
 
         The host steps of the earliest forward regions run last, so they are usually the
         critical tail of the step; a region whose host step has slack would save nothing.
@@ -302,7 +303,7 @@ class GreedySearch:
             ht = run.host_task[r]
             if ht < 0 or sl[ht] > _EPS_S:
                 continue
-            gain = run.end[ht] - run.start[ht]
+            gain = ctx.host_work_s[r]  # all of it leaves the host lane, not only Adam
             if best is None or gain > best[0]:
                 best = (gain, r)
         return None if best is None else best[1]
