@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One phase of a GPU measurement session, sized to fit one 10-minute device call.
+#
+#   bash benchmarks/gpu_session.sh PHASE [OUT_DIR]
+#
+# PHASE:
+#   tests   nox -s gpu_tests (every package's gpu-marked tests)               ~5 min
+#   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
+#   w2      benchmark W2: ours, ours_widen, full_gpu, fsdp2, torchao          ~6 min
+#   w3      benchmark W3: ours, ours_widen, full_gpu, fsdp2, torchao          ~6 min
+#   w4      benchmark W4: ours, ours_bf16m, full_gpu, torchao (fsdp2: ~2.6 s/step, slow)
+#   diag    step_trace of W2 (phases, streams, allocator snapshot at the peak) ~2 min
+# Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
+# Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
+set -euo pipefail
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag [OUT_DIR]}
+out=${2:-${OUT:-gpu_out}}
+mkdir -p "$out"
+root=$(cd "$(dirname "$0")/.." && pwd)
+srcs=$(ls -d "$root"/packages/*/src | paste -sd:)
+export PYTHONPATH="$srcs${PYTHONPATH:+:$PYTHONPATH}"
+bench() {
+  python3 "$root/benchmarks/offload_bench.py" --workloads "$1" --kinds "$2" --steps 10 \
+    --timeout-s "${3:-240}" --json "$out/$1.json" --append "$out/BENCHMARKS.part.md" \
+    --profile-dir "$out" 2>&1 | tee "$out/$1.log" | grep -E '^\[bench\]|^\|' || true
+}
+case "$phase" in
+  tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+  w1) bench W1 ours,full_gpu,ablation,fsdp2,torchao 120 ;;
+  w2) bench W2 ours,ours_widen,full_gpu,fsdp2,torchao 120 ;;
+  w3) bench W3 ours,ours_widen,full_gpu,fsdp2,torchao 150 ;;
+  w4) bench W4 ours,ours_bf16m,full_gpu,torchao 200 ;;
+  diag)
+    python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 64 --seq 8 \
+      --budget-gib 3 --solvers asyn --memory-snapshot --steps 3 --out "$out/step_trace" \
+      2>&1 | tee "$out/step_trace.log" | tail -60 ;;
+  *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
