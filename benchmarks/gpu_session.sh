@@ -8,7 +8,7 @@
 #   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
 #   w2      benchmark W2: ours, ours_widen, full_gpu, fsdp2, torchao          ~6 min
 #   w3      benchmark W3: ours, ours_widen, full_gpu, fsdp2, torchao          ~6 min
-#   w4      benchmark W4: ours, ours_bf16m, full_gpu, torchao (fsdp2: ~2.6 s/step, slow)
+#   w4      benchmark W4: ours, ours_bf16m, torchao (set-up pins ~100 GB: minutes) ~9 min
 #   diag    step_trace of W2 (phases, streams, allocator snapshot at the peak) ~2 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
@@ -29,7 +29,7 @@ case "$phase" in
   w1) bench W1 ours,full_gpu,ablation,fsdp2,torchao 120 ;;
   w2) bench W2 ours,ours_widen,full_gpu,fsdp2,torchao 120 ;;
   w3) bench W3 ours,ours_widen,full_gpu,fsdp2,torchao 150 ;;
-  w4) bench W4 ours,ours_bf16m,full_gpu,torchao 200 ;;
+  w4) bench W4 ours,ours_bf16m,torchao 280 ;;
   diag)
     python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 64 --seq 8 \
       --budget-gib 3 --solvers asyn --memory-snapshot --steps 3 --out "$out/step_trace" \
