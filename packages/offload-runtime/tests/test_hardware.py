@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -19,8 +20,11 @@ from offload_runtime.hardware import (
     default_cpu_profile,
     device_identity,
     measure_host_adam_params_per_s,
+    measure_host_convert_elems_per_s,
+    measure_op_overhead_s,
     profile_hardware,
 )
+from offload_runtime.hardware import measure_hardware as real_measure_hardware
 from offload_solver import BandwidthPoint, HardwareProfile
 
 FAKE_IDENTITY = DeviceIdentity(
@@ -46,6 +50,8 @@ FAKE_PROFILE = HardwareProfile(
     host_memory_bytes=256 * 2**30,
     host_adam_params_per_s=4e9,
     device_adam_params_per_s=90e9,
+    op_overhead_s=15e-6,
+    host_convert_elems_per_s=10.5e9,
 )
 
 FAKE_EFFICIENCY = 0.25
@@ -173,6 +179,65 @@ def test_profile_is_measured_once_then_loaded_from_the_cache(
     second = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
     assert fake_cuda.measure_calls == 1
     assert second == first == FAKE_PROFILE
+
+
+def test_profiles_cached_before_the_conversion_rate_are_measured_again(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    # A file named as before the format tag, lacking host_convert_elems_per_s: reading it
+    # would plan without the host conversions, so it is ignored and the device re-measured.
+    old_doc = json.loads(FAKE_PROFILE.to_json())
+    del old_doc["host_convert_elems_per_s"]
+    old_path = tmp_path / f"hardware-{FAKE_IDENTITY.cache_key}-float16.json"
+    old_path.write_text(json.dumps(old_doc))
+    assert HardwareProfile.from_json(old_path.read_text()).host_convert_elems_per_s == 0.0
+
+    profile = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
+    assert fake_cuda.measure_calls == 1
+    assert profile.host_convert_elems_per_s == 10.5e9
+    new_files = [f for f in _cache_files(tmp_path) if f != old_path]
+    assert len(new_files) == 1
+    assert new_files[0].name.startswith(f"hardware-{hardware._CACHE_FORMAT}-")
+    assert HardwareProfile.from_json(new_files[0].read_text()) == FAKE_PROFILE
+
+
+def test_measure_hardware_fills_conversion_rate_and_issue_cost(
+    fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Every device measurement is replaced by a constant; what is checked is that the
+    # host conversion rate and the per-operation cost reach the profile, measured in the
+    # training dtype.
+    calls: dict[str, tuple[object, object]] = {}
+    points = (BandwidthPoint(1024, 1e9), BandwidthPoint(2**30, 50e9))
+
+    def convert(numel: int, *, dtype: torch.dtype, reps: int = 3) -> float:
+        calls["convert"] = (numel, dtype)
+        return 9.5e9
+
+    def overhead(device: torch.device, *, dtype: torch.dtype | None = None, **_: object) -> float:
+        calls["overhead"] = (device, dtype)
+        return 21e-6
+
+    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda dev: (points, points))
+    monkeypatch.setattr(hardware, "measure_peak_matmul_flop_per_s", lambda dev, dtype: 700e12)
+    monkeypatch.setattr(hardware, "measure_host_adam_params_per_s", lambda numel: 4e9)
+    monkeypatch.setattr(hardware, "measure_device_adam_params_per_s", lambda dev: 90e9)
+    monkeypatch.setattr(hardware, "measure_host_convert_elems_per_s", convert)
+    monkeypatch.setattr(hardware, "measure_op_overhead_s", overhead)
+    monkeypatch.setattr(hardware, "_release_cached_memory", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (70 * 2**30, 80 * 2**30))
+
+    profile = real_measure_hardware(
+        torch.device("cuda", 0), dtype=torch.bfloat16, identity=FAKE_IDENTITY
+    )
+    assert profile.host_convert_elems_per_s == 9.5e9
+    assert profile.op_overhead_s == 21e-6
+    numel, dtype = calls["convert"]
+    assert dtype == torch.bfloat16
+    assert isinstance(numel, int) and 0 < numel <= 32 * 2**20
+    assert calls["overhead"] == (torch.device("cuda", 0), torch.bfloat16)
+    assert HardwareProfile.from_json(profile.to_json()) == profile
 
 
 def test_each_dtype_has_its_own_cache_file(fake_cuda: FakeCuda, tmp_path: Path) -> None:
@@ -396,8 +461,59 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
     assert time.perf_counter() - started < 1.0
 
 
-def test_op_overhead_is_a_small_positive_time_on_the_cpu() -> None:
-    from offload_runtime.hardware import measure_op_overhead_s
+# ---------------------------------------------------------------------------- host conversion
 
-    overhead = measure_op_overhead_s("cpu", ops=200)
-    assert 0 < overhead < 1e-2
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_host_conversion_rate_is_positive_and_quick(dtype: torch.dtype) -> None:
+    started = time.perf_counter()
+    rate = measure_host_convert_elems_per_s(1 << 20, dtype=dtype, reps=2)
+    assert time.perf_counter() - started < 2.0
+    # Any host converts faster than 10 M elements/s, and none at 10 T elements/s.
+    assert 1e7 < rate < 1e13
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"numel": 0}, "numel"), ({"reps": 0}, "reps"), ({"dtype": torch.float64}, "float64")],
+)
+def test_host_conversion_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        measure_host_convert_elems_per_s(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- issue cost
+
+
+def test_op_overhead_is_a_small_positive_time_on_the_cpu() -> None:
+    started = time.perf_counter()
+    overhead = measure_op_overhead_s("cpu", layers=1, reps=2)
+    assert time.perf_counter() - started < 5.0
+    # Issuing a tiny eager operation and its backward node costs microseconds on any host.
+    assert 1e-7 < overhead < 1e-3
+
+
+def test_op_overhead_rejects_an_empty_graph() -> None:
+    with pytest.raises(ValueError, match="layers"):
+        measure_op_overhead_s("cpu", layers=0)
+
+
+def test_issue_cost_graph_counts_operations_as_the_tracer_does() -> None:
+    # The cost is divided per traced operation, so the graph must count operations at the
+    # granularity of offload_trace's profiles: per block, the same number. (Each trace
+    # also has a fixed few bookkeeping nodes, hence the difference of two depths.)
+    from offload_trace import trace
+
+    counts = {}
+    traced = {}
+    for layers in (1, 2):
+        graph, counts[layers] = hardware._issue_cost_graph(
+            layers, torch.float32, torch.device("cpu")
+        )
+        example = (torch.randn(2, 8, hardware._ISSUE_COST_HIDDEN),)
+        profile = trace(graph, example, dtype=torch.float32, target_device="cpu").to_profile()
+        traced[layers] = len(profile.operations)
+    per_block = counts[2] - counts[1]
+    assert per_block == traced[2] - traced[1]
+    # A GPT-2 block as traced from transformers has about 40 operations: this one too.
+    assert 35 <= per_block <= 45

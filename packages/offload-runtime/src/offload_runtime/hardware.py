@@ -8,7 +8,9 @@ on every other one. Here the numbers the solver needs are measured on the device
   do not;
 - the best rate of large square matrix products in the training dtype (the peak), and the
   rate on the model's own matrix-product shapes relative to it (the efficiency);
-- fused Adam throughput over fp32 tensors on the host and on the device.
+- fused Adam throughput over fp32 tensors on the host and on the device;
+- the host's rate of fp16/bf16 <-> fp32 copies (gradient widening and weight publishing);
+- the host-side cost of issuing one operation of a GPT-2-like graph, forward and backward.
 
 A CUDA profile takes a few seconds and is cached as JSON per device, dtype and set of
 matrix shapes (see [Note: hardware cache]). On the CPU no measurement is made:
@@ -20,17 +22,22 @@ Profiles live in :func:`default_cache_dir` (``$OFFLOAD_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/offload``, else ``~/.cache/offload``), one ``HardwareProfile.to_json``
 document per file:
 
-- ``hardware-<identity key>-<dtype>.json``: the device-level measurements (copy sweep,
-  peak matmul rate, Adam rates) with :data:`DEFAULT_COMPUTE_EFFICIENCY`;
-- ``hardware-<identity key>-<dtype>-mm<digest>.json``: the same with the efficiency measured
-  on one set of matrix shapes. A new model only costs the matmul timing (under a second
-  for GPT-2's four shapes on an H200), not a new copy sweep (about 1.5 s, plus 1-6 s in a
-  process that has not built a torch optimizer yet: that lazily imports ``torch._dynamo``).
+- ``hardware-<format>-<identity key>-<dtype>.json``: the device-level measurements (copy
+  sweep, peak matmul rate, Adam rates, host conversion rate, per-operation issue cost) with
+  :data:`DEFAULT_COMPUTE_EFFICIENCY`;
+- ``hardware-<format>-<identity key>-<dtype>-mm<digest>.json``: the same with the
+  efficiency measured on one set of matrix shapes. A new model only costs the matmul
+  timing (under a second for GPT-2's four shapes on an H200), not a new copy sweep (about
+  1.5 s, plus 1-6 s in a process that has not built a torch optimizer yet: that lazily
+  imports ``torch._dynamo``).
 
 The identity key (:attr:`DeviceIdentity.cache_key`) names the GPU model, its UUID (or PCI
 bus id) and the torch version, so a different card, or a torch upgrade that may change the
-kernels, gets a fresh profile. ``force=True`` or ``OFFLOAD_REPROFILE=1`` re-measures and
-overwrites; an unreadable file is re-measured with a warning.
+kernels, gets a fresh profile. ``<format>`` (:data:`_CACHE_FORMAT`) changes when a
+profile gains a measurement, so that older files, which lack it, are measured again
+rather than read with the field's "unknown" default. ``force=True`` or
+``OFFLOAD_REPROFILE=1`` re-measures and overwrites; an unreadable file is re-measured with
+a warning.
 """
 
 from __future__ import annotations
@@ -70,6 +77,7 @@ __all__ = [
     "measure_device_adam_params_per_s",
     "measure_hardware",
     "measure_host_adam_params_per_s",
+    "measure_host_convert_elems_per_s",
     "measure_matmul_efficiency",
     "measure_op_overhead_s",
     "measure_peak_matmul_flop_per_s",
@@ -96,6 +104,10 @@ _SUPPORTED_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _REPROFILE_ENV = "OFFLOAD_REPROFILE"
+_CACHE_FORMAT = "p2"
+"""Version of what a cached profile measures, part of its file name: profiles cached
+before ``host_convert_elems_per_s`` existed (and with ``op_overhead_s`` from a chain of
+scalar multiplies) are not read, so they are measured again."""
 _CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 # Bounds that keep a whole CUDA profile to a few seconds.
@@ -110,6 +122,10 @@ _MAX_SHAPE_ITERS = 200
 _HOST_ADAM_NUMEL = 32 * 2**20
 _DEVICE_ADAM_NUMEL = 64 * 2**20
 _ADAM_CHUNK_NUMEL = 8 * 2**20
+_HOST_CONVERT_NUMEL = 32 * 2**20
+_ISSUE_COST_HIDDEN = 64
+"""Hidden size of the per-operation issue-cost graph: small enough that no kernel of it
+takes longer to run than to issue."""
 """Adam is timed over several tensors, as a model's parameter list is, not one."""
 _LAUNCH_S = 20e-6
 """Generous host cost of issuing one copy; used to size the spin that hides issue time."""
@@ -433,7 +449,7 @@ def profile_hardware(
     say = _Progress(enabled=progress)
     identity = device_identity(dev)
     folder = cache_dir if cache_dir is not None else default_cache_dir()
-    stem = f"hardware-{identity.cache_key}-{dtype_name}"
+    stem = f"hardware-{_CACHE_FORMAT}-{identity.cache_key}-{dtype_name}"
     base_path = folder / f"{stem}.json"
     shapes_path = folder / f"{stem}-mm{_shapes_digest(shapes)}.json" if shapes else None
     remeasure = force or _env_flag(_REPROFILE_ENV)
@@ -630,8 +646,13 @@ def measure_hardware(
                 f"fused Adam host {host_adam / 1e9:.2f} Gparam/s, "
                 f"device {device_adam / 1e9:.1f} Gparam/s"
             )
-            overhead = measure_op_overhead_s(dev)
-            say(f"per-operation issue cost {overhead * 1e6:.1f} us")
+            host_convert = measure_host_convert_elems_per_s(
+                _fit_convert_numel(_HOST_CONVERT_NUMEL, available_host_memory_bytes()),
+                dtype=dtype,
+            )
+            say(f"host {dtype_name} <-> float32 conversion {host_convert / 1e9:.2f} Gelem/s")
+            overhead = measure_op_overhead_s(dev, dtype=dtype)
+            say(f"per-operation issue cost {overhead * 1e6:.1f} us (GPT-2-like graph)")
             _, device_total = torch.cuda.mem_get_info(dev)
         finally:
             _release_cached_memory()
@@ -646,38 +667,122 @@ def measure_hardware(
         host_adam_params_per_s=host_adam,
         device_adam_params_per_s=device_adam,
         op_overhead_s=overhead,
+        host_convert_elems_per_s=host_convert,
     )
 
 
-def measure_op_overhead_s(device: torch.device | str = "cpu", *, ops: int = 2000) -> float:
-    """Seconds per operation of a chain of tiny autograd-recorded ops, forward and backward.
-
-    Each op launches one kernel on a 16-element tensor, so the time is what issuing an
-    operation costs (Python, dispatcher, autograd bookkeeping, launch), the floor under
-    every operation of a training step. The mean of the forward and backward rates.
+class _IssueCostBlocks(torch.nn.Module):
+    """Tiny GPT-2 blocks written as the operations a traced GPT-2 graph runs, per block:
+    layer norm, ``view``/``addmm``/``view`` projections, ``split`` and three ``getitem``,
+    head ``view``/``transpose``, causal scaled-dot-product attention, ``transpose``/
+    ``contiguous``/``reshape``, dropout, residual adds and the tanh GELU decomposed into
+    element-wise ops. Shapes are tiny so that issuing, not computing, is what is timed.
     """
+
+    def __init__(self, layers: int, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        hidden = _ISSUE_COST_HIDDEN
+        self.hidden = hidden
+        self.heads = 4
+
+        def weight(*shape: int) -> torch.nn.Parameter:
+            return torch.nn.Parameter(0.02 * torch.randn(*shape, device=device, dtype=dtype))
+
+        self.ln_w = torch.nn.ParameterList([weight(hidden) for _ in range(2 * layers)])
+        self.ln_b = torch.nn.ParameterList([weight(hidden) for _ in range(2 * layers)])
+        # (in, out) features of each block's four projections; plain ints, so that tracing
+        # records no shape arithmetic.
+        self.dims = [
+            (hidden, 3 * hidden),
+            (hidden, hidden),
+            (hidden, 4 * hidden),
+            (4 * hidden, hidden),
+        ]
+        self.mm_w = torch.nn.ParameterList([weight(*d) for _ in range(layers) for d in self.dims])
+        self.mm_b = torch.nn.ParameterList([weight(d[1]) for _ in range(layers) for d in self.dims])
+        self.layers = layers
+
+    def _proj(self, x: torch.Tensor, i: int, batch: int, seq: int) -> torch.Tensor:
+        fan_in, fan_out = self.dims[i % 4]
+        return torch.addmm(self.mm_b[i], x.view(-1, fan_in), self.mm_w[i]).view(batch, seq, fan_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, c = 2, 8, self.hidden
+        heads, d = self.heads, self.hidden // self.heads
+        for layer in range(self.layers):
+            ln, mm = 2 * layer, 4 * layer
+            h = torch.nn.functional.layer_norm(x, (c,), self.ln_w[ln], self.ln_b[ln])
+            parts = torch.split(self._proj(h, mm, batch, seq), c, dim=2)
+            q = parts[0].view(batch, seq, heads, d).transpose(1, 2)
+            k = parts[1].view(batch, seq, heads, d).transpose(1, 2)
+            v = parts[2].view(batch, seq, heads, d).transpose(1, 2)
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            a = a.transpose(1, 2).contiguous().reshape(batch, seq, c)
+            a = self._proj(a, mm + 1, batch, seq)
+            x = x + torch.nn.functional.dropout(a, 0.1, training=True)
+            h = torch.nn.functional.layer_norm(x, (c,), self.ln_w[ln + 1], self.ln_b[ln + 1])
+            h = self._proj(h, mm + 2, batch, seq)
+            h = 0.5 * h * (1.0 + torch.tanh(0.7978845608 * (h + 0.044715 * torch.pow(h, 3.0))))
+            h = self._proj(h, mm + 3, batch, seq)
+            x = x + torch.nn.functional.dropout(h, 0.1, training=True)
+        return x.float().sum()  # the loss, as a traced training graph ends
+
+
+def _issue_cost_graph(
+    layers: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.fx.GraphModule, int]:
+    """The traced :class:`_IssueCostBlocks` and its number of operations (``call_*`` nodes:
+    per block, the operations ``offload_trace`` records for the same code)."""
+    graph = torch.fx.symbolic_trace(_IssueCostBlocks(layers, dtype, device))
+    num_ops = sum(
+        node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes
+    )
+    return graph, num_ops
+
+
+def measure_op_overhead_s(
+    device: torch.device | str = "cpu",
+    *,
+    layers: int = 4,
+    reps: int = 10,
+    dtype: torch.dtype | None = None,
+) -> float:
+    """Seconds per operation per pass of a tiny GPT-2-like graph, forward and backward.
+
+    The graph is ``layers`` blocks of :class:`_IssueCostBlocks` (linear layers with bias,
+    layer norm, split, views and transposes, causal attention, dropout, residual adds, the
+    decomposed tanh GELU), traced with ``torch.fx`` and run as a ``GraphModule``, which is
+    how the offload runtime runs a model. Its tensors are tiny, so one step's time is what
+    issuing the operations costs: Python, dispatcher, autograd recording and the backward
+    nodes, kernel launches (views launch none). The result is the median wall time of a
+    forward plus backward over twice the graph's operation count (its ``call_*`` nodes):
+    the simulator charges ``op_overhead_s`` to every traced operation once in forward and
+    once in backward, so that is the per-charge cost a graph of this mix needs. ``dtype``
+    defaults to float16 on CUDA and float32 on the CPU.
+    """
+    if layers < 1 or reps < 1:
+        raise ValueError(f"layers ({layers}) and reps ({reps}) must be >= 1")
     dev = torch.device(device)
-    x = torch.zeros(16, device=dev, requires_grad=True)
+    if dtype is None:
+        dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    graph, num_ops = _issue_cost_graph(layers, dtype, dev)
+    x = torch.randn(2, 8, _ISSUE_COST_HIDDEN, device=dev, dtype=dtype)
+    params = list(graph.parameters())
 
-    def chain(n: int) -> torch.Tensor:
-        y = x
-        for _ in range(n):
-            y = y * 1.0001
-        return y.sum()
-
-    def sync() -> None:
+    def step() -> float:
+        for p in params:
+            p.grad = None
+        started = time.perf_counter()
+        graph(x).backward()
         if dev.type == "cuda":
+            # Sync point: the time must include kernels the host has issued but not run.
             torch.cuda.synchronize(dev)
+        return time.perf_counter() - started
 
-    chain(50).backward()  # type: ignore[no-untyped-call]
-    sync()
-    t0 = time.perf_counter()
-    loss = chain(ops)
-    sync()
-    loss.backward()  # type: ignore[no-untyped-call]
-    sync()
-    t2 = time.perf_counter()
-    return (t2 - t0) / (2 * ops)
+    for _ in range(2):
+        step()  # first calls allocate and pick kernels
+    seconds = statistics.median(step() for _ in range(reps))
+    return seconds / (2 * num_ops)
 
 
 def measure_copy_bandwidth(
@@ -859,6 +964,39 @@ def measure_matmul_efficiency(
     return efficiency
 
 
+def measure_host_convert_elems_per_s(
+    numel: int = _HOST_CONVERT_NUMEL, *, dtype: torch.dtype = torch.float16, reps: int = 3
+) -> float:
+    """Host dtype-converting copies between ``dtype`` and float32, elements/s.
+
+    What the runtime's host worker does to every host-state region each step: widen its
+    ``dtype`` gradients into the fp32 accumulator, and publish the fp32 master into the
+    ``dtype`` copy. Both directions are timed (median of ``reps`` each, after one untimed
+    copy each that faults the pages in) over ``numel`` elements of plain host memory;
+    the rate is ``numel`` over the mean of the two medians, with torch's current number of
+    CPU threads. Pinned memory is not needed: a host-to-host copy runs at the same memory
+    bandwidth, and pinning would only slow profiling down. Needs ``6 * numel`` bytes
+    (fp16/bf16).
+    """
+    if numel < 1 or reps < 1:
+        raise ValueError(f"numel ({numel}) and reps ({reps}) must be >= 1")
+    _dtype_name(dtype)
+    narrow = torch.empty(numel, dtype=dtype)
+    wide = torch.empty(numel, dtype=torch.float32)
+    narrow.fill_(1.0)
+
+    def timed(dst: torch.Tensor, src: torch.Tensor) -> float:
+        started = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - started
+
+    timed(wide, narrow)
+    timed(narrow, wide)
+    widen_s = statistics.median(timed(wide, narrow) for _ in range(reps))
+    publish_s = statistics.median(timed(narrow, wide) for _ in range(reps))
+    return numel / max((widen_s + publish_s) / 2, 1e-9)
+
+
 def measure_host_adam_params_per_s(numel: int = _HOST_ADAM_NUMEL, *, steps: int = 3) -> float:
     """Fused ``torch.optim.Adam`` steps over ``numel`` fp32 host parameters: elements/s.
 
@@ -904,6 +1042,14 @@ def _fit_numel(numel: int, room_bytes: int) -> int:
     if room_bytes <= 0:
         return numel
     return max(2**16, min(numel, room_bytes // 4 // 16))
+
+
+def _fit_convert_numel(numel: int, room_bytes: int) -> int:
+    """Shrink a conversion measurement (at most 8 bytes per element) to a quarter of
+    ``room_bytes``."""
+    if room_bytes <= 0:
+        return numel
+    return max(2**16, min(numel, room_bytes // 4 // 8))
 
 
 def _adam_params(numel: int, device: torch.device) -> list[torch.Tensor]:
