@@ -445,6 +445,11 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
     assert 0 < profile.compute_efficiency <= 1
     assert profile.host_adam_params_per_s > 1e7
     assert profile.device_adam_params_per_s > profile.host_adam_params_per_s
+    # A host converts at memory speed: well above 100 M elements/s (10.7 G on the H200's).
+    assert profile.host_convert_elems_per_s > 1e8
+    # Issuing an operation of the GPT-2-like graph: microseconds (12-17 us per scalar
+    # multiply was measured on the H200's host; real transformer operations cost more).
+    assert 1e-6 < profile.op_overhead_s < 1e-3
     _free, total = torch.cuda.mem_get_info()
     assert profile.device_memory_bytes == total
 

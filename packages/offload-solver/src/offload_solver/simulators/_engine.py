@@ -21,9 +21,10 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
      (the runtime sent fp32, widened on the device, or nothing crossed);
   2. ``grad_partial`` (only with ``host_step_after_backward``): the region's share of the
      global answer (overflow check or gradient norm), a pass reading the 4-byte fp32
-     gradient, charged as one more conversion pass (``numel / host_convert_elems_per_s``);
-     on the H200, widening plus partial this way reproduce the measured ~130 ms that W2's
-     host gradient work ran past the end of backward;
+     gradient, charged as one more conversion pass (``numel / host_convert_elems_per_s``).
+     On the H200 (gpt2_xl, 1.48 G host-state parameters, 11e9 elements/s) widening plus
+     partial charged this way take ~270 ms, as the measured host gradient work did: it ran
+     through backward (137-164 ms) and ~130 ms past its end;
   3. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``;
   4. ``publish``: the fp32 master cast into the training-dtype copy (pinned host
      parameters, or the upload buffer of a RESIDENT region), ``numel /
