@@ -111,3 +111,13 @@ def test_empty_timeline_still_draws(tmp_path: Path) -> None:
     )
     out = save_plan_png(empty, tmp_path / "empty.png")
     assert _png_size(out) == (1100, 550)
+
+
+def test_every_simulated_interval_kind_has_its_own_colour() -> None:
+    """Each kind the simulator emits is in the legend with a colour of its own."""
+    from offload_gpt_example.plot import _KIND_COLORS, _OTHER_COLOR
+    from offload_solver.simulators._engine import KINDS
+
+    assert set(KINDS) <= set(_KIND_COLORS)
+    colours = [_KIND_COLORS[k] for k in KINDS]
+    assert len(set(colours)) == len(colours) and _OTHER_COLOR not in colours

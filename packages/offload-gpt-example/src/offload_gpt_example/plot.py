@@ -40,6 +40,9 @@ _KIND_COLORS: dict[str, str] = {
     "grad_offload": "#8172b3",
     "host_step": "#937860",
     "device_step": "#da8bc3",
+    "grad_widen": "#a1c9f4",
+    "grad_partial": "#ffb482",
+    "publish": "#c5b0d5",
 }
 _OTHER_COLOR = "#999999"
 _BUDGET_SAFETY = 0.95
