@@ -45,6 +45,20 @@ Host-state regions call it on the host worker thread, device-state regions on th
 that runs backward."""
 
 
+def _take_grads(st: RegionStorage) -> tuple[list[torch.Tensor], list[Any]]:
+    """Detach region ``st``'s training-dtype gradients from its parameters: the gradients
+    present and their layouts, in layout order (``.grad`` is ``None`` afterwards)."""
+    grads = []
+    layouts = []
+    for layout in st.layouts:
+        param = st.params[layout.name]
+        if param.grad is not None:
+            grads.append(param.grad)
+            layouts.append(layout)
+        param.grad = None
+    return grads, layouts
+
+
 class RegionState(Enum):
     """Where an offloaded region's training-dtype parameters are."""
 
@@ -325,14 +339,7 @@ class OffloadController:
             return
         self._grads_done.add(r)
         st = self.storages[r]
-        grads = []
-        views = []
-        for layout in st.layouts:
-            param = st.params[layout.name]
-            if param.grad is not None:
-                grads.append(param.grad)
-                views.append(layout)
-            param.grad = None
+        grads, views = _take_grads(st)
         if st.host_state:
             self._offload_grads(st, grads, views)
         else:
@@ -486,14 +493,8 @@ class OffloadController:
         with torch.no_grad():
             for r in regions:
                 st = self.storages[r]
-                grads = []
-                targets = []
-                for layout in st.layouts:
-                    param = st.params[layout.name]
-                    if param.grad is not None:
-                        grads.append(param.grad)
-                        targets.append(st.grad_views[layout.name])
-                        param.grad = None
+                grads, layouts = _take_grads(st)
+                targets = [st.grad_views[layout.name] for layout in layouts]
                 if not grads:
                     continue
                 done.append(r)
