@@ -343,18 +343,37 @@ class OffloadController:
         if st.host_state:
             self._offload_grads(st, grads, views)
         else:
-            with torch.no_grad():
+            self._fold_device_grads([(st, grads, views)])
+            self._notify(r)
+        self.release(r)
+
+    def _fold_device_grads(
+        self, items: list[tuple[RegionStorage, list[torch.Tensor], list[Any]]]
+    ) -> None:
+        """Fold device-state regions' training-dtype gradients (with their layouts, as
+        :func:`_take_grads` returns them) into the fp32 accumulators: one copy over every
+        region whose accumulator is logically zero and gets all its gradients, one add over
+        the rest."""
+        copy_dst: list[torch.Tensor] = []
+        copy_src: list[torch.Tensor] = []
+        add_dst: list[torch.Tensor] = []
+        add_src: list[torch.Tensor] = []
+        with torch.no_grad():
+            for st, grads, layouts in items:
                 self._relink_master_grad(st)
-                targets = [st.grad_views[v.name] for v in views]
-                if st.grad_stale and len(views) == len(st.layouts):
-                    torch._foreach_copy_(targets, grads)  # overwrite: logically zero before
+                targets = [st.grad_views[layout.name] for layout in layouts]
+                if st.grad_stale and len(grads) == len(st.layouts):
+                    copy_dst += targets  # overwrite: logically zero before
+                    copy_src += grads
                     st.grad_stale = False
                 else:
                     st.materialize_grad()
-                    if grads:
-                        torch._foreach_add_(targets, grads)
-            self._notify(r)
-        self.release(r)
+                    add_dst += targets
+                    add_src += grads
+            if copy_dst:
+                torch._foreach_copy_(copy_dst, copy_src)
+            if add_dst:
+                torch._foreach_add_(add_dst, add_src)
 
     def _offload_grads(
         self, st: RegionStorage, grads: list[torch.Tensor], layouts: list[Any]
@@ -483,35 +502,17 @@ class OffloadController:
 
     def _finish_device_regions(self, regions: list[int]) -> None:
         """Fold the gradients of device-state ``regions`` into their fp32 accumulators in
-        one copy and one add over all of them (the same per-tensor operations as
-        :meth:`_finish_region_backward`, batched); regions without gradients are skipped."""
-        copy_dst: list[torch.Tensor] = []
-        copy_src: list[torch.Tensor] = []
-        add_dst: list[torch.Tensor] = []
-        add_src: list[torch.Tensor] = []
+        one batch (see :meth:`_fold_device_grads`); regions without gradients are skipped."""
+        items = []
         done = []
-        with torch.no_grad():
-            for r in regions:
-                st = self.storages[r]
-                grads, layouts = _take_grads(st)
-                targets = [st.grad_views[layout.name] for layout in layouts]
-                if not grads:
-                    continue
+        for r in regions:
+            st = self.storages[r]
+            grads, layouts = _take_grads(st)
+            if grads:
+                items.append((st, grads, layouts))
                 done.append(r)
                 self._grads_done.add(r)
-                self._relink_master_grad(st)
-                if st.grad_stale and len(grads) == len(st.layouts):
-                    copy_dst += targets  # overwrite: logically zero before
-                    copy_src += grads
-                    st.grad_stale = False
-                else:
-                    st.materialize_grad()
-                    add_dst += targets
-                    add_src += grads
-            if copy_dst:
-                torch._foreach_copy_(copy_dst, copy_src)
-            if add_dst:
-                torch._foreach_add_(add_dst, add_src)
+        self._fold_device_grads(items)
         for r in done:
             self._notify(r)
 

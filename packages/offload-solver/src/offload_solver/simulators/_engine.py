@@ -187,6 +187,11 @@ class SimulationContext:
             hw.host_convert_time_s(n) if host_step_after_backward else 0.0 for n in self.numel
         ]
         self.publish_s = [hw.host_convert_time_s(n) for n in self.numel]
+        self.grad_work = [
+            tuple((k, w) for k, w in ((KIND_GRAD_WIDEN, a), (KIND_GRAD_PARTIAL, b)) if w > 0.0)
+            for a, b in zip(self.widen_s, self.partial_s, strict=True)
+        ]
+        """Per region, the host tasks (kind, seconds) run as its gradients land."""
         self.host_work_s = [
             a + b + c + d
             for a, b, c, d in zip(
@@ -464,7 +469,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     dyn = ctx.act_fwd_max
     size, numel = ctx.size, ctx.numel
     gd, hs = ctx.grad_d2h_s, ctx.host_step_s
-    widen_s, partial_s, publish_s = ctx.widen_s, ctx.partial_s, ctx.publish_s
+    grad_work, publish_s = ctx.grad_work, ctx.publish_s
     converts = ctx.hardware.host_convert_elems_per_s > 0
     saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
     bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
@@ -551,21 +556,13 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
                 grads.append((r, end, e, size[r]))
                 level += size[r]
             ready = last_d  # the task after which the region's gradients are usable
-            if converts:
-                # Gradient work on the host worker as the copy lands, even when the step
-                # itself waits for the end of backward.
-                w = widen_s[r]
-                if w > 0.0:
-                    s = e if e > host_free else host_free
-                    e = s + w
-                    last_o = ready = add(LANE_HOST, r, KIND_GRAD_WIDEN, s, e, last_o, ready)
-                    host_free = e
-                w = partial_s[r]
-                if w > 0.0:
-                    s = e if e > host_free else host_free
-                    e = s + w
-                    last_o = ready = add(LANE_HOST, r, KIND_GRAD_PARTIAL, s, e, last_o, ready)
-                    host_free = e
+            # Gradient work on the host worker as the copy lands, even when the step itself
+            # waits for the end of backward.
+            for task_kind, w in grad_work[r]:
+                s = e if e > host_free else host_free
+                e = s + w
+                last_o = ready = add(LANE_HOST, r, task_kind, s, e, last_o, ready)
+                host_free = e
             if after_backward:
                 deferred.append((r, e, ready))
             else:
