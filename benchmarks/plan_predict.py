@@ -1,0 +1,95 @@
+"""What the planner predicts for a workload, on any machine (nothing is allocated).
+
+    python benchmarks/plan_predict.py --model gpt2_xl --batch 64 --seq 8 --budget-gib 3
+    python benchmarks/plan_predict.py --model gpt2_6b --batch 4 --seq 512 --budget-gib 24
+
+Traces the example zoo's model on the meta device for CUDA, solves with an H200-like
+hardware profile (``offload_solver.default_hardware()`` with the per-operation cost, host
+conversion rate and host Adam rate given here; defaults as measured on the H200, see
+BENCHMARKS.md), and prints: how many attention nodes the causal rewrite turned into
+``is_causal=True`` and the bytes saved for backward; the plan's placements and optimizer-
+state placements (one letter per region); its predicted step and peak; and the pinned host
+memory the runtime will need. A budget below the least feasible one prints that least
+budget instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+GiB = 2**30
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="gpt2_xl")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--seq", type=int, default=8)
+    parser.add_argument("--budget-gib", type=float, default=3.0)
+    parser.add_argument("--solver", default="asyn", choices=("syn", "asyn"))
+    parser.add_argument("--op-overhead-us", type=float, default=15.0)
+    parser.add_argument("--host-convert-gelem", type=float, default=11.0)
+    parser.add_argument("--host-adam-gparam", type=float, default=0.0, help="0: the default")
+    parser.add_argument(
+        "--host-grad-bytes",
+        type=int,
+        default=2,
+        choices=(2, 4),
+        help="d2h bytes per gradient element: 4 models widen_grads_on_device=True",
+    )
+    parser.add_argument("--with-mask", action="store_true", help="pass an all-ones mask")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from offload_gpt_example.models import build_model, random_batch
+    from offload_runtime.storage import required_host_bytes
+    from offload_solver import InfeasibleBudgetError, solve
+    from offload_solver.hardware import default_hardware
+    from offload_trace import trace
+
+    model = build_model(args.model, device="meta", dtype=torch.float16, seq_len=args.seq)
+    inputs = random_batch(args.batch, args.seq, device="meta")
+    if args.with_mask:
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+    traced = trace(model, inputs, dtype=torch.float16, target_device="cuda")
+    profile = dataclasses.replace(
+        traced.to_profile(), host_grad_bytes_per_param=args.host_grad_bytes
+    )
+    print(
+        f"{args.model} {args.batch}x{args.seq}: {profile.total_param_numel / 1e9:.2f} G params, "
+        f"{len(traced.causal_attention)} attention nodes rewritten to is_causal, "
+        f"saved for backward {traced.saved_bytes / GiB:.2f} GiB"
+    )
+    hw = dataclasses.replace(
+        default_hardware(),
+        op_overhead_s=args.op_overhead_us * 1e-6,
+        host_convert_elems_per_s=args.host_convert_gelem * 1e9,
+    )
+    if args.host_adam_gparam > 0:
+        hw = dataclasses.replace(hw, host_adam_params_per_s=args.host_adam_gparam * 1e9)
+    try:
+        plan = solve(
+            profile,
+            hw,
+            int(args.budget_gib * GiB),
+            solver=args.solver,
+            host_step_after_backward=True,  # fp16: the overflow answer comes first
+        )
+    except InfeasibleBudgetError as exc:
+        print(f"infeasible: least budget {exc.least_budget_bytes / 1e9:.2f} GB")
+        return 1
+    print("placements", "".join(rp.placement.value[0] for rp in plan.regions))
+    print("states    ", "".join(rp.state.value[0] for rp in plan.regions))
+    print(
+        f"{len(plan.regions)} regions; predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, "
+        f"peak {plan.predicted_peak_bytes / GiB:.2f} GiB of {args.budget_gib} GiB; pinned host "
+        f"memory {required_host_bytes(plan, torch.float16) / GiB:.1f} GiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
