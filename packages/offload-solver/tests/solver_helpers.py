@@ -103,6 +103,7 @@ def profiles(
         tied_groups=tuple(groups),
         device_state_bytes_per_param=draw(st.sampled_from([0, 8, 16])),
         host_grad_bytes_per_param=draw(st.sampled_from([0, 2, 4])),
+        host_upload_bytes_per_param=draw(st.sampled_from([0, 2, 4])),
     )
 
 
@@ -141,6 +142,7 @@ def layered_profiles(draw: st.DrawFn) -> ModelProfile:
         operations=tuple(ops),
         tied_groups=(("emb", "head"),) if tied else (),
         host_grad_bytes_per_param=draw(st.sampled_from([0, 2])),
+        host_upload_bytes_per_param=draw(st.sampled_from([0, 4])),
     )
 
 
@@ -193,7 +195,9 @@ def reference_simulate(
 
     Host work per host-state region, on one FIFO worker: widen the copied gradients
     (unless they cross as fp32 or not at all), the overflow/norm partial when the step waits
-    for backward, Adam, publish; conversions cost ``numel / host_convert_elems_per_s``.
+    for backward, Adam, publish (none when fp32 masters are uploaded); conversions cost
+    ``numel / host_convert_elems_per_s``. Uploads move ``size_bytes``, or ``numel *
+    host_upload_bytes_per_param`` when that is set.
     """
     rate = hardware.host_convert_elems_per_s
 
@@ -209,7 +213,14 @@ def reference_simulate(
     offl = [p is not ParamPlacement.RESIDENT for p in place]
 
     def up(r: int) -> float:
-        return hardware.h2d_time_s(regions[r].size_bytes)
+        # Every upload is of a host-state region: its training-dtype bytes, or what the
+        # runtime sends per element (4: fp32 masters narrowed on the device).
+        per_elem = profile.host_upload_bytes_per_param
+        nbytes = regions[r].numel * per_elem if per_elem else regions[r].size_bytes
+        return hardware.h2d_time_s(nbytes)
+
+    def publish(numel: int) -> float:
+        return 0.0 if profile.host_upload_bytes_per_param >= 4 else convert(numel)
 
     t = 0.0
     h2d = 0.0
@@ -284,13 +295,13 @@ def reference_simulate(
                 host += convert(reg.numel)
                 waiting.append(r)
                 continue
-            host += reg.numel / hardware.host_adam_params_per_s + convert(reg.numel)
+            host += reg.numel / hardware.host_adam_params_per_s + publish(reg.numel)
             if not offl[r]:
                 pending.append((host, r))
     # Steps that waited for the global answer: after backward, in forward order.
     for r in sorted(waiting):
         host = max(host, t)
-        host += regions[r].numel / hardware.host_adam_params_per_s + convert(regions[r].numel)
+        host += regions[r].numel / hardware.host_adam_params_per_s + publish(regions[r].numel)
         if not offl[r]:
             pending.append((host, r))
     for issue, q in pending:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -72,6 +73,29 @@ def test_bad_conversion_rate_is_named(rate: float) -> None:
     doc["host_convert_elems_per_s"] = "fast"
     with pytest.raises(ValueError, match="host_convert_elems_per_s"):
         HardwareProfile.from_json(json.dumps(doc))
+
+
+def test_upload_bytes_per_param_round_trips_and_defaults_for_old_json() -> None:
+    base = small_profile()
+    fp32 = dataclasses.replace(base, host_upload_bytes_per_param=4)
+    assert ModelProfile.from_json(fp32.to_json()) == fp32
+    assert json.loads(fp32.to_json())["host_upload_bytes_per_param"] == 4
+    # Profiles written before the field existed upload the parameters' own size.
+    old = json.loads(fp32.to_json())
+    del old["host_upload_bytes_per_param"]
+    loaded = ModelProfile.from_json(json.dumps(old))
+    assert loaded.host_upload_bytes_per_param == 0
+    assert loaded == base
+
+
+def test_bad_upload_bytes_per_param_is_named() -> None:
+    base = small_profile()
+    with pytest.raises(ValueError, match="host_upload_bytes_per_param is -4; must be >= 0"):
+        dataclasses.replace(base, host_upload_bytes_per_param=-4)
+    doc = json.loads(base.to_json())
+    doc["host_upload_bytes_per_param"] = "fp32"
+    with pytest.raises(ValueError, match="host_upload_bytes_per_param"):
+        ModelProfile.from_json(json.dumps(doc))
 
 
 @pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, Plan])

@@ -3,6 +3,7 @@ properties, sync/async agreement with nothing offloaded, the pool, and bad assig
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -240,6 +241,89 @@ def test_host_work_is_never_charged_to_device_state_regions() -> None:
     res = get_simulator("async").simulate(ctx, asg)
     assert {r for r, _, _, _ in _host_spans(res)} == {1}
     assert ctx.host_work_s[1] == pytest.approx(1.0 + 1.0 + 0.1 + 1.0)
+
+
+def _with_upload_bytes(profile: ModelProfile, per_elem: int) -> ModelProfile:
+    return dataclasses.replace(profile, host_upload_bytes_per_param=per_elem)
+
+
+def test_fp32_uploads_take_twice_as_long_and_leave_nothing_to_publish() -> None:
+    # The hand-checked step's regions (resident, async prefetched at 2, sync; all host
+    # state) with conversions at 500 elements/s (0.2 s) and Adam 0.1 s. fp16 uploads move
+    # 200 B (0.2 s); fp32 masters move 100 x 4 = 400 B (0.4 s), and no publish runs.
+    # fp32: pf(1) [0,0.4]; F0 [0,1]; F1 [1,2]; upload(2) [2,2.4], F2 [2.4,3.4]; at 3.4
+    #   pf_b(1) and upload(2) [3.4,3.8]; B2 [3.8,5.8]; B1 [5.8,7.8]; B0 [7.8,9.8]; copy
+    #   [9.8,10]; widen [10,10.2]; Adam [10.2,10.3]; region 0 goes up [10.3,10.7].
+    # fp16: 0.4 s less upload on the compute chain (B0 ends 9.4), then copy, widen, Adam,
+    #   publish [9.9,10.1] and region 0's upload [10.1,10.3].
+    hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=500.0)
+    asg = [RegionAssignment(R, HOST), RegionAssignment(A, HOST, 2), RegionAssignment(S, HOST)]
+    sim = get_simulator("async")
+    fp16 = sim.simulate(SimulationContext.build(three_layers(), hw), asg)
+    fp32 = sim.simulate(SimulationContext.build(_with_upload_bytes(three_layers(), 4), hw), asg)
+    assert fp16.step_time_s == pytest.approx(10.3)
+    assert fp32.step_time_s == pytest.approx(10.7)
+
+    def uploads(res: SimulationResult) -> list[tuple[Stream, int, str, float]]:
+        return [
+            (iv.stream, iv.region, iv.kind, iv.end_s - iv.start_s)
+            for iv in res.timeline
+            if iv.kind in ("upload", "prefetch", "param_upload")
+        ]
+
+    # Every upload kind: sync uploads (forward and backward), both prefetches and the
+    # resident region's post-step upload.
+    assert sorted((k, r) for _, r, k, _ in uploads(fp16)) == [
+        ("param_upload", 0),
+        ("prefetch", 1),
+        ("prefetch", 1),
+        ("upload", 2),
+        ("upload", 2),
+    ]
+    assert [(ln, r, k) for ln, r, k, _ in uploads(fp32)] == [
+        (ln, r, k) for ln, r, k, _ in uploads(fp16)
+    ]
+    assert [d for *_, d in uploads(fp16)] == pytest.approx([0.2] * 5)
+    assert [d for *_, d in uploads(fp32)] == pytest.approx([0.4] * 5)
+
+    kinds16 = [k for _, k, _, _ in _host_spans(fp16)]
+    kinds32 = [k for _, k, _, _ in _host_spans(fp32)]
+    assert kinds16.count("publish") == 3
+    assert "publish" not in kinds32
+    assert kinds32 == [k for k in kinds16 if k != "publish"]
+    # The Adam step itself is unchanged, and the post-step upload follows it directly.
+    steps = {r: (s, e) for r, k, s, e in _host_spans(fp32) if k == "host_step"}
+    assert {r: e - s for r, (s, e) in steps.items()} == pytest.approx({0: 0.1, 1: 0.1, 2: 0.1})
+    spans = {(iv.region, iv.kind): (iv.start_s, iv.end_s) for iv in fp32.timeline}
+    assert spans[0, "param_upload"] == pytest.approx((steps[0][1], steps[0][1] + 0.4))
+    assert SimulationContext.build(_with_upload_bytes(three_layers(), 4), hw).host_work_s == (
+        pytest.approx([0.2 + 0.1] * 3)
+    )
+
+
+def test_fp32_uploads_leave_device_state_regions_alone() -> None:
+    # Device-state regions are resident and never uploaded: the step is the same.
+    hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=500.0)
+    asg = [RegionAssignment(R, DEVICE)] * 3
+    sim = get_simulator("async")
+    a = sim.simulate(SimulationContext.build(three_layers(), hw), asg)
+    b = sim.simulate(SimulationContext.build(_with_upload_bytes(three_layers(), 4), hw), asg)
+    assert a == b
+    assert not [iv for iv in b.timeline if iv.stream is Stream.H2D]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), profile=layered_profiles(), hardware=hardware_profiles())
+def test_uploading_two_bytes_per_fp16_element_changes_nothing(
+    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile
+) -> None:
+    # Layered profiles hold 2-byte parameters, so an explicit 2 bytes per element is the
+    # default (the parameters' own size), and below 4 the host still publishes.
+    ctx0 = SimulationContext.build(_with_upload_bytes(profile, 0), hardware)
+    ctx2 = SimulationContext.build(_with_upload_bytes(profile, 2), hardware)
+    asg = data.draw(assignments(ctx0.layout))
+    sim = get_simulator("async")
+    assert sim.simulate(ctx0, asg) == sim.simulate(ctx2, asg)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -129,6 +129,14 @@ class ModelProfile:
     """Bytes per parameter element copied device-to-host as a gradient: the training dtype's
     size, or 4 for a runtime that widens gradients to fp32 on the device before the copy
     (the offload runtime's ``widen_grads_on_device`` option)."""
+    host_upload_bytes_per_param: int = 0
+    """Bytes per parameter element that an upload of a host-state region's parameters
+    moves host-to-device (sync upload, prefetch, and the post-step upload of a resident
+    region). 0 means the parameters' own size (``Parameter.size_bytes``): the runtime
+    uploads the training-dtype copy that the host published after its Adam step. 4 means
+    the runtime uploads the fp32 master weights and narrows them on the device, so the
+    host makes no publish pass (see [Note: step model] in
+    ``offload_solver.simulators._engine``)."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -182,6 +190,9 @@ class ModelProfile:
                     data, "device_state_bytes_per_param", int, default=16
                 ),
                 host_grad_bytes_per_param=_get(data, "host_grad_bytes_per_param", int, default=2),
+                host_upload_bytes_per_param=_get(
+                    data, "host_upload_bytes_per_param", int, default=0
+                ),
             )
         except TypeError as exc:  # a field of the wrong JSON type deep in a record
             raise ValueError(f"malformed ModelProfile JSON: {exc}") from exc
@@ -240,8 +251,16 @@ def validate_profile(profile: ModelProfile) -> None:
             raise ValueError(
                 f"ModelProfile.tied_groups[{gi}] members have different sizes {sorted(sizes)}"
             )
-    if profile.device_state_bytes_per_param < 0 or profile.host_grad_bytes_per_param < 0:
-        raise ValueError("ModelProfile bytes-per-parameter fields must be >= 0")
+    for field_name in (
+        "device_state_bytes_per_param",
+        "host_grad_bytes_per_param",
+        "host_upload_bytes_per_param",
+    ):
+        value = getattr(profile, field_name)
+        if value < 0:
+            raise ValueError(
+                f"ModelProfile.{field_name} is {value}; must be >= 0 bytes per element"
+            )
 
 
 # --------------------------------------------------------------------------------------

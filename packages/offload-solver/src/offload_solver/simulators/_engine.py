@@ -28,13 +28,21 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   3. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``;
   4. ``publish``: the fp32 master cast into the training-dtype copy (pinned host
      parameters, or the upload buffer of a RESIDENT region), ``numel /
-     host_convert_elems_per_s``.
+     host_convert_elems_per_s``; none when ``host_upload_bytes_per_param >= 4`` (the
+     runtime uploads the fp32 master itself and narrows it on the device).
   Steps 1-2 run as the copy lands even when the step waits for the global answer; steps
   3-4 then run after the whole backward, in forward order. With
   ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. A RESIDENT
-  region's updated parameters go back on H2D after its publish (offloaded regions are
-  uploaded by the next forward anyway). H2D tasks issued at the same instant: parameter
-  uploads issued so far, then prefetches (the region needed first first).
+  region's updated parameters go back on H2D after its publish, or after its Adam step
+  when there is none (offloaded regions are uploaded by the next forward anyway). H2D
+  tasks issued at the same instant: parameter uploads issued so far, then prefetches
+  (the region needed first first).
+- Every upload above (sync upload, prefetch, post-step ``param_upload``) is of a
+  HOST-state region (offloaded regions always keep their state on the host; device-state
+  regions are RESIDENT and never uploaded), and moves ``size_bytes``, or ``numel *
+  host_upload_bytes_per_param`` when that is > 0 (4: fp32 masters, narrowed on the
+  device into the region's training-dtype buffer). Any device staging buffer the runtime
+  narrows from is not charged to memory: only the copy time changes.
 - DEVICE-state regions (RESIDENT only) keep ``numel * device_state_bytes_per_param``
   bytes on the device all step; their optimizer steps run on the compute lane after the
   whole backward.
@@ -176,7 +184,12 @@ class SimulationContext:
         self.pinned = [r.pinned for r in regions]
         self.op_start = [r.op_start for r in regions]
         self.op_end = [r.op_end for r in regions]
-        self.upload_s = [hw.h2d_time_s(s) for s in self.size]
+        # Only host-state regions are ever uploaded (see the note), so one list serves every
+        # upload kind: the training-dtype copy, or what the runtime sends per element.
+        per_elem = profile.host_upload_bytes_per_param
+        self.upload_bytes = [n * per_elem for n in self.numel] if per_elem > 0 else list(self.size)
+        """Per region, bytes one upload of its parameters moves host-to-device."""
+        self.upload_s = [hw.h2d_time_s(b) for b in self.upload_bytes]
         self.grad_d2h_s = [hw.d2h_time_s(n * profile.host_grad_bytes_per_param) for n in self.numel]
         self.host_step_s = [n / hw.host_adam_params_per_s for n in self.numel]
         # Host conversion passes of a host-state region (see the note); zero when the rate
@@ -186,7 +199,10 @@ class SimulationContext:
         self.partial_s = [
             hw.host_convert_time_s(n) if host_step_after_backward else 0.0 for n in self.numel
         ]
-        self.publish_s = [hw.host_convert_time_s(n) for n in self.numel]
+        # Uploading fp32 masters (narrowed on the device) leaves nothing to publish.
+        self.publishes = hw.host_convert_elems_per_s > 0 and per_elem < 4
+        """Whether host-state regions get a ``publish`` host task after their Adam step."""
+        self.publish_s = [hw.host_convert_time_s(n) if self.publishes else 0.0 for n in self.numel]
         self.grad_work = [
             tuple((k, w) for k, w in ((KIND_GRAD_WIDEN, a), (KIND_GRAD_PARTIAL, b)) if w > 0.0)
             for a, b in zip(self.widen_s, self.partial_s, strict=True)
@@ -470,7 +486,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     size, numel = ctx.size, ctx.numel
     gd, hs = ctx.grad_d2h_s, ctx.host_step_s
     grad_work, publish_s = ctx.grad_work, ctx.publish_s
-    converts = ctx.hardware.host_convert_elems_per_s > 0
+    publishes = ctx.publishes
     saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
     bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
     grads = out.grads
@@ -570,7 +586,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
                 e = s + hs[r]
                 last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, ready)
                 host_free = e
-                if converts:
+                if publishes:
                     e = e + publish_s[r]
                     last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
                     host_free = e
@@ -590,7 +606,7 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
             LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, ready if landed > bwd_end else bwd_task
         )
         host_free = e
-        if converts:
+        if publishes:
             e = e + publish_s[r]
             last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
             host_free = e
