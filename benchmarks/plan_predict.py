@@ -33,11 +33,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-convert-gelem", type=float, default=11.0)
     parser.add_argument("--host-adam-gparam", type=float, default=0.0, help="0: the default")
     parser.add_argument(
-        "--host-grad-bytes",
-        type=int,
-        default=2,
-        choices=(2, 4),
-        help="d2h bytes per gradient element: 4 models widen_grads_on_device=True",
+        "--convert",
+        default="both",
+        choices=("host", "device", "both"),
+        help="where host-state regions change dtype (memory_optimize's convert_on_device); "
+        "both: plan each and print both",
     )
     parser.add_argument("--with-mask", action="store_true", help="pass an all-ones mask")
     args = parser.parse_args(argv)
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from offload_gpt_example.models import build_model, random_batch
+    from offload_runtime.api import device_conversion_profile
     from offload_runtime.storage import required_host_bytes
     from offload_solver import InfeasibleBudgetError, solve
     from offload_solver.hardware import default_hardware
@@ -55,9 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.with_mask:
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
     traced = trace(model, inputs, dtype=torch.float16, target_device="cuda")
-    profile = dataclasses.replace(
-        traced.to_profile(), host_grad_bytes_per_param=args.host_grad_bytes
-    )
+    profile = traced.to_profile()
     print(
         f"{args.model} {args.batch}x{args.seq}: {profile.total_param_numel / 1e9:.2f} G params, "
         f"{len(traced.causal_attention)} attention nodes rewritten to is_causal, "
@@ -70,25 +69,33 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.host_adam_gparam > 0:
         hw = dataclasses.replace(hw, host_adam_params_per_s=args.host_adam_gparam * 1e9)
-    try:
-        plan = solve(
-            profile,
-            hw,
-            int(args.budget_gib * GiB),
-            solver=args.solver,
-            host_step_after_backward=True,  # fp16: the overflow answer comes first
+    modes = ("host", "device") if args.convert == "both" else (args.convert,)
+    status = 0
+    for mode in modes:
+        on_device = mode == "device"
+        variant = device_conversion_profile(profile) if on_device else profile
+        print(f"-- dtype conversion on the {mode}")
+        try:
+            plan = solve(
+                variant,
+                hw,
+                int(args.budget_gib * GiB),
+                solver=args.solver,
+                host_step_after_backward=True,  # fp16: the overflow answer comes first
+            )
+        except InfeasibleBudgetError as exc:
+            print(f"infeasible: least budget {exc.least_budget_bytes / 1e9:.2f} GB")
+            status = 1
+            continue
+        print("placements", "".join(rp.placement.value[0] for rp in plan.regions))
+        print("states    ", "".join(rp.state.value[0] for rp in plan.regions))
+        pinned = required_host_bytes(plan, torch.float16, convert_on_device=on_device)
+        print(
+            f"{len(plan.regions)} regions; predicted step {plan.predicted_step_time_s * 1e3:.1f} "
+            f"ms, peak {plan.predicted_peak_bytes / GiB:.2f} GiB of {args.budget_gib} GiB; "
+            f"pinned host memory {pinned / GiB:.1f} GiB"
         )
-    except InfeasibleBudgetError as exc:
-        print(f"infeasible: least budget {exc.least_budget_bytes / 1e9:.2f} GB")
-        return 1
-    print("placements", "".join(rp.placement.value[0] for rp in plan.regions))
-    print("states    ", "".join(rp.state.value[0] for rp in plan.regions))
-    print(
-        f"{len(plan.regions)} regions; predicted step {plan.predicted_step_time_s * 1e3:.1f} ms, "
-        f"peak {plan.predicted_peak_bytes / GiB:.2f} GiB of {args.budget_gib} GiB; pinned host "
-        f"memory {required_host_bytes(plan, torch.float16) / GiB:.1f} GiB"
-    )
-    return 0
+    return status
 
 
 if __name__ == "__main__":

@@ -18,19 +18,22 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from offload_runtime.module import OffloadModule
 from offload_solver import ParamPlacement, Plan, Region, RegionPlan, StatePlacement
+from offload_trace.tracer import _rewrite_causal_attention
 
 VOCAB = 96
 SEQ = 8
 
 
 class LogitsOnly(torch.nn.Module):
-    """``forward(input_ids, attention_mask) -> logits`` around a Hugging Face model."""
+    """``forward(input_ids, attention_mask=None) -> logits`` around a Hugging Face model."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits  # type: ignore[no-any-return]
 
@@ -128,6 +131,7 @@ def offload_module(
     all_host_state: bool = False,
     all_resident: bool = False,
     host_worker: bool | None = None,
+    convert_on_device: bool = False,
 ) -> OffloadModule:
     """An OffloadModule over a copy of ``model`` with a hand-made mixed plan.
 
@@ -135,6 +139,9 @@ def offload_module(
     ``all_host_state`` / ``all_resident`` override the mix: every region keeps its optimizer
     state on the host / its parameters on the device. ``host_worker=True`` runs host work on
     the runtime's worker thread even on the CPU (the threaded path CUDA machines take).
+    ``convert_on_device`` is the runtime's option of that name. A causal mask that export
+    materialised is rewritten to ``is_causal=True`` as ``offload_trace.trace`` does, so
+    that attention runs the fused kernels on CUDA.
     """
     device = torch.device(device)
     model = copy.deepcopy(model).to(device=device, dtype=dtype)
@@ -147,6 +154,9 @@ def offload_module(
         canon[name] = first[id(p)]
     ep = torch.export.export(model, (), inputs, strict=False)
     gm = ep.module()
+    _rewrite_causal_attention(gm, model)
+    graph_eval = ep.module()
+    _rewrite_causal_attention(graph_eval, model)
     numel = {name: p.numel() for name, p in named.items()}
     op_names, regions = _regions(gm, canon, numel, min_region_numel)
     tied = tuple(
@@ -203,7 +213,7 @@ def offload_module(
     return OffloadModule(
         plan=plan,
         graph_train=gm,
-        graph_eval=ep.module(),
+        graph_eval=graph_eval,
         param_targets={t: t for t in targets if isinstance(t, str) and t in canon},
         canonical=canon,
         buffers={},
@@ -213,6 +223,7 @@ def offload_module(
         op_names=op_names,
         tied_groups=tied,
         host_worker=host_worker,
+        convert_on_device=convert_on_device,
     )
 
 

@@ -34,7 +34,11 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 def build(
-    name: str, solver: str, *, host_worker: bool | None = None, widen: bool = False
+    name: str,
+    solver: str,
+    *,
+    host_worker: bool | None = None,
+    convert: bool | None = None,
 ) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     model = MODELS[name]()
@@ -51,9 +55,54 @@ def build(
         progress=False,
         block_search_range_bytes=0,
         host_worker=host_worker,
-        widen_grads_on_device=widen,
+        convert_on_device=convert,
     )
     return model, module, inp
+
+
+def test_converting_on_the_device_changes_no_bit_in_bf16() -> None:
+    # bf16 on the CPU: narrowing the fp32 master after the upload (convert_on_device) rounds
+    # exactly as casting it on the host first does, and widening gradients before or after
+    # the copy is exact, so logits and fp32 gradients agree bit for bit; no training-dtype
+    # host copy or staging buffer exists in that mode until something is accumulated.
+    results = []
+    for convert in (False, True):
+        torch.manual_seed(0)
+        model = MODELS["gpt2"]()
+        inp = inputs()
+        hw = default_cpu_profile()
+        budget = forcing_budget(model, inp, "asyn", torch.bfloat16, hw)
+        module = memory_optimize(
+            model,
+            inp,
+            budget,
+            "asyn",
+            dtype=torch.bfloat16,
+            hardware=hw,
+            device="cpu",
+            progress=False,
+            block_search_range_bytes=0,
+            host_worker=True,
+            convert_on_device=convert,
+        )
+        offloaded = [st for st in module.storages if st.offloaded]
+        assert offloaded
+        assert module.convert_on_device is convert
+        assert all((st.host_params is None) is convert for st in offloaded)
+        assert all((st.grad_staging is None) is convert for st in module.storages)
+        logits = module(**inp)
+        module.backward(loss_of(logits, inp["input_ids"]))
+        grads = {k: g.clone() for k, g in module.named_gradients()}
+        assert module.controller.stats["grads_to_accumulator"] == (
+            sum(st.host_state for st in module.storages) if convert else 0
+        )
+        results.append((logits.detach().float(), grads))
+        module.close()
+    (l0, g0), (l1, g1) = results
+    assert torch.equal(l0, l1)
+    assert g0.keys() == g1.keys()
+    for name in g0:
+        assert torch.equal(g0[name], g1[name]), name
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -85,9 +134,12 @@ def test_repeated_steps_accumulate_like_plain_training(
     solver: str, host_worker: bool, widen: bool
 ) -> None:
     # host_worker=True runs the CUDA machines' threaded host path (gradient accumulation on
-    # a worker thread, staging-buffer hand-off between backwards) on the CPU. widen: the
-    # first backward after zero_grad copies fp32 gradients straight into the accumulators.
-    model, module, inp = build("gpt2", solver, host_worker=host_worker, widen=widen)
+    # a worker thread, staging-buffer hand-off between backwards) on the CPU. widen
+    # (convert_on_device): the first backward after zero_grad copies fp32 gradients
+    # straight into the accumulators; the staging buffer appears only for the second.
+    model, module, inp = build("gpt2", solver, host_worker=host_worker, convert=widen)
+    if widen:
+        assert all(st.grad_staging is None for st in module.storages)
     host_regions = sum(st.host_state for st in module.storages)
     assert host_regions > 0
     other = inputs(seed=1)

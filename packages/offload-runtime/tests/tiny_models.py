@@ -25,13 +25,15 @@ VOCAB = 96
 
 
 class LogitsOnly(torch.nn.Module):
-    """``forward(input_ids, attention_mask) -> logits`` around a Hugging Face model."""
+    """``forward(input_ids, attention_mask=None) -> logits`` around a Hugging Face model."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits  # type: ignore[no-any-return]
 

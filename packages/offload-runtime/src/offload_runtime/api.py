@@ -14,7 +14,14 @@ from torch import fx
 
 from offload_runtime.hardware import MatmulShape, profile_hardware
 from offload_runtime.module import OffloadModule
-from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Plan, StatePlacement
+from offload_solver import (
+    HardwareProfile,
+    InfeasibleBudgetError,
+    ModelProfile,
+    ParamPlacement,
+    Plan,
+    StatePlacement,
+)
 from offload_solver import solve as solve_plan
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_trace import TracedModel, trace
@@ -95,7 +102,7 @@ def build_offload_module(
     device: torch.device,
     *,
     host_worker: bool | None = None,
-    widen_grads_on_device: bool = False,
+    convert_on_device: bool = False,
 ) -> OffloadModule:
     """Region storage from the model's real weights, passes applied to both graph modes."""
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -121,8 +128,14 @@ def build_offload_module(
         op_names=tuple(traced.operation_names),
         tied_groups=profile.tied_groups,
         host_worker=host_worker,
-        widen_grads_on_device=widen_grads_on_device,
+        convert_on_device=convert_on_device,
     )
+
+
+def device_conversion_profile(profile: ModelProfile) -> ModelProfile:
+    """``profile`` as a runtime with ``convert_on_device`` moves it: fp32 gradients to the
+    host, fp32 masters to the device (4 bytes per element each way), no host casts."""
+    return dataclasses.replace(profile, host_grad_bytes_per_param=4, host_upload_bytes_per_param=4)
 
 
 def memory_optimize(
@@ -139,7 +152,7 @@ def memory_optimize(
     host_step_after_backward: bool | None = None,
     state_on_device: bool = True,
     host_worker: bool | None = None,
-    widen_grads_on_device: bool = False,
+    convert_on_device: bool | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -163,11 +176,14 @@ def memory_optimize(
         state_on_device: allow the plan to keep optimizer state on the device (False: all
             on the host, the reference's behaviour).
         host_worker: host-side gradient work on a worker thread (default: on CUDA only).
-        widen_grads_on_device: copy host-state gradients to the host as fp32 (widened on
-            the device) straight into the accumulators when nothing is accumulated, instead
-            of in the training dtype for the host to widen: no host conversion pass, twice
-            the d2h bytes and longer-lived device gradients (the plan counts both). Off by
-            default until measured on a GPU.
+        convert_on_device: where host-state regions change dtype. True: on the device;
+            gradients cross to the host as fp32 straight into the accumulators (when nothing
+            is accumulated) and parameters are uploaded from the fp32 masters and narrowed
+            on the device, so the host makes no conversion pass (it only runs Adam) and
+            keeps no training-dtype copies, at twice the PCIe bytes and with longer-lived
+            device gradients (the plan counts both). False: in the training dtype, cast on
+            the host. None (default): plan both and keep the one the simulator predicts
+            faster (a host-bound step gains; a PCIe-bound one does not).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -182,26 +198,46 @@ def memory_optimize(
     say = _say if progress else _quiet
     t0 = time.perf_counter()
     traced = trace(model, inputs, dtype=dtype, target_device=dev.type)
-    profile = traced.to_profile(name=type(model).__name__)
-    if widen_grads_on_device:
-        profile = dataclasses.replace(profile, host_grad_bytes_per_param=4)
-    say(f"traced {len(profile.operations)} operations in {time.perf_counter() - t0:.1f} s")
+    base_profile = traced.to_profile(name=type(model).__name__)
+    say(f"traced {len(base_profile.operations)} operations in {time.perf_counter() - t0:.1f} s")
     if hardware is None:
         hardware = profile_hardware(
             dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
         )
     t1 = time.perf_counter()
-    plan = solve_plan(
-        profile,
-        hardware,
-        memory_budget,
-        solver=solver_name,
-        block_search_range_bytes=block_search_range_bytes,
-        host_step_after_backward=(
-            dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
-        ),
-        state_on_device=state_on_device,
+    after_backward = (
+        dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
     )
+    choices = [False, True] if convert_on_device is None else [convert_on_device]
+    candidates: list[tuple[float, bool, ModelProfile, Plan]] = []
+    errors: list[InfeasibleBudgetError] = []
+    for on_device in choices:
+        variant = device_conversion_profile(base_profile) if on_device else base_profile
+        try:
+            variant_plan = solve_plan(
+                variant,
+                hardware,
+                memory_budget,
+                solver=solver_name,
+                block_search_range_bytes=block_search_range_bytes,
+                host_step_after_backward=after_backward,
+                state_on_device=state_on_device,
+            )
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+            continue
+        candidates.append((variant_plan.predicted_step_time_s, on_device, variant, variant_plan))
+    if not candidates:
+        raise min(errors, key=lambda e: e.least_budget_bytes)
+    # Fastest predicted; a tie keeps host conversion (half the PCIe bytes).
+    _, on_device, profile, plan = min(candidates, key=lambda c: (c[0], c[1]))
+    if len(candidates) == 2:
+        times = {c[1]: c[0] for c in candidates}
+        say(
+            f"dtype conversion on the {'device' if on_device else 'host'}: predicted step "
+            f"{times[True] * 1e3:.1f} ms converting on the device, {times[False] * 1e3:.1f} ms "
+            "on the host"
+        )
     say(
         f"solver {solver_name}: {len(plan.regions)} regions, "
         f"{sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)} offloaded, "
@@ -215,7 +251,7 @@ def memory_optimize(
         plan,
         dev,
         host_worker=host_worker,
-        widen_grads_on_device=widen_grads_on_device,
+        convert_on_device=on_device,
     )
     module.profile = profile
     s = plan_summary(profile, plan)

@@ -35,9 +35,11 @@ from offload_solver import ParamPlacement, Plan
 
 log = logging.getLogger(__name__)
 
-_WIDEN_CHUNK_NUMEL = 4 << 20
-"""Elements widened to fp32 on the device at a time when gradients go straight into a
-host-state region's fp32 accumulator: 16 MiB of device memory, whatever the parameter."""
+_CONVERT_CHUNK_NUMEL = 4 << 20
+"""Elements converted at a time on the device with ``convert_on_device``: gradients widened
+to fp32 before their d2h copy, fp32 masters uploaded before they are narrowed. One chunk's
+fp32 copy, 16 MiB of device memory, exists at a time on each stream that converts (the
+planner's 5% budget margin covers it)."""
 
 GradReadyHook = Callable[[int], None]
 """Called with a region index once that region's fp32 gradients of a backward are complete.
@@ -57,6 +59,28 @@ def _take_grads(st: RegionStorage) -> tuple[list[torch.Tensor], list[Any]]:
             layouts.append(layout)
         param.grad = None
     return grads, layouts
+
+
+def _copy_up(st: RegionStorage, source: torch.Tensor | None = None) -> None:
+    """Queue, on the current stream, the copy of region ``st``'s parameters to the device.
+
+    ``source``: the host buffer to upload; default: the training-dtype host copy, or the
+    fp32 master when there is none (``convert_on_device``). An fp32 source crosses in
+    chunks of ``_CONVERT_CHUNK_NUMEL`` elements that are narrowed on the device: each
+    chunk's fp32 block is allocated on the current stream and dropped at once, so the next
+    chunk reuses it in stream order and one chunk is all the device memory it takes.
+    """
+    if source is None:
+        source = st.host_params if st.host_params is not None else st.master
+    dst = st.device_params
+    with torch.no_grad():
+        if source.dtype == dst.dtype:
+            dst.copy_(source, non_blocking=True)
+            return
+        for a in range(0, st.numel, _CONVERT_CHUNK_NUMEL):
+            b = min(st.numel, a + _CONVERT_CHUNK_NUMEL)
+            wide = source[a:b].to(dst.device, non_blocking=True)
+            dst[a:b].copy_(wide)
 
 
 class RegionState(Enum):
@@ -81,7 +105,7 @@ class OffloadController:
         *,
         host_worker: bool | None = None,
         batch_device_grads: bool = False,
-        widen_grads_on_device: bool = False,
+        convert_on_device: bool = False,
     ) -> None:
         """``host_worker``: run host-side gradient work (and optimizer steps hung off the
         grad-ready hooks) on a worker thread; default: on CUDA only. On the CPU it exists so
@@ -94,12 +118,15 @@ class OffloadController:
         step is launch-bound, but keeps those gradients alive until backward ends, so it is
         only for plans whose budget has room for them.
 
-        ``widen_grads_on_device``: when a host-state region's fp32 accumulator holds nothing
-        to add to, widen its gradients to fp32 on the device and copy them straight into it,
-        so the host makes no conversion pass (twice the d2h bytes; the plan must have been
-        made with ``host_grad_bytes_per_param=4``).
+        ``convert_on_device``: the host makes no dtype-conversion pass. When a host-state
+        region's fp32 accumulator holds nothing to add to, its gradients are widened to fp32
+        on the device and copied straight into it (twice the d2h bytes); its parameters are
+        uploaded from the fp32 master and narrowed on the device (twice the h2d bytes), so a
+        host optimizer step needs no cast to the training dtype afterwards. The storages
+        must have been built with the same flag, and the plan made with
+        ``host_grad_bytes_per_param=4`` and ``host_upload_bytes_per_param=4``.
         """
-        self.widen_grads_on_device = widen_grads_on_device
+        self.convert_on_device = convert_on_device
         self.plan = plan
         self.storages = storages
         self.batched_device_regions = frozenset(
@@ -189,12 +216,11 @@ class OffloadController:
             self.state[r] = RegionState.ON_DEVICE
             return
         st = self.storages[r]
-        assert st.host_params is not None and st.slot is not None
+        assert st.slot is not None
         self._claim_slot(r)
         self.streams.compute.wait(self.slot_free_event.get(st.slot))
-        with torch.no_grad():
-            # Queued on the compute stream: compute waits for it, the host does not.
-            st.device_params.copy_(st.host_params, non_blocking=True)
+        # Queued on the compute stream: compute waits for it, the host does not.
+        _copy_up(st)
         self.state[r] = RegionState.ON_DEVICE
         self.stats["sync_uploads"] += 1
 
@@ -204,7 +230,7 @@ class OffloadController:
         if self.state[r] is not RegionState.ON_HOST:
             return
         st = self.storages[r]
-        assert st.host_params is not None and st.slot is not None
+        assert st.slot is not None
         occupant = self.slot_occupant.get(st.slot)
         if occupant is not None and occupant != r:
             # The slot's previous region is still in use: r is uploaded at use instead.
@@ -215,8 +241,7 @@ class OffloadController:
         with h2d.context():
             # Do not overwrite the slot before compute has finished with its last occupant.
             h2d.wait(self.slot_free_event.get(st.slot))
-            with torch.no_grad():
-                st.device_params.copy_(st.host_params, non_blocking=True)
+            _copy_up(st)
             self.ready_event[r] = h2d.record()
         self.state[r] = RegionState.IN_FLIGHT
         self.stats["prefetches"] += 1
@@ -378,7 +403,6 @@ class OffloadController:
     def _offload_grads(
         self, st: RegionStorage, grads: list[torch.Tensor], layouts: list[Any]
     ) -> None:
-        assert st.grad_staging is not None
         r = st.index
         if not grads:
             empty = self._submit(lambda: self._host_accumulate(r, None))
@@ -397,7 +421,8 @@ class OffloadController:
         # host has no conversion pass to make. Otherwise they land in the training-dtype
         # staging buffer and the host worker adds them. Either way the values are the same:
         # widening to fp32 is exact.
-        direct = self.widen_grads_on_device and contiguous and self._accumulator_is_zero(st)
+        direct = self.convert_on_device and contiguous and self._accumulator_is_zero(st)
+        staging = None if direct else st.staging()
         d2h = self.streams.d2h
         d2h.wait(self.streams.compute.record())
         with d2h.context(), torch.no_grad():
@@ -406,11 +431,11 @@ class OffloadController:
             # on the device, memory the plan does not count.
             for (off, n), g in zip(offsets, grads, strict=True):
                 flat = g.reshape(-1)
-                if not direct:
-                    st.grad_staging[off : off + n].copy_(flat, non_blocking=True)
+                if staging is not None:
+                    staging[off : off + n].copy_(flat, non_blocking=True)
                     continue
-                for a in range(0, n, _WIDEN_CHUNK_NUMEL):
-                    b = min(n, a + _WIDEN_CHUNK_NUMEL)
+                for a in range(0, n, _CONVERT_CHUNK_NUMEL):
+                    b = min(n, a + _CONVERT_CHUNK_NUMEL)
                     # Allocated on the d2h stream and dropped at once: the next chunk reuses
                     # the block in stream order, so one chunk's fp32 copy is all that exists.
                     wide = flat[a:b].to(st.grad.dtype)
@@ -455,21 +480,21 @@ class OffloadController:
         self, r: int, done: Event | None, present: list[tuple[int, int]] | None = None
     ) -> None:
         st = self.storages[r]
-        assert st.grad_staging is not None
         if done is not None:
             done.synchronize()  # host worker thread only: waits for this region's d2h copy
         with torch.no_grad():
             self._relink_master_grad(st)
             if done is not None and present is None and st.grad_stale:
-                st.grad.copy_(st.grad_staging)  # overwrite: the accumulator was logically zero
+                st.grad.copy_(st.staging())  # overwrite: the accumulator was logically zero
                 st.grad_stale = False
             elif done is not None:
+                staging = st.staging()
                 st.materialize_grad()
                 if present is None:
-                    st.grad.add_(st.grad_staging)
+                    st.grad.add_(staging)
                 else:
                     for off, n in present:
-                        st.grad[off : off + n].add_(st.grad_staging[off : off + n])
+                        st.grad[off : off + n].add_(staging[off : off + n])
             else:
                 st.materialize_grad()
         self._notify(r)
@@ -610,21 +635,27 @@ class OffloadController:
     def publish(self, r: int) -> None:
         """Propagate region ``r``'s updated master into its training-dtype copies.
 
-        Host-state regions: call from the host worker (the cast runs on the CPU); a resident
-        one then uploads on the h2d stream and the next forward waits for it. Device-state
-        regions: call from the main thread; the cast is queued on the compute stream.
+        Host-state regions: call from the host worker (the cast runs on the CPU, or with
+        ``convert_on_device`` on the device after the upload; an offloaded region then has
+        nothing to do, its next upload reads the master); a resident one then uploads on the
+        h2d stream and the next forward waits for it. Device-state regions: call from the
+        main thread; the cast is queued on the compute stream.
         """
         st = self.storages[r]
         with torch.no_grad():
             if st.offloaded:
-                assert st.host_params is not None
-                st.host_params.copy_(st.master)
+                if st.host_params is not None:
+                    st.host_params.copy_(st.master)
             elif st.host_state:
-                assert st.grad_staging is not None
-                st.grad_staging.copy_(st.master)
+                source = st.master
+                if not st.convert_on_device:
+                    # Cast on the host into the staging buffer, free until the next backward
+                    # (whose copies the next forward's wait for this upload orders after).
+                    source = st.staging()
+                    source.copy_(st.master)
                 h2d = self.streams.h2d
                 with h2d.context():
-                    st.device_params.copy_(st.grad_staging, non_blocking=True)
+                    _copy_up(st, source)
                     self.ready_event[r] = h2d.record()
             else:
                 st.device_params.copy_(st.master)

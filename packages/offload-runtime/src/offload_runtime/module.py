@@ -52,7 +52,7 @@ class OffloadModule:
         op_names: tuple[str, ...],
         tied_groups: tuple[tuple[str, ...], ...] = (),
         host_worker: bool | None = None,
-        widen_grads_on_device: bool = False,
+        convert_on_device: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
@@ -63,8 +63,16 @@ class OffloadModule:
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         requires_grad = {name: bool(state[name].requires_grad) for name in shapes}
+        self.convert_on_device = convert_on_device
+        """Host-state regions convert dtypes on the device (see ``OffloadController``)."""
         self.storages, self.pool = build_storage(
-            plan, shapes, tied_groups, requires_grad, device, dtype
+            plan,
+            shapes,
+            tied_groups,
+            requires_grad,
+            device,
+            dtype,
+            convert_on_device=convert_on_device,
         )
         self._by_name: dict[str, RegionStorage] = {}
         for st in self.storages:
@@ -90,7 +98,7 @@ class OffloadModule:
             self.streams,
             host_worker=host_worker,
             batch_device_grads=device_grad_bytes <= room,
-            widen_grads_on_device=widen_grads_on_device,
+            convert_on_device=convert_on_device,
         )
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.

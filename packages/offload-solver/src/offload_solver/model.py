@@ -128,7 +128,7 @@ class ModelProfile:
     host_grad_bytes_per_param: int = 2
     """Bytes per parameter element copied device-to-host as a gradient: the training dtype's
     size, or 4 for a runtime that widens gradients to fp32 on the device before the copy
-    (the offload runtime's ``widen_grads_on_device`` option)."""
+    (the offload runtime's ``convert_on_device`` option)."""
     host_upload_bytes_per_param: int = 0
     """Bytes per parameter element that an upload of a host-state region's parameters
     moves host-to-device (sync upload, prefetch, and the post-step upload of a resident
