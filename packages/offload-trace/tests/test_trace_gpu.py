@@ -185,3 +185,17 @@ def test_head_dim_50_forward_peak_matches_cuda(with_mask: bool) -> None:
         assert 0.95 * measured <= predicted <= 1.45 * measured
     else:
         assert abs(predicted - measured) <= 0.10 * measured
+
+
+def test_causal_rewrite_applies_to_a_model_on_the_gpu() -> None:
+    """The causal mask's constants of a CUDA-resident model are evaluated on the CPU too.
+
+    At 1ad1767 a model built on the GPU made the pass compare a CUDA mask with a CPU
+    pattern and raise (found through the optim package's gpt2_xl test).
+    """
+    layers = 2
+    with torch.device("cuda"):
+        model = IdsOnly(gpt2(64, layers, 4, vocab=VOCAB, positions=128).lm).half()
+    ids = torch.randint(0, VOCAB, (2, 128), device="cuda")
+    traced = trace(model, {"input_ids": ids}, dtype=torch.float16, target_device="cuda")
+    assert len(traced.causal_attention) == layers

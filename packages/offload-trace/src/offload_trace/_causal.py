@@ -136,7 +136,8 @@ def _evaluate(nodes: list[fx.Node], lookup: ConstantLookup) -> Any:
                 value = lookup(str(node.target))
                 if value is None:
                     raise _NotProvable(f"{node.target} has no value at trace time")
-                env[node] = value
+                # A model on the GPU hands out GPU constants; everything here runs on the CPU.
+                env[node] = value.cpu() if isinstance(value, torch.Tensor) else value
                 continue
             args = fx.node.map_aggregate(fx.node.map_arg(node.args, env.__getitem__), _on_cpu)
             kwargs = fx.node.map_aggregate(fx.node.map_arg(node.kwargs, env.__getitem__), _on_cpu)
@@ -157,7 +158,7 @@ def _causal_pattern(mask: torch.Tensor, shape: tuple[int, int, int, int]) -> boo
         return False
     # Expand only the two trailing dimensions; leading ones are compared as they are.
     rows = mask.expand(*mask.shape[:-2], s_q, s_k) if mask.dim() >= 2 else mask.expand(s_q, s_k)
-    keep = torch.ones(s_q, s_k, dtype=torch.bool).tril()
+    keep = torch.ones(s_q, s_k, dtype=torch.bool, device=rows.device).tril()
     if rows.dtype == torch.bool:
         return bool((rows == keep).all())
     if not rows.is_floating_point():
