@@ -6,6 +6,7 @@ Run with ``nox -s gpu_tests`` on a CUDA machine.
 from __future__ import annotations
 
 import copy
+import gc
 import statistics
 import time
 
@@ -14,6 +15,7 @@ import torch
 from tiny_models import forcing_budget, gpt2, loss_of, offloaded_half
 
 from offload_runtime import OffloadModule, memory_optimize, profile_hardware
+from offload_runtime.storage import _alloc_host
 from offload_solver import ParamPlacement
 
 pytestmark = pytest.mark.gpu
@@ -145,3 +147,34 @@ def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
         f"async {medians['asyn'] * 1e3:.1f} ms"
     )
     assert medians["asyn"] < medians["syn"]
+
+
+def _host_allocator_bytes() -> int | None:
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if stats is None:
+        return None
+    return int(stats().get("allocated_bytes.current", 0))
+
+
+def test_host_buffers_are_pinned_at_their_exact_size() -> None:
+    """Region buffers are page-locked in place, not taken from PyTorch's caching host
+    allocator, which rounds each allocation up to a power of two (gpt2_6b: 2x the host
+    memory; see [Note: exact-size pinned memory] in storage.py)."""
+    numel = (3 << 20) + 5  # 12 MiB + 20 bytes: the caching allocator would take 16 MiB
+    before = _host_allocator_bytes()
+    buf = _alloc_host(numel, torch.float32, pin=True)
+    assert buf.is_pinned()
+    if before is not None:
+        assert _host_allocator_bytes() == before
+    buf.copy_(torch.arange(numel, dtype=torch.float32))
+    on_device = buf[1:].to("cuda", non_blocking=True)
+    back = torch.empty_like(buf[1:])
+    back.copy_(on_device, non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(back, buf[1:])
+    view = buf[7:]
+    del buf
+    gc.collect()
+    assert view.is_pinned()  # the view keeps the registered base alive
+    del view, back, on_device
+    gc.collect()

@@ -27,10 +27,12 @@ Tied parameters appear once, under the group's canonical name; every alias name 
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -68,8 +70,51 @@ def _view(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     return out
 
 
-def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+def _cudart() -> Any:
+    """The CUDA runtime bindings (``torch.cuda.cudart()``, untyped)."""
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _unregister(ptr: int) -> None:
+    with contextlib.suppress(Exception):  # interpreter shutdown: CUDA may be gone already
+        _cudart().cudaHostUnregister(ptr)
+
+
+def _pin_in_place(t: torch.Tensor) -> bool:
+    """Page-lock ``t``'s memory where it is (``cudaHostRegister``); False if that failed.
+
+    [Note: exact-size pinned memory]
+    ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator,
+    which rounds every allocation up to the next power of two: gpt2_6b's regions sit just
+    above one, so its fp32 masters and gradients (45 GiB) would pin 90 GiB, and the W4
+    benchmark was killed for host memory. Registering an ordinary allocation pins exactly
+    its size. The registration is undone when the tensor object that owns the memory is
+    collected (every view keeps it alive through ``_base``).
+    """
     try:
+        ptr = t.data_ptr()
+        err = _cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 0)
+        if int(err) != 0:
+            _cudart().cudaGetLastError()  # clear the error state
+            return False
+    except Exception:  # no CUDA runtime binding, or a driver that refuses: use the allocator
+        return False
+    if not t.is_pinned():
+        _unregister(ptr)
+        return False
+    weakref.finalize(t, _unregister, ptr)
+    return True
+
+
+def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """``numel`` elements of host memory, page-locked when ``pin`` (see
+    [Note: exact-size pinned memory]; falls back to PyTorch's pinned allocator)."""
+    try:
+        if pin:
+            t = torch.empty(numel, dtype=dtype)
+            if numel == 0 or _pin_in_place(t):
+                return t
+            del t
         return torch.empty(numel, dtype=dtype, pin_memory=pin)
     except RuntimeError as exc:
         nbytes = numel * torch.empty(0, dtype=dtype).element_size()
