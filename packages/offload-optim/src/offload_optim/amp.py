@@ -7,14 +7,23 @@ still runs backward for the regions before it. Whether that early step equals th
 after backward depends on whether the step needs a *global* answer first:
 - fp16 training needs to know whether any region overflowed (then no region steps);
 - global-norm clipping needs the norm over all regions (it scales every gradient).
-Both answers exist only once the last region's gradients are in. Options considered:
-1. step speculatively and undo when the answer says so: Adam is not invertible in floating
-   point, so an exact undo needs a copy of master and moments taken before the step, 12
-   bytes per parameter written and read back every step, against 28 bytes per parameter
-   for the step itself. It would nearly double the host step's memory traffic on every
-   step to save the rare overflowing or clipping step; rejected.
-2. speculate only where no answer is needed (chosen), and otherwise overlap only the
-   answer-independent work:
+Both answers exist only once the last region's gradients are in. Options:
+1. step speculatively and undo when the answer says so. Adam is not invertible in floating
+   point, so an exact undo needs master and moments as they were before the step. Taken as
+   a copy pass before the step, that is 24 bytes per parameter more memory traffic (12
+   written, 12 read back) on top of the step's 28: nearly double, every step, to save the
+   rare overflowing step; rejected in that form. Taken chunk by chunk in cache right
+   before each chunk's fused Adam (see [Note: speculative steps] in hybrid_adam.py: a
+   master backup, and the new moments written to a spare pair so that the old ones stay),
+   main memory sees about 32 bytes per parameter instead of 28 (plus the write-allocate
+   reads of the three fresh destinations on CPUs that do not stream them), and the commit
+   is a swap of references. Offered for fp16 overflow only, as
+   ``AMPOptimizer(..., speculate_fp16=True)`` (:attr:`OverlapMode.SPECULATIVE_UNDO`); it
+   costs 12 bytes per host-state parameter of host memory (8 with bf16 moments). Clipping
+   is not speculated: its factor changes the gradients of every step, so every step would
+   be undone. Measured on the GPU: not yet (benchmark kind ``ours_spec``).
+2. speculate only where no answer is needed, and otherwise overlap only the
+   answer-independent work (the default):
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
      host-state region steps in its hook. The gradients it reads are final, so the result
      is the step after backward, bit for bit.
@@ -24,6 +33,24 @@ Both answers exist only once the last region's gradients are in. Options conside
      backward runs; after backward the partials are combined, and the regions step then.
    Device-state regions always step after backward, all in one batch: their step is GPU
    work that would queue behind backward on the same stream anyway.
+SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
+region's hook steps it speculatively and returns its overflow partial, read in the same
+pass (``HybridAdam.speculate_region``); the step divides by the loss scale of the
+backward, which is the one :meth:`step` would use. :meth:`step` combines the partials as
+PARTIALS does. No overflow: the speculative steps are committed (a swap of moment
+references), queued for publishing in forward order together with the steps of the
+regions that did not speculate (the tail, below; nothing else changes), and the scale
+grows as usual. Overflow: every speculative step is undone (master from its backup, step
+counts restored; moments never written), the step is skipped and the scale backs off:
+:attr:`StepReport.undone_regions` and :attr:`AMPOptimizer.undone_steps` count it. The
+result is the PARTIALS result, bit for bit. Nothing is published before the commit, but
+the masters change in place under backward: until :meth:`step` decides, an eval forward
+or ``module.state_dict()`` would see stepped masters (those regions that upload straight
+from the master, with ``convert_on_device``) next to unstepped training-dtype copies
+(the others). Run such things after :meth:`step`, as the training loop does;
+``amp.state_dict()`` refuses to run mid-window. :meth:`zero_grad` (or
+``load_state_dict``) before :meth:`step` undoes the speculative steps. bf16 host moments
+speculate the same way (widened and narrowed per chunk, no extra copy).
 Speculation happens only in the backward of the last micro-batch of an accumulation
 window (``accumulation_steps`` says which one), so accumulated gradients are never stepped
 early. The hyperparameters an early step used are checked again in :meth:`step`: changing
@@ -55,7 +82,9 @@ After backward, the host steps also overlap the *next forward* (with ``overlap``
   backward has finished on the device (an event recorded on the d2h stream after
   backward, polled without blocking) leaves its region to :meth:`step`, which queues such
   regions in forward order: region 0, whose gradients arrive last, then steps first and
-  the next forward can start while the others step.
+  the next forward can start while the others step. SPECULATIVE_UNDO keeps the same
+  rule: such a hook only computes its overflow partial, and the region steps after the
+  answer, as in PARTIALS.
 ``overlap=False`` is the reference's behaviour: every host region steps in :meth:`step`,
 after backward, and :meth:`step` waits for them.
 """
@@ -67,7 +96,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -113,6 +142,9 @@ class OverlapMode(str, Enum):
     """Step the region (no global answer needed)."""
     PARTIALS = "partials"
     """Compute the region's overflow / norm partial; the region steps after backward."""
+    SPECULATIVE_UNDO = "speculative_undo"
+    """fp16: step the region speculatively and compute its overflow partial; the step is
+    committed, or undone exactly on overflow, after backward (``speculate_fp16``)."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +170,14 @@ class StepReport:
     step_end_s: float | None = None
     """When :meth:`AMPOptimizer.step` returned; host steps still queued then overlapped
     the caller's next work (the next forward)."""
+    undone_regions: int = 0
+    """Regions whose speculative step (SPECULATIVE_UNDO) this step undid: non-zero only in
+    a skipped step. ``region_steps`` still holds those steps' timings: the work was done."""
 
     @property
     def host_step_s(self) -> float:
-        """Total time of host-state region steps."""
+        """Total time of host-state region steps (with SPECULATIVE_UNDO, the publishes
+        after the commit are recorded as steps of their regions too)."""
         return sum(t.duration_s for t in self.region_steps if t.host)
 
     def hidden_fraction(self, backward_end_s: float | None = None) -> float:
@@ -201,6 +237,17 @@ class AMPOptimizer(torch.optim.Optimizer):
     - Overlap (``overlap=True``): host steps overlap backward and the next forward; see
       [Note: overlapping the host step with backward]. ``overlap=False`` steps everything
       after backward and waits (the reference's behaviour).
+    - ``speculate_fp16=True`` (off by default until measured on a GPU): in fp16 without
+      clipping, host-state regions step speculatively under backward, as bf16 does, and
+      are undone exactly in a step that overflows (:attr:`OverlapMode.SPECULATIVE_UNDO`);
+      the results are those of the default bit for bit. It costs 12 bytes of pageable host
+      memory per host-state parameter (8 with bf16 moments: a master backup and a spare
+      pair of moments, allocated at the first speculative backward; a RuntimeError names
+      the bytes when host memory is short) and a little more host memory traffic per step.
+      Turn it on when the fp16 host step is what the step waits for after backward (host
+      state dominates and backward is long enough to hide it) and host memory has room.
+      No effect in bf16 / fp32 (they speculate without it), with clipping (every step
+      would be undone: PARTIALS is kept), or with ``overlap=False``.
     - ``param_groups`` are the HybridAdam's own, so ``torch.optim.lr_scheduler``
       schedulers take this object (or the HybridAdam) and the step uses their lr.
     - :meth:`state_dict` holds master weights, Adam moments, the scaler and the step count.
@@ -222,6 +269,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         *,
         accumulation_steps: int = 1,
         overlap: bool = True,
+        speculate_fp16: bool = False,
     ) -> None:
         if not isinstance(optimizer, HybridAdam):
             raise TypeError(
@@ -258,8 +306,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         self.norm_type = float(norm_type)
         self.accumulation_steps = int(accumulation_steps)
         self.overlap = overlap
+        self.speculate_fp16 = bool(speculate_fp16)
         self.step_count = 0
         """Optimizer steps taken (skipped steps excluded)."""
+        self.undone_steps = 0
+        """Steps whose speculative host steps were undone because the gradients overflowed
+        (SPECULATIVE_UNDO; 0 otherwise)."""
         self._last_step: StepReport | None = None
         # The last step's report without its region timings, the list the timings go to
         # and the host steps still queued: last_step completes the report once they are done.
@@ -269,11 +321,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._window_mode = OverlapMode.NONE
         self._host_mode = OverlapMode.NONE  # read by hooks on the host worker
         self._notified: set[int] = set()  # regions whose gradients arrived in the window
-        self._stepped: set[int] = set()  # regions stepped early (SPECULATIVE)
-        self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS)
-        self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE)
+        self._stepped: set[int] = set()  # regions stepped early (SPECULATIVE, _UNDO)
+        self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS, _UNDO)
+        self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE, _UNDO)
+        self._spec_scale: float | None = None  # what speculative steps divide by (_UNDO)
         self._timings: list[RegionStepTiming] = []  # the window's region steps
-        # Recorded on the d2h stream after the last backward (SPECULATIVE): once complete,
+        # Recorded on the d2h stream after the last backward (SPECULATIVE, _UNDO): once complete,
         # hooks leave their region to step() (see the note's SPECULATIVE tail).
         self._backward_done: Event | None = None
         self._backward_s: tuple[float, float] | None = None
@@ -310,12 +363,19 @@ class AMPOptimizer(torch.optim.Optimizer):
                 f"AMPOptimizer(accumulation_steps={self.accumulation_steps}) steps after "
                 "every that many micro-batches: call step() (or zero_grad() to drop them)"
             )
-        self._micro += 1
-        last = self._micro == self.accumulation_steps
+        last = self._micro + 1 == self.accumulation_steps
         mode = OverlapMode.NONE
         if last and self.overlap:
             mode = OverlapMode.PARTIALS if self._needs_answer() else OverlapMode.SPECULATIVE
-        if mode is OverlapMode.SPECULATIVE:
+            if self.speculate_fp16 and self.scaling and self.clipping_norm == 0:
+                mode = OverlapMode.SPECULATIVE_UNDO
+        if mode is OverlapMode.SPECULATIVE_UNDO:
+            # Allocated once, here on the main thread: a shortage raises before backward.
+            self.optimizer.prepare_speculation()
+            scale = self.scaler.scale  # step() divides by it: the scaler changes only there
+            self._spec_scale = None if scale == 1.0 else scale
+        self._micro += 1
+        if mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO):
             self._hypers = self.optimizer.hypers()
         self._window_mode = mode
         self._backward_done = None
@@ -326,7 +386,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         start = time.perf_counter()
         self.module.backward(scaled)
         self._backward_s = (start, time.perf_counter())
-        if mode is OverlapMode.SPECULATIVE:
+        if mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO):
             # Every gradient copy of this backward is queued on d2h by now.
             self._backward_done = self.controller.streams.d2h.record()
 
@@ -347,7 +407,20 @@ class AMPOptimizer(torch.optim.Optimizer):
                 return  # backward is over on the device: step() queues r in forward order
             if self.optimizer.step_region(r, hypers=self._hypers, timings=self._timings):
                 self._stepped.add(r)
-        elif mode is OverlapMode.PARTIALS:
+            return
+        if mode is OverlapMode.SPECULATIVE_UNDO:
+            done = self._backward_done
+            if done is None or not done.query():
+                part = self.optimizer.speculate_region(
+                    r, self._spec_scale, hypers=self._hypers, timings=self._timings
+                )
+                if part is not None:
+                    self._stepped.add(r)
+                    self._partials[r] = part
+                    return
+            # Backward is over on the device (or the region had no gradient): the partial
+            # alone, and the region steps after the answer, as in PARTIALS.
+        if mode in (OverlapMode.PARTIALS, OverlapMode.SPECULATIVE_UNDO):
             grad = self.optimizer.region_grad(r)
             as_norm = self.clipping_norm > 0
             self._partials[r] = _partials_of([grad], self.norm_type, as_norm)[0]
@@ -434,14 +507,15 @@ class AMPOptimizer(torch.optim.Optimizer):
         timings = self._timings
         hypers = self.optimizer.hypers()
         futures: dict[int, Future[None]] = {}
+        undone = 0
+        # Whether host regions stepped in their hooks depends on thread timing (see the
+        # SPECULATIVE tail), so a changed lr is refused whenever one could have.
+        early = mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO) and any(
+            self.optimizer.region_storage(r).host_state
+            for r in self._notified
+            if self.optimizer.has_region(r)
+        )
         if mode is OverlapMode.SPECULATIVE:
-            # Whether host regions stepped in their hooks depends on thread timing (see the
-            # SPECULATIVE tail), so this raises whenever one could have.
-            early = any(
-                self.optimizer.region_storage(r).host_state
-                for r in self._notified
-                if self.optimizer.has_region(r)
-            )
             if early and hypers != self._hypers:
                 raise RuntimeError(
                     "hyperparameters changed between backward() and step(), but host regions "
@@ -452,6 +526,19 @@ class AMPOptimizer(torch.optim.Optimizer):
             rest = self._notified - self._stepped
             futures = self._step_regions(rest, None, hypers, timings)
         else:
+            if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
+                self.optimizer.undo_speculation()
+                self._reset_window()
+                raise RuntimeError(
+                    "hyperparameters changed between backward() and step(), but host regions "
+                    "stepped speculatively during backward with the old ones; the step was "
+                    "not taken (undone): call zero_grad() and run the batch again, and "
+                    "change the lr (e.g. scheduler.step()) after step() and before the next "
+                    "backward()"
+                )
+            assert mode is not OverlapMode.SPECULATIVE_UNDO or self._spec_scale == (
+                None if scale == 1.0 else scale
+            ), "speculative steps divided by another loss scale"
             divisor = scale
             if self._needs_answer():
                 total, is_norm = self._combine(self.norm_type, fresh=False)
@@ -465,10 +552,20 @@ class AMPOptimizer(torch.optim.Optimizer):
                         clip = (self.clipping_norm / (unscaled + _CLIP_EPS)).clamp(max=1.0)
                         coef = float(clip)
                 skipped = self.scaling and overflow
-            if not skipped:
+            if skipped:
+                # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
+                undone = len(self.optimizer.undo_speculation())
+                if undone:
+                    self.undone_steps += 1
+            else:
                 divisor = scale / coef
                 grad_scale = None if divisor == 1.0 else divisor
-                futures = self._step_regions(self._notified, grad_scale, hypers, timings)
+                # SPECULATIVE_UNDO: those stepped in their hooks are only published now, in
+                # forward order among the rest (else nothing was stepped early).
+                stepped = self.optimizer.commit_speculation()
+                futures = self._step_regions(
+                    self._notified, grad_scale, hypers, timings, stepped=stepped
+                )
         if self.scaling:
             self.scaler.update(skipped)
         if not skipped:
@@ -486,6 +583,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             backward_start_s=None if backward_s is None else backward_s[0],
             backward_end_s=None if backward_s is None else backward_s[1],
             step_end_s=time.perf_counter(),
+            undone_regions=undone,
         )
         self._last_step = None
         self._pending = (report, timings, list(futures.values()))
@@ -497,10 +595,21 @@ class AMPOptimizer(torch.optim.Optimizer):
         grad_scale: float | None,
         hypers: dict[int, AdamHyper],
         timings: list[RegionStepTiming],
+        *,
+        stepped: Collection[int] = (),
     ) -> dict[int, Future[None]]:
-        """Step ``regions`` and the plain parameters; host regions queued in forward order."""
+        """Step ``regions`` and the plain parameters; host regions queued in forward order.
+
+        ``stepped``: host-state regions of ``regions`` already stepped (committed
+        speculative steps), only published in their turn.
+        """
         return self.optimizer.step_regions(
-            regions, grad_scale, wait=not self.overlap, hypers=hypers, timings=timings
+            regions,
+            grad_scale,
+            wait=not self.overlap,
+            hypers=hypers,
+            timings=timings,
+            stepped=stepped,
         )
 
     @property
@@ -535,6 +644,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._stepped = set()
         self._partials = {}
         self._hypers = {}
+        self._spec_scale = None
         self._timings = []
         self._backward_done = None
         self._backward_s = None
@@ -544,9 +654,11 @@ class AMPOptimizer(torch.optim.Optimizer):
 
         Does not wait for host steps queued by :meth:`step` (see the note); waits for host
         gradient work still running. ``set_to_none`` (default) lets the runtime overwrite
-        each region's accumulator when its next gradients arrive.
+        each region's accumulator when its next gradients arrive. Speculative steps of a
+        window dropped before :meth:`step` (SPECULATIVE_UNDO) are undone.
         """
         self.optimizer.zero_grad(set_to_none)  # waits for host gradient work only
+        self.optimizer.undo_speculation()
         self._reset_window()
 
     # ---- clipping on demand --------------------------------------------------------

@@ -20,21 +20,48 @@ and so does its ``controller.publish``; device-state regions and plain parameter
 stepped on the calling thread. A region is only ever stepped by one thread at a time.
 :meth:`HybridAdam.step` waits for the host steps; ``AMPOptimizer`` does not (see [Note:
 overlapping the host step with backward] in amp.py).
+
+[Note: speculative steps]
+A host-state region can be stepped before it is known whether the step should happen (fp16
+overflow; see amp.py's note, option 1) and the step undone exactly if not. Adam is not
+invertible in floating point, so the undo needs what the step overwrote.
+:meth:`HybridAdam.speculate_region` keeps it at little memory traffic: per chunk of about
+1M elements (``kernels.SPECULATE_CHUNK_NUMEL``), in cache, it copies the master into a
+backup and the moments into a *spare* pair of moment buffers, then runs the fused kernel
+on (master, gradient, spare moments). Main memory sees the master, gradient and moments
+read once and the master, backup and spare moments written once: about 32 bytes per
+parameter (36 counting the unscaled gradient the kernel writes back) against 28 (32) for
+the plain step, instead of 52 for a backup pass before the step. bf16 moments are widened
+from the moments and narrowed into the spare ones, as the chunked bf16 route does, so they
+add no copy at all (only the backup).
+- commit (:meth:`commit_speculation`): each stepped segment swaps its moment buffers with
+  the spare ones, and the ``state`` entries of its parameters are re-pointed: a reference
+  swap, no copy. The buffers therefore alternate between steps: a tensor taken from
+  ``state`` earlier may be the spare one afterwards; read ``state`` again after a step.
+- undo (:meth:`undo_speculation`): the master is copied back from the backup (8 bytes per
+  parameter, only in the rare undone step) and the step counts are restored; the moments
+  were never written.
+The extra host memory is 12 bytes per host-state parameter (8 with bf16 moments), pageable,
+allocated once by :meth:`HybridAdam.prepare_speculation`. Nothing is published by a
+speculative step: the caller publishes after the commit
+(``submit_host_steps(..., stepped=...)``). While a step is uncommitted, ``state_dict``,
+``load_state_dict`` and other steps of the region refuse to run.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
-from offload_optim.kernels import AdamHyper, fused_adam_
+from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
 from offload_runtime.storage import RegionStorage, region_of
 
 if TYPE_CHECKING:
@@ -76,6 +103,7 @@ class _Segment:
         exp_avg_sq: torch.Tensor,
         grad: torch.Tensor | None = None,
         grad_views: tuple[torch.Tensor, ...] = (),
+        start: int = 0,
     ) -> None:
         self.group = group
         self.views = views
@@ -89,6 +117,27 @@ class _Segment:
         self.exp_avg_sq = exp_avg_sq
         # fp32 0-dim on the parameter's device, as the fused kernels read it.
         self.step = torch.zeros((), dtype=torch.float32, device=param.device)
+        self.start = start
+        """Offset of the segment in its region's flat buffers (0 for a plain parameter)."""
+        self.spare: tuple[torch.Tensor, torch.Tensor] | None = None
+        """Where a speculative step writes the next moments (see [Note: speculative
+        steps]); swapped with (``exp_avg``, ``exp_avg_sq``) when the step is committed."""
+        self.spare_views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        """``spare`` cut per parameter of ``views``, shaped like it (what ``state`` shows)."""
+
+
+class _Spare:
+    """A host-state region's buffers for speculative steps (see [Note: speculative steps])."""
+
+    def __init__(self, numel: int, moments_dtype: torch.dtype) -> None:
+        # Pageable: the host step is their only reader and writer, nothing crosses PCIe.
+        self.backup = torch.empty(numel, dtype=torch.float32)
+        """The master as it was before the speculative step (of the stepped segments)."""
+        self.exp_avg = torch.empty(numel, dtype=moments_dtype)
+        self.exp_avg_sq = torch.empty(numel, dtype=moments_dtype)
+        self.pending: list[tuple[_Segment, float]] = []
+        """Segments stepped speculatively and not yet committed, with their step count
+        before that step."""
 
 
 class _RegionState:
@@ -98,6 +147,24 @@ class _RegionState:
         self.exp_avg = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
         self.exp_avg_sq = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
         self.segments: list[_Segment] = []
+        self.spare: _Spare | None = None
+        """Allocated by :meth:`HybridAdam.prepare_speculation` (host-state regions only)."""
+
+    @property
+    def spare_bytes(self) -> int:
+        """Host bytes :class:`_Spare` takes: an fp32 master backup and two moment buffers."""
+        return self.storage.numel * (4 + 2 * self.exp_avg.element_size())
+
+
+def _available_host_bytes() -> int | None:
+    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class HybridAdam(torch.optim.Optimizer):
@@ -154,6 +221,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._controller: OffloadController | None = None
         self._masters: dict[int, tuple[RegionStorage, str]] | None = None
         self._laid_out = False
+        self._speculated: set[int] = set()  # regions with an uncommitted speculative step
         self.timings: list[RegionStepTiming] = []
         """Region steps since this list was last cleared (appended from two threads)."""
         defaults = {
@@ -252,8 +320,11 @@ class HybridAdam(torch.optim.Optimizer):
                 rs.exp_avg_sq[start:stop],
                 grad=st.grad[start:stop],
                 grad_views=tuple(st.grad_views[name] for _, name, _ in run),
+                start=start,
             )
             rs.segments.append(seg)
+            if rs.spare is not None:
+                self._attach_spare(rs.spare, seg)
             for offset, _, p in run:
                 n = p.numel()
                 self.state[p] = {
@@ -409,6 +480,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._ensure_laid_out()
         if r not in self._regions:
             return False
+        if r in self._speculated:
+            self._refuse_speculated(f"step_region({r})")
         controller = self._require_controller()
         start = time.perf_counter()
         segments = self._segments_with_grad(r)
@@ -423,6 +496,213 @@ class HybridAdam(torch.optim.Optimizer):
             )
         )
         return True
+
+    # ---- speculative steps ---------------------------------------------------------
+
+    @staticmethod
+    def _attach_spare(spare: _Spare, seg: _Segment) -> None:
+        stop = seg.start + seg.param.numel()
+        seg.spare = (spare.exp_avg[seg.start : stop], spare.exp_avg_sq[seg.start : stop])
+        views = []
+        offset = 0
+        for p in seg.views:
+            n = p.numel()
+            m, v = seg.spare
+            views.append(
+                (m[offset : offset + n].view(p.shape), v[offset : offset + n].view(p.shape))
+            )
+            offset += n
+        seg.spare_views = tuple(views)
+
+    def speculation_bytes(self) -> int:
+        """Host bytes :meth:`prepare_speculation` still has to allocate.
+
+        Per host-state parameter: an fp32 master backup and a second pair of Adam moments,
+        12 bytes with fp32 moments, 8 with bf16 moments.
+        """
+        self._ensure_laid_out()
+        return sum(
+            rs.spare_bytes
+            for rs in self._regions.values()
+            if rs.storage.host_state and rs.spare is None
+        )
+
+    def prepare_speculation(self) -> None:
+        """Allocate the buffers of speculative steps for every host-state region (once).
+
+        Raises RuntimeError, naming the bytes, when host memory is short; nothing stays
+        allocated then. Main thread.
+        """
+        self._ensure_laid_out()
+        todo = [rs for rs in self._regions.values() if rs.storage.host_state and rs.spare is None]
+        if not todo:
+            return
+        need = sum(rs.spare_bytes for rs in todo)
+        available = _available_host_bytes()
+        message = (
+            f"speculative fp16 steps need {need / 2**30:.2f} GiB ({need} bytes) more host "
+            "memory (per host-state parameter an fp32 master backup and a second pair of "
+            "Adam moments: 12 bytes, 8 with bf16 moments)"
+        )
+        fix = (
+            "free host memory, keep more optimizer state on the device (a larger budget), "
+            "or build AMPOptimizer(..., speculate_fp16=False)"
+        )
+        if available is not None and need > available:
+            raise RuntimeError(
+                f"{message}, but only {available / 2**30:.2f} GiB is available; {fix}"
+            )
+        try:
+            for rs in todo:
+                rs.spare = _Spare(rs.storage.numel, rs.exp_avg.dtype)
+                for seg in rs.segments:
+                    self._attach_spare(rs.spare, seg)
+        except RuntimeError as exc:  # the allocator's "can't allocate memory"
+            for rs in todo:
+                rs.spare = None
+                for seg in rs.segments:
+                    seg.spare = None
+                    seg.spare_views = ()
+            raise RuntimeError(f"{message}, and allocating them failed; {fix}") from exc
+
+    @property
+    def speculated_regions(self) -> frozenset[int]:
+        """Regions stepped speculatively and neither committed nor undone yet."""
+        return frozenset(self._speculated)
+
+    @torch.no_grad()
+    def speculate_region(
+        self,
+        r: int,
+        grad_scale: float | None = None,
+        *,
+        hypers: dict[int, AdamHyper] | None = None,
+        timings: list[RegionStepTiming] | None = None,
+    ) -> torch.Tensor | None:
+        """Step host-state region ``r`` so that the step can be undone exactly.
+
+        The step's values are those of :meth:`step_region` (same kernel, hyperparameters
+        and step count), but it keeps a backup of the master and writes the new moments to
+        the spare buffers (see [Note: speculative steps]). The new weights are not
+        published: :meth:`commit_speculation` then ``submit_host_steps(...,
+        stepped=...)`` do that, or :meth:`undo_speculation` restores the region.
+        Host worker (a grad-ready hook); :meth:`prepare_speculation` must have run.
+
+        Returns the L1 norm of the region's whole gradient before the step (0-dim fp32,
+        finite exactly when every element is), or None when the region had no gradients
+        (nothing stepped).
+        """
+        self._ensure_laid_out()
+        rs = self._regions[r]
+        if not rs.storage.host_state:
+            raise ValueError(f"speculate_region got device-state region {r}")
+        if rs.spare is None:
+            raise RuntimeError(
+                f"region {r} has no buffers for a speculative step: call prepare_speculation()"
+            )
+        if r in self._speculated:
+            raise RuntimeError(
+                f"region {r} was already stepped speculatively in this window; "
+                "commit_speculation() or undo_speculation() first"
+            )
+        start = time.perf_counter()
+        segments = self._segments_with_grad(r)
+        if not segments:
+            return None
+        # The gradient check must see the whole region, as the non-speculative check does:
+        # when segments without gradients leave parts of it out, read it all first.
+        covered = sum(seg.param.numel() for seg in segments) == rs.storage.numel
+        whole = None if covered else torch.linalg.vector_norm(rs.storage.grad, 1.0)
+        scale = None
+        if grad_scale is not None and grad_scale != 1.0:
+            scale = torch.full((), grad_scale, dtype=torch.float32)
+        parts = []
+        for seg in segments:
+            assert seg.grad is not None and seg.spare is not None
+            hyper = AdamHyper.of_group(seg.group) if hypers is None else hypers[id(seg.group)]
+            before = float(seg.step)
+            seg.step.add_(1.0)  # as _run counts it
+            stop = seg.start + seg.param.numel()
+            try:
+                parts.append(
+                    speculative_adam_(
+                        seg.param,
+                        seg.grad,
+                        seg.exp_avg,
+                        seg.exp_avg_sq,
+                        seg.spare[0],
+                        seg.spare[1],
+                        rs.spare.backup[seg.start : stop],
+                        seg.step,
+                        hyper,
+                        scale,
+                    )
+                )
+            except BaseException:
+                seg.step.fill_(before)
+                raise
+            rs.spare.pending.append((seg, before))
+        self._speculated.add(r)
+        sink = self.timings if timings is None else timings
+        sink.append(RegionStepTiming(r, start, time.perf_counter(), host=True))
+        return whole if whole is not None else torch.stack(parts).sum()
+
+    def commit_speculation(self) -> list[int]:
+        """Make the speculative steps final; returns their regions, in forward order.
+
+        The next moments become the moments by a swap of references (segments and
+        ``state`` entries), no copy; the masters are stepped already. Publishing the new
+        weights is left to the caller (``submit_host_steps(..., stepped=...)``). Main
+        thread, once the host worker has finished the speculative steps.
+        """
+        done = sorted(self._speculated)
+        for r in done:
+            spare = self._regions[r].spare
+            assert spare is not None
+            for seg, _ in spare.pending:
+                assert seg.spare is not None
+                seg.spare, seg.exp_avg, seg.exp_avg_sq = (
+                    (seg.exp_avg, seg.exp_avg_sq),
+                    seg.spare[0],
+                    seg.spare[1],
+                )
+                old = []
+                for p, (m, v) in zip(seg.views, seg.spare_views, strict=True):
+                    entry = self.state[p]
+                    old.append((entry["exp_avg"], entry["exp_avg_sq"]))
+                    entry["exp_avg"], entry["exp_avg_sq"] = m, v
+                seg.spare_views = tuple(old)
+            spare.pending.clear()
+        self._speculated.clear()
+        return done
+
+    @torch.no_grad()
+    def undo_speculation(self) -> list[int]:
+        """Undo the speculative steps exactly; returns their regions, in forward order.
+
+        Restores each stepped segment's master from its backup and its step count; the
+        moments were never written (the step wrote the spare ones). Main thread, once the
+        host worker has finished the speculative steps; nothing was published, so nothing
+        else changes.
+        """
+        done = sorted(self._speculated)
+        for r in done:
+            spare = self._regions[r].spare
+            assert spare is not None
+            for seg, before in spare.pending:
+                stop = seg.start + seg.param.numel()
+                seg.param.copy_(spare.backup[seg.start : stop])
+                seg.step.fill_(before)
+            spare.pending.clear()
+        self._speculated.clear()
+        return done
+
+    def _refuse_speculated(self, what: str) -> None:
+        if self._speculated:
+            raise RuntimeError(
+                f"{what} while regions {sorted(self._speculated)} hold an uncommitted "
+                "speculative step; finish the window first (AMPOptimizer.step() or zero_grad())"
+            )
 
     @torch.no_grad()
     def step_device_regions(
@@ -472,6 +752,7 @@ class HybridAdam(torch.optim.Optimizer):
         *,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
+        stepped: Collection[int] = (),
     ) -> dict[int, Future[None]]:
         """Queue host-state ``regions``' steps on the host worker, in the given order.
 
@@ -483,6 +764,8 @@ class HybridAdam(torch.optim.Optimizer):
         flat accumulators, which stay) and the hyperparameters (``hypers``, default a
         snapshot now: a scheduler may change ``lr`` before the worker gets there). One
         task steps the regions one after another, so their publishes come in that order.
+        Regions of ``regions`` also in ``stepped`` were stepped already (committed
+        speculative steps): they are only published, in their place in the order.
         """
         self._ensure_laid_out()
         controller = self._require_controller()
@@ -493,6 +776,11 @@ class HybridAdam(torch.optim.Optimizer):
                     f"submit_host_steps got device-state region {r}; step it with "
                     "step_device_regions on the main thread"
                 )
+            if r in stepped:
+                jobs.append((r, []))  # publish only
+                continue
+            if r in self._speculated:
+                self._refuse_speculated(f"submit_host_steps of region {r}")
             segs = self._segments_with_grad(r)
             if segs:
                 jobs.append((r, segs))
@@ -521,7 +809,8 @@ class HybridAdam(torch.optim.Optimizer):
         try:
             for r, segments in jobs:
                 start = time.perf_counter()
-                self._run(segments, grad_scale, hypers)
+                if segments:
+                    self._run(segments, grad_scale, hypers)
                 controller.publish(r)
                 sink.append(RegionStepTiming(r, start, time.perf_counter(), host=True))
                 futures[r].set_result(None)
@@ -552,6 +841,7 @@ class HybridAdam(torch.optim.Optimizer):
         wait: bool = True,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
+        stepped: Collection[int] = (),
     ) -> dict[int, Future[None]]:
         """Step ``regions`` (default: all) and, if ``plain``, the plain parameters.
 
@@ -559,7 +849,8 @@ class HybridAdam(torch.optim.Optimizer):
         (:meth:`submit_host_steps`) and run while this thread steps the device-state
         regions (all in one batch). With ``wait`` this returns when all are done (a host
         sync point); otherwise at once, with the host regions' futures. ``hypers``: a
-        :meth:`hypers` snapshot for every region (default: now).
+        :meth:`hypers` snapshot for every region (default: now). ``stepped``: host-state
+        regions stepped already, only published (see :meth:`submit_host_steps`).
         """
         self._ensure_laid_out()
         chosen = self._region_list if regions is None else sorted(regions)
@@ -569,7 +860,9 @@ class HybridAdam(torch.optim.Optimizer):
         device = [r for r in chosen if not self._regions[r].storage.host_state]
         futures: dict[int, Future[None]] = {}
         if host:
-            futures = self.submit_host_steps(host, grad_scale, hypers=snapshot, timings=timings)
+            futures = self.submit_host_steps(
+                host, grad_scale, hypers=snapshot, timings=timings, stepped=stepped
+            )
         if device:
             self.step_device_regions(device, grad_scale, hypers=snapshot, timings=timings)
         if plain:
@@ -670,9 +963,11 @@ class HybridAdam(torch.optim.Optimizer):
 
         Moments are copied to CPU tensors in their stored dtype; ``step`` is a 0-dim fp32
         tensor, as ``torch.optim.AdamW(fused=True)`` keeps it, so either can load the other's.
+        Refused while a speculative step is uncommitted: it holds committed state only.
         """
         if self._controller is not None:
             self._controller.wait_host()
+        self._refuse_speculated("state_dict()")
         self._ensure_laid_out()
         groups = []
         index = 0
@@ -696,6 +991,7 @@ class HybridAdam(torch.optim.Optimizer):
         """
         if self._controller is not None:
             self._controller.wait_host()
+        self._refuse_speculated("load_state_dict()")
         self._ensure_laid_out()
         saved_groups = state_dict.get("param_groups")
         saved_state = state_dict.get("state")

@@ -42,6 +42,17 @@ CHUNK_NUMEL = 4 << 20
 1M to 16M ran equally fast on the H200 host; on a loaded 2-core host every parallel region
 waits for busy cores, and 4M ran 2x faster than 1M there, so fewer, larger chunks win."""
 
+SPECULATE_CHUNK_NUMEL = 1 << 20
+"""Elements per chunk of :func:`speculative_adam_`. A chunk's master, gradient and the three
+copies it writes (master backup, next moments) take 20 MiB in fp32: they stay in the host's
+last-level cache between the copies and the fused kernel that re-reads them (server hosts
+have tens of MiB of L3; the H200 host's 16 cores each take 64K elements of a chunk), so
+main memory sees each byte once. Much smaller chunks pay a parallel-region start per chunk
+on every core (256K ran the bf16 route 1.6x slower than 1M on the H200 host). A multiple of
+64 elements: torch's CPU kernel runs a chunk's last ``numel % vector width`` elements
+through a scalar loop whose rounding differs from the vector loop, so chunk edges must fall
+where the unchunked kernel's vector blocks do for the result to be bit-identical."""
+
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 """Device types with a fused Adam kernel in torch."""
 
@@ -200,3 +211,69 @@ def fused_adam_(
             hyper,
             grad_scale,
         )
+
+
+@torch.no_grad()
+def speculative_adam_(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    next_avg: torch.Tensor,
+    next_avg_sq: torch.Tensor,
+    backup: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+    grad_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One Adam(W) step of a flat fp32 CPU tensor that keeps what an exact undo needs.
+
+    Chunk by chunk (:data:`SPECULATE_CHUNK_NUMEL` elements): copy ``param`` into
+    ``backup``, then step ``param`` with moments read from ``exp_avg`` / ``exp_avg_sq`` and
+    written to ``next_avg`` / ``next_avg_sq``, which are left untouched. fp32 moments are
+    copied into the next ones and stepped there in place; bf16 moments are widened into
+    fp32 scratch and the result narrowed into the next ones, as :func:`fused_adam_` does.
+    The values equal those of :func:`fused_adam_` bit for bit (same kernel, chunk edges on
+    its vector blocks); the gradient is divided by ``grad_scale`` in place, as there.
+    ``step`` already counts this step.
+
+    Returns the L1 norm of the gradient before the step (0-dim fp32): finite exactly when
+    every element is, the overflow check of [Note: overlapping the host step with backward]
+    in amp.py, read while each chunk of the gradient is in cache.
+    """
+    p, g = param.view(-1), grad.view(-1)
+    m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
+    m_next, v_next = next_avg.view(-1), next_avg_sq.view(-1)
+    bak = backup.view(-1)
+    n = p.numel()
+    if not (g.numel() == m.numel() == v.numel() == m_next.numel() == v_next.numel() == n):
+        raise ValueError("speculative_adam_: every tensor must have the parameter's numel")
+    if bak.numel() != n or bak.dtype != p.dtype or p.dtype != torch.float32:
+        raise ValueError("speculative_adam_ steps fp32 parameters with an fp32 backup")
+    if p.device.type != "cpu":
+        raise ValueError(f"speculative_adam_ runs on host tensors, not on {p.device}")
+    widen = m.dtype != p.dtype
+    chunk = SPECULATE_CHUNK_NUMEL  # read at call time, so a benchmark can tune it
+    assert chunk % 64 == 0, "chunk edges must fall on the kernel's vector blocks"
+    scratch = _scratch_pair(p.device, chunk) if widen else None
+    parts: list[torch.Tensor] = []
+    for start in range(0, n, chunk):
+        end = min(n, start + chunk)
+        pc, gc = p[start:end], g[start:end]
+        bak[start:end].copy_(pc)
+        parts.append(torch.linalg.vector_norm(gc, 1.0))  # before the kernel unscales gc
+        if scratch is None:
+            mc, vc = m_next[start:end], v_next[start:end]
+            mc.copy_(m[start:end])
+            vc.copy_(v[start:end])
+            _launch([pc], [gc], [mc], [vc], [step], hyper, grad_scale)
+        else:
+            m32, v32 = scratch[0][: end - start], scratch[1][: end - start]
+            m32.copy_(m[start:end])
+            v32.copy_(v[start:end])
+            _launch([pc], [gc], [m32], [v32], [step], hyper, grad_scale)
+            m_next[start:end].copy_(m32)
+            v_next[start:end].copy_(v32)
+    if not parts:
+        return torch.zeros((), dtype=torch.float32)
+    return torch.stack(parts).sum()

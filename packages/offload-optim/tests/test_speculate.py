@@ -1,0 +1,395 @@
+"""fp16 host steps that speculate under backward and are undone exactly on overflow.
+
+``AMPOptimizer(..., speculate_fp16=True)`` steps each host-state region in its grad-ready
+hook (OverlapMode.SPECULATIVE_UNDO) before the overflow answer exists, and commits or
+undoes those steps in ``step()``. Whatever happens, the run must be the default (PARTIALS)
+run bit for bit: losses, masters, moments, step counts and loss scales. Modules use the
+mixed plan of optim_helpers (every region kind); region 0, host-state and holding the
+tied embedding, is the one whose gradients arrive last in backward.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from optim_helpers import batch, loss_of, masters, offload_module, tiny_gpt2
+
+import offload_optim.hybrid_adam as hybrid_adam_module
+import offload_optim.kernels as kernels
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
+
+LR = 1e-2
+WD = 0.01
+
+
+@dataclass
+class Run:
+    """Everything a training run produced, step by step and at the end."""
+
+    losses: list[float] = field(default_factory=list)
+    scales: list[float] = field(default_factory=list)
+    step_counts: list[int] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+    undone: list[int] = field(default_factory=list)
+    modes: set[OverlapMode] = field(default_factory=set)
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)
+    state: list[torch.Tensor] = field(default_factory=list)
+
+
+class Trainer:
+    """An fp16 OffloadModule (mixed plan), its AMPOptimizer, and an overflow injector."""
+
+    def __init__(
+        self,
+        speculate: bool,
+        *,
+        host_worker: bool = True,
+        micro: int = 1,
+        moments: torch.dtype = torch.float32,
+        clipping: float = 0.0,
+        dtype: torch.dtype = torch.float16,
+        convert_on_device: bool = False,
+        **amp_kwargs: Any,
+    ) -> None:
+        self.micro = micro
+        self.module = offload_module(
+            tiny_gpt2(),
+            batch(0),
+            dtype=dtype,
+            host_worker=host_worker,
+            convert_on_device=convert_on_device,
+        )
+        assert self.module.storages[0].host_state, "the plan keeps region 0's state on the host"
+        self.poison_steps: set[int] = set()
+        self.poison_region = 0
+        self._step = -1
+        self.module.controller.add_grad_ready_hook(self._poison)  # runs before AMPOptimizer's
+        self.amp = AMPOptimizer(
+            HybridAdam(self.module.parameters(), lr=LR, weight_decay=WD, moments_dtype=moments),
+            self.module,
+            clipping_norm=clipping,
+            accumulation_steps=micro,
+            speculate_fp16=speculate,
+            **amp_kwargs,
+        )
+
+    def _poison(self, r: int) -> None:
+        if self._step in self.poison_steps and r == self.poison_region:
+            self.module.storages[r].grad[3] = math.inf
+
+    def backward(self, step: int) -> float:
+        self._step = step
+        total = 0.0
+        for k in range(self.micro):
+            b = batch(step * self.micro + k)
+            loss = loss_of(self.module(**b), b["input_ids"]) / self.micro
+            self.amp.backward(loss)
+            total += loss.item()
+        return total
+
+    def train(self, steps: range, out: Run | None = None) -> Run:
+        out = Run() if out is None else out
+        for step in steps:
+            self.amp.zero_grad()
+            out.losses.append(self.backward(step))
+            self.amp.step()
+            report = self.amp.last_step
+            assert report is not None
+            out.scales.append(report.loss_scale)
+            out.step_counts.append(self.amp.step_count)
+            out.skipped.append(report.skipped)
+            out.undone.append(report.undone_regions)
+            out.modes.add(report.overlap)
+        out.masters = masters(self.module)
+        out.state = committed_state(self.amp)
+        return out
+
+    def close(self) -> None:
+        self.module.close()
+
+
+def committed_state(amp: AMPOptimizer) -> list[torch.Tensor]:
+    """Moments and step counts, read through ``state`` (after the host steps)."""
+    amp.synchronize()
+    return [t.clone() for st in amp.state.values() for t in st.values()]
+
+
+def assert_same(a: Run, b: Run) -> None:
+    assert a.losses == b.losses
+    assert a.scales == b.scales
+    assert a.step_counts == b.step_counts
+    assert a.skipped == b.skipped
+    assert a.masters.keys() == b.masters.keys()
+    for name, value in a.masters.items():
+        assert torch.equal(value, b.masters[name]), name
+    assert len(a.state) == len(b.state)
+    assert all(torch.equal(x, y) for x, y in zip(a.state, b.state, strict=True))
+
+
+def run(speculate: bool, steps: int, *, poison: tuple[int, ...] = (), **kwargs: Any) -> Run:
+    trainer = Trainer(speculate, **kwargs)
+    trainer.poison_steps = set(poison)
+    try:
+        return trainer.train(range(steps))
+    finally:
+        trainer.close()
+
+
+def host_state_regions(amp: AMPOptimizer) -> list[int]:
+    return [st.index for st in amp.module.storages if st.host_state]
+
+
+# ---- the kernel --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16])
+def test_speculative_kernel_equals_the_fused_step_and_keeps_the_old_state(
+    monkeypatch: pytest.MonkeyPatch, moments: torch.dtype
+) -> None:
+    """Chunked (several chunks and a ragged tail): the fused step's bits, the old master in
+    the backup, the old moments untouched, the new ones in the spare buffers."""
+    monkeypatch.setattr(kernels, "SPECULATE_CHUNK_NUMEL", 256)
+    n = 256 * 5 + 77
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * 512
+    m = (torch.randn(n, generator=gen) * 0.1).to(moments)
+    v = (torch.rand(n, generator=gen) * 0.01).to(moments)
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
+    scale = torch.tensor(512.0)
+    step = torch.tensor(4.0)
+
+    ref = [t.clone() for t in (p, g, m, v)]
+    fused_adam_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [step], hyper, scale)
+
+    old = [t.clone() for t in (p, g, m, v)]
+    m_next, v_next, backup = torch.empty_like(m), torch.empty_like(v), torch.empty_like(p)
+    partial = speculative_adam_(p, g, m, v, m_next, v_next, backup, step, hyper, scale)
+    assert torch.equal(p, ref[0]) and torch.equal(g, ref[1])
+    assert torch.equal(m_next, ref[2]) and torch.equal(v_next, ref[3])
+    assert torch.equal(backup, old[0])
+    assert torch.equal(m, old[2]) and torch.equal(v, old[3])
+    assert math.isclose(float(partial), float(old[1].abs().sum()), rel_tol=1e-5)
+
+    g_bad = old[1].clone()
+    g_bad[n - 3] = math.nan
+    partial = speculative_adam_(
+        old[0].clone(), g_bad, m, v, m_next, v_next, backup, step, hyper, scale
+    )
+    assert not math.isfinite(float(partial)), "a nan anywhere makes the partial non-finite"
+
+
+# ---- training ------------------------------------------------------------------------------
+
+EXACT_CASES: dict[str, dict[str, Any]] = {
+    "fp32_moments": {},
+    "bf16_moments": {"moments": torch.bfloat16},
+    "accumulate_2": {"micro": 2},
+    "convert_on_device": {"convert_on_device": True},
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_CASES))
+def test_speculative_fp16_training_is_bit_identical(name: str) -> None:
+    """20+ steps on the host worker thread, the scale growing on the way: every loss,
+    master, moment and step count equals the non-speculative run's."""
+    kwargs: dict[str, Any] = dict(EXACT_CASES[name])
+    steps = 21
+    growth: dict[str, Any] = {"growth_interval": 4, "initial_scale": 2.0**8}
+    spec = run(True, steps, **kwargs, **growth)
+    plain = run(False, steps, **kwargs, **growth)
+    assert_same(spec, plain)
+    assert spec.modes == {OverlapMode.SPECULATIVE_UNDO}
+    assert plain.modes == {OverlapMode.PARTIALS}
+    assert spec.scales[-1] > spec.scales[0], "the scale grew: steps were committed"
+    assert spec.undone == [0] * steps and not any(spec.skipped)
+    assert sum(spec.losses[-3:]) < sum(spec.losses[:3]), "the run trains"
+
+
+@pytest.mark.parametrize("host_worker", [False, True])
+def test_overflow_in_the_last_region_undoes_the_speculative_steps(host_worker: bool) -> None:
+    """An inf in region 0, whose gradients arrive last: the other host-state regions have
+    stepped already (inline hooks: all of them). The step is skipped, the scale halves
+    (hysteresis 1), masters, moments and step counts are as before the step, and the rest
+    of the run equals the non-speculative one bit for bit."""
+    trainer = Trainer(True, host_worker=host_worker, hysteresis=1)
+    head = trainer.train(range(3))
+    before_w, before_s = masters(trainer.module), committed_state(trainer.amp)
+    scale = trainer.amp.loss_scale
+    trainer.poison_steps = {3}
+    trainer.train(range(3, 4), head)
+    report = trainer.amp.last_step
+    assert report is not None and report.skipped
+    assert report.overlap is OverlapMode.SPECULATIVE_UNDO
+    assert trainer.amp.loss_scale == scale / 2
+    assert trainer.amp.step_count == 3
+    assert trainer.amp.undone_steps == 1
+    host = host_state_regions(trainer.amp)
+    if not host_worker:
+        # Inline hooks all run during backward: every host-state region stepped, region 0
+        # (poisoned) last, and every one of them was undone.
+        assert report.undone_regions == len(host)
+        order = [t.region for t in report.region_steps if t.host]
+        assert order == sorted(host, reverse=True)
+    else:
+        assert 0 <= report.undone_regions <= len(host)
+    after_w, after_s = masters(trainer.module), committed_state(trainer.amp)
+    for name, value in before_w.items():
+        assert torch.equal(after_w[name], value), name
+    assert all(torch.equal(a, b) for a, b in zip(after_s, before_s, strict=True))
+    spec = trainer.train(range(4, 12), head)
+    trainer.close()
+    plain = run(False, 12, poison=(3,), host_worker=host_worker, hysteresis=1)
+    assert_same(spec, plain)
+    assert spec.skipped == [False] * 3 + [True] + [False] * 8
+
+
+def test_hysteresis_two_skips_first_and_backs_off_on_the_second_overflow() -> None:
+    spec = run(True, 6, poison=(2, 3), host_worker=False)
+    plain = run(False, 6, poison=(2, 3), host_worker=False)
+    assert_same(spec, plain)
+    assert spec.skipped == [False, False, True, True, False, False]
+    assert spec.scales[3] == spec.scales[2], "the first overflow only skips"
+    assert spec.scales[4] == spec.scales[3] / 2, "the second one backs off"
+    assert spec.undone[2] > 0 and spec.undone[3] > 0
+
+
+def test_speculation_runs_under_backward() -> None:
+    """Inline hooks: every host-state region stepped before backward returned, in its hook;
+    the report says SPECULATIVE_UNDO and most of the host step time is before backward's
+    end (the publishes after the commit are the rest)."""
+    trainer = Trainer(True, host_worker=False)
+    trainer.train(range(2))
+    report = trainer.amp.last_step
+    assert report is not None and report.overlap is OverlapMode.SPECULATIVE_UNDO
+    assert report.backward_end_s is not None
+    host = host_state_regions(trainer.amp)
+    early = {t.region for t in report.region_steps if t.host and t.end_s <= report.backward_end_s}
+    assert early == set(host)
+    assert report.hidden_fraction() > 0.5
+    trainer.close()
+
+
+def test_clipping_keeps_partials_and_bf16_keeps_speculative() -> None:
+    """Speculation with undo is for the fp16 overflow answer alone."""
+    cases: list[tuple[dict[str, Any], OverlapMode]] = [
+        ({"clipping": 0.5}, OverlapMode.PARTIALS),
+        ({"dtype": torch.bfloat16}, OverlapMode.SPECULATIVE),
+        ({"dtype": torch.float32}, OverlapMode.SPECULATIVE),
+    ]
+    for kwargs, want in cases:
+        trainer = Trainer(True, host_worker=False, **kwargs)
+        trainer.train(range(1))
+        report = trainer.amp.last_step
+        assert report is not None and report.overlap is want, kwargs
+        assert trainer.amp.optimizer.speculation_bytes() > 0, "no spare buffers allocated"
+        trainer.close()
+
+
+def test_clipping_with_speculate_equals_without() -> None:
+    spec = run(True, 4, clipping=0.5, poison=(2,), hysteresis=1)
+    plain = run(False, 4, clipping=0.5, poison=(2,), hysteresis=1)
+    assert_same(spec, plain)
+    assert spec.modes == {OverlapMode.PARTIALS}
+
+
+# ---- windows that end otherwise, checkpoints, memory ---------------------------------------
+
+
+def test_zero_grad_before_step_undoes_and_training_continues_exactly() -> None:
+    trainer = Trainer(True, host_worker=False)
+    head = trainer.train(range(2))
+    before_w, before_s = masters(trainer.module), committed_state(trainer.amp)
+    trainer.backward(2)
+    assert trainer.amp.optimizer.speculated_regions, "the hooks stepped speculatively"
+    trainer.amp.zero_grad()  # drops the window: the speculative steps are undone
+    assert not trainer.amp.optimizer.speculated_regions
+    after_w, after_s = masters(trainer.module), committed_state(trainer.amp)
+    for name, value in before_w.items():
+        assert torch.equal(after_w[name], value), name
+    assert all(torch.equal(a, b) for a, b in zip(after_s, before_s, strict=True))
+    spec = trainer.train(range(2, 5), head)
+    trainer.close()
+    assert_same(spec, run(False, 5, host_worker=False))
+
+
+def test_lr_change_between_backward_and_step_undoes_and_raises() -> None:
+    trainer = Trainer(True, host_worker=False)
+    trainer.train(range(1))
+    before_w = masters(trainer.module)
+    trainer.amp.zero_grad()
+    trainer.backward(1)
+    trainer.amp.param_groups[0]["lr"] = LR / 2
+    with pytest.raises(RuntimeError, match="not taken"):
+        trainer.amp.step()
+    after_w = masters(trainer.module)
+    assert all(torch.equal(after_w[n], v) for n, v in before_w.items())
+    assert trainer.amp.step_count == 1
+    trainer.amp.param_groups[0]["lr"] = LR
+    trainer.train(range(1, 2))  # the window was dropped: training goes on
+    assert trainer.amp.step_count == 2
+    trainer.close()
+
+
+def test_state_dicts_hold_committed_state_only_and_resume_exactly() -> None:
+    trainer = Trainer(True)
+    trainer.train(range(3))
+    saved = copy.deepcopy(trainer.amp.state_dict())
+    tail = trainer.train(range(3, 6))
+    trainer.amp.zero_grad()
+    trainer.backward(6)
+    with pytest.raises(RuntimeError, match="after step"):
+        trainer.amp.state_dict()
+    if trainer.amp.optimizer.speculated_regions:
+        with pytest.raises(RuntimeError, match="uncommitted speculative step"):
+            trainer.amp.optimizer.state_dict()
+    trainer.amp.step()
+    trainer.close()
+    resumed = Trainer(True)
+    resumed.amp.load_state_dict(saved)
+    again = resumed.train(range(3, 6))
+    resumed.close()
+    assert_same(again, tail)
+
+
+def test_hybrid_adam_state_dict_refused_while_speculated() -> None:
+    trainer = Trainer(True, host_worker=False)
+    trainer.backward(0)
+    assert trainer.amp.optimizer.speculated_regions
+    with pytest.raises(RuntimeError, match="uncommitted speculative step"):
+        trainer.amp.optimizer.state_dict()
+    trainer.amp.step()
+    assert set(trainer.amp.optimizer.state_dict()) == {"state", "param_groups"}
+    trainer.close()
+
+
+def test_short_host_memory_names_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = Trainer(True)
+    opt = trainer.amp.optimizer
+    need = opt.speculation_bytes()
+    host_numel = sum(st.numel for st in trainer.module.storages if st.host_state)
+    assert need == 12 * host_numel, "fp32 moments: backup + two moments, 4 bytes each"
+    monkeypatch.setattr(hybrid_adam_module, "_available_host_bytes", lambda: need // 2)
+    trainer.amp.zero_grad()
+    with pytest.raises(RuntimeError, match=rf"{need} bytes.*speculate_fp16=False"):
+        trainer.backward(0)
+    assert opt.speculation_bytes() == need, "nothing stays allocated"
+    monkeypatch.undo()
+    spec = trainer.train(range(2))  # with memory back, the same optimizer trains on
+    trainer.close()
+    assert spec.modes == {OverlapMode.SPECULATIVE_UNDO} and spec.step_counts == [1, 2]
+
+
+def test_bf16_moments_need_eight_bytes_per_parameter() -> None:
+    trainer = Trainer(True, moments=torch.bfloat16)
+    host_numel = sum(st.numel for st in trainer.module.storages if st.host_state)
+    assert trainer.amp.optimizer.speculation_bytes() == 8 * host_numel
+    trainer.train(range(1))
+    assert trainer.amp.optimizer.speculation_bytes() == 0, "allocated at the first backward"
+    trainer.close()
