@@ -17,6 +17,8 @@ Kinds:
                 steps run speculatively under backward
     ours_hostconv  ours with dtype conversions forced onto the host
                 (memory_optimize(convert_on_device=False); "ours" lets the planner choose)
+    ours_spec   ours with AMPOptimizer(speculate_fp16=True): fp16 host steps speculate under
+                backward and are undone exactly on overflow (12 B/param more host memory)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
     full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam (speed ceiling);
@@ -60,6 +62,7 @@ KINDS = (
     "ours_bf16m",
     "ours_bf16",
     "ours_hostconv",
+    "ours_spec",
     "ablation",
     "full_gpu",
     "fsdp2",
@@ -136,6 +139,7 @@ def _ours(
         HybridAdam(module.parameters(), lr=1e-4, moments_dtype=moments),
         module,
         overlap=not ablation,
+        speculate_fp16=kind == "ours_spec",
     )
     # Hardware profiling inside memory_optimize used scratch memory once; the budget is
     # about training, so the peak counts from here (the module's buffers stay counted).
@@ -184,6 +188,8 @@ def _ours(
     report = opt.last_step
     if report is not None and report.region_steps:
         out["host_step_hidden_fraction"] = report.hidden_fraction()
+    if kind == "ours_spec":
+        out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -290,7 +296,14 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 def child_main(args: argparse.Namespace) -> None:
     profile_dir = Path(args.profile_dir) if args.profile_dir else None
     try:
-        if args.child in ("ours", "ours_bf16m", "ours_bf16", "ours_hostconv", "ablation"):
+        if args.child in (
+            "ours",
+            "ours_bf16m",
+            "ours_bf16",
+            "ours_hostconv",
+            "ours_spec",
+            "ablation",
+        ):
             result = _ours(args.workload, args.child, args.warmup, args.steps, profile_dir)
         elif args.child == "full_gpu":
             result = _full_gpu(args.workload, args.warmup, args.steps)
