@@ -10,10 +10,11 @@
 #   w3      benchmark W3: ours, ours_hostconv, full_gpu, fsdp2, torchao          ~6 min
 #   w4      benchmark W4: ours, ours_bf16m, torchao (set-up pins ~100 GB: minutes) ~9 min
 #   diag    step_trace of W2 (phases, streams, allocator snapshot at the peak) ~2 min
+#   curve   gpt2_medium loss curves, fp32 vs bf16 host moments, 200 steps each   ~2 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|curve [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,5 +35,9 @@ case "$phase" in
     python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 64 --seq 8 \
       --budget-gib 3 --solvers asyn --memory-snapshot --steps 3 --out "$out/step_trace" \
       2>&1 | tee "$out/step_trace.log" | tail -60 ;;
+  curve)
+    python3 "$root/benchmarks/moments_curve.py" --model gpt2_medium --steps 200 --batch 16 \
+      --seq 128 --lr 3e-4 --json "$out/moments_curve.json" 2>&1 | tee "$out/moments_curve.log" \
+      | tail -25 ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
