@@ -175,7 +175,8 @@ def test_speculative_kernel_equals_the_fused_step_and_keeps_the_old_state(
     assert torch.equal(m_next, ref[2]) and torch.equal(v_next, ref[3])
     assert torch.equal(backup, old[0])
     assert torch.equal(m, old[2]) and torch.equal(v, old[3])
-    assert math.isclose(float(partial), float(old[1].abs().sum()), rel_tol=1e-5)
+    # Summed chunk by chunk: equal to the plain sum up to fp32 rounding of the order.
+    assert abs(float(partial) - float(old[1].sum())) <= 1e-5 * float(old[1].abs().sum())
 
     g_bad = old[1].clone()
     g_bad[n - 3] = math.nan

@@ -21,7 +21,9 @@ Both answers exist only once the last region's gradients are in. Options:
    ``AMPOptimizer(..., speculate_fp16=True)`` (:attr:`OverlapMode.SPECULATIVE_UNDO`); it
    costs 12 bytes per host-state parameter of host memory (8 with bf16 moments). Clipping
    is not speculated: its factor changes the gradients of every step, so every step would
-   be undone. Measured on the GPU: not yet (benchmark kind ``ours_spec``).
+   be undone. Measured on the GPU: not yet (benchmark kind ``ours_spec``); on the 2-core
+   test machine the speculative step took 3.2x the plain one (fp32 moments; 1.7x with bf16
+   moments), see [Note: speculative steps].
 2. speculate only where no answer is needed, and otherwise overlap only the
    answer-independent work (the default):
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
@@ -35,9 +37,10 @@ Both answers exist only once the last region's gradients are in. Options:
    work that would queue behind backward on the same stream anyway.
 SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
 region's hook steps it speculatively and returns its overflow partial, read in the same
-pass (``HybridAdam.speculate_region``); the step divides by the loss scale of the
-backward, which is the one :meth:`step` would use. :meth:`step` combines the partials as
-PARTIALS does. No overflow: the speculative steps are committed (a swap of moment
+pass (``HybridAdam.speculate_region``: the sum of the gradients, not their L1 norm, since
+only finiteness matters here and a sum reads faster); the step divides by the loss scale
+of the backward, which is the one :meth:`step` would use. :meth:`step` combines the
+partials as PARTIALS does. No overflow: the speculative steps are committed (a swap of moment
 references), queued for publishing in forward order together with the steps of the
 regions that did not speculate (the tail, below; nothing else changes), and the scale
 grows as usual. Overflow: every speculative step is undone (master from its backup, step
