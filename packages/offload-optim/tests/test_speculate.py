@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -394,3 +395,31 @@ def test_bf16_moments_need_eight_bytes_per_parameter() -> None:
     trainer.train(range(1))
     assert trainer.amp.optimizer.speculation_bytes() == 0, "allocated at the first backward"
     trainer.close()
+
+
+def test_commit_publishes_are_queued_and_the_next_forward_waits_for_them() -> None:
+    """step() returns while the publishes of committed regions wait on the host worker;
+    the next forward blocks on them (controller.expect_updates) and then sees the new
+    weights: the losses stay those of the non-speculative run."""
+    trainer = Trainer(True, host_worker=True)
+    losses = [trainer.backward(0)]
+    gate = threading.Event()
+    trainer.module.controller.submit_host(lambda: gate.wait(timeout=20.0))
+    trainer.amp.step()  # speculative steps done in the hooks; publishes queued behind gate
+    trainer.amp.zero_grad()
+    waited = trainer.module.controller.update_wait_s
+    timer = threading.Timer(0.3, gate.set)
+    timer.start()
+    losses.append(trainer.backward(1))  # its forward waits for region publishes
+    timer.join()
+    assert trainer.module.controller.update_wait_s - waited >= 0.2
+    first = trainer.amp.last_step
+    assert first is not None and first.overlap is OverlapMode.SPECULATIVE_UNDO
+    assert first.step_end_s is not None
+    # Every host-state region was published (speculated) or stepped (tail) after step().
+    after = {t.region for t in first.region_steps if t.host and t.start_s >= first.step_end_s}
+    assert after == set(host_state_regions(trainer.amp))
+    trainer.amp.step()
+    trainer.close()
+    plain = run(False, 2)
+    assert losses == plain.losses
