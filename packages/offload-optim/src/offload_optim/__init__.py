@@ -5,16 +5,24 @@
   with optional bf16 moments for host-resident state;
 - :class:`AMPOptimizer`: fp16 loss scaling with overflow skip, bf16 / fp32 without scaling,
   global-norm clipping, gradient accumulation, checkpoints, and host steps that overlap
-  backward.
+  backward (in fp16 too with ``speculate_fp16=True``: speculative steps, undone exactly on
+  overflow).
 """
 
 from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
 from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
-from offload_optim.kernels import CHUNK_NUMEL, AdamHyper, fused_adam_
+from offload_optim.kernels import (
+    CHUNK_NUMEL,
+    SPECULATE_CHUNK_NUMEL,
+    AdamHyper,
+    fused_adam_,
+    speculative_adam_,
+)
 from offload_optim.scaler import DynamicLossScaler
 
 __all__ = [
     "CHUNK_NUMEL",
+    "SPECULATE_CHUNK_NUMEL",
     "AMPOptimizer",
     "AdamHyper",
     "DynamicLossScaler",
@@ -23,4 +31,5 @@ __all__ = [
     "RegionStepTiming",
     "StepReport",
     "fused_adam_",
+    "speculative_adam_",
 ]
