@@ -6,9 +6,9 @@
 # PHASE:
 #   tests   nox -s gpu_tests (every package's gpu-marked tests)               ~5 min
 #   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
-#   w2      benchmark W2: ours, ours_hostconv, full_gpu, fsdp2, torchao          ~6 min
-#   w3      benchmark W3: ours, ours_hostconv, full_gpu, fsdp2, torchao          ~6 min
-#   w4      benchmark W4: ours, ours_bf16m, torchao (set-up pins ~100 GB: minutes) ~9 min
+#   w2      benchmark W2: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~6 min
+#   w3      benchmark W3: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~7 min
+#   w4      benchmark W4: ours, ours_bf16m, ours_bf16, torchao (pins ~70-90 GB)    ~9 min
 #   diag    step_trace of W2 (phases, streams, allocator snapshot at the peak) ~2 min
 #   curve   gpt2_medium loss curves, fp32 vs bf16 host moments, 200 steps each   ~2 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
@@ -28,9 +28,9 @@ bench() {
 case "$phase" in
   tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   w1) bench W1 ours,full_gpu,ablation,fsdp2,torchao 120 ;;
-  w2) bench W2 ours,ours_hostconv,full_gpu,fsdp2,torchao 120 ;;
-  w3) bench W3 ours,ours_hostconv,full_gpu,fsdp2,torchao 150 ;;
-  w4) bench W4 ours,ours_bf16m,torchao 280 ;;
+  w2) bench W2 ours,ours_spec,ours_bf16,full_gpu,fsdp2,torchao 120 ;;
+  w3) bench W3 ours,ours_spec,ours_bf16,full_gpu,fsdp2,torchao 150 ;;
+  w4) bench W4 ours,ours_bf16m,ours_bf16,torchao 280 ;;
   diag)
     python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 64 --seq 8 \
       --budget-gib 3 --solvers asyn --memory-snapshot --steps 3 --out "$out/step_trace" \

@@ -350,6 +350,9 @@ def run_child(workload: str, kind: str, args: argparse.Namespace) -> dict[str, A
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if not lines:
         tail = (proc.stderr or proc.stdout)[-300:].replace("\n", " | ")
+        if proc.returncode == -9:
+            # SIGKILL with no result: on these machines, the kernel's out-of-memory killer.
+            return {"ok": False, "error": f"killed (SIGKILL: host out of memory?): {tail}"}
         return {"ok": False, "error": f"exit {proc.returncode}: {tail}"}
     result: dict[str, Any] = json.loads(lines[-1][len(RESULT_TAG) :])
     result["wall_s"] = time.perf_counter() - t0
