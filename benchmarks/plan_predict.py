@@ -40,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         "both: plan each and print both",
     )
     parser.add_argument("--with-mask", action="store_true", help="pass an all-ones mask")
+    parser.add_argument(
+        "--speculate",
+        action="store_true",
+        help="host steps run as gradients land (bf16, or fp16 with speculate_fp16=True); "
+        "default: after backward, as fp16 needs the overflow answer first",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -81,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                 hw,
                 int(args.budget_gib * GiB),
                 solver=args.solver,
-                host_step_after_backward=True,  # fp16: the overflow answer comes first
+                host_step_after_backward=not args.speculate,
             )
         except InfeasibleBudgetError as exc:
             print(f"infeasible: least budget {exc.least_budget_bytes / 1e9:.2f} GB")
