@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from optim_helpers import batch, fell, offload_module, tiny_gpt2, train_offload
 
-from offload_optim import CHUNK_NUMEL, AdamHyper, AMPOptimizer, HybridAdam, fused_adam_
+from offload_optim import (
+    CHUNK_NUMEL,
+    AdamHyper,
+    AMPOptimizer,
+    HybridAdam,
+    fused_adam_,
+    measure_host_step_params_per_s,
+)
 
 STEP_TOLERANCE = 0.03
 """Largest relative difference of one step's loss, bf16 against fp32 moments, over 50
@@ -56,3 +64,13 @@ def test_bf16_moments_train_close_to_fp32_moments() -> None:
     tail = abs(sum(bf16[-10:]) - sum(fp32[-10:])) / sum(fp32[-10:])
     assert tail < TAIL_TOLERANCE, tail
     assert bf16 != fp32, "the option must actually change the moments' precision"
+
+
+def test_host_step_throughput_is_measured_for_both_moment_dtypes() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        rate = measure_host_step_params_per_s(dtype, numel=1 << 16, steps=2)
+        assert 1e5 < rate < 1e12, (dtype, rate)
+    with pytest.raises(ValueError, match="moments_dtype"):
+        measure_host_step_params_per_s(torch.float16, numel=16)
+    with pytest.raises(ValueError, match="numel"):
+        measure_host_step_params_per_s(torch.float32, numel=0)

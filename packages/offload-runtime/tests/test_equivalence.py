@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -239,6 +240,24 @@ def test_modules_are_freed_and_close_releases_device_memory() -> None:
     del module
     gc.collect()
     assert all(ref() is None for ref in storages)
+
+
+def test_a_slower_host_optimizer_is_planned_for() -> None:
+    # All optimizer state on the host: a host optimizer at a tenth of the profile's Adam
+    # rate makes the predicted step longer; a non-positive rate is refused.
+    model, inp, hw = tiny_gpt2(), inputs(), default_cpu_profile()
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, hardware=hw, device="cpu", progress=False, state_on_device=False
+    )
+    fast = memory_optimize(model, inp, 2**30, "asyn", **kwargs)
+    slow = memory_optimize(
+        model, inp, 2**30, "asyn", host_step_params_per_s=hw.host_adam_params_per_s / 10, **kwargs
+    )
+    assert slow.plan.predicted_step_time_s > fast.plan.predicted_step_time_s
+    with pytest.raises(ValueError, match="host_step_params_per_s"):
+        memory_optimize(model, inp, 2**30, "asyn", host_step_params_per_s=0.0, **kwargs)
+    fast.close()
+    slow.close()
 
 
 def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,6 +16,7 @@ from offload_optim.kernels import (
     SPECULATE_CHUNK_NUMEL,
     AdamHyper,
     fused_adam_,
+    measure_host_step_params_per_s,
     speculative_adam_,
 )
 from offload_optim.scaler import DynamicLossScaler
@@ -31,5 +32,6 @@ __all__ = [
     "RegionStepTiming",
     "StepReport",
     "fused_adam_",
+    "measure_host_step_params_per_s",
     "speculative_adam_",
 ]

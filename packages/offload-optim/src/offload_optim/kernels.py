@@ -31,7 +31,9 @@ effect is measured in tests/test_bf16_moments.py.
 
 from __future__ import annotations
 
+import statistics
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -280,3 +282,35 @@ def speculative_adam_(
     if not parts:
         return torch.zeros((), dtype=torch.float32)
     return torch.stack(parts).sum()
+
+
+def measure_host_step_params_per_s(
+    moments_dtype: torch.dtype = torch.float32, numel: int = 64 << 20, *, steps: int = 3
+) -> float:
+    """Host Adam(W) throughput of :func:`fused_adam_` with ``moments_dtype`` moments:
+    parameters per second (median of ``steps`` timed steps after one untimed step that
+    touches every page), over ``numel`` fp32 parameters with torch's current thread count.
+
+    What the planner should charge per host-state parameter when the optimizer is not
+    torch's fused fp32-moment Adam, e.g. ``memory_optimize(...,
+    host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``: bf16
+    moments run ~0.6x the fp32 rate on the H200 host. Needs about ``(8 + 2 * moment
+    bytes) * numel`` bytes of host memory.
+    """
+    if numel < 1 or steps < 1:
+        raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
+    if moments_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
+    param = torch.zeros(numel)
+    grad = torch.full((numel,), 1e-3)
+    exp_avg = torch.zeros(numel, dtype=moments_dtype)
+    exp_avg_sq = torch.zeros(numel, dtype=moments_dtype)
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    samples = []
+    for i in range(steps + 1):
+        step = [torch.tensor(float(i + 1))]
+        started = time.perf_counter()
+        fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], step, hyper)
+        if i:
+            samples.append(time.perf_counter() - started)
+    return numel / max(statistics.median(samples), 1e-9)

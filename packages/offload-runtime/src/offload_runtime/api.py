@@ -153,6 +153,7 @@ def memory_optimize(
     state_on_device: bool = True,
     host_worker: bool | None = None,
     convert_on_device: bool | None = None,
+    host_step_params_per_s: float | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -184,6 +185,10 @@ def memory_optimize(
             device gradients (the plan counts both). False: in the training dtype, cast on
             the host. None (default): plan both and keep the one the simulator predicts
             faster (a host-bound step gains; a PCIe-bound one does not).
+        host_step_params_per_s: the host optimizer's throughput in parameters per second,
+            when it is not torch's fused fp32-moment Adam that the hardware profile
+            measures (e.g. ``offload_optim.measure_host_step_params_per_s(torch.bfloat16)``
+            for bf16 moments); it replaces the profile's host Adam rate in planning.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -204,6 +209,12 @@ def memory_optimize(
         hardware = profile_hardware(
             dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
         )
+    if host_step_params_per_s is not None:
+        if not host_step_params_per_s > 0:
+            raise ValueError(
+                f"host_step_params_per_s must be > 0 parameters/s, got {host_step_params_per_s}"
+            )
+        hardware = dataclasses.replace(hardware, host_adam_params_per_s=host_step_params_per_s)
     t1 = time.perf_counter()
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
