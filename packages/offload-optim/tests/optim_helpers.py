@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from offload_runtime.module import OffloadModule
 from offload_solver import ParamPlacement, Plan, Region, RegionPlan, StatePlacement
-from offload_trace.tracer import _rewrite_causal_attention
+from offload_trace import rewrite_causal_attention
 
 VOCAB = 96
 SEQ = 8
@@ -154,9 +154,9 @@ def offload_module(
         canon[name] = first[id(p)]
     ep = torch.export.export(model, (), inputs, strict=False)
     gm = ep.module()
-    _rewrite_causal_attention(gm, model)
+    rewrite_causal_attention(gm, model)
     graph_eval = ep.module()
-    _rewrite_causal_attention(graph_eval, model)
+    rewrite_causal_attention(graph_eval, model)
     numel = {name: p.numel() for name, p in named.items()}
     op_names, regions = _regions(gm, canon, numel, min_region_numel)
     tied = tuple(

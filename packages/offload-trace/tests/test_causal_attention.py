@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 from trace_helpers import IdsOnly, assign_real, gpt2, llama, token_inputs
 
-from offload_trace import TracedModel, trace
+from offload_trace import TracedModel, rewrite_causal_attention, trace
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
@@ -74,6 +74,22 @@ def test_constant_causal_mask_becomes_is_causal_and_training_is_unchanged(
     assert got_grads.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_public_pass_rewrites_a_torch_export_graph() -> None:
+    """``rewrite_causal_attention`` on a graph from ``torch.export`` directly (not through
+    ``trace``): every attention becomes plain causal, and the logits do not change."""
+    torch.manual_seed(0)
+    model = IdsOnly(gpt2(dropout=0.0).lm)
+    ids = token_inputs(2, 16)["input_ids"]
+    gm = torch.export.export(model, (), {"input_ids": ids}, strict=False).module()
+    expected = gm(input_ids=ids)
+    assert not any(_is_plain_causal(n) for n in _attention_nodes(gm))
+    names = rewrite_causal_attention(gm, model)
+    attention = _attention_nodes(gm)
+    assert len(names) == len(attention) == 2
+    assert all(_is_plain_causal(n) for n in attention)
+    torch.testing.assert_close(gm(input_ids=ids), expected, rtol=1e-6, atol=1e-7)
 
 
 def test_rewrite_can_be_turned_off() -> None:

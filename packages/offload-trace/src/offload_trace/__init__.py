@@ -8,6 +8,13 @@ holds the graph (for the runtime's rewrites) and converts to the solver's
 from offload_trace._costs import OpCost
 from offload_trace.errors import TraceError
 from offload_trace.traced import TracedModel, device_state_bytes_per_param
-from offload_trace.tracer import trace
+from offload_trace.tracer import rewrite_causal_attention, trace
 
-__all__ = ["OpCost", "TraceError", "TracedModel", "device_state_bytes_per_param", "trace"]
+__all__ = [
+    "OpCost",
+    "TraceError",
+    "TracedModel",
+    "device_state_bytes_per_param",
+    "rewrite_causal_attention",
+    "trace",
+]

@@ -107,7 +107,7 @@ def trace(
     )
     exported_s = time.perf_counter() - start
     gm = ep.module()
-    causal = _rewrite_causal_attention(gm, model) if causal_attention else ()
+    causal = rewrite_causal_attention(gm, model) if causal_attention else ()
     op_nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     param_names = _map_param_names(gm, twin)
     try:
@@ -168,8 +168,15 @@ def trace(
     return traced
 
 
-def _rewrite_causal_attention(gm: fx.GraphModule, model: nn.Module) -> tuple[str, ...]:
-    """Apply the causal-attention pass to ``gm``; the names of the rewritten nodes."""
+def rewrite_causal_attention(gm: fx.GraphModule, model: nn.Module) -> tuple[str, ...]:
+    """Rewrite ``gm``'s attention calls whose mask is provably the constant causal mask
+    into ``is_causal=True`` attention, in place; the names of the rewritten nodes.
+
+    ``gm`` is a graph of ``model`` (e.g. ``torch.export.export(model, ...).module()``):
+    the mask's constants are read from ``model``'s buffers, wherever they live. :func:`trace`
+    applies this itself; it is public for graphs exported by other means (see
+    [Note: causal attention] in ``_causal.py``).
+    """
 
     def original_buffer(name: str) -> torch.Tensor | None:
         try:
