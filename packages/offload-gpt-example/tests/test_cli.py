@@ -12,7 +12,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -216,20 +215,19 @@ def test_run_sh_fails_when_the_script_fails(tmp_path: Path) -> None:
     assert "Model 'gpt2_nope' is not registered" in log.read_text()
 
 
-def test_plan_only_gpt2_24b_is_fast_and_allocates_nothing(
+def test_plan_only_gpt2_24b_allocates_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Plan for the default GPU profile even on a machine that has one, so the test is the
     # same everywhere.
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    started = time.perf_counter()
+    # How long it takes is measured by benchmarks/trace_bench.py and solver_bench.py, not
+    # bounded here (a loaded CI machine makes wall-clock bounds flaky).
     code, out, err = _run(
         ["--model_type", "gpt2_24b", "--plan_only", "--log_dir", str(tmp_path), "--no_progress"],
         capsys,
     )
-    elapsed = time.perf_counter() - started
     assert code == 0, err
-    assert elapsed < 60, f"--plan_only for gpt2_24b took {elapsed:.1f} s"
     init = INIT_LINE.search(out)
     assert init is not None, out
     # 24.2e9 fp16 parameters: about 46,000 MB.
