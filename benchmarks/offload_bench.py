@@ -57,17 +57,9 @@ WORKLOADS: dict[str, tuple[str, int, int, int]] = {
     "W3": ("gpt2_xl", 8, 1024, 40),
     "W4": ("gpt2_6b", 4, 512, 24),
 }
-KINDS = (
-    "ours",
-    "ours_bf16m",
-    "ours_bf16",
-    "ours_hostconv",
-    "ours_spec",
-    "ablation",
-    "full_gpu",
-    "fsdp2",
-    "torchao",
-)
+OURS_KINDS = ("ours", "ours_bf16m", "ours_bf16", "ours_hostconv", "ours_spec", "ablation")
+"""Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
+KINDS = (*OURS_KINDS, "full_gpu", "fsdp2", "torchao")
 RESULT_TAG = "BENCH_RESULT "
 
 
@@ -303,14 +295,7 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 def child_main(args: argparse.Namespace) -> None:
     profile_dir = Path(args.profile_dir) if args.profile_dir else None
     try:
-        if args.child in (
-            "ours",
-            "ours_bf16m",
-            "ours_bf16",
-            "ours_hostconv",
-            "ours_spec",
-            "ablation",
-        ):
+        if args.child in OURS_KINDS:
             result = _ours(args.workload, args.child, args.warmup, args.steps, profile_dir)
         elif args.child == "full_gpu":
             result = _full_gpu(args.workload, args.warmup, args.steps)
