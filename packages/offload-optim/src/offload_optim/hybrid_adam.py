@@ -65,12 +65,12 @@ from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
 from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
+from offload_runtime.hardware import available_host_memory_bytes
 from offload_runtime.storage import RegionStorage, region_of
 
 if TYPE_CHECKING:
@@ -166,14 +166,9 @@ class _RegionState:
 
 
 def _available_host_bytes() -> int | None:
-    """``MemAvailable`` of ``/proc/meminfo`` in bytes; None where it cannot be read."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    """Host bytes allocatable now (the runtime's reading of ``MemAvailable`` and the cgroup
+    limit); None where nothing could be read."""
+    return available_host_memory_bytes() or None
 
 
 class HybridAdam(torch.optim.Optimizer):
