@@ -70,6 +70,12 @@ def _view(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
     return out
 
 
+_PIN_IN_PLACE_MIN_BYTES = 1 << 20
+"""Smaller buffers come from PyTorch's pinned allocator: its rounding wastes little there,
+and a small ordinary allocation may share a memory page with another registered one, which
+``cudaHostRegister`` refuses."""
+
+
 def _cudart() -> Any:
     """The CUDA runtime bindings (``torch.cuda.cudart()``, untyped)."""
     return torch.cuda.cudart()  # type: ignore[no-untyped-call]
@@ -109,15 +115,15 @@ def _pin_in_place(t: torch.Tensor) -> bool:
 def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """``numel`` elements of host memory, page-locked when ``pin`` (see
     [Note: exact-size pinned memory]; falls back to PyTorch's pinned allocator)."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     try:
-        if pin:
+        if pin and nbytes >= _PIN_IN_PLACE_MIN_BYTES:
             t = torch.empty(numel, dtype=dtype)
-            if numel == 0 or _pin_in_place(t):
+            if _pin_in_place(t):
                 return t
             del t
         return torch.empty(numel, dtype=dtype, pin_memory=pin)
     except RuntimeError as exc:
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
         kind = "pinned " if pin else ""
         raise RuntimeError(
             f"could not allocate {nbytes / 2**20:.1f} MiB of {kind}host memory for region "
