@@ -121,6 +121,22 @@ def committed_state(amp: AMPOptimizer) -> list[torch.Tensor]:
     return [t.clone() for st in amp.state.values() for t in st.values()]
 
 
+Snapshot = tuple[dict[str, torch.Tensor], list[torch.Tensor]]
+
+
+def snapshot(trainer: Trainer) -> Snapshot:
+    """Master weights and committed optimizer state, copied."""
+    return masters(trainer.module), committed_state(trainer.amp)
+
+
+def assert_unchanged(trainer: Trainer, before: Snapshot) -> None:
+    """Masters, moments and step counts are bit-identical to ``before``."""
+    after_w, after_s = snapshot(trainer)
+    for name, value in before[0].items():
+        assert torch.equal(after_w[name], value), name
+    assert all(torch.equal(a, b) for a, b in zip(after_s, before[1], strict=True))
+
+
 def assert_same(a: Run, b: Run) -> None:
     assert a.losses == b.losses
     assert a.scales == b.scales
@@ -222,7 +238,7 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(host_worker: b
     of the run equals the non-speculative one bit for bit."""
     trainer = Trainer(True, host_worker=host_worker, hysteresis=1)
     head = trainer.train(range(3))
-    before_w, before_s = masters(trainer.module), committed_state(trainer.amp)
+    before = snapshot(trainer)
     scale = trainer.amp.loss_scale
     trainer.poison_steps = {3}
     trainer.train(range(3, 4), head)
@@ -241,10 +257,7 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(host_worker: b
         assert order == sorted(host, reverse=True)
     else:
         assert 0 <= report.undone_regions <= len(host)
-    after_w, after_s = masters(trainer.module), committed_state(trainer.amp)
-    for name, value in before_w.items():
-        assert torch.equal(after_w[name], value), name
-    assert all(torch.equal(a, b) for a, b in zip(after_s, before_s, strict=True))
+    assert_unchanged(trainer, before)
     spec = trainer.train(range(4, 12), head)
     trainer.close()
     plain = run(False, 12, poison=(3,), host_worker=host_worker, hysteresis=1)
@@ -309,15 +322,12 @@ def test_clipping_with_speculate_equals_without() -> None:
 def test_zero_grad_before_step_undoes_and_training_continues_exactly() -> None:
     trainer = Trainer(True, host_worker=False)
     head = trainer.train(range(2))
-    before_w, before_s = masters(trainer.module), committed_state(trainer.amp)
+    before = snapshot(trainer)
     trainer.backward(2)
     assert trainer.amp.optimizer.speculated_regions, "the hooks stepped speculatively"
     trainer.amp.zero_grad()  # drops the window: the speculative steps are undone
     assert not trainer.amp.optimizer.speculated_regions
-    after_w, after_s = masters(trainer.module), committed_state(trainer.amp)
-    for name, value in before_w.items():
-        assert torch.equal(after_w[name], value), name
-    assert all(torch.equal(a, b) for a, b in zip(after_s, before_s, strict=True))
+    assert_unchanged(trainer, before)
     spec = trainer.train(range(2, 5), head)
     trainer.close()
     assert_same(spec, run(False, 5, host_worker=False))

@@ -53,16 +53,19 @@ def _warm_up(gm: torch.fx.GraphModule, real: torch.nn.Module, inputs: dict) -> N
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize(("batch", "seq"), WORKLOADS)
-def test_forward_activation_peak_matches_cuda(batch: int, seq: int) -> None:
-    """The memory model's forward peak is within 10% of max_memory_allocated's."""
-    traced, gm, real, inputs = _traced_and_real(batch, seq)
-    profile = traced.to_profile()
+def _forward_peak_prediction(traced: TracedModel) -> int:
     predicted = 0
     saved_before = 0
-    for op in profile.operations:
+    for op in traced.to_profile().operations:
         predicted = max(predicted, saved_before + op.fwd_out_bytes + op.fwd_tmp_bytes)
         saved_before += op.saved_bytes
+    return predicted
+
+
+def _measured_forward_peak(
+    gm: torch.fx.GraphModule, real: torch.nn.Module, inputs: dict[str, torch.Tensor]
+) -> int:
+    """Peak bytes a forward (with grad) allocates beyond what was allocated before it."""
     _warm_up(gm, real, inputs)
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()  # parameters, inputs and workspaces
@@ -71,6 +74,15 @@ def test_forward_activation_peak_matches_cuda(batch: int, seq: int) -> None:
     torch.cuda.synchronize()
     measured = torch.cuda.max_memory_allocated() - base
     del out
+    return measured
+
+
+@pytest.mark.parametrize(("batch", "seq"), WORKLOADS)
+def test_forward_activation_peak_matches_cuda(batch: int, seq: int) -> None:
+    """The memory model's forward peak is within 10% of max_memory_allocated's."""
+    traced, gm, real, inputs = _traced_and_real(batch, seq)
+    predicted = _forward_peak_prediction(traced)
+    measured = _measured_forward_peak(gm, real, inputs)
     print(
         f"forward peak B{batch} S{seq}: predicted {predicted / 2**20:.1f} MiB, "
         f"measured {measured / 2**20:.1f} MiB"
@@ -130,15 +142,6 @@ def test_training_step_peak_matches_cuda(batch: int, seq: int) -> None:
     assert abs(predicted - measured) <= 0.10 * measured
 
 
-def _forward_peak_prediction(traced: TracedModel) -> int:
-    predicted = 0
-    saved_before = 0
-    for op in traced.to_profile().operations:
-        predicted = max(predicted, saved_before + op.fwd_out_bytes + op.fwd_tmp_bytes)
-        saved_before += op.saved_bytes
-    return predicted
-
-
 @pytest.mark.parametrize("with_mask", [False, True], ids=["no_mask", "attention_mask"])
 def test_head_dim_50_forward_peak_matches_cuda(with_mask: bool) -> None:
     """gpt2_xl's head dim (50) at sequence 1024, fp16, dropout 0.1.
@@ -169,14 +172,7 @@ def test_head_dim_50_forward_peak_matches_cuda(with_mask: bool) -> None:
     assert len(traced.causal_attention) == (0 if with_mask else layers)
     predicted = _forward_peak_prediction(traced)
     gm = assign_real(traced.module_for(device), real)
-    _warm_up(gm, real, inputs)
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    with torch.enable_grad():
-        out = gm(**inputs)
-    torch.cuda.synchronize()
-    measured = torch.cuda.max_memory_allocated() - base
-    del out
+    measured = _measured_forward_peak(gm, real, inputs)
     print(
         f"head dim 50 forward peak ({'mask' if with_mask else 'no mask'}): predicted "
         f"{predicted / 2**20:.1f} MiB, measured {measured / 2**20:.1f} MiB"

@@ -165,6 +165,14 @@ class _RegionState:
         return self.storage.numel * (4 + 2 * self.exp_avg.element_size())
 
 
+def _scale_tensor(grad_scale: float | None, device: torch.device) -> torch.Tensor | None:
+    """The divisor a fused step takes for ``grad_scale`` (0-dim fp32 on ``device``), or
+    None when there is nothing to divide by."""
+    if grad_scale is None or grad_scale == 1.0:
+        return None
+    return torch.full((), grad_scale, dtype=torch.float32, device=device)
+
+
 def _available_host_bytes() -> int | None:
     """Host bytes allocatable now (the runtime's reading of ``MemAvailable`` and the cgroup
     limit); None where nothing could be read."""
@@ -448,9 +456,7 @@ class HybridAdam(torch.optim.Optimizer):
                     raise RuntimeError("HybridAdam: a parameter has no dense gradient")
             steps = [seg.step for seg in segs]
             torch._foreach_add_(steps, 1.0)
-            scale = None
-            if grad_scale is not None and grad_scale != 1.0:
-                scale = torch.full((), grad_scale, dtype=torch.float32, device=device)
+            scale = _scale_tensor(grad_scale, device)
             fused_adam_(
                 [seg.param for seg in segs],
                 cast(list[torch.Tensor], grads),
@@ -618,9 +624,7 @@ class HybridAdam(torch.optim.Optimizer):
         # when segments without gradients leave parts of it out, read it all first.
         covered = sum(seg.param.numel() for seg in segments) == rs.storage.numel
         whole = None if covered else rs.storage.grad.sum()
-        scale = None
-        if grad_scale is not None and grad_scale != 1.0:
-            scale = torch.full((), grad_scale, dtype=torch.float32)
+        scale = _scale_tensor(grad_scale, torch.device("cpu"))
         parts = []
         for seg in segments:
             assert seg.grad is not None and seg.spare is not None
