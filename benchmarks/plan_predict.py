@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     from offload_gpt_example.models import build_model, random_batch
     from offload_runtime.api import device_conversion_profile
     from offload_runtime.storage import required_host_bytes
-    from offload_solver import InfeasibleBudgetError, solve
+    from offload_solver import InfeasibleBudgetError, StatePlacement, solve
     from offload_solver.hardware import default_hardware
     from offload_trace import trace
 
@@ -99,7 +99,20 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{len(plan.regions)} regions; predicted step {plan.predicted_step_time_s * 1e3:.1f} "
             f"ms, peak {plan.predicted_peak_bytes / GiB:.2f} GiB of {args.budget_gib} GiB; "
-            f"pinned host memory {pinned / GiB:.1f} GiB"
+            f"host memory for region state {pinned / GiB:.1f} GiB"
+        )
+        # The pinned fp32 masters and gradients as exact-size buffers (the runtime's
+        # in-place pinning) and as PyTorch's caching host allocator would round them (each
+        # buffer up to a power of two).
+        exact = rounded = 0
+        for rp in plan.regions:
+            if rp.state is StatePlacement.HOST:
+                nbytes = 4 * rp.region.numel
+                exact += 2 * nbytes
+                rounded += 2 * (1 << (nbytes - 1).bit_length())
+        print(
+            f"fp32 masters + gradients: {exact / GiB:.1f} GiB exact, {rounded / GiB:.1f} GiB "
+            f"with power-of-two rounding (x{rounded / max(exact, 1):.2f})"
         )
     return status
 
