@@ -183,6 +183,248 @@ class ReferenceResult:
     lifetimes: dict[int, list[tuple[float, float]]]
 
 
+@dataclass
+class _StepTimes:
+    """One step of :class:`_ReferenceMachine`, in absolute seconds."""
+
+    start: float
+    released: float  # when step() returns: the next step starts then
+    makespan_end: float  # when every task of this step (its post-step uploads too) is done
+    fwd_op_start: dict[int, float]
+    bwd_op_start: dict[int, float]
+    region_end: dict[int, float]
+    life: dict[int, list[tuple[float, float]]]
+    grads: list[tuple[int, float, float, int]]  # (region, added, copied, bytes)
+
+
+class _ReferenceMachine:
+    """The step model of [Note: step model] and [Note: steady state], written plainly: all
+    times absolute, lanes and queued uploads persisting from one step to the next.
+
+    Host work per host-state region, on one FIFO worker that takes regions in copy order
+    and waits for each copy: widen the copied gradients (unless they cross as fp32 or not
+    at all); its gradient-ready hook then runs. With ``host_step_after_backward`` a hook
+    that runs after the end of backward steps the region (Adam, then publish unless fp32
+    masters are uploaded); the others step after those, in forward order. Without it, a
+    hook that runs before the step's last copy has landed steps the region, and step()
+    waits for every hook, then queues the others in forward order. A resident region's
+    post-step upload goes on H2D at the next issue point of the compute lane after it was
+    issued. The next step starts when step() returns; its forward waits, at each region,
+    for the updates the region (and the region it prefetches) needs.
+    """
+
+    def __init__(
+        self,
+        profile: ModelProfile,
+        hardware: HardwareProfile,
+        layout: RegionLayout,
+        assignment: list[RegionAssignment],
+        host_step_after_backward: bool,
+    ) -> None:
+        self.profile, self.hw, self.layout = profile, hardware, layout
+        self.assignment = assignment
+        self.after_backward = host_step_after_backward
+        self.place = [a.placement for a in assignment]
+        self.on_dev = [a.state is StatePlacement.DEVICE for a in assignment]
+        self.offl = [p is not ParamPlacement.RESIDENT for p in self.place]
+        self.t = 0.0  # compute lane (and main thread) free
+        self.h2d = 0.0
+        self.d2h = 0.0
+        self.host = 0.0
+        self.updated: dict[int, float] = {}  # region -> when its last update ended
+        self.upload_end: dict[int, float] = {}  # resident region -> its last upload's end
+        self.pending: list[tuple[float, int]] = []  # (issue, region) post-step uploads
+
+    def convert(self, numel: int) -> float:
+        rate = self.hw.host_convert_elems_per_s
+        return numel / rate if rate > 0 else 0.0
+
+    def up(self, r: int) -> float:
+        # Every upload is of a host-state region: its training-dtype bytes, or what the
+        # runtime sends per element (4: fp32 masters narrowed on the device).
+        per_elem = self.profile.host_upload_bytes_per_param
+        reg = self.layout.regions[r]
+        return self.hw.h2d_time_s(reg.numel * per_elem if per_elem else reg.size_bytes)
+
+    def drain(self, until: float) -> None:
+        while self.pending and self.pending[0][0] <= until:
+            issue, q = self.pending.pop(0)
+            self.h2d = max(issue, self.h2d) + self.up(q)
+            self.upload_end[q] = self.h2d
+
+    def host_update(self, r: int, ready: float) -> None:
+        reg = self.layout.regions[r]
+        self.host = max(self.host, ready) + reg.numel / self.hw.host_adam_params_per_s
+        if self.profile.host_upload_bytes_per_param < 4:
+            self.host += self.convert(reg.numel)
+        self.updated[r] = self.host
+        if not self.offl[r]:
+            self.pending.append((self.host, r))
+
+    def step(self) -> _StepTimes:
+        profile, hw = self.profile, self.hw
+        regions, ops = self.layout.regions, profile.operations
+        place, offl, on_dev = self.place, self.offl, self.on_dev
+        n = len(regions)
+        start = self.t
+        never = float("-inf")
+        pf_issue: dict[tuple[str, int], float] = {}
+        pf_end: dict[tuple[str, int], float] = {}
+        life: dict[int, list[tuple[float, float]]] = {r: [] for r in range(n) if offl[r]}
+        fwd_op_start: dict[int, float] = {}
+        bwd_op_start: dict[int, float] = {}
+
+        def prefetch(tag: str, r: int, issue: float) -> None:
+            s = max(issue, self.h2d)
+            self.h2d = s + self.up(r)
+            pf_issue[tag, r], pf_end[tag, r] = issue, self.h2d
+
+        t = start
+        if place[0] is ParamPlacement.ASYNC:
+            t = max(t, self.updated.get(0, never))
+            self.drain(t)
+            prefetch("f", 0, t)
+        for r, reg in enumerate(regions):
+            nxt_async = r + 1 < n and place[r + 1] is ParamPlacement.ASYNC
+            if place[r] is ParamPlacement.SYNC:
+                t = max(t, self.updated.get(r, never))
+            if nxt_async:
+                t = max(t, self.updated.get(r + 1, never))
+            self.drain(t)
+            reach = t
+            if nxt_async:
+                prefetch("f", r + 1, reach)
+            acquired = reach
+            if place[r] is ParamPlacement.SYNC:
+                t += self.up(r)
+            elif place[r] is ParamPlacement.ASYNC:
+                acquired = pf_issue["f", r]
+                t = max(t, pf_end["f", r])
+            elif r in self.updated:
+                t = max(t, self.updated[r])
+                self.drain(t)
+                t = max(t, self.upload_end[r])
+            for j in range(reg.op_start, reg.op_end):
+                fwd_op_start[j] = t
+                t += hw.op_time_s(ops[j].fwd_flop)
+            if offl[r]:
+                life[r].append((acquired, t))
+        fwd_t = t
+        saved_lanes = (self.h2d, self.d2h, self.host, list(self.pending), dict(self.upload_end))
+        saved_updated = dict(self.updated)
+
+        def backward(deferred: set[int]) -> tuple[float, list[tuple[int, float, float]]]:
+            """Backward with the regions in ``deferred`` stepping after their hooks (bf16);
+            returns (its end, [(region, copy end, hook time)] in copy order)."""
+            nonlocal t
+            t = fwd_t
+            self.h2d, self.d2h, self.host = saved_lanes[0], saved_lanes[1], saved_lanes[2]
+            self.pending, self.upload_end = list(saved_lanes[3]), dict(saved_lanes[4])
+            self.updated = dict(saved_updated)
+            for lst in life.values():
+                del lst[1:]
+            grads.clear()
+            hooks: list[tuple[int, float, float]] = []
+            for r in range(n - 1, -1, -1):
+                reg = regions[r]
+                reach = t
+                self.drain(reach)
+                for i in range(n - 1, -1, -1):
+                    if place[i] is ParamPlacement.ASYNC and self.assignment[i].prefetch_at == r:
+                        prefetch("b", i, reach)
+                acquired = reach
+                if place[r] is ParamPlacement.SYNC:
+                    t += self.up(r)
+                elif place[r] is ParamPlacement.ASYNC:
+                    acquired = pf_issue["b", r]
+                    t = max(t, pf_end["b", r])
+                for j in range(reg.op_end - 1, reg.op_start - 1, -1):
+                    bwd_op_start[j] = t
+                    t += hw.op_time_s(ops[j].bwd_flop)
+                region_end[r] = t
+                if offl[r]:
+                    life[r].append((acquired, t))
+                if on_dev[r] or reg.numel == 0:
+                    continue
+                self.d2h = max(t, self.d2h) + hw.d2h_time_s(
+                    reg.numel * profile.host_grad_bytes_per_param
+                )
+                if self.d2h > t and reg.size_bytes:
+                    grads.append((r, t, self.d2h, reg.size_bytes))
+                if self.after_backward:
+                    hooks.append((r, self.d2h, -1.0))
+                    continue
+                self.host = max(self.d2h, self.host)
+                if profile.host_grad_bytes_per_param in (1, 2, 3):
+                    self.host += self.convert(reg.numel)
+                hooks.append((r, self.d2h, self.host))
+                if r not in deferred:
+                    self.host_update(r, self.host)
+            return t, hooks
+
+        region_end: dict[int, float] = {}
+        grads: list[tuple[int, float, float, int]] = []
+        bwd_end, hooks = backward(set())
+        if not self.after_backward:
+            # A hook at or after the last copy defers its region; the runtime decides this
+            # as it goes, so the first pass (every region stepping in its hook) is redone
+            # with the regions it shows to be deferred.
+            last_copy = max((c for _, c, _ in hooks), default=never)
+            deferred = {r for r, _, h in hooks if h >= last_copy}
+            if deferred:
+                bwd_end, hooks = backward(deferred)
+            # step() returns once every hook has run.
+            released = max(bwd_end, self.host) if hooks else bwd_end
+            for r in sorted(deferred):
+                self.host_update(r, self.host)
+        else:
+            waited = []  # hooks that ran by the end of backward: stepped in forward order
+            for r, copied, _ in hooks:
+                self.host = max(copied, self.host)
+                if profile.host_grad_bytes_per_param in (1, 2, 3):
+                    self.host += self.convert(regions[r].numel)
+                if self.host > bwd_end:
+                    self.host_update(r, self.host)
+                else:
+                    waited.append(r)
+            for r in sorted(waited):
+                self.host_update(r, bwd_end)
+            released = bwd_end
+        t = released
+        for r in range(n):
+            if on_dev[r]:
+                t += regions[r].numel / hw.device_adam_params_per_s
+        self.t = t
+        # The makespan drains this step's uploads on a copy of the H2D lane.
+        h2d = self.h2d
+        for issue, q in self.pending:
+            h2d = max(issue, h2d) + self.up(q)
+        return _StepTimes(
+            start=start,
+            released=t,
+            makespan_end=max(t, h2d, self.d2h, self.host),
+            fwd_op_start=fwd_op_start,
+            bwd_op_start=bwd_op_start,
+            region_end=region_end,
+            life=life,
+            grads=list(grads),
+        )
+
+
+def reference_periods(
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    layout: RegionLayout,
+    assignment: list[RegionAssignment],
+    *,
+    host_step_after_backward: bool = False,
+    steps: int,
+) -> list[float]:
+    """Seconds between the starts of ``steps`` consecutive steps (the first is cold)."""
+    machine = _ReferenceMachine(profile, hardware, layout, assignment, host_step_after_backward)
+    return [st.released - st.start for st in (machine.step() for _ in range(steps))]
+
+
 def reference_simulate(
     profile: ModelProfile,
     hardware: HardwareProfile,
@@ -191,126 +433,15 @@ def reference_simulate(
     *,
     host_step_after_backward: bool = False,
 ) -> ReferenceResult:
-    """The step model of the issue, simulated operation by operation, memory by brute force.
-
-    Host work per host-state region, on one FIFO worker: widen the copied gradients
-    (unless they cross as fp32 or not at all), the overflow/norm partial when the step waits
-    for backward, Adam, publish (none when fp32 masters are uploaded); conversions cost
-    ``numel / host_convert_elems_per_s``. Uploads move ``size_bytes``, or ``numel *
-    host_upload_bytes_per_param`` when that is set.
-    """
-    rate = hardware.host_convert_elems_per_s
-
-    def convert(numel: int) -> float:
-        return numel / rate if rate > 0 else 0.0
-
-    widens = profile.host_grad_bytes_per_param in (1, 2, 3)
+    """One cold step of :class:`_ReferenceMachine`, memory by brute force."""
+    machine = _ReferenceMachine(profile, hardware, layout, assignment, host_step_after_backward)
+    st = machine.step()
     regions = layout.regions
     ops = profile.operations
     n = len(regions)
-    place = [a.placement for a in assignment]
-    on_dev = [a.state is StatePlacement.DEVICE for a in assignment]
-    offl = [p is not ParamPlacement.RESIDENT for p in place]
-
-    def up(r: int) -> float:
-        # Every upload is of a host-state region: its training-dtype bytes, or what the
-        # runtime sends per element (4: fp32 masters narrowed on the device).
-        per_elem = profile.host_upload_bytes_per_param
-        nbytes = regions[r].numel * per_elem if per_elem else regions[r].size_bytes
-        return hardware.h2d_time_s(nbytes)
-
-    def publish(numel: int) -> float:
-        return 0.0 if profile.host_upload_bytes_per_param >= 4 else convert(numel)
-
-    t = 0.0
-    h2d = 0.0
-    pf_issue: dict[tuple[str, int], float] = {}
-    pf_end: dict[tuple[str, int], float] = {}
-    life: dict[int, list[tuple[float, float]]] = {r: [] for r in range(n) if offl[r]}
-    fwd_op_start: dict[int, float] = {}
-    bwd_op_start: dict[int, float] = {}
-
-    def prefetch(tag: str, r: int, issue: float) -> None:
-        nonlocal h2d
-        s = max(issue, h2d)
-        h2d = s + up(r)
-        pf_issue[tag, r], pf_end[tag, r] = issue, h2d
-
-    if place[0] is ParamPlacement.ASYNC:
-        prefetch("f", 0, 0.0)
-    for r, reg in enumerate(regions):
-        reach = t
-        if r + 1 < n and place[r + 1] is ParamPlacement.ASYNC:
-            prefetch("f", r + 1, reach)
-        acquired = reach
-        if place[r] is ParamPlacement.SYNC:
-            t += up(r)
-        elif place[r] is ParamPlacement.ASYNC:
-            acquired = pf_issue["f", r]
-            t = max(t, pf_end["f", r])
-        for j in range(reg.op_start, reg.op_end):
-            fwd_op_start[j] = t
-            t += hardware.compute_time_s(ops[j].fwd_flop)
-        if offl[r]:
-            life[r].append((acquired, t))
-
-    d2h = 0.0
-    host = 0.0
-    pending: list[tuple[float, int]] = []
-    waiting: list[int] = []  # regions whose host step waits for the end of backward
-    grads: list[tuple[int, float, float, int]] = []  # (region, added, copied, bytes)
-    region_end: dict[int, float] = {}
-    for r in range(n - 1, -1, -1):
-        reg = regions[r]
-        reach = t
-        while pending and pending[0][0] <= reach:
-            issue, q = pending.pop(0)
-            s = max(issue, h2d)
-            h2d = s + up(q)
-        for i in range(n - 1, -1, -1):
-            if place[i] is ParamPlacement.ASYNC and assignment[i].prefetch_at == r:
-                prefetch("b", i, reach)
-        acquired = reach
-        if place[r] is ParamPlacement.SYNC:
-            t += up(r)
-        elif place[r] is ParamPlacement.ASYNC:
-            acquired = pf_issue["b", r]
-            t = max(t, pf_end["b", r])
-        for j in range(reg.op_end - 1, reg.op_start - 1, -1):
-            bwd_op_start[j] = t
-            t += hardware.compute_time_s(ops[j].bwd_flop)
-        region_end[r] = t
-        if offl[r]:
-            life[r].append((acquired, t))
-        if not on_dev[r] and reg.numel > 0:
-            s = max(t, d2h)
-            d2h = s + hardware.d2h_time_s(reg.numel * profile.host_grad_bytes_per_param)
-            if d2h > t and reg.size_bytes:
-                grads.append((r, t, d2h, reg.size_bytes))
-            # Gradient work starts as the copy lands, whether or not the step waits.
-            host = max(d2h, host)
-            if widens:
-                host += convert(reg.numel)
-            if host_step_after_backward:
-                host += convert(reg.numel)
-                waiting.append(r)
-                continue
-            host += reg.numel / hardware.host_adam_params_per_s + publish(reg.numel)
-            if not offl[r]:
-                pending.append((host, r))
-    # Steps that waited for the global answer: after backward, in forward order.
-    for r in sorted(waiting):
-        host = max(host, t)
-        host += regions[r].numel / hardware.host_adam_params_per_s + publish(regions[r].numel)
-        if not offl[r]:
-            pending.append((host, r))
-    for issue, q in pending:
-        s = max(issue, h2d)
-        h2d = s + up(q)
-    for r in range(n):
-        if on_dev[r]:
-            t += regions[r].numel / hardware.device_adam_params_per_s
-    step = max(t, h2d, d2h, host)
+    offl, on_dev = machine.offl, machine.on_dev
+    life, grads = st.life, st.grads
+    fwd_op_start, bwd_op_start, region_end = st.fwd_op_start, st.bwd_op_start, st.region_end
 
     # Pool: pairwise coexistence, then first fit in region order.
     held = {r: [(s, e) for s, e in ivs if e > s] for r, ivs in life.items()}
@@ -365,7 +496,7 @@ def reference_simulate(
     peak = max(peak, static + pool)
     raw_peak = max(static + a + grads_at(tm, after) + live_at(tm) for tm, a, after in levels)
     return ReferenceResult(
-        step_time_s=step,
+        step_time_s=st.makespan_end - st.start,
         peak_bytes=peak,
         raw_peak_bytes=raw_peak,
         coexisting=pairs,

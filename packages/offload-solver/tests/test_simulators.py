@@ -81,18 +81,23 @@ def test_hand_checked_step() -> None:
     assert max(m.bytes for m in res.memory_curve) == 820
 
 
-def test_device_state_and_device_step() -> None:
+@pytest.mark.parametrize("after_backward", [False, True])
+def test_device_state_and_device_step(after_backward: bool) -> None:
     # All resident, region 1 keeps its optimizer state on the device: 100 params x 16 B
-    # resident, and its step (100 / 1e6 s) runs on compute after the backward.
+    # resident, and its step (100 / 1e6 s) runs on compute when step() queues it. Backward
+    # ends at 9 s (3 x 1 s forward, 3 x 2 s backward); region 0's gradient copy lands at
+    # 9.2. With the overflow answer (after_backward) step() returns at the end of backward;
+    # otherwise it first waits for every gradient-ready hook, the last of which runs when
+    # region 0's copy lands.
     profile = three_layers()
-    ctx = SimulationContext.build(profile, flat_hardware())
+    ctx = SimulationContext.build(profile, flat_hardware(), host_step_after_backward=after_backward)
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, DEVICE), RegionAssignment(R, HOST)]
     res = get_simulator("sync").simulate(ctx, asg)
     assert res.static_bytes == 600 + 100 * profile.device_state_bytes_per_param
     steps = [iv for iv in res.timeline if iv.kind == "device_step"]
     assert len(steps) == 1 and steps[0].region == 1 and steps[0].stream is Stream.COMPUTE
-    bwd_end = max(iv.end_s for iv in res.timeline if iv.kind == "bwd")
-    assert steps[0].start_s == pytest.approx(bwd_end)
+    assert max(iv.end_s for iv in res.timeline if iv.kind == "bwd") == pytest.approx(9.0)
+    assert steps[0].start_s == pytest.approx(9.0 if after_backward else 9.2)
     assert not [iv for iv in res.timeline if iv.region == 1 and iv.kind == "grad_offload"]
 
 
@@ -179,30 +184,28 @@ def test_host_conversions_run_as_gradients_land_then_adam_then_publish() -> None
 
 def test_gradient_work_spills_past_backward_when_the_step_waits_for_it() -> None:
     # As above, conversions at 100 elements/s (1 s each) and the step waiting for the
-    # global answer: each region widens and computes its partial as its copy lands (the
-    # host worker queues them, so they run on 2.2 s past the backward's end at 9 s), then
-    # Adam and publish run in forward order: 11.2 + 3 x (0.1 + 1) = 14.5, and region 2's
-    # parameters go up [14.5, 14.7].
+    # overflow answer (computed on the device, so the host computes no partial). Each
+    # region widens as its copy lands (5.2, 7.2, 9.2): regions 2 and 1 are ready by the end
+    # of backward (9 s) and wait; region 0 is ready at 10.2, after it, and steps then.
+    # Regions 1 and 2 follow in forward order: 11.3 + 2 x (0.1 + 1) = 13.5, and region 2's
+    # parameters go up [13.5, 13.7].
     hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=100.0)
     ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
     res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
     assert _host_spans(res) == _approx_spans(
         [
             (2, "grad_widen", 5.2, 6.2),
-            (2, "grad_partial", 6.2, 7.2),
             (1, "grad_widen", 7.2, 8.2),
-            (1, "grad_partial", 8.2, 9.2),
             (0, "grad_widen", 9.2, 10.2),
-            (0, "grad_partial", 10.2, 11.2),
-            (0, "host_step", 11.2, 11.3),
-            (0, "publish", 11.3, 12.3),
-            (1, "host_step", 12.3, 12.4),
-            (1, "publish", 12.4, 13.4),
-            (2, "host_step", 13.4, 13.5),
-            (2, "publish", 13.5, 14.5),
+            (0, "host_step", 10.2, 10.3),
+            (0, "publish", 10.3, 11.3),
+            (1, "host_step", 11.3, 11.4),
+            (1, "publish", 11.4, 12.4),
+            (2, "host_step", 12.4, 12.5),
+            (2, "publish", 12.5, 13.5),
         ]
     )
-    assert res.step_time_s == pytest.approx(14.7)
+    assert res.step_time_s == pytest.approx(13.7)
     # Device memory does not depend on host work: the same peak as without conversions.
     plain = get_simulator("async").simulate(
         SimulationContext.build(
@@ -215,11 +218,46 @@ def test_gradient_work_spills_past_backward_when_the_step_waits_for_it() -> None
     assert res.peak_bytes == plain.peak_bytes
 
 
+def test_fp16_regions_landing_after_backward_step_first_in_landing_order() -> None:
+    # Backward 1 s per region (2000 FLOP at 2000 FLOP/s), forward 0.5 s; gradient copies
+    # of 200 B at 100 B/s take 2 s, longer than a region's backward, so they queue on D2H:
+    # B2 [1.5,2.5] copy [2.5,4.5]; B1 [2.5,3.5] copy [4.5,6.5]; B0 [3.5,4.5] copy [6.5,8.5].
+    # The overflow answer is known at the end of backward, 4.5 s. Region 2 landed then (at
+    # or before counts as before) and waits; regions 1 and 0 land after it and step as they
+    # land, in landing order (1 before 0, not forward order); then region 2. Adam 0.1 s.
+    ops = tuple(
+        Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000, bwd_flop=2000)
+        for i in range(3)
+    )
+    profile = ModelProfile("three", three_layers().parameters, ops)
+    hw = flat_hardware(d2h_bytes_per_s=100.0, flop_per_s=2000.0, host_adam_params_per_s=1000.0)
+    ctx = SimulationContext.build(profile, hw, host_step_after_backward=True)
+    res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
+    assert max(iv.end_s for iv in res.timeline if iv.kind == "bwd") == pytest.approx(4.5)
+    assert _host_spans(res) == _approx_spans(
+        [
+            (1, "host_step", 6.5, 6.6),
+            (0, "host_step", 8.5, 8.6),
+            (2, "host_step", 8.6, 8.7),
+        ]
+    )
+    # Post-step uploads (0.2 s) in the order the steps issued them.
+    uploads = [iv for iv in res.timeline if iv.kind == "param_upload"]
+    assert [iv.region for iv in uploads] == [1, 0, 2]
+    assert [(iv.start_s, iv.end_s) for iv in uploads] == [
+        pytest.approx((6.6, 6.8)),
+        pytest.approx((8.6, 8.8)),
+        pytest.approx((8.8, 9.0)),
+    ]
+    assert res.step_time_s == pytest.approx(9.0)
+
+
 @pytest.mark.parametrize("after_backward", [False, True])
 def test_fp32_gradients_from_the_device_are_not_widened_on_the_host(after_backward: bool) -> None:
     # host_grad_bytes_per_param == 4: the runtime widened on the device and copies 400 B
-    # (0.4 s). Region 2's copy lands at 5.4; the partial (only when the step waits) or Adam
-    # starts right then.
+    # (0.4 s): copies land at 5.4, 7.4 and 9.4. As each step goes, region 2's Adam starts
+    # at 5.4; waiting for the overflow answer (known on the device when backward ends at
+    # 9 s, so no partial runs on the host), region 0, landing after that, steps first.
     base = three_layers()
     profile = ModelProfile(base.name, base.parameters, base.operations, host_grad_bytes_per_param=4)
     hw = flat_hardware(host_adam_params_per_s=1000.0, host_convert_elems_per_s=100.0)
@@ -227,11 +265,10 @@ def test_fp32_gradients_from_the_device_are_not_widened_on_the_host(after_backwa
     res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
     spans = _host_spans(res)
     assert "grad_widen" not in {k for _, k, _, _ in spans}
-    first = (2, "grad_partial", 5.4, 6.4) if after_backward else (2, "host_step", 5.4, 5.5)
+    first = (0, "host_step", 9.4, 9.5) if after_backward else (2, "host_step", 5.4, 5.5)
     assert spans[0] == _approx_spans([first])[0]
     kinds = [k for _, k, _, _ in spans]
-    assert kinds.count("publish") == 3
-    assert kinds.count("grad_partial") == (3 if after_backward else 0)
+    assert kinds == ["host_step", "publish"] * 3
 
 
 def test_host_work_is_never_charged_to_device_state_regions() -> None:
@@ -240,7 +277,9 @@ def test_host_work_is_never_charged_to_device_state_regions() -> None:
     asg = [RegionAssignment(R, DEVICE), RegionAssignment(R, HOST), RegionAssignment(R, DEVICE)]
     res = get_simulator("async").simulate(ctx, asg)
     assert {r for r, _, _, _ in _host_spans(res)} == {1}
-    assert ctx.host_work_s[1] == pytest.approx(1.0 + 1.0 + 0.1 + 1.0)
+    # Widening, Adam, publish; no overflow partial on the host.
+    assert ctx.host_work_s[1] == pytest.approx(1.0 + 0.1 + 1.0)
+    assert "grad_partial" not in {k for _, k, _, _ in _host_spans(res)}
 
 
 def _with_upload_bytes(profile: ModelProfile, per_elem: int) -> ModelProfile:

@@ -477,8 +477,9 @@ class TimelineInterval:
     region: int
     kind: str
     """What runs: ``fwd``, ``bwd``, ``upload``, ``prefetch``, ``grad_offload``,
-    ``grad_widen``, ``grad_partial``, ``host_step``, ``publish``, ``device_step``,
-    ``param_upload`` (see [Note: step model] in ``offload_solver.simulators._engine``)."""
+    ``grad_widen``, ``host_step``, ``publish``, ``device_step``, ``param_upload`` (see
+    [Note: step model] in ``offload_solver.simulators._engine``; plans written before
+    may also hold ``grad_partial``, a host pass no longer modelled)."""
     start_s: float
     end_s: float
 
@@ -501,7 +502,11 @@ class Plan:
     regions: tuple[RegionPlan, ...]
     predicted_peak_bytes: int
     predicted_step_time_s: float
+    """Seconds per training step once steps repeat (the host steps of one step run under
+    the next forward; see [Note: steady state] in ``offload_solver.simulators._engine``)."""
     timeline: tuple[TimelineInterval, ...]
+    """One step started on an idle machine (the cold step): its span can differ from
+    ``predicted_step_time_s``."""
     memory_curve: tuple[MemorySample, ...]
     pool_size_bytes: int
     """Device bytes of the pool that holds offloaded regions while they are in use."""

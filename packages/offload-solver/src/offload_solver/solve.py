@@ -35,7 +35,7 @@ from offload_solver.model import (
 )
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_BYTES
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
-from offload_solver.simulators._engine import to_result
+from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
 from offload_solver.solvers._search import GreedySearch, SolveStats
 
@@ -134,6 +134,7 @@ def solve(
     first = simulator.run(ctx, on_device)
     if state_on_device and first.peak_bytes <= cap:
         chosen, result = on_device, first
+        steady = steady_state(ctx, chosen, result)
     else:
         start = [RegionAssignment()] * n_reg
         search = GreedySearch(ctx, simulator, cap, stats, start)
@@ -154,8 +155,11 @@ def solve(
             search.place_optimizer_state()
             search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
+        steady = search.steady()
 
-    detail = to_result(ctx, result)
+    # The timeline and memory curves are the cold step's; the step time is the period of
+    # the repeating step (see [Note: steady state] in ``simulators._engine``).
+    detail = to_result(ctx, result, steady.period_s)
     regions = tuple(
         RegionPlan(
             region=ctx.regions[r],
@@ -171,7 +175,7 @@ def solve(
         budget_bytes=budget,
         regions=regions,
         predicted_peak_bytes=detail.peak_bytes,
-        predicted_step_time_s=detail.step_time_s,
+        predicted_step_time_s=detail.steady_step_time_s,
         timeline=detail.timeline,
         memory_curve=detail.memory_curve,
         pool_size_bytes=detail.pool_size_bytes,

@@ -14,29 +14,35 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   Region i's compute waits for its prefetch. They are released like SYNC ones.
 - After region i's backward, a HOST-state region copies its gradients to the host on D2H
   (``numel * host_grad_bytes_per_param``); its gradient (``size_bytes``) stays on the
-  device until that copy ends. Then, on HOST (one worker: each task waits for the lane
-  and for the one before it of the same region), as the runtime's host worker runs them:
+  device until that copy ends. The runtime's host worker (HOST: one FIFO worker) takes
+  the regions in copy order, waits for each copy and runs:
   1. ``grad_widen``: the copied gradients widened into the fp32 accumulator, ``numel /
      host_convert_elems_per_s``; none when ``0 < host_grad_bytes_per_param < 4`` is false
-     (the runtime sent fp32, widened on the device, or nothing crossed);
-  2. ``grad_partial`` (only with ``host_step_after_backward``): the region's share of the
-     global answer (overflow check or gradient norm), a pass reading the 4-byte fp32
-     gradient, charged as one more conversion pass (``numel / host_convert_elems_per_s``).
-     On the H200 (gpt2_xl, 1.48 G host-state parameters, 11e9 elements/s) widening plus
-     partial charged this way take ~270 ms, as the measured host gradient work did: it ran
-     through backward (137-164 ms) and ~130 ms past its end;
-  3. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``;
-  4. ``publish``: the fp32 master cast into the training-dtype copy (pinned host
+     (the runtime sent fp32, widened on the device, or nothing crossed). The region's
+     gradient-ready hook runs when this ends (or when the copy lands, with no widening);
+  2. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``;
+  3. ``publish``: the fp32 master cast into the training-dtype copy (pinned host
      parameters, or the upload buffer of a RESIDENT region), ``numel /
      host_convert_elems_per_s``; none when ``host_upload_bytes_per_param >= 4`` (the
      runtime uploads the fp32 master itself and narrows it on the device).
-  Steps 1-2 run as the copy lands even when the step waits for the global answer; steps
-  3-4 then run after the whole backward, in forward order. With
-  ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. A RESIDENT
-  region's updated parameters go back on H2D after its publish, or after its Adam step
-  when there is none (offloaded regions are uploaded by the next forward anyway). H2D
-  tasks issued at the same instant: parameter uploads issued so far, then prefetches
-  (the region needed first first).
+  With ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. When
+  steps 2-3 run (``offload_optim``'s ``AMPOptimizer``; "bwd_end" is the end of the
+  compute lane's backward):
+  - ``host_step_after_backward`` (fp16: no region may step before the overflow answer,
+    which the runtime computes on the device from each region's gradients before their
+    copy, so it is known at bwd_end and the host computes no partial): a region whose
+    hook runs after bwd_end steps right then, so these step in copy (landing) order;
+    the regions whose hooks ran at or before bwd_end step after them, in forward order,
+    starting no earlier than bwd_end. ``step()`` returns at bwd_end.
+  - otherwise (bf16, fp32, or fp16 speculating): a region whose hook runs before the
+    step's last copy has landed steps right then; a later hook leaves its region to
+    ``step()``, which waits for every hook and then queues those regions in forward
+    order. ``step()`` returns when backward has ended and every hook has run.
+  A RESIDENT region's updated parameters go back on H2D after its publish, or after its
+  Adam step when there is none (offloaded regions are uploaded by the next forward
+  anyway), at the compute lane's next issue point (a region's start). H2D tasks issued
+  at the same instant: parameter uploads issued so far, then prefetches (the region
+  needed first first).
 - Every upload above (sync upload, prefetch, post-step ``param_upload``) is of a
   HOST-state region (offloaded regions always keep their state on the host; device-state
   regions are RESIDENT and never uploaded), and moves ``size_bytes``, or ``numel *
@@ -44,9 +50,12 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   device into the region's training-dtype buffer). Any device staging buffer the runtime
   narrows from is not charged to memory: only the copy time changes.
 - DEVICE-state regions (RESIDENT only) keep ``numel * device_state_bytes_per_param``
-  bytes on the device all step; their optimizer steps run on the compute lane after the
-  whole backward.
-- The step ends when the last lane goes idle.
+  bytes on the device all step; their optimizer steps run on the compute lane from when
+  ``step()`` returns, in one batch. The compute lane's end (``compute_end_s``) is when
+  the next step can start.
+- The single (cold) step ends when the last lane goes idle (``step_time_s``): what the
+  timeline and memory curves show. The time per step a training loop measures is the
+  period of the repeating step: [Note: steady state].
 
 Memory follows [Note: memory model] in ``offload_solver.model``. Offloaded regions live in
 a device pool allocated once for the step: each takes one block of the layout's block size.
@@ -65,6 +74,33 @@ region only during its lifetimes, instead of the pool.
 Compute is accounted per region (the sum of its operations' times); memory per operation,
 so a gradient copy that ends in the middle of a region lowers the level of the operations
 that start after it. An event at the same instant as an operation's start is seen by it.
+
+[Note: steady state]
+A training loop does not wait for the host: ``step()`` returns at the compute lane's end
+(see above) and the host steps of step k run under the forward of step k+1. So the time
+per step is the period of a repeating schedule, not the single step's span. Step k+1
+starts when step k's compute lane ends (``compute_end_s``) and differs from a cold step
+in two ways:
+- lanes carry over: the host worker, D2H and H2D start busy with step k's remaining
+  work; step k's post-step uploads not yet on H2D at its last issue point (region 0's
+  backward start) join step k+1's forward prefetches on the lane in issue order;
+- a region's forward waits for step k's update of it: the runtime's ``begin_forward``,
+  ``upload`` and ``prefetch`` of region r block the host (``wait_update``) until r's Adam
+  step (and publish) is done. A SYNC region's upload therefore starts after it; a
+  RESIDENT host-state region's forward also waits for its post-step upload (the device
+  waits for that copy's event); the forward prefetch of region q is called before
+  region q-1's first operation (``offload_runtime.passes``), so the compute lane waits
+  there, and the prefetch starts after it. Backward needs nothing of step k.
+:func:`steady_state` runs the cold step, then gated steps, each started from what the
+previous one left (:func:`carry_from`, times shifted by its ``compute_end_s``), until
+the compute-lane span changes by less than :data:`STEADY_REL_TOL` (at most
+:data:`STEADY_MAX_STEPS` steps); that span is the period. It reaches a fixed point in
+two gated steps on every profile tried (every lane's busy time repeats). Memory is the
+cold step's: gated steps run the same operations in the same compute-lane order, only
+later, so lifetimes overlap alike and the pool is the same; a gated step's gradients can
+wait longer for a D2H lane still busy with the previous step's copies (not seen on the
+workloads measured). Solvers rank candidates on the cold step (its slack) and compare
+steady-state periods where they accept a change of step time (optimizer placement).
 """
 
 from __future__ import annotations
@@ -98,7 +134,7 @@ LANE_COMPUTE, LANE_H2D, LANE_D2H, LANE_HOST = 0, 1, 2, 3
 LANES = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.HOST)
 KIND_FWD, KIND_BWD, KIND_UPLOAD, KIND_PREFETCH = 0, 1, 2, 3
 KIND_GRAD_OFFLOAD, KIND_HOST_STEP, KIND_DEVICE_STEP, KIND_PARAM_UPLOAD = 4, 5, 6, 7
-KIND_GRAD_WIDEN, KIND_GRAD_PARTIAL, KIND_PUBLISH = 8, 9, 10
+KIND_GRAD_WIDEN, KIND_PUBLISH = 8, 9
 KINDS = (
     "fwd",
     "bwd",
@@ -109,7 +145,6 @@ KINDS = (
     "device_step",
     "param_upload",
     "grad_widen",
-    "grad_partial",
     "publish",
 )
 
@@ -131,6 +166,11 @@ class SimulationResult:
     peak_bytes: int
     """Peak device bytes with offloaded regions held in the pool."""
     step_time_s: float
+    """Seconds from the cold step's start until its last lane goes idle: the span of
+    ``timeline``."""
+    steady_step_time_s: float
+    """Seconds per step once steps repeat, each starting when the previous one's compute
+    lane finished (see [Note: steady state]): what a training loop measures per step."""
     raw_peak_bytes: int
     """Peak device bytes counting offloaded regions only while they are on the device."""
     static_bytes: int
@@ -165,10 +205,11 @@ class SimulationContext:
     ):
         self.profile = profile
         self.host_step_after_backward = host_step_after_backward
-        """Host optimizer steps wait for the end of backward (then run in forward order):
-        what an optimizer does when the step needs a global answer first (fp16 overflow
-        check, global-norm clipping), whose per-region partial is then charged on the host
-        as the gradients land. Otherwise each starts when its gradients land."""
+        """Host optimizer steps wait for the end of backward: what an optimizer does when
+        the step needs a global answer first (the fp16 overflow check, computed on the
+        device as backward runs). Regions whose gradients land after that step as they
+        land, then the others in forward order. Otherwise each starts when its gradients
+        land."""
         self.hardware = hardware
         self.layout = layout
         self.regions: tuple[Region, ...] = layout.regions
@@ -196,26 +237,18 @@ class SimulationContext:
         # is unknown, so the engine can skip them with one test.
         widens = 0 < profile.host_grad_bytes_per_param < 4
         self.widen_s = [hw.host_convert_time_s(n) if widens else 0.0 for n in self.numel]
-        self.partial_s = [
-            hw.host_convert_time_s(n) if host_step_after_backward else 0.0 for n in self.numel
-        ]
         # Uploading fp32 masters (narrowed on the device) leaves nothing to publish.
         self.publishes = hw.host_convert_elems_per_s > 0 and per_elem < 4
         """Whether host-state regions get a ``publish`` host task after their Adam step."""
         self.publish_s = [hw.host_convert_time_s(n) if self.publishes else 0.0 for n in self.numel]
-        self.grad_work = [
-            tuple((k, w) for k, w in ((KIND_GRAD_WIDEN, a), (KIND_GRAD_PARTIAL, b)) if w > 0.0)
-            for a, b in zip(self.widen_s, self.partial_s, strict=True)
-        ]
+        self.grad_work = [((KIND_GRAD_WIDEN, w),) if w > 0.0 else () for w in self.widen_s]
         """Per region, the host tasks (kind, seconds) run as its gradients land."""
         self.host_work_s = [
-            a + b + c + d
-            for a, b, c, d in zip(
-                self.widen_s, self.partial_s, self.host_step_s, self.publish_s, strict=True
-            )
+            a + b + c
+            for a, b, c in zip(self.widen_s, self.host_step_s, self.publish_s, strict=True)
         ]
         """Per region, all host-lane seconds of its optimizer work when its state is on
-        the host: widening, partial, Adam and publish."""
+        the host: widening, Adam and publish."""
         self.device_step_s = [n / hw.device_adam_params_per_s for n in self.numel]
         self.state_bytes = [n * profile.device_state_bytes_per_param for n in self.numel]
 
@@ -331,6 +364,26 @@ class SimulationContext:
                 )
 
 
+@dataclass(frozen=True)
+class Carry:
+    """What one step leaves to the next, in the next step's time (it starts at 0, when
+    the previous step's compute lane finished). See [Note: steady state]."""
+
+    host_free_s: float
+    """When the host worker finishes the previous step's work."""
+    d2h_free_s: float
+    """When the device-to-host lane finishes the previous step's gradient copies."""
+    h2d_free_s: float
+    """When the host-to-device lane finishes the copies the previous step placed on it."""
+    gate_s: tuple[float, ...]
+    """Per region, when the previous step's update makes it usable (``-inf``: nothing to
+    wait for): an offloaded region's Adam step (and publish) end; a resident host-state
+    region's post-step upload end, or, when that upload is in ``uploads``, its issue."""
+    uploads: tuple[tuple[float, int], ...]
+    """(issue time, region) of the previous step's post-step uploads not yet on the H2D
+    lane, in issue order: they share it with this step's forward prefetches."""
+
+
 class EngineRun:
     """The raw outcome of one simulated step (tasks, region times, pool, peak).
 
@@ -372,7 +425,22 @@ class EngineRun:
         self.lifetimes: list[list[tuple[float, float]]] = []
         self.grads: list[tuple[int, float, float, int]] = []
         """(region, added, copied, bytes) of each gradient waiting on the device for its copy."""
+        self.update_end: list[float] = []
+        """Per region, when its host optimizer work (Adam, publish) ends; ``-inf`` if none."""
+        self.param_upload_end: list[float] = []
+        """Per region, when its post-step upload ends; ``-inf`` if none."""
+        self.tail_uploads: list[tuple[float, int]] = []
+        """(issue, region) of post-step uploads issued after the compute lane's last issue
+        point (region 0's backward start): placed after everything else on the H2D lane
+        here, and carried into the next step's forward by :func:`steady_state`."""
+        self.h2d_free_before_tail = 0.0
+        self.compute_end_s = 0.0
+        """When the compute lane finishes (backward, then the device-state optimizer steps
+        that ``step()`` queues when it returns): when the next step can start."""
+        self.host_free_end = 0.0
+        self.d2h_free_end = 0.0
         self.step_time_s = 0.0
+        """When the last lane goes idle (the single step's makespan)."""
         self.dyn_peak_bytes = 0
         self.static_bytes = 0
         """Resident parameters + device optimizer state (the pool not included)."""
@@ -385,8 +453,17 @@ class EngineRun:
         self.peak_bytes = 0
 
 
-def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> EngineRun:
-    """Simulate one step of an already validated ``assignment`` (see [Note: step model])."""
+_NEVER = float("-inf")
+
+
+def run(
+    ctx: SimulationContext, assignment: Sequence[RegionAssignment], carry: Carry | None = None
+) -> EngineRun:
+    """Simulate one step of an already validated ``assignment`` (see [Note: step model]).
+
+    Without ``carry`` the step starts on an idle machine (a cold step); with it, it starts
+    as the previous step left things (see [Note: steady state]).
+    """
     n_reg = ctx.num_regions
     out = EngineRun()
     codes = [_CODES[a.placement] for a in assignment]
@@ -420,31 +497,73 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     pf_f_task = [-1] * n_reg
     free_at_reach_f = [0.0] * n_reg
     h2d_order = out.h2d_order
+    update_end = [_NEVER] * n_reg
+    param_upload_end = [_NEVER] * n_reg
+    out.update_end, out.param_upload_end = update_end, param_upload_end
+
+    # Post-step uploads waiting for the H2D lane: (issue time, region, host task), in
+    # issue order. They go on the lane at the compute lane's next issue point.
+    pending: deque[tuple[float, int, int]] = deque()
+    h2d_free = d2h_free = host_free = 0.0
+    last_h = -1
+
+    def drain(until: float) -> None:
+        """Put the pending uploads issued at or before ``until`` on the H2D lane."""
+        nonlocal h2d_free, last_h
+        while pending and pending[0][0] <= until:
+            issue, pr, ht = pending.popleft()
+            s = issue if issue > h2d_free else h2d_free
+            e = s + up[pr]
+            last_h = add(LANE_H2D, pr, KIND_PARAM_UPLOAD, s, e, last_h, ht)
+            h2d_order.append(last_h)
+            h2d_free = param_upload_end[pr] = e
+
+    gated = carry is not None
+    gate: Sequence[float] = ()
+    if carry is not None:
+        h2d_free, d2h_free, host_free = carry.h2d_free_s, carry.d2h_free_s, carry.host_free_s
+        gate = carry.gate_s
+        pending.extend((s, r, -1) for s, r in carry.uploads)
 
     # ---- forward
     t = 0.0
     last_c = -1
-    h2d_free = 0.0
-    last_h = -1
     pf_issue = [0.0] * n_reg  # when each region's current prefetch was issued
     if n_reg and codes[0] == ASYNC:
-        e = up[0]
-        last_h = pf_f_task[0] = add(LANE_H2D, 0, KIND_PREFETCH, 0.0, e, -1, -1)
+        if gated:
+            # The prefetch call blocks the host until the region's update is done.
+            if gate[0] > t:
+                t = gate[0]
+            drain(t)
+        s = t if t > h2d_free else h2d_free
+        e = s + up[0]
+        last_h = pf_f_task[0] = add(LANE_H2D, 0, KIND_PREFETCH, s, e, last_h, -1)
         h2d_order.append(last_h)
         h2d_free = e
+        pf_issue[0] = t
     for r in range(n_reg):
+        q = r + 1
+        prefetch_q = q < n_reg and codes[q] == ASYNC
+        c = codes[r]
+        if gated:
+            # The host blocks before issuing region r's forward while the updates that
+            # its upload (SYNC r) and region q's prefetch (issued before r's first
+            # operation) read are still running: the compute lane cannot pass either.
+            if c == SYNC and gate[r] > t:
+                t = gate[r]
+            if prefetch_q and gate[q] > t:
+                t = gate[q]
+            drain(t)
         reach = t
         reach_f[r] = reach
         free_at_reach_f[r] = h2d_free
-        q = r + 1
-        if q < n_reg and codes[q] == ASYNC:
+        if prefetch_q:
             pf_issue[q] = reach
             s = reach if reach > h2d_free else h2d_free
             e = s + up[q]
             last_h = pf_f_task[q] = add(LANE_H2D, q, KIND_PREFETCH, s, e, last_h, last_c)
             h2d_order.append(last_h)
             h2d_free = e
-        c = codes[r]
         wait_task = -1
         life_start = reach
         if c == SYNC:
@@ -457,12 +576,23 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
             pe = t_end[wait_task]
             if pe > t:
                 t = pe
+        elif gated:
+            # A resident host-state region waits (on the host) for its update, then
+            # (on the device) for the upload that update issued.
+            if gate[r] > t:
+                t = gate[r]
+            drain(t)
+            if param_upload_end[r] > t:
+                t = param_upload_end[r]
         cs_f[r] = t
         e = t + fwd_s[r]
         last_c = f_task[r] = add(LANE_COMPUTE, r, KIND_FWD, t, e, last_c, wait_task)
         t = ce_f[r] = e
         if c:
             lifetimes[r].append((life_start, e))
+    if gated:
+        # This step's own post-step uploads are told apart from the carried ones by these.
+        param_upload_end[:] = [_NEVER] * n_reg
 
     # ---- backward
     by_host: list[list[int]] = [[] for _ in range(n_reg)]
@@ -477,8 +607,6 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     host_task = [-1] * n_reg
     free_after_b = [0.0] * n_reg
     pos_after_b = [0] * n_reg
-    pending: deque[tuple[float, int, int]] = deque()  # (issue time, region, host task)
-    d2h_free = host_free = 0.0
     last_d = last_o = -1
     in_flight: deque[tuple[float, int]] = deque()  # (copy end, bytes), in copy order
     level = 0
@@ -491,17 +619,61 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
     grads = out.grads
     after_backward = ctx.host_step_after_backward
-    deferred: list[tuple[int, float, int]] = []  # (region, gradients landed, d2h task)
+    # Host-state regions whose gradients are copied and whose host work is not placed yet:
+    # (region, copy end, d2h task), in copy order (the host worker's FIFO order).
+    landed: deque[tuple[int, float, int]] = deque()
+    deferred: list[int] = []  # regions whose step waits to be queued in forward order
+    hooks_ran = False
+
+    def grad_work_of(r: int, land: float, ready: int) -> tuple[float, int]:
+        """Place region r's gradient work on the host worker; returns (when its
+        gradient-ready hook runs: that work's end, the task its step waits for). The worker
+        takes regions in copy order and waits for each copy, even with no work to do."""
+        nonlocal host_free, last_o
+        e = land if land > host_free else host_free
+        for task_kind, w in grad_work[r]:
+            s, e = e, e + w
+            last_o = ready = add(LANE_HOST, r, task_kind, s, e, last_o, ready)
+        host_free = e
+        return e, ready
+
+    def update(r: int, ready_s: float, pred: int) -> None:
+        """Place region r's Adam step (and publish), and queue its post-step upload."""
+        nonlocal host_free, last_o
+        s = ready_s if ready_s > host_free else host_free
+        e = s + hs[r]
+        last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, pred)
+        host_free = e
+        if publishes:
+            e = e + publish_s[r]
+            last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
+            host_free = e
+        update_end[r] = e
+        if codes[r] == RESIDENT:
+            pending.append((e, r, last_o))
+
+    def hooks_before(limit: float) -> None:
+        """Without ``after_backward``: step, as their gradient work ends, the landed regions
+        whose gradient-ready hook runs before ``limit`` (a moment known to come before the
+        last copy lands)."""
+        while landed:
+            r, land, ready = landed[0]
+            h = land if land > host_free else host_free
+            for _, w in grad_work[r]:
+                h += w
+            if h >= limit:
+                return
+            landed.popleft()
+            e, ready = grad_work_of(r, land, ready)
+            update(r, e, ready)
+
     for r in range(n_reg - 1, -1, -1):
         reach = t
         reach_b[r] = reach
-        while pending and pending[0][0] <= reach:
-            issue, pr, ht = pending.popleft()
-            s = issue if issue > h2d_free else h2d_free
-            e = s + up[pr]
-            last_h = add(LANE_H2D, pr, KIND_PARAM_UPLOAD, s, e, last_h, ht)
-            h2d_order.append(last_h)
-            h2d_free = e
+        if landed and not after_backward:
+            hooks_before(reach)
+        if pending and pending[0][0] <= reach:
+            drain(reach)
         for i in by_host[r]:
             pf_issue[i] = reach
             s = reach if reach > h2d_free else h2d_free
@@ -571,54 +743,48 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
                 in_flight.append((e, size[r]))
                 grads.append((r, end, e, size[r]))
                 level += size[r]
-            ready = last_d  # the task after which the region's gradients are usable
-            # Gradient work on the host worker as the copy lands, even when the step itself
-            # waits for the end of backward.
-            for task_kind, w in grad_work[r]:
-                s = e if e > host_free else host_free
-                e = s + w
-                last_o = ready = add(LANE_HOST, r, task_kind, s, e, last_o, ready)
-                host_free = e
-            if after_backward:
-                deferred.append((r, e, ready))
-            else:
-                s = e if e > host_free else host_free
-                e = s + hs[r]
-                last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, ready)
-                host_free = e
-                if publishes:
-                    e = e + publish_s[r]
-                    last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
-                    host_free = e
-                if c == RESIDENT:
-                    pending.append((e, r, last_o))
+            # Host work is placed by hooks_before at the next issue points, or after this
+            # loop: whether a region steps as it lands depends on when backward ends.
+            landed.append((r, e, last_d))
+            hooks_ran = True
         gap = saved_prefix[op_start[r]] + level
         if gap > dyn:
             dyn = gap
         if c:
             lifetimes[r].append((life_start, end))
-    # Host steps that waited for the global answer: after backward, in forward order.
     bwd_end, bwd_task = t, last_c
-    for r, landed, ready in sorted(deferred):
-        s = max(landed, bwd_end, host_free)
-        e = s + hs[r]
-        last_o = host_task[r] = add(
-            LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, ready if landed > bwd_end else bwd_task
-        )
-        host_free = e
-        if publishes:
-            e = e + publish_s[r]
-            last_o = add(LANE_HOST, r, KIND_PUBLISH, host_free, e, last_o, -1)
-            host_free = e
-        if codes[r] == RESIDENT:
-            pending.append((e, r, last_o))
-    while pending:
-        issue, pr, ht = pending.popleft()
-        s = issue if issue > h2d_free else h2d_free
-        e = s + up[pr]
-        last_h = add(LANE_H2D, pr, KIND_PARAM_UPLOAD, s, e, last_h, ht)
-        h2d_order.append(last_h)
-        h2d_free = e
+    if after_backward:
+        # The global answer is known when backward ends: regions whose gradients are ready
+        # after that step as they land; the others then, in forward order.
+        for r, land, ready in landed:
+            e, ready = grad_work_of(r, land, ready)
+            if e > bwd_end:
+                update(r, e, ready)
+            else:
+                deferred.append(r)
+        first_s, first_pred = bwd_end, bwd_task
+    else:
+        # A hook that runs once the last copy has landed leaves its region to step(),
+        # which waits for every hook and then queues those regions in forward order.
+        last_copy = d2h_free
+        hooks_before(last_copy)
+        for r, land, ready in landed:
+            grad_work_of(r, land, ready)
+            deferred.append(r)
+        first_s, first_pred = host_free, last_o
+    landed.clear()
+    # When step() returns, having queued the device-state steps (on the compute lane) and
+    # the deferred host steps: at the end of backward, whose overflow answer it syncs on;
+    # without after_backward, once every gradient-ready hook of this step has run.
+    released = t
+    if not after_backward and hooks_ran and host_free > t:
+        released = host_free
+    for r in sorted(deferred):
+        update(r, first_s, first_pred)
+    out.h2d_free_before_tail = h2d_free
+    out.tail_uploads = [(issue, pr) for issue, pr, _ in pending]
+    drain(float("inf"))
+    t = released
     for r in range(n_reg):
         if device[r]:
             e = t + ctx.device_step_s[r]
@@ -642,6 +808,8 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     out.host_task = host_task
     out.h2d_free_at_reach_f = free_at_reach_f
     out.h2d_free_after_b, out.h2d_pos_after_b = free_after_b, pos_after_b
+    out.compute_end_s = t
+    out.host_free_end, out.d2h_free_end = host_free, d2h_free
     out.step_time_s = max(t, h2d_free, d2h_free, host_free)
     out.dyn_peak_bytes = dyn
     out.static_bytes = sum(
@@ -651,6 +819,66 @@ def run(ctx: SimulationContext, assignment: Sequence[RegionAssignment]) -> Engin
     _assign_pool(ctx, out)
     out.peak_bytes = out.static_bytes + out.pool_bytes + dyn
     return out
+
+
+STEADY_MAX_STEPS = 12
+"""Gated steps :func:`steady_state` simulates at most after the cold one."""
+STEADY_REL_TOL = 1e-3
+""":func:`steady_state` stops when the period changes by less than this fraction."""
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """The repeating step (see [Note: steady state])."""
+
+    period_s: float
+    """Seconds per step once steps repeat: what a training loop measures per step."""
+    periods_s: tuple[float, ...]
+    """Compute-lane spans of the steps simulated, the cold step first."""
+    converged: bool
+    """Whether the last two spans agree within :data:`STEADY_REL_TOL`; if not,
+    ``period_s`` is the mean of the last two (a schedule alternating between two spans
+    repeats every two steps)."""
+    last: EngineRun
+    """The last step simulated (the cold one when nothing carries over)."""
+
+
+def carry_from(ctx: SimulationContext, prev: EngineRun, period_s: float) -> Carry:
+    """What ``prev`` leaves to a step that starts ``period_s`` after it did."""
+    gate = [u - period_s for u in prev.update_end]
+    tail = {r for _, r in prev.tail_uploads}
+    for r, e in enumerate(prev.param_upload_end):
+        if e != _NEVER and r not in tail:
+            gate[r] = e - period_s
+    return Carry(
+        host_free_s=prev.host_free_end - period_s,
+        d2h_free_s=prev.d2h_free_end - period_s,
+        h2d_free_s=prev.h2d_free_before_tail - period_s,
+        gate_s=tuple(gate),
+        uploads=tuple((s - period_s, r) for s, r in prev.tail_uploads),
+    )
+
+
+def steady_state(
+    ctx: SimulationContext, assignment: Sequence[RegionAssignment], cold: EngineRun
+) -> SteadyState:
+    """Iterate steps from the cold step ``cold`` of ``assignment`` until the period settles
+    (see [Note: steady state])."""
+    period = cold.compute_end_s
+    numel, device = ctx.numel, cold.device_state
+    if not any(numel[r] > 0 and not device[r] for r in range(ctx.num_regions)):
+        # Nothing runs off the compute lane, so nothing carries over.
+        return SteadyState(period, (period,), True, cold)
+    periods = [period]
+    prev = cold
+    for _ in range(STEADY_MAX_STEPS):
+        prev = run(ctx, assignment, carry_from(ctx, prev, period))
+        new = prev.compute_end_s
+        periods.append(new)
+        if abs(new - period) <= STEADY_REL_TOL * period:
+            return SteadyState(new, tuple(periods), True, prev)
+        period = new
+    return SteadyState((periods[-1] + periods[-2]) / 2, tuple(periods), False, prev)
 
 
 def overlaps(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> bool:
@@ -719,8 +947,11 @@ def slack(out: EngineRun) -> list[float]:
     return result
 
 
-def to_result(ctx: SimulationContext, out: EngineRun) -> SimulationResult:
-    """Expand a run into per-lane intervals and per-operation memory curves."""
+def to_result(
+    ctx: SimulationContext, out: EngineRun, steady_step_time_s: float
+) -> SimulationResult:
+    """Expand a run into per-lane intervals and per-operation memory curves; the steady
+    state's period comes from :func:`steady_state`."""
     timeline = tuple(
         TimelineInterval(
             stream=LANES[out.lane[x]],
@@ -737,6 +968,7 @@ def to_result(ctx: SimulationContext, out: EngineRun) -> SimulationResult:
     return SimulationResult(
         peak_bytes=out.peak_bytes,
         step_time_s=out.step_time_s,
+        steady_step_time_s=steady_step_time_s,
         raw_peak_bytes=raw_peak,
         static_bytes=out.static_bytes + out.pool_bytes,
         pool_size_bytes=out.pool_bytes,

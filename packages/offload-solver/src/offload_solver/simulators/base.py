@@ -11,6 +11,7 @@ from offload_solver.simulators._engine import (
     SimulationContext,
     SimulationResult,
     run,
+    steady_state,
     to_result,
 )
 
@@ -31,5 +32,7 @@ class Simulator:
     def simulate(
         self, ctx: SimulationContext, assignment: Sequence[RegionAssignment]
     ) -> SimulationResult:
-        """Simulate and expand the run into timelines and memory curves."""
-        return to_result(ctx, self.run(ctx, assignment))
+        """Simulate the cold step and expand it into timelines and memory curves, with the
+        steady state's period (see [Note: steady state] in ``_engine``)."""
+        cold = self.run(ctx, assignment)
+        return to_result(ctx, cold, steady_state(ctx, assignment, cold).period_s)

@@ -38,9 +38,11 @@ from offload_solver.simulators._engine import (
     EngineRun,
     RegionAssignment,
     SimulationContext,
+    SteadyState,
     first_fit,
     overlaps,
     slack,
+    steady_state,
 )
 from offload_solver.simulators.base import Simulator
 
@@ -81,6 +83,7 @@ class GreedySearch:
         self.stats = stats
         self.assignment = list(start)
         self.current = self.simulate(self.assignment)
+        self._steady: SteadyState | None = None
         self._slack: list[float] | None = None
         self._next_fwd_prefetch: list[int] | None = None
         self._window: int | None = None
@@ -102,13 +105,32 @@ class GreedySearch:
     def fits(self) -> bool:
         return self.current.peak_bytes <= self.cap_bytes
 
-    def reset(self, assignment: Sequence[RegionAssignment], result: EngineRun) -> None:
-        """Make ``assignment`` (simulated as ``result``) the current state."""
+    def reset(
+        self,
+        assignment: Sequence[RegionAssignment],
+        result: EngineRun,
+        steady: SteadyState | None = None,
+    ) -> None:
+        """Make ``assignment`` (simulated as ``result``, with ``steady`` its steady state
+        when known) the current state."""
         self.assignment = list(assignment)
         self.current = result
+        self._steady = steady
         self._slack = None
         self._next_fwd_prefetch = None
         self._window = None
+
+    def steady(self) -> SteadyState:
+        """The steady state of the current assignment (computed once per assignment; its
+        gated steps count as simulations)."""
+        if self._steady is None:
+            self._steady = steady_state(self.ctx, self.assignment, self.current)
+            self.stats.num_simulations += len(self._steady.periods_s) - 1
+        return self._steady
+
+    def period_s(self) -> float:
+        """Seconds per step of the current assignment once steps repeat."""
+        return self.steady().period_s
 
     def try_assignment(self, assignment: Sequence[RegionAssignment]) -> EngineRun:
         """Simulate ``assignment`` and make it current (callers keep the previous state to
@@ -281,7 +303,7 @@ class GreedySearch:
 
     def _state_candidate(self, excluded: set[int], *, need_room: bool) -> int | None:
         """The resident host-state region whose host step is critical and whose host work
-        (gradient widening and partial, Adam, publish) is longest.
+        (gradient widening, Adam, publish) is longest.
 
         The host steps of the earliest forward regions run last, so they are usually the
         critical tail of the step; a region whose host step has slack would save nothing.
@@ -317,18 +339,17 @@ class GreedySearch:
         """Move resident regions' optimizer state to the device while the cap allows, the
         region whose host step is on the critical path and longest first.
 
-        Each move is simulated and kept only if the peak still fits and the step got
-        shorter; a region whose move is not kept is not tried again.
+        Candidates come from the cold step's critical path; each move is simulated and
+        kept only if the peak still fits and the steady-state step got shorter (host work
+        that the next forward hides gains nothing); a region whose move is not kept is not
+        tried again.
         """
         excluded: set[int] = set()
         while (r := self._state_candidate(excluded, need_room=True)) is not None:
-            before_asg, before_run = list(self.assignment), self.current
+            before_asg, before_run, before = list(self.assignment), self.current, self.steady()
             result = self._to_device_state(r)
-            if (
-                result.peak_bytes > self.cap_bytes
-                or result.step_time_s >= before_run.step_time_s - _EPS_S
-            ):
-                self.reset(before_asg, before_run)
+            if result.peak_bytes > self.cap_bytes or self.period_s() >= before.period_s - _EPS_S:
+                self.reset(before_asg, before_run, before)
                 excluded.add(r)
 
     def make_room_for_state(
@@ -343,7 +364,8 @@ class GreedySearch:
         them costs less than it saves. For the region :meth:`place_optimizer_state` would
         move next, ``offload`` (the strategy) offloads against the cap minus its state,
         then the state moves; the whole change is kept only if it fits and the simulated
-        step is shorter. Stops after ``max_failures`` regions in a row gain nothing.
+        step is shorter (in steady state). Stops after ``max_failures`` regions in a row
+        gain nothing.
         """
         excluded: set[int] = set()
         failures = 0
@@ -351,7 +373,7 @@ class GreedySearch:
             target = self._state_candidate(excluded, need_room=False)
             if target is None:
                 return
-            before_asg, before_run = list(self.assignment), self.current
+            before_asg, before_run, before = list(self.assignment), self.current, self.steady()
             cap = self.cap_bytes
             self.cap_bytes = cap - self.ctx.state_bytes[target]
             self.keep_resident.add(target)
@@ -362,13 +384,10 @@ class GreedySearch:
                 self.keep_resident.discard(target)
             if made_room:
                 result = self._to_device_state(target)
-                if (
-                    result.peak_bytes <= cap
-                    and result.step_time_s < before_run.step_time_s - _EPS_S
-                ):
+                if result.peak_bytes <= cap and self.period_s() < before.period_s - _EPS_S:
                     failures = 0
                     self.place_optimizer_state()
                     continue
-            self.reset(before_asg, before_run)
+            self.reset(before_asg, before_run, before)
             excluded.add(target)
             failures += 1

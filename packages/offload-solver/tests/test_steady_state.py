@@ -1,0 +1,198 @@
+"""The repeating step: the period a training loop measures (hand-derived cases, agreement
+with consecutive steps of the brute-force reference), and the host-step orders it
+depends on."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from solver_helpers import (
+    assignments,
+    flat_hardware,
+    hardware_profiles,
+    layered_profiles,
+    profiles,
+    reference_periods,
+)
+
+from offload_solver import (
+    HardwareProfile,
+    ModelProfile,
+    Operation,
+    Parameter,
+    ParamPlacement,
+    RegionAssignment,
+    SimulationContext,
+    StatePlacement,
+    Stream,
+    get_simulator,
+    solve,
+)
+from offload_solver.simulators._engine import (
+    KIND_FWD,
+    LANE_D2H,
+    LANE_H2D,
+    LANE_HOST,
+    STEADY_REL_TOL,
+    EngineRun,
+    steady_state,
+)
+
+A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
+HOST, DEVICE = StatePlacement.HOST, StatePlacement.DEVICE
+
+
+def three_layers() -> ModelProfile:
+    """Three 100-parameter (200 B) regions; forward 1 s and backward 2 s each at 1000
+    FLOP/s."""
+    params = tuple(Parameter(f"w{i}", 100, 200) for i in range(3))
+    ops = tuple(
+        Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000, bwd_flop=2000)
+        for i in range(3)
+    )
+    return ModelProfile("three", params, ops)
+
+
+def lane_work_s(run: EngineRun, lane: int) -> float:
+    return sum(e - s for ln, s, e in zip(run.lane, run.start, run.end, strict=True) if ln == lane)
+
+
+def test_host_steps_longer_than_the_forward_overlap_the_next_one() -> None:
+    # fp16 (steps wait for the overflow answer); every region resident with host state;
+    # Adam 100 / 50 = 2 s per region, twice a region's forward; copies and uploads 0.2 s.
+    # Cold step: forward [0,3]; B2 [3,5], B1 [5,7], B0 [7,9]; copies land at 5.2, 7.2 and
+    #   9.2. Regions 2 and 1 wait for the answer (9 s); region 0 lands after it and steps
+    #   [9.2,11.2], then 1 [11.2,13.2] and 2 [13.2,15.2], each uploaded (0.2 s) after its
+    #   step: the single step ends at 15.4.
+    # The next step starts at 9 (step() returns when backward ends). Relative to it,
+    #   region r's update is done at 2.2, 4.2, 6.2: region 0 uploads [2.2,2.4] and runs
+    #   F0 [2.4,3.4]; F1 waits for its upload [4.2,4.4] and runs [4.4,5.4]; F2 [6.4,7.4];
+    #   backward 6 s: it ends at 13.4. Host steps again start 2.2 s after, as before: the
+    #   period is 13.4, below the single step (15.4) and above the 6 s of host work.
+    hw = flat_hardware(host_adam_params_per_s=50.0)
+    ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
+    asg = [RegionAssignment(R, HOST)] * 3
+    cold = get_simulator("async").run(ctx, asg)
+    assert cold.step_time_s == pytest.approx(15.4)
+    assert cold.compute_end_s == pytest.approx(9.0)
+    steady = steady_state(ctx, asg, cold)
+    assert steady.converged
+    assert steady.periods_s == pytest.approx((9.0, 13.4, 13.4))
+    assert steady.period_s == pytest.approx(13.4)
+    assert lane_work_s(cold, LANE_HOST) == pytest.approx(6.0)
+    assert lane_work_s(cold, LANE_HOST) <= steady.period_s < cold.step_time_s
+    fwd = {
+        r: (s, e)
+        for r, k, s, e in zip(
+            steady.last.region, steady.last.kind, steady.last.start, steady.last.end, strict=True
+        )
+        if k == KIND_FWD
+    }
+    assert fwd == {
+        0: pytest.approx((2.4, 3.4)),
+        1: pytest.approx((4.4, 5.4)),
+        2: pytest.approx((6.4, 7.4)),
+    }
+    # What simulate() and solve() report: the cold step's timeline, the steady period.
+    res = get_simulator("async").simulate(ctx, asg)
+    assert res.step_time_s == pytest.approx(15.4)
+    assert res.steady_step_time_s == pytest.approx(13.4)
+    assert max(iv.end_s for iv in res.timeline) == pytest.approx(15.4)
+    plan = solve(three_layers(), hw, 10**6, state_on_device=False, host_step_after_backward=True)
+    assert [rp.placement for rp in plan.regions] == [R, R, R]
+    assert plan.predicted_step_time_s == pytest.approx(13.4)
+
+
+def test_without_host_state_the_period_is_the_single_step() -> None:
+    # Nothing runs off the compute lane, so nothing carries over into the next step.
+    hw = flat_hardware(host_adam_params_per_s=50.0)
+    for after_backward in (False, True):
+        ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=after_backward)
+        asg = [RegionAssignment(R, DEVICE)] * 3
+        res = get_simulator("async").simulate(ctx, asg)
+        assert res.steady_step_time_s == res.step_time_s
+        assert res.step_time_s == pytest.approx(9.0 + 3 * 100 / 1e6)
+        cold = get_simulator("async").run(ctx, asg)
+        assert steady_state(ctx, asg, cold).periods_s == (cold.compute_end_s,)
+    plan = solve(three_layers(), hw, 10**6)
+    assert all(rp.state is DEVICE for rp in plan.regions)
+    assert plan.predicted_step_time_s == pytest.approx(9.0 + 3 * 100 / 1e6)
+
+
+def test_a_prefetch_waiting_for_its_update_holds_the_previous_region_back() -> None:
+    # Region 1 is prefetched (at region 2's backward) and keeps its state on the host;
+    # regions 0 and 2 keep theirs on the device (0.1 s steps at 1000 params/s). fp16.
+    # Cold: forward [0,3] (prefetch [0,0.2]); backward [3,9], region 1's copy lands at 7.2
+    #   and waits for the answer; its Adam runs [9,11]; device steps [9,9.2]. step() returns
+    #   at 9, the compute lane ends at 9.2: the next step starts then.
+    # Next step: region 1's update is done at 11 - 9.2 = 1.8. Its prefetch is issued before
+    #   region 0's first operation and the call blocks the host until then, so region 0's
+    #   forward cannot start before 1.8 either: F0 [1.8,2.8] (prefetch [1.8,2.0]), F1, F2
+    #   [2.8,4.8], backward [4.8,10.8], device steps: 11.0. Region 1 lands at 9.0 and steps
+    #   at 10.8, ending 1.8 after 11.0 again: the period is 11.0.
+    hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
+    ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
+    asg = [RegionAssignment(R, DEVICE), RegionAssignment(A, HOST, 2), RegionAssignment(R, DEVICE)]
+    cold = get_simulator("async").run(ctx, asg)
+    assert cold.compute_end_s == pytest.approx(9.2)
+    steady = steady_state(ctx, asg, cold)
+    assert steady.periods_s == pytest.approx((9.2, 11.0, 11.0))
+    last = steady.last
+    assert last.cs_f == pytest.approx([1.8, 2.8, 3.8])
+    prefetch = last.pf_f_task[1]
+    assert (last.start[prefetch], last.end[prefetch]) == pytest.approx((1.8, 2.0))
+    # The cold step's peak holds in the repeating one: the same operations, later.
+    assert last.peak_bytes == cold.peak_bytes
+
+
+def test_bf16_hooks_after_the_last_copy_leave_their_regions_to_step() -> None:
+    # Without the overflow answer each region steps in its gradient-ready hook, but only
+    # while copies are still landing. Adam takes 5 s per region (100 / 20), copies 0.25 s:
+    # copies land at 5.25, 7.25 and 9.25 (the last). Region 2's hook runs at 5.25 and
+    # steps [5.25,10.25]; the worker reaches region 1's hook at 10.25, after the last copy
+    # landed, so it and region 0 are left to step(), which queues them in forward order:
+    # 0 then 1 (landing order would have put 1 first). step() returns once the hooks have
+    # run (10.25), after backward's end (9): the next step starts then.
+    hw = flat_hardware(d2h_bytes_per_s=800.0, host_adam_params_per_s=20.0)
+    ctx = SimulationContext.build(three_layers(), hw)
+    asg = [RegionAssignment(R, HOST)] * 3
+    res = get_simulator("async").simulate(ctx, asg)
+    steps = [iv for iv in res.timeline if iv.kind == "host_step"]
+    assert [iv.region for iv in steps] == [2, 0, 1]
+    assert [(iv.start_s, iv.end_s) for iv in steps] == [
+        pytest.approx((5.25, 10.25)),
+        pytest.approx((10.25, 15.25)),
+        pytest.approx((15.25, 20.25)),
+    ]
+    assert {iv.stream for iv in steps} == {Stream.HOST}
+    assert get_simulator("async").run(ctx, asg).compute_end_s == pytest.approx(10.25)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    data=st.data(),
+    profile=st.one_of(profiles(), layered_profiles()),
+    hardware=hardware_profiles(),
+    after_backward=st.booleans(),
+)
+def test_steady_state_matches_consecutive_reference_steps(
+    data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile, after_backward: bool
+) -> None:
+    ctx = SimulationContext.build(profile, hardware, host_step_after_backward=after_backward)
+    asg = data.draw(assignments(ctx.layout))
+    cold = get_simulator("async").run(ctx, asg)
+    steady = steady_state(ctx, asg, cold)
+    ref = reference_periods(
+        profile,
+        hardware,
+        ctx.layout,
+        asg,
+        host_step_after_backward=after_backward,
+        steps=len(steady.periods_s),
+    )
+    assert list(steady.periods_s) == pytest.approx(ref, rel=1e-9, abs=1e-12)
+    assert steady.converged
+    # Every lane does one step's work per period.
+    for lane in (LANE_HOST, LANE_H2D, LANE_D2H):
+        assert steady.period_s >= lane_work_s(cold, lane) * (1 - 2 * STEADY_REL_TOL) - 1e-12
