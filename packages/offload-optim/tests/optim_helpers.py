@@ -290,3 +290,18 @@ def masters(module: OffloadModule) -> dict[str, torch.Tensor]:
 def fell(losses: list[float], by: float = 0.1) -> bool:
     """Whether the mean of the last three losses is ``by`` below that of the first three."""
     return sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - by
+
+
+def overflow_on_device(module: OffloadModule, when: Callable[[int], bool]) -> None:
+    """Make a host-state region's gradients overflow *on the device* whenever ``when(r)``:
+    an inf written into its first gradient before the copy to the host, the way a real
+    fp16 overflow arrives, so that every overflow check sees it (fp16 without clipping
+    takes it from the device gradients; the others from the host accumulator the inf is
+    copied into). Register it before AMPOptimizer is built."""
+
+    def hook(r: int, grads: list[torch.Tensor]) -> None:
+        if when(r):
+            with torch.no_grad():
+                grads[0].view(-1)[0] = float("inf")
+
+    module.controller.add_device_grad_hook(hook)

@@ -18,6 +18,7 @@ from optim_helpers import (
     loss_of,
     masters,
     offload_module,
+    overflow_on_device,
     region_kinds,
     rel_diff,
     tiny_gpt2,
@@ -264,7 +265,8 @@ def fp16_setup(
     """fp16 module whose chosen region's gradient turns inf when ``inject['now']`` is set.
 
     The injecting hook is registered before AMPOptimizer's, so AMPOptimizer sees the inf
-    in its own hook: it is an overflow *during* backward, as a real one would be.
+    in its own hooks: it is an overflow *during* backward, as a real one would be (on the
+    device for a host-state region, in the accumulator for a device-state one).
     """
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
     target = next(
@@ -273,11 +275,15 @@ def fp16_setup(
         if st.host_state == target_host_state and st.index not in (0,)
     )
 
-    def poison(r: int) -> None:
-        if inject["now"] and r == target:
-            module.storages[r].grad[3] = math.inf
+    if target_host_state:
+        overflow_on_device(module, lambda r: bool(inject["now"]) and r == target)
+    else:
 
-    module.controller.add_grad_ready_hook(poison)
+        def poison(r: int) -> None:
+            if inject["now"] and r == target:
+                module.storages[r].grad[3] = math.inf
+
+        module.controller.add_grad_ready_hook(poison)
     opt = HybridAdam(module.parameters(), lr=LR)
     amp = AMPOptimizer(opt, module, hysteresis=hysteresis, **kwargs)
     return amp, module, target
@@ -337,7 +343,7 @@ def test_fp16_scale_grows_and_training_works() -> None:
     assert amp.loss_scale == 2.0**14
     assert amp.step_count == 12
     assert fell(losses)
-    assert amp.last_step is not None and amp.last_step.overlap is OverlapMode.PARTIALS
+    assert amp.last_step is not None and amp.last_step.overlap is OverlapMode.DEVICE_ANSWER
 
 
 def test_fp16_overflow_from_a_huge_scale_backs_off_to_a_working_one() -> None:

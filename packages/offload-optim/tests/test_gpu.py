@@ -9,6 +9,7 @@ import copy
 import gc
 import math
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from optim_helpers import (
     loss_of,
     masters,
     offload_module,
+    overflow_on_device,
     rel_diff,
     tiny_gpt2,
 )
@@ -103,6 +105,47 @@ def test_cuda_fp16_overflow_skips_and_clipping_runs() -> None:
     assert not amp.last_step.skipped and amp.last_step.grad_norm is not None
     assert amp.last_step.overlap is OverlapMode.PARTIALS
     module.close()
+
+
+def test_cuda_fp16_device_answer_equals_synchronous_training() -> None:
+    """fp16 on CUDA without clipping (DEVICE_ANSWER: the overflow partials taken on the
+    compute stream before each host-state region's gradients leave, host steps in the
+    hooks of regions landing after the answer): bit-identical masters and losses to
+    overlap=False over 8 steps, one of them overflowing on the device."""
+    model = tiny_gpt2()
+    results: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
+    for overlap in (True, False):
+        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
+        target = next(st.index for st in module.storages if st.host_state and st.index > 0)
+        poison = {"now": False, "region": target}
+
+        def when(r: int, p: dict[str, Any] = poison) -> bool:
+            return bool(p["now"]) and r == p["region"]
+
+        overflow_on_device(module, when)
+        opt = HybridAdam(module.parameters(), lr=1e-3, weight_decay=0.01)
+        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, overlap=overlap)
+        losses: list[torch.Tensor] = []
+        skipped: list[bool] = []
+        for step in range(8):
+            poison["now"] = step == 5
+            amp.zero_grad()
+            b = cuda_batch(step)
+            loss = loss_of(module(**b), b["input_ids"])
+            amp.backward(loss)
+            amp.step()
+            losses.append(loss.detach())
+            report = amp.last_step
+            assert report is not None
+            assert report.overlap is (OverlapMode.DEVICE_ANSWER if overlap else OverlapMode.NONE)
+            skipped.append(report.skipped)
+        results[overlap] = ([float(x) for x in losses], masters(module), skipped)
+        module.close()
+    assert results[True][2] == [False] * 5 + [True] + [False] * 2
+    assert results[True][2] == results[False][2]
+    assert results[True][0] == results[False][0]
+    for name, value in results[False][1].items():
+        assert torch.equal(results[True][1][name], value), name
 
 
 def test_cuda_fp16_host_steps_overlapping_the_next_forward_change_nothing() -> None:

@@ -12,14 +12,20 @@ equal bit for bit, whatever the threads' timing.
 from __future__ import annotations
 
 import copy
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import torch
-from optim_helpers import batch, loss_of, masters, offload_module, tiny_gpt2
+from optim_helpers import (
+    batch,
+    loss_of,
+    masters,
+    offload_module,
+    overflow_on_device,
+    tiny_gpt2,
+)
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
 from offload_runtime.module import OffloadModule
@@ -66,7 +72,7 @@ class Trainer:
         )
         self.target = next(st.index for st in self.module.storages if st.host_state and st.index)
         self.poison = False
-        self.module.controller.add_grad_ready_hook(self._poison)  # before AMPOptimizer's
+        overflow_on_device(self.module, lambda r: self.poison and r == self.target)
         self.amp = AMPOptimizer(
             HybridAdam(self.module.parameters(), lr=LR, weight_decay=WD),
             self.module,
@@ -80,10 +86,6 @@ class Trainer:
             if opts.schedule
             else None
         )
-
-    def _poison(self, r: int) -> None:
-        if self.poison and r == self.target:
-            self.module.storages[r].grad[3] = math.inf
 
     def backward(self, step: int) -> float:
         """Every micro-batch of ``step``: forward and backward; returns the summed loss."""
@@ -178,6 +180,8 @@ def test_overlapped_training_equals_synchronous_training(name: str) -> None:
     assert_same(overlapped, synchronous)
     needs_answer = opts.dtype == torch.float16 or opts.clipping > 0
     want = OverlapMode.PARTIALS if needs_answer else OverlapMode.SPECULATIVE
+    if opts.dtype == torch.float16 and opts.clipping == 0 and opts.micro == 1:
+        want = OverlapMode.DEVICE_ANSWER  # the overflow answer alone, from the device
     assert overlapped.modes == {want}
     assert synchronous.modes == {OverlapMode.NONE}
     if opts.poison_step is not None:
@@ -233,8 +237,9 @@ def host_masters(module: OffloadModule) -> dict[int, torch.Tensor]:
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_step_returns_before_host_steps_and_the_next_forward_waits(set_to_none: bool) -> None:
-    """fp16 (PARTIALS): step(), lr schedule and zero_grad() go on while the host steps wait
-    in the worker's queue; the next forward waits for them; nothing differs."""
+    """fp16 (DEVICE_ANSWER, every gradient landed before step(), so no region steps in
+    its hook): step(), lr schedule and zero_grad() go on while the host steps wait in the
+    worker's queue; the next forward waits for them; nothing differs."""
     opts = Options(dtype=torch.float16, schedule=True)
     reference = Trainer(opts, overlap=False)
     expected = reference.train(range(3))
@@ -245,6 +250,7 @@ def test_step_returns_before_host_steps_and_the_next_forward_waits(set_to_none: 
     for step in range(3):
         trainer.amp.zero_grad(set_to_none)
         losses.append(trainer.backward(step))
+        trainer.module.controller.wait_gradients()
         blocker = Blocker()
         trainer.module.controller.submit_host(blocker)  # after the gradient work
         before = host_masters(trainer.module)
@@ -267,6 +273,50 @@ def test_step_returns_before_host_steps_and_the_next_forward_waits(set_to_none: 
     for name, value in expected.masters.items():
         assert torch.equal(stepped[name], value), name
     assert losses == expected.losses
+    trainer.close()
+
+
+def test_fp16_regions_landing_after_the_answer_step_in_their_hooks() -> None:
+    """DEVICE_ANSWER: the overflow answer comes from the device partials, so step() knows
+    it while every host-state region's gradients are still queued (held behind a blocker
+    submitted before backward). Those regions then step in their own hooks, in landing
+    (backward) order; step 2 overflows and nothing steps. Every loss, master and moment
+    equals synchronous training bit for bit, and the next forward waits for the hooks."""
+    opts = Options(dtype=torch.float16, schedule=True, poison_step=2)
+    reference = Trainer(opts, overlap=False)
+    expected = reference.train(range(4))
+    reference.close()
+
+    trainer = Trainer(opts, overlap=True)
+    host = sorted(host_masters(trainer.module))
+    losses, orders, skipped = [], [], []
+    for step in range(4):
+        trainer.amp.zero_grad()
+        blocker = Blocker()
+        trainer.module.controller.submit_host(blocker)  # holds every hook of this backward
+        losses.append(trainer.backward(step))
+        before = host_masters(trainer.module)
+        trainer.amp.step()
+        trainer.after_step()  # the lr changes now; the hooks must step with the old one
+        after = host_masters(trainer.module)
+        assert all(torch.equal(after[r], before[r]) for r in before), "hooks still held"
+        blocker.release.set()
+        report = trainer.amp.last_step  # waits for the hooks' steps
+        assert report is not None and report.overlap is OverlapMode.DEVICE_ANSWER
+        assert not blocker.timed_out
+        skipped.append(report.skipped)
+        orders.append([t.region for t in report.region_steps if t.host])
+    assert skipped == [False, False, True, False]
+    assert orders[2] == []
+    for k in (0, 1, 3):
+        assert orders[k] == sorted(host, reverse=True), "stepped as they landed"
+    assert losses == expected.losses
+    stepped = masters(trainer.module)
+    for name, value in expected.masters.items():
+        assert torch.equal(stepped[name], value), name
+    trainer.amp.synchronize()
+    state = [t.clone() for st in trainer.amp.state.values() for t in st.values()]
+    assert all(torch.equal(x, y) for x, y in zip(state, expected.state, strict=True))
     trainer.close()
 
 

@@ -494,8 +494,10 @@ def test_op_overhead_is_a_small_positive_time_on_the_cpu() -> None:
     started = time.perf_counter()
     overhead = measure_op_overhead_s("cpu", layers=1, reps=2)
     assert time.perf_counter() - started < 5.0
-    # Issuing a tiny eager operation and its backward node costs microseconds on any host.
-    assert 1e-7 < overhead < 1e-3
+    # Issuing a tiny eager operation and its backward node costs microseconds on an idle
+    # host; the bound leaves room for a loaded 2-core machine (1.6 ms seen with another
+    # test run beside it), while still catching a unit error (seconds, or zero).
+    assert 1e-7 < overhead < 2e-2
 
 
 def test_op_overhead_rejects_an_empty_graph() -> None:

@@ -29,10 +29,24 @@ Both answers exist only once the last region's gradients are in. Options:
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
      host-state region steps in its hook. The gradients it reads are final, so the result
      is the step after backward, bit for bit.
-   - fp16 training, or clipping (:attr:`OverlapMode.PARTIALS`): each host-state region's
-     hook computes the region's contribution to the answer (the L1 norm of its gradients,
-     finite exactly when they all are: the overflow check; or its gradient norm) while
-     backward runs; after backward the partials are combined, and the regions step then.
+   - fp16 training without clipping or accumulation (:attr:`OverlapMode.DEVICE_ANSWER`,
+     the fp16 default): the overflow check needs only finiteness, so each host-state
+     region's partial (the L1 norm of its training-dtype gradients, in fp32) is taken on
+     the device, on the compute stream, right before its gradients are copied to the
+     host (the runtime's device grad hook). :meth:`step` therefore has the answer as soon
+     as backward's kernels finish, not after the last gradient copy lands and the host
+     has read every gradient once more. Then each host-state region whose gradients are
+     still in flight steps in its own grad-ready hook as they land (in landing order);
+     those that landed earlier are queued in forward order behind them. Where the copies
+     lag backward (gpt2_6b: 456 ms of fp32 gradient copies per step), the host starts
+     stepping when backward ends instead of when the last copy lands. Bit-identical to
+     stepping after backward: the same steps with the same scale; only finiteness is read.
+   - clipping, or fp16 with accumulation (:attr:`OverlapMode.PARTIALS`): each host-state
+     region's hook computes the region's contribution to the answer (the L1 norm of its
+     gradients, finite exactly when they all are: the overflow check; or its gradient
+     norm) while backward runs; after backward the partials are combined, and the regions
+     step then. (The norm is taken from the fp32 accumulators, so clipping does not depend
+     on the overlap; an accumulated window's earlier micro-batches never pass the device.)
    Device-state regions always step after backward, all in one batch: their step is GPU
    work that would queue behind backward on the same stream anyway.
 SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
@@ -61,15 +75,20 @@ a learning rate between ``backward`` and ``step`` raises instead of silently dif
 
 After backward, the host steps also overlap the *next forward* (with ``overlap``):
 - :meth:`step` waits for the window's host gradient work (it holds the partials, and says
-  which regions stepped early), then queues the remaining host-state regions' steps on the
-  host worker in forward order, steps the device-state regions on this thread, and
-  returns without waiting. The runtime's ``begin_forward`` / ``upload`` / ``prefetch`` of
-  region ``r`` waits (on the host, only while it still runs) for ``r``'s step and publish
-  (``OffloadController.expect_updates``), so region 0 computes while later regions still
-  step. In fp16 that is where the host step hides: it cannot start before backward ends.
+  which regions stepped early; DEVICE_ANSWER does not wait, see above), then queues the
+  remaining host-state regions' steps on the host worker in forward order, steps the
+  device-state regions on this thread, and returns without waiting. The runtime's
+  ``begin_forward`` / ``upload`` / ``prefetch`` of region ``r`` waits (on the host, only
+  while it still runs) for ``r``'s step and publish (``OffloadController.expect_updates``),
+  so region 0 computes while later regions still step. In fp16 that is where the host
+  step hides: it cannot start before backward ends.
 - A queued step is fixed when queued: the hyperparameters (a scheduler may change ``lr``
   right after :meth:`step`), the loss scale and clip factor, and which segments have
   gradients. It reads the flat gradient accumulators, never ``.grad``.
+- In DEVICE_ANSWER, the hooks still to run after :meth:`step` step their regions with
+  what :meth:`step` fixed (hyperparameters, scale), and announce them to the runtime the
+  same way; :meth:`zero_grad` waits for those hooks (they are gradient work), not for the
+  queued steps behind them.
 - :meth:`zero_grad` does not wait for queued steps: ``set_to_none`` only drops the
   ``.grad`` references, and the runtime overwrites each accumulator when the region's next
   gradients arrive, on the host worker, which runs them after the queued steps (one FIFO
@@ -97,6 +116,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import Callable, Collection
@@ -136,6 +156,17 @@ def _partials_of(grads: list[torch.Tensor], norm_type: float, as_norm: bool) -> 
     return list(torch._foreach_norm(grads, ord_, dtype=torch.float32))
 
 
+def _fail_unfinished(futures: dict[int, Future[None]]) -> None:
+    for r, fut in futures.items():
+        if not fut.done():
+            fut.set_exception(
+                RuntimeError(
+                    f"region {r}'s gradients never reached the optimizer's hook, so it was "
+                    "not stepped; an earlier error on the host worker says why"
+                )
+            )
+
+
 class OverlapMode(str, Enum):
     """What the grad-ready hook of a host-state region does (see the note above)."""
 
@@ -148,6 +179,35 @@ class OverlapMode(str, Enum):
     SPECULATIVE_UNDO = "speculative_undo"
     """fp16: step the region speculatively and compute its overflow partial; the step is
     committed, or undone exactly on overflow, after backward (``speculate_fp16``)."""
+    DEVICE_ANSWER = "device_answer"
+    """fp16 without clipping (the default there): the region's overflow partial is taken
+    on the device before its gradients leave it, so :meth:`AMPOptimizer.step` knows the
+    answer when backward ends; the region steps in its hook once the answer is known (as
+    its gradients land), else in :meth:`AMPOptimizer.step`'s forward-order queue."""
+
+
+@dataclass
+class _Answer:
+    """What :meth:`AMPOptimizer.step` decided for a DEVICE_ANSWER window, for the hooks of
+    host-state regions whose gradients land afterwards (read under ``_AnswerWindow.lock``)."""
+
+    skip: bool
+    grad_scale: float | None
+    hypers: dict[int, AdamHyper]
+    timings: list[RegionStepTiming]
+    futures: dict[int, Future[None]]
+    """The regions the hooks step, each completed once stepped and published."""
+
+
+class _AnswerWindow:
+    """A DEVICE_ANSWER window as its host-worker hooks see it. It outlives the window on
+    the main thread: hooks of the last window may still run after :meth:`step` reset it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.answer: _Answer | None = None
+        self.landed: set[int] = set()
+        """Host-state regions whose gradients landed before the answer: step() queues them."""
 
 
 @dataclass(frozen=True)
@@ -328,6 +388,11 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS, _UNDO)
         self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE, _UNDO)
         self._spec_scale: float | None = None  # what speculative steps divide by (_UNDO)
+        # DEVICE_ANSWER: each host-state region's overflow partials, taken on the device
+        # (backward thread), and the window its host-worker hooks answer to.
+        self._device_parts: dict[int, list[torch.Tensor]] = {}
+        self._window: _AnswerWindow | None = None
+        self._host_window: _AnswerWindow | None = None  # read by hooks on the host worker
         self._timings: list[RegionStepTiming] = []  # the window's region steps
         # Recorded on the d2h stream after the last backward (SPECULATIVE, _UNDO): once complete,
         # hooks leave their region to step() (see the note's SPECULATIVE tail).
@@ -340,7 +405,13 @@ class AMPOptimizer(torch.optim.Optimizer):
             if amp is not None:
                 amp._on_grad_ready(r)
 
+        def device_hook(r: int, grads: list[torch.Tensor]) -> None:
+            amp = ref()
+            if amp is not None:
+                amp._on_device_grads(r, grads)
+
         self.controller.add_grad_ready_hook(hook)
+        self.controller.add_device_grad_hook(device_hook)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if self._initialized:
@@ -372,6 +443,10 @@ class AMPOptimizer(torch.optim.Optimizer):
             mode = OverlapMode.PARTIALS if self._needs_answer() else OverlapMode.SPECULATIVE
             if self.speculate_fp16 and self.scaling and self.clipping_norm == 0:
                 mode = OverlapMode.SPECULATIVE_UNDO
+            elif self.scaling and self.clipping_norm == 0 and self.accumulation_steps == 1:
+                # Accumulated windows keep PARTIALS: an earlier micro-batch's gradients
+                # never pass the device hook with a partial taken.
+                mode = OverlapMode.DEVICE_ANSWER
         if mode is OverlapMode.SPECULATIVE_UNDO:
             # Allocated once, here on the main thread: a shortage raises before backward.
             self.optimizer.prepare_speculation()
@@ -382,9 +457,11 @@ class AMPOptimizer(torch.optim.Optimizer):
             self._hypers = self.optimizer.hypers()
         self._window_mode = mode
         self._backward_done = None
+        window = _AnswerWindow() if mode is OverlapMode.DEVICE_ANSWER else None
+        self._window = window
         # Queued on the host worker, behind the previous micro-batch's gradient work: the
         # hooks of that backward still see the old mode, those of this one the new mode.
-        self.controller.submit_host(lambda: self._set_host_mode(mode))
+        self.controller.submit_host(lambda: self._set_host_mode(mode, window))
         scaled = loss.float() * self.scaler.scale if self.scaling else loss
         start = time.perf_counter()
         self.module.backward(scaled)
@@ -393,11 +470,27 @@ class AMPOptimizer(torch.optim.Optimizer):
             # Every gradient copy of this backward is queued on d2h by now.
             self._backward_done = self.controller.streams.d2h.record()
 
-    def _set_host_mode(self, mode: OverlapMode) -> None:
+    def _set_host_mode(self, mode: OverlapMode, window: _AnswerWindow | None = None) -> None:
         self._host_mode = mode
+        self._host_window = window
+
+    def _on_device_grads(self, r: int, grads: list[torch.Tensor]) -> None:
+        """Device grad hook (backward thread): in DEVICE_ANSWER, the overflow partials of a
+        host-state region's gradients, taken before they are copied to the host."""
+        if self._window_mode is OverlapMode.DEVICE_ANSWER and self.optimizer.has_region(r):
+            self._device_parts[r] = _partials_of(grads, 1.0, as_norm=False)
 
     def _on_grad_ready(self, r: int) -> None:
         """Grad-ready hook: host worker (host-state regions) or backward thread (others)."""
+        if (
+            self._host_mode is OverlapMode.DEVICE_ANSWER
+            and self.optimizer.has_region(r)
+            and self.optimizer.region_storage(r).host_state
+        ):
+            window = self._host_window
+            assert window is not None, "DEVICE_ANSWER hooks run with their window set"
+            self._answered_landing(r, window)
+            return
         self._notified.add(r)
         if not self.optimizer.has_region(r):
             return
@@ -427,6 +520,81 @@ class AMPOptimizer(torch.optim.Optimizer):
             grad = self.optimizer.region_grad(r)
             as_norm = self.clipping_norm > 0
             self._partials[r] = _partials_of([grad], self.norm_type, as_norm)[0]
+
+    def _answered_landing(self, r: int, window: _AnswerWindow) -> None:
+        """Host worker, DEVICE_ANSWER: host-state region ``r``'s gradients landed. Before
+        :meth:`step` has the answer, leave ``r`` to it; after, step ``r`` here (unless the
+        step is skipped), so regions whose gradients land after backward step as they
+        land instead of after the last one."""
+        with window.lock:
+            answer = window.answer
+            if answer is None:
+                window.landed.add(r)
+                # The window is still open on the main thread: step() sets the answer
+                # under this lock before it resets the window.
+                self._notified.add(r)
+                return
+        fut = answer.futures.get(r)
+        if answer.skip or fut is None:
+            return
+        try:
+            self.optimizer.step_region(
+                r, answer.grad_scale, hypers=answer.hypers, timings=answer.timings
+            )
+        except BaseException as exc:  # the region's next forward re-raises it
+            fut.set_exception(exc)
+            raise
+        fut.set_result(None)
+
+    def _step_device_answer(
+        self, scale: float, hypers: dict[int, AdamHyper], timings: list[RegionStepTiming]
+    ) -> tuple[bool, dict[int, Future[None]]]:
+        """DEVICE_ANSWER: decide from the device partials, then hand each host-state region
+        to its hook (gradients still in flight) or to the forward-order queue (landed).
+        Returns (skipped, the futures of every queued or handed-over host step)."""
+        window = self._window
+        assert window is not None, "a DEVICE_ANSWER window has its _AnswerWindow"
+        with window.lock:
+            notified = set(self._notified)
+        total = self._combine_device_answer(notified)
+        # Host sync point: the partials are the last kernels of backward to read.
+        skipped = not bool(torch.isfinite(total))
+        grad_scale = None if scale == 1.0 else scale
+        with window.lock:
+            if skipped:
+                window.answer = _Answer(True, None, hypers, timings, {})
+                return True, {}
+            in_flight = sorted(set(self._device_parts) - window.landed)
+            handed = self.controller.expect_updates(in_flight)
+            window.answer = _Answer(False, grad_scale, hypers, timings, handed)
+            landed_or_device = set(self._notified)
+        futures = self._step_regions(landed_or_device, grad_scale, hypers, timings)
+        # Behind every hook of this backward (one FIFO worker): a hook that never ran
+        # (its gradient task failed first) must not leave its region's forward waiting.
+        self.controller.submit_host(lambda: _fail_unfinished(handed))
+        futures.update(handed)
+        return False, futures
+
+    def _combine_device_answer(self, notified: set[int]) -> torch.Tensor:
+        """The overflow total of a DEVICE_ANSWER window on the CPU: the host-state regions'
+        device partials, and partials computed now for device-state regions and plain
+        parameters. Only its finiteness is used, so the order of the sum does not matter."""
+        per_device: dict[torch.device, list[torch.Tensor]] = {}
+        for r in sorted(self._device_parts):
+            for part in self._device_parts[r]:
+                per_device.setdefault(part.device, []).append(part)
+        grads: dict[torch.device, list[torch.Tensor]] = {}
+        for r in sorted(notified):
+            if self.optimizer.has_region(r) and not self.optimizer.region_storage(r).host_state:
+                g = self.optimizer.region_grad(r)
+                grads.setdefault(g.device, []).append(g)
+        for g in self.optimizer.plain_grads():
+            grads.setdefault(g.device, []).append(g)
+        for device, gs in grads.items():
+            per_device.setdefault(device, []).extend(_partials_of(gs, 1.0, as_norm=False))
+        if not per_device:
+            return torch.zeros(())
+        return torch.stack([torch.stack(ps).sum().to("cpu") for ps in per_device.values()]).sum()
 
     # ---- global answers ------------------------------------------------------------
 
@@ -499,14 +667,15 @@ class AMPOptimizer(torch.optim.Optimizer):
                 "step() without AMPOptimizer.backward(loss): fp16 training must scale the loss; "
                 "call amp.backward(loss) instead of loss.backward()"
             )
-        # Host sync point: every gradient hook of this window has run (partials computed,
-        # early steps done). Steps queued by the last step() may still run.
-        self.controller.wait_gradients()
+        mode = self._window_mode
+        if mode is not OverlapMode.DEVICE_ANSWER:
+            # Host sync point: every gradient hook of this window has run (partials
+            # computed, early steps done). Steps queued by the last step() may still run.
+            self.controller.wait_gradients()
         scale = self.loss_scale
         grad_norm: float | None = None
         coef = 1.0
         skipped = False
-        mode = self._window_mode
         timings = self._timings
         hypers = self.optimizer.hypers()
         futures: dict[int, Future[None]] = {}
@@ -528,6 +697,8 @@ class AMPOptimizer(torch.optim.Optimizer):
                 )
             rest = self._notified - self._stepped
             futures = self._step_regions(rest, None, hypers, timings)
+        elif mode is OverlapMode.DEVICE_ANSWER:
+            skipped, futures = self._step_device_answer(scale, hypers, timings)
         else:
             if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
                 self.optimizer.undo_speculation()
@@ -642,12 +813,15 @@ class AMPOptimizer(torch.optim.Optimizer):
         """Start a new accumulation window (its host gradient work has finished)."""
         self._micro = 0
         self._window_mode = OverlapMode.NONE
-        self._host_mode = OverlapMode.NONE
+        # Not _host_mode / _host_window: the host worker's, set in order by each backward;
+        # hooks of a DEVICE_ANSWER window may still run after step() resets the window.
         self._notified = set()
         self._stepped = set()
         self._partials = {}
         self._hypers = {}
         self._spec_scale = None
+        self._device_parts = {}
+        self._window = None
         self._timings = []
         self._backward_done = None
         self._backward_s = None

@@ -42,6 +42,7 @@ fp32 copy, 16 MiB of device memory, exists at a time on each stream that convert
 planner's 5% budget margin covers it)."""
 
 GradReadyHook = Callable[[int], None]
+DeviceGradHook = Callable[[int, list[torch.Tensor]], None]
 """Called with a region index once that region's fp32 gradients of a backward are complete.
 Host-state regions call it on the host worker thread, device-state regions on the thread
 that runs backward."""
@@ -158,6 +159,7 @@ class OffloadController:
         self._callback_queued = False
         self._hook_depth = 0
         self._grad_hooks: list[GradReadyHook] = []
+        self._device_grad_hooks: list[DeviceGradHook] = []
         self._lock = threading.Lock()
         # One host worker keeps host-side gradient work (and optimizer steps that hang off
         # the grad-ready hooks) in backward order and off the thread that launches kernels.
@@ -409,6 +411,8 @@ class OffloadController:
             if empty is not None:
                 self._grad_work.append(empty)
             return
+        for device_hook in self._device_grad_hooks:
+            device_hook(r, grads)
         reader = self._staging_reader.pop(r, None)
         if reader is not None and not reader.done():
             # Host sync point, only when the host lags a whole backward behind (gradient
@@ -561,6 +565,16 @@ class OffloadController:
     def add_grad_ready_hook(self, hook: GradReadyHook) -> None:
         """Call ``hook(region_index)`` whenever a region's fp32 gradients are complete."""
         self._grad_hooks.append(hook)
+
+    def add_device_grad_hook(self, hook: DeviceGradHook) -> None:
+        """Call ``hook(region_index, grads)`` for each host-state region whose gradients
+        are about to leave the device: on the backward thread, with the compute stream
+        current, before their copy to the host is queued. ``grads`` are the region's
+        training-dtype gradients (one tensor per parameter that got one); the hook may
+        launch device work that reads them (it runs before the copy frees them) and must
+        not change them. Regions without gradients are not reported.
+        """
+        self._device_grad_hooks.append(hook)
 
     def submit_host(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the host worker after the host work queued so far (inline on CPU)."""
