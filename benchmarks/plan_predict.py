@@ -6,9 +6,12 @@
 Traces the example zoo's model on the meta device for CUDA, solves with an H200-like
 hardware profile (``offload_solver.default_hardware()`` with the per-operation cost, host
 conversion rate and host Adam rate given here; defaults as measured on the H200, see
-BENCHMARKS.md), and prints: how many attention nodes the causal rewrite turned into
-``is_causal=True`` and the bytes saved for backward; the plan's placements and optimizer-
-state placements (one letter per region); its predicted step and peak; and the pinned host
+BENCHMARKS.md; ``--h2d-gbps`` / ``--d2h-gbps`` / ``--peak-tflops`` / ``--efficiency``
+replace the copy rates and compute rate with a measured profile's), and prints: how many
+attention nodes the causal rewrite turned into ``is_causal=True`` and the bytes saved for
+backward; the plan's placements and optimizer-state placements (one letter per region);
+its predicted step (the steady-state period) and peak, and the single cold step's span
+(what the plan's timeline shows) with the peak of the repeating step; and the pinned host
 memory the runtime will need. A budget below the least feasible one prints that least
 budget instead.
 """
@@ -33,6 +36,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-convert-gelem", type=float, default=11.0)
     parser.add_argument("--host-adam-gparam", type=float, default=0.0, help="0: the default")
     parser.add_argument(
+        "--h2d-gbps",
+        type=float,
+        default=0.0,
+        help="large-copy H2D rate in GB/s: scales the default curve to it (0: the default)",
+    )
+    parser.add_argument("--d2h-gbps", type=float, default=0.0, help="as --h2d-gbps, for D2H")
+    parser.add_argument(
+        "--peak-tflops", type=float, default=0.0, help="matmul peak in TFLOP/s (0: the default)"
+    )
+    parser.add_argument(
+        "--efficiency", type=float, default=0.0, help="fraction of the peak reached (0: default)"
+    )
+    parser.add_argument(
         "--convert",
         default="both",
         choices=("host", "device", "both"),
@@ -53,8 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     from offload_gpt_example.models import build_model, random_batch
     from offload_runtime.api import device_conversion_profile
     from offload_runtime.storage import required_host_bytes
-    from offload_solver import InfeasibleBudgetError, StatePlacement, solve
+    from offload_solver import (
+        BandwidthPoint,
+        InfeasibleBudgetError,
+        RegionAssignment,
+        SimulationContext,
+        StatePlacement,
+        get_simulator,
+        solve,
+    )
     from offload_solver.hardware import default_hardware
+    from offload_solver.simulators._engine import steady_state
     from offload_trace import trace
 
     model = build_model(args.model, device="meta", dtype=torch.float16, seq_len=args.seq)
@@ -75,6 +100,27 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.host_adam_gparam > 0:
         hw = dataclasses.replace(hw, host_adam_params_per_s=args.host_adam_gparam * 1e9)
+
+    def scaled(points: tuple[BandwidthPoint, ...], gbps: float) -> tuple[BandwidthPoint, ...]:
+        # The curve's shape (latency-bound small copies) kept, its plateau moved to gbps.
+        factor = gbps * 1e9 / points[-1].bytes_per_s
+        return tuple(BandwidthPoint(p.size_bytes, p.bytes_per_s * factor) for p in points)
+
+    if args.h2d_gbps > 0:
+        hw = dataclasses.replace(hw, h2d=scaled(hw.h2d, args.h2d_gbps))
+    if args.d2h_gbps > 0:
+        hw = dataclasses.replace(hw, d2h=scaled(hw.d2h, args.d2h_gbps))
+    if args.peak_tflops > 0:
+        hw = dataclasses.replace(hw, compute_flop_per_s=args.peak_tflops * 1e12)
+    if args.efficiency > 0:
+        hw = dataclasses.replace(hw, compute_efficiency=args.efficiency)
+    print(
+        f"hardware: H2D {hw.h2d[-1].bytes_per_s / 1e9:.1f} GB/s, D2H "
+        f"{hw.d2h[-1].bytes_per_s / 1e9:.1f} GB/s (1 GB copies), compute "
+        f"{hw.compute_flop_per_s / 1e12:.0f} TFLOP/s x {hw.compute_efficiency}, host Adam "
+        f"{hw.host_adam_params_per_s / 1e9:.2f} Gparam/s, host conversion "
+        f"{hw.host_convert_elems_per_s / 1e9:.1f} Gelem/s, {hw.op_overhead_s * 1e6:.1f} us/op"
+    )
     modes = ("host", "device") if args.convert == "both" else (args.convert,)
     status = 0
     for mode in modes:
@@ -100,6 +146,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(plan.regions)} regions; predicted step {plan.predicted_step_time_s * 1e3:.1f} "
             f"ms, peak {plan.predicted_peak_bytes / GiB:.2f} GiB of {args.budget_gib} GiB; "
             f"host memory for region state {pinned / GiB:.1f} GiB"
+        )
+        # The plan's step is the steady-state period; its timeline is one cold step.
+        ctx = SimulationContext.build(variant, hw, host_step_after_backward=not args.speculate)
+        asg = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
+        cold = get_simulator("async").run(ctx, asg)
+        steady = steady_state(ctx, asg, cold)
+        spans = ", ".join(f"{p * 1e3:.1f}" for p in steady.periods_s)
+        print(
+            f"single cold step {cold.step_time_s * 1e3:.1f} ms (compute lane {spans} ms in "
+            f"consecutive steps, {'' if steady.converged else 'not '}converged); peak of the "
+            f"repeating step {steady.last.peak_bytes / GiB:.2f} GiB"
         )
         # The pinned fp32 masters and gradients as exact-size buffers (the runtime's
         # in-place pinning) and as PyTorch's caching host allocator would round them (each
