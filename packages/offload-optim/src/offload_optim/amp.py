@@ -21,9 +21,10 @@ Both answers exist only once the last region's gradients are in. Options:
    ``AMPOptimizer(..., speculate_fp16=True)`` (:attr:`OverlapMode.SPECULATIVE_UNDO`); it
    costs 12 bytes per host-state parameter of host memory (8 with bf16 moments). Clipping
    is not speculated: its factor changes the gradients of every step, so every step would
-   be undone. Measured on the GPU: not yet (benchmark kind ``ours_spec``); on the 2-core
-   test machine the speculative step took 3.2x the plain one (fp32 moments; 1.7x with bf16
-   moments), see [Note: speculative steps].
+   be undone. On the H200's 16-core host the speculative step ran at 1.51 Gparam/s
+   against 3.70 for the plain one (fp32 moments; 1.80 against 2.41 with bf16), and fp16
+   W3 took 755 ms per step with it against 643 ms without (BENCHMARKS.md, session 11):
+   it stays off by default. See [Note: speculative steps].
 2. speculate only where no answer is needed, and otherwise overlap only the
    answer-independent work (the default):
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
@@ -300,7 +301,8 @@ class AMPOptimizer(torch.optim.Optimizer):
     - Overlap (``overlap=True``): host steps overlap backward and the next forward; see
       [Note: overlapping the host step with backward]. ``overlap=False`` steps everything
       after backward and waits (the reference's behaviour).
-    - ``speculate_fp16=True`` (off by default until measured on a GPU): in fp16 without
+    - ``speculate_fp16=True`` (off by default: slower on the H200 host, see BENCHMARKS.md
+      session 11): in fp16 without
       clipping, host-state regions step speculatively under backward, as bf16 does, and
       are undone exactly in a step that overflows (:attr:`OverlapMode.SPECULATIVE_UNDO`);
       the results are those of the default bit for bit. It costs 12 bytes of pageable host

@@ -51,8 +51,12 @@ on the 2-core test machine, where the host step is bound by each core's load/sto
 rather than by main memory: 0.44 Gparam/s against 1.40 for the plain fused step with fp32
 moments (3.2x the time: the three copies cost as much in cache as from memory there), 0.45
 against 0.75 with bf16 moments (1.7x). On a many-core host whose plain step is bound by
-main memory (the H200 host: 4.4 Gparam/s, about 28 bytes per parameter) the in-cache
-copies should cost far less; measured on the GPU machine: not yet. A slower step still
+main memory (the H200 host: 3.7-4.4 Gparam/s, about 28 bytes per parameter) the in-cache
+copies were expected to cost far less, but did not: there (16 threads, 2 MiB L2 per core,
+256 Mi parameters) the speculative step ran at 1.51 Gparam/s against 3.70 (fp32 moments,
+1M-element chunks; 0.21-1.36 at 32K-4M) and 1.80 against 2.41 (bf16 moments, 4M chunks):
+each of a chunk's five operations is its own parallel pass, so the chunk leaves each core's
+cache between them (BENCHMARKS.md, session 11). A slower step still
 pays where it runs, in host time that backward leaves idle: a region whose gradients land
 after backward has ended takes the plain step (amp.py's SPECULATIVE tail rule).
 """
