@@ -104,9 +104,13 @@ def solve(
     offloadable region, which is pointless to offload. For such (test-sized) models a
     range of 0 keeps regions at parameter boundaries, merging only what fits the largest.
 
-    ``host_step_after_backward``: the optimizer runs host steps only after backward (it needs
-    a global answer first: fp16 overflow check or clipping); the simulator then starts them
-    at the end of backward instead of as soon as each region's gradients land.
+    ``host_step_after_backward``: no host step may start before backward ends (fp16: the
+    overflow answer, which the runtime computes on the device); regions whose gradients
+    land after that step as they land, then the others in forward order. Otherwise each
+    region steps as its gradients land, while they are still landing (see [Note: step
+    model] in ``simulators._engine``). The plan's ``predicted_step_time_s`` is the period
+    of the repeating step, whose host steps run under the next forward ([Note: steady
+    state]); its timeline is one step on an idle machine.
     ``state_on_device=False`` keeps every region's optimizer state on the host (the
     reference's behaviour, for ablations).
 
