@@ -158,7 +158,14 @@ def plan_figure(plan: Plan, *, title: str | None = None) -> Figure:
     )
     ax_mem.set_ylim(0, peak / mscale * 1.08)
     ax_mem.set_ylabel(f"device memory ({munit})")
-    ax_mem.set_xlabel(f"simulated time in one training step ({unit})")
+    # The timeline is one step started on an idle machine; the predicted step is the
+    # period once steps repeat (the host steps run under the next forward), often shorter.
+    for ax in (ax_lanes, ax_mem):
+        ax.axvline(plan.predicted_step_time_s * scale, color="black", linestyle=":", lw=0.8)
+    ax_mem.set_xlabel(
+        f"simulated time in one step from an idle machine ({unit}); dotted: the predicted "
+        "step once steps repeat"
+    )
     ax_mem.set_xlim(0, span_s * scale)
     ax_mem.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     ax_mem.grid(alpha=0.3)
