@@ -37,7 +37,11 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   - otherwise (bf16, fp32, or fp16 speculating): a region whose hook runs before the
     step's last copy has landed steps right then; a later hook leaves its region to
     ``step()``, which waits for every hook and then queues those regions in forward
-    order. ``step()`` returns when backward has ended and every hook has run.
+    order. The hook of the last copy's region is always a later one, and so is every
+    hook after it even while backward still computes (regions below it keep their state
+    on the device): the runtime's backward-done event is recorded on the D2H stream, so
+    it completes when the last copy lands. ``step()`` returns when backward has ended
+    and every hook has run.
   A RESIDENT region's updated parameters go back on H2D after its publish, or after its
   Adam step when there is none (offloaded regions are uploaded by the next forward
   anyway), at the compute lane's next issue point (a region's start). H2D tasks issued
@@ -92,15 +96,19 @@ in two ways:
   region q-1's first operation (``offload_runtime.passes``), so the compute lane waits
   there, and the prefetch starts after it. Backward needs nothing of step k.
 :func:`steady_state` runs the cold step, then gated steps, each started from what the
-previous one left (:func:`carry_from`, times shifted by its ``compute_end_s``), until
-the compute-lane span changes by less than :data:`STEADY_REL_TOL` (at most
-:data:`STEADY_MAX_STEPS` steps); that span is the period. It reaches a fixed point in
-two gated steps on every profile tried (every lane's busy time repeats). Memory is the
-cold step's: gated steps run the same operations in the same compute-lane order, only
-later, so lifetimes overlap alike and the pool is the same; a gated step's gradients can
-wait longer for a D2H lane still busy with the previous step's copies (not seen on the
-workloads measured). Solvers rank candidates on the cold step (its slack) and compare
-steady-state periods where they accept a change of step time (optimizer placement).
+previous one left (:func:`carry_from`, times shifted by its ``compute_end_s``), until a
+step leaves the next one what it started from (:func:`same_carry`: lane-free times,
+gates and carried uploads, each within :data:`STEADY_REL_TOL` of the span; at most
+:data:`STEADY_MAX_STEPS` steps). A step is a function of its carry, so that step repeats
+and its compute-lane span is the period. Comparing spans alone could stop early: a gated
+step may match the one before in span while a lane still ends later each time. On every
+profile tried the first gated step already repeats (it is simulated, then checked).
+Memory is the cold step's: gated steps run the same operations in the same compute-lane
+order, only later, so lifetimes overlap alike and the pool is the same; a gated step's
+gradients can wait longer for a D2H lane still busy with the previous step's copies (not
+seen on the workloads measured). Solvers rank candidates on the cold step (its slack)
+and compare steady-state periods where they accept a change of step time (optimizer
+placement).
 """
 
 from __future__ import annotations
@@ -624,6 +632,10 @@ def run(
     landed: deque[tuple[int, float, int]] = deque()
     deferred: list[int] = []  # regions whose step waits to be queued in forward order
     hooks_ran = False
+    # Regions from this index down still copy gradients after their backward; below it
+    # the last copy is known (``d2h_free``) and may already have landed at an issue point,
+    # as when only device-state regions remain.
+    last_copier = next((r for r in range(n_reg) if not device[r] and numel[r] > 0), -1)
 
     def grad_work_of(r: int, land: float, ready: int) -> tuple[float, int]:
         """Place region r's gradient work on the host worker; returns (when its
@@ -654,8 +666,8 @@ def run(
 
     def hooks_before(limit: float) -> None:
         """Without ``after_backward``: step, as their gradient work ends, the landed regions
-        whose gradient-ready hook runs before ``limit`` (a moment known to come before the
-        last copy lands)."""
+        whose gradient-ready hook runs before ``limit`` (a moment known to come no later
+        than the last copy's landing)."""
         while landed:
             r, land, ready = landed[0]
             h = land if land > host_free else host_free
@@ -671,7 +683,10 @@ def run(
         reach = t
         reach_b[r] = reach
         if landed and not after_backward:
-            hooks_before(reach)
+            # While a copy is still to come it lands at or after this issue point; once none
+            # is, the hooks that run after the last one (even before this point) leave their
+            # regions to step(): the runtime's backward-done event is on the d2h stream.
+            hooks_before(reach if r >= last_copier else d2h_free)
         if pending and pending[0][0] <= reach:
             drain(reach)
         for i in by_host[r]:
@@ -824,7 +839,8 @@ def run(
 STEADY_MAX_STEPS = 12
 """Gated steps :func:`steady_state` simulates at most after the cold one."""
 STEADY_REL_TOL = 1e-3
-""":func:`steady_state` stops when the period changes by less than this fraction."""
+""":func:`steady_state` stops when a gated step leaves what it started from, every time
+within this fraction of its span."""
 
 
 @dataclass(frozen=True)
@@ -836,9 +852,10 @@ class SteadyState:
     periods_s: tuple[float, ...]
     """Compute-lane spans of the steps simulated, the cold step first."""
     converged: bool
-    """Whether the last two spans agree within :data:`STEADY_REL_TOL`; if not,
-    ``period_s`` is the mean of the last two (a schedule alternating between two spans
-    repeats every two steps)."""
+    """Whether the last step left the next one what it had started from (within
+    :data:`STEADY_REL_TOL`), so that every later step repeats it; if not, ``period_s`` is
+    the mean of the last two spans (a schedule alternating between two spans repeats
+    every two steps)."""
     last: EngineRun
     """The last step simulated (the cold one when nothing carries over)."""
 
@@ -859,11 +876,38 @@ def carry_from(ctx: SimulationContext, prev: EngineRun, period_s: float) -> Carr
     )
 
 
+def _effective_times(carry: Carry) -> list[float]:
+    """The times of ``carry`` that :func:`run` can tell apart. Every step event is at or
+    after the step's start (0), so an earlier lane-free time or gate acts as 0; the H2D
+    lane's free time is only compared with prefetch issues (at or after 0) and with the
+    first carried upload's issue."""
+    floor = 0.0
+    if carry.uploads:
+        floor = min(floor, carry.uploads[0][0])
+    return [
+        max(carry.host_free_s, 0.0),
+        max(carry.d2h_free_s, 0.0),
+        max(carry.h2d_free_s, floor),
+        *(max(g, 0.0) for g in carry.gate_s),
+        *(issue for issue, _ in carry.uploads),
+    ]
+
+
+def same_carry(a: Carry, b: Carry, tol_s: float) -> bool:
+    """Whether steps started from ``a`` and from ``b`` run alike: the same carried uploads,
+    and every time :func:`run` reads within ``tol_s`` seconds (equal ones: the same step)."""
+    if [r for _, r in a.uploads] != [r for _, r in b.uploads]:
+        return False
+    return all(
+        abs(x - y) <= tol_s for x, y in zip(_effective_times(a), _effective_times(b), strict=True)
+    )
+
+
 def steady_state(
     ctx: SimulationContext, assignment: Sequence[RegionAssignment], cold: EngineRun
 ) -> SteadyState:
-    """Iterate steps from the cold step ``cold`` of ``assignment`` until the period settles
-    (see [Note: steady state])."""
+    """Iterate steps from the cold step ``cold`` of ``assignment`` until one leaves the
+    next what it started from (see [Note: steady state])."""
     period = cold.compute_end_s
     numel, device = ctx.numel, cold.device_state
     if not any(numel[r] > 0 and not device[r] for r in range(ctx.num_regions)):
@@ -871,13 +915,18 @@ def steady_state(
         return SteadyState(period, (period,), True, cold)
     periods = [period]
     prev = cold
+    carry = carry_from(ctx, cold, period)
     for _ in range(STEADY_MAX_STEPS):
-        prev = run(ctx, assignment, carry_from(ctx, prev, period))
-        new = prev.compute_end_s
-        periods.append(new)
-        if abs(new - period) <= STEADY_REL_TOL * period:
-            return SteadyState(new, tuple(periods), True, prev)
-        period = new
+        prev = run(ctx, assignment, carry)
+        span = prev.compute_end_s
+        periods.append(span)
+        # A step is a function of its carry alone: one that leaves what it started from
+        # repeats forever. Equal spans are not enough: a gated step can match the cold one
+        # (or its predecessor) in span while a lane still runs later each step.
+        nxt = carry_from(ctx, prev, span)
+        if same_carry(carry, nxt, STEADY_REL_TOL * span):
+            return SteadyState(span, tuple(periods), True, prev)
+        carry = nxt
     return SteadyState((periods[-1] + periods[-2]) / 2, tuple(periods), False, prev)
 
 
