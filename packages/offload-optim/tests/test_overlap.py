@@ -180,8 +180,8 @@ def test_overlapped_training_equals_synchronous_training(name: str) -> None:
     assert_same(overlapped, synchronous)
     needs_answer = opts.dtype == torch.float16 or opts.clipping > 0
     want = OverlapMode.PARTIALS if needs_answer else OverlapMode.SPECULATIVE
-    if opts.dtype == torch.float16 and opts.clipping == 0 and opts.micro == 1:
-        want = OverlapMode.DEVICE_ANSWER  # the overflow answer alone, from the device
+    if needs_answer and opts.micro == 1:
+        want = OverlapMode.DEVICE_ANSWER  # the answer's partials taken on the device
     assert overlapped.modes == {want}
     assert synchronous.modes == {OverlapMode.NONE}
     if opts.poison_step is not None:
@@ -276,21 +276,30 @@ def test_step_returns_before_host_steps_and_the_next_forward_waits(set_to_none: 
     trainer.close()
 
 
-def test_fp16_regions_landing_after_the_answer_step_in_their_hooks() -> None:
-    """DEVICE_ANSWER: the overflow answer comes from the device partials, so step() knows
-    it while every host-state region's gradients are still queued (held behind a blocker
-    submitted before backward). Those regions then step in their own hooks, in landing
-    (backward) order; step 2 overflows and nothing steps. Every loss, master and moment
-    equals synchronous training bit for bit, and the next forward waits for the hooks."""
-    opts = Options(dtype=torch.float16, schedule=True, poison_step=2)
+ANSWER_CASES = {
+    "fp16_overflow": Options(dtype=torch.float16, schedule=True, poison_step=2),
+    "fp16_clip_overflow": Options(dtype=torch.float16, clipping=0.5, poison_step=1),
+    "bf16_clip": Options(dtype=torch.bfloat16, clipping=0.5, schedule=True),
+}
+
+
+@pytest.mark.parametrize("name", list(ANSWER_CASES))
+def test_regions_landing_after_the_answer_step_in_their_hooks(name: str) -> None:
+    """DEVICE_ANSWER: the answer (overflow check, gradient norm) comes from partials taken
+    on the device, so step() knows it while every host-state region's gradients are still
+    queued (held behind a blocker submitted before backward). Those regions then step in
+    their own hooks, in landing (backward) order, with the clip factor; an overflowing step
+    steps nothing. Every loss, master and moment equals synchronous training bit for bit."""
+    opts = ANSWER_CASES[name]
+    steps = 4
     reference = Trainer(opts, overlap=False)
-    expected = reference.train(range(4))
+    expected = reference.train(range(steps))
     reference.close()
 
     trainer = Trainer(opts, overlap=True)
     host = sorted(host_masters(trainer.module))
     losses, orders, skipped = [], [], []
-    for step in range(4):
+    for step in range(steps):
         trainer.amp.zero_grad()
         blocker = Blocker()
         trainer.module.controller.submit_host(blocker)  # holds every hook of this backward
@@ -304,16 +313,18 @@ def test_fp16_regions_landing_after_the_answer_step_in_their_hooks() -> None:
         report = trainer.amp.last_step  # waits for the hooks' steps
         assert report is not None and report.overlap is OverlapMode.DEVICE_ANSWER
         assert not blocker.timed_out
+        if opts.clipping > 0:
+            assert report.clip_coef < 1.0 or report.skipped, "the clip factor is used"
         skipped.append(report.skipped)
         orders.append([t.region for t in report.region_steps if t.host])
-    assert skipped == [False, False, True, False]
-    assert orders[2] == []
-    for k in (0, 1, 3):
-        assert orders[k] == sorted(host, reverse=True), "stepped as they landed"
+    assert skipped == [step == opts.poison_step for step in range(steps)]
+    for step in range(steps):
+        want = [] if skipped[step] else sorted(host, reverse=True)
+        assert orders[step] == want, "stepped as they landed"
     assert losses == expected.losses
     stepped = masters(trainer.module)
-    for name, value in expected.masters.items():
-        assert torch.equal(stepped[name], value), name
+    for name_, value in expected.masters.items():
+        assert torch.equal(stepped[name_], value), name_
     trainer.amp.synchronize()
     state = [t.clone() for st in trainer.amp.state.values() for t in st.values()]
     assert all(torch.equal(x, y) for x, y in zip(state, expected.state, strict=True))
@@ -373,8 +384,12 @@ def test_speculative_tail_steps_in_forward_order() -> None:
     threaded.close()
 
 
-def test_error_in_a_queued_step_surfaces_at_the_next_wait() -> None:
-    trainer = Trainer(Options(clipping=0.5), overlap=True)  # PARTIALS: steps queued by step()
+@pytest.mark.parametrize("path", ["queued", "hook"])
+def test_error_in_a_queued_step_surfaces_at_the_next_wait(path: str) -> None:
+    """A host step that fails after step() returned (queued by step(), or run by the hook of
+    a region landing after the answer) does not fail zero_grad(); the forward that reaches
+    the region raises it. A queued task also fails the next wait for host work."""
+    trainer = Trainer(Options(clipping=0.5), overlap=True)  # DEVICE_ANSWER
     controller = trainer.module.controller
     original = controller.publish
     bad = trainer.target
@@ -385,13 +400,22 @@ def test_error_in_a_queued_step_surfaces_at_the_next_wait() -> None:
         original(r)
 
     controller.publish = publish  # type: ignore[method-assign]
+    blocker = Blocker()
+    if path == "hook":
+        controller.submit_host(blocker)  # every hook runs after step() has the answer
     trainer.backward(0)
-    trainer.amp.step()  # returns: the failing step is queued, not waited for
+    if path == "queued":
+        controller.wait_gradients()  # every region landed: step() queues them all
+    trainer.amp.step()  # returns: the failing step is not waited for
+    blocker.release.set()
     trainer.amp.zero_grad()
     with pytest.raises(RuntimeError, match=f"publish of region {bad} failed"):
         trainer.backward(1)  # the forward reaches the region and waits for its step
-    with pytest.raises(RuntimeError, match="failed"):
-        trainer.amp.synchronize()
+    if path == "queued":
+        with pytest.raises(RuntimeError, match="failed"):
+            trainer.amp.synchronize()
+    else:
+        trainer.amp.synchronize()  # the hook reported it through the region's future only
     controller.publish = original  # type: ignore[method-assign]
     trainer.module.close()  # the error was raised already; nothing is left queued
 

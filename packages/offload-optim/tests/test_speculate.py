@@ -300,10 +300,11 @@ def test_speculation_runs_under_backward() -> None:
     trainer.close()
 
 
-def test_clipping_keeps_partials_and_bf16_keeps_speculative() -> None:
+def test_clipping_takes_the_device_answer_and_bf16_keeps_speculative() -> None:
     """Speculation with undo is for the fp16 overflow answer alone."""
     cases: list[tuple[dict[str, Any], OverlapMode]] = [
-        ({"clipping": 0.5}, OverlapMode.PARTIALS),
+        ({"clipping": 0.5}, OverlapMode.DEVICE_ANSWER),
+        ({"clipping": 0.5, "micro": 2}, OverlapMode.PARTIALS),
         ({"dtype": torch.bfloat16}, OverlapMode.SPECULATIVE),
         ({"dtype": torch.float32}, OverlapMode.SPECULATIVE),
     ]
@@ -320,7 +321,7 @@ def test_clipping_with_speculate_equals_without() -> None:
     spec = run(True, 4, clipping=0.5, poison=(2,), hysteresis=1)
     plain = run(False, 4, clipping=0.5, poison=(2,), hysteresis=1)
     assert_same(spec, plain)
-    assert spec.modes == {OverlapMode.PARTIALS}
+    assert spec.modes == {OverlapMode.DEVICE_ANSWER}
 
 
 # ---- windows that end otherwise, checkpoints, memory ---------------------------------------

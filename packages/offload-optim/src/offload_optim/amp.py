@@ -30,24 +30,26 @@ Both answers exist only once the last region's gradients are in. Options:
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
      host-state region steps in its hook. The gradients it reads are final, so the result
      is the step after backward, bit for bit.
-   - fp16 training without clipping or accumulation (:attr:`OverlapMode.DEVICE_ANSWER`,
-     the fp16 default): the overflow check needs only finiteness, so each host-state
-     region's partial (the L1 norm of its training-dtype gradients, in fp32) is taken on
-     the device, on the compute stream, right before its gradients are copied to the
-     host (the runtime's device grad hook). :meth:`step` therefore has the answer as soon
-     as backward's kernels finish, not after the last gradient copy lands and the host
-     has read every gradient once more. Then each host-state region whose gradients are
-     still in flight steps in its own grad-ready hook as they land (in landing order);
-     those that landed earlier are queued in forward order behind them. Where the copies
-     lag backward (gpt2_6b: 456 ms of fp32 gradient copies per step), the host starts
-     stepping when backward ends instead of when the last copy lands. Bit-identical to
-     stepping after backward: the same steps with the same scale; only finiteness is read.
-   - clipping, or fp16 with accumulation (:attr:`OverlapMode.PARTIALS`): each host-state
-     region's hook computes the region's contribution to the answer (the L1 norm of its
-     gradients, finite exactly when they all are: the overflow check; or its gradient
-     norm) while backward runs; after backward the partials are combined, and the regions
-     step then. (The norm is taken from the fp32 accumulators, so clipping does not depend
-     on the overlap; an accumulated window's earlier micro-batches never pass the device.)
+   - fp16 training, or clipping, without accumulation (:attr:`OverlapMode.DEVICE_ANSWER`,
+     the default there): each host-state region's contribution to the answer (the L1
+     norm of its training-dtype gradients, in fp32, finite exactly when they all are: the
+     overflow check; or their ``norm_type`` norms for clipping) is taken on the device,
+     on the compute stream, right before its gradients are copied to the host (the
+     runtime's device grad hook). :meth:`step` therefore has the answer as soon as
+     backward's kernels finish, not after the last gradient copy lands and the host has
+     read every gradient once more. Then each host-state region whose gradients are
+     still in flight steps in its own grad-ready hook as they land (in landing order),
+     with the scale and clip factor :meth:`step` fixed; those that landed earlier are
+     queued in forward order behind them. Where the copies lag backward (gpt2_6b: 456 ms
+     of fp32 gradient copies per step), the host starts stepping when backward ends
+     instead of when the last copy lands. ``overlap=False`` combines the same device
+     partials, so both give the same answer bit for bit (the norm differs from one taken
+     over the flat fp32 accumulators only in rounding: widening is exact, the grouping of
+     the sum is not).
+   - with accumulation (:attr:`OverlapMode.PARTIALS`): the answer is about the sum of the
+     micro-batches, which only the host accumulators hold, so each host-state region's
+     hook computes its partial there (the L1 norm or the gradient norm) while the last
+     backward runs; after backward the partials are combined, and the regions step then.
    Device-state regions always step after backward, all in one batch: their step is GPU
    work that would queue behind backward on the same stream anyway.
 SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
@@ -176,15 +178,17 @@ class OverlapMode(str, Enum):
     SPECULATIVE = "speculative"
     """Step the region (no global answer needed)."""
     PARTIALS = "partials"
-    """Compute the region's overflow / norm partial; the region steps after backward."""
+    """Compute the region's overflow / norm partial on the host (accumulated windows); the
+    region steps after backward."""
     SPECULATIVE_UNDO = "speculative_undo"
     """fp16: step the region speculatively and compute its overflow partial; the step is
     committed, or undone exactly on overflow, after backward (``speculate_fp16``)."""
     DEVICE_ANSWER = "device_answer"
-    """fp16 without clipping (the default there): the region's overflow partial is taken
-    on the device before its gradients leave it, so :meth:`AMPOptimizer.step` knows the
-    answer when backward ends; the region steps in its hook once the answer is known (as
-    its gradients land), else in :meth:`AMPOptimizer.step`'s forward-order queue."""
+    """fp16 or clipping, one micro-batch per step (the default there): the region's
+    partials of the answer are taken on the device before its gradients leave it, so
+    :meth:`AMPOptimizer.step` knows the answer when backward ends; the region steps in its
+    hook once the answer is known (as its gradients land), else in
+    :meth:`AMPOptimizer.step`'s forward-order queue."""
 
 
 @dataclass
@@ -312,7 +316,7 @@ class AMPOptimizer(torch.optim.Optimizer):
       Turn it on when the fp16 host step is what the step waits for after backward (host
       state dominates and backward is long enough to hide it) and host memory has room.
       No effect in bf16 / fp32 (they speculate without it), with clipping (every step
-      would be undone: PARTIALS is kept), or with ``overlap=False``.
+      would be undone: the answer is taken as without it), or with ``overlap=False``.
     - ``param_groups`` are the HybridAdam's own, so ``torch.optim.lr_scheduler``
       schedulers take this object (or the HybridAdam) and the step uses their lr.
     - :meth:`state_dict` holds master weights, Adam moments, the scaler and the step count.
@@ -390,9 +394,11 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS, _UNDO)
         self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE, _UNDO)
         self._spec_scale: float | None = None  # what speculative steps divide by (_UNDO)
-        # DEVICE_ANSWER: each host-state region's overflow partials, taken on the device
-        # (backward thread), and the window its host-worker hooks answer to.
+        # Each host-state region's partials of the answer, taken on the device (backward
+        # thread) in a window of one micro-batch that needs one; and, in DEVICE_ANSWER, the
+        # window its host-worker hooks answer to.
         self._device_parts: dict[int, list[torch.Tensor]] = {}
+        self._device_answer = False  # whether this window takes them (set by backward)
         self._window: _AnswerWindow | None = None
         self._host_window: _AnswerWindow | None = None  # read by hooks on the host worker
         self._timings: list[RegionStepTiming] = []  # the window's region steps
@@ -445,10 +451,17 @@ class AMPOptimizer(torch.optim.Optimizer):
             mode = OverlapMode.PARTIALS if self._needs_answer() else OverlapMode.SPECULATIVE
             if self.speculate_fp16 and self.scaling and self.clipping_norm == 0:
                 mode = OverlapMode.SPECULATIVE_UNDO
-            elif self.scaling and self.clipping_norm == 0 and self.accumulation_steps == 1:
-                # Accumulated windows keep PARTIALS: an earlier micro-batch's gradients
-                # never pass the device hook with a partial taken.
+            elif self._needs_answer() and self.accumulation_steps == 1:
+                # Accumulated windows keep PARTIALS: the answer is about the sum of the
+                # micro-batches' gradients, which only the host accumulators hold.
                 mode = OverlapMode.DEVICE_ANSWER
+        # Device partials serve every single-micro-batch window that needs an answer, with
+        # or without the overlap, so that both combine the very same partials.
+        self._device_answer = (
+            self._needs_answer()
+            and self.accumulation_steps == 1
+            and mode is not OverlapMode.SPECULATIVE_UNDO
+        )
         if mode is OverlapMode.SPECULATIVE_UNDO:
             # Allocated once, here on the main thread: a shortage raises before backward.
             self.optimizer.prepare_speculation()
@@ -477,10 +490,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._host_window = window
 
     def _on_device_grads(self, r: int, grads: list[torch.Tensor]) -> None:
-        """Device grad hook (backward thread): in DEVICE_ANSWER, the overflow partials of a
-        host-state region's gradients, taken before they are copied to the host."""
-        if self._window_mode is OverlapMode.DEVICE_ANSWER and self.optimizer.has_region(r):
-            self._device_parts[r] = _partials_of(grads, 1.0, as_norm=False)
+        """Device grad hook (backward thread): a host-state region's partials of the global
+        answer (overflow check or gradient norm), taken before its gradients are copied to
+        the host (see ``_device_answer``)."""
+        if self._device_answer and self.optimizer.has_region(r):
+            as_norm = self.clipping_norm > 0
+            self._device_parts[r] = _partials_of(grads, self.norm_type, as_norm)
 
     def _on_grad_ready(self, r: int) -> None:
         """Grad-ready hook: host worker (host-state regions) or backward thread (others)."""
@@ -543,29 +558,24 @@ class AMPOptimizer(torch.optim.Optimizer):
             self.optimizer.step_region(
                 r, answer.grad_scale, hypers=answer.hypers, timings=answer.timings
             )
-        except BaseException as exc:  # the region's next forward re-raises it
+        except BaseException as exc:
+            # Not re-raised here: like a failed queued step, it surfaces at the region's
+            # next forward or at the next wait for host work, not at zero_grad().
             fut.set_exception(exc)
-            raise
+            return
         fut.set_result(None)
 
-    def _step_device_answer(
-        self, scale: float, hypers: dict[int, AdamHyper], timings: list[RegionStepTiming]
-    ) -> tuple[bool, dict[int, Future[None]]]:
-        """DEVICE_ANSWER: decide from the device partials, then hand each host-state region
-        to its hook (gradients still in flight) or to the forward-order queue (landed).
-        Returns (skipped, the futures of every queued or handed-over host step)."""
-        window = self._window
-        assert window is not None, "a DEVICE_ANSWER window has its _AnswerWindow"
+    def _hand_over(
+        self,
+        window: _AnswerWindow,
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper],
+        timings: list[RegionStepTiming],
+    ) -> dict[int, Future[None]]:
+        """DEVICE_ANSWER, the step taken: hand each host-state region whose gradients are
+        still in flight to its hook, and queue the rest (landed ones, device-state regions,
+        plain parameters) as :meth:`step` always does. Returns every host step's future."""
         with window.lock:
-            notified = set(self._notified)
-        total = self._combine_device_answer(notified)
-        # Host sync point: the partials are the last kernels of backward to read.
-        skipped = not bool(torch.isfinite(total))
-        grad_scale = None if scale == 1.0 else scale
-        with window.lock:
-            if skipped:
-                window.answer = _Answer(True, None, hypers, timings, {})
-                return True, {}
             in_flight = sorted(set(self._device_parts) - window.landed)
             handed = self.controller.expect_updates(in_flight)
             window.answer = _Answer(False, grad_scale, hypers, timings, handed)
@@ -575,45 +585,35 @@ class AMPOptimizer(torch.optim.Optimizer):
         # (its gradient task failed first) must not leave its region's forward waiting.
         self.controller.submit_host(lambda: _fail_unfinished(handed))
         futures.update(handed)
-        return False, futures
-
-    def _combine_device_answer(self, notified: set[int]) -> torch.Tensor:
-        """The overflow total of a DEVICE_ANSWER window on the CPU: the host-state regions'
-        device partials, and partials computed now for device-state regions and plain
-        parameters. Only its finiteness is used, so the order of the sum does not matter."""
-        per_device: dict[torch.device, list[torch.Tensor]] = {}
-        for r in sorted(self._device_parts):
-            for part in self._device_parts[r]:
-                per_device.setdefault(part.device, []).append(part)
-        grads: dict[torch.device, list[torch.Tensor]] = {}
-        for r in sorted(notified):
-            if self.optimizer.has_region(r) and not self.optimizer.region_storage(r).host_state:
-                g = self.optimizer.region_grad(r)
-                grads.setdefault(g.device, []).append(g)
-        for g in self.optimizer.plain_grads():
-            grads.setdefault(g.device, []).append(g)
-        for device, gs in grads.items():
-            per_device.setdefault(device, []).extend(_partials_of(gs, 1.0, as_norm=False))
-        if not per_device:
-            return torch.zeros(())
-        return torch.stack([torch.stack(ps).sum().to("cpu") for ps in per_device.values()]).sum()
+        return futures
 
     # ---- global answers ------------------------------------------------------------
 
-    def _combine(self, norm_type: float, *, fresh: bool) -> tuple[torch.Tensor, bool]:
+    def _combine(
+        self, norm_type: float, *, fresh: bool, notified: set[int] | None = None
+    ) -> tuple[torch.Tensor, bool]:
         """Combine every gradient's partial: (total on the CPU, whether it is a norm).
 
-        Partials the hooks did not compute are computed here, one batched call per device.
-        They are combined in region order whoever computed them, so that the total does
-        not depend on the overlap. Reads one value per device back to the host: a sync
-        point.
+        ``notified``: the regions whose gradients arrived (default: all of the window's);
+        regions with device partials count too (DEVICE_ANSWER: their gradients may still be
+        in flight). Unless ``fresh``, a host-state region's partials are its device
+        partials when the window took them, else its hook's; the rest are computed here,
+        one batched call per device. They are combined in region order whoever computed
+        them, so that the total does not depend on the overlap. Reads one value per device
+        back to the host: a sync point.
         """
         as_norm = fresh or self.clipping_norm > 0
         # Per device: (slot -> partial) in region order; missing ones computed below.
         slots: dict[torch.device, list[torch.Tensor | None]] = {}
         missing: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
-        for r in sorted(self._notified):
+        regions = self._notified if notified is None else notified
+        device_parts = {} if fresh else self._device_parts
+        for r in sorted(regions | set(device_parts)):
             if not self.optimizer.has_region(r):
+                continue
+            if r in device_parts:
+                for dpart in device_parts[r]:
+                    slots.setdefault(dpart.device, []).append(dpart)
                 continue
             grad = self.optimizer.region_grad(r)
             part = None if fresh else self._partials.get(r)
@@ -699,8 +699,6 @@ class AMPOptimizer(torch.optim.Optimizer):
                 )
             rest = self._notified - self._stepped
             futures = self._step_regions(rest, None, hypers, timings)
-        elif mode is OverlapMode.DEVICE_ANSWER:
-            skipped, futures = self._step_device_answer(scale, hypers, timings)
         else:
             if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
                 self.optimizer.undo_speculation()
@@ -716,8 +714,14 @@ class AMPOptimizer(torch.optim.Optimizer):
                 None if scale == 1.0 else scale
             ), "speculative steps divided by another loss scale"
             divisor = scale
+            window = self._window if mode is OverlapMode.DEVICE_ANSWER else None
             if self._needs_answer():
-                total, is_norm = self._combine(self.norm_type, fresh=False)
+                if window is not None:
+                    with window.lock:  # hooks still add the regions that land
+                        notified = set(self._notified)
+                else:
+                    notified = self._notified
+                total, is_norm = self._combine(self.norm_type, fresh=False, notified=notified)
                 # Host sync point (once per step, after backward): the skip/clip answer
                 # decides what every region does next.
                 overflow = not bool(torch.isfinite(total))
@@ -729,10 +733,17 @@ class AMPOptimizer(torch.optim.Optimizer):
                         coef = float(clip)
                 skipped = self.scaling and overflow
             if skipped:
+                if window is not None:
+                    with window.lock:
+                        window.answer = _Answer(True, None, hypers, timings, {})
                 # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
                 undone = len(self.optimizer.undo_speculation())
                 if undone:
                     self.undone_steps += 1
+            elif window is not None:
+                divisor = scale / coef
+                grad_scale = None if divisor == 1.0 else divisor
+                futures = self._hand_over(window, grad_scale, hypers, timings)
             else:
                 divisor = scale / coef
                 grad_scale = None if divisor == 1.0 else divisor
@@ -823,6 +834,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._hypers = {}
         self._spec_scale = None
         self._device_parts = {}
+        self._device_answer = False
         self._window = None
         self._timings = []
         self._backward_done = None
@@ -874,7 +886,9 @@ class AMPOptimizer(torch.optim.Optimizer):
                 ]
                 grads += list(self.optimizer.plain_grads())
                 torch._foreach_mul_(grads, coef)
-                self._partials = {}  # stale now: step() recomputes them
+                # Stale now: step() recomputes them from the clipped accumulators.
+                self._partials = {}
+                self._device_parts = {}
         return float(unscaled)
 
     # ---- checkpoints ---------------------------------------------------------------
