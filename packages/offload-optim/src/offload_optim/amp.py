@@ -103,9 +103,11 @@ After backward, the host steps also overlap the *next forward* (with ``overlap``
 - An error raised by a queued step surfaces at the next of those waits, or at the forward
   of that region.
 - SPECULATIVE tail: hooks step their region (in backward order) only while the device
-  still runs backward, which is when the step hides under it. A hook that runs once
-  backward has finished on the device (an event recorded on the d2h stream after
-  backward, polled without blocking) leaves its region to :meth:`step`, which queues such
+  still runs backward or its gradient copies, which is when the step hides under them. A
+  hook that runs once the last gradient copy of the backward has landed (an event
+  recorded on the d2h stream after backward, polled without blocking; so it completes
+  with that copy, even while backward still computes device-state regions) leaves its
+  region to :meth:`step`, which queues such
   regions in forward order: region 0, whose gradients arrive last, then steps first and
   the next forward can start while the others step. SPECULATIVE_UNDO keeps the same
   rule: such a hook only computes its overflow partial, and the region steps after the
