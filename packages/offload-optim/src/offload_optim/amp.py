@@ -213,8 +213,6 @@ class _AnswerWindow:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.answer: _Answer | None = None
-        self.landed: set[int] = set()
-        """Host-state regions whose gradients landed before the answer: step() queues them."""
 
 
 @dataclass(frozen=True)
@@ -548,9 +546,9 @@ class AMPOptimizer(torch.optim.Optimizer):
         with window.lock:
             answer = window.answer
             if answer is None:
-                window.landed.add(r)
-                # The window is still open on the main thread: step() sets the answer
-                # under this lock before it resets the window.
+                # Landed before the answer: step() queues it. The window is still open on
+                # the main thread: step() sets the answer under this lock before it resets
+                # the window.
                 self._notified.add(r)
                 return
         fut = answer.futures.get(r)
@@ -578,7 +576,8 @@ class AMPOptimizer(torch.optim.Optimizer):
         still in flight to its hook, and queue the rest (landed ones, device-state regions,
         plain parameters) as :meth:`step` always does. Returns every host step's future."""
         with window.lock:
-            in_flight = sorted(set(self._device_parts) - window.landed)
+            # Device partials exist for host-state regions only; those notified landed.
+            in_flight = sorted(set(self._device_parts) - self._notified)
             handed = self.controller.expect_updates(in_flight)
             window.answer = _Answer(False, grad_scale, hypers, timings, handed)
             landed_or_device = set(self._notified)
@@ -715,7 +714,6 @@ class AMPOptimizer(torch.optim.Optimizer):
             assert mode is not OverlapMode.SPECULATIVE_UNDO or self._spec_scale == (
                 None if scale == 1.0 else scale
             ), "speculative steps divided by another loss scale"
-            divisor = scale
             window = self._window if mode is OverlapMode.DEVICE_ANSWER else None
             if self._needs_answer():
                 if window is not None:
@@ -742,19 +740,18 @@ class AMPOptimizer(torch.optim.Optimizer):
                 undone = len(self.optimizer.undo_speculation())
                 if undone:
                     self.undone_steps += 1
-            elif window is not None:
-                divisor = scale / coef
-                grad_scale = None if divisor == 1.0 else divisor
-                futures = self._hand_over(window, grad_scale, hypers, timings)
             else:
                 divisor = scale / coef
                 grad_scale = None if divisor == 1.0 else divisor
-                # SPECULATIVE_UNDO: those stepped in their hooks are only published now, in
-                # forward order among the rest (else nothing was stepped early).
-                stepped = self.optimizer.commit_speculation()
-                futures = self._step_regions(
-                    self._notified, grad_scale, hypers, timings, stepped=stepped
-                )
+                if window is not None:
+                    futures = self._hand_over(window, grad_scale, hypers, timings)
+                else:
+                    # SPECULATIVE_UNDO: those stepped in their hooks are only published now,
+                    # in forward order among the rest (else nothing was stepped early).
+                    stepped = self.optimizer.commit_speculation()
+                    futures = self._step_regions(
+                        self._notified, grad_scale, hypers, timings, stepped=stepped
+                    )
         if self.scaling:
             self.scaler.update(skipped)
         if not skipped:
