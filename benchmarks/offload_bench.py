@@ -192,11 +192,16 @@ def _ours(
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            step()
-            torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-        (profile_dir / f"profile_{workload}_{kind}.txt").write_text(table)
+        # The step is already measured: a failing profile is reported, not fatal.
+        try:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+            profile_dir.mkdir(parents=True, exist_ok=True)
+            (profile_dir / f"profile_{workload}_{kind}.txt").write_text(table)
+        except Exception as exc:  # keep the measurement, say what broke
+            out["profile_error"] = f"{type(exc).__name__}: {exc}"
     module.close()
     return out
 
@@ -450,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [w for w in workloads if w not in WORKLOADS] + [k for k in kinds if k not in KINDS]
     if bad:
         parser.error(f"unknown workloads/kinds {bad}; known: {list(WORKLOADS)} {list(KINDS)}")
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, dict[str, Any]]] = {}
     for w in workloads:
         results[w] = {}
