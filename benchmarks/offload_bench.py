@@ -184,9 +184,22 @@ def _ours(
         "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,
         "host_adam": host_params / hw.host_adam_params_per_s * 1e3,
     }
+    # The profile the plan was made with (plan_predict.py takes these to replay it).
+    out["profile"] = {
+        "h2d_gbps": hw.h2d_bytes_per_s(GiB) / 1e9,
+        "d2h_gbps": hw.d2h_bytes_per_s(GiB) / 1e9,
+        "peak_tflops": hw.compute_flop_per_s / 1e12,
+        "efficiency": hw.compute_efficiency,
+        "host_adam_gparam": hw.host_adam_params_per_s / 1e9,
+        "host_convert_gelem": hw.host_convert_elems_per_s / 1e9,
+        "op_overhead_us": hw.op_overhead_s * 1e6,
+    }
     report = opt.last_step
     if report is not None and report.region_steps:
         out["host_step_hidden_fraction"] = report.hidden_fraction()
+        # Host Adam time inside the training loop (last timed step), against the floor's
+        # standalone rate: the gap is what concurrent copies and compute cost it.
+        out["host_step_ms_in_loop"] = report.host_step_s * 1e3
     if kind == "ours_spec":
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
     if profile_dir is not None:
