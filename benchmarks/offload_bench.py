@@ -185,6 +185,8 @@ def _ours(
         "host_adam": host_params / hw.host_adam_params_per_s * 1e3,
     }
     # The profile the plan was made with (plan_predict.py takes these to replay it).
+    if module.hardware is not None:
+        hw = module.hardware
     out["profile"] = {
         "h2d_gbps": hw.h2d_bytes_per_s(GiB) / 1e9,
         "d2h_gbps": hw.d2h_bytes_per_s(GiB) / 1e9,
@@ -193,6 +195,7 @@ def _ours(
         "host_adam_gparam": hw.host_adam_params_per_s / 1e9,
         "host_convert_gelem": hw.host_convert_elems_per_s / 1e9,
         "op_overhead_us": hw.op_overhead_s * 1e6,
+        "device_memory_tbps": hw.device_memory_bytes_per_s / 1e12,
     }
     report = opt.last_step
     if report is not None and report.region_steps:

@@ -49,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
         "--efficiency", type=float, default=0.0, help="fraction of the peak reached (0: default)"
     )
     parser.add_argument(
+        "--hbm-tbps",
+        type=float,
+        default=0.0,
+        help="device memory bandwidth in TB/s (read + write) for memory-bound operations "
+        "(0: unknown, operations priced by FLOPs and issue cost)",
+    )
+    parser.add_argument(
         "--convert",
         default="both",
         choices=("host", "device", "both"),
@@ -114,12 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         hw = dataclasses.replace(hw, compute_flop_per_s=args.peak_tflops * 1e12)
     if args.efficiency > 0:
         hw = dataclasses.replace(hw, compute_efficiency=args.efficiency)
+    if args.hbm_tbps > 0:
+        hw = dataclasses.replace(hw, device_memory_bytes_per_s=args.hbm_tbps * 1e12)
     print(
         f"hardware: H2D {hw.h2d[-1].bytes_per_s / 1e9:.1f} GB/s, D2H "
         f"{hw.d2h[-1].bytes_per_s / 1e9:.1f} GB/s (1 GB copies), compute "
         f"{hw.compute_flop_per_s / 1e12:.0f} TFLOP/s x {hw.compute_efficiency}, host Adam "
         f"{hw.host_adam_params_per_s / 1e9:.2f} Gparam/s, host conversion "
-        f"{hw.host_convert_elems_per_s / 1e9:.1f} Gelem/s, {hw.op_overhead_s * 1e6:.1f} us/op"
+        f"{hw.host_convert_elems_per_s / 1e9:.1f} Gelem/s, {hw.op_overhead_s * 1e6:.1f} us/op, "
+        f"device memory {hw.device_memory_bytes_per_s / 1e12:.1f} TB/s"
     )
     modes = ("host", "device") if args.convert == "both" else (args.convert,)
     status = 0

@@ -222,6 +222,7 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     monkeypatch.setattr(hardware, "measure_peak_matmul_flop_per_s", lambda dev, dtype: 700e12)
     monkeypatch.setattr(hardware, "measure_host_adam_params_per_s", lambda numel: 4e9)
     monkeypatch.setattr(hardware, "measure_device_adam_params_per_s", lambda dev: 90e9)
+    monkeypatch.setattr(hardware, "measure_device_memory_bytes_per_s", lambda dev: 4.2e12)
     monkeypatch.setattr(hardware, "measure_host_convert_elems_per_s", convert)
     monkeypatch.setattr(hardware, "measure_op_overhead_s", overhead)
     monkeypatch.setattr(hardware, "_release_cached_memory", lambda: None)
@@ -233,6 +234,7 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     )
     assert profile.host_convert_elems_per_s == 9.5e9
     assert profile.op_overhead_s == 21e-6
+    assert profile.device_memory_bytes_per_s == 4.2e12
     numel, dtype = calls["convert"]
     assert dtype == torch.bfloat16
     assert isinstance(numel, int) and 0 < numel <= 32 * 2**20
@@ -450,6 +452,10 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
     # Issuing an operation of the GPT-2-like graph: microseconds (12-17 us per scalar
     # multiply was measured on the H200's host; real transformer operations cost more).
     assert 1e-6 < profile.op_overhead_s < 1e-3
+    # Device memory moves hundreds of GB/s at least (an H200's HBM3e: 4.8 TB/s peak) and
+    # faster than PCIe copies.
+    assert 1e11 < profile.device_memory_bytes_per_s < 2e13
+    assert profile.device_memory_bytes_per_s > profile.h2d_bytes_per_s(size)
     _free, total = torch.cuda.mem_get_info()
     assert profile.device_memory_bytes == total
 

@@ -28,6 +28,7 @@ def flat_hardware(
     host_adam_params_per_s: float = 1000.0,
     device_adam_params_per_s: float = 1e6,
     host_convert_elems_per_s: float = 0.0,
+    device_memory_bytes_per_s: float = 0.0,
 ) -> HardwareProfile:
     """A machine with size-independent copy rates, for hand arithmetic."""
     return HardwareProfile(
@@ -41,6 +42,7 @@ def flat_hardware(
         host_adam_params_per_s=host_adam_params_per_s,
         device_adam_params_per_s=device_adam_params_per_s,
         host_convert_elems_per_s=host_convert_elems_per_s,
+        device_memory_bytes_per_s=device_memory_bytes_per_s,
     )
 
 
@@ -56,6 +58,7 @@ def hardware_profiles(draw: st.DrawFn) -> HardwareProfile:
         host_adam_params_per_s=draw(st.sampled_from([8.0, 128.0, 8192.0])),
         device_adam_params_per_s=draw(st.sampled_from([1024.0, 2.0**20])),
         host_convert_elems_per_s=draw(st.sampled_from([0.0, 16.0, 256.0, 8192.0])),
+        device_memory_bytes_per_s=draw(st.sampled_from([0.0, 64.0, 1024.0])),
     )
 
 
@@ -306,7 +309,7 @@ class _ReferenceMachine:
                 t = max(t, self.upload_end[r])
             for j in range(reg.op_start, reg.op_end):
                 fwd_op_start[j] = t
-                t += hw.op_time_s(ops[j].fwd_flop)
+                t += hw.op_time_s(ops[j].fwd_flop, ops[j].fwd_traffic_bytes)
             if offl[r]:
                 life[r].append((acquired, t))
         fwd_t = t
@@ -340,7 +343,7 @@ class _ReferenceMachine:
                     t = max(t, pf_end["b", r])
                 for j in range(reg.op_end - 1, reg.op_start - 1, -1):
                     bwd_op_start[j] = t
-                    t += hw.op_time_s(ops[j].bwd_flop)
+                    t += hw.op_time_s(ops[j].bwd_flop, ops[j].bwd_traffic_bytes)
                 region_end[r] = t
                 if offl[r]:
                     life[r].append((acquired, t))

@@ -65,6 +65,28 @@ def test_hardware_json_without_the_conversion_rate_still_loads() -> None:
     assert hw.host_convert_time_s(11 * 10**9) == pytest.approx(1.0)
 
 
+def test_hardware_json_without_the_device_memory_rate_loads_as_unknown() -> None:
+    # Profiles cached before the field existed price operations by FLOPs and issue cost.
+    hw = flat_hardware(device_memory_bytes_per_s=4e12)
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    old = json.loads(hw.to_json())
+    del old["device_memory_bytes_per_s"]
+    loaded = HardwareProfile.from_json(json.dumps(old))
+    assert loaded.device_memory_bytes_per_s == 0.0
+    assert loaded.op_time_s(0, 10**12) == 0.0
+    assert hw.op_time_s(0, 10**12) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
+def test_bad_device_memory_rate_is_named(rate: float) -> None:
+    with pytest.raises(ValueError, match="device_memory_bytes_per_s"):
+        flat_hardware(device_memory_bytes_per_s=rate)
+    doc = json.loads(flat_hardware().to_json())
+    doc["device_memory_bytes_per_s"] = "fast"
+    with pytest.raises(ValueError, match="device_memory_bytes_per_s"):
+        HardwareProfile.from_json(json.dumps(doc))
+
+
 @pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
 def test_bad_conversion_rate_is_named(rate: float) -> None:
     with pytest.raises(ValueError, match="host_convert_elems_per_s"):

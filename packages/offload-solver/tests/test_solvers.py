@@ -313,3 +313,28 @@ def test_operations_take_at_least_the_issue_overhead() -> None:
     assert fast_run.step_time_s < 40
     assert slow_run.step_time_s >= 120
     assert HardwareProfile.from_json(slow.to_json()).op_overhead_s == 20.0
+
+
+def test_memory_bound_operations_take_their_traffic_time() -> None:
+    # Two regions: a FLOP-free op moving 1000 bytes out (2000 bytes of forward traffic,
+    # 3 x 500 backward) and a matmul-like op of 4000 FLOP. At 1000 FLOP/s and 1000 B/s of
+    # device memory: forward 2 + 4 s, backward 1.5 + 4 s. Without the memory rate the
+    # first op is free.
+    import dataclasses
+
+    params = (Parameter("w0", 1, 2), Parameter("w1", 1, 2))
+    ops = (
+        Operation("ew", ("w0",), fwd_out_bytes=1000, bwd_out_bytes=500),
+        Operation("mm", ("w1",), fwd_out_bytes=10, bwd_out_bytes=10, fwd_flop=4000, bwd_flop=4000),
+    )
+    profile = ModelProfile("mixed", params, ops, host_grad_bytes_per_param=0)
+    asg = [RegionAssignment(R, DEVICE)] * 2
+    sim = get_simulator("sync")
+    hw = flat_hardware()
+    unknown = sim.run(SimulationContext.build(profile, hw), asg)
+    known_hw = dataclasses.replace(hw, device_memory_bytes_per_s=1000.0)
+    known = sim.run(SimulationContext.build(profile, known_hw), asg)
+    assert unknown.step_time_s == pytest.approx(8.0, rel=1e-3)
+    assert known.step_time_s == pytest.approx(11.5, rel=1e-3)
+    assert known_hw.op_time_s(4000, 20) == pytest.approx(4.0)  # compute dominates
+    assert known_hw.op_time_s(0, 0) == 0.0

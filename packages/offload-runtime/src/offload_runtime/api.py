@@ -265,6 +265,7 @@ def memory_optimize(
         convert_on_device=on_device,
     )
     module.profile = profile
+    module.hardware = hardware
     s = plan_summary(profile, plan)
     if progress:  # the reference's summary line, on stdout
         print(

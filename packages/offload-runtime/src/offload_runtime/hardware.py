@@ -75,6 +75,7 @@ __all__ = [
     "device_identity",
     "measure_copy_bandwidth",
     "measure_device_adam_params_per_s",
+    "measure_device_memory_bytes_per_s",
     "measure_hardware",
     "measure_host_adam_params_per_s",
     "measure_host_convert_elems_per_s",
@@ -121,6 +122,7 @@ _SHAPE_REP_TARGET_S = 2e-3
 _MAX_SHAPE_ITERS = 200
 _HOST_ADAM_NUMEL = 32 * 2**20
 _DEVICE_ADAM_NUMEL = 64 * 2**20
+_DEVICE_COPY_BYTES = 2**30
 _ADAM_CHUNK_NUMEL = 8 * 2**20
 _HOST_CONVERT_NUMEL = 32 * 2**20
 _ISSUE_COST_HIDDEN = 64
@@ -646,6 +648,8 @@ def measure_hardware(
                 f"fused Adam host {host_adam / 1e9:.2f} Gparam/s, "
                 f"device {device_adam / 1e9:.1f} Gparam/s"
             )
+            device_memory = measure_device_memory_bytes_per_s(dev)
+            say(f"device memory {device_memory / 1e12:.2f} TB/s (read + write)")
             host_convert = measure_host_convert_elems_per_s(
                 _fit_convert_numel(_HOST_CONVERT_NUMEL, available_host_memory_bytes()),
                 dtype=dtype,
@@ -668,6 +672,7 @@ def measure_hardware(
         device_adam_params_per_s=device_adam,
         op_overhead_s=overhead,
         host_convert_elems_per_s=host_convert,
+        device_memory_bytes_per_s=device_memory,
     )
 
 
@@ -1035,6 +1040,26 @@ def measure_device_adam_params_per_s(
     )
     del optimizer, params
     return numel / seconds
+
+
+def measure_device_memory_bytes_per_s(
+    device: torch.device, size_bytes: int = _DEVICE_COPY_BYTES, *, iters: int = 5
+) -> float:
+    """Device memory bandwidth of a CUDA device: bytes read plus written per second by an
+    on-device copy of ``size_bytes`` (lowered to fit an eighth of the free memory).
+
+    Timed with CUDA events, median of three repetitions of ``iters`` copies.
+    """
+    if size_bytes < 1 or iters < 1:
+        raise ValueError(f"size_bytes ({size_bytes}) and iters ({iters}) must be >= 1")
+    free_device, _ = torch.cuda.mem_get_info(device)
+    size = max(2**20, min(size_bytes, free_device // 8))
+    src = torch.empty(size, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    seconds = _cuda_time_per_call_s(
+        lambda: dst.copy_(src), stream=torch.cuda.current_stream(device), iters=iters, reps=3
+    )
+    return 2 * size / seconds
 
 
 def _fit_numel(numel: int, room_bytes: int) -> int:

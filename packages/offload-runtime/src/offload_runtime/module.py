@@ -13,7 +13,7 @@ from offload_runtime.controller import OffloadController
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
 from offload_runtime.streams import make_streams
-from offload_solver import BUDGET_SAFETY_FACTOR, ModelProfile, Plan
+from offload_solver import BUDGET_SAFETY_FACTOR, HardwareProfile, ModelProfile, Plan
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +60,8 @@ class OffloadModule:
         self.training = True
         self.profile: ModelProfile | None = None
         """The traced model profile the plan was made from, when built by memory_optimize."""
+        self.hardware: HardwareProfile | None = None
+        """The hardware profile the plan was made with, when built by memory_optimize."""
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         requires_grad = {name: bool(state[name].requires_grad) for name in shapes}

@@ -112,6 +112,31 @@ class Operation:
     fwd_flop: int = 0
     bwd_flop: int = 0
 
+    @property
+    def fwd_traffic_bytes(self) -> int:
+        """Estimated device-memory bytes its forward reads and writes (see
+        [Note: memory-bound operations])."""
+        return FWD_TRAFFIC_FACTOR * self.fwd_out_bytes
+
+    @property
+    def bwd_traffic_bytes(self) -> int:
+        """Estimated device-memory bytes its backward reads and writes."""
+        return BWD_TRAFFIC_FACTOR * self.bwd_out_bytes
+
+
+# [Note: memory-bound operations]
+# An operation's time is the largest of its compute (FLOPs over the achieved matmul
+# rate), its device-memory traffic over the device's memory bandwidth, and the cost of
+# issuing it. Element-wise operations, layer norms and dropout have next to no FLOPs but
+# move every byte of their activations: at 8 x 1024 tokens of GPT-2 XL they add about 15%
+# to a step that a FLOP count alone prices. The profile records the bytes an operation
+# allocates, not what it reads, so traffic is estimated from outputs: a forward reads
+# inputs of about its output's size and writes the output (2x); a backward reads the
+# incoming gradient and a saved input and writes the input's gradient (3x). Views
+# allocate nothing and cost nothing; for matrix products the compute term dominates.
+FWD_TRAFFIC_FACTOR = 2
+BWD_TRAFFIC_FACTOR = 3
+
 
 @dataclass(frozen=True)
 class ModelProfile:
@@ -327,6 +352,10 @@ class HardwareProfile:
     per second: what widening a region's gradients into its fp32 accumulator and publishing
     its fp32 master into the training-dtype copy cost on the host. 0 means unknown: the
     simulator then charges host-state regions the optimizer step alone."""
+    device_memory_bytes_per_s: float = 0.0
+    """Device memory bandwidth, bytes read plus written per second (a large on-device
+    copy). Memory-bound operations take at least their estimated traffic over it; 0 means
+    unknown: operations are then priced by FLOPs and issue cost alone."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -356,6 +385,12 @@ class HardwareProfile:
                 f"HardwareProfile.host_convert_elems_per_s is {self.host_convert_elems_per_s}; "
                 "must be a finite rate >= 0 elements/s (0 when unknown)"
             )
+        if not 0 <= self.device_memory_bytes_per_s < math.inf:
+            raise ValueError(
+                "HardwareProfile.device_memory_bytes_per_s is "
+                f"{self.device_memory_bytes_per_s}; must be a finite rate >= 0 bytes/s "
+                "(0 when unknown)"
+            )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
                 f"HardwareProfile.schema_version is {self.schema_version}; "
@@ -380,10 +415,14 @@ class HardwareProfile:
         """Seconds of device compute for ``flop`` floating-point operations."""
         return flop / (self.compute_flop_per_s * self.compute_efficiency)
 
-    def op_time_s(self, flop: int) -> float:
-        """Seconds one operation of ``flop`` FLOPs takes in a step: its compute, or the cost
-        of issuing it when that is larger (the device then waits for the host)."""
-        return max(self.compute_time_s(flop), self.op_overhead_s)
+    def op_time_s(self, flop: int, traffic_bytes: int = 0) -> float:
+        """Seconds one operation of ``flop`` FLOPs moving ``traffic_bytes`` of device
+        memory takes in a step: the largest of its compute, its memory traffic (when the
+        device's memory bandwidth is known) and the cost of issuing it (the device then
+        waits for the host). See [Note: memory-bound operations]."""
+        rate = self.device_memory_bytes_per_s
+        memory_s = traffic_bytes / rate if rate > 0 else 0.0
+        return max(self.compute_time_s(flop), memory_s, self.op_overhead_s)
 
     def host_convert_time_s(self, numel: int) -> float:
         """Seconds of one host dtype-converting copy of ``numel`` elements (0 when the rate
@@ -421,6 +460,9 @@ class HardwareProfile:
                 op_overhead_s=float(_get(data, "op_overhead_s", (int, float), default=0.0)),
                 host_convert_elems_per_s=float(
                     _get(data, "host_convert_elems_per_s", (int, float), default=0.0)
+                ),
+                device_memory_bytes_per_s=float(
+                    _get(data, "device_memory_bytes_per_s", (int, float), default=0.0)
                 ),
             )
         except TypeError as exc:

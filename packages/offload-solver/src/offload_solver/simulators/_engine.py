@@ -260,8 +260,8 @@ class SimulationContext:
         self.device_step_s = [n / hw.device_adam_params_per_s for n in self.numel]
         self.state_bytes = [n * profile.device_state_bytes_per_param for n in self.numel]
 
-        fwd_op = [hw.op_time_s(op.fwd_flop) for op in ops]
-        bwd_op = [hw.op_time_s(op.bwd_flop) for op in ops]
+        fwd_op = [hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
+        bwd_op = [hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
         saved = [0]
         for op in ops:
             saved.append(saved[-1] + op.saved_bytes)
