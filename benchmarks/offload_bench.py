@@ -203,6 +203,13 @@ def _ours(
         # Host Adam time inside the training loop (last timed step), against the floor's
         # standalone rate: the gap is what concurrent copies and compute cost it.
         out["host_step_ms_in_loop"] = report.host_step_s * 1e3
+        # fp16 steps no region before backward's answer: a step takes at least the time
+        # from backward's call to the first host step plus the host steps' span.
+        host_steps = [t for t in report.region_steps if t.host]
+        if host_steps and report.backward_start_s is not None:
+            first = min(t.start_s for t in host_steps)
+            out["backward_to_first_host_step_ms"] = (first - report.backward_start_s) * 1e3
+            out["host_step_span_ms"] = (max(t.end_s for t in host_steps) - first) * 1e3
     if kind == "ours_spec":
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
     if profile_dir is not None:
