@@ -28,7 +28,10 @@ Kinds:
     torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
 Step time is the mean of the 5 fastest of ``--steps`` timed steps after ``--warmup`` steps;
 each step is forward, backward and optimizer step, synchronised. Set BENCH_COMMIT to name
-the commit when running from a copy of the tree that is not a git checkout.
+the commit when running from a copy of the tree that is not a git checkout. Set
+BENCH_HOST_THREADS to run the ``ours`` kinds with that many intra-op CPU threads (the host
+Adam's; default: torch's, one per core): the main thread keeps issuing the next forward
+while the host steps run, so one core fewer may step faster.
 """
 
 from __future__ import annotations
@@ -109,6 +112,8 @@ def _ours(
 
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = budget_gib * GiB
+    if os.environ.get("BENCH_HOST_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_HOST_THREADS"]))
     dtype = torch.bfloat16 if kind == "ours_bf16" else torch.float16
     model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
@@ -154,6 +159,7 @@ def _ours(
     waited_before = module.controller.update_wait_s
     times = _timed_steps(step, warmup, steps)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, "setup_s": setup_s}
+    out["host_threads"] = torch.get_num_threads()
     # Host optimizer steps run on past step() into the next forward; what that forward had
     # to wait for them is the part of the host step that nothing hid.
     out["forward_waited_for_host_ms_per_step"] = (
