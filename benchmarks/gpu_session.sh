@@ -11,10 +11,12 @@
 #   w4      benchmark W4: ours, ours_bf16m, ours_bf16, torchao (pins ~70-90 GB)    ~9 min
 #   diag    step_trace of W2 (phases, streams, allocator snapshot at the peak) ~2 min
 #   curve   gpt2_medium loss curves, fp32 vs bf16 host moments, 200 steps each   ~2 min
+#   threads host step under contention (host_step_contention.py), then W3 ours with
+#           all cores and with one core fewer for the host Adam (BENCH_HOST_THREADS) ~4 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|curve [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|curve|threads [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -39,5 +41,13 @@ case "$phase" in
     python3 "$root/benchmarks/moments_curve.py" --model gpt2_medium --steps 200 --batch 16 \
       --seq 128 --lr 3e-4 --json "$out/moments_curve.json" 2>&1 | tee "$out/moments_curve.log" \
       | tail -25 ;;
+  threads)
+    python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
+      --json "$out/host_step_contention.json" 2>&1 | tee "$out/host_step_contention.log" | tail -12
+    cores=$(python3 -c "import os; print(os.cpu_count())")
+    bench W3 ours 110
+    mv "$out/W3.json" "$out/W3_threads_all.json"
+    BENCH_HOST_THREADS=$((cores - 1)) bench W3 ours 110
+    mv "$out/W3.json" "$out/W3_threads_less_one.json" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

@@ -1,0 +1,136 @@
+"""Why the host optimizer step runs slower inside training than alone: a measurement.
+
+In session 12 the host step of W2-W4 took 8-17% longer inside the training loop than the
+hardware profile's fused-Adam rate predicts (BENCHMARKS.md). While the host steps run,
+two other things happen on the same machine: the main thread issues the next forward's
+kernels (one core busy in Python and the CUDA driver), and pinned copies of the next
+forward's uploads (and the last gradients) read and write host memory. This script steps
+``--params`` fp32 parameters region by region (``--region`` parameters each) on a worker
+thread, as the optimizer does, under each condition and thread count:
+
+- ``alone``: nothing else runs;
+- ``issue``: the main thread launches small CUDA kernels in a loop meanwhile;
+- ``copies``: a side stream copies pinned host buffers to and from the device meanwhile;
+- ``both``.
+
+    python benchmarks/host_step_contention.py --params 1.4e9 --region 48e6 --json out.json
+
+Without CUDA only ``alone`` and ``issue`` (a Python loop) run. Times are medians of
+``--repeats`` steps; rates in Gparam/s (1e9 parameters per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--params", type=float, default=400e6, help="parameters in all")
+    parser.add_argument("--region", type=float, default=48e6, help="parameters per region")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--threads", default="", help="intra-op thread counts to try (default: cores, cores-1)"
+    )
+    parser.add_argument("--json", default="")
+    args = parser.parse_args(argv)
+    if args.params < args.region or args.region < 1 or args.repeats < 1:
+        parser.error("need --params >= --region >= 1 and --repeats >= 1")
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    region = int(args.region)
+    n_regions = int(args.params) // region
+    cores = os.cpu_count() or 1
+    counts = [int(x) for x in args.threads.split(",") if x] or sorted({cores, max(1, cores - 1)})
+    pin = cuda
+    print(f"{n_regions} regions x {region / 1e6:.0f} M params, pinned={pin}", file=sys.stderr)
+
+    def buf() -> torch.Tensor:
+        return torch.zeros(region, dtype=torch.float32, pin_memory=pin)
+
+    params = [buf() for _ in range(n_regions)]
+    grads = [buf().add_(1e-3) for _ in range(n_regions)]
+    ms = [buf() for _ in range(n_regions)]
+    vs = [buf() for _ in range(n_regions)]
+    steps = [torch.zeros((), dtype=torch.float32) for _ in range(n_regions)]
+
+    def host_step() -> float:
+        t0 = time.perf_counter()
+        for i in range(n_regions):
+            torch._fused_adam_(
+                [params[i]], [grads[i]], [ms[i]], [vs[i]], [], [steps[i]], lr=1e-4,
+                beta1=0.9, beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                maximize=False, grad_scale=None, found_inf=None,
+            )  # fmt: skip
+        return time.perf_counter() - t0
+
+    def timed_step(result: list[float], stop: threading.Event) -> None:
+        result.append(host_step())
+        stop.set()
+
+    copy_src = torch.zeros(64 * 2**20, dtype=torch.float32, pin_memory=pin)  # 256 MiB
+    copy_dev = torch.empty(copy_src.shape, device="cuda") if cuda else None
+    small = torch.zeros(1024, device="cuda") if cuda else None
+    side = torch.cuda.Stream() if cuda else None
+
+    def load(condition: str, stop: threading.Event) -> None:
+        """Runs on the main thread until ``stop`` is set."""
+        while not stop.is_set():
+            if condition in ("copies", "both") and side is not None and copy_dev is not None:
+                with torch.cuda.stream(side):
+                    copy_dev.copy_(copy_src, non_blocking=True)
+                    copy_src.copy_(copy_dev, non_blocking=True)
+                if condition == "copies":
+                    side.synchronize()
+            if condition in ("issue", "both"):
+                for _ in range(200):
+                    if small is not None:
+                        small.mul_(1.0)
+                if small is not None:
+                    torch.cuda.current_stream().synchronize()
+        if cuda:
+            torch.cuda.synchronize()
+
+    conditions = ["alone", "issue"] + (["copies", "both"] if cuda else [])
+    rows: list[dict[str, Any]] = []
+    host_step()  # first touch
+    for threads in counts:
+        torch.set_num_threads(threads)
+        for condition in conditions:
+            samples: list[float] = []
+            for _ in range(args.repeats):
+                stop = threading.Event()
+                result: list[float] = []
+                worker = threading.Thread(target=timed_step, args=(result, stop))
+                worker.start()
+                if condition != "alone":
+                    load(condition, stop)
+                worker.join()
+                samples.append(result[0])
+            med = statistics.median(samples)
+            row = {
+                "threads": threads,
+                "condition": condition,
+                "median_ms": med * 1e3,
+                "gparam_per_s": n_regions * region / med / 1e9,
+            }
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        out = {"params": n_regions * region, "region": region, "cores": cores, "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
