@@ -10,13 +10,14 @@
 #   w3      benchmark W3: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~7 min
 #   w4      benchmark W4: ours, ours_bf16m, ours_bf16, torchao (pins ~70-90 GB)    ~9 min
 #   diag    step_trace of W2 (phases, streams, allocator snapshot at the peak) ~2 min
+#   diag3   step_trace of W3 (phases, streams: where backward idles the device)  ~2 min
 #   curve   gpt2_medium loss curves, fp32 vs bf16 host moments, 200 steps each   ~2 min
 #   threads host step under contention (host_step_contention.py), then W3 ours with
 #           all cores and with one core fewer for the host Adam (BENCH_HOST_THREADS) ~4 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|curve|threads [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -37,6 +38,10 @@ case "$phase" in
     python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 64 --seq 8 \
       --budget-gib 3 --solvers asyn --memory-snapshot --steps 3 --out "$out/step_trace" \
       2>&1 | tee "$out/step_trace.log" | tail -60 ;;
+  diag3)
+    python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 8 --seq 1024 \
+      --budget-gib 40 --solvers asyn --steps 3 --out "$out/step_trace_w3" \
+      2>&1 | tee "$out/step_trace_w3.log" | tail -60 ;;
   curve)
     python3 "$root/benchmarks/moments_curve.py" --model gpt2_medium --steps 200 --batch 16 \
       --seq 128 --lr 3e-4 --json "$out/moments_curve.json" 2>&1 | tee "$out/moments_curve.log" \
