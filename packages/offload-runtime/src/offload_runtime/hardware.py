@@ -105,10 +105,10 @@ _SUPPORTED_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _REPROFILE_ENV = "OFFLOAD_REPROFILE"
-_CACHE_FORMAT = "p2"
+_CACHE_FORMAT = "p3"
 """Version of what a cached profile measures, part of its file name: profiles cached
-before ``host_convert_elems_per_s`` existed (and with ``op_overhead_s`` from a chain of
-scalar multiplies) are not read, so they are measured again."""
+before ``device_memory_bytes_per_s`` (p2) or ``host_convert_elems_per_s`` (p1) existed are
+not read, so they are measured again."""
 _CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 # Bounds that keep a whole CUDA profile to a few seconds.
