@@ -48,6 +48,7 @@ def test_default_hardware_round_trips_and_is_h200_like() -> None:
     assert hw.h2d_bytes_per_s(256 * 10**6) == pytest.approx(55e9)
     assert hw.h2d_bytes_per_s(10**6) < hw.h2d_bytes_per_s(16 * 10**6)
     assert hw.device_memory_bytes == 140 * 2**30 and hw.host_memory_bytes == 128 * 2**30
+    assert hw.device_memory_bytes_per_s == pytest.approx(4.2e12)
 
 
 def test_hardware_json_without_the_conversion_rate_still_loads() -> None:

@@ -22,6 +22,8 @@ def default_hardware() -> HardwareProfile:
       cores, 11e9 for the runtime's gradient widening during a gpt2_xl step).
     - No per-operation issue cost (``op_overhead_s`` 0): it depends on the host's Python
       speed; measure it (12-17 us per operation was measured on the H200's host).
+    - Device memory 4.2e12 bytes/s read plus written (4.24e12 measured with a 1 GiB
+      on-device copy): memory-bound operations take at least their traffic over it.
     """
     return HardwareProfile(
         name="default-h200-pcie5",
@@ -48,6 +50,7 @@ def default_hardware() -> HardwareProfile:
         host_adam_params_per_s=4.4e9,
         device_adam_params_per_s=50e9,
         host_convert_elems_per_s=11e9,
+        device_memory_bytes_per_s=4.2e12,
     )
 
 
