@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         default=0.0,
         help="device memory bandwidth in TB/s (read + write) for memory-bound operations "
-        "(0: unknown, operations priced by FLOPs and issue cost)",
+        "(0: the default profile's)",
     )
     parser.add_argument(
         "--convert",
