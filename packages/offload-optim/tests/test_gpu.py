@@ -102,11 +102,13 @@ def test_cuda_fp16_overflow_skips_and_clipping_runs() -> None:
     module.close()
 
 
-def test_cuda_fp16_device_answer_equals_synchronous_training() -> None:
+@pytest.mark.parametrize("micro", [1, 2])
+def test_cuda_fp16_device_answer_equals_synchronous_training(micro: int) -> None:
     """fp16 on CUDA without clipping (DEVICE_ANSWER: the overflow partials taken on the
-    compute stream before each host-state region's gradients leave, host steps in the
-    hooks of regions landing after the answer): bit-identical masters and losses to
-    overlap=False over 8 steps, one of them overflowing on the device."""
+    compute stream before each host-state region's gradients leave, summed over
+    micro-batches; host steps in the hooks of regions landing after the answer):
+    bit-identical masters and losses to overlap=False over 8 steps, one of them
+    overflowing on the device (in its first micro-batch only)."""
     model = tiny_gpt2()
     results: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
     for overlap in (True, False):
@@ -119,17 +121,25 @@ def test_cuda_fp16_device_answer_equals_synchronous_training() -> None:
 
         overflow_on_device(module, when)
         opt = HybridAdam(module.parameters(), lr=1e-3, weight_decay=0.01)
-        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, overlap=overlap)
+        amp = AMPOptimizer(
+            opt,
+            module,
+            initial_scale=2.0**10,
+            hysteresis=1,
+            accumulation_steps=micro,
+            overlap=overlap,
+        )
         losses: list[torch.Tensor] = []
         skipped: list[bool] = []
         for step in range(8):
-            poison["now"] = step == 5
             amp.zero_grad()
-            b = cuda_batch(step)
-            loss = loss_of(module(**b), b["input_ids"])
-            amp.backward(loss)
+            for k in range(micro):
+                poison["now"] = step == 5 and k == 0
+                b = cuda_batch(step * micro + k)
+                loss = loss_of(module(**b), b["input_ids"]) / micro
+                amp.backward(loss)
+                losses.append(loss.detach())
             amp.step()
-            losses.append(loss.detach())
             report = amp.last_step
             assert report is not None
             assert report.overlap is (OverlapMode.DEVICE_ANSWER if overlap else OverlapMode.NONE)

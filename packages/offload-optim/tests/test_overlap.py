@@ -12,7 +12,9 @@ equal bit for bit, whatever the threads' timing.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +49,8 @@ class Options:
     """A LambdaLR scheduler that changes the lr after every step."""
     poison_step: int | None = None
     """Step whose backward puts an inf into a host-state region's gradients (fp16)."""
+    poison_micro: int | None = None
+    """The one micro-batch of ``poison_step`` that overflows (default: every one)."""
     eval_forward: bool = False
     """An eval-mode forward (no grad) after every step."""
 
@@ -87,13 +91,16 @@ class Trainer:
             else None
         )
 
-    def backward(self, step: int) -> float:
-        """Every micro-batch of ``step``: forward and backward; returns the summed loss."""
+    def backward(self, step: int, before_last: Callable[[], None] | None = None) -> float:
+        """Every micro-batch of ``step``: forward and backward; returns the summed loss.
+        ``before_last`` runs right before the last micro-batch's backward."""
         total = 0.0
-        self.poison = step == self.opts.poison_step
         for k in range(self.opts.micro):
+            self.poison = step == self.opts.poison_step and self.opts.poison_micro in (None, k)
             b = batch(step * self.opts.micro + k)
             loss = loss_of(self.module(**b), b["input_ids"]) / self.opts.micro
+            if before_last is not None and k == self.opts.micro - 1:
+                before_last()
             self.amp.backward(loss)
             total += loss.item()
         return total
@@ -165,6 +172,12 @@ CASES = {
     "fp32_clip": Options(clipping=0.5),
     "fp32_schedule": Options(schedule=True),
     "fp16_overflow": Options(dtype=torch.float16, poison_step=2),
+    "fp16_accumulate_overflow_first_micro": Options(
+        dtype=torch.float16, micro=3, poison_step=2, poison_micro=0
+    ),
+    "fp16_accumulate_overflow_last_micro_schedule": Options(
+        dtype=torch.float16, micro=2, poison_step=3, poison_micro=1, schedule=True
+    ),
     "fp16_accumulate_clip_schedule_eval": Options(
         dtype=torch.float16, micro=2, clipping=0.5, schedule=True, eval_forward=True
     ),
@@ -180,8 +193,10 @@ def test_overlapped_training_equals_synchronous_training(name: str) -> None:
     assert_same(overlapped, synchronous)
     needs_answer = opts.dtype == torch.float16 or opts.clipping > 0
     want = OverlapMode.PARTIALS if needs_answer else OverlapMode.SPECULATIVE
-    if needs_answer and opts.micro == 1:
-        want = OverlapMode.DEVICE_ANSWER  # the answer's partials taken on the device
+    if needs_answer and (opts.micro == 1 or opts.clipping == 0):
+        # The answer's partials taken on the device: a norm for one micro-batch, the
+        # overflow check (summed over micro-batches) for any number.
+        want = OverlapMode.DEVICE_ANSWER
     assert overlapped.modes == {want}
     assert synchronous.modes == {OverlapMode.NONE}
     if opts.poison_step is not None:
@@ -280,6 +295,9 @@ ANSWER_CASES = {
     "fp16_overflow": Options(dtype=torch.float16, schedule=True, poison_step=2),
     "fp16_clip_overflow": Options(dtype=torch.float16, clipping=0.5, poison_step=1),
     "bf16_clip": Options(dtype=torch.bfloat16, clipping=0.5, schedule=True),
+    "fp16_accumulate_overflow_first_micro": Options(
+        dtype=torch.float16, micro=2, schedule=True, poison_step=2, poison_micro=0
+    ),
 }
 
 
@@ -287,7 +305,8 @@ ANSWER_CASES = {
 def test_regions_landing_after_the_answer_step_in_their_hooks(name: str) -> None:
     """DEVICE_ANSWER: the answer (overflow check, gradient norm) comes from partials taken
     on the device, so step() knows it while every host-state region's gradients are still
-    queued (held behind a blocker submitted before backward). Those regions then step in
+    queued (held behind a blocker submitted as the last backward copies its first host-state
+    region's gradients). Those regions then step in
     their own hooks, in landing (backward) order, with the clip factor; an overflowing step
     steps nothing. Every loss, master and moment equals synchronous training bit for bit."""
     opts = ANSWER_CASES[name]
@@ -298,12 +317,21 @@ def test_regions_landing_after_the_answer_step_in_their_hooks(name: str) -> None
 
     trainer = Trainer(opts, overlap=True)
     host = sorted(host_masters(trainer.module))
+    armed: list[Blocker] = []
+
+    def hold_from_first_region(r: int, grads: list[torch.Tensor]) -> None:
+        # The last backward's first host-state region, before its copy is queued: the
+        # blocker holds every hook of that backward, and nothing queued before it (the
+        # earlier micro-batches' hooks, the window's mode).
+        if armed:
+            trainer.module.controller.submit_host(armed.pop())
+
+    trainer.module.controller.add_device_grad_hook(hold_from_first_region)
     losses, orders, skipped = [], [], []
     for step in range(steps):
         trainer.amp.zero_grad()
         blocker = Blocker()
-        trainer.module.controller.submit_host(blocker)  # holds every hook of this backward
-        losses.append(trainer.backward(step))
+        losses.append(trainer.backward(step, before_last=functools.partial(armed.append, blocker)))
         before = host_masters(trainer.module)
         trainer.amp.step()
         trainer.after_step()  # the lr changes now; the hooks must step with the old one

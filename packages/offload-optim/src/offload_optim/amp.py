@@ -30,8 +30,9 @@ Both answers exist only once the last region's gradients are in. Options:
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
      host-state region steps in its hook. The gradients it reads are final, so the result
      is the step after backward, bit for bit.
-   - fp16 training, or clipping, without accumulation (:attr:`OverlapMode.DEVICE_ANSWER`,
-     the default there): each host-state region's contribution to the answer (the L1
+   - fp16 training, or clipping, without accumulation, and fp16 training without clipping
+     with accumulation (:attr:`OverlapMode.DEVICE_ANSWER`, the default there): each
+     host-state region's contribution to the answer (the L1
      norm of its training-dtype gradients, in fp32, finite exactly when they all are: the
      overflow check; or their ``norm_type`` norms for clipping) is taken on the device,
      on the compute stream, right before its gradients are copied to the host (the
@@ -46,10 +47,17 @@ Both answers exist only once the last region's gradients are in. Options:
      partials, so both give the same answer bit for bit (the norm differs from one taken
      over the flat fp32 accumulators only in rounding: widening is exact, the grouping of
      the sum is not).
-   - with accumulation (:attr:`OverlapMode.PARTIALS`): the answer is about the sum of the
-     micro-batches, which only the host accumulators hold, so each host-state region's
-     hook computes its partial there (the L1 norm or the gradient norm) while the last
-     backward runs; after backward the partials are combined, and the regions step then.
+     With accumulation the overflow check sums each region's L1 partials over the
+     micro-batches: fp16 gradients are finite and at most 65504 per element, so their
+     fp32 sum in the host accumulator is finite exactly when every micro-batch's was, and
+     the summed partials say so (bit-identical skip decisions to checking the
+     accumulators). Only the last backward's landings count for stepping in hooks; regions
+     whose gradients came from earlier micro-batches alone are queued.
+   - clipping with accumulation (:attr:`OverlapMode.PARTIALS`): the norm is that of the sum
+     of the micro-batches, which only the host accumulators hold (it is not a function of
+     the micro-batches' norms), so each host-state region's hook computes its partial
+     there while the last backward runs; after backward the partials are combined, and
+     the regions step then.
    Device-state regions always step after backward, all in one batch: their step is GPU
    work that would queue behind backward on the same stream anyway.
 SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
@@ -180,14 +188,15 @@ class OverlapMode(str, Enum):
     SPECULATIVE = "speculative"
     """Step the region (no global answer needed)."""
     PARTIALS = "partials"
-    """Compute the region's overflow / norm partial on the host (accumulated windows); the
-    region steps after backward."""
+    """Compute the region's norm partial on the host (clipping over accumulated windows);
+    the region steps after backward."""
     SPECULATIVE_UNDO = "speculative_undo"
     """fp16: step the region speculatively and compute its overflow partial; the step is
     committed, or undone exactly on overflow, after backward (``speculate_fp16``)."""
     DEVICE_ANSWER = "device_answer"
-    """fp16 or clipping, one micro-batch per step (the default there): the region's
-    partials of the answer are taken on the device before its gradients leave it, so
+    """fp16 or clipping with one micro-batch per step, or fp16 without clipping over any
+    number (the default there): the region's partials of the answer are taken on the
+    device before its gradients leave it (summed over micro-batches), so
     :meth:`AMPOptimizer.step` knows the answer when backward ends; the region steps in its
     hook once the answer is known (as its gradients land), else in
     :meth:`AMPOptimizer.step`'s forward-order queue."""
@@ -213,6 +222,12 @@ class _AnswerWindow:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.answer: _Answer | None = None
+        self.landed: set[int] = set()
+        """Host-state regions whose gradients of this (the window's last) backward landed
+        before the answer; earlier micro-batches' landings do not count."""
+        self.mode_set = threading.Event()
+        """Set on the host worker when it enters this window's mode, behind every hook of
+        the window's earlier micro-batches."""
 
 
 @dataclass(frozen=True)
@@ -395,9 +410,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE, _UNDO)
         self._spec_scale: float | None = None  # what speculative steps divide by (_UNDO)
         # Each host-state region's partials of the answer, taken on the device (backward
-        # thread) in a window of one micro-batch that needs one; and, in DEVICE_ANSWER, the
-        # window its host-worker hooks answer to.
+        # thread) in a window whose answer they give (see _answer_on_device; summed over
+        # micro-batches); and, in DEVICE_ANSWER, the window its host-worker hooks answer to.
         self._device_parts: dict[int, list[torch.Tensor]] = {}
+        self._device_current: set[int] = set()  # regions the last backward took them for
         self._device_answer = False  # whether this window takes them (set by backward)
         self._window: _AnswerWindow | None = None
         self._host_window: _AnswerWindow | None = None  # read by hooks on the host worker
@@ -435,6 +451,16 @@ class AMPOptimizer(torch.optim.Optimizer):
     def _needs_answer(self) -> bool:
         return self.scaling or self.clipping_norm > 0
 
+    def _answer_on_device(self) -> bool:
+        """Whether the window's answer can come from partials taken on the device: one
+        micro-batch per step (overflow check or norm), or the overflow check alone over
+        any number of micro-batches (a sum of finite fp16 gradients is finite in fp32, so
+        the accumulated gradients are finite exactly when every micro-batch's are; a norm
+        of their sum is not a function of the micro-batches' norms)."""
+        if self.accumulation_steps == 1:
+            return self._needs_answer()
+        return self.scaling and self.clipping_norm == 0
+
     # ---- backward ------------------------------------------------------------------
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -451,17 +477,11 @@ class AMPOptimizer(torch.optim.Optimizer):
             mode = OverlapMode.PARTIALS if self._needs_answer() else OverlapMode.SPECULATIVE
             if self.speculate_fp16 and self.scaling and self.clipping_norm == 0:
                 mode = OverlapMode.SPECULATIVE_UNDO
-            elif self._needs_answer() and self.accumulation_steps == 1:
-                # Accumulated windows keep PARTIALS: the answer is about the sum of the
-                # micro-batches' gradients, which only the host accumulators hold.
+            elif self._answer_on_device():
                 mode = OverlapMode.DEVICE_ANSWER
-        # Device partials serve every single-micro-batch window that needs an answer, with
-        # or without the overlap, so that both combine the very same partials.
-        self._device_answer = (
-            self._needs_answer()
-            and self.accumulation_steps == 1
-            and mode is not OverlapMode.SPECULATIVE_UNDO
-        )
+        # Device partials serve every window whose answer they can give, with or without
+        # the overlap, so that both combine the very same partials.
+        self._device_answer = self._answer_on_device() and mode is not OverlapMode.SPECULATIVE_UNDO
         if mode is OverlapMode.SPECULATIVE_UNDO:
             # Allocated once, here on the main thread: a shortage raises before backward.
             self.optimizer.prepare_speculation()
@@ -478,6 +498,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         # hooks of that backward still see the old mode, those of this one the new mode.
         self.controller.submit_host(lambda: self._set_host_mode(mode, window))
         scaled = loss.float() * self.scaler.scale if self.scaling else loss
+        self._device_current = set()  # filled by this backward's device grad hooks
         start = time.perf_counter()
         self.module.backward(scaled)
         self._backward_s = (start, time.perf_counter())
@@ -488,6 +509,8 @@ class AMPOptimizer(torch.optim.Optimizer):
     def _set_host_mode(self, mode: OverlapMode, window: _AnswerWindow | None = None) -> None:
         self._host_mode = mode
         self._host_window = window
+        if window is not None:
+            window.mode_set.set()  # every hook of the earlier micro-batches has run
 
     def _on_device_grads(self, r: int, grads: list[torch.Tensor]) -> None:
         """Device grad hook (backward thread): a host-state region's partials of the global
@@ -495,23 +518,25 @@ class AMPOptimizer(torch.optim.Optimizer):
         the host (see ``_device_answer``)."""
         if self._device_answer and self.optimizer.has_region(r):
             as_norm = self.clipping_norm > 0
-            self._device_parts[r] = _partials_of(grads, self.norm_type, as_norm)
+            parts = _partials_of(grads, self.norm_type, as_norm)
+            self._device_current.add(r)
+            earlier = self._device_parts.get(r)
+            if earlier is not None:
+                # An accumulated overflow check: L1 partials add up, finite exactly when
+                # every micro-batch's are (at most 65504 per element and micro-batch).
+                parts = [a + b for a, b in zip(earlier, parts, strict=True)]
+            self._device_parts[r] = parts
 
     def _on_grad_ready(self, r: int) -> None:
         """Grad-ready hook: host worker (host-state regions) or backward thread (others)."""
-        if (
-            self._host_mode is OverlapMode.DEVICE_ANSWER
-            and self.optimizer.has_region(r)
-            and self.optimizer.region_storage(r).host_state
-        ):
+        host_state = self.optimizer.has_region(r) and self.optimizer.region_storage(r).host_state
+        if self._host_mode is OverlapMode.DEVICE_ANSWER and host_state:
             window = self._host_window
             assert window is not None, "DEVICE_ANSWER hooks run with their window set"
             self._answered_landing(r, window)
             return
         self._notified.add(r)
-        if not self.optimizer.has_region(r):
-            return
-        if not self.optimizer.region_storage(r).host_state:
+        if not host_state:
             return
         mode = self._host_mode
         if mode is OverlapMode.SPECULATIVE:
@@ -550,6 +575,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                 # the main thread: step() sets the answer under this lock before it resets
                 # the window.
                 self._notified.add(r)
+                window.landed.add(r)
                 return
         fut = answer.futures.get(r)
         if answer.skip or fut is None:
@@ -576,12 +602,15 @@ class AMPOptimizer(torch.optim.Optimizer):
         still in flight to its hook, and queue the rest (landed ones, device-state regions,
         plain parameters) as :meth:`step` always does. Returns every host step's future."""
         with window.lock:
-            # Device partials exist for host-state regions only; those notified landed.
-            in_flight = sorted(set(self._device_parts) - self._notified)
+            # Device partials are taken for host-state regions only: those of the last
+            # backward whose gradients have not landed yet are in flight.
+            in_flight = sorted(self._device_current - window.landed)
             handed = self.controller.expect_updates(in_flight)
             window.answer = _Answer(False, grad_scale, hypers, timings, handed)
-            landed_or_device = set(self._notified)
-        futures = self._step_regions(landed_or_device, grad_scale, hypers, timings)
+            # Landed ones, device-state regions, and (accumulating) host-state regions
+            # whose gradients came from earlier micro-batches only.
+            queued = self._notified - set(in_flight)
+        futures = self._step_regions(queued, grad_scale, hypers, timings)
         # Behind every hook of this backward (one FIFO worker): a hook that never ran
         # (its gradient task failed first) must not leave its region's forward waiting.
         self.controller.submit_host(lambda: _fail_unfinished(handed))
@@ -715,6 +744,12 @@ class AMPOptimizer(torch.optim.Optimizer):
                 None if scale == 1.0 else scale
             ), "speculative steps divided by another loss scale"
             window = self._window if mode is OverlapMode.DEVICE_ANSWER else None
+            if window is not None and self._micro > 1:
+                # Accumulated: the hooks of the earlier micro-batches have run (they are
+                # queued before this mark, and the last backward waited for most of them
+                # already), so the window's regions are all notified; the last backward's
+                # hooks may still be in flight.
+                window.mode_set.wait()
             if self._needs_answer():
                 if window is not None:
                     with window.lock:  # hooks still add the regions that land
@@ -833,6 +868,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._hypers = {}
         self._spec_scale = None
         self._device_parts = {}
+        self._device_current = set()
         self._device_answer = False
         self._window = None
         self._timings = []
