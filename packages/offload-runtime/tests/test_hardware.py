@@ -19,6 +19,7 @@ from offload_runtime.hardware import (
     default_cache_dir,
     default_cpu_profile,
     device_identity,
+    measure_device_memory_bytes_per_s,
     measure_host_adam_params_per_s,
     measure_host_convert_elems_per_s,
     measure_op_overhead_s,
@@ -530,3 +531,10 @@ def test_issue_cost_graph_counts_operations_as_the_tracer_does() -> None:
     assert per_block == traced[2] - traced[1]
     # A GPT-2 block as traced from transformers has about 40 operations: this one too.
     assert 35 <= per_block <= 45
+
+
+def test_device_memory_rate_needs_a_cuda_device_and_sane_arguments() -> None:
+    with pytest.raises(ValueError, match="CUDA device"):
+        measure_device_memory_bytes_per_s(torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        measure_device_memory_bytes_per_s(torch.device("cuda"), size_bytes=0)

@@ -1052,6 +1052,8 @@ def measure_device_memory_bytes_per_s(
     """
     if size_bytes < 1 or iters < 1:
         raise ValueError(f"size_bytes ({size_bytes}) and iters ({iters}) must be >= 1")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"measure_device_memory_bytes_per_s needs a CUDA device, got {device!r}")
     free_device, _ = torch.cuda.mem_get_info(device)
     size = max(2**20, min(size_bytes, free_device // 8))
     src = torch.empty(size, dtype=torch.uint8, device=device)
