@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     import torch
+    from _adam import fused_adam_
 
     if not torch.cuda.is_available():
         print("split_step_bench: needs CUDA", file=sys.stderr)
@@ -68,31 +69,6 @@ def main(argv: list[str] | None = None) -> int:
     for e in free:
         e.record(d2h)
 
-    def adam(
-        ps: list[torch.Tensor],
-        gs: list[torch.Tensor],
-        ms: list[torch.Tensor],
-        vs: list[torch.Tensor],
-        steps: list[torch.Tensor],
-    ) -> None:
-        torch._fused_adam_(
-            ps,
-            gs,
-            ms,
-            vs,
-            [],
-            steps,
-            lr=1e-4,
-            beta1=0.9,
-            beta2=0.999,
-            weight_decay=0.0,
-            eps=1e-8,
-            amsgrad=False,
-            maximize=False,
-            grad_scale=None,
-            found_inf=None,
-        )
-
     def stream_chunk(i: int, k: int, grad_up: bool) -> torch.cuda.Event:
         sp, sg, sm, sv = slots[k % len(slots)]
         h2d.wait_event(free[k % len(slots)])
@@ -105,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
             up = torch.cuda.Event()
             up.record(h2d)
         comp.wait_event(up)
-        adam([sp], [sg], [sm], [sv], [step_d])
+        fused_adam_([sp], [sg], [sm], [sv], [step_d])
         done = torch.cuda.Event()
         done.record(comp)
         d2h.wait_event(done)
@@ -126,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
             stream_chunk(k, k, grad_up)
         host = list(range(k_dev, n_chunks))
         for i in host:  # one region at a time, as the optimizer steps them
-            adam([p[i]], [g[i]], [m[i]], [v[i]], [step_h[i]])
+            fused_adam_([p[i]], [g[i]], [m[i]], [v[i]], [step_h[i]])
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
