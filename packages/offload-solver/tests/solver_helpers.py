@@ -4,8 +4,11 @@ summed from scratch, coexistence by pairwise checks)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from offload_solver import (
@@ -169,6 +172,30 @@ def assignments(draw: st.DrawFn, layout: RegionLayout) -> list[RegionAssignment]
         prefetch = draw(st.integers(r + 1, n - 1)) if placement is ParamPlacement.ASYNC else None
         out.append(RegionAssignment(placement, state, prefetch))
     return out
+
+
+def engine_cases(
+    max_examples: int = 200, **more: st.SearchStrategy[Any]
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The random cases the engine is checked on: ``data`` (to draw assignments), a
+    ``profile`` (plain or layered), a ``hardware`` profile and ``after_backward`` (the fp16
+    order), plus ``more`` strategies, over ``max_examples`` examples."""
+
+    def wrap(test: Callable[..., None]) -> Callable[..., None]:
+        cases = given(
+            data=st.data(),
+            profile=st.one_of(profiles(), layered_profiles()),
+            hardware=hardware_profiles(),
+            after_backward=st.booleans(),
+            **more,
+        )
+        return settings(
+            max_examples=max_examples,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        )(cases(test))
+
+    return wrap
 
 
 # --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_helpers import (
     assignments,
+    engine_cases,
     flat_hardware,
     hardware_profiles,
     layered_profiles,
@@ -101,13 +102,7 @@ def test_device_state_and_device_step(after_backward: bool) -> None:
     assert not [iv for iv in res.timeline if iv.region == 1 and iv.kind == "grad_offload"]
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    data=st.data(),
-    profile=st.one_of(profiles(), layered_profiles()),
-    hardware=hardware_profiles(),
-    after_backward=st.booleans(),
-)
+@engine_cases()
 def test_engine_agrees_with_the_reference(
     data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile, after_backward: bool
 ) -> None:

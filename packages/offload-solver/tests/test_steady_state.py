@@ -5,14 +5,11 @@ depends on."""
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from solver_helpers import (
     assignments,
+    engine_cases,
     flat_hardware,
-    hardware_profiles,
-    layered_profiles,
-    profiles,
     reference_periods,
 )
 
@@ -255,13 +252,7 @@ def test_a_hook_after_the_last_copy_defers_its_region_while_backward_still_runs(
     assert ref == pytest.approx([9.4873046875, 9.5625, 9.5625, 9.5625])
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    data=st.data(),
-    profile=st.one_of(profiles(), layered_profiles()),
-    hardware=hardware_profiles(),
-    after_backward=st.booleans(),
-)
+@engine_cases()
 def test_steady_state_matches_consecutive_reference_steps(
     data: st.DataObject, profile: ModelProfile, hardware: HardwareProfile, after_backward: bool
 ) -> None:
@@ -292,14 +283,7 @@ def _task_times(out: EngineRun) -> list[tuple[int, int, int, float, float]]:
     return list(zip(out.lane, out.region, out.kind, out.start, out.end, strict=True))
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    data=st.data(),
-    profile=st.one_of(profiles(), layered_profiles()),
-    hardware=hardware_profiles(),
-    after_backward=st.booleans(),
-    earlier_s=st.sampled_from([0.5, 7.0, float("inf")]),
-)
+@engine_cases(100, earlier_s=st.sampled_from([0.5, 7.0, float("inf")]))
 def test_carries_that_differ_only_before_the_step_starts_run_the_same_step(
     data: st.DataObject,
     profile: ModelProfile,
