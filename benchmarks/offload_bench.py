@@ -184,6 +184,7 @@ def _ours(
     )
     d2h = sum(rp.region.size_bytes for rp in host)
     host_params = sum(rp.region.numel for rp in host)
+    # The floor uses the measured profile (fp32 host Adam rate, whatever the kind plans with).
     hw = profile_hardware("cuda", progress=False)
     out["floor_parts_ms"] = {
         "h2d": h2d / hw.h2d_bytes_per_s(GiB) * 1e3,
@@ -191,17 +192,16 @@ def _ours(
         "host_adam": host_params / hw.host_adam_params_per_s * 1e3,
     }
     # The profile the plan was made with (plan_predict.py takes these to replay it).
-    if module.hardware is not None:
-        hw = module.hardware
+    plan_hw = module.hardware or hw
     out["profile"] = {
-        "h2d_gbps": hw.h2d_bytes_per_s(GiB) / 1e9,
-        "d2h_gbps": hw.d2h_bytes_per_s(GiB) / 1e9,
-        "peak_tflops": hw.compute_flop_per_s / 1e12,
-        "efficiency": hw.compute_efficiency,
-        "host_adam_gparam": hw.host_adam_params_per_s / 1e9,
-        "host_convert_gelem": hw.host_convert_elems_per_s / 1e9,
-        "op_overhead_us": hw.op_overhead_s * 1e6,
-        "device_memory_tbps": hw.device_memory_bytes_per_s / 1e12,
+        "h2d_gbps": plan_hw.h2d_bytes_per_s(GiB) / 1e9,
+        "d2h_gbps": plan_hw.d2h_bytes_per_s(GiB) / 1e9,
+        "peak_tflops": plan_hw.compute_flop_per_s / 1e12,
+        "efficiency": plan_hw.compute_efficiency,
+        "host_adam_gparam": plan_hw.host_adam_params_per_s / 1e9,
+        "host_convert_gelem": plan_hw.host_convert_elems_per_s / 1e9,
+        "op_overhead_us": plan_hw.op_overhead_s * 1e6,
+        "device_memory_tbps": plan_hw.device_memory_bytes_per_s / 1e12,
     }
     report = opt.last_step
     if report is not None and report.region_steps:
