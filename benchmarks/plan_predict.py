@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--hbm-tbps",
         type=float,
-        default=0.0,
+        default=None,
         help="device memory bandwidth in TB/s (read + write) for memory-bound operations "
-        "(0: the default profile's)",
+        "(omitted: the default profile's; 0: unknown, operations priced by FLOPs and issue "
+        "cost alone)",
     )
     parser.add_argument(
         "--convert",
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = dataclasses.replace(hw, compute_flop_per_s=args.peak_tflops * 1e12)
     if args.efficiency > 0:
         hw = dataclasses.replace(hw, compute_efficiency=args.efficiency)
-    if args.hbm_tbps > 0:
+    if args.hbm_tbps is not None:
         hw = dataclasses.replace(hw, device_memory_bytes_per_s=args.hbm_tbps * 1e12)
     print(
         f"hardware: H2D {hw.h2d[-1].bytes_per_s / 1e9:.1f} GB/s, D2H "
@@ -130,6 +131,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{hw.host_adam_params_per_s / 1e9:.2f} Gparam/s, host conversion "
         f"{hw.host_convert_elems_per_s / 1e9:.1f} Gelem/s, {hw.op_overhead_s * 1e6:.1f} us/op, "
         f"device memory {hw.device_memory_bytes_per_s / 1e12:.1f} TB/s"
+    )
+    fwd_s = sum(hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in profile.operations)
+    bwd_s = sum(hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in profile.operations)
+    print(
+        f"compute alone (every operation back to back): forward {fwd_s * 1e3:.1f} ms, "
+        f"backward {bwd_s * 1e3:.1f} ms"
     )
     modes = ("host", "device") if args.convert == "both" else (args.convert,)
     status = 0
