@@ -42,10 +42,12 @@ fp32 copy, 16 MiB of device memory, exists at a time on each stream that convert
 planner's 5% budget margin covers it)."""
 
 GradReadyHook = Callable[[int], None]
-DeviceGradHook = Callable[[int, list[torch.Tensor]], None]
 """Called with a region index once that region's fp32 gradients of a backward are complete.
 Host-state regions call it on the host worker thread, device-state regions on the thread
 that runs backward."""
+DeviceGradHook = Callable[[int, list[torch.Tensor]], None]
+"""Called with a host-state region's index and its training-dtype device gradients just
+before they are copied to the host (see :meth:`OffloadController.add_device_grad_hook`)."""
 
 
 def _take_grads(st: RegionStorage) -> tuple[list[torch.Tensor], list[Any]]:
