@@ -297,7 +297,7 @@ def test_carries_that_differ_only_before_the_step_starts_run_the_same_step(
     ctx = SimulationContext.build(profile, hardware, host_step_after_backward=after_backward)
     asg = data.draw(assignments(ctx.layout))
     cold = get_simulator("async").run(ctx, asg)
-    carry = carry_from(ctx, cold, cold.compute_end_s)
+    carry = carry_from(cold, cold.compute_end_s)
     h2d_floor = min([0.0] + [issue for issue, _ in carry.uploads[:1]])
 
     def back(x: float, floor: float = 0.0) -> float:

@@ -860,7 +860,7 @@ class SteadyState:
     """The last step simulated (the cold one when nothing carries over)."""
 
 
-def carry_from(ctx: SimulationContext, prev: EngineRun, period_s: float) -> Carry:
+def carry_from(prev: EngineRun, period_s: float) -> Carry:
     """What ``prev`` leaves to a step that starts ``period_s`` after it did."""
     gate = [u - period_s for u in prev.update_end]
     tail = {r for _, r in prev.tail_uploads}
@@ -915,7 +915,7 @@ def steady_state(
         return SteadyState(period, (period,), True, cold)
     periods = [period]
     prev = cold
-    carry = carry_from(ctx, cold, period)
+    carry = carry_from(cold, period)
     for _ in range(STEADY_MAX_STEPS):
         prev = run(ctx, assignment, carry)
         span = prev.compute_end_s
@@ -923,7 +923,7 @@ def steady_state(
         # A step is a function of its carry alone: one that leaves what it started from
         # repeats forever. Equal spans are not enough: a gated step can match the cold one
         # (or its predecessor) in span while a lane still runs later each step.
-        nxt = carry_from(ctx, prev, span)
+        nxt = carry_from(prev, span)
         if same_carry(carry, nxt, STEADY_REL_TOL * span):
             return SteadyState(span, tuple(periods), True, prev)
         carry = nxt
