@@ -21,6 +21,7 @@ from tiny_models import (
     tiny_llama,
 )
 
+import offload_runtime.controller
 import offload_runtime.module
 from offload_runtime import OffloadModule, memory_optimize
 from offload_runtime.hardware import default_cpu_profile
@@ -61,7 +62,15 @@ def build(
     return model, module, inp
 
 
-def test_converting_on_the_device_changes_no_bit_in_bf16() -> None:
+@pytest.mark.parametrize("chunk", [None, 37])
+def test_converting_on_the_device_changes_no_bit_in_bf16(
+    chunk: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # chunk: convert 37 elements at a time instead of 4M, so that chunks straddle
+    # parameters (and parameters span chunks) in both directions: uploads narrowed per
+    # chunk, gradients packed and widened per chunk before their copy.
+    if chunk is not None:
+        monkeypatch.setattr(offload_runtime.controller, "_CONVERT_CHUNK_NUMEL", chunk)
     # bf16 on the CPU: narrowing the fp32 master after the upload (convert_on_device) rounds
     # exactly as casting it on the host first does, and widening gradients before or after
     # the copy is exact, so logits and fp32 gradients agree bit for bit; no training-dtype
@@ -104,6 +113,22 @@ def test_converting_on_the_device_changes_no_bit_in_bf16() -> None:
     assert g0.keys() == g1.keys()
     for name in g0:
         assert torch.equal(g0[name], g1[name]), name
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 5, 9, 64])
+def test_widen_down_packs_gradients_into_chunks_exactly(
+    chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Sizes 3, 5, 1, 7 (16 elements): chunk 4 splits the 5 and the 7 and ends exactly on a
+    # chunk boundary; 5 and 9 leave a partial last chunk; 64 holds everything in one.
+    monkeypatch.setattr(offload_runtime.controller, "_CONVERT_CHUNK_NUMEL", chunk)
+    gen = torch.Generator().manual_seed(chunk)
+    flats = [torch.randn(n, generator=gen).to(torch.float16) for n in (3, 5, 1, 7)]
+    dst = torch.full((16,), float("nan"))
+    offload_runtime.controller._widen_down(flats, dst)
+    assert torch.equal(dst, torch.cat(flats).float())
+    with pytest.raises(AssertionError, match="cover 15 of 16"):
+        offload_runtime.controller._widen_down([*flats[:-1], flats[-1][:6]], dst)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

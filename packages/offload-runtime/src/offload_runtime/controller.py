@@ -86,6 +86,48 @@ def _copy_up(st: RegionStorage, source: torch.Tensor | None = None) -> None:
             dst[a:b].copy_(wide)
 
 
+def _widen_down(flats: list[torch.Tensor], dst: torch.Tensor) -> None:
+    """Queue, on the current stream, the copy of a region's flat training-dtype gradients
+    (layout order, together exactly ``dst``'s elements) into ``dst``, its fp32 host
+    accumulator, widened on the device.
+
+    They are packed ``_CONVERT_CHUNK_NUMEL`` elements at a time into one fp32 device block
+    (one ``_foreach_copy_`` widens every piece of a chunk), which crosses in one copy. Each
+    block is allocated on the current stream and dropped at once, so the next chunk reuses
+    it in stream order and one chunk is all the device memory it takes. Per chunk that is
+    a handful of calls instead of several per parameter: this runs on the thread that
+    drives backward, between its kernels, and backward waits for it (see BENCHMARKS.md,
+    session 13).
+    """
+    start = 0  # dst offset of the chunk being packed
+    pieces: list[torch.Tensor] = []
+    packed = 0
+    for flat in flats:
+        a = 0
+        n = flat.numel()
+        while a < n:
+            take = min(n - a, _CONVERT_CHUNK_NUMEL - packed)
+            pieces.append(flat if take == n else flat[a : a + take])
+            packed += take
+            a += take
+            if packed == _CONVERT_CHUNK_NUMEL:
+                _widen_chunk(pieces, packed, dst[start : start + packed])
+                start += packed
+                pieces, packed = [], 0
+    if packed:
+        _widen_chunk(pieces, packed, dst[start : start + packed])
+        start += packed
+    if start != dst.numel():
+        raise AssertionError(f"gradients cover {start} of {dst.numel()} accumulator elements")
+
+
+def _widen_chunk(pieces: list[torch.Tensor], numel: int, dst: torch.Tensor) -> None:
+    wide = torch.empty(numel, dtype=dst.dtype, device=pieces[0].device)
+    slots = torch.split_with_sizes(wide, [p.numel() for p in pieces])
+    torch._foreach_copy_(list(slots), pieces)
+    dst.copy_(wide, non_blocking=True)
+
+
 class RegionState(Enum):
     """Where an offloaded region's training-dtype parameters are."""
 
@@ -432,20 +474,16 @@ class OffloadController:
         d2h = self.streams.d2h
         d2h.wait(self.streams.compute.record())
         with d2h.context(), torch.no_grad():
-            # One copy per parameter straight into its slot of the staging buffer: a gather
-            # into one flat tensor first would hold a second copy of the region's gradients
-            # on the device, memory the plan does not count.
-            for (off, n), g in zip(offsets, grads, strict=True):
-                flat = g.reshape(-1)
-                if staging is not None:
-                    staging[off : off + n].copy_(flat, non_blocking=True)
-                    continue
-                for a in range(0, n, _CONVERT_CHUNK_NUMEL):
-                    b = min(n, a + _CONVERT_CHUNK_NUMEL)
-                    # Allocated on the d2h stream and dropped at once: the next chunk reuses
-                    # the block in stream order, so one chunk's fp32 copy is all that exists.
-                    wide = flat[a:b].to(st.grad.dtype)
-                    st.grad[off + a : off + b].copy_(wide, non_blocking=True)
+            flats = [g.reshape(-1) for g in grads]
+            if staging is not None:
+                # One copy per parameter straight into its slot of the staging buffer, all
+                # issued by one call: a gather into one flat tensor first would hold a
+                # second copy of the region's gradients on the device, memory the plan
+                # does not count.
+                slots = [staging[off : off + n] for off, n in offsets]
+                torch._foreach_copy_(slots, flats, non_blocking=True)
+            else:
+                _widen_down(flats, st.grad)
             done = d2h.record()
         if self.streams.is_cuda:
             for g in grads:
