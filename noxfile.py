@@ -19,6 +19,8 @@ PACKAGE_DIRS = [f"packages/offload-{name}" for name in PACKAGES]
 TEST_DIRS = [f"{d}/tests" for d in PACKAGE_DIRS]
 SRC_DIRS = [f"{d}/src" for d in PACKAGE_DIRS]
 TEST_TOOLS = ["pytest", "hypothesis"]
+# Optional extras installed with the packages, so that their tests and types are checked.
+EXTRAS = {"packages/offload-optim": "[single-pass]"}
 
 nox.options.sessions = ["tests", "solver_only", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -26,7 +28,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 def _install_all(session: nox.Session, *extra: str) -> None:
     """Install every package editable, torch pinned to the CPU build."""
-    editable = [arg for d in PACKAGE_DIRS for arg in ("-e", d)]
+    editable = [arg for d in PACKAGE_DIRS for arg in ("-e", d + EXTRAS.get(d, ""))]
     session.install("-c", CONSTRAINTS, *editable, *TEST_TOOLS, *extra)
 
 

@@ -17,8 +17,8 @@ the same pass moves about as many bytes as the in-place step. This script times,
 - ``single_ping_pong``: one pass that writes master and moments into spare buffers (the
   commit swaps them; needs the runtime to upload from whichever master is current).
 
-The compiled kernels need numba (not a dependency of the packages):
-``pip install numba``. Rates are medians of ``--repeats`` steps, in Gparam/s; the
+The compiled kernels need numba (``pip install 'offload-optim[single-pass]'``); the first
+two are ``offload_optim.single_pass``'s. Rates are medians of ``--repeats`` steps, in Gparam/s; the
 single-pass variants are also checked against each other bit for bit and against torch's
 kernel within rounding.
 
@@ -40,52 +40,16 @@ LR, BETA1, BETA2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
 BLOCK = 1 << 16  # elements per parallel work item
 
 
-def _kernels() -> dict[str, Callable[..., None]]:
+def _ping_pong() -> Callable[..., None]:
+    """A single pass that writes master and moments into spare buffers (AdamW, no grad
+    scale), for comparison with the package's in-place and backup kernels (whose
+    arithmetic, in offload_optim/_numba_adam.py, it repeats)."""
     import numba
     import numpy as np
 
-    # torch's CPU fused AdamW: decay, lerp the first moment, then the update, in fp32.
-    # Each kernel loops over slices of one block, written out in full: numba's loop then
-    # vectorizes (AVX sqrt and divide), which it did not with a shared inlined helper
-    # returning a tuple, nor with the default (Python) error model for the division.
-    @numba.njit(parallel=True, error_model="numpy")
-    def in_place(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
-        decay, omb1, b2, omb2, step_size, bc2s, eps = c[0], c[1], c[2], c[3], c[4], c[5], c[6]
-        n = p.shape[0]
-        for blk in numba.prange((n + BLOCK - 1) // BLOCK):
-            s = blk * BLOCK
-            e = min(n, s + BLOCK)
-            ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-            for i in range(e - s):
-                gi = gs[i]
-                mi = ms[i] + omb1 * (gi - ms[i])
-                vi = b2 * vs[i] + omb2 * gi * gi
-                ps[i] = ps[i] * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                ms[i] = mi
-                vs[i] = vi
-
-    @numba.njit(parallel=True, error_model="numpy")
-    def backup(p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, c: Any) -> None:
-        decay, omb1, b2, omb2, step_size, bc2s, eps = c[0], c[1], c[2], c[3], c[4], c[5], c[6]
-        n = p.shape[0]
-        for blk in numba.prange((n + BLOCK - 1) // BLOCK):
-            s = blk * BLOCK
-            e = min(n, s + BLOCK)
-            ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-            bs, ms2, vs2 = bak[s:e], m2[s:e], v2[s:e]
-            for i in range(e - s):
-                gi = gs[i]
-                pi = ps[i]
-                mi = ms[i] + omb1 * (gi - ms[i])
-                vi = b2 * vs[i] + omb2 * gi * gi
-                bs[i] = pi
-                ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                ms2[i] = mi
-                vs2[i] = vi
-
     @numba.njit(parallel=True, error_model="numpy")
     def ping_pong(p: Any, g: Any, m: Any, v: Any, p2: Any, m2: Any, v2: Any, c: Any) -> None:
-        decay, omb1, b2, omb2, step_size, bc2s, eps = c[0], c[1], c[2], c[3], c[4], c[5], c[6]
+        decay, omb1, b2, omb2, step_size, bc2s, eps = c[0], c[2], c[3], c[4], c[5], c[6], c[7]
         n = p.shape[0]
         for blk in numba.prange((n + BLOCK - 1) // BLOCK):
             s = blk * BLOCK
@@ -100,15 +64,7 @@ def _kernels() -> dict[str, Callable[..., None]]:
                 ms2[i] = mi
                 vs2[i] = vi
 
-    return {"in_place": in_place, "backup": backup, "ping_pong": ping_pong}
-
-
-def _consts(step: int) -> tuple[float, ...]:
-    import math
-
-    bc1 = 1 - BETA1**step
-    bc2 = 1 - BETA2**step
-    return (1 - LR * WD, 1 - BETA1, BETA2, 1 - BETA2, LR / bc1, math.sqrt(bc2), EPS)
+    return ping_pong
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,58 +77,52 @@ def main(argv: list[str] | None = None) -> int:
     if n < 1 or args.repeats < 1:
         parser.error("need --numel >= 1 and --repeats >= 1")
 
-    try:
-        import numba
-        import numpy as np
-    except ImportError:
-        print("numba is not installed: pip install numba", file=sys.stderr)
-        return 2
     import torch
 
+    from offload_optim import single_pass
     from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
 
+    if not single_pass.available():
+        print("numba is not installed: pip install numba", file=sys.stderr)
+        return 2
     threads = torch.get_num_threads()
-    numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))  # type: ignore[attr-defined]
     gen = torch.Generator().manual_seed(0)
-
-    def state() -> list[torch.Tensor]:
-        p = torch.randn(n, generator=gen) * 0.02
-        g = torch.randn(n, generator=gen) * 1e-3
-        m = torch.randn(n, generator=gen) * 1e-4
-        v = torch.rand(n, generator=gen) * 1e-6
-        return [p, g, m, v]
-
-    base = state()
-    spare = [torch.empty(n) for _ in range(3)]
+    p, g, m, v = (
+        torch.randn(n, generator=gen) * 0.02,
+        torch.randn(n, generator=gen) * 1e-3,
+        torch.randn(n, generator=gen) * 1e-4,
+        torch.rand(n, generator=gen) * 1e-6,
+    )
+    base = [p.clone(), g.clone(), m.clone(), v.clone()]
+    bak, mn, vn, pn = (torch.empty(n) for _ in range(4))
     hyper = AdamHyper(lr=LR, beta1=BETA1, beta2=BETA2, eps=EPS, weight_decay=WD, adamw=True)
-    kernels = _kernels()
-    arr = [t.numpy() for t in base]
-    sp = [t.numpy() for t in spare]
+    ping_pong = _ping_pong()
+
+    def consts(k: int) -> Any:
+        return single_pass._constants(hyper, float(k), None)
 
     # Correctness first (one step from the same state): compiles the kernels too.
-    step_t = torch.tensor(1.0)
+    one = torch.tensor(1.0)
     ref = [t.clone() for t in base]
-    fused_adam_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [step_t], hyper)
-    c1 = np.array(_consts(1), dtype=np.float32)  # fp32, as torch's kernel computes
-    outs: dict[str, list[np.ndarray[Any, Any]]] = {}
-    work = [a.copy() for a in arr]
-    kernels["in_place"](*work, c1)
-    outs["in_place"] = [work[0], work[2], work[3]]
-    work = [a.copy() for a in arr]
-    bak, m2, v2 = (np.empty_like(arr[0]) for _ in range(3))
-    kernels["backup"](*work, bak, m2, v2, c1)
-    assert np.array_equal(bak, arr[0]), "backup holds the pre-step master"
-    outs["backup"] = [work[0], m2, v2]
-    p2, m2, v2 = (np.empty_like(arr[0]) for _ in range(3))
-    kernels["ping_pong"](*[a.copy() for a in arr], p2, m2, v2, c1)
-    outs["ping_pong"] = [p2, m2, v2]
-    identical = all(
-        np.array_equal(a, b)
-        for name in ("backup", "ping_pong")
-        for a, b in zip(outs["in_place"], outs[name], strict=True)
+    fused_adam_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [one], hyper)
+    plain = [t.clone() for t in base]
+    single_pass.adam_(plain[0], plain[1], plain[2], plain[3], one, hyper)
+    spec = [t.clone() for t in base]
+    single_pass.speculative_adam_(spec[0], spec[1], spec[2], spec[3], mn, vn, bak, one, hyper)
+    pp = [t.clone() for t in base]
+    m_pp, v_pp = torch.empty(n), torch.empty(n)
+    ping_pong(*(t.numpy() for t in pp), pn.numpy(), m_pp.numpy(), v_pp.numpy(), consts(1))
+    identical = (
+        torch.equal(spec[0], plain[0])
+        and torch.equal(mn, plain[2])
+        and torch.equal(vn, plain[3])
+        and torch.equal(bak, base[0])
+        and torch.equal(pn, plain[0])
+        and torch.equal(m_pp, plain[2])
+        and torch.equal(v_pp, plain[3])
     )
-    p_ref = ref[0].numpy()
-    rel = float(np.max(np.abs(outs["in_place"][0] - p_ref)) / np.max(np.abs(p_ref - arr[0])))
+    update = (ref[0] - base[0]).abs().max()
+    rel = float((plain[0] - ref[0]).abs().max() / update)
     print(
         f"{n / 1e6:.0f} M params, {threads} threads: single-pass variants bit-identical to "
         f"each other: {identical}; largest master difference to torch's kernel: "
@@ -189,26 +139,27 @@ def main(argv: list[str] | None = None) -> int:
             samples.append(time.perf_counter() - t0)
         return statistics.median(samples)
 
-    p, g, m, v = base
-    bak_t, mn, vn = spare
+    def step_t(k: int) -> torch.Tensor:
+        return torch.tensor(float(k))
 
     def torch_fused(k: int) -> None:
-        fused_adam_([p], [g], [m], [v], [torch.tensor(float(k))], hyper)
+        fused_adam_([p], [g], [m], [v], [step_t(k)], hyper)
 
     def torch_spec(k: int) -> None:
-        speculative_adam_(p, g, m, v, mn, vn, bak_t, torch.tensor(float(k)), hyper)
+        speculative_adam_(p, g, m, v, mn, vn, bak, step_t(k), hyper)
 
     def single_in_place(k: int) -> None:
-        kernels["in_place"](*arr, np.array(_consts(k), dtype=np.float32))
+        single_pass.adam_(p, g, m, v, step_t(k), hyper)
 
     def single_backup(k: int) -> None:
-        kernels["backup"](*arr, *sp, np.array(_consts(k), dtype=np.float32))
+        single_pass.speculative_adam_(p, g, m, v, mn, vn, bak, step_t(k), hyper)
 
-    pp = [arr, [sp[0], arr[1], sp[1], sp[2]]]
+    sets = [[p, g, m, v], [pn, g, mn, vn]]
 
     def single_ping_pong(k: int) -> None:
-        src, dst = pp[k % 2], pp[(k + 1) % 2]
-        kernels["ping_pong"](*src, dst[0], dst[2], dst[3], np.array(_consts(k), dtype=np.float32))
+        src, dst = sets[k % 2], sets[(k + 1) % 2]
+        arrays = [t.numpy() for t in (*src, dst[0], dst[2], dst[3])]
+        ping_pong(*arrays, consts(k))
 
     rows: list[dict[str, Any]] = []
     for name, fn in (
@@ -220,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         s = timed(fn)
         rows.append({"kernel": name, "median_ms": s * 1e3, "gparam_per_s": n / s / 1e9})
-    plain = rows[0]["median_ms"]
+    first = rows[0]["median_ms"]
     for row in rows:
-        row["x_torch_fused"] = row["median_ms"] / plain
+        row["x_torch_fused"] = row["median_ms"] / first
         print(json.dumps(row))
     if args.json:
         out = {"numel": n, "threads": threads, "bit_identical": identical, "rows": rows}

@@ -1,0 +1,69 @@
+"""The numba kernels behind :mod:`offload_optim.single_pass` (imported only when used).
+
+See [Note: single-pass host Adam] in single_pass.py. ``c`` holds, in fp32: decay, l2,
+1 - beta1, beta2, 1 - beta2, step size, sqrt(bias correction 2), eps, grad scale (1:
+none), and whether to write the unscaled gradient back (0/1). The two kernels' arithmetic
+must stay identical, statement for statement: a committed speculative step must equal the
+plain step bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numba  # type: ignore[import-untyped, import-not-found, unused-ignore]
+import numpy as np
+
+BLOCK = 1 << 16  # = single_pass.BLOCK_NUMEL
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def in_place(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
+    decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
+    step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
+    n = p.shape[0]
+    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+        s = blk * BLOCK
+        e = min(n, s + BLOCK)
+        ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+        for i in range(e - s):
+            gi = gs[i] / scale
+            if write_g != 0:
+                gs[i] = gi
+            pi = ps[i]
+            gi = gi + l2 * pi
+            mi = ms[i] + omb1 * (gi - ms[i])
+            vi = b2 * vs[i] + omb2 * gi * gi
+            ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+            ms[i] = mi
+            vs[i] = vi
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def speculative(
+    p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, bad: Any, c: Any
+) -> None:
+    decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
+    step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
+    n = p.shape[0]
+    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+        s = blk * BLOCK
+        e = min(n, s + BLOCK)
+        ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+        bs, ms2, vs2 = bak[s:e], m2[s:e], v2[s:e]
+        flag = 0
+        for i in range(e - s):
+            raw = gs[i]
+            flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+            gi = raw / scale
+            if write_g != 0:
+                gs[i] = gi
+            pi = ps[i]
+            bs[i] = pi
+            gi = gi + l2 * pi
+            mi = ms[i] + omb1 * (gi - ms[i])
+            vi = b2 * vs[i] + omb2 * gi * gi
+            ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+            ms2[i] = mi
+            vs2[i] = vi
+        bad[blk] = flag
