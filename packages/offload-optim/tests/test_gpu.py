@@ -265,11 +265,18 @@ def measure(
 
 
 @pytest.mark.parametrize(
-    ("dtype", "speculate"),
-    [(torch.bfloat16, False), (torch.float16, False), (torch.float16, True)],
-    ids=["bf16", "fp16", "fp16_speculate"],
+    ("dtype", "speculate", "host_kernel"),
+    [
+        (torch.bfloat16, False, "torch"),
+        (torch.float16, False, "torch"),
+        (torch.float16, True, "torch"),
+        (torch.float16, True, "single_pass"),
+    ],
+    ids=["bf16", "fp16", "fp16_speculate", "fp16_speculate_single_pass"],
 )
-def test_gpt2_xl_host_step_hides_under_backward(dtype: torch.dtype, speculate: bool) -> None:
+def test_gpt2_xl_host_step_hides_under_backward(
+    dtype: torch.dtype, speculate: bool, host_kernel: str
+) -> None:
     """Host step throughput, and the share of it hidden under backward.
 
     Every region keeps its parameters on the GPU and its master weights and Adam state on
@@ -279,7 +286,9 @@ def test_gpt2_xl_host_step_hides_under_backward(dtype: torch.dtype, speculate: b
     regions step after backward; its numbers are printed for comparison. With
     ``speculate_fp16=True`` fp16 regions step speculatively in their hooks (undone on
     overflow), so fp16 must then meet bf16's rule (in mode SPECULATIVE_UNDO); it needs 12
-    (fp32 moments) or 8 (bf16 moments) more bytes of host memory per parameter.
+    (fp32 moments) or 8 (bf16 moments) more bytes of host memory per parameter. The
+    ``single_pass`` case steps with ``HybridAdam(host_kernel="single_pass")`` (numba; fp32
+    moments only), whose speculative step keeps its undo data in the same pass.
 
     The runtime converts dtypes on the device (``convert_on_device``, what memory_optimize
     picks for a host-bound step): gradients arrive as fp32 and updated masters go up as
@@ -317,8 +326,11 @@ def test_gpt2_xl_host_step_hides_under_backward(dtype: torch.dtype, speculate: b
     )
     cuda_inputs = {k: v.to(CUDA) for k, v in inputs.items()}
     failures = []
-    for moments in (torch.float32, torch.bfloat16):
-        opt = HybridAdam(module.parameters(), lr=1e-5, moments_dtype=moments)
+    single = host_kernel == "single_pass"
+    for moments in (torch.float32,) if single else (torch.float32, torch.bfloat16):
+        opt = HybridAdam(
+            module.parameters(), lr=1e-5, moments_dtype=moments, host_kernel=host_kernel
+        )
         amp = AMPOptimizer(opt, module, speculate_fp16=speculate)
         bwd_s, host_s, hidden = measure(amp, module, cuda_inputs, numel, moments)
         assert amp.last_step is not None

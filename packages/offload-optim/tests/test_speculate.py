@@ -29,7 +29,7 @@ from optim_helpers import (
 
 import offload_optim.hybrid_adam as hybrid_adam_module
 import offload_optim.kernels as kernels
-from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
 from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
 
 LR = 1e-2
@@ -63,6 +63,7 @@ class Trainer:
         clipping: float = 0.0,
         dtype: torch.dtype = torch.float16,
         convert_on_device: bool = False,
+        host_kernel: str = "torch",
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -81,7 +82,13 @@ class Trainer:
             self.module, lambda r: self._step in self.poison_steps and r == self.poison_region
         )
         self.amp = AMPOptimizer(
-            HybridAdam(self.module.parameters(), lr=LR, weight_decay=WD, moments_dtype=moments),
+            HybridAdam(
+                self.module.parameters(),
+                lr=LR,
+                weight_decay=WD,
+                moments_dtype=moments,
+                host_kernel=host_kernel,
+            ),
             self.module,
             clipping_norm=clipping,
             accumulation_steps=micro,
@@ -208,6 +215,71 @@ def test_speculative_kernel_equals_the_fused_step_and_keeps_the_old_state(
     assert not math.isfinite(float(partial)), "a nan anywhere makes the partial non-finite"
 
 
+@pytest.mark.parametrize("scaled", [False, True])
+@pytest.mark.parametrize("adamw", [False, True])
+def test_single_pass_kernels_agree_with_each_other_and_with_torch(
+    adamw: bool, scaled: bool
+) -> None:
+    """Two parallel blocks and a ragged tail. In place and speculative: the same bits, the
+    old master in the backup, the old moments untouched, the unscaled gradient written back
+    as torch's kernel writes it. Against torch's fused kernel: equal up to rounding."""
+    n = 2 * single_pass.BLOCK_NUMEL + 77
+    gen = torch.Generator().manual_seed(5)
+    p = torch.randn(n, generator=gen)
+    g = torch.randn(n, generator=gen) * (512 if scaled else 1)
+    m = torch.randn(n, generator=gen) * 0.1
+    v = torch.rand(n, generator=gen) * 0.01
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=adamw)
+    scale = torch.tensor(512.0) if scaled else None
+    step = torch.tensor(4.0)
+    old = [t.clone() for t in (p, g, m, v)]
+
+    ref = [t.clone() for t in old]
+    fused_adam_([ref[0]], [ref[1]], [ref[2]], [ref[3]], [step], hyper, scale)
+    plain = [t.clone() for t in old]
+    single_pass.adam_(plain[0], plain[1], plain[2], plain[3], step, hyper, scale)
+    update = (ref[0] - old[0]).abs().max()
+    assert float((plain[0] - ref[0]).abs().max()) <= 1e-5 * float(update)
+    # Rounding differences only (FMA contraction, operation order): relative to the
+    # largest moment, since elements near zero lose their relative precision to cancellation.
+    for mine, theirs in ((plain[2], ref[2]), (plain[3], ref[3])):
+        assert float((mine - theirs).abs().max()) <= 1e-6 * float(theirs.abs().max())
+    assert torch.equal(plain[1], ref[1]), "the gradient is left as torch's kernel leaves it"
+
+    m_next, v_next, backup = torch.empty(n), torch.empty(n), torch.empty(n)
+    partial = single_pass.speculative_adam_(p, g, m, v, m_next, v_next, backup, step, hyper, scale)
+    assert torch.equal(p, plain[0]) and torch.equal(g, plain[1])
+    assert torch.equal(m_next, plain[2]) and torch.equal(v_next, plain[3])
+    assert torch.equal(backup, old[0])
+    assert torch.equal(m, old[2]) and torch.equal(v, old[3])
+    assert float(partial) == 0.0
+
+    for bad in (math.inf, -math.inf, math.nan):
+        g_bad = old[1].clone()
+        g_bad[n - 3] = bad  # in the ragged tail's block
+        partial = single_pass.speculative_adam_(
+            old[0].clone(), g_bad, m, v, m_next, v_next, backup, step, hyper, scale
+        )
+        assert not math.isfinite(float(partial)), bad
+
+
+def test_single_pass_refuses_what_it_cannot_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    hyper = AdamHyper(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    x = torch.zeros(8)
+    with pytest.raises(ValueError, match=r"contiguous fp32 host tensors; grad is torch\.bfloat16"):
+        single_pass.adam_(x, x.bfloat16(), x.clone(), x.clone(), torch.tensor(1.0), hyper)
+    with pytest.raises(ValueError, match="exp_avg has 4 elements, not 8"):
+        single_pass.adam_(x, x.clone(), x[:4].clone(), x.clone(), torch.tensor(1.0), hyper)
+    params = [torch.nn.Parameter(torch.zeros(4))]
+    with pytest.raises(ValueError, match="host_kernel='cuda'"):
+        HybridAdam(params, host_kernel="cuda")
+    with pytest.raises(ValueError, match="fp32 moments only"):
+        HybridAdam(params, host_kernel="single_pass", moments_dtype=torch.bfloat16)
+    monkeypatch.setattr(single_pass, "available", lambda: False)
+    with pytest.raises(ImportError, match=r"offload-optim\[single-pass\]"):
+        HybridAdam(params, host_kernel="single_pass")
+
+
 # ---- training ------------------------------------------------------------------------------
 
 EXACT_CASES: dict[str, dict[str, Any]] = {
@@ -215,6 +287,10 @@ EXACT_CASES: dict[str, dict[str, Any]] = {
     "bf16_moments": {"moments": torch.bfloat16},
     "accumulate_2": {"micro": 2},
     "convert_on_device": {"convert_on_device": True},
+    # Both runs step with the single-pass kernels: the speculative one in the same pass as
+    # its undo data, the plain one in place.
+    "single_pass": {"host_kernel": "single_pass"},
+    "single_pass_accumulate_2": {"host_kernel": "single_pass", "micro": 2},
 }
 
 
@@ -236,13 +312,16 @@ def test_speculative_fp16_training_is_bit_identical(name: str) -> None:
     assert sum(spec.losses[-3:]) < sum(spec.losses[:3]), "the run trains"
 
 
+@pytest.mark.parametrize("host_kernel", ["torch", "single_pass"])
 @pytest.mark.parametrize("host_worker", [False, True])
-def test_overflow_in_the_last_region_undoes_the_speculative_steps(host_worker: bool) -> None:
+def test_overflow_in_the_last_region_undoes_the_speculative_steps(
+    host_worker: bool, host_kernel: str
+) -> None:
     """An inf in region 0, whose gradients arrive last: the other host-state regions have
     stepped already (inline hooks: all of them). The step is skipped, the scale halves
     (hysteresis 1), masters, moments and step counts are as before the step, and the rest
     of the run equals the non-speculative one bit for bit."""
-    trainer = Trainer(True, host_worker=host_worker, hysteresis=1)
+    trainer = Trainer(True, host_worker=host_worker, hysteresis=1, host_kernel=host_kernel)
     head = trainer.train(range(3))
     before = snapshot(trainer)
     scale = trainer.amp.loss_scale
@@ -266,7 +345,9 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(host_worker: b
     assert_unchanged(trainer, before)
     spec = trainer.train(range(4, 12), head)
     trainer.close()
-    plain = run(False, 12, poison=(3,), host_worker=host_worker, hysteresis=1)
+    plain = run(
+        False, 12, poison=(3,), host_worker=host_worker, hysteresis=1, host_kernel=host_kernel
+    )
     assert_same(spec, plain)
     assert spec.skipped == [False] * 3 + [True] + [False] * 8
 

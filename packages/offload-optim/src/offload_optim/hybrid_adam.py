@@ -73,6 +73,7 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
+from offload_optim import single_pass
 from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
 from offload_runtime.hardware import available_host_memory_bytes
 from offload_runtime.storage import RegionStorage, region_of
@@ -82,6 +83,7 @@ if TYPE_CHECKING:
     from offload_runtime.module import OffloadModule
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+HOST_KERNELS = ("torch", "single_pass")
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,14 @@ class HybridAdam(torch.optim.Optimizer):
             the moments' host memory; with torch's kernels it makes the host step slower,
             not faster (see [Note: bf16 moments] in kernels.py). Device-resident moments
             stay fp32.
+        host_kernel: the kernels that step host-resident state. ``"torch"`` (default):
+            torch's fused CPU Adam. ``"single_pass"``: one-pass kernels compiled by numba
+            (``pip install 'offload-optim[single-pass]'``; fp32 moments only), whose
+            speculative fp16 step keeps its undo data in the same pass instead of copying
+            it first (see [Note: single-pass host Adam] in single_pass.py). Both compute
+            torch's Adam formula; they differ in rounding (about 1e-7 of an update), so a
+            run uses one of them for every host step. Device-resident state always steps
+            with torch's fused CUDA kernel.
         module: the OffloadModule whose masters are among ``params``; needed to step them
             (its controller orders the step after the host gradient work and publishes the
             new weights). ``AMPOptimizer`` binds it for you.
@@ -214,6 +224,7 @@ class HybridAdam(torch.optim.Optimizer):
         adamw_mode: bool = True,
         *,
         moments_dtype: torch.dtype = torch.float32,
+        host_kernel: str = "torch",
         module: OffloadModule | None = None,
     ) -> None:
         if not lr >= 0:
@@ -229,6 +240,16 @@ class HybridAdam(torch.optim.Optimizer):
                 f"moments_dtype={moments_dtype} is not supported; use torch.float32 or "
                 "torch.bfloat16"
             )
+        if host_kernel not in HOST_KERNELS:
+            raise ValueError(f"host_kernel={host_kernel!r}; use one of {HOST_KERNELS}")
+        if host_kernel == "single_pass":
+            if moments_dtype != torch.float32:
+                raise ValueError(
+                    "host_kernel='single_pass' steps fp32 moments only; use "
+                    "moments_dtype=torch.float32 or host_kernel='torch'"
+                )
+            single_pass.require()
+        self.host_kernel = host_kernel
         # Set before Optimizer.__init__, which calls add_param_group.
         self.moments_dtype = moments_dtype
         self._regions: dict[int, _RegionState] = {}
@@ -461,6 +482,24 @@ class HybridAdam(torch.optim.Optimizer):
             steps = [seg.step for seg in segs]
             torch._foreach_add_(steps, 1.0)
             scale = _scale_tensor(grad_scale, device)
+            if self._single_pass(device):
+                # Region segments are flat; a plain tensor that is not contiguous (it never
+                # steps speculatively) takes torch's kernel.
+                rest: list[tuple[_Segment, torch.Tensor | None]] = []
+                for seg, g in zip(segs, grads, strict=True):
+                    assert g is not None
+                    tensors = (seg.param, g, seg.exp_avg, seg.exp_avg_sq)
+                    if not all(t.is_contiguous() for t in tensors):
+                        rest.append((seg, g))
+                        continue
+                    single_pass.adam_(
+                        seg.param, g, seg.exp_avg, seg.exp_avg_sq, seg.step, hyper, scale
+                    )
+                segs = [seg for seg, _ in rest]
+                grads = [g for _, g in rest]
+                steps = [seg.step for seg in segs]
+                if not segs:
+                    continue
             fused_adam_(
                 [seg.param for seg in segs],
                 cast(list[torch.Tensor], grads),
@@ -470,6 +509,9 @@ class HybridAdam(torch.optim.Optimizer):
                 hyper,
                 scale,
             )
+
+    def _single_pass(self, device: torch.device) -> bool:
+        return self.host_kernel == "single_pass" and device.type == "cpu"
 
     def _segments_with_grad(self, r: int) -> list[_Segment]:
         return [seg for seg in self._regions[r].segments if self._segment_has_grad(seg)]
@@ -636,9 +678,14 @@ class HybridAdam(torch.optim.Optimizer):
             before = float(seg.step)
             seg.step.add_(1.0)  # as _run counts it
             stop = seg.start + seg.param.numel()
+            kernel = (
+                single_pass.speculative_adam_
+                if self._single_pass(seg.param.device)
+                else speculative_adam_
+            )
             try:
                 parts.append(
-                    speculative_adam_(
+                    kernel(
                         seg.param,
                         seg.grad,
                         seg.exp_avg,
