@@ -17,6 +17,8 @@ Kinds:
                 steps run speculatively under backward
     ours_hostconv  ours with dtype conversions forced onto the host
                 (memory_optimize(convert_on_device=False); "ours" lets the planner choose)
+    ours_spec1  ours_spec with HybridAdam(host_kernel="single_pass") (numba): the speculative
+                step writes its undo data in the same pass
     ours_spec   ours with AMPOptimizer(speculate_fp16=True): fp16 host steps speculate under
                 backward and are undone exactly on overflow (12 B/param more host memory)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
@@ -60,7 +62,15 @@ WORKLOADS: dict[str, tuple[str, int, int, int]] = {
     "W3": ("gpt2_xl", 8, 1024, 40),
     "W4": ("gpt2_6b", 4, 512, 24),
 }
-OURS_KINDS = ("ours", "ours_bf16m", "ours_bf16", "ours_hostconv", "ours_spec", "ablation")
+OURS_KINDS = (
+    "ours",
+    "ours_bf16m",
+    "ours_bf16",
+    "ours_hostconv",
+    "ours_spec",
+    "ours_spec1",
+    "ablation",
+)
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
 KINDS = (*OURS_KINDS, "full_gpu", "fsdp2", "torchao")
 RESULT_TAG = "BENCH_RESULT "
@@ -118,6 +128,7 @@ def _ours(
     model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
     ablation = kind == "ablation"
+    speculate = kind in ("ours_spec", "ours_spec1")
     t0 = time.perf_counter()
     module = memory_optimize(
         model,
@@ -130,7 +141,7 @@ def _ours(
         convert_on_device=False if kind == "ours_hostconv" else None,
         # Speculating fp16 steps run as their gradients land: plan for that (the simulator
         # does not charge the speculative step's backup copies).
-        host_step_after_backward=False if kind == "ours_spec" else None,
+        host_step_after_backward=False if speculate else None,
         # bf16 moments step slower than the fp32 fused Adam the hardware profile times.
         host_step_params_per_s=(
             measure_host_step_params_per_s(torch.bfloat16) if kind == "ours_bf16m" else None
@@ -140,10 +151,15 @@ def _ours(
     del model
     moments = torch.bfloat16 if kind == "ours_bf16m" else torch.float32
     opt = AMPOptimizer(
-        HybridAdam(module.parameters(), lr=1e-4, moments_dtype=moments),
+        HybridAdam(
+            module.parameters(),
+            lr=1e-4,
+            moments_dtype=moments,
+            host_kernel="single_pass" if kind == "ours_spec1" else "torch",
+        ),
         module,
         overlap=not ablation,
-        speculate_fp16=kind == "ours_spec",
+        speculate_fp16=speculate,
     )
     # Hardware profiling inside memory_optimize used scratch memory once; the budget is
     # about training, so the peak counts from here (the module's buffers stay counted).
@@ -216,7 +232,7 @@ def _ours(
             first = min(t.start_s for t in host_steps)
             out["backward_to_first_host_step_ms"] = (first - report.backward_start_s) * 1e3
             out["host_step_span_ms"] = (max(t.end_s for t in host_steps) - first) * 1e3
-    if kind == "ours_spec":
+    if speculate:
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
