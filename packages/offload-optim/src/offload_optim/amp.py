@@ -24,7 +24,9 @@ Both answers exist only once the last region's gradients are in. Options:
    be undone. On the H200's 16-core host the speculative step ran at 1.51 Gparam/s
    against 3.70 for the plain one (fp32 moments; 1.80 against 2.41 with bf16), and fp16
    W3 took 755 ms per step with it against 643 ms without (BENCHMARKS.md, session 11):
-   it stays off by default. See [Note: speculative steps].
+   it stays off by default. See [Note: speculative steps]. With
+   ``HybridAdam(host_kernel="single_pass")`` the undo data is written in the step's own
+   pass ([Note: single-pass host Adam] in single_pass.py).
 2. speculate only where no answer is needed, and otherwise overlap only the
    answer-independent work (the default):
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each

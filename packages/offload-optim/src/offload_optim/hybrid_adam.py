@@ -59,6 +59,9 @@ each of a chunk's five operations is its own parallel pass, so the chunk leaves 
 cache between them (BENCHMARKS.md, session 11). A slower step still
 pays where it runs, in host time that backward leaves idle: a region whose gradients land
 after backward has ended takes the plain step (amp.py's SPECULATIVE tail rule).
+``HybridAdam(host_kernel="single_pass")`` replaces the copies and the fused kernel with
+one compiled pass that writes the backup, the stepped master and the spare moments (see
+[Note: single-pass host Adam] in single_pass.py); commit and undo are the same.
 """
 
 from __future__ import annotations
