@@ -66,11 +66,13 @@ SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-sta
 region's hook steps it speculatively and returns its overflow partial, read in the same
 pass (``HybridAdam.speculate_region``: the sum of the gradients, not their L1 norm, since
 only finiteness matters here and a sum reads faster); the step divides by the loss scale
-of the backward, which is the one :meth:`step` would use. :meth:`step` combines the
-partials as PARTIALS does. No overflow: the speculative steps are committed (a swap of moment
-references), queued for publishing in forward order together with the steps of the
-regions that did not speculate (the tail, below; nothing else changes), and the scale
-grows as usual. Overflow: every speculative step is undone (master from its backup, step
+of the backward, which is the one :meth:`step` would use. The device partials of
+DEVICE_ANSWER are taken too, and :meth:`step` combines them (the device's where taken,
+else the hooks') as PARTIALS does: a hook that runs once backward is over only notes its
+region, with no host pass over the gradients. No overflow: the speculative steps are
+committed (a swap of moment references), queued for publishing in forward order together
+with the steps of the regions that did not speculate (the tail, below; nothing else
+changes), and the scale grows as usual. Overflow: every speculative step is undone (master from its backup, step
 counts restored; moments never written), the step is skipped and the scale backs off:
 :attr:`StepReport.undone_regions` and :attr:`AMPOptimizer.undone_steps` count it. The
 result is the PARTIALS result, bit for bit. Nothing is published before the commit, but
@@ -120,8 +122,8 @@ After backward, the host steps also overlap the *next forward* (with ``overlap``
   region to :meth:`step`, which queues such
   regions in forward order: region 0, whose gradients arrive last, then steps first and
   the next forward can start while the others step. SPECULATIVE_UNDO keeps the same
-  rule: such a hook only computes its overflow partial, and the region steps after the
-  answer, as in PARTIALS.
+  rule: such a hook steps nothing (and computes no partial: the device took it), and
+  the region steps after the answer, as in PARTIALS.
 ``overlap=False`` is the reference's behaviour: every host region steps in :meth:`step`,
 after backward, and :meth:`step` waits for them.
 """
@@ -482,8 +484,10 @@ class AMPOptimizer(torch.optim.Optimizer):
             elif self._answer_on_device():
                 mode = OverlapMode.DEVICE_ANSWER
         # Device partials serve every window whose answer they can give, with or without
-        # the overlap, so that both combine the very same partials.
-        self._device_answer = self._answer_on_device() and mode is not OverlapMode.SPECULATIVE_UNDO
+        # the overlap, so that both combine the very same partials. SPECULATIVE_UNDO takes
+        # them too: a region that lands after backward then needs no host pass over its
+        # gradients for the answer (its partial is already on the device).
+        self._device_answer = self._answer_on_device()
         if mode is OverlapMode.SPECULATIVE_UNDO:
             # Allocated once, here on the main thread: a shortage raises before backward.
             self.optimizer.prepare_speculation()
@@ -558,8 +562,11 @@ class AMPOptimizer(torch.optim.Optimizer):
                     self._stepped.add(r)
                     self._partials[r] = part
                     return
-            # Backward is over on the device (or the region had no gradient): the partial
-            # alone, and the region steps after the answer, as in PARTIALS.
+            # Backward is over on the device (or the region had no gradient): the region
+            # steps after the answer, as in PARTIALS. Its partial is the device's when the
+            # window takes them, else computed here.
+            if self._device_answer:
+                return
         if mode in (OverlapMode.PARTIALS, OverlapMode.SPECULATIVE_UNDO):
             grad = self.optimizer.region_grad(r)
             as_norm = self.clipping_norm > 0
