@@ -72,9 +72,10 @@ else the hooks') as PARTIALS does: a hook that runs once backward is over only n
 region, with no host pass over the gradients. No overflow: the speculative steps are
 committed (a swap of moment references), queued for publishing in forward order together
 with the steps of the regions that did not speculate (the tail, below; nothing else
-changes), and the scale grows as usual. Overflow: every speculative step is undone (master from its backup, step
-counts restored; moments never written), the step is skipped and the scale backs off:
-:attr:`StepReport.undone_regions` and :attr:`AMPOptimizer.undone_steps` count it. The
+changes), and the scale grows as usual. Overflow: every speculative step is undone
+(master from its backup, step counts restored; moments never written), the step is
+skipped and the scale backs off: :attr:`StepReport.undone_regions` and
+:attr:`AMPOptimizer.undone_steps` count it. The
 result is the PARTIALS result, bit for bit. Nothing is published before the commit, but
 the masters change in place under backward: until :meth:`step` decides, an eval forward
 or ``module.state_dict()`` would see stepped masters (those regions that upload straight
