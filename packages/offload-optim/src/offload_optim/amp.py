@@ -75,8 +75,8 @@ with the steps of the regions that did not speculate (the tail, below; nothing e
 changes), and the scale grows as usual. Overflow: every speculative step is undone
 (master from its backup, step counts restored; moments never written), the step is
 skipped and the scale backs off: :attr:`StepReport.undone_regions` and
-:attr:`AMPOptimizer.undone_steps` count it. The
-result is the PARTIALS result, bit for bit. Nothing is published before the commit, but
+:attr:`AMPOptimizer.undone_steps` count it. The result is the non-speculative
+result, bit for bit. Nothing is published before the commit, but
 the masters change in place under backward: until :meth:`step` decides, an eval forward
 or ``module.state_dict()`` would see stepped masters (those regions that upload straight
 from the master, with ``convert_on_device``) next to unstepped training-dtype copies
