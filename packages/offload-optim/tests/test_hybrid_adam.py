@@ -44,6 +44,41 @@ def test_plain_tensors_step_like_torch_fused(adamw: bool) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("adamw", [True, False])
+def test_single_pass_kernel_steps_like_torch_up_to_rounding(adamw: bool) -> None:
+    """host_kernel="single_pass" on plain tensors and region masters: torch's Adam(W) up to
+    rounding, over several steps. A non-contiguous plain tensor takes torch's kernel (its
+    result is then torch's, bit for bit)."""
+    base = torch.randn(6, 4, generator=torch.Generator().manual_seed(9))
+    ours, theirs = [*tensors(2), base.t()], [*tensors(2), base.clone().t()]
+    assert not ours[-1].is_contiguous()
+    module = offload_module(tiny_gpt2(), batch(0))
+    masters = [p for _, p in module.named_parameters()]
+    copies = [p.detach().clone() for p in masters]
+    opt = HybridAdam(
+        [*ours, *masters],
+        lr=1e-2,
+        weight_decay=0.1,
+        adamw_mode=adamw,
+        host_kernel="single_pass",
+        module=module,
+    )
+    cls = torch.optim.AdamW if adamw else torch.optim.Adam
+    ref = cls([*theirs, *copies], lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(4):
+        set_grads([*ours, *masters], step)
+        set_grads([*theirs, *copies], step)
+        opt.step()
+        ref.step()
+    assert torch.equal(ours[-1], theirs[-1]), "the non-contiguous tensor took torch's kernel"
+    moved = 4 * 1e-2  # an Adam update is about lr per step: the scale of the rounding
+    for a, b in zip([*ours, *masters], [*theirs, *copies], strict=True):
+        assert float((a - b).abs().max()) <= 1e-5 * moved
+    assert any(not torch.equal(a, b) for a, b in zip(masters, copies, strict=True)), (
+        "the single-pass kernel ran (its rounding differs somewhere)"
+    )
+
+
 def test_loads_a_torch_adamw_checkpoint_and_continues_identically() -> None:
     ours, theirs = tensors(1), tensors(1)
     ref = torch.optim.AdamW(theirs, lr=1e-2, weight_decay=0.1, fused=True)
