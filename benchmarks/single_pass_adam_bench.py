@@ -15,7 +15,9 @@ the same pass moves about as many bytes as the in-place step. This script times,
 - ``single_backup``: one pass that writes the master in place, its backup, and the next
   moments into spare buffers (the undo restores the master from the backup);
 - ``single_ping_pong``: one pass that writes master and moments into spare buffers (the
-  commit swaps them; needs the runtime to upload from whichever master is current).
+  commit swaps them; needs the runtime to upload from whichever master is current);
+- the same with bf16 moments: torch's chunked route (``fused_adam_``), and the
+  single-pass in-place and backup kernels.
 
 The compiled kernels need numba (``pip install 'offload-optim[single-pass]'``); the first
 two are ``offload_optim.single_pass``'s. Rates are medians of ``--repeats`` steps, in Gparam/s; the
@@ -161,6 +163,19 @@ def main(argv: list[str] | None = None) -> int:
         arrays = [t.numpy() for t in (*src, dst[0], dst[2], dst[3])]
         ping_pong(*arrays, consts(k))
 
+    # bf16 moments: torch's chunked route against the single-pass kernels.
+    mb, vb = m.bfloat16(), v.bfloat16()
+    mnb, vnb = mb.clone(), vb.clone()
+
+    def torch_bf16(k: int) -> None:
+        fused_adam_([p], [g], [mb], [vb], [step_t(k)], hyper)
+
+    def single_in_place_bf16(k: int) -> None:
+        single_pass.adam_(p, g, mb, vb, step_t(k), hyper)
+
+    def single_backup_bf16(k: int) -> None:
+        single_pass.speculative_adam_(p, g, mb, vb, mnb, vnb, bak, step_t(k), hyper)
+
     rows: list[dict[str, Any]] = []
     for name, fn in (
         ("torch_fused", torch_fused),
@@ -168,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         ("single_in_place", single_in_place),
         ("single_backup", single_backup),
         ("single_ping_pong", single_ping_pong),
+        ("torch_bf16_moments", torch_bf16),
+        ("single_in_place_bf16_moments", single_in_place_bf16),
+        ("single_backup_bf16_moments", single_backup_bf16),
     ):
         s = timed(fn)
         rows.append({"kernel": name, "median_ms": s * 1e3, "gparam_per_s": n / s / 1e9})

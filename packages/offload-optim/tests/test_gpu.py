@@ -287,8 +287,8 @@ def test_gpt2_xl_host_step_hides_under_backward(
     ``speculate_fp16=True`` fp16 regions step speculatively in their hooks (undone on
     overflow), so fp16 must then meet bf16's rule (in mode SPECULATIVE_UNDO); it needs 12
     (fp32 moments) or 8 (bf16 moments) more bytes of host memory per parameter. The
-    ``single_pass`` case steps with ``HybridAdam(host_kernel="single_pass")`` (numba; fp32
-    moments only), whose speculative step keeps its undo data in the same pass.
+    ``single_pass`` case steps with ``HybridAdam(host_kernel="single_pass")`` (numba),
+    whose speculative step keeps its undo data in the same pass.
 
     The runtime converts dtypes on the device (``convert_on_device``, what memory_optimize
     picks for a host-bound step): gradients arrive as fp32 and updated masters go up as
@@ -326,8 +326,7 @@ def test_gpt2_xl_host_step_hides_under_backward(
     )
     cuda_inputs = {k: v.to(CUDA) for k, v in inputs.items()}
     failures = []
-    single = host_kernel == "single_pass"
-    for moments in (torch.float32,) if single else (torch.float32, torch.bfloat16):
+    for moments in (torch.float32, torch.bfloat16):
         opt = HybridAdam(
             module.parameters(), lr=1e-5, moments_dtype=moments, host_kernel=host_kernel
         )

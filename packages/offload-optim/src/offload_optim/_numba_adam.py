@@ -67,3 +67,91 @@ def speculative(
             ms2[i] = mi
             vs2[i] = vi
         bad[blk] = flag
+
+
+# bf16 moments, stored as their bits (uint16: numpy has no bf16). Per block, the moments are
+# widened into an fp32 scratch (exact: the bits shifted up), stepped there by the loop
+# above, and narrowed back with round-to-nearest-even (NaN to 0x7FC0), as torch's
+# bf16 conversion does: one parallel region, the scratch in the core's cache.
+
+
+@numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
+def _narrow(bits: Any) -> Any:
+    if (bits & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
+        return np.uint16(0x7FC0)
+    odd = (bits >> np.uint32(16)) & np.uint32(1)
+    return np.uint16((bits + np.uint32(0x7FFF) + odd) >> np.uint32(16))
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def in_place_bf16(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
+    decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
+    step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
+    n = p.shape[0]
+    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+        s = blk * BLOCK
+        e = min(n, s + BLOCK)
+        k = e - s
+        ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+        bits = np.empty(2 * k, np.uint32)
+        wide = bits.view(np.float32)
+        for i in range(k):
+            bits[i] = np.uint32(ms[i]) << np.uint32(16)
+        for i in range(k):
+            bits[k + i] = np.uint32(vs[i]) << np.uint32(16)
+        for i in range(k):
+            gi = gs[i] / scale
+            if write_g != 0:
+                gs[i] = gi
+            pi = ps[i]
+            gi = gi + l2 * pi
+            mi = wide[i] + omb1 * (gi - wide[i])
+            vi = b2 * wide[k + i] + omb2 * gi * gi
+            ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+            wide[i] = mi
+            wide[k + i] = vi
+        for i in range(k):
+            ms[i] = _narrow(bits[i])
+        for i in range(k):
+            vs[i] = _narrow(bits[k + i])
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def speculative_bf16(
+    p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, bad: Any, c: Any
+) -> None:
+    decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
+    step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
+    n = p.shape[0]
+    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+        s = blk * BLOCK
+        e = min(n, s + BLOCK)
+        k = e - s
+        ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+        bs, ms2, vs2 = bak[s:e], m2[s:e], v2[s:e]
+        bits = np.empty(2 * k, np.uint32)
+        wide = bits.view(np.float32)
+        for i in range(k):
+            bits[i] = np.uint32(ms[i]) << np.uint32(16)
+        for i in range(k):
+            bits[k + i] = np.uint32(vs[i]) << np.uint32(16)
+        flag = 0
+        for i in range(k):
+            raw = gs[i]
+            flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+            gi = raw / scale
+            if write_g != 0:
+                gs[i] = gi
+            pi = ps[i]
+            bs[i] = pi
+            gi = gi + l2 * pi
+            mi = wide[i] + omb1 * (gi - wide[i])
+            vi = b2 * wide[k + i] + omb2 * gi * gi
+            ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+            wide[i] = mi
+            wide[k + i] = vi
+        for i in range(k):
+            ms2[i] = _narrow(bits[i])
+        for i in range(k):
+            vs2[i] = _narrow(bits[k + i])
+        bad[blk] = flag

@@ -203,7 +203,7 @@ class HybridAdam(torch.optim.Optimizer):
             stay fp32.
         host_kernel: the kernels that step host-resident state. ``"torch"`` (default):
             torch's fused CPU Adam. ``"single_pass"``: one-pass kernels compiled by numba
-            (``pip install 'offload-optim[single-pass]'``; fp32 moments only), whose
+            (``pip install 'offload-optim[single-pass]'``; fp32 or bf16 moments), whose
             speculative fp16 step keeps its undo data in the same pass instead of copying
             it first (see [Note: single-pass host Adam] in single_pass.py). Both compute
             torch's Adam formula; they differ in rounding (about 1e-7 of an update), so a
@@ -246,11 +246,6 @@ class HybridAdam(torch.optim.Optimizer):
         if host_kernel not in HOST_KERNELS:
             raise ValueError(f"host_kernel={host_kernel!r}; use one of {HOST_KERNELS}")
         if host_kernel == "single_pass":
-            if moments_dtype != torch.float32:
-                raise ValueError(
-                    "host_kernel='single_pass' steps fp32 moments only; use "
-                    "moments_dtype=torch.float32 or host_kernel='torch'"
-                )
             single_pass.require()
         self.host_kernel = host_kernel
         # Set before Optimizer.__init__, which calls add_param_group.

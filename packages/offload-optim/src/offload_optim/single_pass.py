@@ -12,7 +12,13 @@ same arithmetic, so that a committed speculative step equals the plain step bit 
 The arithmetic is torch's fused AdamW/Adam formula in fp32 (decay or L2, lerp of the first
 moment, the bias-corrected update); it differs from torch's kernel in rounding only (about
 1e-7 of the update: FMA contraction and operation order). So a run steps every host
-region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``.
+region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``. bf16
+moments (see [Note: bf16 moments] in kernels.py) are widened into an fp32 scratch per
+block, stepped, and narrowed with round-to-nearest-even inside the same parallel region,
+where torch's route makes five parallel passes per chunk: on the 2-core machine 1.25x
+faster than that route and 1.6x slower than fp32 moments there (more instructions on a
+load/store-bound core; a host bound by memory bandwidth moves 20 bytes per parameter
+instead of 28, which the H200 host has yet to show).
 
 On the 2-core development machine (``benchmarks/single_pass_adam_bench.py --numel 64e6``)
 the in-place kernel runs at torch's rate (0.98-1.01x) and the speculative one at 1.8-1.9x
@@ -66,9 +72,12 @@ def require() -> None:
 
 
 @cache
-def _kernels() -> tuple[Callable[..., None], Callable[..., None]]:
+def _kernels(bf16: bool) -> tuple[Callable[..., None], Callable[..., None]]:
+    """(in place, speculative) for fp32 or bf16 moments."""
     from offload_optim import _numba_adam  # imports numba: only once it is needed
 
+    if bf16:
+        return _numba_adam.in_place_bf16, _numba_adam.speculative_bf16
     return _numba_adam.in_place, _numba_adam.speculative
 
 
@@ -97,13 +106,27 @@ def _constants(hyper: AdamHyper, step: float, grad_scale: torch.Tensor | None) -
     )
 
 
-def _flat(t: torch.Tensor, what: str) -> Any:
-    if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+def _flat(t: torch.Tensor, what: str, dtype: torch.dtype = torch.float32) -> Any:
+    """``t`` as a flat numpy array sharing its memory; bf16 as its bits (uint16)."""
+    if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
         raise ValueError(
-            f"single-pass Adam steps contiguous fp32 host tensors; {what} is "
+            f"single-pass Adam steps contiguous host tensors, {dtype} here; {what} is "
             f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}"
         )
-    return t.view(-1).numpy()
+    flat = t.view(-1)
+    if dtype == torch.bfloat16:
+        import numpy as np
+
+        return flat.view(torch.int16).numpy().view(np.uint16)
+    return flat.numpy()
+
+
+def _moments_dtype(exp_avg: torch.Tensor) -> torch.dtype:
+    if exp_avg.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(
+            f"single-pass Adam keeps moments in float32 or bfloat16, not {exp_avg.dtype}"
+        )
+    return exp_avg.dtype
 
 
 def _launch(kernel: Callable[..., None], *args: Any) -> None:
@@ -133,17 +156,21 @@ def adam_(
 ) -> None:
     """One Adam(W) step of an fp32 host tensor, in place, in one pass.
 
+    Moments are fp32 or bf16 (both of one dtype); bf16 ones are widened and narrowed
+    (round to nearest even) inside the pass.
+
     ``step`` (0-dim) already counts this step. The gradient is divided by ``grad_scale``
     (0-dim fp32) when given and written back divided, as torch's fused kernel leaves it.
     """
     require()
     _check_numel(param.numel(), grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
-    in_place, _ = _kernels()
+    moments = _moments_dtype(exp_avg)
+    in_place, _ = _kernels(moments == torch.bfloat16)
     arrays = [
         _flat(param, "param"),
         _flat(grad, "grad"),
-        _flat(exp_avg, "exp_avg"),
-        _flat(exp_avg_sq, "exp_avg_sq"),
+        _flat(exp_avg, "exp_avg", moments),
+        _flat(exp_avg_sq, "exp_avg_sq", moments),
     ]
     _launch(in_place, *arrays, _constants(hyper, float(step), grad_scale))
 
@@ -182,17 +209,19 @@ def speculative_adam_(
     )
     import numpy as np
 
-    _, speculative = _kernels()
+    moments = _moments_dtype(exp_avg)
+    _, speculative = _kernels(moments == torch.bfloat16)
     bad = np.zeros((n + BLOCK_NUMEL - 1) // BLOCK_NUMEL, dtype=np.uint8)
+    f32 = torch.float32
     named = (
-        (param, "param"),
-        (grad, "grad"),
-        (exp_avg, "exp_avg"),
-        (exp_avg_sq, "exp_avg_sq"),
-        (backup, "backup"),
-        (next_avg, "next_avg"),
-        (next_avg_sq, "next_avg_sq"),
+        (param, "param", f32),
+        (grad, "grad", f32),
+        (exp_avg, "exp_avg", moments),
+        (exp_avg_sq, "exp_avg_sq", moments),
+        (backup, "backup", f32),
+        (next_avg, "next_avg", moments),
+        (next_avg_sq, "next_avg_sq", moments),
     )
-    arrays = [_flat(t, name) for t, name in named]
+    arrays = [_flat(t, name, dtype) for t, name, dtype in named]
     _launch(speculative, *arrays, bad, _constants(hyper, float(step), grad_scale))
     return torch.tensor(math.inf if bad.any() else 0.0, dtype=torch.float32)
