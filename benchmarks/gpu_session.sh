@@ -15,12 +15,13 @@
 #   threads host step under contention (host_step_contention.py), then W3 ours with
 #           all cores and with one core fewer for the host Adam (BENCH_HOST_THREADS) ~4 min
 #   spec    W3 and W2: ours, ours_spec, ours_spec1 (speculation with the single-pass kernel) ~5 min
+#   bf16m   bf16 host moments with torch's route and the single-pass kernel: W3, W4    ~7 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -62,6 +63,11 @@ case "$phase" in
     mv "$out/W3.json" "$out/W3_spec.json"
     bench W2 ours,ours_spec,ours_spec1 80
     mv "$out/W2.json" "$out/W2_spec.json" ;;
+  bf16m)
+    bench W3 ours_bf16m,ours_bf16m1 90
+    mv "$out/W3.json" "$out/W3_bf16m.json"
+    bench W4 ours_bf16m1 200
+    mv "$out/W4.json" "$out/W4_bf16m1.json" ;;
   single)
     python3 "$root/benchmarks/single_pass_adam_bench.py" --numel 256e6 --repeats 5 \
       --json "$out/single_pass_adam.json" 2>&1 | tee "$out/single_pass_adam.log" | tail -8 ;;

@@ -68,8 +68,11 @@ def test_bf16_moments_train_close_to_fp32_moments() -> None:
 
 def test_host_step_throughput_is_measured_for_both_moment_dtypes() -> None:
     for dtype in (torch.float32, torch.bfloat16):
-        rate = measure_host_step_params_per_s(dtype, numel=1 << 16, steps=2)
-        assert 1e5 < rate < 1e12, (dtype, rate)
+        for kernel in ("torch", "single_pass"):
+            rate = measure_host_step_params_per_s(dtype, numel=1 << 16, steps=2, host_kernel=kernel)
+            assert 1e5 < rate < 1e12, (dtype, kernel, rate)
+    with pytest.raises(ValueError, match="host_kernel must be"):
+        measure_host_step_params_per_s(torch.float32, numel=16, host_kernel="numba")
     with pytest.raises(ValueError, match="moments_dtype"):
         measure_host_step_params_per_s(torch.float16, numel=16)
     with pytest.raises(ValueError, match="numel"):

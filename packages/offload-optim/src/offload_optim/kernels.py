@@ -285,7 +285,11 @@ def speculative_adam_(
 
 
 def measure_host_step_params_per_s(
-    moments_dtype: torch.dtype = torch.float32, numel: int = 64 << 20, *, steps: int = 3
+    moments_dtype: torch.dtype = torch.float32,
+    numel: int = 64 << 20,
+    *,
+    steps: int = 3,
+    host_kernel: str = "torch",
 ) -> float:
     """Host Adam(W) throughput of :func:`fused_adam_` with ``moments_dtype`` moments:
     parameters per second (median of ``steps`` timed steps after one untimed step that
@@ -295,12 +299,20 @@ def measure_host_step_params_per_s(
     torch's fused fp32-moment Adam, e.g. ``memory_optimize(...,
     host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``: bf16
     moments run ~0.6x the fp32 rate on the H200 host. Needs about ``(8 + 2 * moment
-    bytes) * numel`` bytes of host memory.
+    bytes) * numel`` bytes of host memory. ``host_kernel="single_pass"`` times
+    ``offload_optim.single_pass.adam_`` instead (what ``HybridAdam(host_kernel=...)``
+    steps with; needs numba).
     """
     if numel < 1 or steps < 1:
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
     if moments_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
+    if host_kernel not in ("torch", "single_pass"):
+        raise ValueError(f"host_kernel must be 'torch' or 'single_pass', not {host_kernel!r}")
+    if host_kernel == "single_pass":
+        from offload_optim import single_pass  # it imports this module
+
+        single_pass.require()
     param = torch.zeros(numel)
     grad = torch.full((numel,), 1e-3)
     exp_avg = torch.zeros(numel, dtype=moments_dtype)
@@ -310,7 +322,10 @@ def measure_host_step_params_per_s(
     for i in range(steps + 1):
         step = [torch.tensor(float(i + 1))]
         started = time.perf_counter()
-        fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], step, hyper)
+        if host_kernel == "single_pass":
+            single_pass.adam_(param, grad, exp_avg, exp_avg_sq, step[0], hyper)
+        else:
+            fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], step, hyper)
         if i:
             samples.append(time.perf_counter() - started)
     return numel / max(statistics.median(samples), 1e-9)
