@@ -453,6 +453,29 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
             f"| {_cell(by_kind.get('ours_bf16m'))} | {_cell(by_kind.get('ours_hostconv'))} "
             f"| {_cell(by_kind.get('ours_bf16'))} |"
         )
+    # Every variant of ours, with its own prediction (speculation and bf16 moments are
+    # columns of neither table above).
+    variants = [
+        (w, kind, r)
+        for w, by_kind in results.items()
+        for kind, r in by_kind.items()
+        if kind in OURS_KINDS and r.get("ok")
+    ]
+    if variants:
+        lines += [
+            "",
+            "| workload | kind | step / peak | predicted (step / peak) | host step in the loop "
+            "| host threads | undone steps |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for w, kind, r in variants:
+            pred = f"{r['pred_step_ms']:.0f} ms / {r['pred_peak_gib']:.2f} GiB"
+            host = r.get("host_step_ms_in_loop")
+            lines.append(
+                f"| {w} | {kind} | {_cell(r)} | {pred} "
+                f"| {'-' if host is None else f'{host:.0f} ms'} | {r.get('host_threads', '-')} "
+                f"| {r.get('undone_steps', '-')} |"
+            )
     return "\n".join(lines) + "\n"
 
 
