@@ -240,6 +240,8 @@ def _ours(
             out["host_step_span_ms"] = (max(t.end_s for t in host_steps) - first) * 1e3
     if speculate:
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
+        if report is not None:  # the last timed step: how many regions stepped early
+            out["speculated_regions"] = report.speculated_regions
     if profile_dir is not None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -465,8 +467,8 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
         lines += [
             "",
             "| workload | kind | step / peak | predicted (step / peak) | host step in the loop "
-            "| host threads | undone steps |",
-            "|---|---|---|---|---|---|---|",
+            "| host threads | undone steps | regions speculated (last step) |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for w, kind, r in variants:
             pred = f"{r['pred_step_ms']:.0f} ms / {r['pred_peak_gib']:.2f} GiB"
@@ -474,7 +476,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
             lines.append(
                 f"| {w} | {kind} | {_cell(r)} | {pred} "
                 f"| {'-' if host is None else f'{host:.0f} ms'} | {r.get('host_threads', '-')} "
-                f"| {r.get('undone_steps', '-')} |"
+                f"| {r.get('undone_steps', '-')} | {r.get('speculated_regions', '-')} |"
             )
     return "\n".join(lines) + "\n"
 

@@ -340,6 +340,7 @@ def test_regions_landing_after_the_answer_step_in_their_hooks(name: str) -> None
         blocker.release.set()
         report = trainer.amp.last_step  # waits for the hooks' steps
         assert report is not None and report.overlap is OverlapMode.DEVICE_ANSWER
+        assert report.speculated_regions == 0, "hooks stepped only after the answer"
         assert not blocker.timed_out
         if opts.clipping > 0:
             assert report.clip_coef < 1.0 or report.skipped, "the clip factor is used"
@@ -392,6 +393,7 @@ def test_speculative_tail_steps_in_forward_order() -> None:
     assert in_hooks is not None
     order = [t.region for t in in_hooks.region_steps if t.host]
     assert order == sorted(order, reverse=True), "inline hooks step in backward order"
+    assert in_hooks.speculated_regions == len(order), "every host region stepped in its hook"
     expected = masters(inline.module)
     inline.close()
 
@@ -405,6 +407,7 @@ def test_speculative_tail_steps_in_forward_order() -> None:
     assert report is not None and report.overlap is OverlapMode.SPECULATIVE
     host = [t.region for t in report.region_steps if t.host]
     assert host == sorted(order), "all deferred, then stepped in forward order"
+    assert report.speculated_regions == 0
     assert not blocker.timed_out
     got = masters(threaded.module)
     for name, value in expected.items():

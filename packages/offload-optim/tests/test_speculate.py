@@ -345,11 +345,11 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(
     if not host_worker:
         # Inline hooks all run during backward: every host-state region stepped, region 0
         # (poisoned) last, and every one of them was undone.
-        assert report.undone_regions == len(host)
+        assert report.undone_regions == report.speculated_regions == len(host)
         order = [t.region for t in report.region_steps if t.host]
         assert order == sorted(host, reverse=True)
     else:
-        assert 0 <= report.undone_regions <= len(host)
+        assert 0 <= report.undone_regions == report.speculated_regions <= len(host)
     assert_unchanged(trainer, before)
     spec = trainer.train(range(4, 12), head)
     trainer.close()
@@ -382,6 +382,7 @@ def test_speculation_runs_under_backward() -> None:
     host = host_state_regions(trainer.amp)
     early = {t.region for t in report.region_steps if t.host and t.end_s <= report.backward_end_s}
     assert early == set(host)
+    assert report.speculated_regions == len(host) and report.undone_regions == 0
     # How much of the host time came before backward's end is timing (publishes after the
     # commit are the rest, and a loaded machine stretches either): only that some did.
     assert report.hidden_fraction() > 0.0

@@ -261,6 +261,10 @@ class StepReport:
     undone_regions: int = 0
     """Regions whose speculative step (SPECULATIVE_UNDO) this step undid: non-zero only in
     a skipped step. ``region_steps`` still holds those steps' timings: the work was done."""
+    speculated_regions: int = 0
+    """Host-state regions stepped in their hooks before the answer (SPECULATIVE_UNDO:
+    committed or undone) or without one (SPECULATIVE); the others stepped after
+    :meth:`AMPOptimizer.step` had the answer."""
 
     @property
     def host_step_s(self) -> float:
@@ -722,6 +726,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         hypers = self.optimizer.hypers()
         futures: dict[int, Future[None]] = {}
         undone = 0
+        speculated = 0
         # Whether host regions stepped in their hooks depends on thread timing (see the
         # SPECULATIVE tail), so a changed lr is refused whenever one could have.
         early = mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO) and any(
@@ -738,6 +743,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                     "AMPOptimizer(..., overlap=False)"
                 )
             rest = self._notified - self._stepped
+            speculated = len(self._stepped)
             futures = self._step_regions(rest, None, hypers, timings)
         else:
             if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
@@ -783,6 +789,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                         window.answer = _Answer(True, None, hypers, timings, {})
                 # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
                 undone = len(self.optimizer.undo_speculation())
+                speculated = undone
                 if undone:
                     self.undone_steps += 1
             else:
@@ -794,6 +801,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                     # SPECULATIVE_UNDO: those stepped in their hooks are only published now,
                     # in forward order among the rest (else nothing was stepped early).
                     stepped = self.optimizer.commit_speculation()
+                    speculated = len(stepped)
                     futures = self._step_regions(
                         self._notified, grad_scale, hypers, timings, stepped=stepped
                     )
@@ -815,6 +823,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             backward_end_s=None if backward_s is None else backward_s[1],
             step_end_s=time.perf_counter(),
             undone_regions=undone,
+            speculated_regions=speculated,
         )
         self._last_step = None
         self._pending = (report, timings, list(futures.values()))
