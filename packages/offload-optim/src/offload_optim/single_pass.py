@@ -21,8 +21,8 @@ load/store-bound core; a host bound by memory bandwidth moves 20 bytes per param
 instead of 28, which the H200 host has yet to show).
 
 On the 2-core development machine (``benchmarks/single_pass_adam_bench.py --numel 64e6``)
-the in-place kernel runs at torch's rate (0.98-1.01x) and the speculative one at 1.8-1.9x
-it, against 3.4-3.5x for the copies route. Two details decide that: each kernel's loop is
+the in-place kernel runs at about torch's rate (0.98-1.06x its time) and the speculative
+one at 1.85-2.02x, against 3.3-3.5x for the copies route. Two details decide that: each kernel's loop is
 written out over slices of one block (with a shared inlined helper returning a tuple, or
 numba's default error model for division, the loop did not vectorize and ran at half
 torch's rate), and the gradient check is an integer OR of ``g - g != 0``, which
