@@ -103,6 +103,53 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def summarise_backward(
+    trace: dict[str, Any], compute: str, gap_us: float = 300.0, hook_us: float = 500.0
+) -> dict[str, Any]:
+    """Where backward idles the compute stream, from a torch.profiler Chrome trace.
+
+    From the first compute-stream kernel whose name says backward (``bwd``/``backward``)
+    to the stream's last event: its busy time, the idle gaps of at least ``gap_us``
+    between its events (count and total), and the CPU ``AccumulateGrad`` events longer
+    than ``hook_us`` (count and total: those that ran a region's gradient hooks, on the
+    thread that drives backward). Times in ms; empty when no backward kernel is found.
+    """
+    events = [ev for ev in trace.get("traceEvents", []) if ev.get("ph") == "X"]
+    device = sorted(
+        (float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0)), str(ev.get("name", "")))
+        for ev in events
+        if ev.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+        and str(ev.get("args", {}).get("stream", "?")) == compute
+    )
+    first = next(
+        (s for s, _, name in device if "bwd" in name.lower() or "backward" in name.lower()),
+        None,
+    )
+    if first is None:
+        return {}
+    tail = [(s, e) for s, e, _ in device if s >= first]
+    gaps = []
+    reach = tail[0][1]
+    for s, e in tail[1:]:
+        if s - reach >= gap_us:
+            gaps.append(s - reach)
+        reach = max(reach, e)
+    hooks = [
+        float(ev.get("dur", 0.0))
+        for ev in events
+        if ev.get("name") == "torch::autograd::AccumulateGrad"
+        and float(ev.get("dur", 0.0)) > hook_us
+    ]
+    return {
+        "span_ms": (reach - first) / 1e3,
+        "compute_busy_ms": _union_us(tail) / 1e3,
+        "gaps": len(gaps),
+        "gaps_ms": sum(gaps) / 1e3,
+        "long_accumulate_grad": len(hooks),
+        "long_accumulate_grad_ms": sum(hooks) / 1e3,
+    }
+
+
 def summarise_memory(snapshot: dict[str, Any], top: int = 12) -> dict[str, Any]:
     """What was allocated at the peak of a ``torch.cuda.memory._snapshot()`` trace.
 
@@ -218,6 +265,7 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
         json.dump(trace, f)
     trace_path.unlink()
     plan = module.plan
+    streams = summarise_trace(trace)
     result = {
         "phases_ms": {k: round(_median_ms(v), 2) for k, v in phases.items()},
         "total_ms": round(sum(_median_ms(v) for v in phases.values()), 2),
@@ -227,7 +275,8 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
         "pred_peak_gib": plan.predicted_peak_bytes / GiB,
         "placements": "".join(rp.placement.value[0] for rp in plan.regions),
         "states": "".join(rp.state.value[0] for rp in plan.regions),
-        "streams": summarise_trace(trace),
+        "streams": streams,
+        "backward": summarise_backward(trace, str(streams.get("compute_stream"))),
         "memory_at_peak": memory,
     }
     module.close()
@@ -271,7 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarise", default="", help="summarise this Chrome trace and exit")
     args = parser.parse_args(argv)
     if args.summarise:
-        print(json.dumps(summarise_trace(_load_trace(Path(args.summarise))), indent=1))
+        trace = _load_trace(Path(args.summarise))
+        streams = summarise_trace(trace)
+        streams["backward"] = summarise_backward(trace, str(streams.get("compute_stream")))
+        print(json.dumps(streams, indent=1))
         return 0
     run(args)
     return 0

@@ -23,10 +23,11 @@ instead of 28, which the H200 host has yet to show).
 On the 2-core development machine (``benchmarks/single_pass_adam_bench.py --numel 64e6``)
 the in-place kernel runs at about torch's rate (0.98-1.06x its time) and the speculative
 one at 1.85-2.02x, against 3.3-3.5x for the copies route. Two details decide that: each
-kernel's loop is written out over slices of one block (with a shared inlined helper
-returning a tuple, or numba's default error model for division, the loop did not
-vectorize and ran at half torch's rate), and the gradient check is an integer OR of
-``g - g != 0``, which vectorizes without reassociating floating-point sums.
+kernel's loop is written out over slices of one block (a first version with a shared
+inlined helper returning a tuple, or with numba's default error model for division, did
+not vectorize: scalar square roots and divisions in its assembly), and the gradient
+check is an integer OR of ``g - g != 0``, which vectorizes without reassociating
+floating-point sums.
 
 Launches hold a module lock: numba's portable thread pool ("workqueue") must not be
 entered from two threads at once, and the optimizer steps from the host worker and the
