@@ -224,7 +224,9 @@ def test_single_pass_kernels_agree_with_each_other_and_with_torch(
     """Two parallel blocks and a ragged tail. In place and speculative: the same bits, the
     old master in the backup, the old moments untouched, the unscaled gradient written back
     as torch's kernel writes it. Against torch's fused kernel: equal up to rounding."""
-    n = 2 * single_pass.BLOCK_NUMEL + 77
+    from offload_optim._numba_adam import BLOCK  # imports numba
+
+    n = 2 * BLOCK + 77
     gen = torch.Generator().manual_seed(5)
     p = torch.randn(n, generator=gen)
     g = torch.randn(n, generator=gen) * (512 if scaled else 1)

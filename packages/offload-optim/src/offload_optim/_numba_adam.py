@@ -14,7 +14,10 @@ from typing import Any
 import numba  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import numpy as np
 
-BLOCK = 1 << 16  # = single_pass.BLOCK_NUMEL
+BLOCK = 1 << 16
+"""Elements per parallel work item (256 KiB of fp32 per array: a core's L2 holds a block
+of every array a kernel touches). Defined here, not imported: numba's disk cache is
+invalidated by changes to this file only, and a kernel compiles it in as a constant."""
 
 
 @numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]

@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import torch
 
 from offload_optim import single_pass
-from offload_optim.kernels import AdamHyper, fused_adam_, speculative_adam_
+from offload_optim.kernels import HOST_KERNELS, AdamHyper, fused_adam_, speculative_adam_
 from offload_runtime.hardware import available_host_memory_bytes
 from offload_runtime.storage import RegionStorage, region_of
 
@@ -86,7 +86,6 @@ if TYPE_CHECKING:
     from offload_runtime.module import OffloadModule
 
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
-HOST_KERNELS = ("torch", "single_pass")
 
 
 @dataclass(frozen=True)
@@ -480,30 +479,25 @@ class HybridAdam(torch.optim.Optimizer):
             steps = [seg.step for seg in segs]
             torch._foreach_add_(steps, 1.0)
             scale = _scale_tensor(grad_scale, device)
+            pairs = list(zip(segs, cast(list[torch.Tensor], grads), strict=True))
             if self._single_pass(device):
                 # Region segments are flat; a plain tensor that is not contiguous (it never
                 # steps speculatively) takes torch's kernel.
-                rest: list[tuple[_Segment, torch.Tensor | None]] = []
-                for seg, g in zip(segs, grads, strict=True):
-                    assert g is not None
-                    tensors = (seg.param, g, seg.exp_avg, seg.exp_avg_sq)
-                    if not all(t.is_contiguous() for t in tensors):
-                        rest.append((seg, g))
-                        continue
-                    single_pass.adam_(
-                        seg.param, g, seg.exp_avg, seg.exp_avg_sq, seg.step, hyper, scale
-                    )
-                segs = [seg for seg, _ in rest]
-                grads = [g for _, g in rest]
-                steps = [seg.step for seg in segs]
-                if not segs:
-                    continue
-            fused_adam_(
-                [seg.param for seg in segs],
-                cast(list[torch.Tensor], grads),
-                [seg.exp_avg for seg in segs],
-                [seg.exp_avg_sq for seg in segs],
-                steps,
+                fused = []
+                for seg, g in pairs:
+                    if all(t.is_contiguous() for t in (seg.param, g, seg.exp_avg, seg.exp_avg_sq)):
+                        single_pass.adam_(
+                            seg.param, g, seg.exp_avg, seg.exp_avg_sq, seg.step, hyper, scale
+                        )
+                    else:
+                        fused.append((seg, g))
+                pairs = fused
+            fused_adam_(  # returns at once when nothing is left
+                [seg.param for seg, _ in pairs],
+                [g for _, g in pairs],
+                [seg.exp_avg for seg, _ in pairs],
+                [seg.exp_avg_sq for seg, _ in pairs],
+                [seg.step for seg, _ in pairs],
                 hyper,
                 scale,
             )

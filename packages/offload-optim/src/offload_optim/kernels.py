@@ -56,6 +56,10 @@ loaded 2-core test machine 4M ran about 10% faster than 1M). A multiple of
 through a scalar loop whose rounding differs from the vector loop, so chunk edges must fall
 where the unchunked kernel's vector blocks do for the result to be bit-identical."""
 
+HOST_KERNELS = ("torch", "single_pass")
+"""Kernel families that can step host-resident state: torch's fused CPU Adam, or the
+one-pass kernels of ``offload_optim.single_pass`` (numba)."""
+
 SUPPORTED_DEVICE_TYPES = ("cpu", "cuda")
 """Device types with a fused Adam kernel in torch."""
 
@@ -307,8 +311,8 @@ def measure_host_step_params_per_s(
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
     if moments_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
-    if host_kernel not in ("torch", "single_pass"):
-        raise ValueError(f"host_kernel must be 'torch' or 'single_pass', not {host_kernel!r}")
+    if host_kernel not in HOST_KERNELS:
+        raise ValueError(f"host_kernel must be one of {HOST_KERNELS}, not {host_kernel!r}")
     if host_kernel == "single_pass":
         from offload_optim import single_pass  # it imports this module
 

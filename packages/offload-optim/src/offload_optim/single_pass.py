@@ -47,10 +47,6 @@ import torch
 
 from offload_optim.kernels import AdamHyper
 
-BLOCK_NUMEL = 1 << 16
-"""Elements per parallel work item (256 KiB of fp32 per array: a core's L2 holds a block
-of every array a kernel touches)."""
-
 _launch_lock = threading.Lock()
 
 
@@ -212,7 +208,9 @@ def speculative_adam_(
 
     moments = _moments_dtype(exp_avg)
     _, speculative = _kernels(moments == torch.bfloat16)
-    bad = np.zeros((n + BLOCK_NUMEL - 1) // BLOCK_NUMEL, dtype=np.uint8)
+    from offload_optim._numba_adam import BLOCK  # loaded by _kernels already
+
+    bad = np.zeros((n + BLOCK - 1) // BLOCK, dtype=np.uint8)  # one flag per work item
     f32 = torch.float32
     named = (
         (param, "param", f32),
