@@ -16,12 +16,15 @@
 #           all cores and with one core fewer for the host Adam (BENCH_HOST_THREADS) ~4 min
 #   spec    W3 and W2: ours, ours_spec, ours_spec1 (speculation with the single-pass kernel) ~5 min
 #   bf16m   bf16 host moments with torch's route and the single-pass kernel: W3, W4    ~7 min
+#   fidelity the hardware profile's gpu test (copy contention), then W3 and W2: ours,
+#           ours_spec1, fsdp2, torchao (predictions with contention and speculation costs) ~9 min
+#   w4b     W4: ours, ours_bf16m1, torchao                                   ~6 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -68,6 +71,16 @@ case "$phase" in
     mv "$out/W3.json" "$out/W3_bf16m.json"
     bench W4 ours_bf16m1 200
     mv "$out/W4.json" "$out/W4_bf16m1.json" ;;
+  fidelity)
+    python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
+      "$root/packages/offload-runtime/tests/test_hardware.py" 2>&1 | tee "$out/hardware_test.log" | tail -30
+    bench W3 ours,ours_spec1,fsdp2,torchao 100
+    mv "$out/W3.json" "$out/W3_fidelity.json"
+    bench W2 ours,ours_spec1,fsdp2,torchao 90
+    mv "$out/W2.json" "$out/W2_fidelity.json" ;;
+  w4b)
+    bench W4 ours,ours_bf16m1,torchao 200
+    mv "$out/W4.json" "$out/W4_b.json" ;;
   single)
     python3 "$root/benchmarks/single_pass_adam_bench.py" --numel 256e6 --repeats 5 \
       --json "$out/single_pass_adam.json" 2>&1 | tee "$out/single_pass_adam.log" | tail -8 ;;

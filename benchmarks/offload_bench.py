@@ -83,22 +83,37 @@ RESULT_TAG = "BENCH_RESULT "
 # --------------------------------------------------------------------------------------
 
 
-def _timed_steps(step: Any, warmup: int, steps: int) -> list[float]:
+def _timed_steps(
+    step: Any, warmup: int, steps: int, skipped: Any = None, untimed: list[float] | None = None
+) -> list[float]:
+    """Times of ``steps`` steps after ``warmup``. With ``skipped`` (a callable: did the last
+    step skip its update, an fp16 overflow?), skipped steps are not counted: they do no
+    optimizer work, so they would pass for the fastest. Their times go to ``untimed``;
+    at most ``2 * steps`` more steps are taken to replace them."""
     import torch
 
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(steps):
+    times: list[float] = []
+    for _ in range(3 * steps if skipped is not None else steps):
         t0 = time.perf_counter()
         step()
         torch.cuda.synchronize()  # sync point: the step is timed end to end
-        times.append(time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        if skipped is not None and skipped():
+            if untimed is not None:
+                untimed.append(took)
+            continue
+        times.append(took)
+        if len(times) == steps:
+            break
     return times
 
 
 def _fastest5_mean_s(times: list[float]) -> float:
+    if not times:
+        raise RuntimeError("no step was timed: every step after warm-up skipped its update")
     return statistics.mean(sorted(times)[:5])
 
 
@@ -133,6 +148,23 @@ def _ours(
     speculate = kind in ("ours_spec", "ours_spec1")
     bf16_moments = kind in ("ours_bf16m", "ours_bf16m1")
     host_kernel = "single_pass" if kind in ("ours_spec1", "ours_bf16m1") else "torch"
+    moments = torch.bfloat16 if bf16_moments else torch.float32
+    plain_rate = (
+        measure_host_step_params_per_s(moments, host_kernel=host_kernel)
+        if speculate or bf16_moments
+        else None
+    )
+    # A speculative step also writes its undo data: the planner charges the steps taken
+    # under backward this many times a plain one (measured with the kernel that runs them).
+    spec_cost = (
+        max(
+            1.0,
+            (plain_rate or 0.0)
+            / measure_host_step_params_per_s(moments, host_kernel=host_kernel, speculative=True),
+        )
+        if speculate
+        else 1.0
+    )
     t0 = time.perf_counter()
     module = memory_optimize(
         model,
@@ -143,19 +175,14 @@ def _ours(
         progress=False,
         state_on_device=not ablation,
         convert_on_device=False if kind == "ours_hostconv" else None,
-        # Speculating fp16 steps run as their gradients land: plan for that (the simulator
-        # does not charge the speculative step's backup copies).
+        # Speculating fp16 steps run as their gradients land: plan for that.
         host_step_after_backward=False if speculate else None,
+        speculative_step_cost=spec_cost,
         # bf16 moments step slower than the fp32 fused Adam the hardware profile times.
-        host_step_params_per_s=(
-            measure_host_step_params_per_s(torch.bfloat16, host_kernel=host_kernel)
-            if bf16_moments
-            else None
-        ),
+        host_step_params_per_s=plain_rate if bf16_moments else None,
     )
     setup_s = time.perf_counter() - t0
     del model
-    moments = torch.bfloat16 if bf16_moments else torch.float32
     opt = AMPOptimizer(
         HybridAdam(
             module.parameters(),
@@ -178,14 +205,24 @@ def _ours(
         opt.step()
         opt.zero_grad()
 
+    def last_skipped() -> bool:
+        report = opt.last_step
+        return report is not None and report.skipped
+
     waited_before = module.controller.update_wait_s
-    times = _timed_steps(step, warmup, steps)
+    skipped_ms: list[float] = []
+    times = _timed_steps(step, warmup, steps, last_skipped, skipped_ms)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, "setup_s": setup_s}
+    # fp16 overflow skips after warm-up, left out of the timing (they do no host step).
+    out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
+    out["timed_steps"] = len(times)
     out["host_threads"] = torch.get_num_threads()
     # Host optimizer steps run on past step() into the next forward; what that forward had
     # to wait for them is the part of the host step that nothing hid.
     out["forward_waited_for_host_ms_per_step"] = (
-        (module.controller.update_wait_s - waited_before) / (warmup + steps) * 1e3
+        (module.controller.update_wait_s - waited_before)
+        / (warmup + len(times) + len(skipped_ms))
+        * 1e3
     )
     out.update(_memory())
     plan = module.plan
@@ -224,7 +261,10 @@ def _ours(
         "host_convert_gelem": plan_hw.host_convert_elems_per_s / 1e9,
         "op_overhead_us": plan_hw.op_overhead_s * 1e6,
         "device_memory_tbps": plan_hw.device_memory_bytes_per_s / 1e12,
+        "host_copy_contention": plan_hw.host_copy_contention,
     }
+    if speculate:
+        out["speculative_step_cost"] = spec_cost
     report = opt.last_step
     if report is not None and report.region_steps:
         out["host_step_hidden_fraction"] = report.hidden_fraction()

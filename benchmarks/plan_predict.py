@@ -63,6 +63,19 @@ def main(argv: list[str] | None = None) -> int:
         help="where host-state regions change dtype (memory_optimize's convert_on_device); "
         "both: plan each and print both",
     )
+    parser.add_argument(
+        "--host-copy-contention",
+        type=float,
+        default=None,
+        help="fraction of its rate host optimizer work keeps while pinned copies run "
+        "(omitted: the default profile's; 1: none)",
+    )
+    parser.add_argument(
+        "--speculative-step-cost",
+        type=float,
+        default=1.0,
+        help="with --speculate: a step taken under backward costs this many plain ones",
+    )
     parser.add_argument("--with-mask", action="store_true", help="pass an all-ones mask")
     parser.add_argument(
         "--speculate",
@@ -124,13 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         hw = dataclasses.replace(hw, compute_efficiency=args.efficiency)
     if args.hbm_tbps is not None:
         hw = dataclasses.replace(hw, device_memory_bytes_per_s=args.hbm_tbps * 1e12)
+    if args.host_copy_contention is not None:
+        hw = dataclasses.replace(hw, host_copy_contention=args.host_copy_contention)
     print(
         f"hardware: H2D {hw.h2d[-1].bytes_per_s / 1e9:.1f} GB/s, D2H "
         f"{hw.d2h[-1].bytes_per_s / 1e9:.1f} GB/s (1 GB copies), compute "
         f"{hw.compute_flop_per_s / 1e12:.0f} TFLOP/s x {hw.compute_efficiency}, host Adam "
         f"{hw.host_adam_params_per_s / 1e9:.2f} Gparam/s, host conversion "
         f"{hw.host_convert_elems_per_s / 1e9:.1f} Gelem/s, {hw.op_overhead_s * 1e6:.1f} us/op, "
-        f"device memory {hw.device_memory_bytes_per_s / 1e12:.1f} TB/s"
+        f"device memory {hw.device_memory_bytes_per_s / 1e12:.1f} TB/s, host work under "
+        f"copies x{hw.host_copy_contention:.2f}"
     )
     fwd_s = sum(hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in profile.operations)
     bwd_s = sum(hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in profile.operations)
@@ -151,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 int(args.budget_gib * GiB),
                 solver=args.solver,
                 host_step_after_backward=not args.speculate,
+                speculative_step_cost=args.speculative_step_cost,
             )
         except InfeasibleBudgetError as exc:
             print(f"infeasible: least budget {exc.least_budget_bytes / 1e9:.2f} GB")
@@ -165,7 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             f"host memory for region state {pinned / GiB:.1f} GiB"
         )
         # The plan's step is the steady-state period; its timeline is one cold step.
-        ctx = SimulationContext.build(variant, hw, host_step_after_backward=not args.speculate)
+        ctx = SimulationContext.build(
+            variant,
+            hw,
+            host_step_after_backward=not args.speculate,
+            speculative_step_cost=args.speculative_step_cost,
+        )
         asg = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
         cold = get_simulator("async").run(ctx, asg)
         steady = steady_state(ctx, asg, cold)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from optim_helpers import batch, fell, offload_module, tiny_gpt2, train_offload
@@ -67,10 +69,13 @@ def test_bf16_moments_train_close_to_fp32_moments() -> None:
 
 
 def test_host_step_throughput_is_measured_for_both_moment_dtypes() -> None:
-    for dtype in (torch.float32, torch.bfloat16):
-        for kernel in ("torch", "single_pass"):
-            rate = measure_host_step_params_per_s(dtype, numel=1 << 16, steps=2, host_kernel=kernel)
-            assert 1e5 < rate < 1e12, (dtype, kernel, rate)
+    for dtype, kernel, speculative in itertools.product(
+        (torch.float32, torch.bfloat16), ("torch", "single_pass"), (False, True)
+    ):
+        rate = measure_host_step_params_per_s(
+            dtype, numel=1 << 16, steps=2, host_kernel=kernel, speculative=speculative
+        )
+        assert 1e5 < rate < 1e12, (dtype, kernel, speculative, rate)
     with pytest.raises(ValueError, match="host_kernel must be"):
         measure_host_step_params_per_s(torch.float32, numel=16, host_kernel="numba")
     with pytest.raises(ValueError, match="moments_dtype"):

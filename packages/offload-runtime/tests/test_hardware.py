@@ -22,6 +22,7 @@ from offload_runtime.hardware import (
     measure_device_memory_bytes_per_s,
     measure_host_adam_params_per_s,
     measure_host_convert_elems_per_s,
+    measure_host_copy_contention,
     measure_op_overhead_s,
     profile_hardware,
 )
@@ -222,6 +223,7 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda dev: (points, points))
     monkeypatch.setattr(hardware, "measure_peak_matmul_flop_per_s", lambda dev, dtype: 700e12)
     monkeypatch.setattr(hardware, "measure_host_adam_params_per_s", lambda numel: 4e9)
+    monkeypatch.setattr(hardware, "measure_host_copy_contention", lambda dev, numel: 0.7)
     monkeypatch.setattr(hardware, "measure_device_adam_params_per_s", lambda dev: 90e9)
     monkeypatch.setattr(hardware, "measure_device_memory_bytes_per_s", lambda dev: 4.2e12)
     monkeypatch.setattr(hardware, "measure_host_convert_elems_per_s", convert)
@@ -236,6 +238,7 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     assert profile.host_convert_elems_per_s == 9.5e9
     assert profile.op_overhead_s == 21e-6
     assert profile.device_memory_bytes_per_s == 4.2e12
+    assert profile.host_copy_contention == 0.7
     numel, dtype = calls["convert"]
     assert dtype == torch.bfloat16
     assert isinstance(numel, int) and 0 < numel <= 32 * 2**20
@@ -415,6 +418,13 @@ def test_host_adam_throughput_is_positive_and_quick() -> None:
     assert time.perf_counter() - started < 2.0
 
 
+def test_copy_contention_needs_cuda_and_sizes() -> None:
+    with pytest.raises(ValueError, match="CUDA"):
+        measure_host_copy_contention(torch.device("cpu"), 1 << 10)
+    with pytest.raises(ValueError, match="numel"):
+        measure_host_copy_contention(torch.device("cpu"), 0)
+
+
 def test_host_adam_rejects_empty_sizes() -> None:
     with pytest.raises(ValueError, match="numel"):
         measure_host_adam_params_per_s(0)
@@ -448,6 +458,8 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
     assert 0 < profile.compute_efficiency <= 1
     assert profile.host_adam_params_per_s > 1e7
     assert profile.device_adam_params_per_s > profile.host_adam_params_per_s
+    # Copies slow the host step down, but never stop it (0.72 on the H200's host).
+    assert 0.2 < profile.host_copy_contention <= 1
     # A host converts at memory speed: well above 100 M elements/s (10.7 G on the H200's).
     assert profile.host_convert_elems_per_s > 1e8
     # Issuing an operation of the GPT-2-like graph: microseconds (12-17 us per scalar

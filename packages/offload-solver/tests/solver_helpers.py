@@ -32,6 +32,7 @@ def flat_hardware(
     device_adam_params_per_s: float = 1e6,
     host_convert_elems_per_s: float = 0.0,
     device_memory_bytes_per_s: float = 0.0,
+    host_copy_contention: float = 1.0,
 ) -> HardwareProfile:
     """A machine with size-independent copy rates, for hand arithmetic."""
     return HardwareProfile(
@@ -46,6 +47,7 @@ def flat_hardware(
         device_adam_params_per_s=device_adam_params_per_s,
         host_convert_elems_per_s=host_convert_elems_per_s,
         device_memory_bytes_per_s=device_memory_bytes_per_s,
+        host_copy_contention=host_copy_contention,
     )
 
 

@@ -78,6 +78,17 @@ def test_hardware_json_without_the_device_memory_rate_loads_as_unknown() -> None
     assert hw.op_time_s(0, 10**12) == pytest.approx(0.25)
 
 
+def test_hardware_json_without_copy_contention_loads_as_none() -> None:
+    # Profiles cached before the field existed charge host work at its standalone rate.
+    hw = default_hardware()
+    assert hw.host_copy_contention == pytest.approx(0.72)
+    old = json.loads(hw.to_json())
+    del old["host_copy_contention"]
+    loaded = HardwareProfile.from_json(json.dumps(old))
+    assert loaded.host_copy_contention == 1.0
+    assert HardwareProfile.from_json(loaded.to_json()) == loaded
+
+
 @pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
 def test_bad_device_memory_rate_is_named(rate: float) -> None:
     with pytest.raises(ValueError, match="device_memory_bytes_per_s"):

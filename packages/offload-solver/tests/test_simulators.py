@@ -463,3 +463,57 @@ def test_unknown_simulator_is_named() -> None:
         ValueError, match="Simulator 'fast' is not registered; known: 'async', 'sync'"
     ):
         get_simulator("fast")
+
+
+def test_copy_contention_slows_every_host_task() -> None:
+    # The conversion case above with host work at half its standalone rate while copies
+    # run: widen 0.4 s, Adam 0.2 s, publish 0.4 s. Copies still land at 5.2, 7.2, 9.2;
+    # region 0 publishes at [9.8, 10.2] and its parameters go up [10.2, 10.4].
+    hw = flat_hardware(
+        host_adam_params_per_s=1000.0, host_convert_elems_per_s=500.0, host_copy_contention=0.5
+    )
+    res = get_simulator("async").simulate(
+        SimulationContext.build(three_layers(), hw), [RegionAssignment(R, HOST)] * 3
+    )
+    assert _host_spans(res)[-3:] == _approx_spans(
+        [(0, "grad_widen", 9.2, 9.6), (0, "host_step", 9.6, 9.8), (0, "publish", 9.8, 10.2)]
+    )
+    assert res.step_time_s == pytest.approx(10.4)
+
+
+@pytest.mark.parametrize("contention", [0.0, -0.5, 1.5, float("nan")])
+def test_bad_copy_contention_is_named(contention: float) -> None:
+    with pytest.raises(ValueError, match="host_copy_contention"):
+        flat_hardware(host_copy_contention=contention)
+
+
+def test_speculative_steps_cost_more_only_before_backward_ends() -> None:
+    # Three resident host-state regions, no conversions: copies land at 5.2, 7.2 and 9.2
+    # (backward ends at 9). Regions 2 and 1 step in their hooks while copies are still to
+    # come, at 3 x 0.1 s; region 0's copy is the last, so step() steps it after backward
+    # at the plain 0.1 s, and its parameters go up [9.3, 9.5] as without speculation.
+    ctx = SimulationContext.build(
+        three_layers(), flat_hardware(host_adam_params_per_s=1000.0), speculative_step_cost=3.0
+    )
+    res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
+    assert _host_spans(res) == _approx_spans(
+        [(2, "host_step", 5.2, 5.5), (1, "host_step", 7.2, 7.5), (0, "host_step", 9.2, 9.3)]
+    )
+    assert res.step_time_s == pytest.approx(9.5)
+    # Waiting for the answer, nothing speculates: the cost is never charged.
+    waiting = [
+        get_simulator("async").simulate(
+            SimulationContext.build(
+                three_layers(),
+                flat_hardware(host_adam_params_per_s=1000.0),
+                host_step_after_backward=True,
+                speculative_step_cost=cost,
+            ),
+            [RegionAssignment(R, HOST)] * 3,
+        )
+        for cost in (1.0, 3.0)
+    ]
+    assert waiting[0].timeline == waiting[1].timeline
+    for bad in (0.5, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="speculative_step_cost"):
+            SimulationContext.build(three_layers(), flat_hardware(), speculative_step_cost=bad)

@@ -294,6 +294,7 @@ def measure_host_step_params_per_s(
     *,
     steps: int = 3,
     host_kernel: str = "torch",
+    speculative: bool = False,
 ) -> float:
     """Host Adam(W) throughput of :func:`fused_adam_` with ``moments_dtype`` moments:
     parameters per second (median of ``steps`` timed steps after one untimed step that
@@ -305,7 +306,10 @@ def measure_host_step_params_per_s(
     moments run ~0.6x the fp32 rate on the H200 host. Needs about ``(8 + 2 * moment
     bytes) * numel`` bytes of host memory. ``host_kernel="single_pass"`` times
     ``offload_optim.single_pass.adam_`` instead (what ``HybridAdam(host_kernel=...)``
-    steps with; needs numba).
+    steps with; needs numba). ``speculative=True`` times the step that keeps undo data
+    (that kernel's ``speculative_adam_``: what ``AMPOptimizer(speculate_fp16=True)`` runs
+    under backward; ``4 + 2 * moment bytes`` more per parameter): the plain rate over it
+    is ``memory_optimize``'s ``speculative_step_cost``.
     """
     if numel < 1 or steps < 1:
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
@@ -322,11 +326,21 @@ def measure_host_step_params_per_s(
     exp_avg = torch.zeros(numel, dtype=moments_dtype)
     exp_avg_sq = torch.zeros(numel, dtype=moments_dtype)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    spare = (
+        (torch.zeros_like(exp_avg), torch.zeros_like(exp_avg_sq), torch.zeros_like(param))
+        if speculative
+        else None
+    )
     samples = []
     for i in range(steps + 1):
         step = [torch.tensor(float(i + 1))]
         started = time.perf_counter()
-        if host_kernel == "single_pass":
+        if spare is not None:
+            undo_kernel = (
+                single_pass.speculative_adam_ if host_kernel == "single_pass" else speculative_adam_
+            )
+            undo_kernel(param, grad, exp_avg, exp_avg_sq, *spare, step[0], hyper)
+        elif host_kernel == "single_pass":
             single_pass.adam_(param, grad, exp_avg, exp_avg_sq, step[0], hyper)
         else:
             fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], step, hyper)

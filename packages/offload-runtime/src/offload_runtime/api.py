@@ -154,6 +154,7 @@ def memory_optimize(
     host_worker: bool | None = None,
     convert_on_device: bool | None = None,
     host_step_params_per_s: float | None = None,
+    speculative_step_cost: float = 1.0,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -189,6 +190,11 @@ def memory_optimize(
             when it is not torch's fused fp32-moment Adam that the hardware profile
             measures (e.g. ``offload_optim.measure_host_step_params_per_s(torch.bfloat16)``
             for bf16 moments); it replaces the profile's host Adam rate in planning.
+        speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
+            optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
+            how many times longer a speculative host step takes than a plain one: the plain
+            rate over ``offload_optim.measure_host_step_params_per_s(..., speculative=True)``.
+            1 (default): such steps cost what plain ones do (bf16, fp32).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -233,6 +239,7 @@ def memory_optimize(
                 block_search_range_bytes=block_search_range_bytes,
                 host_step_after_backward=after_backward,
                 state_on_device=state_on_device,
+                speculative_step_cost=speculative_step_cost,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)

@@ -10,6 +10,8 @@ on every other one. Here the numbers the solver needs are measured on the device
   rate on the model's own matrix-product shapes relative to it (the efficiency);
 - fused Adam throughput over fp32 tensors on the host and on the device;
 - the host's rate of fp16/bf16 <-> fp32 copies (gradient widening and weight publishing);
+- how much of its fused Adam rate the host keeps while pinned copies run both ways (they
+  share host memory with it);
 - the host-side cost of issuing one operation of a GPT-2-like graph, forward and backward.
 
 A CUDA profile takes a few seconds and is cached as JSON per device, dtype and set of
@@ -79,6 +81,7 @@ __all__ = [
     "measure_hardware",
     "measure_host_adam_params_per_s",
     "measure_host_convert_elems_per_s",
+    "measure_host_copy_contention",
     "measure_matmul_efficiency",
     "measure_op_overhead_s",
     "measure_peak_matmul_flop_per_s",
@@ -105,10 +108,10 @@ _SUPPORTED_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _REPROFILE_ENV = "OFFLOAD_REPROFILE"
-_CACHE_FORMAT = "p3"
+_CACHE_FORMAT = "p4"
 """Version of what a cached profile measures, part of its file name: profiles cached
-before ``device_memory_bytes_per_s`` (p2) or ``host_convert_elems_per_s`` (p1) existed are
-not read, so they are measured again."""
+before ``host_copy_contention`` (p3), ``device_memory_bytes_per_s`` (p2) or
+``host_convert_elems_per_s`` (p1) existed are not read, so they are measured again."""
 _CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 # Bounds that keep a whole CUDA profile to a few seconds.
@@ -125,6 +128,10 @@ _DEVICE_ADAM_NUMEL = 64 * 2**20
 _DEVICE_COPY_BYTES = 2**30
 _ADAM_CHUNK_NUMEL = 8 * 2**20
 _HOST_CONVERT_NUMEL = 32 * 2**20
+_CONTENTION_COPY_BYTES = 256 * 2**20
+_COPY_RATE_HIGH_GUESS = 100e9
+"""Bytes/s: above any pinned copy's rate over PCIe Gen5 x16 (about 55 GB/s measured), so
+that the copies queued under a host Adam step, sized with it, outlast the step."""
 _ISSUE_COST_HIDDEN = 64
 """Hidden size of the per-operation issue-cost graph: small enough that no kernel of it
 takes longer to run than to issue."""
@@ -648,6 +655,10 @@ def measure_hardware(
                 f"fused Adam host {host_adam / 1e9:.2f} Gparam/s, "
                 f"device {device_adam / 1e9:.1f} Gparam/s"
             )
+            contention = measure_host_copy_contention(
+                dev, _fit_numel(_HOST_ADAM_NUMEL, available_host_memory_bytes())
+            )
+            say(f"host Adam keeps {contention:.2f} of its rate while pinned copies run")
             device_memory = measure_device_memory_bytes_per_s(dev)
             say(f"device memory {device_memory / 1e12:.2f} TB/s (read + write)")
             host_convert = measure_host_convert_elems_per_s(
@@ -673,6 +684,7 @@ def measure_hardware(
         op_overhead_s=overhead,
         host_convert_elems_per_s=host_convert,
         device_memory_bytes_per_s=device_memory,
+        host_copy_contention=contention,
     )
 
 
@@ -1019,6 +1031,78 @@ def measure_host_adam_params_per_s(numel: int = _HOST_ADAM_NUMEL, *, steps: int 
         optimizer.step()
         samples.append(time.perf_counter() - started)
     return numel / max(statistics.median(samples), 1e-9)
+
+
+def measure_host_copy_contention(
+    device: torch.device,
+    numel: int = _HOST_ADAM_NUMEL,
+    *,
+    steps: int = 3,
+    copy_bytes: int = _CONTENTION_COPY_BYTES,
+) -> float:
+    """Fraction of its standalone rate fused host Adam keeps while pinned copies run.
+
+    Times ``steps`` fused ``torch.optim.Adam`` steps over ``numel`` fp32 host parameters
+    alone, then ``steps`` more while a host-to-device and a device-to-host stream each copy
+    a ``copy_bytes`` pinned buffer back to back (as the runtime's prefetches and gradient
+    copies do during a step), and returns the ratio of the medians, in (0, 1]. The copies
+    are queued for three times the standalone step (doubled whenever they finished before
+    the step did), so they run for its whole duration. Needs ``16 * numel`` bytes of host
+    memory, ``2 * copy_bytes`` pinned, and ``2 * copy_bytes`` on the device.
+    """
+    if numel < 1 or steps < 1 or copy_bytes < 1:
+        raise ValueError(
+            f"numel ({numel}), steps ({steps}) and copy_bytes ({copy_bytes}) must be >= 1"
+        )
+    dev = _resolve_device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"measure_host_copy_contention needs a CUDA device, got {device!r}")
+    params = _adam_params(numel, torch.device("cpu"))
+    optimizer = torch.optim.Adam(params, lr=1e-3, fused=True)
+    optimizer.step()
+
+    def timed_step() -> float:
+        started = time.perf_counter()
+        optimizer.step()
+        return time.perf_counter() - started
+
+    alone_s = statistics.median(timed_step() for _ in range(steps))
+    up_src, down_dst = (
+        torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
+    )
+    up_dst, down_src = (torch.empty(copy_bytes, dtype=torch.uint8, device=dev) for _ in range(2))
+    up = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+    down = torch.cuda.Stream(dev)  # type: ignore[no-untyped-call]
+    up_dst.copy_(up_src, non_blocking=True)  # first touch of the buffers and streams
+    torch.cuda.synchronize(dev)
+    copy_s = max(copy_bytes / _COPY_RATE_HIGH_GUESS, 1e-6)
+    copies = max(2, math.ceil(3 * alone_s / copy_s))
+    samples: list[float] = []
+    attempts = 0
+    while len(samples) < steps and attempts < 4 * steps:
+        attempts += 1
+        done = []
+        for stream, dst, src in ((up, up_dst, up_src), (down, down_dst, down_src)):
+            with torch.cuda.stream(stream):
+                for _ in range(copies):
+                    dst.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
+                done.append(event)
+        took = timed_step()
+        outlasted = not any(event.query() for event in done)  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize(dev)
+        if outlasted:
+            samples.append(took)
+        else:  # a copy stream ran dry before the step ended: queue more and retry
+            copies *= 2
+    del up_src, down_dst, up_dst, down_src
+    if not samples:
+        raise RuntimeError(
+            "the copies never outlasted a host Adam step; the device's copies seem far "
+            "faster than assumed"
+        )
+    return min(1.0, alone_s / statistics.median(samples))
 
 
 def measure_device_adam_params_per_s(

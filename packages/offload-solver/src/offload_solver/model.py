@@ -356,6 +356,12 @@ class HardwareProfile:
     """Device memory bandwidth, bytes read plus written per second (a large on-device
     copy). Memory-bound operations take at least their estimated traffic over it; 0 means
     unknown: operations are then priced by FLOPs and issue cost alone."""
+    host_copy_contention: float = 1.0
+    """Fraction of its standalone rate the host's memory-bound optimizer work (Adam, dtype
+    conversion) keeps while pinned copies run in both directions (0 < c <= 1; 1 when not
+    measured). Host memory serves both: on the H200 machine of BENCHMARKS.md the fused
+    host Adam kept about 0.72 of its rate. The simulator charges every host-lane task at
+    the contended rate, since an offloaded step's copies run under nearly all of them."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -390,6 +396,11 @@ class HardwareProfile:
                 "HardwareProfile.device_memory_bytes_per_s is "
                 f"{self.device_memory_bytes_per_s}; must be a finite rate >= 0 bytes/s "
                 "(0 when unknown)"
+            )
+        if not 0 < self.host_copy_contention <= 1:
+            raise ValueError(
+                f"HardwareProfile.host_copy_contention is {self.host_copy_contention}; "
+                "must be in (0, 1] (1 when not measured)"
             )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
@@ -463,6 +474,9 @@ class HardwareProfile:
                 ),
                 device_memory_bytes_per_s=float(
                     _get(data, "device_memory_bytes_per_s", (int, float), default=0.0)
+                ),
+                host_copy_contention=float(
+                    _get(data, "host_copy_contention", (int, float), default=1.0)
                 ),
             )
         except TypeError as exc:

@@ -96,6 +96,7 @@ def solve(
     block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
     host_step_after_backward: bool = False,
     state_on_device: bool = True,
+    speculative_step_cost: float = 1.0,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -113,6 +114,11 @@ def solve(
     state]); its timeline is one step on an idle machine.
     ``state_on_device=False`` keeps every region's optimizer state on the host (the
     reference's behaviour, for ablations).
+    ``speculative_step_cost`` (>= 1): how much longer a host step taken in a gradient hook
+    before backward ends takes than a plain one. 1 (default) when such steps are exact
+    (bf16, fp32 training); an fp16 optimizer that speculates and keeps undo data pays more
+    (``offload_optim.measure_host_step_params_per_s(speculative=True)`` against the plain
+    rate). Only used without ``host_step_after_backward``.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -128,6 +134,7 @@ def solve(
         block_search_step_bytes=block_search_step_bytes,
         block_search_range_bytes=block_search_range_bytes,
         host_step_after_backward=host_step_after_backward,
+        speculative_step_cost=speculative_step_cost,
     )
     cap = budget * BUDGET_SAFETY_FACTOR
     stats = SolveStats()

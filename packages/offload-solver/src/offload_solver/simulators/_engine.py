@@ -20,12 +20,16 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
      host_convert_elems_per_s``; none when ``0 < host_grad_bytes_per_param < 4`` is false
      (the runtime sent fp32, widened on the device, or nothing crossed). The region's
      gradient-ready hook runs when this ends (or when the copy lands, with no widening);
-  2. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``;
+  2. ``host_step``: fused Adam, ``numel / host_adam_params_per_s``; a step taken in a
+     gradient hook before backward ends costs ``speculative_step_cost`` times that (an
+     fp16 speculative step also writes what an undo needs);
   3. ``publish``: the fp32 master cast into the training-dtype copy (pinned host
      parameters, or the upload buffer of a RESIDENT region), ``numel /
      host_convert_elems_per_s``; none when ``host_upload_bytes_per_param >= 4`` (the
      runtime uploads the fp32 master itself and narrows it on the device).
-  With ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. When
+  With ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. Every
+  host task is charged at its rate times ``host_copy_contention`` (pinned copies share
+  host memory with it). When
   steps 2-3 run (``offload_optim``'s ``AMPOptimizer``; "bwd_end" is the end of the
   compute lane's backward):
   - ``host_step_after_backward`` (fp16: no region may step before the overflow answer,
@@ -114,6 +118,7 @@ placement).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -210,9 +215,18 @@ class SimulationContext:
         layout: RegionLayout,
         *,
         host_step_after_backward: bool = False,
+        speculative_step_cost: float = 1.0,
     ):
+        if not 1.0 <= speculative_step_cost < math.inf:
+            raise ValueError(
+                f"speculative_step_cost is {speculative_step_cost}; must be a finite ratio >= 1"
+            )
         self.profile = profile
         self.host_step_after_backward = host_step_after_backward
+        self.speculative_step_cost = speculative_step_cost
+        """Cost of a host step taken in a gradient hook before backward ends, relative to a
+        plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
+        also writes its undo data costs more (measure it with the optimizer's kernel)."""
         """Host optimizer steps wait for the end of backward: what an optimizer does when
         the step needs a global answer first (the fp16 overflow check, computed on the
         device as backward runs). Regions whose gradients land after that step as they
@@ -240,15 +254,18 @@ class SimulationContext:
         """Per region, bytes one upload of its parameters moves host-to-device."""
         self.upload_s = [hw.h2d_time_s(b) for b in self.upload_bytes]
         self.grad_d2h_s = [hw.d2h_time_s(n * profile.host_grad_bytes_per_param) for n in self.numel]
-        self.host_step_s = [n / hw.host_adam_params_per_s for n in self.numel]
+        slow = 1.0 / hw.host_copy_contention
+        self.host_step_s = [n / hw.host_adam_params_per_s * slow for n in self.numel]
         # Host conversion passes of a host-state region (see the note); zero when the rate
         # is unknown, so the engine can skip them with one test.
         widens = 0 < profile.host_grad_bytes_per_param < 4
-        self.widen_s = [hw.host_convert_time_s(n) if widens else 0.0 for n in self.numel]
+        self.widen_s = [hw.host_convert_time_s(n) * slow if widens else 0.0 for n in self.numel]
         # Uploading fp32 masters (narrowed on the device) leaves nothing to publish.
         self.publishes = hw.host_convert_elems_per_s > 0 and per_elem < 4
         """Whether host-state regions get a ``publish`` host task after their Adam step."""
-        self.publish_s = [hw.host_convert_time_s(n) if self.publishes else 0.0 for n in self.numel]
+        self.publish_s = [
+            hw.host_convert_time_s(n) * slow if self.publishes else 0.0 for n in self.numel
+        ]
         self.grad_work = [((KIND_GRAD_WIDEN, w),) if w > 0.0 else () for w in self.widen_s]
         """Per region, the host tasks (kind, seconds) run as its gradients land."""
         self.host_work_s = [
@@ -315,12 +332,19 @@ class SimulationContext:
         block_search_step_bytes: int = BLOCK_SEARCH_STEP_BYTES,
         block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
         host_step_after_backward: bool = False,
+        speculative_step_cost: float = 1.0,
     ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
         layout = build_regions(
             profile, step_bytes=block_search_step_bytes, range_bytes=block_search_range_bytes
         )
-        return cls(profile, hardware, layout, host_step_after_backward=host_step_after_backward)
+        return cls(
+            profile,
+            hardware,
+            layout,
+            host_step_after_backward=host_step_after_backward,
+            speculative_step_cost=speculative_step_cost,
+        )
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
         """Largest backward activation level of operations ``lo..hi-1`` (``lo < hi``)."""
@@ -649,11 +673,14 @@ def run(
         host_free = e
         return e, ready
 
-    def update(r: int, ready_s: float, pred: int) -> None:
-        """Place region r's Adam step (and publish), and queue its post-step upload."""
+    early_cost = ctx.speculative_step_cost
+
+    def update(r: int, ready_s: float, pred: int, cost: float = 1.0) -> None:
+        """Place region r's Adam step (``cost`` times its plain duration; and publish), and
+        queue its post-step upload."""
         nonlocal host_free, last_o
         s = ready_s if ready_s > host_free else host_free
-        e = s + hs[r]
+        e = s + hs[r] * cost
         last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, pred)
         host_free = e
         if publishes:
@@ -677,7 +704,7 @@ def run(
                 return
             landed.popleft()
             e, ready = grad_work_of(r, land, ready)
-            update(r, e, ready)
+            update(r, e, ready, early_cost)
 
     for r in range(n_reg - 1, -1, -1):
         reach = t
