@@ -205,9 +205,13 @@ def _ours(
         opt.step()
         opt.zero_grad()
 
+    counted = [opt.step_count]
+
     def last_skipped() -> bool:
-        report = opt.last_step
-        return report is not None and report.skipped
+        # step_count is settled when step() returns; reading opt.last_step instead would
+        # wait for the host steps still queued and take them out of the timed steps.
+        skipped, counted[0] = opt.step_count == counted[0], opt.step_count
+        return skipped
 
     waited_before = module.controller.update_wait_s
     skipped_ms: list[float] = []

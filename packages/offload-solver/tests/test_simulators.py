@@ -465,10 +465,12 @@ def test_unknown_simulator_is_named() -> None:
         get_simulator("fast")
 
 
-def test_copy_contention_slows_every_host_task() -> None:
-    # The conversion case above with host work at half its standalone rate while copies
-    # run: widen 0.4 s, Adam 0.2 s, publish 0.4 s. Copies still land at 5.2, 7.2, 9.2;
-    # region 0 publishes at [9.8, 10.2] and its parameters go up [10.2, 10.4].
+def test_copy_contention_charges_each_region_for_its_copies() -> None:
+    # The conversion case above with host work at half its rate while copies run both
+    # ways: a one-way copy of t seconds costs the host t / 2 * (1 / 0.5 - 1) = t / 2. Each
+    # resident host-state region copies its gradients (0.2 s) and uploads once (0.2 s), so
+    # its Adam step takes 0.1 + 0.2 s. Region 0: widen [9.2, 9.4], Adam [9.4, 9.7], publish
+    # [9.7, 9.9], upload [9.9, 10.1].
     hw = flat_hardware(
         host_adam_params_per_s=1000.0, host_convert_elems_per_s=500.0, host_copy_contention=0.5
     )
@@ -476,9 +478,16 @@ def test_copy_contention_slows_every_host_task() -> None:
         SimulationContext.build(three_layers(), hw), [RegionAssignment(R, HOST)] * 3
     )
     assert _host_spans(res)[-3:] == _approx_spans(
-        [(0, "grad_widen", 9.2, 9.6), (0, "host_step", 9.6, 9.8), (0, "publish", 9.8, 10.2)]
+        [(0, "grad_widen", 9.2, 9.4), (0, "host_step", 9.4, 9.7), (0, "publish", 9.7, 9.9)]
     )
-    assert res.step_time_s == pytest.approx(10.4)
+    assert res.step_time_s == pytest.approx(10.1)
+    # An offloaded region uploads twice a step (forward and backward): 0.1 + 0.3 s.
+    asg = [RegionAssignment(R, HOST), RegionAssignment(R, HOST), RegionAssignment(S, HOST)]
+    spans = _host_spans(
+        get_simulator("async").simulate(SimulationContext.build(three_layers(), hw), asg)
+    )
+    step2 = next((e - s) for r, k, s, e in spans if r == 2 and k == "host_step")
+    assert step2 == pytest.approx(0.4)
 
 
 @pytest.mark.parametrize("contention", [0.0, -0.5, 1.5, float("nan")])

@@ -27,9 +27,16 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
      parameters, or the upload buffer of a RESIDENT region), ``numel /
      host_convert_elems_per_s``; none when ``host_upload_bytes_per_param >= 4`` (the
      runtime uploads the fp32 master itself and narrows it on the device).
-  With ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged. Every
-  host task is charged at its rate times ``host_copy_contention`` (pinned copies share
-  host memory with it). When
+  With ``host_convert_elems_per_s == 0`` (unknown) only the Adam step is charged.
+  Pinned copies share host memory with the host work: ``host_copy_contention`` ``c`` is
+  the fraction of its rate host Adam keeps while copies run both ways at once, so a copy
+  of ``t`` seconds in one direction (half that traffic) costs the host about ``t / 2 *
+  (1 / c - 1)``. Each host-state region's Adam step is charged that for its own copies
+  of the step (its gradient copy, and its uploads: two for an offloaded region, forward
+  and backward, one post-step upload for a resident one), as if every copy overlapped
+  host work, which in an offloaded step nearly all do. Where the copies land in time is
+  not modelled, only their total: the period of the repeating step is what it moves.
+  When
   steps 2-3 run (``offload_optim``'s ``AMPOptimizer``; "bwd_end" is the end of the
   compute lane's backward):
   - ``host_step_after_backward`` (fp16: no region may step before the overflow answer,
@@ -254,18 +261,17 @@ class SimulationContext:
         """Per region, bytes one upload of its parameters moves host-to-device."""
         self.upload_s = [hw.h2d_time_s(b) for b in self.upload_bytes]
         self.grad_d2h_s = [hw.d2h_time_s(n * profile.host_grad_bytes_per_param) for n in self.numel]
-        slow = 1.0 / hw.host_copy_contention
-        self.host_step_s = [n / hw.host_adam_params_per_s * slow for n in self.numel]
+        self.host_step_s = [n / hw.host_adam_params_per_s for n in self.numel]
+        self.copy_contention = (1.0 / hw.host_copy_contention - 1.0) / 2.0
+        """Host seconds a second of one-directional pinned copy costs (see the note)."""
         # Host conversion passes of a host-state region (see the note); zero when the rate
         # is unknown, so the engine can skip them with one test.
         widens = 0 < profile.host_grad_bytes_per_param < 4
-        self.widen_s = [hw.host_convert_time_s(n) * slow if widens else 0.0 for n in self.numel]
+        self.widen_s = [hw.host_convert_time_s(n) if widens else 0.0 for n in self.numel]
         # Uploading fp32 masters (narrowed on the device) leaves nothing to publish.
         self.publishes = hw.host_convert_elems_per_s > 0 and per_elem < 4
         """Whether host-state regions get a ``publish`` host task after their Adam step."""
-        self.publish_s = [
-            hw.host_convert_time_s(n) * slow if self.publishes else 0.0 for n in self.numel
-        ]
+        self.publish_s = [hw.host_convert_time_s(n) if self.publishes else 0.0 for n in self.numel]
         self.grad_work = [((KIND_GRAD_WIDEN, w),) if w > 0.0 else () for w in self.widen_s]
         """Per region, the host tasks (kind, seconds) run as its gradients land."""
         self.host_work_s = [
@@ -674,13 +680,16 @@ def run(
         return e, ready
 
     early_cost = ctx.speculative_step_cost
+    contention = ctx.copy_contention
 
     def update(r: int, ready_s: float, pred: int, cost: float = 1.0) -> None:
-        """Place region r's Adam step (``cost`` times its plain duration; and publish), and
-        queue its post-step upload."""
+        """Place region r's Adam step (``cost`` times its plain duration, plus what its
+        copies of the step cost the host; and publish), and queue its post-step upload."""
         nonlocal host_free, last_o
         s = ready_s if ready_s > host_free else host_free
         e = s + hs[r] * cost
+        if contention:
+            e += contention * (gd[r] + (1 if codes[r] == RESIDENT else 2) * up[r])
         last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, pred)
         host_free = e
         if publishes:
