@@ -469,8 +469,9 @@ def test_copy_contention_charges_each_region_for_its_copies() -> None:
     # The conversion case above with host work at half its rate while copies run both
     # ways: a one-way copy of t seconds costs the host t / 2 * (1 / 0.5 - 1) = t / 2. Each
     # resident host-state region copies its gradients (0.2 s) and uploads once (0.2 s), so
-    # its Adam step takes 0.1 + 0.2 s. Region 0: widen [9.2, 9.4], Adam [9.4, 9.7], publish
-    # [9.7, 9.9], upload [9.9, 10.1].
+    # its Adam step takes 0.1 + 0.2 s; conversions run under copies at half their rate,
+    # 0.4 s. Region 0: widen [9.2, 9.6], Adam [9.6, 9.9], publish [9.9, 10.3], upload
+    # [10.3, 10.5].
     hw = flat_hardware(
         host_adam_params_per_s=1000.0, host_convert_elems_per_s=500.0, host_copy_contention=0.5
     )
@@ -478,9 +479,9 @@ def test_copy_contention_charges_each_region_for_its_copies() -> None:
         SimulationContext.build(three_layers(), hw), [RegionAssignment(R, HOST)] * 3
     )
     assert _host_spans(res)[-3:] == _approx_spans(
-        [(0, "grad_widen", 9.2, 9.4), (0, "host_step", 9.4, 9.7), (0, "publish", 9.7, 9.9)]
+        [(0, "grad_widen", 9.2, 9.6), (0, "host_step", 9.6, 9.9), (0, "publish", 9.9, 10.3)]
     )
-    assert res.step_time_s == pytest.approx(10.1)
+    assert res.step_time_s == pytest.approx(10.5)
     # An offloaded region uploads twice a step (forward and backward): 0.1 + 0.3 s.
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, HOST), RegionAssignment(S, HOST)]
     spans = _host_spans(

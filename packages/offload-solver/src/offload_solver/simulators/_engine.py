@@ -36,6 +36,10 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   and backward, one post-step upload for a resident one), as if every copy overlapped
   host work, which in an offloaded step nearly all do. Where the copies land in time is
   not modelled, only their total: the period of the repeating step is what it moves.
+  The conversion passes (``grad_widen``, ``publish``) run at ``c`` times their rate:
+  they run as gradients land and right before uploads, while copies stream, and they
+  are pure memory traffic (host-conversion W2 measured 829 ms against 561 predicted
+  without this, BENCHMARKS.md).
   When
   steps 2-3 run (``offload_optim``'s ``AMPOptimizer``; "bwd_end" is the end of the
   compute lane's backward):
@@ -266,12 +270,17 @@ class SimulationContext:
         """Host seconds a second of one-directional pinned copy costs (see the note)."""
         # Host conversion passes of a host-state region (see the note); zero when the rate
         # is unknown, so the engine can skip them with one test.
+        # They run as gradients land and right before uploads, so under copies: charged at
+        # the contended rate (see the note).
+        slow = 1.0 / hw.host_copy_contention
         widens = 0 < profile.host_grad_bytes_per_param < 4
-        self.widen_s = [hw.host_convert_time_s(n) if widens else 0.0 for n in self.numel]
+        self.widen_s = [hw.host_convert_time_s(n) * slow if widens else 0.0 for n in self.numel]
         # Uploading fp32 masters (narrowed on the device) leaves nothing to publish.
         self.publishes = hw.host_convert_elems_per_s > 0 and per_elem < 4
         """Whether host-state regions get a ``publish`` host task after their Adam step."""
-        self.publish_s = [hw.host_convert_time_s(n) if self.publishes else 0.0 for n in self.numel]
+        self.publish_s = [
+            hw.host_convert_time_s(n) * slow if self.publishes else 0.0 for n in self.numel
+        ]
         self.grad_work = [((KIND_GRAD_WIDEN, w),) if w > 0.0 else () for w in self.widen_s]
         """Per region, the host tasks (kind, seconds) run as its gradients land."""
         self.host_work_s = [
