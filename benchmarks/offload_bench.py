@@ -132,7 +132,12 @@ def _ours(
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
-    from offload_optim import AMPOptimizer, HybridAdam, measure_host_step_params_per_s
+    from offload_optim import (
+        AMPOptimizer,
+        HybridAdam,
+        measure_host_step_params_per_s,
+        measure_speculative_step_cost,
+    )
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
     from offload_solver import ParamPlacement, StatePlacement
@@ -150,21 +155,13 @@ def _ours(
     host_kernel = "single_pass" if kind in ("ours_spec1", "ours_bf16m1") else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     plain_rate = (
-        measure_host_step_params_per_s(moments, host_kernel=host_kernel)
-        if speculate or bf16_moments
-        else None
+        measure_host_step_params_per_s(moments, host_kernel=host_kernel) if bf16_moments else None
     )
     # A speculative step also writes its undo data: the planner charges the steps taken
-    # under backward this many times a plain one (measured with the kernel that runs them;
-    # the median of three plain/speculative pairs, since one pair varied 1.06-1.57x).
-    spec_cost = 1.0
-    if speculate:
-        ratios = [
-            measure_host_step_params_per_s(moments, host_kernel=host_kernel)
-            / measure_host_step_params_per_s(moments, host_kernel=host_kernel, speculative=True)
-            for _ in range(3)
-        ]
-        spec_cost = max(1.0, statistics.median(ratios))
+    # under backward this many times a plain one (measured with the kernel that runs them).
+    spec_cost = (
+        measure_speculative_step_cost(moments, host_kernel=host_kernel) if speculate else 1.0
+    )
     t0 = time.perf_counter()
     module = memory_optimize(
         model,

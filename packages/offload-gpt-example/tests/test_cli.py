@@ -162,6 +162,39 @@ def test_fp32_offloaded_training_matches_plain_adamw(
     assert float(match.group(1)) == pytest.approx(loss.item(), rel=1e-5)
 
 
+def test_speculate_trains_fp16_with_host_steps_under_backward(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "4"]
+    base += ["--log_dir", str(tmp_path)]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    losses = {}
+    for speculate in (False, True):
+        argv = [*base, "--memory_budget", budget] + (["--speculate"] if speculate else [])
+        code, out, err = _run(argv, capsys)
+        assert code == 0, err
+        loss = LOSS_LINE.search(out)
+        assert loss is not None, out
+        losses[speculate] = float(loss.group(1))
+    # Every host-resident region stepped in its gradient hook, and no step was undone.
+    plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
+    host = sum(rp.state.value == "host" for rp in plan.regions)
+    assert host > 0
+    assert f"speculation: {host} regions stepped under the last backward; 0 steps" in out
+    assert re.search(r"^speculate: host kernel \w+, a speculative step costs", out, re.M)
+    # The same training up to the host kernel's rounding (the single-pass kernel, when
+    # numba is there, rounds differently from torch's; exactness is tested in
+    # offload-optim).
+    assert math.isfinite(losses[True]) and losses[True] < math.log(1024)
+    assert losses[True] == pytest.approx(losses[False], abs=1e-3)
+
+
+def test_speculate_needs_fp16(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run([*TINY, "--dtype", "bf16", "--speculate"], capsys)
+    assert code == 2
+    assert "--speculate applies to --dtype fp16 only" in err
+
+
 def test_run_sh_tees_to_the_reference_log_name(tmp_path: Path) -> None:
     env = {
         **os.environ,

@@ -15,6 +15,7 @@ from offload_optim import (
     HybridAdam,
     fused_adam_,
     measure_host_step_params_per_s,
+    measure_speculative_step_cost,
 )
 
 STEP_TOLERANCE = 0.03
@@ -76,6 +77,11 @@ def test_host_step_throughput_is_measured_for_both_moment_dtypes() -> None:
             dtype, numel=1 << 16, steps=2, host_kernel=kernel, speculative=speculative
         )
         assert 1e5 < rate < 1e12, (dtype, kernel, speculative, rate)
+    for kernel in ("torch", "single_pass"):
+        cost = measure_speculative_step_cost(numel=1 << 16, host_kernel=kernel, pairs=1)
+        assert 1.0 <= cost < 50.0, (kernel, cost)
+    with pytest.raises(ValueError, match="pairs"):
+        measure_speculative_step_cost(numel=16, pairs=0)
     with pytest.raises(ValueError, match="host_kernel must be"):
         measure_host_step_params_per_s(torch.float32, numel=16, host_kernel="numba")
     with pytest.raises(ValueError, match="moments_dtype"):

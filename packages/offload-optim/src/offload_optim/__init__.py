@@ -17,6 +17,7 @@ from offload_optim.kernels import (
     AdamHyper,
     fused_adam_,
     measure_host_step_params_per_s,
+    measure_speculative_step_cost,
     speculative_adam_,
 )
 from offload_optim.scaler import DynamicLossScaler
@@ -33,5 +34,6 @@ __all__ = [
     "StepReport",
     "fused_adam_",
     "measure_host_step_params_per_s",
+    "measure_speculative_step_cost",
     "speculative_adam_",
 ]
