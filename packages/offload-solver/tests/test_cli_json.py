@@ -81,7 +81,7 @@ def test_hardware_json_without_the_device_memory_rate_loads_as_unknown() -> None
 def test_hardware_json_without_copy_contention_loads_as_none() -> None:
     # Profiles cached before the field existed charge host work at its standalone rate.
     hw = default_hardware()
-    assert hw.host_copy_contention == pytest.approx(0.72)
+    assert hw.host_copy_contention == pytest.approx(0.55)
     old = json.loads(hw.to_json())
     del old["host_copy_contention"]
     loaded = HardwareProfile.from_json(json.dumps(old))

@@ -308,8 +308,8 @@ def measure_host_step_params_per_s(
     ``offload_optim.single_pass.adam_`` instead (what ``HybridAdam(host_kernel=...)``
     steps with; needs numba). ``speculative=True`` times the step that keeps undo data
     (that kernel's ``speculative_adam_``: what ``AMPOptimizer(speculate_fp16=True)`` runs
-    under backward; ``4 + 2 * moment bytes`` more per parameter): the plain rate over it
-    is ``memory_optimize``'s ``speculative_step_cost``.
+    under backward; ``4 + 2 * moment bytes`` more per parameter); see
+    :func:`measure_speculative_step_cost` for the ratio the planner takes.
     """
     if numel < 1 or steps < 1:
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")

@@ -192,9 +192,10 @@ def memory_optimize(
             for bf16 moments); it replaces the profile's host Adam rate in planning.
         speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
             optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
-            how many times longer a speculative host step takes than a plain one: the plain
-            rate over ``offload_optim.measure_host_step_params_per_s(..., speculative=True)``.
-            1 (default): such steps cost what plain ones do (bf16, fp32).
+            how many times longer a speculative host step takes than a plain one
+            (``offload_optim.measure_speculative_step_cost(host_kernel=...)`` with the
+            optimizer's kernel). 1 (default): such steps cost what plain ones do (bf16,
+            fp32).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least

@@ -24,9 +24,9 @@ def default_hardware() -> HardwareProfile:
       speed; measure it (12-17 us per operation was measured on the H200's host).
     - Device memory 4.2e12 bytes/s read plus written (4.24e12 measured with a 1 GiB
       on-device copy): memory-bound operations take at least their traffic over it.
-    - Host optimizer work keeps 0.72 of its standalone rate while pinned copies run
-      (``host_copy_contention``; fused host Adam 2.81 against 3.92 Gparam/s measured with
-      and without concurrent copies, BENCHMARKS.md session 13).
+    - Fused host Adam keeps 0.55 of its standalone rate while pinned copies run both ways
+      at once (``host_copy_contention``; 0.52, 0.54 and 0.58 measured by the runtime's
+      profile on three H200 machines, BENCHMARKS.md session 14).
     """
     return HardwareProfile(
         name="default-h200-pcie5",
@@ -54,7 +54,7 @@ def default_hardware() -> HardwareProfile:
         device_adam_params_per_s=50e9,
         host_convert_elems_per_s=11e9,
         device_memory_bytes_per_s=4.2e12,
-        host_copy_contention=0.72,
+        host_copy_contention=0.55,
     )
 
 

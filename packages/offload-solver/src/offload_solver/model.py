@@ -357,11 +357,11 @@ class HardwareProfile:
     copy). Memory-bound operations take at least their estimated traffic over it; 0 means
     unknown: operations are then priced by FLOPs and issue cost alone."""
     host_copy_contention: float = 1.0
-    """Fraction of its standalone rate the host's memory-bound optimizer work (Adam, dtype
-    conversion) keeps while pinned copies run in both directions (0 < c <= 1; 1 when not
-    measured). Host memory serves both: on the H200 machine of BENCHMARKS.md the fused
-    host Adam kept about 0.72 of its rate. The simulator charges every host-lane task at
-    the contended rate, since an offloaded step's copies run under nearly all of them."""
+    """Fraction of its standalone rate fused host Adam keeps while pinned copies run in
+    both directions at once (0 < c <= 1; 1 when not measured). Host memory serves both:
+    the H200 machines of BENCHMARKS.md measured 0.52-0.58. The simulator charges each
+    host-state region's step for its own copies and runs conversion passes at the
+    contended rate ([Note: step model] in ``offload_solver.simulators._engine``)."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:

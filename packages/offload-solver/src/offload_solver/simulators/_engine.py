@@ -234,15 +234,15 @@ class SimulationContext:
             )
         self.profile = profile
         self.host_step_after_backward = host_step_after_backward
-        self.speculative_step_cost = speculative_step_cost
-        """Cost of a host step taken in a gradient hook before backward ends, relative to a
-        plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
-        also writes its undo data costs more (measure it with the optimizer's kernel)."""
         """Host optimizer steps wait for the end of backward: what an optimizer does when
         the step needs a global answer first (the fp16 overflow check, computed on the
         device as backward runs). Regions whose gradients land after that step as they
         land, then the others in forward order. Otherwise each starts when its gradients
         land."""
+        self.speculative_step_cost = speculative_step_cost
+        """Cost of a host step taken in a gradient hook before backward ends, relative to a
+        plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
+        also writes its undo data costs more (measure it with the optimizer's kernel)."""
         self.hardware = hardware
         self.layout = layout
         self.regions: tuple[Region, ...] = layout.regions
