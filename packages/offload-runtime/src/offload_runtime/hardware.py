@@ -1048,7 +1048,8 @@ def measure_host_copy_contention(
     copies do during a step), and returns the ratio of the medians, in (0, 1]. The copies
     are queued for three times the standalone step (doubled whenever they finished before
     the step did), so they run for its whole duration. Needs ``16 * numel`` bytes of host
-    memory, ``2 * copy_bytes`` pinned, and ``2 * copy_bytes`` on the device.
+    memory, ``2 * copy_bytes`` pinned, and ``2 * copy_bytes`` on the device (``copy_bytes``
+    is lowered to fit a quarter of the free memory on either side).
     """
     if numel < 1 or steps < 1 or copy_bytes < 1:
         raise ValueError(
@@ -1067,6 +1068,10 @@ def measure_host_copy_contention(
         return time.perf_counter() - started
 
     alone_s = statistics.median(timed_step() for _ in range(steps))
+    # Two buffers on each side: keep them within a quarter of what is free, as the sweep does.
+    free_device, _ = torch.cuda.mem_get_info(dev)
+    room = min(free_device, available_host_memory_bytes() or free_device) // 8
+    copy_bytes = max(1 << 20, min(copy_bytes, room))
     up_src, down_dst = (
         torch.empty(copy_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)
     )
