@@ -159,9 +159,16 @@ class Speculation:
 
     host_kernel: str
     """``HybridAdam``'s host kernel: ``"single_pass"`` when numba is installed."""
-    plan_kwargs: dict[str, Any]
-    """Extra ``memory_optimize`` / ``solve`` arguments: host steps start as gradients
-    land, each taken under backward costing the measured speculative-step ratio."""
+    cost: float | None
+    """A speculative host step's time over a plain one's (measured); None: off."""
+
+    @property
+    def plan_kwargs(self) -> dict[str, Any]:
+        """Extra ``memory_optimize`` / ``solve`` arguments: with speculation, host steps
+        start as gradients land, each taken under backward costing ``cost`` plain ones."""
+        if self.cost is None:
+            return {}
+        return {"host_step_after_backward": False, "speculative_step_cost": self.cost}
 
     @classmethod
     def choose(cls, speculate: bool, measure_big: bool) -> Speculation:
@@ -169,7 +176,7 @@ class Speculation:
         there (else torch's, said on stderr), and its speculative cost measured now over
         64 M parameters when ``measure_big`` (a GPU run), else 1 M (about a second)."""
         if not speculate:
-            return cls("torch", {})
+            return cls("torch", None)
         kernel = "single_pass" if single_pass.available() else "torch"
         if kernel == "torch":
             print(
@@ -182,7 +189,7 @@ class Speculation:
             numel=(64 if measure_big else 1) << 20, host_kernel=kernel
         )
         print(f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one")
-        return cls(kernel, {"host_step_after_backward": False, "speculative_step_cost": cost})
+        return cls(kernel, cost)
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:

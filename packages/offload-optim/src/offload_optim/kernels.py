@@ -34,8 +34,9 @@ from __future__ import annotations
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -311,8 +312,21 @@ def measure_host_step_params_per_s(
     under backward; ``4 + 2 * moment bytes`` more per parameter); see
     :func:`measure_speculative_step_cost` for the ratio the planner takes.
     """
-    if numel < 1 or steps < 1:
-        raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
+    if steps < 1:
+        raise ValueError(f"steps ({steps}) must be >= 1")
+    median_s = _host_step_timer(moments_dtype, numel, host_kernel)
+    return numel / max(median_s(speculative, steps), 1e-9)
+
+
+def _host_step_timer(
+    moments_dtype: torch.dtype, numel: int, host_kernel: str
+) -> Callable[[bool, int], float]:
+    """Buffers for timing host Adam steps over ``numel`` parameters, allocated once, and
+    a function ``(speculative, steps) -> median seconds`` of ``steps`` timed steps after
+    one untimed one (which touches every page it writes). The spare buffers of the
+    speculative step are allocated at its first use."""
+    if numel < 1:
+        raise ValueError(f"numel ({numel}) must be >= 1")
     if moments_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
     if host_kernel not in HOST_KERNELS:
@@ -321,32 +335,46 @@ def measure_host_step_params_per_s(
         from offload_optim import single_pass  # it imports this module
 
         single_pass.require()
+        plain: Callable[..., Any] = single_pass.adam_
+        undo: Callable[..., Any] = single_pass.speculative_adam_
+    else:
+        plain, undo = _fused_one, speculative_adam_
     param = torch.zeros(numel)
     grad = torch.full((numel,), 1e-3)
     exp_avg = torch.zeros(numel, dtype=moments_dtype)
     exp_avg_sq = torch.zeros(numel, dtype=moments_dtype)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
-    spare = (
-        (torch.zeros_like(exp_avg), torch.zeros_like(exp_avg_sq), torch.zeros_like(param))
-        if speculative
-        else None
-    )
-    samples = []
-    for i in range(steps + 1):
-        step = [torch.tensor(float(i + 1))]
-        started = time.perf_counter()
-        if spare is not None:
-            undo_kernel = (
-                single_pass.speculative_adam_ if host_kernel == "single_pass" else speculative_adam_
-            )
-            undo_kernel(param, grad, exp_avg, exp_avg_sq, *spare, step[0], hyper)
-        elif host_kernel == "single_pass":
-            single_pass.adam_(param, grad, exp_avg, exp_avg_sq, step[0], hyper)
-        else:
-            fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], step, hyper)
-        if i:
-            samples.append(time.perf_counter() - started)
-    return numel / max(statistics.median(samples), 1e-9)
+    spare: list[torch.Tensor] = []
+
+    def median_s(speculative: bool, steps: int) -> float:
+        if speculative and not spare:
+            spare.extend((torch.zeros_like(exp_avg), torch.zeros_like(exp_avg_sq)))
+            spare.append(torch.zeros_like(param))
+        samples = []
+        for i in range(steps + 1):
+            step = torch.tensor(float(i + 1))
+            started = time.perf_counter()
+            if speculative:
+                undo(param, grad, exp_avg, exp_avg_sq, *spare, step, hyper)
+            else:
+                plain(param, grad, exp_avg, exp_avg_sq, step, hyper)
+            if i:
+                samples.append(time.perf_counter() - started)
+        return statistics.median(samples)
+
+    return median_s
+
+
+def _fused_one(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+) -> None:
+    """:func:`fused_adam_` of one tensor, with the signature of ``single_pass.adam_``."""
+    fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], [step], hyper)
 
 
 def measure_speculative_step_cost(
@@ -360,19 +388,15 @@ def measure_speculative_step_cost(
     ``memory_optimize(..., speculative_step_cost=)`` should charge the fp16 host steps
     that ``AMPOptimizer(speculate_fp16=True)`` takes under backward.
 
-    The median, over ``pairs`` back-to-back pairs, of the plain rate over the speculative
-    rate of :func:`measure_host_step_params_per_s` with the same arguments (one pair
-    varies a lot on a shared host: 1.06x and 1.57x were measured minutes apart on the
-    H200's). On that host: about 1.5 with ``host_kernel="single_pass"``, 2.5 with torch's
-    kernel. Needs about ``(12 + 4 * moment bytes) * numel`` bytes of host memory.
+    The median, over ``pairs`` back-to-back pairs on one set of buffers, of the time of
+    a speculative step over that of a plain one (each the median of 3 steps, as in
+    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host: 1.06x
+    and 1.57x were measured minutes apart on the H200's). On that host: about 1.5 with
+    ``host_kernel="single_pass"``, 2.5 with torch's kernel. Needs about ``(12 + 4 *
+    moment bytes) * numel`` bytes of host memory.
     """
     if pairs < 1:
         raise ValueError(f"pairs ({pairs}) must be >= 1")
-    ratios = [
-        measure_host_step_params_per_s(moments_dtype, numel, host_kernel=host_kernel)
-        / measure_host_step_params_per_s(
-            moments_dtype, numel, host_kernel=host_kernel, speculative=True
-        )
-        for _ in range(pairs)
-    ]
+    median_s = _host_step_timer(moments_dtype, numel, host_kernel)
+    ratios = [median_s(True, 3) / max(median_s(False, 3), 1e-9) for _ in range(pairs)]
     return max(1.0, statistics.median(ratios))

@@ -104,14 +104,15 @@ def _constants(hyper: AdamHyper, step: float, grad_scale: torch.Tensor | None) -
 
 
 def _flat(t: torch.Tensor, what: str, dtype: torch.dtype = torch.float32) -> Any:
-    """``t`` as a flat numpy array sharing its memory; bf16 as its bits (uint16)."""
+    """``t`` as a flat numpy array sharing its memory; bf16 and fp16 as their bits
+    (uint16: numba has neither type)."""
     if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
         raise ValueError(
             f"single-pass Adam steps contiguous host tensors, {dtype} here; {what} is "
             f"{t.dtype} on {t.device}{'' if t.is_contiguous() else ', not contiguous'}"
         )
     flat = t.view(-1)
-    if dtype == torch.bfloat16:
+    if dtype in (torch.bfloat16, torch.float16):
         import numpy as np
 
         return flat.view(torch.int16).numpy().view(np.uint16)

@@ -1022,15 +1022,23 @@ def measure_host_adam_params_per_s(numel: int = _HOST_ADAM_NUMEL, *, steps: int 
     """
     if numel < 1 or steps < 1:
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
+    timed_step = _timed_host_adam(numel)
+    return numel / max(statistics.median(timed_step() for _ in range(steps)), 1e-9)
+
+
+def _timed_host_adam(numel: int) -> Callable[[], float]:
+    """A fused ``torch.optim.Adam`` over ``numel`` fp32 host parameters, stepped once
+    (which allocates the moments), and a function that times one more step in seconds."""
     params = _adam_params(numel, torch.device("cpu"))
     optimizer = torch.optim.Adam(params, lr=1e-3, fused=True)
     optimizer.step()
-    samples = []
-    for _ in range(steps):
+
+    def timed_step() -> float:
         started = time.perf_counter()
         optimizer.step()
-        samples.append(time.perf_counter() - started)
-    return numel / max(statistics.median(samples), 1e-9)
+        return time.perf_counter() - started
+
+    return timed_step
 
 
 def measure_host_copy_contention(
@@ -1058,15 +1066,7 @@ def measure_host_copy_contention(
     dev = _resolve_device(device)
     if dev.type != "cuda":
         raise ValueError(f"measure_host_copy_contention needs a CUDA device, got {device!r}")
-    params = _adam_params(numel, torch.device("cpu"))
-    optimizer = torch.optim.Adam(params, lr=1e-3, fused=True)
-    optimizer.step()
-
-    def timed_step() -> float:
-        started = time.perf_counter()
-        optimizer.step()
-        return time.perf_counter() - started
-
+    timed_step = _timed_host_adam(numel)
     alone_s = statistics.median(timed_step() for _ in range(steps))
     # Two buffers on each side: keep them within a quarter of what is free, as the sweep does.
     free_device, _ = torch.cuda.mem_get_info(dev)
