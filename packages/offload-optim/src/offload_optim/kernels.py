@@ -390,8 +390,9 @@ def measure_speculative_step_cost(
 
     The median, over ``pairs`` back-to-back pairs on one set of buffers, of the time of
     a speculative step over that of a plain one (each the median of 3 steps, as in
-    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host: 1.06x
-    and 1.57x were measured minutes apart on the H200's). On that host: about 1.5 with
+    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host:
+    1.06x and 1.57x were measured by two benchmark runs on H200 hosts, BENCHMARKS.md
+    session 14). On that host: about 1.5 with
     ``host_kernel="single_pass"``, 2.5 with torch's kernel. Needs about ``(12 + 4 *
     moment bytes) * numel`` bytes of host memory.
     """
