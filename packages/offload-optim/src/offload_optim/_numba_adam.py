@@ -13,6 +13,9 @@ from typing import Any
 
 import numba  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import numpy as np
+from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused-ignore]
+from numba import types
+from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 BLOCK = 1 << 16
 """Elements per parallel work item (256 KiB of fp32 per array: a core's L2 holds a block
@@ -157,4 +160,99 @@ def speculative_bf16(
             ms2[i] = _narrow(bits[i])
         for i in range(k):
             vs2[i] = _narrow(bits[k + i])
+        bad[blk] = flag
+
+
+# fp16 gradients in, fp16 upload copy out (HybridAdam(fp16_io=True)): the gradient is read
+# as fp16 bits and widened, and the new master is narrowed into the training-dtype copy
+# that the runtime uploads, in the same pass. numba has no float16 type; these two
+# intrinsics emit LLVM's half conversions, which x86 CPUs with F16C run as vcvtph2ps /
+# vcvtps2ph (round to nearest even, as torch's .half()), vectorized with the loop. On a
+# CPU without them LLVM calls a runtime helper that the JIT may not link:
+# single_pass.fp16_io_available() compiles and checks them once before they are used.
+
+
+def _widen16_typer(typingctx: Any, bits: Any) -> Any:
+    sig = types.float32(types.uint16)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def _narrow16_typer(typingctx: Any, x: Any) -> Any:
+    sig = types.uint16(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+_widen16: Any = intrinsic(_widen16_typer)
+_narrow16: Any = intrinsic(_narrow16_typer)
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def convert16(src: Any, wide: Any, narrow: Any, to_wide: Any) -> None:
+    """fp16 bits to fp32 (``to_wide``) or fp32 to fp16 bits, with the kernels'
+    conversions: what ``single_pass.fp16_io_available`` checks against torch."""
+    if to_wide:
+        for i in numba.prange(src.shape[0]):
+            wide[i] = _widen16(src[i])
+    else:
+        for i in numba.prange(wide.shape[0]):
+            narrow[i] = _narrow16(wide[i])
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any) -> None:
+    decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
+    step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
+    n = p.shape[0]
+    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+        s = blk * BLOCK
+        e = min(n, s + BLOCK)
+        ps, hs, ms, vs, outs = p[s:e], g16[s:e], m[s:e], v[s:e], p16[s:e]
+        for i in range(e - s):
+            gi = _widen16(hs[i]) / scale
+            pi = ps[i]
+            gi = gi + l2 * pi
+            mi = ms[i] + omb1 * (gi - ms[i])
+            vi = b2 * vs[i] + omb2 * gi * gi
+            pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+            ps[i] = pn
+            ms[i] = mi
+            vs[i] = vi
+            outs[i] = _narrow16(pn)  # p16 may be g16 itself: element i was read above
+
+
+@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+def speculative_fp16_io(
+    p: Any, g16: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, p16: Any, bad: Any, c: Any
+) -> None:
+    decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
+    step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
+    n = p.shape[0]
+    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+        s = blk * BLOCK
+        e = min(n, s + BLOCK)
+        ps, hs, ms, vs, outs = p[s:e], g16[s:e], m[s:e], v[s:e], p16[s:e]
+        bs, ms2, vs2 = bak[s:e], m2[s:e], v2[s:e]
+        flag = 0
+        for i in range(e - s):
+            raw = _widen16(hs[i])
+            flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+            gi = raw / scale
+            pi = ps[i]
+            bs[i] = pi
+            gi = gi + l2 * pi
+            mi = ms[i] + omb1 * (gi - ms[i])
+            vi = b2 * vs[i] + omb2 * gi * gi
+            pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+            ps[i] = pn
+            ms2[i] = mi
+            vs2[i] = vi
+            outs[i] = _narrow16(pn)
         bad[blk] = flag

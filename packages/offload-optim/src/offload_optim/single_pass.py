@@ -225,3 +225,142 @@ def speculative_adam_(
     arrays = [_flat(t, name, dtype) for t, name, dtype in named]
     _launch(speculative, *arrays, bad, _constants(hyper, float(step), grad_scale))
     return torch.tensor(math.inf if bad.any() else 0.0, dtype=torch.float32)
+
+
+@cache
+def fp16_io_available() -> bool:
+    """Whether the fp16-in/fp16-out kernels compile here and convert exactly as torch.
+
+    They widen and narrow with the CPU's half-precision instructions (F16C on x86; see
+    _numba_adam.py). Checked once: every fp16 value widened, and fp32 values around every
+    rounding case (ties, subnormals, overflow, inf, NaN) narrowed, against torch's
+    conversions. False without numba or when the check fails.
+    """
+    if not available():
+        return False
+    import numpy as np
+
+    try:
+        from offload_optim import _numba_adam
+
+        every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+        halves = every.view(torch.float16)
+        wide = np.empty(every.numel(), np.float32)
+        narrow = np.empty(0, np.uint16)
+        bits = every.numpy().view(np.uint16)
+        with _launch_lock:
+            _numba_adam.convert16(bits, wide, narrow, True)
+        got = torch.from_numpy(wide)
+        want = halves.float()
+        same_wide = bool(torch.equal(got.isnan(), want.isnan())) and bool(
+            torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+        )
+        # Midpoints between neighbouring fp16 values (ties), and values just either side.
+        finite = want[want.isfinite()].sort().values  # +0 and -0 twice: harmless
+        mids = (finite[:-1].double() + finite[1:].double()) / 2
+        probe = torch.cat(
+            [
+                finite,
+                mids.float(),
+                torch.nextafter(mids.float(), torch.tensor(math.inf)),
+                torch.nextafter(mids.float(), torch.tensor(-math.inf)),
+                torch.tensor([65520.0, -65520.0, 1e6, math.inf, -math.inf, 1e-9, -1e-9]),
+            ]
+        )
+        out = np.empty(probe.numel(), np.uint16)
+        with _launch_lock:
+            _numba_adam.convert16(bits[:0], probe.numpy(), out, False)
+        same_narrow = bool(
+            torch.equal(torch.from_numpy(out.view(np.int16)), probe.half().view(torch.int16))
+        )
+    except Exception:  # no F16C lowering, a JIT that cannot link the helper: not offered
+        return False
+    return same_wide and same_narrow
+
+
+def require_fp16_io() -> None:
+    """Raise RuntimeError when :func:`fp16_io_available` is False, saying why it matters."""
+    require()
+    if not fp16_io_available():
+        raise RuntimeError(
+            "fp16_io needs the CPU's half-precision conversions in numba's kernels, and "
+            "they failed to compile or to match torch's rounding on this machine; build "
+            "HybridAdam without fp16_io (the host then widens and narrows in separate passes)"
+        )
+
+
+def _fp16_args(
+    param: torch.Tensor, grad16: torch.Tensor, exp_avg: torch.Tensor, param16: torch.Tensor
+) -> list[Any]:
+    require_fp16_io()
+    _check_numel(param.numel(), grad16=grad16, exp_avg=exp_avg, param16=param16)
+    if exp_avg.dtype != torch.float32:
+        raise ValueError(f"fp16_io steps keep fp32 moments, not {exp_avg.dtype}")
+    return [_flat(param, "param"), _flat(grad16, "grad16", torch.float16)]
+
+
+@torch.no_grad()
+def adam_fp16_io_(
+    param: torch.Tensor,
+    grad16: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    param16: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+    grad_scale: torch.Tensor | None = None,
+) -> None:
+    """:func:`adam_` from an fp16 gradient, writing the new master's fp16 copy too.
+
+    ``grad16`` is widened (exact) and divided by ``grad_scale`` in the pass, and is not
+    written; ``param16`` receives the new fp32 ``param`` rounded to fp16 (nearest even,
+    as ``param.half()``). ``param16`` may be ``grad16`` itself. Master and moments equal
+    :func:`adam_`'s on ``grad16.float()`` bit for bit. fp32 moments only.
+    """
+    arrays = _fp16_args(param, grad16, exp_avg, param16)
+    arrays += [
+        _flat(exp_avg, "exp_avg"),
+        _flat(exp_avg_sq, "exp_avg_sq"),
+        _flat(param16, "param16", torch.float16),
+    ]
+    from offload_optim import _numba_adam
+
+    _launch(_numba_adam.in_place_fp16_io, *arrays, _constants(hyper, float(step), grad_scale))
+
+
+@torch.no_grad()
+def speculative_adam_fp16_io_(
+    param: torch.Tensor,
+    grad16: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    next_avg: torch.Tensor,
+    next_avg_sq: torch.Tensor,
+    backup: torch.Tensor,
+    param16: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+    grad_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`speculative_adam_` from an fp16 gradient, writing ``param16`` as
+    :func:`adam_fp16_io_` does (an undo must rewrite it from the restored master).
+    Returns the overflow partial (``inf`` when an element of ``grad16`` is not finite)."""
+    arrays = _fp16_args(param, grad16, exp_avg, param16)
+    _check_numel(param.numel(), next_avg=next_avg, next_avg_sq=next_avg_sq, backup=backup)
+    import numpy as np
+
+    from offload_optim import _numba_adam
+
+    n = param.numel()
+    bad = np.zeros((n + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK, dtype=np.uint8)
+    arrays += [
+        _flat(exp_avg, "exp_avg"),
+        _flat(exp_avg_sq, "exp_avg_sq"),
+        _flat(backup, "backup"),
+        _flat(next_avg, "next_avg"),
+        _flat(next_avg_sq, "next_avg_sq"),
+        _flat(param16, "param16", torch.float16),
+    ]
+    constants = _constants(hyper, float(step), grad_scale)
+    _launch(_numba_adam.speculative_fp16_io, *arrays, bad, constants)
+    return torch.tensor(math.inf if bad.any() else 0.0, dtype=torch.float32)
