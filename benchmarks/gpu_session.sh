@@ -19,12 +19,15 @@
 #   fidelity the hardware profile's gpu test (copy contention), then W3 and W2: ours,
 #           ours_spec1, fsdp2, torchao (predictions with contention and speculation costs) ~9 min
 #   w4b     W4: ours, ours_bf16m1, torchao                                   ~6 min
+#   io3     the single phase, then W3: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2,
+#           torchao (fp16 across PCIe, converted inside the host step)           ~7 min
+#   io2     W2: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2, torchao          ~5 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|io3|io2|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -86,5 +89,12 @@ case "$phase" in
   single)
     python3 "$root/benchmarks/single_pass_adam_bench.py" --numel 256e6 --repeats 5 \
       --json "$out/single_pass_adam.json" 2>&1 | tee "$out/single_pass_adam.log" | tail -8 ;;
+  io3)
+    bash "$0" single "$out"
+    bench W3 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 100
+    mv "$out/W3.json" "$out/W3_io.json" ;;
+  io2)
+    bench W2 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 90
+    mv "$out/W2.json" "$out/W2_io.json" ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac

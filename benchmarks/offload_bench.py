@@ -22,6 +22,10 @@ Kinds:
                 step writes its undo data in the same pass
     ours_spec   ours with AMPOptimizer(speculate_fp16=True): fp16 host steps speculate under
                 backward and are undone exactly on overflow (12 B/param more host memory)
+    ours_io     ours with HybridAdam(host_kernel="single_pass", fp16_io=True): fp16 across
+                PCIe, widened and narrowed inside the host step (planned with the
+                measured rate of that kernel and no conversion passes)
+    ours_io_spec1  ours_io that speculates as ours_spec1 does
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
     full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam (speed ceiling);
@@ -72,6 +76,8 @@ OURS_KINDS = (
     "ours_hostconv",
     "ours_spec",
     "ours_spec1",
+    "ours_io",
+    "ours_io_spec1",
     "ablation",
 )
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
@@ -155,18 +161,25 @@ def _ours(
     model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
     ablation = kind == "ablation"
-    speculate = kind in ("ours_spec", "ours_spec1")
+    speculate = kind in ("ours_spec", "ours_spec1", "ours_io_spec1")
     bf16_moments = kind in ("ours_bf16m", "ours_bf16m1")
-    host_kernel = "single_pass" if kind in ("ours_spec1", "ours_bf16m1") else "torch"
+    fp16_io = kind in ("ours_io", "ours_io_spec1")
+    single = kind in ("ours_spec1", "ours_bf16m1", "ours_io", "ours_io_spec1")
+    host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
-    # bf16 moments step slower than the fp32 fused Adam the hardware profile times.
-    bf16_rate = (
-        measure_host_step_params_per_s(moments, host_kernel=host_kernel) if bf16_moments else None
+    # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam
+    # the hardware profile times.
+    host_rate = (
+        measure_host_step_params_per_s(moments, host_kernel=host_kernel, fp16_io=fp16_io)
+        if bf16_moments or fp16_io
+        else None
     )
     # A speculative step also writes its undo data: the planner charges the steps taken
     # under backward this many times a plain one (measured with the kernel that runs them).
     spec_cost = (
-        measure_speculative_step_cost(moments, host_kernel=host_kernel) if speculate else 1.0
+        measure_speculative_step_cost(moments, host_kernel=host_kernel, fp16_io=fp16_io)
+        if speculate
+        else 1.0
     )
     t0 = time.perf_counter()
     module = memory_optimize(
@@ -181,7 +194,8 @@ def _ours(
         # Speculating fp16 steps run as their gradients land: plan for that.
         host_step_after_backward=False if speculate else None,
         speculative_step_cost=spec_cost,
-        host_step_params_per_s=bf16_rate,
+        host_step_params_per_s=host_rate,
+        fp16_io=fp16_io,
     )
     setup_s = time.perf_counter() - t0
     del model
@@ -191,6 +205,7 @@ def _ours(
             lr=1e-4,
             moments_dtype=moments,
             host_kernel=host_kernel,
+            fp16_io=fp16_io,
         ),
         module,
         overlap=not ablation,

@@ -324,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         c = single_pass._constants(hyper, float(k), scale)
         fp16_io(p_np, pb_np, g16_np, m_np, v_np, p16_np, c)
 
+    def single_fp16_io_f16c(k: int) -> None:
+        # The package's kernel (HybridAdam(fp16_io=True)): the CPU's half conversions.
+        single_pass.adam_fp16_io_(p, g16_t, m, v, p16_t, step_t(k), hyper, scale)
+
     g_wide = torch.empty(n)
 
     def single_fp16_unfused(k: int) -> None:
@@ -353,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         ("single_backup", single_backup),
         ("single_ping_pong", single_ping_pong),
         ("single_fp16_io", single_fp16_io),
+        ("single_fp16_io_f16c", single_fp16_io_f16c),
         ("single_fp16_unfused", single_fp16_unfused),
         ("torch_bf16_moments", torch_bf16),
         ("single_in_place_bf16_moments", single_in_place_bf16),

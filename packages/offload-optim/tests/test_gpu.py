@@ -24,7 +24,7 @@ from optim_helpers import (
 )
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
 from offload_runtime.module import OffloadModule
 
 pytestmark = pytest.mark.gpu
@@ -347,3 +347,55 @@ def test_gpt2_xl_host_step_hides_under_backward(
         gc.collect()
     assert not failures, failures
     module.close()
+
+
+@pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
+@pytest.mark.parametrize("speculate", [False, True], ids=["after_backward", "speculate"])
+def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool) -> None:
+    """fp16 on CUDA with HybridAdam(fp16_io=True): the host steps read the fp16 gradients
+    from the pinned staging buffers the d2h copies filled and write the upload copies the
+    h2d copies read. Losses, masters and skip decisions equal the single-pass run without
+    fp16 I/O bit for bit over 8 steps, one of them overflowing on the device (undone, when
+    speculating)."""
+    model = tiny_gpt2()
+    results: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
+    for fp16_io in (True, False):
+        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
+        assert any(st.host_state and st.offloaded for st in module.storages)
+        assert any(st.host_state and not st.offloaded for st in module.storages)
+        poison = {"now": False}
+
+        def when(r: int, p: dict[str, Any] = poison) -> bool:
+            return bool(p["now"]) and r == 0
+
+        overflow_on_device(module, when)
+        opt = HybridAdam(
+            module.parameters(),
+            lr=1e-3,
+            weight_decay=0.01,
+            host_kernel="single_pass",
+            fp16_io=fp16_io,
+        )
+        amp = AMPOptimizer(
+            opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=speculate
+        )
+        losses: list[torch.Tensor] = []
+        skipped: list[bool] = []
+        for step in range(8):
+            amp.zero_grad()
+            poison["now"] = step == 5
+            b = cuda_batch(step)
+            loss = loss_of(module(**b), b["input_ids"])
+            amp.backward(loss)
+            losses.append(loss.detach())
+            amp.step()
+            report = amp.last_step
+            assert report is not None
+            skipped.append(report.skipped)
+        results[fp16_io] = ([float(x) for x in losses], masters(module), skipped)
+        module.close()
+    assert results[True][2] == [False] * 5 + [True] + [False] * 2
+    assert results[True][2] == results[False][2]
+    assert results[True][0] == results[False][0]
+    for name, value in results[False][1].items():
+        assert torch.equal(results[True][1][name], value), name

@@ -64,6 +64,7 @@ class Trainer:
         dtype: torch.dtype = torch.float16,
         convert_on_device: bool = False,
         host_kernel: str = "torch",
+        fp16_io: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -88,6 +89,7 @@ class Trainer:
                 weight_decay=WD,
                 moments_dtype=moments,
                 host_kernel=host_kernel,
+                fp16_io=fp16_io,
             ),
             self.module,
             clipping_norm=clipping,

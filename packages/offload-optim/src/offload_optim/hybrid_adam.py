@@ -62,6 +62,26 @@ after backward has ended takes the plain step (amp.py's SPECULATIVE tail rule).
 ``HybridAdam(host_kernel="single_pass")`` replaces the copies and the fused kernel with
 one compiled pass that writes the backup, the stepped master and the spare moments (see
 [Note: single-pass host Adam] in single_pass.py); commit and undo are the same.
+
+[Note: fp16 I/O steps]
+An fp16 module that converts on the host moves fp16 across PCIe: a host-state region's
+gradients land in its pinned fp16 staging buffer, and its next upload reads an fp16 host
+copy (``host_params`` when offloaded, the staging buffer when resident). Without fp16 I/O
+the host makes three passes per region and step: widen the gradients into the fp32
+accumulator, step, narrow the master into the upload copy. ``HybridAdam(fp16_io=True)``
+makes one: the runtime leaves the gradients in the staging buffer
+(``OffloadController.keep_staged_grads``, ``RegionStorage.grad_in_staging``), and the
+single-pass kernel reads them there and writes the upload copy as it steps
+(``single_pass.adam_fp16_io_``), which the publish then uploads without a cast
+(``RegionStorage.upload_copy_fresh``). Widening is exact and the narrowing rounds as
+``.half()`` does, so master, moments and upload copy equal the three passes' bit for bit.
+A speculative step writes the upload copy too; an undo rewrites an offloaded region's copy
+from the restored master (a resident region's is cast again at its next publish). The
+fp16 gradients stay the only copy until something else needs the fp32 accumulator:
+``region_grad``, ``module.named_gradients()`` and a second backward that adds to them
+(accumulation: the runtime widens them before that backward's copy overwrites the staging
+buffer) widen them first. A region whose step covers only part of it (segments without
+gradients) is widened and stepped by the fp32 kernel.
 """
 
 from __future__ import annotations
@@ -104,8 +124,10 @@ class RegionStepTiming:
 
 
 @torch.no_grad()
-def _zero_on_host(grads: list[torch.Tensor]) -> None:
+def _zero_on_host(grads: list[torch.Tensor], storages: list[RegionStorage]) -> None:
     torch._foreach_zero_(grads)
+    for st in storages:
+        st.grad_in_staging = False  # a gradient kept in staging is zeroed too
 
 
 class _Segment:
@@ -121,8 +143,11 @@ class _Segment:
         grad: torch.Tensor | None = None,
         grad_views: tuple[torch.Tensor, ...] = (),
         start: int = 0,
+        storage: RegionStorage | None = None,
     ) -> None:
         self.group = group
+        self.storage = storage
+        """The region's storage (None for a plain parameter)."""
         self.views = views
         """The optimizer's parameters in this segment (master views, or one plain tensor)."""
         self.param = param
@@ -208,6 +233,16 @@ class HybridAdam(torch.optim.Optimizer):
             torch's Adam formula; they differ in rounding (about 1e-7 of an update), so a
             run uses one of them for every host step. Device-resident state always steps
             with torch's fused CUDA kernel.
+        fp16_io: with ``host_kernel="single_pass"``, fp32 moments and an fp16 module that
+            converts on the host (``convert_on_device=False``): each host-state region
+            steps straight from the fp16 gradients in its pinned staging buffer and writes
+            the new master's fp16 upload copy in the same pass, so the host makes no
+            separate widening and narrowing passes (see [Note: fp16 I/O steps]). Values
+            are those of the separate passes, bit for bit. The fp32 accumulator of such a
+            region is then filled only on demand (``module.named_gradients()``,
+            ``AMPOptimizer.clip_grad_norm``); the region's step consumes the gradient, so
+            a resident host-state region's ``.grad`` reads zero after the step. Needs the
+            CPU's half-precision conversions (``single_pass.fp16_io_available()``).
         module: the OffloadModule whose masters are among ``params``; needed to step them
             (its controller orders the step after the host gradient work and publishes the
             new weights). ``AMPOptimizer`` binds it for you.
@@ -227,6 +262,7 @@ class HybridAdam(torch.optim.Optimizer):
         *,
         moments_dtype: torch.dtype = torch.float32,
         host_kernel: str = "torch",
+        fp16_io: bool = False,
         module: OffloadModule | None = None,
     ) -> None:
         if not lr >= 0:
@@ -246,7 +282,14 @@ class HybridAdam(torch.optim.Optimizer):
             raise ValueError(f"host_kernel={host_kernel!r}; use one of {HOST_KERNELS}")
         if host_kernel == "single_pass":
             single_pass.require()
+        if fp16_io:
+            if host_kernel != "single_pass":
+                raise ValueError("fp16_io=True needs host_kernel='single_pass'")
+            if moments_dtype != torch.float32:
+                raise ValueError("fp16_io=True keeps fp32 moments (moments_dtype=torch.float32)")
+            single_pass.require_fp16_io()
         self.host_kernel = host_kernel
+        self.fp16_io = fp16_io
         # Set before Optimizer.__init__, which calls add_param_group.
         self.moments_dtype = moments_dtype
         self._regions: dict[int, _RegionState] = {}
@@ -355,6 +398,7 @@ class HybridAdam(torch.optim.Optimizer):
                 grad=st.grad[start:stop],
                 grad_views=tuple(st.grad_views[name] for _, name, _ in run),
                 start=start,
+                storage=st,
             )
             rs.segments.append(seg)
             if rs.spare is not None:
@@ -387,8 +431,17 @@ class HybridAdam(torch.optim.Optimizer):
                         "HybridAdam treated master weights of the module as plain tensors; "
                         "pass module=... when building it"
                     )
+        if self.fp16_io:
+            host = [st for st in module.storages if st.host_state]
+            if any(st.dtype != torch.float16 for st in host) or module.controller.convert_on_device:
+                raise ValueError(
+                    "fp16_io=True steps fp16 gradients converted on the host: build the "
+                    "module in float16 with convert_on_device=False, or drop fp16_io"
+                )
         self._masters = masters
         self._controller = module.controller
+        if self.fp16_io:
+            module.controller.keep_staged_grads = True
         self._ensure_laid_out()
 
     # ---- introspection used by AMPOptimizer ----------------------------------------
@@ -416,8 +469,12 @@ class HybridAdam(torch.optim.Optimizer):
         return self._regions[r].storage
 
     def region_grad(self, r: int) -> torch.Tensor:
-        """Region ``r``'s flat fp32 gradient accumulator."""
-        return self._regions[r].storage.grad
+        """Region ``r``'s flat fp32 gradient accumulator (a gradient kept in the staging
+        buffer for an fp16-I/O step is widened into it first)."""
+        storage = self._regions[r].storage
+        with torch.no_grad():
+            storage.materialize_grad()
+        return storage.grad
 
     def plain_grads(self) -> Iterator[torch.Tensor]:
         """Gradients of the plain (non-region) parameters that have one."""
@@ -445,6 +502,9 @@ class HybridAdam(torch.optim.Optimizer):
                 continue
             present += 1
             if g is not expected:
+                if seg.storage is not None:
+                    with torch.no_grad():
+                        seg.storage.materialize_grad()  # the others' part may be staged
                 with torch.no_grad():
                     expected.copy_(g)
                 view.grad = expected
@@ -462,10 +522,13 @@ class HybridAdam(torch.optim.Optimizer):
         segments: list[_Segment],
         grad_scale: float | None,
         hypers: dict[int, AdamHyper] | None = None,
+        io: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """One fused launch per (group, device) over ``segments`` (steps counted here).
 
         ``hypers``: a :meth:`hypers` snapshot to step with; default: the groups' values now.
+        ``io``: (fp16 gradients, fp16 upload copy) of the one host-state region that
+        ``segments`` cover (see :meth:`_staged_io`): the fp16-I/O kernel steps them.
         """
         buckets: dict[tuple[int, torch.device], list[_Segment]] = {}
         for seg in segments:
@@ -485,7 +548,21 @@ class HybridAdam(torch.optim.Optimizer):
                 # steps speculatively) takes torch's kernel.
                 fused = []
                 for seg, g in pairs:
-                    if all(t.is_contiguous() for t in (seg.param, g, seg.exp_avg, seg.exp_avg_sq)):
+                    if io is not None:
+                        stop = seg.start + seg.param.numel()
+                        single_pass.adam_fp16_io_(
+                            seg.param,
+                            io[0][seg.start : stop],
+                            seg.exp_avg,
+                            seg.exp_avg_sq,
+                            io[1][seg.start : stop],
+                            seg.step,
+                            hyper,
+                            scale,
+                        )
+                    elif all(
+                        t.is_contiguous() for t in (seg.param, g, seg.exp_avg, seg.exp_avg_sq)
+                    ):
                         single_pass.adam_(
                             seg.param, g, seg.exp_avg, seg.exp_avg_sq, seg.step, hyper, scale
                         )
@@ -507,6 +584,52 @@ class HybridAdam(torch.optim.Optimizer):
 
     def _segments_with_grad(self, r: int) -> list[_Segment]:
         return [seg for seg in self._regions[r].segments if self._segment_has_grad(seg)]
+
+    def _staged_io(
+        self, rs: _RegionState, segments: list[_Segment]
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(fp16 gradients, fp16 upload copy) when region ``rs`` steps by fp16 I/O now.
+
+        That is when its gradient is still in the staging buffer (see [Note: fp16 I/O
+        steps]) and ``segments`` cover the whole region: a resident region's upload copy
+        is the staging buffer itself, which must then hold every parameter's new value.
+        Otherwise a staged gradient is widened here, for the fp32 kernels. Host worker or
+        main thread, as the step that calls it.
+        """
+        st = rs.storage
+        if not st.grad_in_staging or st.grad_stale:
+            return None
+        covered = sum(seg.param.numel() for seg in segments) == st.numel
+        if not (self.fp16_io and covered and self._single_pass(st.master.device)):
+            with torch.no_grad():
+                st.materialize_grad()
+            return None
+        return st.staging(), st.upload_copy()
+
+    def _step_segments(
+        self,
+        r: int,
+        segments: list[_Segment],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper] | None,
+    ) -> None:
+        """Step ``segments`` of region ``r`` (not publishing it), by fp16 I/O when the
+        gradient waits in the staging buffer (see :meth:`_staged_io`)."""
+        rs = self._regions[r]
+        io = self._staged_io(rs, segments) if rs.storage.host_state else None
+        self._run(segments, grad_scale, hypers, io)
+        if io is not None:
+            self._consumed(rs.storage)
+
+    @staticmethod
+    def _consumed(st: RegionStorage) -> None:
+        """After an fp16-I/O step of ``st``: its upload copy is written. A resident
+        region's gradient was overwritten by it (logically zero now); an offloaded one's
+        stays readable in the staging buffer."""
+        st.upload_copy_fresh = True
+        if not st.offloaded:
+            st.grad_in_staging = False
+            st.grad_stale = True
 
     @torch.no_grad()
     def step_region(
@@ -535,7 +658,7 @@ class HybridAdam(torch.optim.Optimizer):
         segments = self._segments_with_grad(r)
         if not segments:
             return False
-        self._run(segments, grad_scale, hypers)
+        self._step_segments(r, segments, grad_scale, hypers)
         controller.publish(r)
         sink = self.timings if timings is None else timings
         sink.append(
@@ -660,6 +783,7 @@ class HybridAdam(torch.optim.Optimizer):
             return None
         # The gradient check must see the whole region, as the non-speculative check does:
         # when segments without gradients leave parts of it out, read it all first.
+        io = self._staged_io(rs, segments)  # widens a staged gradient it does not step
         covered = sum(seg.param.numel() for seg in segments) == rs.storage.numel
         whole = None if covered else rs.storage.grad.sum()
         scale = _scale_tensor(grad_scale, torch.device("cpu"))
@@ -675,25 +799,45 @@ class HybridAdam(torch.optim.Optimizer):
                 if self._single_pass(seg.param.device)
                 else speculative_adam_
             )
+            backup = rs.spare.backup[seg.start : stop]
             try:
-                parts.append(
-                    kernel(
-                        seg.param,
-                        seg.grad,
-                        seg.exp_avg,
-                        seg.exp_avg_sq,
-                        seg.spare[0],
-                        seg.spare[1],
-                        rs.spare.backup[seg.start : stop],
-                        seg.step,
-                        hyper,
-                        scale,
+                if io is not None:
+                    parts.append(
+                        single_pass.speculative_adam_fp16_io_(
+                            seg.param,
+                            io[0][seg.start : stop],
+                            seg.exp_avg,
+                            seg.exp_avg_sq,
+                            seg.spare[0],
+                            seg.spare[1],
+                            backup,
+                            io[1][seg.start : stop],
+                            seg.step,
+                            hyper,
+                            scale,
+                        )
                     )
-                )
+                else:
+                    parts.append(
+                        kernel(
+                            seg.param,
+                            seg.grad,
+                            seg.exp_avg,
+                            seg.exp_avg_sq,
+                            seg.spare[0],
+                            seg.spare[1],
+                            backup,
+                            seg.step,
+                            hyper,
+                            scale,
+                        )
+                    )
             except BaseException:
                 seg.step.fill_(before)
                 raise
             rs.spare.pending.append((seg, before))
+        if io is not None:
+            self._consumed(rs.storage)
         self._speculated.add(r)
         sink = self.timings if timings is None else timings
         sink.append(RegionStepTiming(r, start, time.perf_counter(), host=True))
@@ -739,12 +883,17 @@ class HybridAdam(torch.optim.Optimizer):
         """
         done = sorted(self._speculated)
         for r in done:
+            st = self._regions[r].storage
             spare = self._regions[r].spare
             assert spare is not None
             for seg, before in spare.pending:
                 stop = seg.start + seg.param.numel()
                 seg.param.copy_(spare.backup[seg.start : stop])
                 seg.step.fill_(before)
+                if st.upload_copy_fresh and st.host_params is not None:
+                    # An fp16-I/O step wrote the offloaded region's upload source: restore.
+                    st.host_params[seg.start : stop].copy_(seg.param)
+            st.upload_copy_fresh = False
             spare.pending.clear()
         self._speculated.clear()
         return done
@@ -862,7 +1011,7 @@ class HybridAdam(torch.optim.Optimizer):
             for r, segments in jobs:
                 start = time.perf_counter()
                 if segments:
-                    self._run(segments, grad_scale, hypers)
+                    self._step_segments(r, segments, grad_scale, hypers)
                 controller.publish(r)
                 sink.append(RegionStepTiming(r, start, time.perf_counter(), host=True))
                 futures[r].set_result(None)
@@ -962,6 +1111,7 @@ class HybridAdam(torch.optim.Optimizer):
         if self._controller is not None:
             self._controller.wait_gradients()
         host: list[torch.Tensor] = []
+        host_storages: list[RegionStorage] = []
         here: list[torch.Tensor] = []
         with torch.no_grad():
             for rs in self._regions.values():
@@ -979,6 +1129,8 @@ class HybridAdam(torch.optim.Optimizer):
                     if present and not set_to_none:
                         assert seg.grad is not None
                         (host if rs.storage.host_state else here).append(seg.grad)
+                        if rs.storage.host_state:
+                            host_storages.append(rs.storage)
             for seg in self._plain:
                 p = seg.param
                 if p.grad is None:
@@ -998,7 +1150,7 @@ class HybridAdam(torch.optim.Optimizer):
                 torch._foreach_zero_(grads)
         if host:
             controller = self._require_controller()
-            controller.submit_host(partial(_zero_on_host, host))
+            controller.submit_host(partial(_zero_on_host, host, host_storages))
 
     # ---- checkpoints ---------------------------------------------------------------
 

@@ -296,6 +296,7 @@ def measure_host_step_params_per_s(
     steps: int = 3,
     host_kernel: str = "torch",
     speculative: bool = False,
+    fp16_io: bool = False,
 ) -> float:
     """Host Adam(W) throughput of :func:`fused_adam_` with ``moments_dtype`` moments:
     parameters per second (median of ``steps`` timed steps after one untimed step that
@@ -311,26 +312,32 @@ def measure_host_step_params_per_s(
     (that kernel's ``speculative_adam_``: what ``AMPOptimizer(speculate_fp16=True)`` runs
     under backward; ``4 + 2 * moment bytes`` more per parameter); see
     :func:`measure_speculative_step_cost` for the ratio the planner takes.
+    ``fp16_io=True`` (single-pass, fp32 moments) times the kernels of
+    ``HybridAdam(fp16_io=True)``, which read an fp16 gradient and write an fp16 copy of
+    the master in the same pass (2 more bytes per parameter of host memory, 2 fewer).
     """
     if steps < 1:
         raise ValueError(f"steps ({steps}) must be >= 1")
-    median_s = _host_step_timer(moments_dtype, numel, host_kernel)
+    median_s = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
     return numel / max(median_s(speculative, steps), 1e-9)
 
 
 def _host_step_timer(
-    moments_dtype: torch.dtype, numel: int, host_kernel: str
+    moments_dtype: torch.dtype, numel: int, host_kernel: str, fp16_io: bool = False
 ) -> Callable[[bool, int], float]:
     """Buffers for timing host Adam steps over ``numel`` parameters, allocated once, and
     a function ``(speculative, steps) -> median seconds`` of ``steps`` timed steps after
     one untimed one (which touches every page it writes). The spare buffers of the
-    speculative step are allocated at its first use."""
+    speculative step are allocated at its first use. ``fp16_io``: the single-pass kernels
+    that read an fp16 gradient and write an fp16 copy of the master."""
     if numel < 1:
         raise ValueError(f"numel ({numel}) must be >= 1")
     if moments_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
     if host_kernel not in HOST_KERNELS:
         raise ValueError(f"host_kernel must be one of {HOST_KERNELS}, not {host_kernel!r}")
+    if fp16_io and (host_kernel != "single_pass" or moments_dtype != torch.float32):
+        raise ValueError("fp16_io times the single-pass kernel with float32 moments")
     if host_kernel == "single_pass":
         from offload_optim import single_pass  # it imports this module
 
@@ -340,7 +347,17 @@ def _host_step_timer(
     else:
         plain, undo = _fused_one, speculative_adam_
     param = torch.zeros(numel)
-    grad = torch.full((numel,), 1e-3)
+    grad = torch.full((numel,), 1e-3, dtype=torch.float16 if fp16_io else torch.float32)
+    if fp16_io:
+        single_pass.require_fp16_io()
+        upload = torch.empty(numel, dtype=torch.float16)
+
+        def plain(p: Any, g: Any, m: Any, v: Any, step: Any, hyper: Any) -> None:
+            single_pass.adam_fp16_io_(p, g, m, v, upload, step, hyper)
+
+        def undo(p: Any, g: Any, m: Any, v: Any, nm: Any, nv: Any, bak: Any, *rest: Any) -> Any:
+            return single_pass.speculative_adam_fp16_io_(p, g, m, v, nm, nv, bak, upload, *rest)
+
     exp_avg = torch.zeros(numel, dtype=moments_dtype)
     exp_avg_sq = torch.zeros(numel, dtype=moments_dtype)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
@@ -383,6 +400,7 @@ def measure_speculative_step_cost(
     *,
     host_kernel: str = "torch",
     pairs: int = 3,
+    fp16_io: bool = False,
 ) -> float:
     """How many times a plain host step a speculative one takes (>= 1): what
     ``memory_optimize(..., speculative_step_cost=)`` should charge the fp16 host steps
@@ -394,10 +412,11 @@ def measure_speculative_step_cost(
     1.06x and 1.57x were measured by two benchmark runs on H200 hosts, BENCHMARKS.md
     session 14). On that host: about 1.5 with
     ``host_kernel="single_pass"``, 2.5 with torch's kernel. Needs about ``(12 + 4 *
-    moment bytes) * numel`` bytes of host memory.
+    moment bytes) * numel`` bytes of host memory. ``fp16_io``: the fp16-I/O kernels'
+    ratio, as in :func:`measure_host_step_params_per_s`.
     """
     if pairs < 1:
         raise ValueError(f"pairs ({pairs}) must be >= 1")
-    median_s = _host_step_timer(moments_dtype, numel, host_kernel)
+    median_s = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
     ratios = [median_s(True, 3) / max(median_s(False, 3), 1e-9) for _ in range(pairs)]
     return max(1.0, statistics.median(ratios))

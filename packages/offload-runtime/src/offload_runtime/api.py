@@ -155,6 +155,7 @@ def memory_optimize(
     convert_on_device: bool | None = None,
     host_step_params_per_s: float | None = None,
     speculative_step_cost: float = 1.0,
+    fp16_io: bool = False,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -196,6 +197,13 @@ def memory_optimize(
             (``offload_optim.measure_speculative_step_cost(host_kernel=...)`` with the
             optimizer's kernel). 1 (default): such steps cost what plain ones do (bf16,
             fp32).
+        fp16_io: the optimizer steps host-state regions by fp16 I/O
+            (``HybridAdam(fp16_io=True)``): fp16 training with host conversion, whose
+            widening and narrowing happen inside the host step. The plan then converts on
+            the host and charges no conversion passes; pass the kernel's rate as
+            ``host_step_params_per_s`` (``offload_optim.measure_host_step_params_per_s(
+            host_kernel="single_pass", fp16_io=True)``). Needs ``dtype=torch.float16`` and
+            ``convert_on_device`` False or None.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -206,6 +214,11 @@ def memory_optimize(
         raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
     if dtype not in _DTYPES:
         raise ValueError(f"dtype {dtype} is not supported; use float16, bfloat16 or float32")
+    if fp16_io and (dtype != torch.float16 or convert_on_device):
+        raise ValueError(
+            "fp16_io=True plans fp16 training converted on the host: pass "
+            "dtype=torch.float16 and convert_on_device=False (or None)"
+        )
     dev = resolve_device(device)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
@@ -222,6 +235,10 @@ def memory_optimize(
                 f"host_step_params_per_s must be > 0 parameters/s, got {host_step_params_per_s}"
             )
         hardware = dataclasses.replace(hardware, host_adam_params_per_s=host_step_params_per_s)
+    if fp16_io:
+        # The conversions happen inside the host step: no separate passes to charge.
+        hardware = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
+        convert_on_device = False
     t1 = time.perf_counter()
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward

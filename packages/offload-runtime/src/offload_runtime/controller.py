@@ -172,6 +172,12 @@ class OffloadController:
         ``host_grad_bytes_per_param=4`` and ``host_upload_bytes_per_param=4``.
         """
         self.convert_on_device = convert_on_device
+        self.keep_staged_grads = False
+        """Leave a host-state region's training-dtype gradients in its staging buffer when
+        they replace the accumulator's content, instead of widening them into it
+        (``RegionStorage.grad_in_staging``): set by an optimizer whose host step reads
+        fp16 gradients itself (``HybridAdam(fp16_io=True)``). Whatever else reads the
+        gradient widens it first (``RegionStorage.materialize_grad``)."""
         self.plan = plan
         self.storages = storages
         self.batched_device_regions = frozenset(
@@ -227,6 +233,7 @@ class OffloadController:
             "prefetch_fallbacks": 0,
             "grads_to_accumulator": 0,  # host-state regions copied straight to fp32
             "grads_to_staging": 0,  # ... or to staging, for the host worker to add
+            "staged_grads_widened_late": 0,  # kept in staging, then added to (accumulation)
         }
         self._register_grad_hooks()
 
@@ -462,6 +469,13 @@ class OffloadController:
             # Host sync point, only when the host lags a whole backward behind (gradient
             # accumulation): the staging buffer is still being read from the last backward.
             reader.result()
+        if st.grad_in_staging and not st.grad_stale:
+            # A gradient left in the staging buffer by an earlier backward and not stepped
+            # (accumulation): this backward's copy is about to overwrite it, so widen it
+            # into the accumulator now, on this thread (the reader above has finished).
+            with torch.no_grad():
+                st.materialize_grad()
+            self.stats["staged_grads_widened_late"] += 1
         offsets = [(lay.offset, lay.numel) for lay in layouts]
         contiguous = offsets == [(lay.offset, lay.numel) for lay in st.layouts]
         # The accumulator holds nothing this backward must add to (zero_grad ran): the
@@ -529,7 +543,11 @@ class OffloadController:
         with torch.no_grad():
             self._relink_master_grad(st)
             if done is not None and present is None and st.grad_stale:
-                st.grad.copy_(st.staging())  # overwrite: the accumulator was logically zero
+                # Overwrite: the accumulator was logically zero.
+                if self.keep_staged_grads:
+                    st.grad_in_staging = True  # the fp16-I/O step reads them from there
+                else:
+                    st.grad.copy_(st.staging())
                 st.grad_stale = False
             elif done is not None:
                 staging = st.staging()
@@ -696,17 +714,20 @@ class OffloadController:
         main thread; the cast is queued on the compute stream.
         """
         st = self.storages[r]
+        fresh, st.upload_copy_fresh = st.upload_copy_fresh, False
         with torch.no_grad():
             if st.offloaded:
-                if st.host_params is not None:
+                if st.host_params is not None and not fresh:
                     st.host_params.copy_(st.master)
             elif st.host_state:
                 source = st.master
                 if not st.convert_on_device:
                     # Cast on the host into the staging buffer, free until the next backward
-                    # (whose copies the next forward's wait for this upload orders after).
+                    # (whose copies the next forward's wait for this upload orders after),
+                    # unless the optimizer's step wrote it already.
                     source = st.staging()
-                    source.copy_(st.master)
+                    if not fresh:
+                        source.copy_(st.master)
                 h2d = self.streams.h2d
                 with h2d.context():
                     _copy_up(st, source)

@@ -202,6 +202,14 @@ class RegionStorage:
             if self.host_state and not convert_on_device
             else None
         )
+        self.grad_in_staging = False
+        """The gradient is still only in ``grad_staging``, in the training dtype (the
+        controller's ``keep_staged_grads``): an fp16-I/O optimizer step reads it there, and
+        :meth:`materialize_grad` widens it into ``grad`` for any other reader. Meaningful
+        only while ``grad_stale`` is False."""
+        self.upload_copy_fresh = False
+        """The optimizer's step already wrote the new master's training-dtype upload copy
+        (:meth:`upload_copy`): the next publish skips its cast."""
         self.params: dict[str, torch.nn.Parameter] = {}
         self.master_views: dict[str, torch.Tensor] = {}
         self.grad_views: dict[str, torch.Tensor] = {}
@@ -234,11 +242,28 @@ class RegionStorage:
             self.grad_staging = _alloc_host(self.numel, self.dtype, self._pin)
         return self.grad_staging
 
+    def upload_copy(self) -> torch.Tensor:
+        """The training-dtype host buffer that the next upload of a host-state region
+        reads: ``host_params`` of an offloaded region, the staging buffer of a resident
+        one (free once its gradient was read). Only without ``convert_on_device``."""
+        if not self.host_state or self.convert_on_device:
+            raise RuntimeError(
+                f"region {self.index} uploads no training-dtype host copy (device state, or "
+                "converted on the device)"
+            )
+        if self.host_params is not None:
+            return self.host_params
+        return self.staging()
+
     def materialize_grad(self) -> None:
-        """Clear a stale gradient buffer so that it reads as zeros."""
+        """Make ``grad`` hold the gradient: clear a stale buffer so that it reads as zeros,
+        or widen a gradient still kept in the staging buffer (``grad_in_staging``)."""
         if self.grad_stale:
             self.grad.zero_()
             self.grad_stale = False
+        elif self.grad_in_staging:
+            self.grad.copy_(self.staging())
+        self.grad_in_staging = False
 
     @property
     def state_on_device(self) -> bool:
@@ -265,6 +290,7 @@ class RegionStorage:
         without a host copy (``convert_on_device``) has nothing to do: its next upload
         reads the master.
         """
+        self.upload_copy_fresh = False
         with torch.no_grad():
             if self.host_params is not None:
                 self.host_params.copy_(self.master)

@@ -1,0 +1,198 @@
+"""fp16 I/O host steps: gradients read from the fp16 staging buffer, the upload copy written
+in the same pass (``HybridAdam(fp16_io=True)``, [Note: fp16 I/O steps]).
+
+The contract is bit-identity with the three-pass route it replaces (widen, single-pass
+step, narrow): every loss, master, moment, step count and loss scale of a run equals the
+run without fp16 I/O, with speculation and overflow undo, accumulation, inline or threaded
+host work. The mixed plan of optim_helpers has offloaded and resident host-state regions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from optim_helpers import batch, loss_of, offload_module, tiny_gpt2
+from test_speculate import Trainer, assert_same, run
+
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
+from offload_optim.kernels import AdamHyper
+
+pytestmark = pytest.mark.skipif(
+    not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
+)
+
+HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
+
+
+@pytest.fixture
+def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
+    """Counts the fp16-I/O kernel launches (plain and speculative) HybridAdam makes."""
+    calls = {"plain": 0, "speculative": 0}
+
+    def wrap(name: str, kind: str) -> None:
+        inner: Callable[..., Any] = getattr(single_pass, name)
+
+        def counting(*args: Any, **kwargs: Any) -> Any:
+            calls[kind] += 1
+            return inner(*args, **kwargs)
+
+        monkeypatch.setattr(single_pass, name, counting)
+
+    wrap("adam_fp16_io_", "plain")
+    wrap("speculative_adam_fp16_io_", "speculative")
+    yield calls
+
+
+def _state(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.randn(n, generator=gen)
+    m = torch.randn(n, generator=gen) * 1e-3
+    v = torch.rand(n, generator=gen) * 1e-6
+    g16 = (torch.randn(n, generator=gen) * 300).half()
+    g16[:4] = torch.tensor([0.0, -0.0, 6e-8, -65504.0])  # zero, subnormal, largest
+    return p, m, v, g16
+
+
+def test_fp16_io_kernel_equals_widen_step_narrow_bit_for_bit() -> None:
+    """Several work items and a ragged tail; the upload copy written over the gradient."""
+    n = 3 * (1 << 16) + 7
+    p, m, v, g16 = _state(n, 0)
+    scale = torch.tensor(256.0)
+    step = torch.tensor(5.0)
+    ref = [t.clone() for t in (p, m, v)]
+    single_pass.adam_(ref[0], g16.float(), ref[1], ref[2], step, HYPER, scale)
+    got = [t.clone() for t in (p, m, v)]
+    shared = g16.clone()  # grad16 and param16 the same buffer, as for a resident region
+    single_pass.adam_fp16_io_(got[0], shared, got[1], got[2], shared, step, HYPER, scale)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
+    assert torch.equal(shared, ref[0].half())
+    assert not torch.equal(ref[0], p), "the step changed the master"
+
+
+def test_speculative_fp16_io_kernel_keeps_the_undo_data_and_flags_overflow() -> None:
+    n = 2 * (1 << 16) + 3
+    p, m, v, g16 = _state(n, 1)
+    step = torch.tensor(2.0)
+    ref = [t.clone() for t in (p, m, v)]
+    single_pass.adam_(ref[0], g16.float(), ref[1], ref[2], step, HYPER)
+    master, nm, nv, bak = p.clone(), torch.empty(n), torch.empty(n), torch.empty(n)
+    out16 = torch.empty(n, dtype=torch.float16)
+    part = single_pass.speculative_adam_fp16_io_(master, g16, m, v, nm, nv, bak, out16, step, HYPER)
+    assert float(part) == 0.0
+    assert torch.equal(master, ref[0]) and torch.equal(out16, ref[0].half())
+    assert torch.equal(nm, ref[1]) and torch.equal(nv, ref[2])
+    assert torch.equal(bak, p), "the backup holds the master before the step"
+    g16[n - 1] = math.inf  # the last element of the ragged tail
+    part = single_pass.speculative_adam_fp16_io_(master, g16, m, v, nm, nv, bak, out16, step, HYPER)
+    assert math.isinf(float(part))
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "threaded": {},
+    "inline": {"host_worker": False},
+    "speculate": {"speculate": True},
+    "accumulate_2": {"micro": 2},
+    "no_overlap": {"overlap": False},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_training_equals_the_three_pass_route(name: str, counted: dict[str, int]) -> None:
+    kwargs = dict(CASES[name])
+    speculate = kwargs.pop("speculate", False)
+    steps = 9
+    growth: dict[str, Any] = {"growth_interval": 3, "initial_scale": 2.0**8}
+    io = run(speculate, steps, host_kernel="single_pass", fp16_io=True, **kwargs, **growth)
+    launched = dict(counted)
+    plain = run(speculate, steps, host_kernel="single_pass", **kwargs, **growth)
+    assert_same(io, plain)
+    assert dict(counted) == launched, "the run without fp16_io launched no fp16-I/O kernel"
+    if "micro" in kwargs:
+        # Accumulation: each micro-batch after the first adds to the accumulator, so the
+        # runtime widens the staged gradients before its copy, and the fp32 kernel steps.
+        assert launched["plain"] + launched["speculative"] == 0
+    else:
+        assert launched["plain"] + launched["speculative"] > 0
+    if speculate:
+        assert launched["speculative"] > 0
+        assert io.modes == {OverlapMode.SPECULATIVE_UNDO}
+    assert io.scales[-1] > io.scales[0] and sum(io.losses[-3:]) < sum(io.losses[:3])
+
+
+def test_overflow_undo_restores_the_offloaded_upload_copy(counted: dict[str, int]) -> None:
+    """Speculative fp16-I/O steps write the upload copy; an overflow undoes them, and the
+    next forward must compute with the old weights: the rest of the run equals the run
+    without speculation or fp16 I/O, bit for bit."""
+    common: dict[str, Any] = {"host_worker": False, "hysteresis": 1}
+    trainer = Trainer(True, host_kernel="single_pass", fp16_io=True, **common)
+    trainer.poison_steps = {2}
+    try:
+        out = trainer.train(range(6))
+        offloaded = [st for st in trainer.module.storages if st.host_state and st.offloaded]
+        assert offloaded, "the plan offloads a host-state region"
+        for st in offloaded:
+            assert st.host_params is not None
+            assert torch.equal(st.host_params, st.master.half())
+    finally:
+        trainer.close()
+    assert counted["speculative"] > 0
+    assert out.skipped == [False, False, True, False, False, False]
+    plain = run(False, 6, poison=(2,), host_kernel="single_pass", **common)
+    assert_same(out, plain)
+
+
+def _module_and_amp(fp16_io: bool) -> tuple[Any, AMPOptimizer]:
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True)
+    opt = HybridAdam(module.parameters(), lr=1e-2, host_kernel="single_pass", fp16_io=fp16_io)
+    return module, AMPOptimizer(opt, module, accumulation_steps=3)
+
+
+def test_gradients_read_between_backward_and_step_are_widened() -> None:
+    """named_gradients(), zero_grad(set_to_none=False) and a second backward without
+    zero_grad see what they see without fp16 I/O."""
+    results = []
+    for fp16_io in (True, False):
+        module, amp = _module_and_amp(fp16_io)
+        try:
+            b = batch(0)
+            amp.backward(loss_of(module(**b), b["input_ids"]))
+            grads = {k: g.clone() for k, g in module.named_gradients()}
+            amp.optimizer.zero_grad(set_to_none=False)
+            zeroed = [g.abs().sum().item() for _, g in module.named_gradients()]
+            b = batch(1)
+            amp.backward(loss_of(module(**b), b["input_ids"]))
+            b = batch(2)
+            amp.backward(loss_of(module(**b), b["input_ids"]))  # adds to the first
+            summed = {k: g.clone() for k, g in module.named_gradients()}
+            amp.step()
+            weights = {k: p.detach().clone() for k, p in module.named_parameters()}
+            results.append((grads, zeroed, summed, weights))
+        finally:
+            module.close()
+    (g1, z1, s1, w1), (g2, z2, s2, w2) = results
+    assert g1.keys() == g2.keys() and all(torch.equal(g1[k], g2[k]) for k in g1)
+    assert z1 == z2 == [0.0] * len(z1)
+    assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert any(not torch.equal(s1[k], g1[k]) for k in s1), "the second backward added"
+    assert all(torch.equal(w1[k], w2[k]) for k in w1)
+
+
+def test_fp16_io_refuses_what_it_cannot_step() -> None:
+    params = [torch.zeros(4)]
+    with pytest.raises(ValueError, match="host_kernel='single_pass'"):
+        HybridAdam(params, fp16_io=True)
+    with pytest.raises(ValueError, match="fp32 moments"):
+        HybridAdam(params, fp16_io=True, host_kernel="single_pass", moments_dtype=torch.bfloat16)
+    for dtype, on_device in ((torch.bfloat16, False), (torch.float16, True)):
+        module = offload_module(tiny_gpt2(), batch(0), dtype=dtype, convert_on_device=on_device)
+        try:
+            with pytest.raises(ValueError, match="convert_on_device=False"):
+                HybridAdam(
+                    module.parameters(), host_kernel="single_pass", fp16_io=True, module=module
+                )
+        finally:
+            module.close()
