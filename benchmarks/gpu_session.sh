@@ -19,7 +19,7 @@
 #   fidelity the hardware profile's gpu test (copy contention), then W3 and W2: ours,
 #           ours_spec1, fsdp2, torchao (predictions with contention and speculation costs) ~9 min
 #   w4b     W4: ours, ours_bf16m1, torchao                                   ~6 min
-#   io3     the single phase, then W3: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2,
+#   io3     the single phase (unless SKIP_SINGLE=1), then W3: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2,
 #           torchao (fp16 across PCIe, converted inside the host step)           ~7 min
 #   io2     W2: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2, torchao          ~5 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
@@ -90,7 +90,7 @@ case "$phase" in
     python3 "$root/benchmarks/single_pass_adam_bench.py" --numel 256e6 --repeats 5 \
       --json "$out/single_pass_adam.json" 2>&1 | tee "$out/single_pass_adam.log" | tail -8 ;;
   io3)
-    bash "$0" single "$out"
+    [ -n "${SKIP_SINGLE:-}" ] || bash "$0" single "$out"
     bench W3 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 100
     mv "$out/W3.json" "$out/W3_io.json" ;;
   io2)

@@ -17,13 +17,17 @@ from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused
 from numba import types
 from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
+# nogil: the host step runs on the runtime's worker thread while the main thread issues
+# forward and backward kernels; holding the GIL for a whole step stalled that issue (W3
+# fp16 I/O: backward's start to the first host step went from 195 to 406 ms, BENCHMARKS.md
+# session 15).
 BLOCK = 1 << 16
 """Elements per parallel work item (256 KiB of fp32 per array: a core's L2 holds a block
 of every array a kernel touches). Defined here, not imported: numba's disk cache is
 invalidated by changes to this file only, and a kernel compiles it in as a constant."""
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def in_place(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
@@ -45,7 +49,7 @@ def in_place(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
             vs[i] = vi
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def speculative(
     p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, bad: Any, c: Any
 ) -> None:
@@ -89,7 +93,7 @@ def _narrow(bits: Any) -> Any:
     return np.uint16((bits + np.uint32(0x7FFF) + odd) >> np.uint32(16))
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def in_place_bf16(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
@@ -122,7 +126,7 @@ def in_place_bf16(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
             vs[i] = _narrow(bits[k + i])
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def speculative_bf16(
     p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, bad: Any, c: Any
 ) -> None:
@@ -194,7 +198,7 @@ _widen16: Any = intrinsic(_widen16_typer)
 _narrow16: Any = intrinsic(_narrow16_typer)
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def convert16(src: Any, wide: Any, narrow: Any, to_wide: Any) -> None:
     """fp16 bits to fp32 (``to_wide``) or fp32 to fp16 bits, with the kernels'
     conversions: what ``single_pass.fp16_io_available`` checks against torch."""
@@ -206,7 +210,7 @@ def convert16(src: Any, wide: Any, narrow: Any, to_wide: Any) -> None:
             narrow[i] = _narrow16(wide[i])
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
@@ -228,7 +232,7 @@ def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any) -> None
             outs[i] = _narrow16(pn)  # p16 may be g16 itself: element i was read above
 
 
-@numba.njit(parallel=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
+@numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def speculative_fp16_io(
     p: Any, g16: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, p16: Any, bad: Any, c: Any
 ) -> None:
