@@ -100,6 +100,22 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_staged_gradients_are_widened_only_when_added_to(micro: int) -> None:
+    """Each backward after zero_grad overwrites the staged gradients: no widening pass.
+    Only a micro-batch that adds to them (accumulation) has them widened first: once per
+    host-state region and window."""
+    trainer = Trainer(False, host_kernel="single_pass", fp16_io=True, micro=micro)
+    try:
+        trainer.train(range(4))
+        stats = trainer.module.controller.stats
+        host = [st for st in trainer.module.storages if st.host_state]
+    finally:
+        trainer.close()
+    assert stats["grads_to_staging"] == 4 * micro * len(host)
+    assert stats["staged_grads_widened_late"] == (0 if micro == 1 else 4 * len(host))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_training_equals_the_three_pass_route(name: str, counted: dict[str, int]) -> None:
     kwargs = dict(CASES[name])

@@ -4,7 +4,11 @@ See [Note: single-pass host Adam] in single_pass.py. ``c`` holds, in fp32: decay
 1 - beta1, beta2, 1 - beta2, step size, sqrt(bias correction 2), eps, grad scale (1:
 none), and whether to write the unscaled gradient back (0/1). The two kernels' arithmetic
 must stay identical, statement for statement: a committed speculative step must equal the
-plain step bit for bit.
+plain step bit for bit. Every kernel releases the GIL (``nogil``): the host step runs on
+the runtime's worker thread while the main thread issues the device's kernels, and a step
+holding the GIL stalled that issue (W3 with fp16 I/O: 406 ms from backward's start to the
+first host step, against 195 ms with torch's kernel in the same run; BENCHMARKS.md,
+session 15).
 """
 
 from __future__ import annotations
@@ -17,10 +21,6 @@ from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused
 from numba import types
 from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
-# nogil: the host step runs on the runtime's worker thread while the main thread issues
-# forward and backward kernels; holding the GIL for a whole step stalled that issue (W3
-# fp16 I/O: backward's start to the first host step went from 195 to 406 ms, BENCHMARKS.md
-# session 15).
 BLOCK = 1 << 16
 """Elements per parallel work item (256 KiB of fp32 per array: a core's L2 holds a block
 of every array a kernel touches). Defined here, not imported: numba's disk cache is

@@ -469,10 +469,11 @@ class OffloadController:
             # Host sync point, only when the host lags a whole backward behind (gradient
             # accumulation): the staging buffer is still being read from the last backward.
             reader.result()
-        if st.grad_in_staging and not st.grad_stale:
-            # A gradient left in the staging buffer by an earlier backward and not stepped
-            # (accumulation): this backward's copy is about to overwrite it, so widen it
-            # into the accumulator now, on this thread (the reader above has finished).
+        if st.grad_in_staging and not self._accumulator_is_zero(st):
+            # A gradient left in the staging buffer by an earlier backward that this one
+            # must add to (accumulation): this backward's copy is about to overwrite it, so
+            # widen it into the accumulator now, on this thread (the reader above has
+            # finished). After zero_grad nothing is added, and nothing is widened.
             with torch.no_grad():
                 st.materialize_grad()
             self.stats["staged_grads_widened_late"] += 1
