@@ -102,6 +102,18 @@ def test_cuda_fp16_overflow_skips_and_clipping_runs() -> None:
     module.close()
 
 
+Runs = dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]]
+
+
+def assert_same_runs(results: Runs, skipped: list[bool]) -> None:
+    """Both runs skipped the steps ``skipped`` says and have the same losses and masters,
+    bit for bit."""
+    assert results[True][2] == results[False][2] == skipped
+    assert results[True][0] == results[False][0]
+    for name, value in results[False][1].items():
+        assert torch.equal(results[True][1][name], value), name
+
+
 @pytest.mark.parametrize("micro", [1, 2])
 def test_cuda_fp16_device_answer_equals_synchronous_training(micro: int) -> None:
     """fp16 on CUDA without clipping (DEVICE_ANSWER: the overflow partials taken on the
@@ -110,7 +122,7 @@ def test_cuda_fp16_device_answer_equals_synchronous_training(micro: int) -> None
     bit-identical masters and losses to overlap=False over 8 steps, one of them
     overflowing on the device (in its first micro-batch only)."""
     model = tiny_gpt2()
-    results: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
+    results: Runs = {}
     for overlap in (True, False):
         module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
         target = next(st.index for st in module.storages if st.host_state and st.index > 0)
@@ -146,11 +158,7 @@ def test_cuda_fp16_device_answer_equals_synchronous_training(micro: int) -> None
             skipped.append(report.skipped)
         results[overlap] = ([float(x) for x in losses], masters(module), skipped)
         module.close()
-    assert results[True][2] == [False] * 5 + [True] + [False] * 2
-    assert results[True][2] == results[False][2]
-    assert results[True][0] == results[False][0]
-    for name, value in results[False][1].items():
-        assert torch.equal(results[True][1][name], value), name
+    assert_same_runs(results, skipped=[False] * 5 + [True] + [False] * 2)
 
 
 def test_cuda_fp16_host_steps_overlapping_the_next_forward_change_nothing() -> None:
@@ -358,7 +366,7 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool) -> None:
     fp16 I/O bit for bit over 8 steps, one of them overflowing on the device (undone, when
     speculating)."""
     model = tiny_gpt2()
-    results: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
+    results: Runs = {}
     for fp16_io in (True, False):
         module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
         assert any(st.host_state and st.offloaded for st in module.storages)
@@ -394,8 +402,4 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool) -> None:
             skipped.append(report.skipped)
         results[fp16_io] = ([float(x) for x in losses], masters(module), skipped)
         module.close()
-    assert results[True][2] == [False] * 5 + [True] + [False] * 2
-    assert results[True][2] == results[False][2]
-    assert results[True][0] == results[False][0]
-    for name, value in results[False][1].items():
-        assert torch.equal(results[True][1][name], value), name
+    assert_same_runs(results, skipped=[False] * 5 + [True] + [False] * 2)
