@@ -794,44 +794,26 @@ class HybridAdam(torch.optim.Optimizer):
             before = float(seg.step)
             seg.step.add_(1.0)  # as _run counts it
             stop = seg.start + seg.param.numel()
-            kernel = (
-                single_pass.speculative_adam_
+            kernel: Callable[..., torch.Tensor] = (
+                single_pass.speculative_adam_fp16_io_
+                if io is not None
+                else single_pass.speculative_adam_
                 if self._single_pass(seg.param.device)
                 else speculative_adam_
             )
-            backup = rs.spare.backup[seg.start : stop]
+            args = [
+                seg.param,
+                seg.grad if io is None else io[0][seg.start : stop],
+                seg.exp_avg,
+                seg.exp_avg_sq,
+                seg.spare[0],
+                seg.spare[1],
+                rs.spare.backup[seg.start : stop],
+            ]
+            if io is not None:
+                args.append(io[1][seg.start : stop])  # the fp16 upload copy it writes
             try:
-                if io is not None:
-                    parts.append(
-                        single_pass.speculative_adam_fp16_io_(
-                            seg.param,
-                            io[0][seg.start : stop],
-                            seg.exp_avg,
-                            seg.exp_avg_sq,
-                            seg.spare[0],
-                            seg.spare[1],
-                            backup,
-                            io[1][seg.start : stop],
-                            seg.step,
-                            hyper,
-                            scale,
-                        )
-                    )
-                else:
-                    parts.append(
-                        kernel(
-                            seg.param,
-                            seg.grad,
-                            seg.exp_avg,
-                            seg.exp_avg_sq,
-                            seg.spare[0],
-                            seg.spare[1],
-                            backup,
-                            seg.step,
-                            hyper,
-                            scale,
-                        )
-                    )
+                parts.append(kernel(*args, seg.step, hyper, scale))
             except BaseException:
                 seg.step.fill_(before)
                 raise

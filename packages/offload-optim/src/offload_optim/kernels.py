@@ -350,14 +350,15 @@ def _host_step_timer(
     grad = torch.full((numel,), 1e-3, dtype=torch.float16 if fp16_io else torch.float32)
     if fp16_io:
         single_pass.require_fp16_io()
-        upload = torch.empty(numel, dtype=torch.float16)
+        upload = torch.empty(numel, dtype=torch.float16)  # the fp16 copy the kernels write
 
-        def plain(p: Any, g: Any, m: Any, v: Any, step: Any, hyper: Any) -> None:
+        def plain_io(p: Any, g: Any, m: Any, v: Any, step: Any, hyper: Any) -> None:
             single_pass.adam_fp16_io_(p, g, m, v, upload, step, hyper)
 
-        def undo(p: Any, g: Any, m: Any, v: Any, nm: Any, nv: Any, bak: Any, *rest: Any) -> Any:
-            return single_pass.speculative_adam_fp16_io_(p, g, m, v, nm, nv, bak, upload, *rest)
+        def undo_io(p: Any, g: Any, m: Any, v: Any, nm: Any, nv: Any, b: Any, *rest: Any) -> Any:
+            return single_pass.speculative_adam_fp16_io_(p, g, m, v, nm, nv, b, upload, *rest)
 
+        plain, undo = plain_io, undo_io
     exp_avg = torch.zeros(numel, dtype=moments_dtype)
     exp_avg_sq = torch.zeros(numel, dtype=moments_dtype)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
