@@ -212,3 +212,22 @@ def test_fp16_io_refuses_what_it_cannot_step() -> None:
                 )
         finally:
             module.close()
+
+
+def test_measurements_time_the_fp16_io_kernels() -> None:
+    """What the bench plans ``ours_io`` with: the fp16-I/O kernels' rate and the cost of
+    their speculative step; only the single-pass kernel with fp32 moments has them."""
+    from offload_optim import measure_host_step_params_per_s, measure_speculative_step_cost
+
+    rate = measure_host_step_params_per_s(numel=1 << 18, host_kernel="single_pass", fp16_io=True)
+    assert rate > 0
+    cost = measure_speculative_step_cost(
+        numel=1 << 18, host_kernel="single_pass", fp16_io=True, pairs=1
+    )
+    assert cost >= 1.0
+    with pytest.raises(ValueError, match="single-pass kernel with float32 moments"):
+        measure_host_step_params_per_s(numel=16, fp16_io=True)
+    with pytest.raises(ValueError, match="single-pass kernel with float32 moments"):
+        measure_host_step_params_per_s(
+            torch.bfloat16, numel=16, host_kernel="single_pass", fp16_io=True
+        )
