@@ -22,12 +22,14 @@
 #   io3     the single phase (unless SKIP_SINGLE=1), then W3: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2,
 #           torchao (fp16 across PCIe, converted inside the host step)           ~7 min
 #   io2     W2: ours, ours_spec1, ours_io, ours_io_spec1, fsdp2, torchao          ~5 min
+#   specio  W3 and W2: ours, ours_spec1, ours_io, ours_io_spec1 (the speculating plans'
+#           predictions beside the plain ones')                                ~7 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|io3|io2|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -93,6 +95,11 @@ case "$phase" in
     [ -n "${SKIP_SINGLE:-}" ] || bash "$0" single "$out"
     bench W3 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 100
     mv "$out/W3.json" "$out/W3_io.json" ;;
+  specio)
+    bench W3 ours,ours_spec1,ours_io,ours_io_spec1 100
+    mv "$out/W3.json" "$out/W3_specio.json"
+    bench W2 ours,ours_spec1,ours_io,ours_io_spec1 90
+    mv "$out/W2.json" "$out/W2_specio.json" ;;
   io2)
     bench W2 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 90
     mv "$out/W2.json" "$out/W2_io.json" ;;

@@ -331,7 +331,7 @@ def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
 
     def fwd_bwd() -> None:
-        lm_loss(model(**data), data["input_ids"]).backward()
+        torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
 
     def step() -> None:
         fwd_bwd()
@@ -376,7 +376,7 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     data = random_batch(batch, seq, device="cuda")
 
     def step() -> None:
-        lm_loss(model(**data), data["input_ids"]).backward()
+        torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -400,7 +400,7 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4)
 
     def step() -> None:
-        lm_loss(model(**data), data["input_ids"]).backward()
+        torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
         opt.step()
         opt.zero_grad()
 

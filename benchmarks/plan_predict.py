@@ -21,8 +21,58 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from offload_solver import HardwareProfile
 
 GiB = 2**30
+
+
+def replay_hardware(
+    *,
+    op_overhead_us: float,
+    host_convert_gelem: float,
+    host_adam_gparam: float = 0.0,
+    h2d_gbps: float = 0.0,
+    d2h_gbps: float = 0.0,
+    peak_tflops: float = 0.0,
+    efficiency: float = 0.0,
+    hbm_tbps: float | None = None,
+    host_copy_contention: float | None = None,
+) -> HardwareProfile:
+    """``offload_solver.default_hardware()`` with a measured profile's figures (as
+    ``offload_bench.py`` records them per row); 0 (or None) keeps the default's. The copy
+    rates scale the default bandwidth curve: its shape (latency-bound small copies) is
+    kept, its plateau moved to the given rate."""
+    from offload_solver import BandwidthPoint
+    from offload_solver.hardware import default_hardware
+
+    hw = dataclasses.replace(
+        default_hardware(),
+        op_overhead_s=op_overhead_us * 1e-6,
+        host_convert_elems_per_s=host_convert_gelem * 1e9,
+    )
+    if host_adam_gparam > 0:
+        hw = dataclasses.replace(hw, host_adam_params_per_s=host_adam_gparam * 1e9)
+
+    def scaled(points: tuple[BandwidthPoint, ...], gbps: float) -> tuple[BandwidthPoint, ...]:
+        factor = gbps * 1e9 / points[-1].bytes_per_s
+        return tuple(BandwidthPoint(p.size_bytes, p.bytes_per_s * factor) for p in points)
+
+    if h2d_gbps > 0:
+        hw = dataclasses.replace(hw, h2d=scaled(hw.h2d, h2d_gbps))
+    if d2h_gbps > 0:
+        hw = dataclasses.replace(hw, d2h=scaled(hw.d2h, d2h_gbps))
+    if peak_tflops > 0:
+        hw = dataclasses.replace(hw, compute_flop_per_s=peak_tflops * 1e12)
+    if efficiency > 0:
+        hw = dataclasses.replace(hw, compute_efficiency=efficiency)
+    if hbm_tbps is not None:
+        hw = dataclasses.replace(hw, device_memory_bytes_per_s=hbm_tbps * 1e12)
+    if host_copy_contention is not None:
+        hw = dataclasses.replace(hw, host_copy_contention=host_copy_contention)
+    return hw
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     from offload_runtime.api import device_conversion_profile
     from offload_runtime.storage import required_host_bytes
     from offload_solver import (
-        BandwidthPoint,
         InfeasibleBudgetError,
         RegionAssignment,
         SimulationContext,
@@ -99,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
         get_simulator,
         solve,
     )
-    from offload_solver.hardware import default_hardware
     from offload_solver.simulators._engine import steady_state
     from offload_trace import trace
 
@@ -114,31 +162,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(traced.causal_attention)} attention nodes rewritten to is_causal, "
         f"saved for backward {traced.saved_bytes / GiB:.2f} GiB"
     )
-    hw = dataclasses.replace(
-        default_hardware(),
-        op_overhead_s=args.op_overhead_us * 1e-6,
-        host_convert_elems_per_s=args.host_convert_gelem * 1e9,
+    hw = replay_hardware(
+        op_overhead_us=args.op_overhead_us,
+        host_convert_gelem=args.host_convert_gelem,
+        host_adam_gparam=args.host_adam_gparam,
+        h2d_gbps=args.h2d_gbps,
+        d2h_gbps=args.d2h_gbps,
+        peak_tflops=args.peak_tflops,
+        efficiency=args.efficiency,
+        hbm_tbps=args.hbm_tbps,
+        host_copy_contention=args.host_copy_contention,
     )
-    if args.host_adam_gparam > 0:
-        hw = dataclasses.replace(hw, host_adam_params_per_s=args.host_adam_gparam * 1e9)
-
-    def scaled(points: tuple[BandwidthPoint, ...], gbps: float) -> tuple[BandwidthPoint, ...]:
-        # The curve's shape (latency-bound small copies) kept, its plateau moved to gbps.
-        factor = gbps * 1e9 / points[-1].bytes_per_s
-        return tuple(BandwidthPoint(p.size_bytes, p.bytes_per_s * factor) for p in points)
-
-    if args.h2d_gbps > 0:
-        hw = dataclasses.replace(hw, h2d=scaled(hw.h2d, args.h2d_gbps))
-    if args.d2h_gbps > 0:
-        hw = dataclasses.replace(hw, d2h=scaled(hw.d2h, args.d2h_gbps))
-    if args.peak_tflops > 0:
-        hw = dataclasses.replace(hw, compute_flop_per_s=args.peak_tflops * 1e12)
-    if args.efficiency > 0:
-        hw = dataclasses.replace(hw, compute_efficiency=args.efficiency)
-    if args.hbm_tbps is not None:
-        hw = dataclasses.replace(hw, device_memory_bytes_per_s=args.hbm_tbps * 1e12)
-    if args.host_copy_contention is not None:
-        hw = dataclasses.replace(hw, host_copy_contention=args.host_copy_contention)
     print(
         f"hardware: H2D {hw.h2d[-1].bytes_per_s / 1e9:.1f} GB/s, D2H "
         f"{hw.d2h[-1].bytes_per_s / 1e9:.1f} GB/s (1 GB copies), compute "

@@ -1,0 +1,124 @@
+"""Re-predict measured benchmark rows with this tree's planner (nothing is allocated).
+
+    python benchmarks/replay_bench.py W3_io.json W2_io.json
+
+For every ``ours*`` row of ``offload_bench.py --json`` files that recorded the hardware
+profile its plan was made with, this traces the workload on the meta device, solves it
+again with that profile (``plan_predict.replay_hardware``: the default bandwidth curves
+scaled to the measured plateaus) and the row's own choices (dtype conversion on the
+device or the host, speculation and its measured step cost, fp16 I/O), and prints the
+measured step beside the prediction the benchmark made and the prediction of this tree.
+A change to the simulator can so be checked against every measurement on record without
+a GPU. The replayed plan is solved again, so it can differ from the measured one; its
+placements are printed when they do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from offload_bench import WORKLOADS
+from plan_predict import replay_hardware
+
+GiB = 2**30
+SPECULATING = ("ours_spec", "ours_spec1", "ours_io_spec1")
+FP16_IO = ("ours_io", "ours_io_spec1")
+REPLAYED = ("ours", "ours_hostconv", "ours_bf16m", "ours_bf16m1", *SPECULATING, *FP16_IO)
+"""Kinds this script knows how to plan again (``ours_bf16`` and ``ablation`` are not)."""
+
+
+def _error(pred: float, measured: float) -> str:
+    return f"{(pred - measured) / measured * 100:+.1f}%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", nargs="+", type=Path, help="offload_bench.py --json files")
+    parser.add_argument(
+        "--exclude",
+        action="append",
+        default=[],
+        metavar="FILE:KIND",
+        help="leave out a row (a file's name and a kind), e.g. a measurement of a bug since "
+        "fixed; may be repeated",
+    )
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from offload_gpt_example.models import build_model, random_batch
+    from offload_runtime.api import device_conversion_profile
+    from offload_solver import ModelProfile, ParamPlacement, solve
+    from offload_trace import trace
+
+    traced: dict[str, ModelProfile] = {}
+    print(
+        "| file | workload | kind | measured step | predicted then | replayed now | "
+        "offloaded / host-state regions (measured plan; replayed) |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
+    for path in args.json:
+        results: dict[str, dict[str, dict[str, Any]]] = json.loads(path.read_text())["results"]
+        for workload, rows in results.items():
+            name, batch, seq, budget_gib = WORKLOADS[workload]
+            for kind, row in rows.items():
+                if kind not in REPLAYED or not row.get("ok") or "profile" not in row:
+                    continue
+                if f"{path.name}:{kind}" in args.exclude:
+                    print(f"| {path.name} | {workload} | {kind} | excluded | | | |")
+                    continue
+                if workload not in traced:
+                    model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
+                    inputs = random_batch(batch, seq, device="meta")
+                    traced[workload] = trace(
+                        model, inputs, dtype=torch.float16, target_device="cuda"
+                    ).to_profile()
+                p = row["profile"]
+                hw = replay_hardware(
+                    op_overhead_us=p["op_overhead_us"],
+                    host_convert_gelem=p["host_convert_gelem"],
+                    host_adam_gparam=p["host_adam_gparam"],
+                    h2d_gbps=p["h2d_gbps"],
+                    d2h_gbps=p["d2h_gbps"],
+                    peak_tflops=p["peak_tflops"],
+                    efficiency=p["efficiency"],
+                    hbm_tbps=p["device_memory_tbps"],
+                    host_copy_contention=p["host_copy_contention"],
+                )
+                base = traced[workload]
+                variant = device_conversion_profile(base) if row["convert_on_device"] else base
+                speculate = kind in SPECULATING
+                plan = solve(
+                    variant,
+                    hw,
+                    budget_gib * GiB,
+                    solver="asyn",
+                    host_step_after_backward=not speculate,
+                    speculative_step_cost=row.get("speculative_step_cost", 1.0),
+                )
+                measured = row["step_ms"]
+                replayed = plan.predicted_step_time_s * 1e3
+                worst = max(worst, abs(replayed - measured) / measured)
+                offloaded = sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)
+                host = sum(rp.state.value == "host" for rp in plan.regions)
+                print(
+                    f"| {path.name} | {workload} | {kind} | {measured:.0f} ms | "
+                    f"{row['pred_step_ms']:.0f} ({_error(row['pred_step_ms'], measured)}) | "
+                    f"{replayed:.0f} ({_error(replayed, measured)}) | "
+                    f"{row['offloaded_regions']} / {row['host_state_regions']}; "
+                    f"{offloaded} / {host} |",
+                    flush=True,
+                )
+    print(f"largest replayed step error: {worst * 100:.1f}%")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
