@@ -482,11 +482,11 @@ def test_copy_contention_charges_each_region_for_its_copies() -> None:
         [(0, "grad_widen", 9.2, 9.6), (0, "host_step", 9.6, 9.9), (0, "publish", 9.9, 10.3)]
     )
     assert res.step_time_s == pytest.approx(10.5)
-    # An offloaded region uploads twice a step (forward and backward): 0.1 + 0.3 s.
+    # An offloaded region uploads twice a step (forward and backward): 0.1 + 0.3 s. (Its
+    # step waits for backward's end here: one taken under backward is charged otherwise.)
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, HOST), RegionAssignment(S, HOST)]
-    spans = _host_spans(
-        get_simulator("async").simulate(SimulationContext.build(three_layers(), hw), asg)
-    )
+    ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
+    spans = _host_spans(get_simulator("async").simulate(ctx, asg))
     step2 = next((e - s) for r, k, s, e in spans if r == 2 and k == "host_step")
     assert step2 == pytest.approx(0.4)
 
@@ -510,6 +510,18 @@ def test_speculative_steps_cost_more_only_before_backward_ends() -> None:
         [(2, "host_step", 5.2, 5.5), (1, "host_step", 7.2, 7.5), (0, "host_step", 9.2, 9.3)]
     )
     assert res.step_time_s == pytest.approx(9.5)
+    # With host work at half its rate under copies, a step under backward runs at that rate
+    # for all of its duration, 3 x 0.1 / 0.5 s; region 0's, after backward, is charged for
+    # its own copies only: 0.1 + (0.2 + 0.2) / 2 * (1 / 0.5 - 1) s.
+    ctx = SimulationContext.build(
+        three_layers(),
+        flat_hardware(host_adam_params_per_s=1000.0, host_copy_contention=0.5),
+        speculative_step_cost=3.0,
+    )
+    res = get_simulator("async").simulate(ctx, [RegionAssignment(R, HOST)] * 3)
+    assert _host_spans(res) == _approx_spans(
+        [(2, "host_step", 5.2, 5.8), (1, "host_step", 7.2, 7.8), (0, "host_step", 9.2, 9.5)]
+    )
     # Waiting for the answer, nothing speculates: the cost is never charged.
     waiting = [
         get_simulator("async").simulate(

@@ -117,8 +117,9 @@ def solve(
     ``speculative_step_cost`` (>= 1): how much longer a host step taken in a gradient hook
     before backward ends takes than a plain one. 1 (default) when such steps are exact
     (bf16, fp32 training); an fp16 optimizer that speculates and keeps undo data pays more
-    (``offload_optim.measure_speculative_step_cost``). Only used without
-    ``host_step_after_backward``.
+    (``offload_optim.measure_speculative_step_cost``, timed alone: the simulator also runs
+    such steps at the host's contended rate, since copies stream both ways under
+    backward). Only used without ``host_step_after_backward``.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.

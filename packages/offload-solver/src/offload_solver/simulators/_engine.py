@@ -34,8 +34,13 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   (1 / c - 1)``. Each host-state region's Adam step is charged that for its own copies
   of the step (its gradient copy, and its uploads: two for an offloaded region, forward
   and backward, one post-step upload for a resident one), as if every copy overlapped
-  host work, which in an offloaded step nearly all do. Where the copies land in time is
-  not modelled, only their total: the period of the repeating step is what it moves.
+  host work, which in an offloaded step nearly all do. A step taken in its gradient
+  hook while backward still runs is charged instead at the contended rate for all of
+  its duration (``speculative_step_cost / c`` times a plain step): the gradient copies
+  down and backward's prefetches up stream both ways around it. Charging such steps
+  only for their own copies predicted W2 and W3's speculating plans 8-15% fast
+  (BENCHMARKS.md, session 16). Where the other copies land in time is not modelled,
+  only their total: the period of the repeating step is what it moves.
   The conversion passes (``grad_widen``, ``publish``) run at ``c`` times their rate:
   they run as gradients land and right before uploads, while copies stream, and they
   are pure memory traffic (host-conversion W2 measured 829 ms against 561 predicted
@@ -688,17 +693,24 @@ def run(
         host_free = e
         return e, ready
 
-    early_cost = ctx.speculative_step_cost
+    early_cost = ctx.speculative_step_cost / ctx.hardware.host_copy_contention
     contention = ctx.copy_contention
 
-    def update(r: int, ready_s: float, pred: int, cost: float = 1.0) -> None:
-        """Place region r's Adam step (``cost`` times its plain duration, plus what its
-        copies of the step cost the host; and publish), and queue its post-step upload."""
+    def update(r: int, ready_s: float, pred: int, early: bool = False) -> None:
+        """Place region r's Adam step (and publish), and queue its post-step upload.
+
+        A step after backward costs its plain duration plus what its own copies of the step
+        cost the host. An ``early`` one, taken in its gradient hook while backward runs,
+        costs ``speculative_step_cost`` times the plain duration, all of it at the
+        contended rate: see [Note: step model]."""
         nonlocal host_free, last_o
         s = ready_s if ready_s > host_free else host_free
-        e = s + hs[r] * cost
-        if contention:
-            e += contention * (gd[r] + (1 if codes[r] == RESIDENT else 2) * up[r])
+        if early:
+            e = s + hs[r] * early_cost
+        else:
+            e = s + hs[r]
+            if contention:
+                e += contention * (gd[r] + (1 if codes[r] == RESIDENT else 2) * up[r])
         last_o = host_task[r] = add(LANE_HOST, r, KIND_HOST_STEP, s, e, last_o, pred)
         host_free = e
         if publishes:
@@ -722,7 +734,7 @@ def run(
                 return
             landed.popleft()
             e, ready = grad_work_of(r, land, ready)
-            update(r, e, ready, early_cost)
+            update(r, e, ready, early=True)
 
     for r in range(n_reg - 1, -1, -1):
         reach = t
