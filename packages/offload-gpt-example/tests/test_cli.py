@@ -189,6 +189,40 @@ def test_speculate_trains_fp16_with_host_steps_under_backward(
     assert losses[True] == pytest.approx(losses[False], abs=1e-3)
 
 
+def test_fp16_io_trains_as_the_conversion_passes_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("numba", reason="--fp16_io needs offload-optim[single-pass]")
+    base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "4"]
+    base += ["--log_dir", str(tmp_path)]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    losses = {}
+    for flags in ([], ["--fp16_io"], ["--fp16_io", "--speculate"]):
+        code, out, err = _run([*base, "--memory_budget", budget, *flags], capsys)
+        assert code == 0, err
+        loss = LOSS_LINE.search(out)
+        assert loss is not None, out
+        losses[" ".join(flags)] = float(loss.group(1))
+        if flags:
+            assert re.search(r"^fp16_io: host steps at [0-9.]+ G parameters/s$", out, re.M)
+    plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
+    assert any(rp.state.value == "host" for rp in plan.regions)
+    # The fused fp16 kernel rounds as the widen / step / narrow passes do, but the host Adam
+    # of the plain run is torch's (exactness is tested in offload-optim).
+    for flags, value in losses.items():
+        assert value == pytest.approx(losses[""], abs=1e-3), flags
+    # --plan_only plans as memory_optimize(fp16_io=True) does: host conversion, no passes.
+    code, out, err = _run([*base, "--memory_budget", budget, "--fp16_io", "--plan_only"], capsys)
+    assert code == 0, err
+    assert re.search(r"^predicted_peak_mem=[0-9.]+ MB \| predicted_step_time=[0-9.]+ s", out, re.M)
+
+
+def test_fp16_io_needs_fp16(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run([*TINY, "--dtype", "bf16", "--fp16_io"], capsys)
+    assert code == 2
+    assert "--fp16_io applies to --dtype fp16 only" in err
+
+
 def test_speculate_needs_fp16(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run([*TINY, "--dtype", "bf16", "--speculate"], capsys)
     assert code == 2

@@ -5,6 +5,7 @@ Run it (defaults are the reference's: gpt2_medium, batch 64, 16 GB, the asyn sol
     python -m offload_gpt_example
     python -m offload_gpt_example --model_type gpt2_10b --batch_size 16 --memory_budget 24
     MODEL_TYPE=gpt2_xl MEMORY_BUDGET=8 bash packages/offload-gpt-example/run.sh   # logged
+    python -m offload_gpt_example --model_type gpt2_xl --memory_budget 3 --fp16_io --speculate
 
 Plan only, on any machine (the model is built on the meta device; no weights allocated):
 
@@ -33,6 +34,7 @@ simulated step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -55,7 +57,13 @@ from offload_gpt_example.models import (
     random_batch,
 )
 from offload_gpt_example.plot import save_plan_png
-from offload_optim import AMPOptimizer, HybridAdam, measure_speculative_step_cost, single_pass
+from offload_optim import (
+    AMPOptimizer,
+    HybridAdam,
+    measure_host_step_params_per_s,
+    measure_speculative_step_cost,
+    single_pass,
+)
 from offload_runtime.api import matmul_shapes, memory_optimize, plan_summary
 from offload_runtime.hardware import profile_hardware
 from offload_solver import (
@@ -148,35 +156,72 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "12 more bytes of host memory per host-resident parameter",
     )
     p.add_argument(
+        "--fp16_io",
+        action="store_true",
+        help="fp16 only: host steps read fp16 gradients and write fp16 parameters in one "
+        "pass, with no conversion passes (HybridAdam(fp16_io=True), memory_optimize("
+        "fp16_io=True)); needs the single-pass host Adam (offload-optim[single-pass])",
+    )
+    p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
     )
     return p, p.parse_args(argv)
 
 
 @dataclass(frozen=True)
-class Speculation:
-    """How ``--speculate`` trains: the host kernel, and what the planner is told."""
+class HostSteps:
+    """How host-state regions step (``--speculate``, ``--fp16_io``), and what the planner
+    is told about it."""
 
     host_kernel: str
-    """``HybridAdam``'s host kernel: ``"single_pass"`` when numba is installed."""
-    cost: float | None
+    """``HybridAdam``'s host kernel: ``"single_pass"`` with ``--fp16_io``, or with
+    ``--speculate`` when numba is installed; else ``"torch"``."""
+    fp16_io: bool
+    """``HybridAdam(fp16_io=True)``: fp16 gradients in, fp16 parameters out of the host
+    step, with no conversion passes."""
+    speculative_cost: float | None
     """A speculative host step's time over a plain one's (measured); None: off."""
+    params_per_s: float | None
+    """The fp16-I/O kernel's measured rate in parameters/s; None: the hardware profile's."""
 
     @property
     def plan_kwargs(self) -> dict[str, Any]:
-        """Extra ``memory_optimize`` / ``solve`` arguments: with speculation, host steps
-        start as gradients land, each taken under backward costing ``cost`` plain ones."""
-        if self.cost is None:
+        """Extra ``solve`` arguments: with speculation, host steps start as gradients land,
+        each taken under backward costing ``speculative_cost`` plain ones."""
+        if self.speculative_cost is None:
             return {}
-        return {"host_step_after_backward": False, "speculative_step_cost": self.cost}
+        return {"host_step_after_backward": False, "speculative_step_cost": self.speculative_cost}
+
+    @property
+    def optimize_kwargs(self) -> dict[str, Any]:
+        """Extra ``memory_optimize`` arguments: :attr:`plan_kwargs`, and fp16 I/O planned
+        at its kernel's rate."""
+        if not self.fp16_io:
+            return self.plan_kwargs
+        return {**self.plan_kwargs, "fp16_io": True, "host_step_params_per_s": self.params_per_s}
+
+    def plan_hardware(self, hardware: HardwareProfile) -> HardwareProfile:
+        """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``)."""
+        if not self.fp16_io:
+            return hardware
+        assert self.params_per_s is not None
+        # The conversions happen inside the host step: no separate passes to charge.
+        return dataclasses.replace(
+            hardware, host_convert_elems_per_s=0.0, host_adam_params_per_s=self.params_per_s
+        )
 
     @classmethod
-    def choose(cls, speculate: bool, measure_big: bool) -> Speculation:
-        """Off: torch's kernel and the defaults. On: the single-pass kernel if numba is
-        there (else torch's, said on stderr), and its speculative cost measured now over
-        64 M parameters when ``measure_big`` (a GPU run), else 1 M (about a second)."""
-        if not speculate:
-            return cls("torch", None)
+    def choose(cls, speculate: bool, fp16_io: bool, measure_big: bool) -> HostSteps:
+        """Neither: torch's kernel and the defaults. Otherwise the single-pass kernel (with
+        ``speculate`` alone, torch's when numba is missing, said on stderr), its rates
+        measured now over 64 M parameters when ``measure_big`` (a GPU run), else 1 M
+        (about a second each). Raises ImportError or RuntimeError when ``fp16_io`` cannot
+        run here."""
+        if not speculate and not fp16_io:
+            return cls("torch", False, None, None)
+        numel = (64 if measure_big else 1) << 20
+        if fp16_io:
+            single_pass.require_fp16_io()
         kernel = "single_pass" if single_pass.available() else "torch"
         if kernel == "torch":
             print(
@@ -185,11 +230,17 @@ class Speculation:
                 "against 1.5x in one pass); pip install 'offload-optim[single-pass]'",
                 file=sys.stderr,
             )
-        cost = measure_speculative_step_cost(
-            numel=(64 if measure_big else 1) << 20, host_kernel=kernel
-        )
-        print(f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one")
-        return cls(kernel, cost)
+        rate = None
+        if fp16_io:
+            rate = measure_host_step_params_per_s(numel=numel, host_kernel=kernel, fp16_io=True)
+            print(f"fp16_io: host steps at {rate / 1e9:.2f} G parameters/s", flush=True)
+        cost = None
+        if speculate:
+            cost = measure_speculative_step_cost(numel=numel, host_kernel=kernel, fp16_io=fp16_io)
+            print(
+                f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one"
+            )
+        return cls(kernel, fp16_io, cost, rate)
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
@@ -260,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"--speculate applies to --dtype fp16 only; with {args.dtype} host regions "
             "already step under backward (nothing waits for an overflow check)"
         )
+    if args.fp16_io and args.dtype != "fp16":
+        parser.error(f"--fp16_io applies to --dtype fp16 only, not {args.dtype}")
     budget_bytes = int(args.memory_budget * GB)
     dtype = DTYPES[args.dtype]
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
@@ -324,7 +377,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"memory_optimize: {args.solver_type} solver, budget {args.memory_budget:g} GB",
             file=sys.stderr,
         )
-    speculation = Speculation.choose(args.speculate, on_cuda)
+    try:
+        host_steps = HostSteps.choose(args.speculate, args.fp16_io, on_cuda)
+    except (ImportError, RuntimeError) as exc:
+        print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     t0 = time.perf_counter()
     try:
         module = memory_optimize(
@@ -336,7 +393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=device,
             progress=show,
             block_search_range_bytes=int(args.block_search_range * MB),
-            **speculation.plan_kwargs,
+            **host_steps.optimize_kwargs,
         )
     except InfeasibleBudgetError as exc:
         what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
@@ -353,7 +410,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan, log_dir, stem, f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
     )
     optimizer = AMPOptimizer(
-        HybridAdam(module.parameters(), lr=args.lr, host_kernel=speculation.host_kernel),
+        HybridAdam(
+            module.parameters(),
+            lr=args.lr,
+            host_kernel=host_steps.host_kernel,
+            fp16_io=host_steps.fp16_io,
+        ),
         module,
         speculate_fp16=args.speculate,
     )
@@ -459,7 +521,13 @@ def plan_only(
         print(f"no CUDA device: planning for {hardware.name}", flush=True)
     # As memory_optimize plans: fp16 steps host regions after backward unless it speculates.
     plan_kwargs: dict[str, Any] = {"host_step_after_backward": dtype == torch.float16}
-    plan_kwargs.update(Speculation.choose(args.speculate, False).plan_kwargs)
+    try:
+        host_steps = HostSteps.choose(args.speculate, args.fp16_io, False)
+    except (ImportError, RuntimeError) as exc:
+        print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    plan_kwargs.update(host_steps.plan_kwargs)
+    hardware = host_steps.plan_hardware(hardware)
     try:
         with phase(f"solve ({args.solver_type})", show):
             plan = solve(
