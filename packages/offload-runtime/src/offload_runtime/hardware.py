@@ -1045,15 +1045,19 @@ def measure_host_copy_contention(
     device: torch.device,
     numel: int = _HOST_ADAM_NUMEL,
     *,
-    steps: int = 3,
+    steps: int = 7,
     copy_bytes: int = _CONTENTION_COPY_BYTES,
 ) -> float:
     """Fraction of its standalone rate fused host Adam keeps while pinned copies run.
 
-    Times ``steps`` fused ``torch.optim.Adam`` steps over ``numel`` fp32 host parameters
-    alone, then ``steps`` more while a host-to-device and a device-to-host stream each copy
-    a ``copy_bytes`` pinned buffer back to back (as the runtime's prefetches and gradient
-    copies do during a step), and returns the ratio of the medians, in (0, 1]. The copies
+    Times ``steps`` pairs of fused ``torch.optim.Adam`` steps over ``numel`` fp32 host
+    parameters: one alone, then one while a host-to-device and a device-to-host stream each
+    copy a ``copy_bytes`` pinned buffer back to back (as the runtime's prefetches and
+    gradient copies do during a step), and returns the ratio of the medians, in (0, 1].
+    The two kinds alternate so that a host that slows down or speeds up while this runs
+    (other work on a shared machine) moves both medians alike. (Measured as one block
+    after the other, one H200 call's profile read 0.31 where other calls read 0.56-0.62;
+    BENCHMARKS.md, session 16.) The copies
     are queued for three times the standalone step (doubled whenever they finished before
     the step did), so they run for its whole duration. Needs ``16 * numel`` bytes of host
     memory, ``2 * copy_bytes`` pinned, and ``2 * copy_bytes`` on the device (``copy_bytes``
@@ -1067,7 +1071,7 @@ def measure_host_copy_contention(
     if dev.type != "cuda":
         raise ValueError(f"measure_host_copy_contention needs a CUDA device, got {device!r}")
     timed_step = _timed_host_adam(numel)
-    alone_s = statistics.median(timed_step() for _ in range(steps))
+    alone_s = timed_step()  # sizes the copies; not a sample
     # Two buffers on each side: keep them within a quarter of what is free, as the sweep does.
     free_device, _ = torch.cuda.mem_get_info(dev)
     room = min(free_device, available_host_memory_bytes() or free_device) // 8
@@ -1082,10 +1086,13 @@ def measure_host_copy_contention(
     torch.cuda.synchronize(dev)
     copy_s = max(copy_bytes / _COPY_RATE_HIGH_GUESS, 1e-6)
     copies = max(2, math.ceil(3 * alone_s / copy_s))
+    alone: list[float] = []
     samples: list[float] = []
     attempts = 0
     while len(samples) < steps and attempts < 4 * steps:
         attempts += 1
+        if len(alone) == len(samples):  # each sample under copies has its own alone
+            alone.append(timed_step())
         done = []
         for stream, dst, src in ((up, up_dst, up_src), (down, down_dst, down_src)):
             with torch.cuda.stream(stream):
@@ -1107,7 +1114,7 @@ def measure_host_copy_contention(
             "the copies never outlasted a host Adam step; the device's copies seem far "
             "faster than assumed"
         )
-    return min(1.0, alone_s / statistics.median(samples))
+    return min(1.0, statistics.median(alone[: len(samples)]) / statistics.median(samples))
 
 
 def measure_device_adam_params_per_s(
