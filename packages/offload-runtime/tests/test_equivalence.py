@@ -23,7 +23,7 @@ from tiny_models import (
 
 import offload_runtime.controller
 import offload_runtime.module
-from offload_runtime import OffloadModule, memory_optimize
+from offload_runtime import OffloadModule, measure_device_bytes_in_use, memory_optimize
 from offload_runtime.hardware import default_cpu_profile
 from offload_solver import InfeasibleBudgetError
 
@@ -283,6 +283,22 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
         memory_optimize(model, inp, 2**30, "asyn", host_step_params_per_s=0.0, **kwargs)
     fast.close()
     slow.close()
+
+
+def test_device_bytes_in_use_come_off_the_budget() -> None:
+    # On the CPU nothing is measured in use; bytes given are planned around and counted in
+    # the predicted peak, and a budget they leave too little of names the least one.
+    model, inp, hw = tiny_gpt2(), inputs(), default_cpu_profile()
+    kwargs: dict[str, Any] = dict(dtype=torch.float32, hardware=hw, device="cpu", progress=False)
+    assert measure_device_bytes_in_use(torch.device("cpu"), model) == 0
+    plain = memory_optimize(model, inp, 2**30, "asyn", **kwargs)
+    shifted = memory_optimize(model, inp, 2**30, "asyn", device_bytes_in_use=4096, **kwargs)
+    assert shifted.plan.predicted_peak_bytes == plain.plan.predicted_peak_bytes + 4096
+    with pytest.raises(InfeasibleBudgetError) as info:
+        memory_optimize(model, inp, 2**30, "asyn", device_bytes_in_use=2**30, **kwargs)
+    assert info.value.least_budget_bytes > 2**30
+    plain.close()
+    shifted.close()
 
 
 def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:

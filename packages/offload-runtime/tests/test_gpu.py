@@ -14,7 +14,12 @@ import pytest
 import torch
 from tiny_models import forcing_budget, gpt2, loss_of, offloaded_half
 
-from offload_runtime import OffloadModule, memory_optimize, profile_hardware
+from offload_runtime import (
+    OffloadModule,
+    measure_device_bytes_in_use,
+    memory_optimize,
+    profile_hardware,
+)
 from offload_runtime.storage import _alloc_host
 from offload_solver import ParamPlacement
 
@@ -77,6 +82,9 @@ def test_fp16_gradients_match_plain_fp16_training(solver: str) -> None:
         hardware=hardware,
         progress=False,
         block_search_range_bytes=0,
+        # The reference model beside it is not the module's: this budget only forces
+        # offload, so nothing in use comes off it.
+        device_bytes_in_use=0,
     )
     assert offloaded_half(module.plan, solver)
     logits = module(**inp)
@@ -89,6 +97,27 @@ def test_fp16_gradients_match_plain_fp16_training(solver: str) -> None:
         err = float((grads[name].float().cpu() - p.grad.float().cpu()).abs().max())
         scale = float(p.grad.float().abs().max()) + 1e-6
         assert err <= 2e-2 * scale, (name, err, scale)
+
+
+def test_bytes_in_use_hold_the_workspaces_a_training_step_allocates() -> None:
+    # After the measurement, a forward and backward allocate nothing that stays: the
+    # libraries' workspaces were already counted. The model's own weights on the device
+    # are not counted (the module copies them), the caller's other tensors are.
+    dev = torch.device("cuda", torch.cuda.current_device())
+    model = torch.nn.Linear(512, 512).half().to(dev)
+    other = torch.empty(3 << 20, dtype=torch.uint8, device=dev)
+    in_use = measure_device_bytes_in_use(dev, model, torch.float16)
+    held = torch.cuda.memory_allocated(dev)
+    weights = sum(t.untyped_storage().nbytes() for t in model.parameters())
+    assert in_use == held - weights
+    assert in_use >= other.untyped_storage().nbytes()
+    x = torch.randn(256, 512, device=dev, dtype=torch.float16, requires_grad=True)
+    model(x).float().sum().backward()
+    del x
+    for p in model.parameters():
+        p.grad = None
+    torch.cuda.synchronize(dev)
+    assert torch.cuda.memory_allocated(dev) == held
 
 
 @pytest.mark.parametrize("solver", ["syn", "asyn"])

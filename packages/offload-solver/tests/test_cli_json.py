@@ -193,6 +193,10 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     printed = capsys.readouterr().out
     assert "prefetch_at" in printed and "predicted peak" in printed
     assert "2/4 regions offloaded" in printed
+    # Bytes already in use come off the budget: the same budget no longer fits.
+    args = [str(profile), "--budget", "5130", "--hardware", str(hardware), "--in-use", "1KiB"]
+    assert main(args) == 2
+    assert "least budget that works is" in capsys.readouterr().err
 
 
 def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -213,6 +217,7 @@ def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--budget", "lots"], "cannot parse size 'lots'"),
         (["--budget", "0"], "budget_bytes is 0"),
         (["--budget", "1KB"], "least budget that works is"),
+        (["--budget", "16GiB", "--in-use", "-5"], "device_bytes_in_use must be >= 0"),
         (["--budget", "16GiB", "--solver", "magic"], "Solver 'magic' is not registered"),
         (["--budget", "16GiB", "--hardware", "missing.json"], "cannot read hardware file"),
     ],

@@ -3,6 +3,8 @@ placement, and named errors."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -245,6 +247,34 @@ def test_infeasible_budget_names_the_least_budget() -> None:
     assert isinstance(e.value, ValueError)
     plan = solve(profile, hardware, e.value.least_budget_bytes, solver="asyn")
     assert plan.predicted_peak_bytes <= 5500
+
+
+def test_bytes_in_use_come_off_the_budget_and_count_in_the_peak() -> None:
+    profile = chain([300, 400, 500, 400, 300], fwd_flop=100, bwd_flop=1000)
+    hardware = flat_hardware()
+    roomy = solve(profile, hardware, 10**9)
+    shifted = solve(profile, hardware, 10**9, device_bytes_in_use=12345)
+    assert placements(shifted) == placements(roomy)
+    assert shifted.predicted_peak_bytes == roomy.predicted_peak_bytes + 12345
+    assert [m.bytes for m in shifted.memory_curve] == [m.bytes + 12345 for m in roomy.memory_curve]
+    # A budget whose planning share just holds everything on the device holds it no more
+    # once the bytes in use are taken: the plan moves something off and still fits.
+    budget = math.ceil(roomy.predicted_peak_bytes / BUDGET_SAFETY_FACTOR)
+    tight = solve(profile, hardware, budget, device_bytes_in_use=2000)
+    assert placements(tight) != placements(roomy) or any(rp.state is HOST for rp in tight.regions)
+    assert tight.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR
+    # The least budget named counts them, and solving with it succeeds.
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(profile, hardware, 1000, device_bytes_in_use=700)
+    assert e.value.floor_peak_bytes == 5500 + 700
+    plan = solve(profile, hardware, e.value.least_budget_bytes, device_bytes_in_use=700)
+    assert plan.predicted_peak_bytes <= 6200
+
+
+@pytest.mark.parametrize("in_use", [-1, True, 1.5])
+def test_bad_bytes_in_use_are_named(in_use: object) -> None:
+    with pytest.raises(ValueError, match="device_bytes_in_use"):
+        solve(chain([10], 1, 1), flat_hardware(), 10**6, device_bytes_in_use=in_use)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("budget", [0, -5, 0.0, True, float("nan")])

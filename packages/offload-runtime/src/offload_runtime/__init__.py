@@ -5,7 +5,12 @@
 the graph and returns an :class:`OffloadModule` to train.
 """
 
-from offload_runtime.api import build_offload_module, memory_optimize, plan_summary
+from offload_runtime.api import (
+    build_offload_module,
+    measure_device_bytes_in_use,
+    memory_optimize,
+    plan_summary,
+)
 from offload_runtime.controller import OffloadController, RegionState
 from offload_runtime.hardware import (
     DeviceIdentity,
@@ -30,6 +35,7 @@ __all__ = [
     "insert_async_ops",
     "insert_state_ops",
     "insert_sync_ops",
+    "measure_device_bytes_in_use",
     "memory_optimize",
     "plan_summary",
     "profile_hardware",

@@ -52,6 +52,41 @@ def resolve_device(device: torch.device | str | None) -> torch.device:
     return dev
 
 
+def measure_device_bytes_in_use(
+    device: torch.device, model: torch.nn.Module | None = None, dtype: torch.dtype = torch.float16
+) -> int:
+    """Device bytes allocated now that stay allocated while ``model`` trains, beside what a
+    plan places: what ``solve(device_bytes_in_use=)`` takes off the budget.
+
+    That is everything the caching allocator holds on ``device`` (the inputs, the
+    caller's other tensors, and the BLAS libraries' workspaces, allocated here by one small
+    ``dtype`` matrix product forward and backward if training has not run yet), less
+    ``model``'s own parameters and buffers on ``device``, which the offloaded module
+    copies into its own storage. On the CPU: 0 (no device allocator to ask).
+    """
+    if device.type != "cuda":
+        return 0
+    with torch.cuda.device(device):
+        # cuBLAS keeps a workspace per handle and stream, taken from the caching allocator
+        # at the first product and held from then on: one for the thread that runs forward,
+        # one for autograd's device thread that runs backward. A first training step would
+        # allocate them; do it now so that they are counted.
+        x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
+        torch.autograd.backward(torch.addmm(x, x, x).sum())
+        del x
+        torch.cuda.synchronize(device)  # sync point: backward's frees are done
+        used = torch.cuda.memory_allocated(device)
+    own = 0
+    if model is not None:
+        seen: set[int] = set()
+        for t in (*model.parameters(), *model.buffers()):
+            storage = t.untyped_storage()
+            if t.device == device and storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                own += storage.nbytes()
+    return max(0, used - own)
+
+
 def matmul_shapes(gm: fx.GraphModule) -> list[MatmulShape]:
     """The (m, k, n) of every matrix product in a traced graph, for compute profiling."""
     out: list[MatmulShape] = []
@@ -156,6 +191,7 @@ def memory_optimize(
     host_step_params_per_s: float | None = None,
     speculative_step_cost: float = 1.0,
     fp16_io: bool = False,
+    device_bytes_in_use: int | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -204,6 +240,11 @@ def memory_optimize(
             ``host_step_params_per_s`` (``offload_optim.measure_host_step_params_per_s(
             host_kernel="single_pass", fp16_io=True)``). Needs ``dtype=torch.float16`` and
             ``convert_on_device`` False or None.
+        device_bytes_in_use: device bytes that stay allocated beside the plan's while the
+            model trains; they come off the budget and count in the predicted peak.
+            Default: measured by :func:`measure_device_bytes_in_use` once the hardware is
+            profiled (on CUDA: the BLAS workspaces, the inputs, anything else allocated
+            on the device; on the CPU: 0).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -239,6 +280,14 @@ def memory_optimize(
         # The conversions happen inside the host step: no separate passes to charge.
         hardware = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
         convert_on_device = False
+    if device_bytes_in_use is None:
+        device_bytes_in_use = measure_device_bytes_in_use(dev, model, dtype)
+        if device_bytes_in_use:
+            say(
+                f"{device_bytes_in_use / MiB:.1f} MiB of device memory are in use beside "
+                "the plan (library workspaces, the inputs, other tensors): planning for the "
+                "rest of the budget"
+            )
     t1 = time.perf_counter()
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
@@ -258,6 +307,7 @@ def memory_optimize(
                 host_step_after_backward=after_backward,
                 state_on_device=state_on_device,
                 speculative_step_cost=speculative_step_cost,
+                device_bytes_in_use=device_bytes_in_use,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)

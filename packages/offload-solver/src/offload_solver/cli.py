@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
         help="how far above the largest region the pool block-size search looks "
         "(default 128MiB, the reference's; 0 keeps small models' regions apart)",
     )
+    p.add_argument(
+        "--in-use",
+        default="0",
+        help="device memory that stays allocated beside the plan's, measured by the caller "
+        "(libraries' workspaces, inputs), e.g. 64MiB; it comes off the budget (default 0)",
+    )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
 
@@ -99,7 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             else parse_bytes(args.block_search_range)
         )
         plan = solve(
-            profile, hardware, budget, solver=args.solver, block_search_range_bytes=search_range
+            profile,
+            hardware,
+            budget,
+            solver=args.solver,
+            block_search_range_bytes=search_range,
+            device_bytes_in_use=parse_bytes(args.in_use),
         )
         if args.output is not None:
             try:

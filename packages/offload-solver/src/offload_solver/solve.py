@@ -17,7 +17,8 @@ The steps, shared by every solver strategy:
    :class:`InfeasibleBudgetError` naming the least budget at which step 4 succeeds, so
    solving again with it always succeeds.
 
-All planning is against ``budget * BUDGET_SAFETY_FACTOR``.
+All planning is against ``budget * BUDGET_SAFETY_FACTOR``, less ``device_bytes_in_use``
+(measured bytes that stay allocated beside the plan's, charged whole).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 
 from offload_solver.model import (
     HardwareProfile,
+    MemorySample,
     ModelProfile,
     ParamPlacement,
     Plan,
@@ -97,6 +99,7 @@ def solve(
     host_step_after_backward: bool = False,
     state_on_device: bool = True,
     speculative_step_cost: float = 1.0,
+    device_bytes_in_use: int = 0,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -120,6 +123,11 @@ def solve(
     (``offload_optim.measure_speculative_step_cost``, timed alone: the simulator also runs
     such steps at the host's contended rate, since copies stream both ways under
     backward). Only used without ``host_step_after_backward``.
+    ``device_bytes_in_use``: device bytes allocated outside the plan for the whole step,
+    as a runtime measures them before training (libraries' workspaces, the inputs, the
+    caller's tensors). They are exact, so they come off the planning share of the budget
+    whole (not scaled by the safety factor), and the plan's predicted peak and memory
+    curve include them, as a measured peak does.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -127,6 +135,11 @@ def solve(
     """
     t0 = time.perf_counter()
     budget = _check_budget(budget_bytes)
+    if isinstance(device_bytes_in_use, bool) or not isinstance(device_bytes_in_use, int):
+        raise ValueError(f"device_bytes_in_use must be an int, got {device_bytes_in_use!r}")
+    if device_bytes_in_use < 0:
+        raise ValueError(f"device_bytes_in_use must be >= 0 bytes, got {device_bytes_in_use}")
+    in_use = device_bytes_in_use
     strategy = get_solver(solver)
     simulator = get_simulator(strategy.simulator)
     ctx = SimulationContext.build(
@@ -137,7 +150,7 @@ def solve(
         host_step_after_backward=host_step_after_backward,
         speculative_step_cost=speculative_step_cost,
     )
-    cap = budget * BUDGET_SAFETY_FACTOR
+    cap = budget * BUDGET_SAFETY_FACTOR - in_use
     stats = SolveStats()
     n_reg = ctx.num_regions
 
@@ -160,7 +173,7 @@ def solve(
             ]
             floor_run = search.simulate(floor)
             if floor_run.peak_bytes > cap:
-                floor_peak = min(floor_run.peak_bytes, all_resident_peak)
+                floor_peak = min(floor_run.peak_bytes, all_resident_peak) + in_use
                 raise InfeasibleBudgetError(budget, least_budget_bytes(floor_peak), floor_peak)
             search.reset(floor, floor_run)
         if state_on_device:
@@ -186,10 +199,10 @@ def solve(
         solver=strategy.name,
         budget_bytes=budget,
         regions=regions,
-        predicted_peak_bytes=detail.peak_bytes,
+        predicted_peak_bytes=detail.peak_bytes + in_use,
         predicted_step_time_s=detail.steady_step_time_s,
         timeline=detail.timeline,
-        memory_curve=detail.memory_curve,
+        memory_curve=tuple(MemorySample(m.time_s, m.bytes + in_use) for m in detail.memory_curve),
         pool_size_bytes=detail.pool_size_bytes,
         model_name=profile.name,
         hardware_name=hardware.name,
