@@ -70,10 +70,13 @@ def measure_device_bytes_in_use(
         # cuBLAS keeps a workspace per handle and stream, taken from the caching allocator
         # at the first product and held from then on: one for the thread that runs forward,
         # one for autograd's device thread that runs backward. A first training step would
-        # allocate them; do it now so that they are counted.
+        # allocate them; do it now so that they are counted. Both kinds of product a
+        # model runs: a plain one, and one with a vector bias (cuBLASLt's path).
         x = torch.ones(16, 16, device=device, dtype=dtype, requires_grad=True)
-        torch.autograd.backward(torch.addmm(x, x, x).sum())
-        del x
+        bias = torch.ones(16, device=device, dtype=dtype, requires_grad=True)
+        out = torch.addmm(x, x, x).sum() + torch.nn.functional.linear(x, x, bias).sum()
+        torch.autograd.backward(out)
+        del x, bias, out
         torch.cuda.synchronize(device)  # sync point: backward's frees are done
         used = torch.cuda.memory_allocated(device)
     own = 0
