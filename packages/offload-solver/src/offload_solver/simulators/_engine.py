@@ -37,9 +37,9 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   host work, which in an offloaded step nearly all do. A step taken in its gradient
   hook while backward still runs is charged instead at the contended rate for all of
   its duration (``speculative_step_cost / c`` times a plain step): the gradient copies
-  down and backward's prefetches up stream both ways around it. Charging such steps
-  only for their own copies predicted W2 and W3's speculating plans 8-15% fast
-  (BENCHMARKS.md, session 16). Where the other copies land in time is not modelled,
+  down and backward's prefetches up stream both ways around it. Charged only for their
+  own copies, W3's speculating plans were predicted up to 15% fast (BENCHMARKS.md,
+  session 16). Where the other copies land in time is not modelled,
   only their total: the period of the repeating step is what it moves.
   The conversion passes (``grad_widen``, ``publish``) run at ``c`` times their rate:
   they run as gradients land and right before uploads, while copies stream, and they
