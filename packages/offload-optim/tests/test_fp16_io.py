@@ -91,6 +91,33 @@ def test_speculative_fp16_io_kernel_keeps_the_undo_data_and_flags_overflow() -> 
     assert math.isinf(float(part))
 
 
+@pytest.mark.parametrize("offset", [0, 1, 3, 15])
+def test_speculative_kernels_stream_their_undo_data_at_any_alignment(offset: int) -> None:
+    """The undo buffers are written with aligned non-temporal stores between scalar heads
+    and tails: buffers starting ``offset`` floats past a 64-byte boundary (views into a
+    larger tensor) get every element, as the in-place kernels compute them."""
+    n = 2 * (1 << 16) + 37
+    p, m, v, g16 = _state(n, 2)
+    step = torch.tensor(3.0)
+    ref = [t.clone() for t in (p, m, v)]
+    single_pass.adam_(ref[0], g16.float(), ref[1], ref[2], step, HYPER)
+
+    def views() -> list[torch.Tensor]:
+        return [torch.full((n + 32,), math.nan)[offset : offset + n] for _ in range(3)]
+
+    nm, nv, bak = views()
+    master = p.clone()
+    single_pass.speculative_adam_(master, g16.float(), m, v, nm, nv, bak, step, HYPER)
+    assert torch.equal(master, ref[0]) and torch.equal(bak, p)
+    assert torch.equal(nm, ref[1]) and torch.equal(nv, ref[2])
+    nm, nv, bak = views()
+    master, out16 = p.clone(), torch.empty(n, dtype=torch.float16)
+    single_pass.speculative_adam_fp16_io_(master, g16, m, v, nm, nv, bak, out16, step, HYPER)
+    assert torch.equal(master, ref[0]) and torch.equal(bak, p)
+    assert torch.equal(nm, ref[1]) and torch.equal(nv, ref[2])
+    assert torch.equal(out16, ref[0].half())
+
+
 CASES: dict[str, dict[str, Any]] = {
     "threaded": {},
     "inline": {"host_worker": False},

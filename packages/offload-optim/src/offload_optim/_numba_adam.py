@@ -19,12 +19,82 @@ import numba  # type: ignore[import-untyped, import-not-found, unused-ignore]
 import numpy as np
 from llvmlite import ir  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from numba import types
+from numba.core import cgutils  # type: ignore[import-untyped, import-not-found, unused-ignore]
 from numba.extending import intrinsic  # type: ignore[import-untyped, import-not-found, unused-ignore]
 
 BLOCK = 1 << 16
 """Elements per parallel work item (256 KiB of fp32 per array: a core's L2 holds a block
 of every array a kernel touches). Defined here, not imported: numba's disk cache is
 invalidated by changes to this file only, and a kernel compiles it in as a constant."""
+
+
+CHUNK = 1 << 12
+"""Elements a speculative kernel steps into its scratch before streaming them out (48 KiB
+for three fp32 arrays: the scratch stays in the core's L1/L2)."""
+
+# Streaming stores. A speculative step writes the old master and the new moments into
+# buffers it has not read, and a plain store first reads each such cache line from memory
+# (write-allocate): 44 bytes of traffic per parameter against the in-place step's 28.
+# Non-temporal stores skip that read. LLVM keeps a store non-temporal only when it can
+# emit a vector store at the vector's alignment (numba tells it 4 bytes for float32), so
+# the kernels step a chunk into an fp32 scratch and _stream copies it out: a scalar head
+# up to a 64-byte boundary, aligned 16-lane non-temporal stores, a scalar tail.
+# Non-temporal stores are weakly ordered: _store_fence (a sequentially consistent fence:
+# mfence on x86, which orders them) ends every block, before the parallel loop's join
+# publishes it to other threads. BENCHMARKS.md, session 16.
+_LANES = 16
+
+
+def _nt_store16_typer(typingctx: Any, dst: Any, j: Any, src: Any, k: Any) -> Any:
+    sig = types.void(dst, j, src, k)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        dty, _, sty, _ = signature.args
+        d = context.make_array(dty)(context, builder, args[0])
+        s = context.make_array(sty)(context, builder, args[2])
+        item: Any = cgutils.get_item_pointer
+        dp = item(context, builder, dty, d, [args[1]], wraparound=False)
+        sp = item(context, builder, sty, s, [args[3]], wraparound=False)
+        vec = ir.VectorType(ir.FloatType(), _LANES)
+        value = builder.load(builder.bitcast(sp, vec.as_pointer()), align=4)
+        store = builder.store(value, builder.bitcast(dp, vec.as_pointer()), align=4 * _LANES)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _store_fence_typer(typingctx: Any) -> Any:
+    sig = types.void()
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_nt_store16: Any = intrinsic(_nt_store16_typer)
+"""``dst[j:j+16] = src[k:k+16]`` (float32), non-temporally; ``dst[j]`` 64-byte aligned."""
+_store_fence: Any = intrinsic(_store_fence_typer)
+
+
+@numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
+def _stream(dst: Any, s: Any, src: Any, k: Any) -> None:
+    """``dst[s:s+k] = src[:k]`` (float32), the aligned middle with non-temporal stores."""
+    head = 0
+    misaligned = (dst.ctypes.data + s * 4) % (4 * _LANES)
+    if misaligned != 0:
+        head = min(k, (4 * _LANES - misaligned) // 4)
+    for i in range(head):
+        dst[s + i] = src[i]
+    i = head
+    while i + _LANES <= k:
+        _nt_store16(dst, s + i, src, i)
+        i += _LANES
+    while i < k:
+        dst[s + i] = src[i]
+        i += 1
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
@@ -57,25 +127,30 @@ def speculative(
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
     n = p.shape[0]
     for blk in numba.prange((n + BLOCK - 1) // BLOCK):
-        s = blk * BLOCK
-        e = min(n, s + BLOCK)
-        ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-        bs, ms2, vs2 = bak[s:e], m2[s:e], v2[s:e]
+        scratch = np.empty(3 * CHUNK, np.float32)
+        tb, tm, tv = scratch[:CHUNK], scratch[CHUNK : 2 * CHUNK], scratch[2 * CHUNK :]
         flag = 0
-        for i in range(e - s):
-            raw = gs[i]
-            flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
-            gi = raw / scale
-            if write_g != 0:
-                gs[i] = gi
-            pi = ps[i]
-            bs[i] = pi
-            gi = gi + l2 * pi
-            mi = ms[i] + omb1 * (gi - ms[i])
-            vi = b2 * vs[i] + omb2 * gi * gi
-            ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-            ms2[i] = mi
-            vs2[i] = vi
+        for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+            e = min(n, s + CHUNK)
+            ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+            for i in range(e - s):
+                raw = gs[i]
+                flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+                gi = raw / scale
+                if write_g != 0:
+                    gs[i] = gi
+                pi = ps[i]
+                tb[i] = pi
+                gi = gi + l2 * pi
+                mi = ms[i] + omb1 * (gi - ms[i])
+                vi = b2 * vs[i] + omb2 * gi * gi
+                ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                tm[i] = mi
+                tv[i] = vi
+            _stream(bak, s, tb, e - s)
+            _stream(m2, s, tm, e - s)
+            _stream(v2, s, tv, e - s)
+        _store_fence()
         bad[blk] = flag
 
 
@@ -240,23 +315,28 @@ def speculative_fp16_io(
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
     n = p.shape[0]
     for blk in numba.prange((n + BLOCK - 1) // BLOCK):
-        s = blk * BLOCK
-        e = min(n, s + BLOCK)
-        ps, hs, ms, vs, outs = p[s:e], g16[s:e], m[s:e], v[s:e], p16[s:e]
-        bs, ms2, vs2 = bak[s:e], m2[s:e], v2[s:e]
+        scratch = np.empty(3 * CHUNK, np.float32)
+        tb, tm, tv = scratch[:CHUNK], scratch[CHUNK : 2 * CHUNK], scratch[2 * CHUNK :]
         flag = 0
-        for i in range(e - s):
-            raw = _widen16(hs[i])
-            flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
-            gi = raw / scale
-            pi = ps[i]
-            bs[i] = pi
-            gi = gi + l2 * pi
-            mi = ms[i] + omb1 * (gi - ms[i])
-            vi = b2 * vs[i] + omb2 * gi * gi
-            pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-            ps[i] = pn
-            ms2[i] = mi
-            vs2[i] = vi
-            outs[i] = _narrow16(pn)
+        for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+            e = min(n, s + CHUNK)
+            ps, hs, ms, vs, outs = p[s:e], g16[s:e], m[s:e], v[s:e], p16[s:e]
+            for i in range(e - s):
+                raw = _widen16(hs[i])
+                flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+                gi = raw / scale
+                pi = ps[i]
+                tb[i] = pi
+                gi = gi + l2 * pi
+                mi = ms[i] + omb1 * (gi - ms[i])
+                vi = b2 * vs[i] + omb2 * gi * gi
+                pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                ps[i] = pn
+                tm[i] = mi
+                tv[i] = vi
+                outs[i] = _narrow16(pn)
+            _stream(bak, s, tb, e - s)
+            _stream(m2, s, tm, e - s)
+            _stream(v2, s, tv, e - s)
+        _store_fence()
         bad[blk] = flag
