@@ -93,9 +93,10 @@ def test_speculative_fp16_io_kernel_keeps_the_undo_data_and_flags_overflow() -> 
 
 @pytest.mark.parametrize("offset", [0, 1, 3, 15])
 def test_speculative_kernels_stream_their_undo_data_at_any_alignment(offset: int) -> None:
-    """The undo buffers are written with aligned non-temporal stores between scalar heads
-    and tails: buffers starting ``offset`` floats past a 64-byte boundary (views into a
-    larger tensor) get every element, as the in-place kernels compute them."""
+    """The undo buffers and the fp16 upload copy are written with aligned non-temporal
+    stores between scalar heads and tails: buffers starting ``offset`` elements past a
+    64-byte boundary (views into a larger tensor) get every element, as the in-place
+    kernels compute them."""
     n = 2 * (1 << 16) + 37
     p, m, v, g16 = _state(n, 2)
     step = torch.tensor(3.0)
@@ -111,10 +112,17 @@ def test_speculative_kernels_stream_their_undo_data_at_any_alignment(offset: int
     assert torch.equal(master, ref[0]) and torch.equal(bak, p)
     assert torch.equal(nm, ref[1]) and torch.equal(nv, ref[2])
     nm, nv, bak = views()
-    master, out16 = p.clone(), torch.empty(n, dtype=torch.float16)
+    master = p.clone()
+    out16 = torch.full((n + 32,), math.nan, dtype=torch.float16)[offset : offset + n]
     single_pass.speculative_adam_fp16_io_(master, g16, m, v, nm, nv, bak, out16, step, HYPER)
     assert torch.equal(master, ref[0]) and torch.equal(bak, p)
     assert torch.equal(nm, ref[1]) and torch.equal(nv, ref[2])
+    assert torch.equal(out16, ref[0].half())
+    # The plain fp16-I/O step streams its upload copy the same way.
+    got = [t.clone() for t in (p, m, v)]
+    out16.fill_(math.nan)
+    single_pass.adam_fp16_io_(got[0], g16, got[1], got[2], out16, step, HYPER)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref, strict=True))
     assert torch.equal(out16, ref[0].half())
 
 

@@ -33,19 +33,21 @@ CHUNK = 1 << 12
 for three fp32 arrays: the scratch stays in the core's L1/L2)."""
 
 # Streaming stores. A speculative step writes the old master and the new moments into
-# buffers it has not read, and a plain store first reads each such cache line from memory
-# (write-allocate): 44 bytes of traffic per parameter against the in-place step's 28.
-# Non-temporal stores skip that read. LLVM keeps a store non-temporal only when it can
-# emit a vector store at the vector's alignment (numba tells it 4 bytes for float32), so
-# the kernels step a chunk into an fp32 scratch and _stream copies it out: a scalar head
-# up to a 64-byte boundary, aligned 16-lane non-temporal stores, a scalar tail.
+# buffers it has not read, and an fp16-I/O step writes an offloaded region's fp16 upload
+# copy; a plain store first reads each such cache line from memory (write-allocate): a
+# speculative step moved 44 bytes per parameter against the in-place step's 28.
+# Non-temporal stores skip that read. LLVM keeps a store non-temporal only when it can emit
+# a vector store at the vector's alignment (numba tells it the element's), so the kernels
+# step a chunk into a scratch in cache and _stream copies it out: a scalar head up to a
+# 64-byte boundary, aligned 64-byte non-temporal vector stores, a scalar tail.
 # Non-temporal stores are weakly ordered: _store_fence (a sequentially consistent fence:
 # mfence on x86, which orders them) ends every block, before the parallel loop's join
 # publishes it to other threads. BENCHMARKS.md, session 16.
-_LANES = 16
+_LINE = 64
+"""Bytes per non-temporal vector store (one cache line)."""
 
 
-def _nt_store16_typer(typingctx: Any, dst: Any, j: Any, src: Any, k: Any) -> Any:
+def _nt_store_line_typer(typingctx: Any, dst: Any, j: Any, src: Any, k: Any) -> Any:
     sig = types.void(dst, j, src, k)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -55,9 +57,10 @@ def _nt_store16_typer(typingctx: Any, dst: Any, j: Any, src: Any, k: Any) -> Any
         item: Any = cgutils.get_item_pointer
         dp = item(context, builder, dty, d, [args[1]], wraparound=False)
         sp = item(context, builder, sty, s, [args[3]], wraparound=False)
-        vec = ir.VectorType(ir.FloatType(), _LANES)
-        value = builder.load(builder.bitcast(sp, vec.as_pointer()), align=4)
-        store = builder.store(value, builder.bitcast(dp, vec.as_pointer()), align=4 * _LANES)
+        elem = context.get_data_type(dty.dtype)
+        vec = ir.VectorType(elem, _LINE // context.get_abi_sizeof(elem))
+        value = builder.load(builder.bitcast(sp, vec.as_pointer()), align=1)
+        store = builder.store(value, builder.bitcast(dp, vec.as_pointer()), align=_LINE)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.IntType(32)(1)]))
         return context.get_dummy_value()
 
@@ -74,24 +77,27 @@ def _store_fence_typer(typingctx: Any) -> Any:
     return sig, codegen
 
 
-_nt_store16: Any = intrinsic(_nt_store16_typer)
-"""``dst[j:j+16] = src[k:k+16]`` (float32), non-temporally; ``dst[j]`` 64-byte aligned."""
+_nt_store_line: Any = intrinsic(_nt_store_line_typer)
+"""``dst[j:j+L] = src[k:k+L]``, ``L`` elements filling 64 bytes, non-temporally; ``dst[j]``
+64-byte aligned; ``src`` of ``dst``'s type."""
 _store_fence: Any = intrinsic(_store_fence_typer)
 
 
 @numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
 def _stream(dst: Any, s: Any, src: Any, k: Any) -> None:
-    """``dst[s:s+k] = src[:k]`` (float32), the aligned middle with non-temporal stores."""
+    """``dst[s:s+k] = src[:k]``, the aligned middle with non-temporal stores."""
+    size = dst.itemsize
+    lanes = _LINE // size
     head = 0
-    misaligned = (dst.ctypes.data + s * 4) % (4 * _LANES)
+    misaligned = (dst.ctypes.data + s * size) % _LINE
     if misaligned != 0:
-        head = min(k, (4 * _LANES - misaligned) // 4)
+        head = min(k, (_LINE - misaligned) // size)
     for i in range(head):
         dst[s + i] = src[i]
     i = head
-    while i + _LANES <= k:
-        _nt_store16(dst, s + i, src, i)
-        i += _LANES
+    while i + lanes <= k:
+        _nt_store_line(dst, s + i, src, i)
+        i += lanes
     while i < k:
         dst[s + i] = src[i]
         i += 1
@@ -291,20 +297,24 @@ def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any) -> None
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
     n = p.shape[0]
     for blk in numba.prange((n + BLOCK - 1) // BLOCK):
-        s = blk * BLOCK
-        e = min(n, s + BLOCK)
-        ps, hs, ms, vs, outs = p[s:e], g16[s:e], m[s:e], v[s:e], p16[s:e]
-        for i in range(e - s):
-            gi = _widen16(hs[i]) / scale
-            pi = ps[i]
-            gi = gi + l2 * pi
-            mi = ms[i] + omb1 * (gi - ms[i])
-            vi = b2 * vs[i] + omb2 * gi * gi
-            pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-            ps[i] = pn
-            ms[i] = mi
-            vs[i] = vi
-            outs[i] = _narrow16(pn)  # p16 may be g16 itself: element i was read above
+        t16 = np.empty(CHUNK, np.uint16)
+        for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+            e = min(n, s + CHUNK)
+            ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
+            for i in range(e - s):
+                gi = _widen16(hs[i]) / scale
+                pi = ps[i]
+                gi = gi + l2 * pi
+                mi = ms[i] + omb1 * (gi - ms[i])
+                vi = b2 * vs[i] + omb2 * gi * gi
+                pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                ps[i] = pn
+                ms[i] = mi
+                vs[i] = vi
+                t16[i] = _narrow16(pn)
+            # p16 may be g16 itself: the chunk's gradient has been read.
+            _stream(p16, s, t16, e - s)
+        _store_fence()
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
@@ -317,10 +327,11 @@ def speculative_fp16_io(
     for blk in numba.prange((n + BLOCK - 1) // BLOCK):
         scratch = np.empty(3 * CHUNK, np.float32)
         tb, tm, tv = scratch[:CHUNK], scratch[CHUNK : 2 * CHUNK], scratch[2 * CHUNK :]
+        t16 = np.empty(CHUNK, np.uint16)
         flag = 0
         for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
             e = min(n, s + CHUNK)
-            ps, hs, ms, vs, outs = p[s:e], g16[s:e], m[s:e], v[s:e], p16[s:e]
+            ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
             for i in range(e - s):
                 raw = _widen16(hs[i])
                 flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
@@ -334,7 +345,8 @@ def speculative_fp16_io(
                 ps[i] = pn
                 tm[i] = mi
                 tv[i] = vi
-                outs[i] = _narrow16(pn)
+                t16[i] = _narrow16(pn)
+            _stream(p16, s, t16, e - s)
             _stream(bak, s, tb, e - s)
             _stream(m2, s, tm, e - s)
             _stream(v2, s, tv, e - s)
