@@ -297,8 +297,12 @@ def test_device_bytes_in_use_come_off_the_budget() -> None:
     with pytest.raises(InfeasibleBudgetError) as info:
         memory_optimize(model, inp, 2**30, "asyn", device_bytes_in_use=2**30, **kwargs)
     assert info.value.least_budget_bytes > 2**30
+    # Accumulating over micro-batches: the predicted step covers them all.
+    accumulating = memory_optimize(model, inp, 2**30, "asyn", micro_batches=3, **kwargs)
+    assert accumulating.plan.predicted_step_time_s > 2 * plain.plan.predicted_step_time_s
     plain.close()
     shifted.close()
+    accumulating.close()
 
 
 def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:

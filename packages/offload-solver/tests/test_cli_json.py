@@ -218,6 +218,7 @@ def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--budget", "0"], "budget_bytes is 0"),
         (["--budget", "1KB"], "least budget that works is"),
         (["--budget", "16GiB", "--in-use", "-5"], "device_bytes_in_use must be >= 0"),
+        (["--budget", "16GiB", "--micro-batches", "0"], "micro_batches is 0"),
         (["--budget", "16GiB", "--solver", "magic"], "Solver 'magic' is not registered"),
         (["--budget", "16GiB", "--hardware", "missing.json"], "cannot read hardware file"),
     ],

@@ -321,3 +321,62 @@ def test_carries_that_differ_only_before_the_step_starts_run_the_same_step(
         uploads=carry.uploads,
     )
     assert not same_carry(carry, later, 0.5)
+
+
+# ---- micro-batches (gradient accumulation) ------------------------------------------------
+
+
+def _lane_tasks(out: EngineRun, lane: int) -> list[tuple[int, int, float, float]]:
+    return [
+        (out.region[i], out.kind[i], out.start[i], out.end[i])
+        for i in range(len(out.lane))
+        if out.lane[i] == lane
+    ]
+
+
+def test_a_micro_batch_that_only_accumulates_copies_and_adds_but_does_not_step() -> None:
+    # Three resident host-state regions: B2 [3,5], B1 [5,7], B0 [7,9]; gradient copies of
+    # 200 B at 1000 B/s end at 5.2, 7.2, 9.2. Host work under copies at half its rate:
+    # widening 100 / 500 / 0.5 = 0.4 s and adding into the accumulator as much, so
+    # [5.2, 6.0], [7.2, 8.0], [9.2, 10.0]. No Adam step, no upload after it: the compute
+    # lane ends with backward at 9.
+    hw = flat_hardware(host_convert_elems_per_s=500.0, host_copy_contention=0.5)
+    ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)
+    asg = [RegionAssignment(R, HOST)] * 3
+    out = run(ctx, asg, optimizer_step=False)
+    host = _lane_tasks(out, LANE_HOST)
+    assert [(r, s, e) for r, _, s, e in host] == [
+        (2, pytest.approx(5.2), pytest.approx(6.0)),
+        (1, pytest.approx(7.2), pytest.approx(8.0)),
+        (0, pytest.approx(9.2), pytest.approx(10.0)),
+    ]
+    assert KIND_HOST_STEP not in {k for _, k, _, _ in host}
+    assert _lane_tasks(out, LANE_H2D) == []
+    assert out.compute_end_s == pytest.approx(9.0)
+    # A step of three micro-batches: the steady state of the last one plus two of these.
+    one = steady_state(ctx, asg, run(ctx, asg))
+    ctx3 = SimulationContext.build(
+        three_layers(), hw, host_step_after_backward=True, micro_batches=3
+    )
+    three = steady_state(ctx3, asg, run(ctx3, asg))
+    assert three.period_s == pytest.approx(one.period_s + 2 * 9.0)
+
+
+def test_the_predicted_step_covers_every_micro_batch() -> None:
+    # A roomy budget keeps everything on the device: each micro-batch before the last is
+    # its forward and backward (3 + 6 s), and only the last steps the optimizer. The peak
+    # is one micro-batch's.
+    hw = flat_hardware(host_convert_elems_per_s=500.0)
+    plans = {
+        k: solve(three_layers(), hw, 10**6, micro_batches=k, block_search_range_bytes=0)
+        for k in (1, 4)
+    }
+    assert plans[4].predicted_step_time_s == pytest.approx(plans[1].predicted_step_time_s + 27)
+    assert plans[4].predicted_peak_bytes == plans[1].predicted_peak_bytes
+    assert [rp.state for rp in plans[4].regions] == [DEVICE] * 3
+
+
+@pytest.mark.parametrize("bad", [0, -2, True, 1.5])
+def test_bad_micro_batches_are_named(bad: object) -> None:
+    with pytest.raises(ValueError, match="micro_batches"):
+        SimulationContext.build(three_layers(), flat_hardware(), micro_batches=bad)  # type: ignore[arg-type]

@@ -195,6 +195,7 @@ def memory_optimize(
     speculative_step_cost: float = 1.0,
     fp16_io: bool = False,
     device_bytes_in_use: int | None = None,
+    micro_batches: int = 1,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -248,6 +249,10 @@ def memory_optimize(
             Default: measured by :func:`measure_device_bytes_in_use` once the hardware is
             profiled (on CUDA: the BLAS workspaces, the inputs, anything else allocated
             on the device; on the CPU: 0).
+        micro_batches: forward and backward passes per optimizer step, when the training
+            loop accumulates gradients (``AMPOptimizer``'s accumulation). The plan's
+            predicted step time then covers them all, and uploads paid in every
+            micro-batch are weighed against host steps paid once.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -311,6 +316,7 @@ def memory_optimize(
                 state_on_device=state_on_device,
                 speculative_step_cost=speculative_step_cost,
                 device_bytes_in_use=device_bytes_in_use,
+                micro_batches=micro_batches,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)

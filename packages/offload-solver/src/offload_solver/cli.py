@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         help="device memory that stays allocated beside the plan's, measured by the caller "
         "(libraries' workspaces, inputs), e.g. 64MiB; it comes off the budget (default 0)",
     )
+    p.add_argument(
+        "--micro-batches",
+        type=int,
+        default=1,
+        help="forward and backward passes per optimizer step (gradient accumulation; "
+        "default 1): the predicted step covers them all",
+    )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
 
@@ -111,6 +118,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             solver=args.solver,
             block_search_range_bytes=search_range,
             device_bytes_in_use=parse_bytes(args.in_use),
+            micro_batches=args.micro_batches,
         )
         if args.output is not None:
             try:

@@ -100,6 +100,7 @@ def solve(
     state_on_device: bool = True,
     speculative_step_cost: float = 1.0,
     device_bytes_in_use: int = 0,
+    micro_batches: int = 1,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -128,6 +129,10 @@ def solve(
     caller's tensors). They are exact, so they come off the planning share of the budget
     whole (not scaled by the safety factor), and the plan's predicted peak and memory
     curve include them, as a measured peak does.
+    ``micro_batches``: forward and backward passes per optimizer step (gradient
+    accumulation). The predicted step time is then per optimizer step, all micro-batches
+    included (see [Note: micro-batches] in ``simulators._engine``), and the solver weighs
+    the parameters' uploads, paid in every micro-batch, against the host step, paid once.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -149,6 +154,7 @@ def solve(
         block_search_range_bytes=block_search_range_bytes,
         host_step_after_backward=host_step_after_backward,
         speculative_step_cost=speculative_step_cost,
+        micro_batches=micro_batches,
     )
     cap = budget * BUDGET_SAFETY_FACTOR - in_use
     stats = SolveStats()

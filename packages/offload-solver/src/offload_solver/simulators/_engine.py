@@ -129,6 +129,19 @@ gradients can wait longer for a D2H lane still busy with the previous step's cop
 seen on the workloads measured). Solvers rank candidates on the cold step (its slack)
 and compare steady-state periods where they accept a change of step time (optimizer
 placement).
+
+[Note: micro-batches]
+With gradient accumulation an optimizer step runs ``micro_batches`` forward and backward
+passes and steps once, after the last. The step modelled above is then the last
+micro-batch; each of the others is simulated as a cold micro-batch that only accumulates
+(``run(..., optimizer_step=False)``): the same placements, uploads, prefetches and
+gradient copies, with host-state regions' gradients widened (as above) and added into
+their accumulators on the host (one more pass at the conversion rate under copies) as
+they land, no host or device step, and no post-step upload. The period is the steady
+state's plus ``micro_batches - 1`` such micro-batches' compute-lane spans. Where the host
+steps of one step run into the next step's forward, the first micro-batch is the one that
+waits for them, and the steady state above already counts that wait once. Memory is the
+same in every micro-batch: device-state regions' fp32 gradients are part of their state.
 """
 
 from __future__ import annotations
@@ -232,11 +245,19 @@ class SimulationContext:
         *,
         host_step_after_backward: bool = False,
         speculative_step_cost: float = 1.0,
+        micro_batches: int = 1,
     ):
         if not 1.0 <= speculative_step_cost < math.inf:
             raise ValueError(
                 f"speculative_step_cost is {speculative_step_cost}; must be a finite ratio >= 1"
             )
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int):
+            raise ValueError(f"micro_batches must be an int, got {micro_batches!r}")
+        if micro_batches < 1:
+            raise ValueError(f"micro_batches is {micro_batches}; an optimizer step needs >= 1")
+        self.micro_batches = micro_batches
+        """Forward and backward passes per optimizer step (gradient accumulation): see
+        [Note: micro-batches]."""
         self.profile = profile
         self.host_step_after_backward = host_step_after_backward
         """Host optimizer steps wait for the end of backward: what an optimizer does when
@@ -288,6 +309,17 @@ class SimulationContext:
         ]
         self.grad_work = [((KIND_GRAD_WIDEN, w),) if w > 0.0 else () for w in self.widen_s]
         """Per region, the host tasks (kind, seconds) run as its gradients land."""
+        add_s = [
+            hw.host_convert_time_s(n) * slow if hw.host_convert_elems_per_s > 0 else 0.0
+            for n in self.numel
+        ]
+        self.accumulate_work = [
+            ((KIND_GRAD_WIDEN, w + a),) if w + a > 0.0 else ()
+            for w, a in zip(self.widen_s, add_s, strict=True)
+        ]
+        """Per region, the host tasks run as its gradients land in a micro-batch that only
+        accumulates: widening (as above) and adding into the accumulator, one more pass
+        at the conversion rate under copies."""
         self.host_work_s = [
             a + b + c
             for a, b, c in zip(self.widen_s, self.host_step_s, self.publish_s, strict=True)
@@ -353,6 +385,7 @@ class SimulationContext:
         block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
         host_step_after_backward: bool = False,
         speculative_step_cost: float = 1.0,
+        micro_batches: int = 1,
     ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
         layout = build_regions(
@@ -364,6 +397,7 @@ class SimulationContext:
             layout,
             host_step_after_backward=host_step_after_backward,
             speculative_step_cost=speculative_step_cost,
+            micro_batches=micro_batches,
         )
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
@@ -509,12 +543,19 @@ _NEVER = float("-inf")
 
 
 def run(
-    ctx: SimulationContext, assignment: Sequence[RegionAssignment], carry: Carry | None = None
+    ctx: SimulationContext,
+    assignment: Sequence[RegionAssignment],
+    carry: Carry | None = None,
+    *,
+    optimizer_step: bool = True,
 ) -> EngineRun:
     """Simulate one step of an already validated ``assignment`` (see [Note: step model]).
 
     Without ``carry`` the step starts on an idle machine (a cold step); with it, it starts
-    as the previous step left things (see [Note: steady state]).
+    as the previous step left things (see [Note: steady state]). ``optimizer_step=False``
+    simulates a micro-batch that only accumulates gradients (see [Note: micro-batches]):
+    host-state regions' gradients are copied and accumulated on the host, and nothing
+    steps.
     """
     n_reg = ctx.num_regions
     out = EngineRun()
@@ -666,6 +707,7 @@ def run(
     size, numel = ctx.size, ctx.numel
     gd, hs = ctx.grad_d2h_s, ctx.host_step_s
     grad_work, publish_s = ctx.grad_work, ctx.publish_s
+    accumulate_work = ctx.accumulate_work
     publishes = ctx.publishes
     saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
     bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
@@ -687,7 +729,7 @@ def run(
         takes regions in copy order and waits for each copy, even with no work to do."""
         nonlocal host_free, last_o
         e = land if land > host_free else host_free
-        for task_kind, w in grad_work[r]:
+        for task_kind, w in (grad_work if optimizer_step else accumulate_work)[r]:
             s, e = e, e + w
             last_o = ready = add(LANE_HOST, r, task_kind, s, e, last_o, ready)
         host_free = e
@@ -739,7 +781,7 @@ def run(
     for r in range(n_reg - 1, -1, -1):
         reach = t
         reach_b[r] = reach
-        if landed and not after_backward:
+        if landed and optimizer_step and not after_backward:
             # While a copy is still to come it lands at or after this issue point; once none
             # is, the hooks that run after the last one (even before this point) leave their
             # regions to step(): the runtime's backward-done event is on the d2h stream.
@@ -825,7 +867,11 @@ def run(
         if c:
             lifetimes[r].append((life_start, end))
     bwd_end, bwd_task = t, last_c
-    if after_backward:
+    if not optimizer_step:
+        for r, land, ready in landed:
+            grad_work_of(r, land, ready)
+        first_s, first_pred = bwd_end, bwd_task
+    elif after_backward:
         # The global answer is known when backward ends: regions whose gradients are ready
         # after that step as they land; the others then, in forward order.
         for r, land, ready in landed:
@@ -858,7 +904,7 @@ def run(
     drain(float("inf"))
     t = released
     for r in range(n_reg):
-        if device[r]:
+        if device[r] and optimizer_step:
             e = t + ctx.device_step_s[r]
             last_c = add(LANE_COMPUTE, r, KIND_DEVICE_STEP, t, e, last_c, -1)
             t = e
@@ -964,7 +1010,19 @@ def steady_state(
     ctx: SimulationContext, assignment: Sequence[RegionAssignment], cold: EngineRun
 ) -> SteadyState:
     """Iterate steps from the cold step ``cold`` of ``assignment`` until one leaves the
-    next what it started from (see [Note: steady state])."""
+    next what it started from (see [Note: steady state]). With several micro-batches per
+    step, the period also counts the others (see [Note: micro-batches])."""
+    found = _steady_state(ctx, assignment, cold)
+    if ctx.micro_batches == 1:
+        return found
+    accumulate = run(ctx, assignment, optimizer_step=False).compute_end_s
+    extra = (ctx.micro_batches - 1) * accumulate
+    return SteadyState(found.period_s + extra, found.periods_s, found.converged, found.last)
+
+
+def _steady_state(
+    ctx: SimulationContext, assignment: Sequence[RegionAssignment], cold: EngineRun
+) -> SteadyState:
     period = cold.compute_end_s
     numel, device = ctx.numel, cold.device_state
     if not any(numel[r] > 0 and not device[r] for r in range(ctx.num_regions)):
