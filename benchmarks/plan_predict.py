@@ -126,6 +126,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1.0,
         help="with --speculate: a step taken under backward costs this many plain ones",
     )
+    parser.add_argument(
+        "--in-use-mib",
+        type=float,
+        default=0.0,
+        help="device memory in use beside the plan, MiB (solve's device_bytes_in_use)",
+    )
     parser.add_argument("--with-mask", action="store_true", help="pass an all-ones mask")
     parser.add_argument(
         "--speculate",
@@ -202,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 solver=args.solver,
                 host_step_after_backward=not args.speculate,
                 speculative_step_cost=args.speculative_step_cost,
+                device_bytes_in_use=int(args.in_use_mib * 2**20),
             )
         except InfeasibleBudgetError as exc:
             print(f"infeasible: least budget {exc.least_budget_bytes / 1e9:.2f} GB")
