@@ -7,7 +7,8 @@ profile its plan was made with, this traces the workload on the meta device, sol
 again with that profile (``plan_predict.replay_hardware``: the default bandwidth curves
 scaled to the measured plateaus) and the row's own choices (dtype conversion on the
 device or the host, speculation and its measured step cost, fp16 I/O), and prints the
-measured step beside the prediction the benchmark made and the prediction of this tree.
+measured step and peak beside the predictions the benchmark made and those of this tree
+(planned with no device memory in use: the rows do not record it).
 A change to the simulator can so be checked against every measurement on record without
 a GPU. The replayed plan is solved again, so it can differ from the measured one; its
 placements are printed when they do.
@@ -60,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     traced: dict[str, ModelProfile] = {}
     print(
         "| file | workload | kind | measured step | predicted then | replayed now | "
+        "measured peak | predicted then | replayed now | "
         "offloaded / host-state regions (measured plan; replayed) |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for path in args.json:
         results: dict[str, dict[str, dict[str, Any]]] = json.loads(path.read_text())["results"]
@@ -72,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind not in REPLAYED or not row.get("ok") or "profile" not in row:
                     continue
                 if f"{path.name}:{kind}" in args.exclude:
-                    print(f"| {path.name} | {workload} | {kind} | excluded | | | |")
+                    print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | |")
                     continue
                 if workload not in traced:
                     model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
@@ -108,10 +110,14 @@ def main(argv: list[str] | None = None) -> int:
                 worst = max(worst, abs(replayed - measured) / measured)
                 offloaded = sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)
                 host = sum(rp.state.value == "host" for rp in plan.regions)
+                peak = row["peak_alloc_gib"]
+                peak_now = plan.predicted_peak_bytes / GiB
                 print(
                     f"| {path.name} | {workload} | {kind} | {measured:.0f} ms | "
                     f"{row['pred_step_ms']:.0f} ({_error(row['pred_step_ms'], measured)}) | "
-                    f"{replayed:.0f} ({_error(replayed, measured)}) | "
+                    f"{replayed:.0f} ({_error(replayed, measured)}) | {peak:.2f} GiB | "
+                    f"{row['pred_peak_gib']:.2f} ({_error(row['pred_peak_gib'], peak)}) | "
+                    f"{peak_now:.2f} ({_error(peak_now, peak)}) | "
                     f"{row['offloaded_regions']} / {row['host_state_regions']}; "
                     f"{offloaded} / {host} |",
                     flush=True,
