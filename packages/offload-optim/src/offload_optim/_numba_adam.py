@@ -29,8 +29,8 @@ invalidated by changes to this file only, and a kernel compiles it in as a const
 
 
 CHUNK = 1 << 12
-"""Elements a speculative kernel steps into its scratch before streaming them out (48 KiB
-for three fp32 arrays: the scratch stays in the core's L1/L2)."""
+"""Elements a kernel that streams its output (see below) steps into its scratch before
+writing them out (48 KiB for three fp32 arrays: the scratch stays in the core's L1/L2)."""
 
 # Streaming stores. A speculative step writes the old master and the new moments into
 # buffers it has not read, and an fp16-I/O step writes an offloaded region's fp16 upload
