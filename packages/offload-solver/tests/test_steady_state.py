@@ -353,6 +353,10 @@ def test_a_micro_batch_that_only_accumulates_copies_and_adds_but_does_not_step()
     assert KIND_HOST_STEP not in {k for _, k, _, _ in host}
     assert _lane_tasks(out, LANE_H2D) == []
     assert out.compute_end_s == pytest.approx(9.0)
+    # Without a global answer to wait for (speculating, or bf16), the same: a micro-batch
+    # that does not step does not wait for its gradients' host work either.
+    free = SimulationContext.build(three_layers(), hw, host_step_after_backward=False)
+    assert run(free, asg, optimizer_step=False).compute_end_s == pytest.approx(9.0)
     # A step of three micro-batches: the steady state of the last one plus two of these.
     one = steady_state(ctx, asg, run(ctx, asg))
     ctx3 = SimulationContext.build(

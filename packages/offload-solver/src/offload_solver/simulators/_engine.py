@@ -895,7 +895,7 @@ def run(
     # the deferred host steps: at the end of backward, whose overflow answer it syncs on;
     # without after_backward, once every gradient-ready hook of this step has run.
     released = t
-    if not after_backward and hooks_ran and host_free > t:
+    if optimizer_step and not after_backward and hooks_ran and host_free > t:
         released = host_free
     for r in sorted(deferred):
         update(r, first_s, first_pred)
