@@ -162,6 +162,42 @@ def test_fp32_offloaded_training_matches_plain_adamw(
     assert float(match.group(1)) == pytest.approx(loss.item(), rel=1e-5)
 
 
+def test_accumulated_training_matches_plain_adamw_and_is_planned_for(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two micro-batches per step: the loss after 3 steps equals plain torch AdamW's on the
+    mean of the two micro-batch losses, and the plan's step covers both."""
+    steps, batch, lr, micro = 3, 2, 1e-3, 2
+    base = [*TINY, *FINE, "--batch_size", str(batch), "--dtype", "fp32", "--solver_type", "asyn"]
+    base += ["--log_dir", str(tmp_path), "--steps", str(steps), "--lr", str(lr)]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    predicted = {}
+    for k in (1, micro):
+        argv = [*base, "--memory_budget", budget, "--accumulation_steps", str(k)]
+        code, out, err = _run(argv, capsys)
+        assert code == 0, err
+        line = PREDICTED_LINE.search(out)
+        assert line is not None, out
+        predicted[k] = float(line.group(3))
+    match = LOSS_LINE.search(out)
+    assert match is not None, out
+    assert predicted[micro] > predicted[1]
+
+    torch.manual_seed(0)
+    model = build_model("gpt2_tiny", dtype=torch.float32, dropout=0.0)
+    batches = [random_batch(batch, 8) for _ in range(micro)]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    for _ in range(steps):
+        opt.zero_grad()
+        losses = []
+        for b in batches:
+            loss = lm_loss(model(**b), labels_for(b))
+            (loss / micro).backward()  # type: ignore[no-untyped-call]
+            losses.append(loss.item())
+        opt.step()
+    assert float(match.group(1)) == pytest.approx(sum(losses) / micro, rel=1e-5)
+
+
 def test_speculate_trains_fp16_with_host_steps_under_backward(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -322,6 +358,7 @@ def test_unknown_model_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) 
     [
         ("--batch_size", "0", "--batch_size is 0"),
         ("--steps", "-1", "--steps is -1"),
+        ("--accumulation_steps", "0", "--accumulation_steps is 0"),
         ("--memory_budget", "0", "--memory_budget is 0"),
         ("--solver_type", "greedy", "invalid choice: 'greedy'"),
         ("--dtype", "fp8", "invalid choice: 'fp8'"),

@@ -85,6 +85,7 @@ SOLVER_TYPE = "asyn"  # "asyn": prefetch on the H2D stream; "syn": upload when n
 SEQ_LEN = 8
 DTYPE = "fp16"  # fp16 (loss scaling), bf16, or fp32 (exact; for CPU tests)
 STEPS = 10
+ACCUMULATION_STEPS = 1  # micro-batches of BATCH_SIZE per optimizer step
 DEVICE = "auto"  # auto: CUDA when present, else the CPU fallback below
 LOG_DIR = "offload_logs"
 LEARNING_RATE = 1e-3
@@ -130,6 +131,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument("--seq_len", type=int, default=SEQ_LEN)
     p.add_argument("--dtype", choices=tuple(DTYPES), default=DTYPE)
     p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument(
+        "--accumulation_steps",
+        type=int,
+        default=ACCUMULATION_STEPS,
+        help="micro-batches of --batch_size per optimizer step (gradient accumulation; each "
+        "micro-batch's loss is divided by it); planned for, and timed per optimizer step "
+        f"(default {ACCUMULATION_STEPS})",
+    )
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default=DEVICE)
     p.add_argument(
         "--plan_only",
@@ -299,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         get_spec(args.model_type)
     except ValueError as exc:
         parser.error(str(exc))  # exits with EXIT_USAGE
-    for flag in ("batch_size", "seq_len", "steps"):
+    for flag in ("batch_size", "seq_len", "steps", "accumulation_steps"):
         if getattr(args, flag) <= 0:
             parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
     if not args.memory_budget > 0:
@@ -367,8 +376,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"init_model_time={init_model_time:.3f} s",
         flush=True,
     )
-    data = random_batch(batch_size, args.seq_len, device=device)
-    labels = labels_for(data)  # shaped from the batch actually used, not a fixed (64, 8)
+    # One batch per micro-batch, drawn once; memory_optimize traces the first (all share
+    # its shapes).
+    batches = [
+        random_batch(batch_size, args.seq_len, device=device)
+        for _ in range(args.accumulation_steps)
+    ]
+    data = batches[0]
+    labels = [labels_for(b) for b in batches]  # shaped from the batch, not a fixed (64, 8)
 
     # ---- trace, profile the hardware, solve, build the offloaded module; memory_optimize
     # reports each of these phases itself when progress is on
@@ -393,6 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             device=device,
             progress=show,
             block_search_range_bytes=int(args.block_search_range * MB),
+            micro_batches=args.accumulation_steps,
             **host_steps.optimize_kwargs,
         )
     except InfeasibleBudgetError as exc:
@@ -418,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         module,
         speculate_fp16=args.speculate,
+        accumulation_steps=args.accumulation_steps,
     )
     module.train()
     if on_cuda:
@@ -433,10 +450,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.cuda.synchronize(device)  # a sync point: the timer starts on an idle device
         t0 = time.perf_counter()
         optimizer.zero_grad()
-        logits = module(**data)
-        loss = lm_loss(logits, labels)
-        optimizer.backward(loss)
+        micro_losses = []
+        for batch, batch_labels in zip(batches, labels, strict=True):
+            micro = lm_loss(module(**batch), batch_labels)
+            # The step's gradient is the mean over its micro-batches.
+            optimizer.backward(micro if len(batches) == 1 else micro / len(batches))
+            micro_losses.append(micro.detach())
         optimizer.step()
+        loss = micro_losses[0] if len(batches) == 1 else torch.stack(micro_losses).mean()
         if on_cuda:
             torch.cuda.synchronize(device)  # a sync point: wait for the step's last kernels
         step_times.append(time.perf_counter() - t0)
@@ -520,7 +541,10 @@ def plan_only(
         hardware = default_hardware()
         print(f"no CUDA device: planning for {hardware.name}", flush=True)
     # As memory_optimize plans: fp16 steps host regions after backward unless it speculates.
-    plan_kwargs: dict[str, Any] = {"host_step_after_backward": dtype == torch.float16}
+    plan_kwargs: dict[str, Any] = {
+        "host_step_after_backward": dtype == torch.float16,
+        "micro_batches": args.accumulation_steps,
+    }
     try:
         host_steps = HostSteps.choose(args.speculate, args.fp16_io, False)
     except (ImportError, RuntimeError) as exc:
