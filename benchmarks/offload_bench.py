@@ -128,6 +128,15 @@ def _fastest5_mean_s(times: list[float]) -> float:
     return statistics.mean(sorted(times)[:5])
 
 
+def _step_times(times: list[float]) -> dict[str, Any]:
+    """Every timed step (ms) and their median, beside the issue's mean of the 5 fastest:
+    with host steps that run on into the next forward, steps alternate fast and slow."""
+    return {
+        "steps_ms": [t * 1e3 for t in times],
+        "step_median_ms": statistics.median(times) * 1e3 if times else float("nan"),
+    }
+
+
 def _memory() -> dict[str, float]:
     import torch
 
@@ -233,7 +242,11 @@ def _ours(
     waited_before = module.controller.update_wait_s
     skipped_ms: list[float] = []
     times = _timed_steps(step, warmup, steps, last_skipped, skipped_ms)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, "setup_s": setup_s}
+    out: dict[str, Any] = {
+        "step_ms": _fastest5_mean_s(times) * 1e3,
+        **_step_times(times),
+        "setup_s": setup_s,
+    }
     # fp16 overflow skips after warm-up, left out of the timing (they do no host step).
     out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
     out["timed_steps"] = len(times)
@@ -249,6 +262,8 @@ def _ours(
     plan = module.plan
     out["pred_peak_gib"] = plan.predicted_peak_bytes / GiB
     out["pred_step_ms"] = plan.predicted_step_time_s * 1e3
+    # What memory_optimize measured in use beside the plan (replay_bench.py takes it).
+    out["device_bytes_in_use"] = plan.device_bytes_in_use
     out["solver_s"] = plan.solve_time_s
     offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
     host = [rp for rp in plan.regions if rp.state is StatePlacement.HOST]
@@ -340,7 +355,7 @@ def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 
     torch.cuda.reset_peak_memory_stats()
     times = _timed_steps(step, warmup, steps)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3}
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
 
     def compute_only() -> None:
@@ -382,7 +397,7 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 
     torch.cuda.reset_peak_memory_stats()
     times = _timed_steps(step, warmup, steps)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3}
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
     dist.destroy_process_group()
     return out
@@ -406,7 +421,7 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
 
     torch.cuda.reset_peak_memory_stats()
     times = _timed_steps(step, warmup, steps)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3}
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
     return out
 

@@ -49,6 +49,14 @@ def main(argv: list[str] | None = None) -> int:
         help="leave out a row (a file's name and a kind), e.g. a measurement of a bug since "
         "fixed; may be repeated",
     )
+    parser.add_argument(
+        "--in-use-mib",
+        type=float,
+        default=0.0,
+        help="device MiB in use beside the plan for rows that do not record it (before "
+        "session 17 none was counted; session 17's rows were planned with a measured amount "
+        "that their JSON lacks)",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -67,7 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     for path in args.json:
-        results: dict[str, dict[str, dict[str, Any]]] = json.loads(path.read_text())["results"]
+        document = json.loads(path.read_text())
+        if not isinstance(document, dict) or "results" not in document:
+            print(f"{path.name}: not offload_bench.py --json output, skipped", file=sys.stderr)
+            continue
+        results: dict[str, dict[str, dict[str, Any]]] = document["results"]
         for workload, rows in results.items():
             name, batch, seq, budget_gib = WORKLOADS[workload]
             for kind, row in rows.items():
@@ -104,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
                     solver="asyn",
                     host_step_after_backward=not speculate,
                     speculative_step_cost=row.get("speculative_step_cost", 1.0),
+                    # Recorded from session 17 on; earlier rows were planned without it.
+                    device_bytes_in_use=int(
+                        row.get("device_bytes_in_use", args.in_use_mib * 2**20)
+                    ),
                 )
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3

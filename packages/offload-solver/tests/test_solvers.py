@@ -3,6 +3,7 @@ placement, and named errors."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -257,6 +258,12 @@ def test_bytes_in_use_come_off_the_budget_and_count_in_the_peak() -> None:
     assert placements(shifted) == placements(roomy)
     assert shifted.predicted_peak_bytes == roomy.predicted_peak_bytes + 12345
     assert [m.bytes for m in shifted.memory_curve] == [m.bytes + 12345 for m in roomy.memory_curve]
+    # The plan says what it assumed, and keeps it through JSON (older JSON: none).
+    assert (roomy.device_bytes_in_use, shifted.device_bytes_in_use) == (0, 12345)
+    assert Plan.from_json(shifted.to_json()) == shifted
+    older = json.loads(shifted.to_json())
+    del older["device_bytes_in_use"]
+    assert Plan.from_json(json.dumps(older)).device_bytes_in_use == 0
     # A budget whose planning share just holds everything on the device holds it no more
     # once the bytes in use are taken: the plan moves something off and still fits.
     budget = math.ceil(roomy.predicted_peak_bytes / BUDGET_SAFETY_FACTOR)

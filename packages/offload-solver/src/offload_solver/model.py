@@ -566,6 +566,9 @@ class Plan:
     memory_curve: tuple[MemorySample, ...]
     pool_size_bytes: int
     """Device bytes of the pool that holds offloaded regions while they are in use."""
+    device_bytes_in_use: int = 0
+    """Device bytes the plan took as allocated outside it for the whole step (``solve``'s
+    ``device_bytes_in_use``); ``predicted_peak_bytes`` and ``memory_curve`` include them."""
     model_name: str = ""
     hardware_name: str = ""
     solve_time_s: float = 0.0
@@ -620,6 +623,7 @@ class Plan:
                     for i, m in enumerate(_get(data, "memory_curve", list))
                 ),
                 pool_size_bytes=_get(data, "pool_size_bytes", int),
+                device_bytes_in_use=_get(data, "device_bytes_in_use", int, default=0),
                 model_name=_get(data, "model_name", str, default=""),
                 hardware_name=_get(data, "hardware_name", str, default=""),
                 solve_time_s=float(_get(data, "solve_time_s", (int, float), default=0.0)),

@@ -210,6 +210,7 @@ def solve(
         timeline=detail.timeline,
         memory_curve=tuple(MemorySample(m.time_s, m.bytes + in_use) for m in detail.memory_curve),
         pool_size_bytes=detail.pool_size_bytes,
+        device_bytes_in_use=in_use,
         model_name=profile.name,
         hardware_name=hardware.name,
         solve_time_s=time.perf_counter() - t0,
