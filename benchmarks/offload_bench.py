@@ -21,7 +21,9 @@ Kinds:
     ours_spec1  ours_spec with HybridAdam(host_kernel="single_pass") (numba): the speculative
                 step writes its undo data in the same pass
     ours_spec   ours with AMPOptimizer(speculate_fp16=True): fp16 host steps speculate under
-                backward and are undone exactly on overflow (12 B/param more host memory)
+                backward and are undone exactly on overflow (12 B/param more host memory;
+                when host memory holds fewer undo buffers, the module is planned and built
+                again with speculative_params= the parameters whose buffers fit)
     ours_io     ours with HybridAdam(host_kernel="single_pass", fp16_io=True): fp16 across
                 PCIe, widened and narrowed inside the host step (planned with the
                 measured rate of that kernel and no conversion passes)
@@ -190,36 +192,58 @@ def _ours(
         if speculate
         else 1.0
     )
-    t0 = time.perf_counter()
-    module = memory_optimize(
-        model,
-        data,
-        budget,
-        "asyn",
-        dtype=dtype,
-        progress=False,
-        state_on_device=not ablation,
-        convert_on_device=False if kind == "ours_hostconv" else None,
-        # Speculating fp16 steps run as their gradients land: plan for that.
-        host_step_after_backward=False if speculate else None,
-        speculative_step_cost=spec_cost,
-        host_step_params_per_s=host_rate,
-        fp16_io=fp16_io,
-    )
-    setup_s = time.perf_counter() - t0
-    del model
-    opt = AMPOptimizer(
-        HybridAdam(
-            module.parameters(),
-            lr=1e-4,
-            moments_dtype=moments,
-            host_kernel=host_kernel,
+
+    def build(model: Any, limit: int | None) -> tuple[Any, AMPOptimizer]:
+        module = memory_optimize(
+            model,
+            data,
+            budget,
+            "asyn",
+            dtype=dtype,
+            progress=False,
+            state_on_device=not ablation,
+            convert_on_device=False if kind == "ours_hostconv" else None,
+            # Speculating fp16 steps run as their gradients land: plan for that.
+            host_step_after_backward=False if speculate else None,
+            speculative_step_cost=spec_cost,
+            speculative_params=limit,
+            host_step_params_per_s=host_rate,
             fp16_io=fp16_io,
-        ),
-        module,
-        overlap=not ablation,
-        speculate_fp16=speculate,
-    )
+        )
+        opt = AMPOptimizer(
+            HybridAdam(
+                module.parameters(),
+                lr=1e-4,
+                moments_dtype=moments,
+                host_kernel=host_kernel,
+                fp16_io=fp16_io,
+            ),
+            module,
+            overlap=not ablation,
+            speculate_fp16=speculate,
+            speculative_params=limit,
+        )
+        return module, opt
+
+    t0 = time.perf_counter()
+    module, opt = build(model, None)
+    del model
+    limit: int | None = None
+    if speculate:
+        # Undo buffers for every host-state parameter may not fit beside the host state
+        # (W4 on a 128 GiB host): then plan again for the regions whose buffers fit.
+        host_params = sum(
+            rp.region.numel for rp in module.plan.regions if rp.state is StatePlacement.HOST
+        )
+        fit = opt.optimizer.speculative_params_that_fit()
+        if fit < host_params:
+            limit = fit
+            module.close()
+            del module, opt
+            model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
+            module, opt = build(model, limit)
+            del model
+    setup_s = time.perf_counter() - t0
     # Hardware profiling inside memory_optimize used scratch memory once; the budget is
     # about training, so the peak counts from here (the module's buffers stay counted).
     torch.cuda.synchronize()
@@ -264,6 +288,13 @@ def _ours(
     out["pred_step_ms"] = plan.predicted_step_time_s * 1e3
     # What memory_optimize measured in use beside the plan (replay_bench.py takes it).
     out["device_bytes_in_use"] = plan.device_bytes_in_use
+    if speculate:
+        # Host-state parameters planned (and given buffers) to step under backward; None:
+        # all of them.
+        out["speculative_params"] = limit
+        out["speculating_params"] = sum(
+            rp.region.numel for rp in plan.regions if opt.optimizer.can_speculate(rp.region.index)
+        )
     out["solver_s"] = plan.solve_time_s
     offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
     host = [rp for rp in plan.regions if rp.state is StatePlacement.HOST]

@@ -484,21 +484,69 @@ def test_hybrid_adam_state_dict_refused_while_speculated() -> None:
     trainer.close()
 
 
-def test_short_host_memory_names_the_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    trainer = Trainer(True)
+def spared_regions(amp: AMPOptimizer) -> list[int]:
+    return [r for r in host_state_regions(amp) if amp.optimizer.can_speculate(r)]
+
+
+def test_short_host_memory_speculates_the_regions_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With room for about half the buffers, the regions whose gradients land first get
+    them (a suffix in forward order), a warning names the bytes, the others step after
+    backward, and training equals the non-speculative run's bit for bit."""
+    trainer = Trainer(True, host_worker=False, hysteresis=1)
     opt = trainer.amp.optimizer
     need = opt.speculation_bytes()
+    host = host_state_regions(trainer.amp)
     host_numel = sum(st.numel for st in trainer.module.storages if st.host_state)
     assert need == 12 * host_numel, "fp32 moments: backup + two moments, 4 bytes each"
+    assert len(host) >= 3
     monkeypatch.setattr(hybrid_adam_module, "_available_host_bytes", lambda: need // 2)
-    trainer.amp.zero_grad()
-    with pytest.raises(RuntimeError, match=rf"{need} bytes.*speculate_fp16=False"):
-        trainer.backward(0)
-    assert opt.speculation_bytes() == need, "nothing stays allocated"
+    fit = opt.speculative_params_that_fit()
+    assert 0 < fit < host_numel
+    with pytest.warns(RuntimeWarning, match=rf"{need} bytes.*regions"):
+        spec = trainer.train(range(2))
     monkeypatch.undo()
-    spec = trainer.train(range(2))  # with memory back, the same optimizer trains on
+    spared = spared_regions(trainer.amp)
+    assert 0 < len(spared) < len(host)
+    assert (
+        opt.speculative_params_that_fit()
+        == fit
+        == sum(st.numel for st in trainer.module.storages if st.index in spared)
+    )
+    assert spared == sorted(host)[len(host) - len(spared) :], "the last regions first"
+    allowed = int(need // 2 * hybrid_adam_module.SPECULATION_HOST_SHARE)
+    assert need - opt.speculation_bytes() <= allowed
+    report = trainer.amp.last_step
+    assert report is not None and report.speculated_regions == len(spared)
+    # An overflow in region 0 (no buffers: it steps after the answer) undoes the others.
+    trainer.poison_steps = {2}
+    trainer.train(range(2, 6), spec)
     trainer.close()
-    assert spec.modes == {OverlapMode.SPECULATIVE_UNDO} and spec.step_counts == [1, 2]
+    assert spec.undone[2] == len(spared) and spec.skipped[2]
+    assert spec.modes == {OverlapMode.SPECULATIVE_UNDO}
+    plain = run(False, 6, poison=(2,), host_worker=False, hysteresis=1)
+    assert_same(spec, plain)
+
+
+@pytest.mark.parametrize("host_kernel", ["torch", "single_pass"])
+def test_speculative_params_bound_the_regions_that_speculate(host_kernel: str) -> None:
+    trainer = Trainer(True, host_worker=False, host_kernel=host_kernel)
+    sizes = {st.index: st.numel for st in trainer.module.storages if st.host_state}
+    last_two = sorted(sizes)[-2:]
+    trainer.close()
+    limit = sum(sizes[r] for r in last_two)
+    for params, want in ((limit, last_two), (limit - 1, last_two[1:]), (0, [])):
+        trainer = Trainer(True, host_worker=False, host_kernel=host_kernel)
+        trainer.amp.speculative_params = params
+        spec = trainer.train(range(3))
+        assert spared_regions(trainer.amp) == want, params
+        report = trainer.amp.last_step
+        assert report is not None and report.speculated_regions == len(want)
+        trainer.close()
+        assert_same(spec, run(False, 3, host_worker=False, host_kernel=host_kernel))
+    with pytest.raises(ValueError, match="speculative_params"):
+        Trainer(True, speculative_params=-1)
 
 
 def test_bf16_moments_need_eight_bytes_per_parameter() -> None:

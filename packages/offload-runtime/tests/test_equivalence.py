@@ -281,8 +281,16 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
     assert slow.plan.predicted_step_time_s > fast.plan.predicted_step_time_s
     with pytest.raises(ValueError, match="host_step_params_per_s"):
         memory_optimize(model, inp, 2**30, "asyn", host_step_params_per_s=0.0, **kwargs)
+    # Host steps under backward for none of the parameters: the step waits for more.
+    unspeculated = memory_optimize(
+        model, inp, 2**30, "asyn", host_step_after_backward=False, speculative_params=0, **kwargs
+    )
+    assert unspeculated.plan.predicted_step_time_s > fast.plan.predicted_step_time_s
+    with pytest.raises(ValueError, match="speculative_params"):
+        memory_optimize(model, inp, 2**30, "asyn", speculative_params=-1, **kwargs)
     fast.close()
     slow.close()
+    unspeculated.close()
 
 
 def test_device_bytes_in_use_come_off_the_budget() -> None:

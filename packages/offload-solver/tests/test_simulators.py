@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from functools import partial
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -539,3 +540,32 @@ def test_speculative_steps_cost_more_only_before_backward_ends() -> None:
     for bad in (0.5, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="speculative_step_cost"):
             SimulationContext.build(three_layers(), flat_hardware(), speculative_step_cost=bad)
+
+
+def test_speculative_params_leave_the_regions_past_the_limit_to_step() -> None:
+    # The first case above with undo buffers for region 2 only: region 1's hook runs
+    # while copies are still to come but it may not step there. step() then steps it
+    # after the last hook with region 0, in forward order, at the plain 0.1 s.
+    hw = flat_hardware(host_adam_params_per_s=1000.0)
+    build = partial(SimulationContext.build, three_layers(), hw, speculative_step_cost=3.0)
+    numel = build().numel
+    asg = [RegionAssignment(R, HOST)] * 3
+    res = get_simulator("async").simulate(build(speculative_params=numel[2]), asg)
+    assert _host_spans(res) == _approx_spans(
+        [(2, "host_step", 5.2, 5.5), (0, "host_step", 9.2, 9.3), (1, "host_step", 9.3, 9.4)]
+    )
+    # The limit counts whole regions from the last one down: one parameter short of two
+    # regions is one region; 0 is none; all of them is the default.
+    short = get_simulator("async").simulate(build(speculative_params=numel[2] + numel[1] - 1), asg)
+    assert short.timeline == res.timeline
+    none = get_simulator("async").simulate(build(speculative_params=0), asg)
+    assert [k for _, k, s, _ in _host_spans(none) if s < 9.0] == []
+    every = get_simulator("async").simulate(build(speculative_params=sum(numel)), asg)
+    assert every.timeline == get_simulator("async").simulate(build(), asg).timeline
+    # Device-state regions need no buffers and do not count.
+    mixed = [RegionAssignment(R, HOST), RegionAssignment(R, HOST), RegionAssignment(R, DEVICE)]
+    one = get_simulator("async").simulate(build(speculative_params=numel[1]), mixed)
+    assert [r for r, k, s, _ in _host_spans(one) if k == "host_step" and s < 9.0] == [1]
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="speculative_params"):
+            build(speculative_params=bad)

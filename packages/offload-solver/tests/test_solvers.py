@@ -278,6 +278,22 @@ def test_bytes_in_use_come_off_the_budget_and_count_in_the_peak() -> None:
     assert plan.predicted_peak_bytes <= 6200
 
 
+def test_speculative_params_reach_the_simulation() -> None:
+    # Host state throughout: the fewer parameters may step under backward, the more host
+    # work waits for the last hook, and the longer the step (no limit = a limit above all).
+    profile = chain([300, 400, 500, 400, 300], fwd_flop=100, bwd_flop=1000)
+    hardware = flat_hardware()
+    steps = [
+        solve(
+            profile, hardware, 10**9, state_on_device=False, speculative_params=limit
+        ).predicted_step_time_s
+        for limit in (None, 10**9, 500, 0)
+    ]
+    assert steps[0] == steps[1] < steps[2] < steps[3]
+    with pytest.raises(ValueError, match="speculative_params"):
+        solve(profile, hardware, 10**9, speculative_params=-1)
+
+
 @pytest.mark.parametrize("in_use", [-1, True, 1.5])
 def test_bad_bytes_in_use_are_named(in_use: object) -> None:
     with pytest.raises(ValueError, match="device_bytes_in_use"):

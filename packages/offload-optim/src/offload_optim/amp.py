@@ -334,9 +334,13 @@ class AMPOptimizer(torch.optim.Optimizer):
       clipping, host-state regions step speculatively under backward, as bf16 does, and
       are undone exactly in a step that overflows (:attr:`OverlapMode.SPECULATIVE_UNDO`);
       the results are those of the default bit for bit. It costs 12 bytes of pageable host
-      memory per host-state parameter (8 with bf16 moments: a master backup and a spare
-      pair of moments, allocated at the first speculative backward; a RuntimeError names
-      the bytes when host memory is short) and a little more host memory traffic per step.
+      memory per speculating parameter (8 with bf16 moments: a master backup and a spare
+      pair of moments, allocated at the first speculative backward) and a little more host
+      memory traffic per step. Regions get those buffers in the order their gradients land,
+      up to ``speculative_params`` parameters (None: all host-state regions) and 90% of
+      the host memory available then (a RuntimeWarning names what that left out); the
+      others step after backward. Give ``solve``/``memory_optimize`` the same
+      ``speculative_params`` so that the plan assumes the same regions.
       Turn it on when the fp16 host step is what the step waits for after backward (host
       state dominates and backward is long enough to hide it) and host memory has room.
       No effect in bf16 / fp32 (they speculate without it), with clipping (every step
@@ -363,6 +367,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         accumulation_steps: int = 1,
         overlap: bool = True,
         speculate_fp16: bool = False,
+        speculative_params: int | None = None,
     ) -> None:
         if not isinstance(optimizer, HybridAdam):
             raise TypeError(
@@ -375,6 +380,14 @@ class AMPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
+        if speculative_params is not None and (
+            isinstance(speculative_params, bool)
+            or not isinstance(speculative_params, int)
+            or speculative_params < 0
+        ):
+            raise ValueError(
+                f"speculative_params={speculative_params!r} must be None or an int >= 0"
+            )
         self._initialized = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # Share the HybridAdam's groups and state: schedulers edit these very dicts.
@@ -400,6 +413,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self.accumulation_steps = int(accumulation_steps)
         self.overlap = overlap
         self.speculate_fp16 = bool(speculate_fp16)
+        self.speculative_params = speculative_params
         self.step_count = 0
         """Optimizer steps taken (skipped steps excluded)."""
         self.undone_steps = 0
@@ -495,7 +509,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._device_answer = self._answer_on_device()
         if mode is OverlapMode.SPECULATIVE_UNDO:
             # Allocated once, here on the main thread: a shortage raises before backward.
-            self.optimizer.prepare_speculation()
+            self.optimizer.prepare_speculation(self.speculative_params)
             scale = self.scaler.scale  # step() divides by it: the scaler changes only there
             self._spec_scale = None if scale == 1.0 else scale
         self._micro += 1
@@ -559,7 +573,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             return
         if mode is OverlapMode.SPECULATIVE_UNDO:
             done = self._backward_done
-            if done is None or not done.query():
+            if self.optimizer.can_speculate(r) and (done is None or not done.query()):
                 part = self.optimizer.speculate_region(
                     r, self._spec_scale, hypers=self._hypers, timings=self._timings
                 )
@@ -567,8 +581,9 @@ class AMPOptimizer(torch.optim.Optimizer):
                     self._stepped.add(r)
                     self._partials[r] = part
                     return
-            # Backward is over on the device (or the region had no gradient): the region
-            # steps after the answer, as in PARTIALS. Its partial is the device's when the
+            # Backward is over on the device (or the region had no gradient, or no
+            # buffers for a speculative step): the region steps after the answer, as in
+            # PARTIALS. Its partial is the device's when the
             # window takes them, else computed here.
             if self._device_answer:
                 return

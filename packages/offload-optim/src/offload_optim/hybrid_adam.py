@@ -88,6 +88,7 @@ from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -206,6 +207,11 @@ def _scale_tensor(grad_scale: float | None, device: torch.device) -> torch.Tenso
     return torch.full((), grad_scale, dtype=torch.float32, device=device)
 
 
+SPECULATION_HOST_SHARE = 0.9
+"""Share of the host memory available at the first speculative backward that
+:meth:`HybridAdam.prepare_speculation` may take for its buffers."""
+
+
 def _available_host_bytes() -> int | None:
     """Host bytes allocatable now (the runtime's reading of ``MemAvailable`` and the cgroup
     limit); None where nothing could be read."""
@@ -299,6 +305,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._masters: dict[int, tuple[RegionStorage, str]] | None = None
         self._laid_out = False
         self._speculated: set[int] = set()  # regions with an uncommitted speculative step
+        self._speculation_prepared = False
         self.timings: list[RegionStepTiming] = []
         """Region steps since this list was last cleared (appended from two threads)."""
         defaults = {
@@ -686,7 +693,8 @@ class HybridAdam(torch.optim.Optimizer):
         seg.spare_views = tuple(views)
 
     def speculation_bytes(self) -> int:
-        """Host bytes :meth:`prepare_speculation` still has to allocate.
+        """Host bytes of the speculative-step buffers that host-state regions lack: all of
+        them before :meth:`prepare_speculation`, those it left out after.
 
         Per host-state parameter: an fp32 master backup and a second pair of Adam moments,
         12 bytes with fp32 moments, 8 with bf16 moments.
@@ -698,43 +706,94 @@ class HybridAdam(torch.optim.Optimizer):
             if rs.storage.host_state and rs.spare is None
         )
 
-    def prepare_speculation(self) -> None:
-        """Allocate the buffers of speculative steps for every host-state region (once).
+    def can_speculate(self, r: int) -> bool:
+        """Whether region ``r`` has the buffers of a speculative step (see
+        :meth:`prepare_speculation`); a host-state region without them steps after the
+        answer instead."""
+        self._ensure_laid_out()
+        rs = self._regions.get(r)
+        return rs is not None and rs.spare is not None
 
-        Raises RuntimeError, naming the bytes, when host memory is short; nothing stays
-        allocated then. Main thread.
+    def speculative_params_that_fit(self) -> int:
+        """Host-state parameters whose speculative buffers fit in host memory now: the
+        count :meth:`prepare_speculation` would give buffers to without a limit (whole
+        regions, from the last in forward order down). Pass it as ``speculative_params``
+        to ``memory_optimize`` and :class:`~offload_optim.AMPOptimizer` so that the plan
+        assumes the regions that will speculate."""
+        self._ensure_laid_out()
+        if self._speculation_prepared:
+            return sum(rs.storage.numel for rs in self._regions.values() if rs.spare is not None)
+        _, picked, _, _ = self._speculation_suffix(None)
+        return sum(rs.storage.numel for rs in picked)
+
+    def _speculation_suffix(
+        self, max_params: int | None
+    ) -> tuple[list[_RegionState], list[_RegionState], bool, int | None]:
+        """(host-state regions in landing order, the ones that get buffers, whether host
+        memory cut the run short, the host bytes available)."""
+        if max_params is not None and (isinstance(max_params, bool) or max_params < 0):
+            raise ValueError(f"max_params must be None or >= 0 parameters, got {max_params}")
+        order = sorted(
+            (rs for rs in self._regions.values() if rs.storage.host_state),
+            key=lambda rs: -rs.storage.index,
+        )
+        available = _available_host_bytes()
+        allowance = None if available is None else int(available * SPECULATION_HOST_SHARE)
+        picked: list[_RegionState] = []
+        params = nbytes = 0
+        short = False
+        for rs in order:
+            if max_params is not None and params + rs.storage.numel > max_params:
+                break
+            if allowance is not None and nbytes + rs.spare_bytes > allowance:
+                short = True
+                break
+            picked.append(rs)
+            params += rs.storage.numel
+            nbytes += rs.spare_bytes
+        return order, picked, short, available
+
+    def prepare_speculation(self, max_params: int | None = None) -> None:
+        """Allocate the buffers of speculative steps (once; later calls do nothing).
+
+        Host-state regions get them in the order their gradients land in backward (the
+        last region in forward order first), as long as the total stays within
+        ``max_params`` parameters (None: no limit) and within
+        ``SPECULATION_HOST_SHARE`` of the host memory available now. The first region
+        that does not fit ends the run, so the regions that may speculate are the same
+        suffix the planner assumes (``solve(speculative_params=)``). The others step after
+        the answer, as without speculation. A warning names what host memory left out.
+        Main thread.
         """
         self._ensure_laid_out()
-        todo = [rs for rs in self._regions.values() if rs.storage.host_state and rs.spare is None]
-        if not todo:
+        if self._speculation_prepared:
             return
-        need = sum(rs.spare_bytes for rs in todo)
-        available = _available_host_bytes()
-        message = (
-            f"speculative fp16 steps need {need / 2**30:.2f} GiB ({need} bytes) more host "
-            "memory (per host-state parameter an fp32 master backup and a second pair of "
-            "Adam moments: 12 bytes, 8 with bf16 moments)"
-        )
-        fix = (
-            "free host memory, keep more optimizer state on the device (a larger budget), "
-            "or build AMPOptimizer(..., speculate_fp16=False)"
-        )
-        if available is not None and need > available:
-            raise RuntimeError(
-                f"{message}, but only {available / 2**30:.2f} GiB is available; {fix}"
-            )
-        try:
-            for rs in todo:
+        order, picked, short, available = self._speculation_suffix(max_params)
+        self._speculation_prepared = True
+        for i, rs in enumerate(picked):
+            try:
                 rs.spare = _Spare(rs.storage.numel, rs.exp_avg.dtype)
-                for seg in rs.segments:
-                    self._attach_spare(rs.spare, seg)
-        except RuntimeError as exc:  # the allocator's "can't allocate memory"
-            for rs in todo:
-                rs.spare = None
-                for seg in rs.segments:
-                    seg.spare = None
-                    seg.spare_views = ()
-            raise RuntimeError(f"{message}, and allocating them failed; {fix}") from exc
+            except RuntimeError:  # the allocator's "can't allocate memory": keep the rest
+                short = True
+                picked = picked[:i]
+                break
+            for seg in rs.segments:
+                self._attach_spare(rs.spare, seg)
+        if short:
+            total = sum(rs.storage.numel for rs in order)
+            got = sum(rs.storage.numel for rs in picked)
+            need = sum(rs.spare_bytes for rs in order)
+            have = "unknown" if available is None else f"{available / 2**30:.2f} GiB"
+            warnings.warn(
+                f"speculative fp16 steps need {need / 2**30:.2f} GiB ({need} bytes) of host "
+                "memory for all host-state regions (per parameter an fp32 master backup "
+                "and a second pair of Adam moments: 12 bytes, 8 with bf16 moments); with "
+                f"{have} available, {len(picked)} of {len(order)} regions ({got} of {total} "
+                "parameters) may step under backward and the others step after it. Plan "
+                "with solve(speculative_params=...) to predict that, or free host memory",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     @property
     def speculated_regions(self) -> frozenset[int]:

@@ -193,6 +193,7 @@ def memory_optimize(
     convert_on_device: bool | None = None,
     host_step_params_per_s: float | None = None,
     speculative_step_cost: float = 1.0,
+    speculative_params: int | None = None,
     fp16_io: bool = False,
     device_bytes_in_use: int | None = None,
     micro_batches: int = 1,
@@ -237,6 +238,10 @@ def memory_optimize(
             (``offload_optim.measure_speculative_step_cost(host_kernel=...)`` with the
             optimizer's kernel). 1 (default): such steps cost what plain ones do (bf16,
             fp32).
+        speculative_params: with ``host_step_after_backward=False``, how many host-state
+            parameters may step under backward (None: all); pass the optimizer's
+            ``AMPOptimizer(speculative_params=)`` when host memory cannot hold undo
+            buffers for all of them (see ``offload_solver.solve``).
         fp16_io: the optimizer steps host-state regions by fp16 I/O
             (``HybridAdam(fp16_io=True)``): fp16 training with host conversion, whose
             widening and narrowing happen inside the host step. The plan then converts on
@@ -315,6 +320,7 @@ def memory_optimize(
                 host_step_after_backward=after_backward,
                 state_on_device=state_on_device,
                 speculative_step_cost=speculative_step_cost,
+                speculative_params=speculative_params,
                 device_bytes_in_use=device_bytes_in_use,
                 micro_batches=micro_batches,
             )

@@ -99,6 +99,7 @@ def solve(
     host_step_after_backward: bool = False,
     state_on_device: bool = True,
     speculative_step_cost: float = 1.0,
+    speculative_params: int | None = None,
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
 ) -> Plan:
@@ -124,6 +125,12 @@ def solve(
     (``offload_optim.measure_speculative_step_cost``, timed alone: the simulator also runs
     such steps at the host's contended rate, since copies stream both ways under
     backward). Only used without ``host_step_after_backward``.
+    ``speculative_params``: without ``host_step_after_backward``, how many host-state
+    parameters may step in their gradient hooks (None, the default: all). An fp16
+    optimizer that speculates needs undo buffers for them (12 bytes each with fp32
+    moments); when host memory holds fewer, the regions whose gradients land first take
+    them, up to the first that does not fit, and the rest step after the last hook.
+    ``offload_optim.AMPOptimizer(speculative_params=)`` follows the same rule.
     ``device_bytes_in_use``: device bytes allocated outside the plan for the whole step,
     as a runtime measures them before training (libraries' workspaces, the inputs, the
     caller's tensors). They are exact, so they come off the planning share of the budget
@@ -154,6 +161,7 @@ def solve(
         block_search_range_bytes=block_search_range_bytes,
         host_step_after_backward=host_step_after_backward,
         speculative_step_cost=speculative_step_cost,
+        speculative_params=speculative_params,
         micro_batches=micro_batches,
     )
     cap = budget * BUDGET_SAFETY_FACTOR - in_use

@@ -246,6 +246,7 @@ class SimulationContext:
         host_step_after_backward: bool = False,
         speculative_step_cost: float = 1.0,
         micro_batches: int = 1,
+        speculative_params: int | None = None,
     ):
         if not 1.0 <= speculative_step_cost < math.inf:
             raise ValueError(
@@ -266,6 +267,20 @@ class SimulationContext:
         land, then the others in forward order. Otherwise each starts when its gradients
         land."""
         self.speculative_step_cost = speculative_step_cost
+        if speculative_params is not None and (
+            isinstance(speculative_params, bool)
+            or not isinstance(speculative_params, int)
+            or speculative_params < 0
+        ):
+            raise ValueError(
+                f"speculative_params must be None or an int >= 0, got {speculative_params!r}"
+            )
+        self.speculative_params = speculative_params
+        """Without ``host_step_after_backward``: how many host-state parameters may step
+        in their gradient hooks (None: all). Host-state regions qualify in the order their
+        gradients land (the last in forward order first) until the first that would pass
+        the limit; the others step after the last hook, as the runtime does for regions
+        without speculative buffers (``AMPOptimizer(speculative_params=)``)."""
         """Cost of a host step taken in a gradient hook before backward ends, relative to a
         plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
         also writes its undo data costs more (measure it with the optimizer's kernel)."""
@@ -386,6 +401,7 @@ class SimulationContext:
         host_step_after_backward: bool = False,
         speculative_step_cost: float = 1.0,
         micro_batches: int = 1,
+        speculative_params: int | None = None,
     ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
         layout = build_regions(
@@ -398,6 +414,7 @@ class SimulationContext:
             host_step_after_backward=host_step_after_backward,
             speculative_step_cost=speculative_step_cost,
             micro_batches=micro_batches,
+            speculative_params=speculative_params,
         )
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
@@ -736,6 +753,18 @@ def run(
         return e, ready
 
     early_cost = ctx.speculative_step_cost / ctx.hardware.host_copy_contention
+    # Regions that may step in their hooks: with a parameter limit, the host-state
+    # regions from the last one down until the first that would pass it.
+    may_speculate = [True] * n_reg
+    if ctx.speculative_params is not None:
+        left = ctx.speculative_params
+        for r in range(n_reg - 1, -1, -1):
+            if device[r] or numel[r] == 0:
+                continue
+            if numel[r] > left:
+                may_speculate[: r + 1] = [False] * (r + 1)
+                break
+            left -= numel[r]
     contention = ctx.copy_contention
 
     def update(r: int, ready_s: float, pred: int, early: bool = False) -> None:
@@ -776,7 +805,10 @@ def run(
                 return
             landed.popleft()
             e, ready = grad_work_of(r, land, ready)
-            update(r, e, ready, early=True)
+            if may_speculate[r]:
+                update(r, e, ready, early=True)
+            else:
+                deferred.append(r)  # no speculative buffers: steps after the last hook
 
     for r in range(n_reg - 1, -1, -1):
         reach = t
