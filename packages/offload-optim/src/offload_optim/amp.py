@@ -508,7 +508,8 @@ class AMPOptimizer(torch.optim.Optimizer):
         # gradients for the answer (its partial is already on the device).
         self._device_answer = self._answer_on_device()
         if mode is OverlapMode.SPECULATIVE_UNDO:
-            # Allocated once, here on the main thread: a shortage raises before backward.
+            # Allocated once, here on the main thread, before backward (for the regions
+            # whose buffers fit: the others step after the answer).
             self.optimizer.prepare_speculation(self.speculative_params)
             scale = self.scaler.scale  # step() divides by it: the scaler changes only there
             self._spec_scale = None if scale == 1.0 else scale
@@ -581,10 +582,10 @@ class AMPOptimizer(torch.optim.Optimizer):
                     self._stepped.add(r)
                     self._partials[r] = part
                     return
-            # Backward is over on the device (or the region had no gradient, or no
+            # Backward is over on the device (or the region had no gradient, or has no
             # buffers for a speculative step): the region steps after the answer, as in
-            # PARTIALS. Its partial is the device's when the
-            # window takes them, else computed here.
+            # PARTIALS. Its partial is the device's when the window takes them, else
+            # computed here.
             if self._device_answer:
                 return
         if mode in (OverlapMode.PARTIALS, OverlapMode.SPECULATIVE_UNDO):

@@ -267,6 +267,9 @@ class SimulationContext:
         land, then the others in forward order. Otherwise each starts when its gradients
         land."""
         self.speculative_step_cost = speculative_step_cost
+        """Cost of a host step taken in a gradient hook before backward ends, relative to a
+        plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
+        also writes its undo data costs more (measure it with the optimizer's kernel)."""
         if speculative_params is not None and (
             isinstance(speculative_params, bool)
             or not isinstance(speculative_params, int)
@@ -281,9 +284,6 @@ class SimulationContext:
         gradients land (the last in forward order first) until the first that would pass
         the limit; the others step after the last hook, as the runtime does for regions
         without speculative buffers (``AMPOptimizer(speculative_params=)``)."""
-        """Cost of a host step taken in a gradient hook before backward ends, relative to a
-        plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
-        also writes its undo data costs more (measure it with the optimizer's kernel)."""
         self.hardware = hardware
         self.layout = layout
         self.regions: tuple[Region, ...] = layout.regions
