@@ -225,6 +225,52 @@ def test_speculate_trains_fp16_with_host_steps_under_backward(
     assert losses[True] == pytest.approx(losses[False], abs=1e-3)
 
 
+def test_speculate_plans_again_for_the_undo_buffers_that_fit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Host memory for the undo buffers of the last host-resident region only: the script
+    plans again with that many speculating parameters, and trains as without --speculate."""
+    import offload_optim.hybrid_adam as hybrid_adam
+
+    base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "3"]
+    base += ["--log_dir", str(tmp_path)]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    code, out, err = _run([*base, "--memory_budget", budget], capsys)
+    assert code == 0, err
+    plain_loss = LOSS_LINE.search(out)
+    assert plain_loss is not None, out
+    plan_file = tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json"
+    first = Plan.from_json(plan_file.read_text())
+    host = [rp.region for rp in first.regions if rp.state.value == "host"]
+    assert len(host) >= 2
+    last = max(host, key=lambda r: r.index)
+    room = math.ceil(12 * last.numel / hybrid_adam.SPECULATION_HOST_SHARE) + 1
+    monkeypatch.setattr(hybrid_adam, "_available_host_bytes", lambda: room)
+    code, out, err = _run([*base, "--memory_budget", budget, "--speculate"], capsys)
+    assert code == 0, err
+    # (The first speculating plan keeps the same regions on the host here, so only the
+    # last one's buffers fit.)
+    replan = re.search(r"holds undo buffers for ([0-9]+) of the ([0-9]+) host-resident", err)
+    assert replan is not None, err
+    fit, total = int(replan.group(1)), int(replan.group(2))
+    assert 0 < fit < total
+    # The second plan speculates the suffix of its host-resident regions that the limit
+    # holds, and the optimizer gave buffers to the same regions.
+    plan = Plan.from_json(plan_file.read_text())
+    left, speculating = fit, 0
+    for rp in sorted(plan.regions, key=lambda rp: -rp.region.index):
+        if rp.state.value != "host":
+            continue
+        if rp.region.numel > left:
+            break
+        left -= rp.region.numel
+        speculating += 1
+    assert f"speculation: {speculating} regions stepped under the last backward" in out
+    loss = LOSS_LINE.search(out)
+    assert loss is not None, out
+    assert float(loss.group(1)) == pytest.approx(float(plain_loss.group(1)), abs=1e-3)
+
+
 def test_fp16_io_trains_as_the_conversion_passes_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

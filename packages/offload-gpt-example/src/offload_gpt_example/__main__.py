@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import math
 import sys
 import time
@@ -71,6 +72,7 @@ from offload_solver import (
     InfeasibleBudgetError,
     ModelProfile,
     Plan,
+    StatePlacement,
     default_hardware,
     solve,
 )
@@ -398,25 +400,71 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
         return EXIT_FAILURE
     t0 = time.perf_counter()
-    try:
-        module = memory_optimize(
-            model,
-            data,
-            budget_bytes,
-            args.solver_type,
-            dtype=dtype,
-            device=device,
-            progress=show,
-            block_search_range_bytes=int(args.block_search_range * MB),
-            micro_batches=args.accumulation_steps,
-            **host_steps.optimize_kwargs,
+    limit: int | None = None  # host-state parameters that may speculate; None: all
+    while True:
+        try:
+            module = memory_optimize(
+                model,
+                data,
+                budget_bytes,
+                args.solver_type,
+                dtype=dtype,
+                device=device,
+                progress=show,
+                block_search_range_bytes=int(args.block_search_range * MB),
+                micro_batches=args.accumulation_steps,
+                speculative_params=limit,
+                **host_steps.optimize_kwargs,
+            )
+        except InfeasibleBudgetError as exc:
+            what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
+            print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+            return EXIT_FAILURE
+        del model  # the masters now hold the weights; free the half-precision copy
+        optimizer = AMPOptimizer(
+            HybridAdam(
+                module.parameters(),
+                lr=args.lr,
+                host_kernel=host_steps.host_kernel,
+                fp16_io=host_steps.fp16_io,
+            ),
+            module,
+            speculate_fp16=args.speculate,
+            speculative_params=limit,
+            accumulation_steps=args.accumulation_steps,
         )
-    except InfeasibleBudgetError as exc:
-        what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
-        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
-        return EXIT_FAILURE
+        if not args.speculate or limit is not None:
+            break
+        host_params = sum(
+            rp.region.numel for rp in module.plan.regions if rp.state is StatePlacement.HOST
+        )
+        fit = optimizer.optimizer.speculative_params_that_fit()
+        if fit >= host_params:
+            break
+        # Host memory holds undo buffers for fewer parameters than the plan keeps on the
+        # host: plan again for the regions that will speculate, so that the prediction
+        # holds (the same seed draws the same weights).
+        print(
+            f"--speculate: host memory holds undo buffers for {fit} of the {host_params} "
+            "host-resident parameters; planning again with the regions whose gradients "
+            "land first speculating and the others stepping after backward",
+            file=sys.stderr,
+        )
+        module.close()
+        del module, optimizer
+        gc.collect()  # the optimizer's host moments, before the second plan allocates
+        limit = fit
+        model = build_model(
+            model_type,
+            device="cpu",
+            dtype=dtype,
+            seq_len=args.seq_len,
+            dropout=args.dropout,
+            seed=args.seed,
+            init_device=device if on_cuda else None,
+        )
+        model.train()
     solver_time = time.perf_counter() - t0
-    del model  # the masters now hold the weights; free the half-precision copy
     if not show:  # memory_optimize printed the summary line itself when progress is on
         assert module.profile is not None
         print_summary(module.profile, module.plan)
@@ -424,17 +472,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan = module.plan
     write_plan_files(
         plan, log_dir, stem, f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
-    )
-    optimizer = AMPOptimizer(
-        HybridAdam(
-            module.parameters(),
-            lr=args.lr,
-            host_kernel=host_steps.host_kernel,
-            fp16_io=host_steps.fp16_io,
-        ),
-        module,
-        speculate_fp16=args.speculate,
-        accumulation_steps=args.accumulation_steps,
     )
     module.train()
     if on_cuda:
