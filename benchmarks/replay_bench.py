@@ -116,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
                     solver="asyn",
                     host_step_after_backward=not speculate,
                     speculative_step_cost=row.get("speculative_step_cost", 1.0),
+                    # A speculating row planned for fewer undo buffers records the limit.
+                    speculative_params=row.get("speculative_params"),
                     # Recorded from session 17 on; earlier rows were planned without it.
                     device_bytes_in_use=int(
                         row.get("device_bytes_in_use", args.in_use_mib * 2**20)
