@@ -545,8 +545,16 @@ def test_speculative_params_bound_the_regions_that_speculate(host_kernel: str) -
         assert report is not None and report.speculated_regions == len(want)
         trainer.close()
         assert_same(spec, run(False, 3, host_worker=False, host_kernel=host_kernel))
-    with pytest.raises(ValueError, match="speculative_params"):
-        Trainer(True, speculative_params=-1)
+    trainer = Trainer(False)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="speculative_params"):
+            AMPOptimizer(  # refused before it binds the module
+                HybridAdam(trainer.module.parameters()),
+                trainer.module,
+                speculate_fp16=True,
+                speculative_params=bad,  # type: ignore[arg-type]
+            )
+    trainer.close()
 
 
 def test_bf16_moments_need_eight_bytes_per_parameter() -> None:
