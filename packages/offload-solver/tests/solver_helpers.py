@@ -535,3 +535,15 @@ def reference_simulate(
         num_blocks=num_blocks,
         lifetimes=life,
     )
+
+
+def chain(sizes: list[int], fwd_flop: int, bwd_flop: int) -> ModelProfile:
+    """One operation per parameter; each saves 1000 bytes for backward, nothing else."""
+    params = tuple(Parameter(f"w{i}", s // 2, s) for i, s in enumerate(sizes))
+    ops = tuple(
+        Operation(f"op{i}", (f"w{i}",), saved_bytes=1000, fwd_flop=fwd_flop, bwd_flop=bwd_flop)
+        for i in range(len(sizes))
+    )
+    # No gradient bytes cross to the host, so gradients never wait on the device and the
+    # dynamic peak is the activations alone: the last op's backward sees all 1000 x n saved.
+    return ModelProfile("chain", params, ops, host_grad_bytes_per_param=0)

@@ -8,10 +8,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from solver_helpers import flat_hardware, hardware_profiles, profiles
+from solver_helpers import chain, flat_hardware, hardware_profiles, profiles
 
 import offload_solver
 from offload_solver import (
@@ -21,7 +22,9 @@ from offload_solver import (
     Parameter,
     ParamPlacement,
     Plan,
+    StatePlacement,
     default_hardware,
+    solve,
 )
 from offload_solver.cli import main
 
@@ -199,6 +202,39 @@ def test_cli_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     assert "least budget that works is" in capsys.readouterr().err
 
 
+def test_cli_host_step_options_reach_the_solver(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A budget that keeps every region's optimizer state on the host: how host steps may
+    # run decides the step (see test_speculative_params_reach_the_simulation).
+    profile = chain([300, 400, 500, 400, 300], fwd_flop=100, bwd_flop=1000)
+    path, hw_path = tmp_path / "chain.json", tmp_path / "hw.json"
+    path.write_text(profile.to_json())
+    hardware = flat_hardware()
+    hw_path.write_text(hardware.to_json())
+    out = tmp_path / "plan.json"
+    cases: list[tuple[list[str], dict[str, Any]]] = [
+        ([], {}),
+        (["--host-step-after-backward"], {"host_step_after_backward": True}),
+        (
+            ["--speculative-step-cost", "3", "--speculative-params", "500"],
+            {"speculative_step_cost": 3.0, "speculative_params": 500},
+        ),
+    ]
+    steps = []
+    for flags, kwargs in cases:
+        args = [str(path), "--budget", "8000", "--hardware", str(hw_path), *flags]
+        assert main([*args, "-o", str(out)]) == 0, flags
+        capsys.readouterr()
+        got = Plan.from_json(out.read_text())
+        want = solve(profile, hardware, 8000, **kwargs)
+        assert got.regions == want.regions, flags
+        assert all(rp.state is StatePlacement.HOST for rp in got.regions)
+        assert got.predicted_step_time_s == want.predicted_step_time_s, flags
+        steps.append(got.predicted_step_time_s)
+    assert len(set(steps)) == 3, steps
+
+
 def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "layers.json"
     sizes = [1000, 24, 1000, 24, 1000, 24, 1000]  # one 4072 B region by default
@@ -219,6 +255,8 @@ def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--budget", "1KB"], "least budget that works is"),
         (["--budget", "16GiB", "--in-use", "-5"], "device_bytes_in_use must be >= 0"),
         (["--budget", "16GiB", "--micro-batches", "0"], "micro_batches is 0"),
+        (["--budget", "16GiB", "--speculative-params", "-1"], "speculative_params must be"),
+        (["--budget", "16GiB", "--speculative-step-cost", "0.5"], "speculative_step_cost is"),
         (["--budget", "16GiB", "--solver", "magic"], "Solver 'magic' is not registered"),
         (["--budget", "16GiB", "--hardware", "missing.json"], "cannot read hardware file"),
     ],

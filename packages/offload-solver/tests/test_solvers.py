@@ -9,7 +9,7 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from solver_helpers import flat_hardware, hardware_profiles, layered_profiles, profiles
+from solver_helpers import chain, flat_hardware, hardware_profiles, layered_profiles, profiles
 
 from offload_solver import (
     BUDGET_SAFETY_FACTOR,
@@ -31,18 +31,6 @@ from offload_solver.simulators._engine import KIND_HOST_STEP
 
 A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
 HOST, DEVICE = StatePlacement.HOST, StatePlacement.DEVICE
-
-
-def chain(sizes: list[int], fwd_flop: int, bwd_flop: int) -> ModelProfile:
-    """One operation per parameter; each saves 1000 bytes for backward, nothing else."""
-    params = tuple(Parameter(f"w{i}", s // 2, s) for i, s in enumerate(sizes))
-    ops = tuple(
-        Operation(f"op{i}", (f"w{i}",), saved_bytes=1000, fwd_flop=fwd_flop, bwd_flop=bwd_flop)
-        for i in range(len(sizes))
-    )
-    # No gradient bytes cross to the host, so gradients never wait on the device and the
-    # dynamic peak is the activations alone: the last op's backward sees all 1000 x n saved.
-    return ModelProfile("chain", params, ops, host_grad_bytes_per_param=0)
 
 
 def placements(plan: Plan) -> list[tuple[ParamPlacement, int | None]]:

@@ -1,7 +1,9 @@
 """``offload-solve``: plan a profile from the command line.
 
     offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json] [-o PLAN.json]
-                  [--block-search-range 128MiB]
+                  [--block-search-range 128MiB] [--in-use 64MiB] [--micro-batches K]
+                  [--host-step-after-backward | --speculative-step-cost X
+                   [--speculative-params N]]
     python -m offload_solver PROFILE.json --budget 16GiB
 
 Prints one line per region (operations, MiB, placement, optimizer state, backward prefetch
@@ -56,6 +58,27 @@ def _parser() -> argparse.ArgumentParser:
         default=1,
         help="forward and backward passes per optimizer step (gradient accumulation; "
         "default 1): the predicted step covers them all",
+    )
+    p.add_argument(
+        "--host-step-after-backward",
+        action="store_true",
+        help="no host optimizer step starts before backward ends (an optimizer that needs a "
+        "global answer first, e.g. fp16's overflow check); default: each region steps as "
+        "its gradients land",
+    )
+    p.add_argument(
+        "--speculative-step-cost",
+        type=float,
+        default=1.0,
+        help="how many times a plain host step one taken under backward costs (an fp16 "
+        "optimizer that speculates and keeps undo data; default 1)",
+    )
+    p.add_argument(
+        "--speculative-params",
+        type=int,
+        default=None,
+        help="how many host-state parameters may step under backward, the regions whose "
+        "gradients land first (undo buffers for the rest do not fit; default: all)",
     )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
@@ -119,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             block_search_range_bytes=search_range,
             device_bytes_in_use=parse_bytes(args.in_use),
             micro_batches=args.micro_batches,
+            host_step_after_backward=args.host_step_after_backward,
+            speculative_step_cost=args.speculative_step_cost,
+            speculative_params=args.speculative_params,
         )
         if args.output is not None:
             try:
