@@ -364,6 +364,39 @@ def test_run_sh_fails_when_the_script_fails(tmp_path: Path) -> None:
     assert "Model 'gpt2_nope' is not registered" in log.read_text()
 
 
+def test_plan_only_chooses_where_conversions_run_as_memory_optimize_does(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--plan_only solves both places for the dtype conversions (choose_plan, which
+    memory_optimize calls) for the default GPU profile, with the arguments a run uses."""
+    from offload_runtime import choose_plan
+    from offload_solver import default_hardware
+    from offload_trace import trace
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    argv = ["--model_type", "gpt2_medium", "--batch_size", "8", "--seq_len", "1024"]
+    argv += ["--dtype", "fp16", "--memory_budget", "13", "--accumulation_steps", "2"]
+    argv += ["--dropout", "0.1"]
+    code, _, err = _run([*argv, "--plan_only", "--log_dir", str(tmp_path), "--no_progress"], capsys)
+    assert code == 0, err
+    got = Plan.from_json((tmp_path / "gpt2_medium_bs_8_st_asyn.plan.json").read_text())
+    with torch.device("meta"):
+        model = build_model(
+            "gpt2_medium", device="meta", dtype=torch.float16, seq_len=1024, dropout=0.1
+        )
+    model.train()
+    profile = trace(
+        model, random_batch(8, 1024, device="meta"), dtype=torch.float16, target_device="cuda"
+    ).to_profile(name="gpt2_medium")
+    kwargs = dict(host_step_after_backward=True, micro_batches=2)
+    on_device, _, want, times = choose_plan(profile, default_hardware(), 13 * GB, **kwargs)
+    # Converting on the device is predicted faster here, so a plan of the traced (host
+    # conversion) profile alone would differ.
+    assert on_device and times[True] < times[False]
+    assert got.regions == want.regions
+    assert got.predicted_step_time_s == want.predicted_step_time_s == times[True]
+
+
 def test_plan_only_gpt2_24b_allocates_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -65,7 +65,13 @@ from offload_optim import (
     measure_speculative_step_cost,
     single_pass,
 )
-from offload_runtime.api import matmul_shapes, memory_optimize, plan_summary
+from offload_runtime.api import (
+    choose_plan,
+    matmul_shapes,
+    measure_device_bytes_in_use,
+    memory_optimize,
+    plan_summary,
+)
 from offload_runtime.hardware import profile_hardware
 from offload_solver import (
     HardwareProfile,
@@ -74,7 +80,6 @@ from offload_solver import (
     Plan,
     StatePlacement,
     default_hardware,
-    solve,
 )
 from offload_trace import trace
 
@@ -589,14 +594,26 @@ def plan_only(
         return EXIT_FAILURE
     plan_kwargs.update(host_steps.plan_kwargs)
     hardware = host_steps.plan_hardware(hardware)
+    in_use = 0
+    if torch.cuda.is_available():
+        # As memory_optimize counts them before a training run: the BLAS workspaces and
+        # the batches and labels the run keeps on the device.
+        dev = torch.device("cuda", torch.cuda.current_device())
+        batches = [inputs] * args.accumulation_steps
+        in_use = measure_device_bytes_in_use(dev, None, dtype) + sum(
+            t.numel() * t.element_size() for b in batches for t in (*b.values(), labels_for(b))
+        )
     try:
         with phase(f"solve ({args.solver_type})", show):
-            plan = solve(
+            # Both places for the dtype conversions, as memory_optimize chooses.
+            _, profile, plan, _ = choose_plan(
                 profile,
                 hardware,
                 budget_bytes,
-                solver=args.solver_type,
+                args.solver_type,
+                convert_on_device=False if host_steps.fp16_io else None,
                 block_search_range_bytes=int(args.block_search_range * MB),
+                device_bytes_in_use=in_use,
                 **plan_kwargs,
             )
     except InfeasibleBudgetError as exc:

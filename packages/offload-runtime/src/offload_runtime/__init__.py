@@ -7,6 +7,8 @@ the graph and returns an :class:`OffloadModule` to train.
 
 from offload_runtime.api import (
     build_offload_module,
+    choose_plan,
+    device_conversion_profile,
     measure_device_bytes_in_use,
     memory_optimize,
     plan_summary,
@@ -30,7 +32,9 @@ __all__ = [
     "RegionStorage",
     "apply_plan",
     "build_offload_module",
+    "choose_plan",
     "default_cpu_profile",
+    "device_conversion_profile",
     "device_identity",
     "insert_async_ops",
     "insert_state_ops",

@@ -176,6 +176,60 @@ def device_conversion_profile(profile: ModelProfile) -> ModelProfile:
     return dataclasses.replace(profile, host_grad_bytes_per_param=4, host_upload_bytes_per_param=4)
 
 
+def choose_plan(
+    profile: ModelProfile,
+    hardware: HardwareProfile,
+    memory_budget: int,
+    solver_name: str = "asyn",
+    *,
+    convert_on_device: bool | None = None,
+    block_search_range_bytes: int = BLOCK_SEARCH_RANGE_BYTES,
+    host_step_after_backward: bool = False,
+    state_on_device: bool = True,
+    speculative_step_cost: float = 1.0,
+    speculative_params: int | None = None,
+    device_bytes_in_use: int = 0,
+    micro_batches: int = 1,
+) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
+    """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
+    does: for each place the dtype conversions may run (``convert_on_device``; None: both,
+    see :func:`device_conversion_profile`), keeping the plan with the shortest predicted
+    step (a tie keeps host conversion: half the PCIe bytes).
+
+    The other arguments are ``offload_solver.solve``'s. Returns (whether the chosen plan
+    converts on the device, the profile it was solved for, the plan, the predicted step
+    in seconds of each variant that fits). Raises ``InfeasibleBudgetError`` (the smallest
+    least budget) when no variant fits.
+    """
+    choices = [False, True] if convert_on_device is None else [convert_on_device]
+    candidates: list[tuple[float, bool, ModelProfile, Plan]] = []
+    errors: list[InfeasibleBudgetError] = []
+    for on_device in choices:
+        variant = device_conversion_profile(profile) if on_device else profile
+        try:
+            variant_plan = solve_plan(
+                variant,
+                hardware,
+                memory_budget,
+                solver=solver_name,
+                block_search_range_bytes=block_search_range_bytes,
+                host_step_after_backward=host_step_after_backward,
+                state_on_device=state_on_device,
+                speculative_step_cost=speculative_step_cost,
+                speculative_params=speculative_params,
+                device_bytes_in_use=device_bytes_in_use,
+                micro_batches=micro_batches,
+            )
+        except InfeasibleBudgetError as exc:
+            errors.append(exc)
+            continue
+        candidates.append((variant_plan.predicted_step_time_s, on_device, variant, variant_plan))
+    if not candidates:
+        raise min(errors, key=lambda e: e.least_budget_bytes)
+    _, on_device, chosen, plan = min(candidates, key=lambda c: (c[0], c[1]))
+    return on_device, chosen, plan, {c[1]: c[0] for c in candidates}
+
+
 def memory_optimize(
     model: torch.nn.Module,
     inputs: Mapping[str, torch.Tensor] | tuple[Any, ...],
@@ -305,35 +359,21 @@ def memory_optimize(
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
     )
-    choices = [False, True] if convert_on_device is None else [convert_on_device]
-    candidates: list[tuple[float, bool, ModelProfile, Plan]] = []
-    errors: list[InfeasibleBudgetError] = []
-    for on_device in choices:
-        variant = device_conversion_profile(base_profile) if on_device else base_profile
-        try:
-            variant_plan = solve_plan(
-                variant,
-                hardware,
-                memory_budget,
-                solver=solver_name,
-                block_search_range_bytes=block_search_range_bytes,
-                host_step_after_backward=after_backward,
-                state_on_device=state_on_device,
-                speculative_step_cost=speculative_step_cost,
-                speculative_params=speculative_params,
-                device_bytes_in_use=device_bytes_in_use,
-                micro_batches=micro_batches,
-            )
-        except InfeasibleBudgetError as exc:
-            errors.append(exc)
-            continue
-        candidates.append((variant_plan.predicted_step_time_s, on_device, variant, variant_plan))
-    if not candidates:
-        raise min(errors, key=lambda e: e.least_budget_bytes)
-    # Fastest predicted; a tie keeps host conversion (half the PCIe bytes).
-    _, on_device, profile, plan = min(candidates, key=lambda c: (c[0], c[1]))
-    if len(candidates) == 2:
-        times = {c[1]: c[0] for c in candidates}
+    on_device, profile, plan, times = choose_plan(
+        base_profile,
+        hardware,
+        memory_budget,
+        solver_name,
+        convert_on_device=convert_on_device,
+        block_search_range_bytes=block_search_range_bytes,
+        host_step_after_backward=after_backward,
+        state_on_device=state_on_device,
+        speculative_step_cost=speculative_step_cost,
+        speculative_params=speculative_params,
+        device_bytes_in_use=device_bytes_in_use,
+        micro_batches=micro_batches,
+    )
+    if len(times) == 2:
         say(
             f"dtype conversion on the {'device' if on_device else 'host'}: predicted step "
             f"{times[True] * 1e3:.1f} ms converting on the device, {times[False] * 1e3:.1f} ms "
