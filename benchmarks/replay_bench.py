@@ -8,7 +8,8 @@ again with that profile (``plan_predict.replay_hardware``: the default bandwidth
 scaled to the measured plateaus) and the row's own choices (dtype conversion on the
 device or the host, speculation and its measured step cost, fp16 I/O), and prints the
 measured step and peak beside the predictions the benchmark made and those of this tree
-(planned with no device memory in use: the rows do not record it).
+(planned with the device memory in use that the row records; rows from before session 18
+do not, so ``--in-use-mib`` stands in for them).
 A change to the simulator can so be checked against every measurement on record without
 a GPU. The replayed plan is solved again, so it can differ from the measured one; its
 placements are printed when they do.
