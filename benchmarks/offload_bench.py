@@ -28,6 +28,9 @@ Kinds:
                 PCIe, widened and narrowed inside the host step (planned with the
                 measured rate of that kernel and no conversion passes)
     ours_io_spec1  ours_io that speculates as ours_spec1 does
+    ours_io_bf16m  ours_io with bf16 host Adam moments (the W4 target with bf16 moments;
+                20 bytes per parameter through host memory instead of 28)
+    ours_io_bf16m_spec1  ours_io_bf16m that speculates (8 B/param of undo buffers)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
     full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam (speed ceiling);
@@ -81,6 +84,8 @@ OURS_KINDS = (
     "ours_spec1",
     "ours_io",
     "ours_io_spec1",
+    "ours_io_bf16m",
+    "ours_io_bf16m_spec1",
     "ablation",
 )
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
@@ -173,10 +178,10 @@ def _ours(
     model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
     ablation = kind == "ablation"
-    speculate = kind in ("ours_spec", "ours_spec1", "ours_io_spec1")
-    bf16_moments = kind in ("ours_bf16m", "ours_bf16m1")
-    fp16_io = kind in ("ours_io", "ours_io_spec1")
-    single = kind in ("ours_spec1", "ours_bf16m1", "ours_io", "ours_io_spec1")
+    speculate = kind in ("ours_spec", "ours_spec1", "ours_io_spec1", "ours_io_bf16m_spec1")
+    bf16_moments = kind in ("ours_bf16m", "ours_bf16m1", "ours_io_bf16m", "ours_io_bf16m_spec1")
+    fp16_io = kind.startswith("ours_io")
+    single = kind in ("ours_spec1", "ours_bf16m1") or fp16_io
     host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam

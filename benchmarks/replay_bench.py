@@ -29,9 +29,11 @@ from offload_bench import WORKLOADS
 from plan_predict import replay_hardware
 
 GiB = 2**30
-SPECULATING = ("ours_spec", "ours_spec1", "ours_io_spec1")
-FP16_IO = ("ours_io", "ours_io_spec1")
-REPLAYED = ("ours", "ours_hostconv", "ours_bf16m", "ours_bf16m1", *SPECULATING, *FP16_IO)
+SPECULATING = ("ours_spec", "ours_spec1", "ours_io_spec1", "ours_io_bf16m_spec1")
+FP16_IO = ("ours_io", "ours_io_spec1", "ours_io_bf16m", "ours_io_bf16m_spec1")
+REPLAYED = tuple(
+    dict.fromkeys(("ours", "ours_hostconv", "ours_bf16m", "ours_bf16m1", *SPECULATING, *FP16_IO))
+)
 """Kinds this script knows how to plan again (``ours_bf16`` and ``ablation`` are not)."""
 
 

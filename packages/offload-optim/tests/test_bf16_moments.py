@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from offload_optim import (
     fused_adam_,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
+    single_pass,
 )
 
 STEP_TOLERANCE = 0.03
@@ -88,3 +90,43 @@ def test_host_step_throughput_is_measured_for_both_moment_dtypes() -> None:
         measure_host_step_params_per_s(torch.float16, numel=16)
     with pytest.raises(ValueError, match="numel"):
         measure_host_step_params_per_s(torch.float32, numel=0)
+
+
+@pytest.mark.skipif(not single_pass.available(), reason="numba missing")
+def test_single_pass_kernels_round_bf16_moments_as_torch_does() -> None:
+    """The single-pass kernels narrow the new moments in their loop with integer
+    operations: the bits must be torch's ``.bfloat16()`` (round to nearest even) at every
+    rounding case, and a NaN stays a NaN. With zero moments, beta1 = beta2 = 0 and no decay, the
+    new moments are exactly the gradient and its square in fp32."""
+    from offload_optim._numba_adam import BLOCK  # imports numba
+
+    ulp_ends = torch.arange(-(2**15), 2**15, 997, dtype=torch.int32).to(torch.int16)
+    grid = ulp_ends.view(torch.bfloat16).float()
+    grid = grid[grid.isfinite() & (grid != 0)]
+    half_ulp = (grid.view(torch.int32) + (1 << 15)).view(torch.float32)  # ties
+    probes = torch.cat(
+        [
+            grid,
+            half_ulp,
+            torch.nextafter(half_ulp, torch.tensor(math.inf)),
+            torch.nextafter(half_ulp, torch.tensor(-math.inf)),
+            torch.tensor([1e-40, -1e-40, 3.4e38, math.inf, -math.inf, math.nan, 1.0, 0.0]),
+        ]
+    )
+    n = BLOCK + probes.numel()  # a second block with a ragged tail
+    g = torch.cat([torch.randn(BLOCK, generator=torch.Generator().manual_seed(0)), probes])
+    hyper = AdamHyper(lr=1e-3, beta1=0.0, beta2=0.0, eps=1e-8, weight_decay=0.0, adamw=True)
+    step = torch.tensor(1.0)
+    want_m, want_v = g.bfloat16(), (g * g).bfloat16()
+    zeros = [torch.zeros(n, dtype=torch.bfloat16) for _ in range(2)]
+    single_pass.adam_(torch.zeros(n), g.clone(), *zeros, step, hyper)
+    nm, nv = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    single_pass.speculative_adam_(
+        torch.zeros(n), g.clone(), *[torch.zeros(n, dtype=torch.bfloat16)] * 2, nm, nv,
+        torch.empty(n), step, hyper,
+    )  # fmt: skip
+    for got, want in ((zeros[0], want_m), (zeros[1], want_v), (nm, want_m), (nv, want_v)):
+        # A NaN's bits differ between torch's scalar (0x7FC0) and vector (0xFFFF) paths.
+        nan = want.isnan()
+        assert torch.equal(got.isnan(), nan) and bool(nan.any())
+        assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))

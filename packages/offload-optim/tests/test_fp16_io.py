@@ -47,20 +47,26 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, int]]:
     yield calls
 
 
-def _state(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+MOMENTS = [torch.float32, torch.bfloat16]
+
+
+def _state(
+    n: int, seed: int, moments: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     p = torch.randn(n, generator=gen)
-    m = torch.randn(n, generator=gen) * 1e-3
-    v = torch.rand(n, generator=gen) * 1e-6
+    m = (torch.randn(n, generator=gen) * 1e-3).to(moments)
+    v = (torch.rand(n, generator=gen) * 1e-6).to(moments)
     g16 = (torch.randn(n, generator=gen) * 300).half()
     g16[:4] = torch.tensor([0.0, -0.0, 6e-8, -65504.0])  # zero, subnormal, largest
     return p, m, v, g16
 
 
-def test_fp16_io_kernel_equals_widen_step_narrow_bit_for_bit() -> None:
+@pytest.mark.parametrize("moments", MOMENTS)
+def test_fp16_io_kernel_equals_widen_step_narrow_bit_for_bit(moments: torch.dtype) -> None:
     """Several work items and a ragged tail; the upload copy written over the gradient."""
     n = 3 * (1 << 16) + 7
-    p, m, v, g16 = _state(n, 0)
+    p, m, v, g16 = _state(n, 0, moments)
     scale = torch.tensor(256.0)
     step = torch.tensor(5.0)
     ref = [t.clone() for t in (p, m, v)]
@@ -73,38 +79,48 @@ def test_fp16_io_kernel_equals_widen_step_narrow_bit_for_bit() -> None:
     assert not torch.equal(ref[0], p), "the step changed the master"
 
 
-def test_speculative_fp16_io_kernel_keeps_the_undo_data_and_flags_overflow() -> None:
+@pytest.mark.parametrize("moments", MOMENTS)
+def test_speculative_fp16_io_kernel_keeps_the_undo_data_and_flags_overflow(
+    moments: torch.dtype,
+) -> None:
     n = 2 * (1 << 16) + 3
-    p, m, v, g16 = _state(n, 1)
+    p, m, v, g16 = _state(n, 1, moments)
+    m0, v0 = m.clone(), v.clone()
     step = torch.tensor(2.0)
     ref = [t.clone() for t in (p, m, v)]
     single_pass.adam_(ref[0], g16.float(), ref[1], ref[2], step, HYPER)
-    master, nm, nv, bak = p.clone(), torch.empty(n), torch.empty(n), torch.empty(n)
+    master, bak = p.clone(), torch.empty(n)
+    nm, nv = torch.empty(n, dtype=moments), torch.empty(n, dtype=moments)
     out16 = torch.empty(n, dtype=torch.float16)
     part = single_pass.speculative_adam_fp16_io_(master, g16, m, v, nm, nv, bak, out16, step, HYPER)
     assert float(part) == 0.0
     assert torch.equal(master, ref[0]) and torch.equal(out16, ref[0].half())
     assert torch.equal(nm, ref[1]) and torch.equal(nv, ref[2])
     assert torch.equal(bak, p), "the backup holds the master before the step"
+    assert torch.equal(m, m0) and torch.equal(v, v0), "the old moments are only read"
     g16[n - 1] = math.inf  # the last element of the ragged tail
     part = single_pass.speculative_adam_fp16_io_(master, g16, m, v, nm, nv, bak, out16, step, HYPER)
     assert math.isinf(float(part))
 
 
+@pytest.mark.parametrize("moments", MOMENTS)
 @pytest.mark.parametrize("offset", [0, 1, 3, 15])
-def test_speculative_kernels_stream_their_undo_data_at_any_alignment(offset: int) -> None:
+def test_speculative_kernels_stream_their_undo_data_at_any_alignment(
+    offset: int, moments: torch.dtype
+) -> None:
     """The undo buffers and the fp16 upload copy are written with aligned non-temporal
     stores between scalar heads and tails: buffers starting ``offset`` elements past a
     64-byte boundary (views into a larger tensor) get every element, as the in-place
     kernels compute them."""
     n = 2 * (1 << 16) + 37
-    p, m, v, g16 = _state(n, 2)
+    p, m, v, g16 = _state(n, 2, moments)
     step = torch.tensor(3.0)
     ref = [t.clone() for t in (p, m, v)]
     single_pass.adam_(ref[0], g16.float(), ref[1], ref[2], step, HYPER)
 
     def views() -> list[torch.Tensor]:
-        return [torch.full((n + 32,), math.nan)[offset : offset + n] for _ in range(3)]
+        dtypes = (moments, moments, torch.float32)  # next moments, backup
+        return [torch.full((n + 32,), math.nan, dtype=d)[offset : offset + n] for d in dtypes]
 
     nm, nv, bak = views()
     master = p.clone()
@@ -128,6 +144,8 @@ def test_speculative_kernels_stream_their_undo_data_at_any_alignment(offset: int
 
 CASES: dict[str, dict[str, Any]] = {
     "threaded": {},
+    "bf16_moments": {"moments": torch.bfloat16},
+    "bf16_moments_speculate": {"moments": torch.bfloat16, "speculate": True},
     "inline": {"host_worker": False},
     "speculate": {"speculate": True},
     "accumulate_2": {"micro": 2},
@@ -236,8 +254,6 @@ def test_fp16_io_refuses_what_it_cannot_step() -> None:
     params = [torch.zeros(4)]
     with pytest.raises(ValueError, match="host_kernel='single_pass'"):
         HybridAdam(params, fp16_io=True)
-    with pytest.raises(ValueError, match="fp32 moments"):
-        HybridAdam(params, fp16_io=True, host_kernel="single_pass", moments_dtype=torch.bfloat16)
     for dtype, on_device in ((torch.bfloat16, False), (torch.float16, True)):
         module = offload_module(tiny_gpt2(), batch(0), dtype=dtype, convert_on_device=on_device)
         try:
@@ -250,19 +266,19 @@ def test_fp16_io_refuses_what_it_cannot_step() -> None:
 
 
 def test_measurements_time_the_fp16_io_kernels() -> None:
-    """What the bench plans ``ours_io`` with: the fp16-I/O kernels' rate and the cost of
-    their speculative step; only the single-pass kernel with fp32 moments has them."""
+    """What the bench plans ``ours_io`` and ``ours_io_bf16m`` with: the fp16-I/O
+    kernels' rate and the cost of their speculative step; only the single-pass kernels
+    have them."""
     from offload_optim import measure_host_step_params_per_s, measure_speculative_step_cost
 
-    rate = measure_host_step_params_per_s(numel=1 << 18, host_kernel="single_pass", fp16_io=True)
-    assert rate > 0
-    cost = measure_speculative_step_cost(
-        numel=1 << 18, host_kernel="single_pass", fp16_io=True, pairs=1
-    )
-    assert cost >= 1.0
-    with pytest.raises(ValueError, match="single-pass kernel with float32 moments"):
-        measure_host_step_params_per_s(numel=16, fp16_io=True)
-    with pytest.raises(ValueError, match="single-pass kernel with float32 moments"):
-        measure_host_step_params_per_s(
-            torch.bfloat16, numel=16, host_kernel="single_pass", fp16_io=True
+    for moments in MOMENTS:
+        rate = measure_host_step_params_per_s(
+            moments, numel=1 << 18, host_kernel="single_pass", fp16_io=True
         )
+        assert rate > 0
+        cost = measure_speculative_step_cost(
+            moments, numel=1 << 18, host_kernel="single_pass", fp16_io=True, pairs=1
+        )
+        assert cost >= 1.0
+    with pytest.raises(ValueError, match="host_kernel='single_pass'"):
+        measure_host_step_params_per_s(numel=16, fp16_io=True)

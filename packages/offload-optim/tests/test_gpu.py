@@ -358,13 +358,14 @@ def test_gpt2_xl_host_step_hides_under_backward(
 
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
+@pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32m", "bf16m"])
 @pytest.mark.parametrize("speculate", [False, True], ids=["after_backward", "speculate"])
-def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool) -> None:
+def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torch.dtype) -> None:
     """fp16 on CUDA with HybridAdam(fp16_io=True): the host steps read the fp16 gradients
     from the pinned staging buffers the d2h copies filled and write the upload copies the
     h2d copies read. Losses, masters and skip decisions equal the single-pass run without
     fp16 I/O bit for bit over 8 steps, one of them overflowing on the device (undone, when
-    speculating)."""
+    speculating), with fp32 or bf16 host moments."""
     model = tiny_gpt2()
     results: Runs = {}
     for fp16_io in (True, False):
@@ -383,6 +384,7 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool) -> None:
             weight_decay=0.01,
             host_kernel="single_pass",
             fp16_io=fp16_io,
+            moments_dtype=moments,
         )
         amp = AMPOptimizer(
             opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=speculate

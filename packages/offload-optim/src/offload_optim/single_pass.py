@@ -13,12 +13,12 @@ The arithmetic is torch's fused AdamW/Adam formula in fp32 (decay or L2, lerp of
 moment, the bias-corrected update); it differs from torch's kernel in rounding only (about
 1e-7 of the update: FMA contraction and operation order). So a run steps every host
 region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``. bf16
-moments (see [Note: bf16 moments] in kernels.py) are widened into an fp32 scratch per
-block, stepped, and narrowed with round-to-nearest-even inside the same parallel region,
-where torch's route makes five parallel passes per chunk: on the 2-core machine 1.25x
-faster than that route and 1.6x slower than fp32 moments there (more instructions on a
-load/store-bound core; a host bound by memory bandwidth moves 20 bytes per parameter
-instead of 28, which the H200 host has yet to show).
+moments (see [Note: bf16 moments] in kernels.py) are widened and narrowed (round to
+nearest even) element by element inside the same loop, with integer operations that
+vectorize with it (_numba_adam.py), where torch's route makes five parallel passes per
+chunk: 20 bytes per parameter move instead of 28. On the 2-core machine they step at the
+fp32 moments' rate (1.57-1.63 against 1.50-1.58 Gparam/s over 32 M parameters; a first
+kernel that widened a block into a scratch in separate loops ran at 0.65x fp32).
 
 On the 2-core development machine (``benchmarks/single_pass_adam_bench.py --numel 64e6``)
 the in-place kernel runs at about torch's rate (0.98-1.06x its time) and the speculative
@@ -66,16 +66,6 @@ def require() -> None:
             "host_kernel='single_pass' needs numba: pip install 'offload-optim[single-pass]' "
             "(or pip install numba)"
         )
-
-
-@cache
-def _kernels(bf16: bool) -> tuple[Callable[..., None], Callable[..., None]]:
-    """(in place, speculative) for fp32 or bf16 moments."""
-    from offload_optim import _numba_adam  # imports numba: only once it is needed
-
-    if bf16:
-        return _numba_adam.in_place_bf16, _numba_adam.speculative_bf16
-    return _numba_adam.in_place, _numba_adam.speculative
 
 
 def _constants(hyper: AdamHyper, step: float, grad_scale: torch.Tensor | None) -> Any:
@@ -163,14 +153,15 @@ def adam_(
     require()
     _check_numel(param.numel(), grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     moments = _moments_dtype(exp_avg)
-    in_place, _ = _kernels(moments == torch.bfloat16)
+    from offload_optim import _numba_adam  # imports numba: only once it is needed
+
     arrays = [
         _flat(param, "param"),
         _flat(grad, "grad"),
         _flat(exp_avg, "exp_avg", moments),
         _flat(exp_avg_sq, "exp_avg_sq", moments),
     ]
-    _launch(in_place, *arrays, _constants(hyper, float(step), grad_scale))
+    _launch(_numba_adam.in_place, *arrays, _constants(hyper, float(step), grad_scale))
 
 
 @torch.no_grad()
@@ -208,10 +199,9 @@ def speculative_adam_(
     import numpy as np
 
     moments = _moments_dtype(exp_avg)
-    _, speculative = _kernels(moments == torch.bfloat16)
-    from offload_optim._numba_adam import BLOCK  # loaded by _kernels already
+    from offload_optim import _numba_adam
 
-    bad = np.zeros((n + BLOCK - 1) // BLOCK, dtype=np.uint8)  # one flag per work item
+    bad = np.zeros((n + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK, dtype=np.uint8)  # per block
     f32 = torch.float32
     named = (
         (param, "param", f32),
@@ -223,7 +213,7 @@ def speculative_adam_(
         (next_avg_sq, "next_avg_sq", moments),
     )
     arrays = [_flat(t, name, dtype) for t, name, dtype in named]
-    _launch(speculative, *arrays, bad, _constants(hyper, float(step), grad_scale))
+    _launch(_numba_adam.speculative, *arrays, bad, _constants(hyper, float(step), grad_scale))
     return torch.tensor(math.inf if bad.any() else 0.0, dtype=torch.float32)
 
 
@@ -291,12 +281,12 @@ def require_fp16_io() -> None:
 
 def _fp16_args(
     param: torch.Tensor, grad16: torch.Tensor, exp_avg: torch.Tensor, param16: torch.Tensor
-) -> list[Any]:
+) -> tuple[list[Any], torch.dtype]:
+    """The master and fp16 gradient as arrays, and the moments' dtype."""
     require_fp16_io()
     _check_numel(param.numel(), grad16=grad16, exp_avg=exp_avg, param16=param16)
-    if exp_avg.dtype != torch.float32:
-        raise ValueError(f"fp16_io steps keep fp32 moments, not {exp_avg.dtype}")
-    return [_flat(param, "param"), _flat(grad16, "grad16", torch.float16)]
+    arrays = [_flat(param, "param"), _flat(grad16, "grad16", torch.float16)]
+    return arrays, _moments_dtype(exp_avg)
 
 
 @torch.no_grad()
@@ -314,13 +304,13 @@ def adam_fp16_io_(
 
     ``grad16`` is widened (exact) and divided by ``grad_scale`` in the pass, and is not
     written; ``param16`` receives the new fp32 ``param`` rounded to fp16 (nearest even,
-    as ``param.half()``). ``param16`` may be ``grad16`` itself. Master and moments equal
-    :func:`adam_`'s on ``grad16.float()`` bit for bit. fp32 moments only.
+    as ``param.half()``). ``param16`` may be ``grad16`` itself. Master and moments (fp32
+    or bf16, both of one dtype) equal :func:`adam_`'s on ``grad16.float()`` bit for bit.
     """
-    arrays = _fp16_args(param, grad16, exp_avg, param16)
+    arrays, moments = _fp16_args(param, grad16, exp_avg, param16)
     arrays += [
-        _flat(exp_avg, "exp_avg"),
-        _flat(exp_avg_sq, "exp_avg_sq"),
+        _flat(exp_avg, "exp_avg", moments),
+        _flat(exp_avg_sq, "exp_avg_sq", moments),
         _flat(param16, "param16", torch.float16),
     ]
     from offload_optim import _numba_adam
@@ -345,7 +335,7 @@ def speculative_adam_fp16_io_(
     """:func:`speculative_adam_` from an fp16 gradient, writing ``param16`` as
     :func:`adam_fp16_io_` does (an undo must rewrite it from the restored master).
     Returns the overflow partial (``inf`` when an element of ``grad16`` is not finite)."""
-    arrays = _fp16_args(param, grad16, exp_avg, param16)
+    arrays, moments = _fp16_args(param, grad16, exp_avg, param16)
     _check_numel(param.numel(), next_avg=next_avg, next_avg_sq=next_avg_sq, backup=backup)
     import numpy as np
 
@@ -354,11 +344,11 @@ def speculative_adam_fp16_io_(
     n = param.numel()
     bad = np.zeros((n + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK, dtype=np.uint8)
     arrays += [
-        _flat(exp_avg, "exp_avg"),
-        _flat(exp_avg_sq, "exp_avg_sq"),
+        _flat(exp_avg, "exp_avg", moments),
+        _flat(exp_avg_sq, "exp_avg_sq", moments),
         _flat(backup, "backup"),
-        _flat(next_avg, "next_avg"),
-        _flat(next_avg_sq, "next_avg_sq"),
+        _flat(next_avg, "next_avg", moments),
+        _flat(next_avg_sq, "next_avg_sq", moments),
         _flat(param16, "param16", torch.float16),
     ]
     constants = _constants(hyper, float(step), grad_scale)
