@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import statistics
 import time
 
@@ -22,6 +23,7 @@ from offload_runtime import (
 )
 from offload_runtime.storage import _alloc_host
 from offload_solver import ParamPlacement
+from offload_solver.solve import BUDGET_SAFETY_FACTOR
 
 pytestmark = pytest.mark.gpu
 
@@ -51,6 +53,14 @@ def batch(b: int, s: int, seed: int = 0, *, mask: bool = True) -> dict[str, torc
     if not mask:
         return {"input_ids": ids}
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def budget_beside(held: int, budget: int) -> int:
+    """A budget that leaves a plan the room ``budget`` alone would, beside ``held`` bytes
+    this process holds already (earlier tests' tensors: 13.9 GB in a whole ``nox -s
+    gpu_tests`` run). memory_optimize plans against ``BUDGET_SAFETY_FACTOR`` (0.95) of the
+    budget and takes what is in use off that, so the held bytes are added divided by it."""
+    return math.ceil(held / BUDGET_SAFETY_FACTOR) + budget
 
 
 def train_steps(module: OffloadModule, inp: dict[str, torch.Tensor], steps: int) -> list[float]:
@@ -134,7 +144,7 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     # process still holds (``base``) is added to it; memory_optimize measures what is in use
     # (that, the inputs and the BLAS workspaces) and plans the module in the rest.
     base = torch.cuda.memory_allocated()
-    budget = base + int(1.25 * GiB)
+    budget = budget_beside(base, int(1.25 * GiB))
     module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
     # Training is what the budget is for: hardware profiling inside memory_optimize uses
@@ -158,7 +168,7 @@ def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
     torch.manual_seed(0)
     model = gpt2(1600, 48, 32)  # gpt2_xl shape
     inp = batch(4, 1024, mask=False)
-    budget = torch.cuda.memory_allocated() + 19 * GiB  # see test_measured_peak_stays_...
+    budget = budget_beside(torch.cuda.memory_allocated(), 19 * GiB)
     medians = {}
     for solver in ("syn", "asyn"):
         module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
