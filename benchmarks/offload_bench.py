@@ -38,8 +38,12 @@ Kinds:
     fsdp2       fully_shard per block + root, CPUOffloadPolicy, fp16 MixedPrecisionPolicy,
                 fused Adam on the host, world size 1
     torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
-Step time is the mean of the 5 fastest of ``--steps`` timed steps after ``--warmup`` steps;
-each step is forward, backward and optimizer step, synchronised. Set BENCH_COMMIT to name
+Step time is the mean of the 5 fastest of ``--steps`` timed steps after ``--warmup`` steps
+(the issue's measure); each step is forward, backward and optimizer step, synchronised.
+Tables also show "run:", the mean of every timed step. Our host steps run on into the
+next forward, so our steps alternate fast and slow and the 5 fastest understate the time
+per step over a run (by up to 14% in session 18, 2-4% for the peers): compare by both.
+fp16 overflow skips and the step after each are not timed. Set BENCH_COMMIT to name
 the commit when running from a copy of the tree that is not a git checkout. Set
 BENCH_HOST_THREADS to run the ``ours`` kinds with that many intra-op CPU threads (the host
 Adam's; default: torch's, one per core): the main thread keeps issuing the next forward
@@ -107,12 +111,18 @@ def _timed_steps(
 ) -> list[float]:
     """Times of ``steps`` steps after ``warmup``. With ``skipped`` (a callable: did the last
     step skip its update, an fp16 overflow?), skipped steps are not counted: they do no
-    optimizer work, so they would pass for the fastest. Their times go to ``untimed``;
-    at most ``2 * steps`` more steps are taken to replace them."""
+    optimizer work, so they would pass for the fastest. Nor is the step after one (the
+    first timed step too, when the last warm-up step skipped): the host steps of a step
+    run on into the next one's forward, so a step after a skip waits for none and is
+    short for that reason (W2 ``ours_io_spec1``: 165 ms among 450-525, session 18). Their
+    times go to ``untimed``; at most ``2 * steps`` more steps are taken to replace them."""
     import torch
 
+    after_skip = False
     for _ in range(warmup):
         step()
+        if skipped is not None:
+            after_skip = skipped()
     torch.cuda.synchronize()
     times: list[float] = []
     for _ in range(3 * steps if skipped is not None else steps):
@@ -120,9 +130,11 @@ def _timed_steps(
         step()
         torch.cuda.synchronize()  # sync point: the step is timed end to end
         took = time.perf_counter() - t0
-        if skipped is not None and skipped():
+        now = skipped is not None and skipped()
+        if now or after_skip:
             if untimed is not None:
                 untimed.append(took)
+            after_skip = now
             continue
         times.append(took)
         if len(times) == steps:
@@ -137,11 +149,17 @@ def _fastest5_mean_s(times: list[float]) -> float:
 
 
 def _step_times(times: list[float]) -> dict[str, Any]:
-    """Every timed step (ms) and their median, beside the issue's mean of the 5 fastest:
-    with host steps that run on into the next forward, steps alternate fast and slow."""
+    """Every timed step (ms), their median and their mean, beside the issue's mean of the 5
+    fastest. With host steps that run on into the next forward, our steps alternate fast
+    and slow, and the 5 fastest leave out the slow ones: the mean of every step is the
+    time per step over the run (W4 ``ours_io_bf16m``: 1264 ms by the 5 fastest, 1439 ms
+    per step over the run; torchao's steps, which leave nothing running, 1200 and 1244
+    ms; session 18)."""
+    nan = float("nan")
     return {
         "steps_ms": [t * 1e3 for t in times],
-        "step_median_ms": statistics.median(times) * 1e3 if times else float("nan"),
+        "step_median_ms": statistics.median(times) * 1e3 if times else nan,
+        "step_mean_ms": statistics.mean(times) * 1e3 if times else nan,
     }
 
 
@@ -284,7 +302,8 @@ def _ours(
         **_step_times(times),
         "setup_s": setup_s,
     }
-    # fp16 overflow skips after warm-up, left out of the timing (they do no host step).
+    # fp16 overflow skips after warm-up and the steps right after them, left out of the
+    # timing (see _timed_steps).
     out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
     out["timed_steps"] = len(times)
     out["host_threads"] = torch.get_num_threads()
@@ -538,7 +557,9 @@ def _cell(r: dict[str, Any] | None) -> str:
         return "-"
     if not r.get("ok"):
         return f"failed ({r.get('error', '?')[:60]})"
-    return f"{r['step_ms']:.0f} ms / {r['peak_alloc_gib']:.2f} GiB"
+    mean = r.get("step_mean_ms")  # rows from session 18 on
+    over_run = "" if mean is None else f" (run: {mean:.0f})"
+    return f"{r['step_ms']:.0f} ms{over_run} / {r['peak_alloc_gib']:.2f} GiB"
 
 
 def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]) -> str:
