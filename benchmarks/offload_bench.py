@@ -163,6 +163,25 @@ def _step_times(times: list[float]) -> dict[str, Any]:
     }
 
 
+def _host_memory() -> dict[str, Any]:
+    """/proc/meminfo's free, available and transparent-huge-page bytes (GiB) and the THP
+    mode: what the host memory looked like when a host rate was measured (the rate read
+    3.0-3.4 Gparam/s in the later children of a call and 5.2-5.9 in a call's first one,
+    session 18). Empty where there is no /proc."""
+    out: dict[str, Any] = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("MemFree", "MemAvailable", "AnonHugePages"):
+                out[key] = int(rest.split()[0]) / 2**20  # kB to GiB
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+        if thp.exists():
+            out["thp"] = thp.read_text().strip()
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
 def _memory() -> dict[str, float]:
     import torch
 
@@ -206,6 +225,7 @@ def _ours(
     # the hardware profile times.
     # Three measurements, their median planned with: session 17 saw this rate spread
     # 3.99-6.56 Gparam/s over the children on one machine; the row keeps all three.
+    host_before = _host_memory()
     rate_samples = (
         [
             measure_host_step_params_per_s(moments, host_kernel=host_kernel, fp16_io=fp16_io)
@@ -397,6 +417,17 @@ def _ours(
         except Exception as exc:  # keep the measurement, say what broke
             out["profile_error"] = f"{type(exc).__name__}: {exc}"
     module.close()
+    if rate_samples:
+        # The same measurement once the module is gone: did the rate the plan took hold
+        # for the run (the steps' host time says what ran), or was the host slower then?
+        del module, opt
+        gc.collect()
+        out["host_memory_before"] = host_before
+        out["host_memory_after"] = _host_memory()
+        out["host_rate_after_samples_gparam"] = [
+            measure_host_step_params_per_s(moments, host_kernel=host_kernel, fp16_io=fp16_io) / 1e9
+            for _ in range(3)
+        ]
     return out
 
 
