@@ -165,9 +165,9 @@ def _step_times(times: list[float]) -> dict[str, Any]:
 
 def _host_memory() -> dict[str, Any]:
     """/proc/meminfo's free, available and transparent-huge-page bytes (GiB) and the THP
-    mode: what the host memory looked like when a host rate was measured (the rate read
-    3.0-3.4 Gparam/s in the later children of a call and 5.2-5.9 in a call's first one,
-    session 18). Empty where there is no /proc."""
+    mode: what the host memory looked like when a host rate was measured. The fp16-I/O
+    rate spread 3.0-5.9 Gparam/s over session 18's children and 3.99-6.56 over session
+    17's, in no order of the children that holds in both. Empty where there is no /proc."""
     out: dict[str, Any] = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
