@@ -106,7 +106,8 @@ def _stream(dst: Any, s: Any, src: Any, k: Any) -> None:
 # Moments in fp32 or bf16. bf16 is stored as its bits (uint16: numpy has no bf16), and
 # each kernel below compiles once per moment type: _wide widens a moment element to fp32
 # (exact: the bits shifted up) and _moment narrows the stepped value back to the moments'
-# type with round-to-nearest-even, as torch's bf16 conversion does (a NaN to 0x7FC0); for
+# type with round-to-nearest-even, as torch's bf16 conversion does (a NaN becomes 0x7FC0,
+# as in torch's scalar conversion; its vector one gives 0xFFFF: a NaN either way); for
 # fp32 moments both are the identity. They are LLVM integer operations on the element, so
 # the loop vectorizes as it does for fp32. A first version widened a block into an fp32
 # scratch and narrowed it back in separate loops, with a branch per NaN check: it stepped

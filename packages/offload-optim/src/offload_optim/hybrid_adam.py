@@ -229,9 +229,10 @@ class HybridAdam(torch.optim.Optimizer):
         moments_dtype: dtype of the Adam moments of host-resident state (host-state regions
             and plain fp32 CPU tensors): ``torch.float32`` or ``torch.bfloat16``. bf16 halves
             the moments' host memory; with torch's kernels it makes the host step slower,
-            not faster (see [Note: bf16 moments] in kernels.py), with
-            ``host_kernel="single_pass"`` it moves 8 fewer bytes per parameter. Device-
-            resident moments stay fp32.
+            not faster (see [Note: bf16 moments] in kernels.py); with
+            ``host_kernel="single_pass"`` it moves 8 fewer bytes per parameter and steps
+            faster (0.86x the time of torch's fused fp32 step on the H200 host).
+            Device-resident moments stay fp32.
         host_kernel: the kernels that step host-resident state. ``"torch"`` (default):
             torch's fused CPU Adam. ``"single_pass"``: one-pass kernels compiled by numba
             (``pip install 'offload-optim[single-pass]'``; fp32 or bf16 moments), whose
