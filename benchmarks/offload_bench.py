@@ -42,7 +42,8 @@ Step time is the mean of the 5 fastest of ``--steps`` timed steps after ``--warm
 (the issue's measure); each step is forward, backward and optimizer step, synchronised.
 Tables also show "run:", the mean of every timed step. Our host steps run on into the
 next forward, so our steps alternate fast and slow and the 5 fastest understate the time
-per step over a run (by up to 14% in session 18, 2-4% for the peers): compare by both.
+per step over a run (12% below it for W4 ``ours_io_bf16m`` in session 18, 3-5% for the
+peers): compare by both.
 fp16 overflow skips and the step after each are not timed. Set BENCH_COMMIT to name
 the commit when running from a copy of the tree that is not a git checkout. Set
 BENCH_HOST_THREADS to run the ``ours`` kinds with that many intra-op CPU threads (the host
@@ -588,7 +589,7 @@ def _cell(r: dict[str, Any] | None) -> str:
         return "-"
     if not r.get("ok"):
         return f"failed ({r.get('error', '?')[:60]})"
-    mean = r.get("step_mean_ms")  # rows from session 18 on
+    mean = r.get("step_mean_ms")  # rows from f16d73d on
     over_run = "" if mean is None else f" (run: {mean:.0f})"
     return f"{r['step_ms']:.0f} ms{over_run} / {r['peak_alloc_gib']:.2f} GiB"
 
