@@ -299,6 +299,46 @@ def test_fp16_io_trains_as_the_conversion_passes_do(
     assert re.search(r"^predicted_peak_mem=[0-9.]+ MB \| predicted_step_time=[0-9.]+ s", out, re.M)
 
 
+def test_bf16_moments_train_as_fp32_moments_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--bf16_moments alone, with --fp16_io, and with both and --speculate: planned at the
+    host rate measured for bf16 moments, and training as with fp32 moments up to the
+    moments' rounding (the kernels' exactness is tested in offload-optim)."""
+    pytest.importorskip(
+        "numba", reason="the fused bf16-moment step needs offload-optim[single-pass]"
+    )
+    base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "4"]
+    base += ["--log_dir", str(tmp_path)]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    losses = {}
+    lines = {
+        "--bf16_moments": "bf16_moments",
+        "--bf16_moments --fp16_io": "fp16_io + bf16_moments",
+        "--bf16_moments --fp16_io --speculate": "fp16_io + bf16_moments",
+    }
+    for flags in ([], *(key.split() for key in lines)):
+        code, out, err = _run([*base, "--memory_budget", budget, *flags], capsys)
+        assert code == 0, err
+        loss = LOSS_LINE.search(out)
+        assert loss is not None, out
+        key = " ".join(flags)
+        losses[key] = float(loss.group(1))
+        if flags:
+            rate = rf"^{re.escape(lines[key])}: host steps at [0-9.]+ G parameters/s$"
+            assert re.search(rate, out, re.M), out
+    plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
+    assert any(rp.state.value == "host" for rp in plan.regions)
+    assert math.isfinite(losses[""]) and losses[""] < math.log(1024)
+    for flags, value in losses.items():
+        assert value == pytest.approx(losses[""], abs=1e-3), flags
+    code, out, err = _run(
+        [*base, "--memory_budget", budget, "--bf16_moments", "--plan_only"], capsys
+    )
+    assert code == 0, err
+    assert re.search(r"^bf16_moments: host steps at", out, re.M), out
+
+
 def test_fp16_io_needs_fp16(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run([*TINY, "--dtype", "bf16", "--fp16_io"], capsys)
     assert code == 2
