@@ -28,12 +28,13 @@
 #           host memory), torchao                                             ~6 min
 #   w4m     W4: ours_io_bf16m, ours_io_bf16m_spec1 (fp16 I/O with bf16 host moments: the
 #           bf16-moment target), ours_io, torchao                            ~6 min
+#   w4f     W4: ours_io, ours_io_bf16m, fsdp2, torchao (every W4 ratio in one call) ~6 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -98,6 +99,9 @@ case "$phase" in
   w4m)
     bench W4 ours_io_bf16m,ours_io_bf16m_spec1,ours_io,torchao 200
     mv "$out/W4.json" "$out/W4_m.json" ;;
+  w4f)
+    bench W4 ours_io,ours_io_bf16m,fsdp2,torchao 200
+    mv "$out/W4.json" "$out/W4_f.json" ;;
   single)
     python3 "$root/benchmarks/single_pass_adam_bench.py" --numel 256e6 --repeats 5 \
       --json "$out/single_pass_adam.json" 2>&1 | tee "$out/single_pass_adam.log" | tail -8 ;;
