@@ -223,8 +223,8 @@ class HostSteps:
 
     @property
     def optimize_kwargs(self) -> dict[str, Any]:
-        """Extra ``memory_optimize`` arguments: :attr:`plan_kwargs`, and fp16 I/O planned
-        at its kernel's rate."""
+        """Extra ``memory_optimize`` arguments: :attr:`plan_kwargs`, fp16 I/O, and the
+        measured host rate (fp16 I/O or bf16 moments) to plan with."""
         kwargs = dict(self.plan_kwargs)
         if self.fp16_io:
             kwargs["fp16_io"] = True
