@@ -15,6 +15,7 @@ from offload_optim import (
     AMPOptimizer,
     HybridAdam,
     fused_adam_,
+    measure_host_step_cost,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
     single_pass,
@@ -130,3 +131,21 @@ def test_single_pass_kernels_round_bf16_moments_as_torch_does() -> None:
         nan = want.isnan()
         assert torch.equal(got.isnan(), nan) and bool(nan.any())
         assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+def test_host_step_cost_is_the_time_over_the_fused_fp32_steps() -> None:
+    """What memory_optimize(host_step_cost=) takes: a ratio to torch's fused fp32 step,
+    measured back to back; torch's fused step against itself is about 1."""
+    kinds: list[tuple[torch.dtype, str, bool]] = [(torch.bfloat16, "torch", False)]
+    if single_pass.available():
+        kinds.append((torch.bfloat16, "single_pass", False))
+    if single_pass.fp16_io_available():
+        kinds += [(torch.float32, "single_pass", True), (torch.bfloat16, "single_pass", True)]
+    for dtype, kernel, io in kinds:
+        cost = measure_host_step_cost(dtype, numel=1 << 16, host_kernel=kernel, fp16_io=io, pairs=1)
+        assert 0.05 < cost < 20.0, (dtype, kernel, io, cost)
+    assert 0.5 < measure_host_step_cost(numel=1 << 18) < 2.0
+    with pytest.raises(ValueError, match="pairs"):
+        measure_host_step_cost(numel=16, pairs=0)
+    with pytest.raises(ValueError, match="single_pass"):
+        measure_host_step_cost(numel=16, fp16_io=True)

@@ -281,6 +281,16 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
     assert slow.plan.predicted_step_time_s > fast.plan.predicted_step_time_s
     with pytest.raises(ValueError, match="host_step_params_per_s"):
         memory_optimize(model, inp, 2**30, "asyn", host_step_params_per_s=0.0, **kwargs)
+    # The same told as a cost relative to the profile's rate: the same plan and prediction.
+    costly = memory_optimize(model, inp, 2**30, "asyn", host_step_cost=10.0, **kwargs)
+    assert costly.plan.predicted_step_time_s == pytest.approx(slow.plan.predicted_step_time_s)
+    placements = [[(rp.placement, rp.state) for rp in m.plan.regions] for m in (costly, slow)]
+    assert placements[0] == placements[1]
+    for bad in ({"host_step_cost": 0.0}, {"host_step_cost": 2.0, "host_step_params_per_s": 1e9}):
+        with pytest.raises(ValueError, match="host_step_cost"):
+            memory_optimize(model, inp, 2**30, "asyn", **bad, **kwargs)
+    for m in (fast, slow, costly):
+        m.close()
     # Host steps under backward for none of the parameters: the step waits for more.
     unspeculated = memory_optimize(
         model, inp, 2**30, "asyn", host_step_after_backward=False, speculative_params=0, **kwargs

@@ -63,7 +63,7 @@ from offload_gpt_example.plot import save_plan_png
 from offload_optim import (
     AMPOptimizer,
     HybridAdam,
-    measure_host_step_params_per_s,
+    measure_host_step_cost,
     measure_speculative_step_cost,
     single_pass,
 )
@@ -186,7 +186,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         help="keep the Adam moments of host-resident state in bf16 (HybridAdam(moments_dtype="
         "torch.bfloat16)): 4 fewer bytes of host memory per parameter, and with the "
         "single-pass host Adam (offload-optim[single-pass]) a faster host step; planned "
-        "at the rate measured now",
+        "at its cost against torch's fused fp32 step, measured now",
     )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
@@ -207,9 +207,9 @@ class HostSteps:
     step, with no conversion passes."""
     speculative_cost: float | None
     """A speculative host step's time over a plain one's (measured); None: off."""
-    params_per_s: float | None
-    """The host step's measured rate in parameters/s (fp16 I/O or bf16 moments); None:
-    the hardware profile's (torch's fused fp32 Adam)."""
+    host_cost: float | None
+    """The host step's time over torch's fused fp32 Adam step's, measured back to back
+    (fp16 I/O or bf16 moments); None: 1, the hardware profile's rate."""
     moments: torch.dtype = torch.float32
     """``HybridAdam(moments_dtype=)`` of host-resident state."""
 
@@ -228,14 +228,15 @@ class HostSteps:
         kwargs = dict(self.plan_kwargs)
         if self.fp16_io:
             kwargs["fp16_io"] = True
-        if self.params_per_s is not None:
-            kwargs["host_step_params_per_s"] = self.params_per_s
+        if self.host_cost is not None:
+            kwargs["host_step_cost"] = self.host_cost
         return kwargs
 
     def plan_hardware(self, hardware: HardwareProfile) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``)."""
-        if self.params_per_s is not None:
-            hardware = dataclasses.replace(hardware, host_adam_params_per_s=self.params_per_s)
+        if self.host_cost is not None:
+            rate = hardware.host_adam_params_per_s / self.host_cost
+            hardware = dataclasses.replace(hardware, host_adam_params_per_s=rate)
         if self.fp16_io:
             # The conversions happen inside the host step: no separate passes to charge.
             hardware = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
@@ -271,15 +272,15 @@ class HostSteps:
                 "0.86x in one pass); pip install 'offload-optim[single-pass]'",
                 file=sys.stderr,
             )
-        rate = None
+        host_cost = None
         if fp16_io or bf16_moments:
-            rate = measure_host_step_params_per_s(
+            host_cost = measure_host_step_cost(
                 moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
             )
             what = " + ".join(
                 n for n, on in (("fp16_io", fp16_io), ("bf16_moments", bf16_moments)) if on
             )
-            print(f"{what}: host steps at {rate / 1e9:.2f} G parameters/s", flush=True)
+            print(f"{what}: a host step takes {host_cost:.2f}x torch's fused fp32 step", flush=True)
         cost = None
         if speculate:
             cost = measure_speculative_step_cost(
@@ -288,7 +289,7 @@ class HostSteps:
             print(
                 f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one"
             )
-        return cls(kernel, fp16_io, cost, rate, moments)
+        return cls(kernel, fp16_io, cost, host_cost, moments)
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:

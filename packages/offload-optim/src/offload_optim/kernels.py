@@ -324,6 +324,36 @@ def measure_host_step_params_per_s(
     return numel / max(median_s(speculative, steps), 1e-9)
 
 
+def measure_host_step_cost(
+    moments_dtype: torch.dtype = torch.float32,
+    numel: int = 64 << 20,
+    *,
+    host_kernel: str = "torch",
+    fp16_io: bool = False,
+    pairs: int = 3,
+) -> float:
+    """How many times the time of torch's fused fp32-moment Adam step a host step of this
+    kind takes: what ``memory_optimize(..., host_step_cost=)`` should be given for an
+    optimizer that is not torch's fused fp32 Adam (the hardware profile measures that one).
+
+    The median, over ``pairs`` back-to-back pairs, of this kind's step time over the fused
+    fp32 step's (each the median of 3 steps, as in :func:`measure_host_step_params_per_s`),
+    both over ``numel`` parameters with torch's current thread count. A ratio taken back
+    to back holds when the host is slower for a while, where an absolute rate does not:
+    on the H200 host the fp16-I/O rate read 3.0-5.9 Gparam/s across benchmark children
+    of one machine, and the plans made with the low readings over-predicted their runs by
+    22-50% (BENCHMARKS.md, session 18). Below 1 when the kind moves fewer bytes (bf16
+    moments with ``host_kernel="single_pass"``: 0.86 there). Needs about ``(16 + 8 + 2 *
+    moment bytes) * numel`` bytes of host memory.
+    """
+    if pairs < 1:
+        raise ValueError(f"pairs ({pairs}) must be >= 1")
+    fused = _host_step_timer(torch.float32, numel, "torch")
+    kind = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
+    ratios = [kind(False, 3) / max(fused(False, 3), 1e-9) for _ in range(pairs)]
+    return statistics.median(ratios)
+
+
 def _host_step_timer(
     moments_dtype: torch.dtype, numel: int, host_kernel: str, fp16_io: bool = False
 ) -> Callable[[bool, int], float]:

@@ -246,6 +246,7 @@ def memory_optimize(
     host_worker: bool | None = None,
     convert_on_device: bool | None = None,
     host_step_params_per_s: float | None = None,
+    host_step_cost: float | None = None,
     speculative_step_cost: float = 1.0,
     speculative_params: int | None = None,
     fp16_io: bool = False,
@@ -286,6 +287,13 @@ def memory_optimize(
             when it is not torch's fused fp32-moment Adam that the hardware profile
             measures (e.g. ``offload_optim.measure_host_step_params_per_s(torch.bfloat16)``
             for bf16 moments); it replaces the profile's host Adam rate in planning.
+        host_step_cost: the same told as a ratio: how many times the time of torch's fused
+            fp32 Adam step (the profile's rate) the optimizer's host step takes
+            (``offload_optim.measure_host_step_cost(...)`` with the optimizer's moments,
+            kernel and fp16 I/O). The planner charges the profile's rate divided by it. A
+            ratio measured back to back holds when the host is slower for a while, where
+            an absolute rate measured then does not (BENCHMARKS.md, session 18). Give
+            this or ``host_step_params_per_s``, not both.
         speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
             optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
             how many times longer a speculative host step takes than a plain one
@@ -299,8 +307,8 @@ def memory_optimize(
         fp16_io: the optimizer steps host-state regions by fp16 I/O
             (``HybridAdam(fp16_io=True)``): fp16 training with host conversion, whose
             widening and narrowing happen inside the host step. The plan then converts on
-            the host and charges no conversion passes; pass the kernel's rate as
-            ``host_step_params_per_s`` (``offload_optim.measure_host_step_params_per_s(
+            the host and charges no conversion passes; pass the kernel's cost as
+            ``host_step_cost`` (``offload_optim.measure_host_step_cost(
             host_kernel="single_pass", fp16_io=True)``). Needs ``dtype=torch.float16`` and
             ``convert_on_device`` False or None.
         device_bytes_in_use: device bytes that stay allocated beside the plan's while the
@@ -327,6 +335,11 @@ def memory_optimize(
             "fp16_io=True plans fp16 training converted on the host: pass "
             "dtype=torch.float16 and convert_on_device=False (or None)"
         )
+    if host_step_cost is not None:
+        if host_step_params_per_s is not None:
+            raise ValueError("give host_step_cost or host_step_params_per_s, not both")
+        if not host_step_cost > 0:
+            raise ValueError(f"host_step_cost must be > 0, got {host_step_cost}")
     dev = resolve_device(device)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
@@ -337,6 +350,8 @@ def memory_optimize(
         hardware = profile_hardware(
             dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
         )
+    if host_step_cost is not None:
+        host_step_params_per_s = hardware.host_adam_params_per_s / host_step_cost
     if host_step_params_per_s is not None:
         if not host_step_params_per_s > 0:
             raise ValueError(
