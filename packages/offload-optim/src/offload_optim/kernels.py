@@ -306,8 +306,11 @@ def measure_host_step_params_per_s(
 
     What the planner should charge per host-state parameter when the optimizer is not
     torch's fused fp32-moment Adam, e.g. ``memory_optimize(...,
-    host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``: bf16
-    moments run ~0.6x the fp32 rate on the H200 host. Needs about ``(8 + 2 * moment
+    host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``: with
+    torch's route bf16 moments run ~0.6x the fp32 rate on the H200 host. An absolute
+    rate measured while the host is slower for a while misleads the plan; the ratio of
+    :func:`measure_host_step_cost` (``memory_optimize(host_step_cost=)``) does not, and is
+    what the bench and the example plan with. Needs about ``(8 + 2 * moment
     bytes) * numel`` bytes of host memory. ``host_kernel="single_pass"`` times
     ``offload_optim.single_pass.adam_`` instead (what ``HybridAdam(host_kernel=...)``
     steps with; needs numba). ``speculative=True`` times the step that keeps undo data
