@@ -111,7 +111,7 @@ def _stream(dst: Any, s: Any, src: Any, k: Any) -> None:
 # fp32 moments both are the identity. They are LLVM integer operations on the element, so
 # the loop vectorizes as it does for fp32. A first version widened a block into an fp32
 # scratch and narrowed it back in separate loops, with a branch per NaN check: it stepped
-# 0.65x the fp32 kernel's parameters per second on the 2-core machine, against 1.0x now
+# 0.67x the fp32 kernel's parameters per second on the 2-core machine, against 1.1x now
 # (BENCHMARKS.md, session 18).
 
 

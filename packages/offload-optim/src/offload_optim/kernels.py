@@ -24,7 +24,7 @@ memory traffic: with torch's kernels, bf16 moments save host memory (4 bytes per
 parameter, a third of the host-resident optimizer state), not time. A single-pass kernel
 (fp32 math on bf16 moments) is needed for the speed-up, and torch ships none:
 ``HybridAdam(host_kernel="single_pass")`` has one (see single_pass.py); on the 2-core
-machine it steps bf16 moments at the rate of fp32 ones (session 18).
+machine it steps bf16 moments at 1.1x the rate of fp32 ones (session 18).
 Round-to-nearest is deterministic (resuming from a checkpoint reproduces the run bit for
 bit); its known cost is that the second moment cannot decay by less than half a bf16 ulp
 (2**-9 relative) per step, so it tracks shrinking gradients with some lag. The loss-curve

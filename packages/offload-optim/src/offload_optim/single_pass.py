@@ -16,9 +16,9 @@ region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``. bf
 moments (see [Note: bf16 moments] in kernels.py) are widened and narrowed (round to
 nearest even) element by element inside the same loop, with integer operations that
 vectorize with it (_numba_adam.py), where torch's route makes five parallel passes per
-chunk: 20 bytes per parameter move instead of 28. On the 2-core machine they step at the
-fp32 moments' rate (1.57-1.63 against 1.50-1.58 Gparam/s over 32 M parameters; a first
-kernel that widened a block into a scratch in separate loops ran at 0.65x fp32).
+chunk: 20 bytes per parameter move instead of 28. On the 2-core machine they step at
+1.1x the fp32 moments' rate over 32 M parameters (a first kernel that widened a block
+into a scratch in separate loops ran at 0.67x; BENCHMARKS.md, session 18).
 
 On the 2-core development machine (``benchmarks/single_pass_adam_bench.py --numel 64e6``)
 the in-place kernel runs at about torch's rate (0.98-1.06x its time) and the speculative
