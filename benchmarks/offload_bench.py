@@ -169,7 +169,8 @@ def _host_memory() -> dict[str, Any]:
     """/proc/meminfo's free, available and transparent-huge-page bytes (GiB) and the THP
     mode: what the host memory looked like when a host rate was measured. The fp16-I/O
     rate spread 3.0-5.9 Gparam/s over session 18's children and 3.99-6.56 over session
-    17's, in no order of the children that holds in both. Empty where there is no /proc."""
+    17's, in no order of the children that holds in both. Where /proc cannot be read, what
+    was read and the error."""
     out: dict[str, Any] = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -179,8 +180,8 @@ def _host_memory() -> dict[str, Any]:
         thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
         if thp.exists():
             out["thp"] = thp.read_text().strip()
-    except (OSError, ValueError, IndexError):
-        pass
+    except (OSError, ValueError, IndexError) as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
     return out
 
 
