@@ -150,6 +150,7 @@ from offload_optim.kernels import AdamHyper
 from offload_optim.scaler import DynamicLossScaler
 from offload_runtime.module import OffloadModule
 from offload_runtime.streams import Event
+from offload_solver import check_speculative_params
 
 log = logging.getLogger(__name__)
 
@@ -380,14 +381,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
-        if speculative_params is not None and (
-            isinstance(speculative_params, bool)
-            or not isinstance(speculative_params, int)
-            or speculative_params < 0
-        ):
-            raise ValueError(
-                f"speculative_params={speculative_params!r} must be None or an int >= 0"
-            )
+        check_speculative_params(speculative_params)
         self._initialized = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # Share the HybridAdam's groups and state: schedulers edit these very dicts.

@@ -28,6 +28,7 @@ from offload_solver.simulators import (
     RegionAssignment,
     SimulationContext,
     SimulationResult,
+    check_speculative_params,
     get_simulator,
     simulate,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "Stream",
     "TimelineInterval",
     "build_regions",
+    "check_speculative_params",
     "default_hardware",
     "get_simulator",
     "get_solver",

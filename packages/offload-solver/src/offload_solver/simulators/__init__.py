@@ -15,6 +15,7 @@ from offload_solver.simulators._engine import (
     RegionAssignment,
     SimulationContext,
     SimulationResult,
+    check_speculative_params,
 )
 from offload_solver.simulators.asynchronous import AsyncSimulator
 from offload_solver.simulators.base import Simulator
@@ -59,6 +60,7 @@ __all__ = [
     "SimulationResult",
     "Simulator",
     "SyncSimulator",
+    "check_speculative_params",
     "get_simulator",
     "simulate",
 ]

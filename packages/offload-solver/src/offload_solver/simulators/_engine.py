@@ -231,6 +231,15 @@ class SimulationResult:
     """Device bytes over time, offloaded regions counted while on the device."""
 
 
+def check_speculative_params(value: int | None) -> int | None:
+    """``value`` when it is a valid ``speculative_params`` (None, or a number of host-state
+    parameters >= 0), else ValueError. Shared with offload_optim's ``AMPOptimizer``, which
+    takes the same limit."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+        raise ValueError(f"speculative_params must be None or an int >= 0, got {value!r}")
+    return value
+
+
 class SimulationContext:
     """Per-region and per-operation costs of one profile on one machine, computed once.
 
@@ -270,15 +279,7 @@ class SimulationContext:
         """Cost of a host step taken in a gradient hook before backward ends, relative to a
         plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
         also writes its undo data costs more (measure it with the optimizer's kernel)."""
-        if speculative_params is not None and (
-            isinstance(speculative_params, bool)
-            or not isinstance(speculative_params, int)
-            or speculative_params < 0
-        ):
-            raise ValueError(
-                f"speculative_params must be None or an int >= 0, got {speculative_params!r}"
-            )
-        self.speculative_params = speculative_params
+        self.speculative_params = check_speculative_params(speculative_params)
         """Without ``host_step_after_backward``: how many host-state parameters may step
         in their gradient hooks (None: all). Host-state regions qualify in the order their
         gradients land (the last in forward order first) until the first that would pass
