@@ -61,7 +61,34 @@ def main(argv: list[str] | None = None) -> int:
         "session 17 none was counted; session 17's rows were planned with a measured amount "
         "that their JSON lacks)",
     )
+    parser.add_argument(
+        "--host-step-cost",
+        action="append",
+        default=[],
+        metavar="KIND=COST",
+        help="plan rows of KIND with the host rate --fused-gparam / COST instead of the rate "
+        "they recorded (what memory_optimize(host_step_cost=) does); may be repeated, e.g. "
+        "--host-step-cost ours_io=1.056",
+    )
+    parser.add_argument(
+        "--fused-gparam",
+        type=float,
+        default=None,
+        help="torch's fused fp32 host Adam rate, Gparam/s, that --host-step-cost divides "
+        "(the machine's profile; session 18: 4.39)",
+    )
     args = parser.parse_args(argv)
+    costs: dict[str, float] = {}
+    for item in args.host_step_cost:
+        kind_name, _, value = item.partition("=")
+        try:
+            costs[kind_name] = float(value)
+        except ValueError:
+            parser.error(f"--host-step-cost takes KIND=COST, got {item!r}")
+        if not costs[kind_name] > 0:
+            parser.error(f"--host-step-cost {item!r}: the cost must be > 0")
+    if costs and not (args.fused_gparam and args.fused_gparam > 0):
+        parser.error("--host-step-cost needs --fused-gparam > 0")
 
     import torch
 
@@ -104,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                 hw = replay_hardware(
                     op_overhead_us=p["op_overhead_us"],
                     host_convert_gelem=p["host_convert_gelem"],
-                    host_adam_gparam=p["host_adam_gparam"],
+                    host_adam_gparam=(
+                        args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
+                    ),
                     h2d_gbps=p["h2d_gbps"],
                     d2h_gbps=p["d2h_gbps"],
                     peak_tflops=p["peak_tflops"],
