@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from trace_helpers import (
@@ -50,6 +53,18 @@ def test_saved_bytes_match_a_real_cpu_run(dropout: float) -> None:
     excluded = [*model.parameters(), *model.buffers()]
     eager, _ = hook_counted_saved_bytes(lambda: model(**inputs), excluded)
     assert abs(predicted - eager) <= 0.05 * eager
+
+
+def test_counting_saved_bytes_frees_the_graph_with_its_output() -> None:
+    """The counting hook keeps nothing alive: a saved output kept as is would hold its own
+    grad_fn, a cycle the collector cannot break (13.26 GB held on the H200, session 19)."""
+    x = torch.randn(64, requires_grad=True)
+    saved, out = hook_counted_saved_bytes(lambda: torch.sigmoid(x * 2.0), [x])
+    assert saved == 64 * 4  # sigmoid saves its output; a product with a number saves nothing
+    gone = weakref.ref(out)
+    del out
+    gc.collect()
+    assert gone() is None
 
 
 def test_flops_are_six_times_parameters_times_tokens(
