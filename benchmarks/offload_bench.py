@@ -57,6 +57,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import itertools
 import json
 import os
 import socket
@@ -148,6 +149,50 @@ def _fastest5_mean_s(times: list[float]) -> float:
     if not times:
         raise RuntimeError("no step was timed: every step after warm-up skipped its update")
     return statistics.mean(sorted(times)[:5])
+
+
+def _host_cycle(reports: list[Any]) -> dict[str, Any]:
+    """Where the host worker's time goes from one step to the next, as medians (ms) over
+    consecutive pairs of stepped reports (``AMPOptimizer.recent_steps()``, oldest first):
+
+    - ``period``: from one backward's call to the next;
+    - ``busy``: the host region steps' summed time of a step;
+    - ``idle_inside``: gaps between a step's first host step and its last;
+    - ``idle_after_last``: from a step's last host step to the next backward's call (the
+      rest of the next forward: the host has nothing to step);
+    - ``idle_before_first``: from then (or from the last host step, if later) to the next
+      step's first host step (backward until gradients land, or the answer);
+    - ``last_regions``: the region whose host step ended last, per step (forward index).
+
+    Empty when fewer than two stepped reports with host steps follow each other.
+    """
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("period", "busy", "idle_inside", "idle_after_last", "idle_before_first")
+    }
+    last_regions: list[int] = []
+    for a, b in itertools.pairwise(reports):
+        host_a = [t for t in a.region_steps if t.host]
+        host_b = [t for t in b.region_steps if t.host]
+        if a.skipped or b.skipped or not host_a or not host_b:
+            continue
+        if a.backward_start_s is None or b.backward_start_s is None:
+            continue
+        first_a = min(t.start_s for t in host_a)
+        last = max(host_a, key=lambda t: t.end_s)
+        first_b = min(t.start_s for t in host_b)
+        busy = sum(t.duration_s for t in host_a)
+        parts["period"].append(b.backward_start_s - a.backward_start_s)
+        parts["busy"].append(busy)
+        parts["idle_inside"].append(last.end_s - first_a - busy)
+        parts["idle_after_last"].append(max(0.0, b.backward_start_s - last.end_s))
+        parts["idle_before_first"].append(first_b - max(b.backward_start_s, last.end_s))
+        last_regions.append(last.region)
+    if not last_regions:
+        return {}
+    out: dict[str, Any] = {f"{k}_ms": statistics.median(v) * 1e3 for k, v in parts.items()}
+    out["pairs"] = len(last_regions)
+    out["last_regions"] = last_regions
+    return out
 
 
 def _step_times(times: list[float]) -> dict[str, Any]:
@@ -284,6 +329,7 @@ def _ours(
             overlap=not ablation,
             speculate_fp16=speculate,
             speculative_params=limit,
+            keep_reports=warmup + steps + 2 * steps,  # room for skips and the steps after
         )
         return module, opt
 
@@ -412,6 +458,9 @@ def _ours(
             first = min(t.start_s for t in host_steps)
             out["backward_to_first_host_step_ms"] = (first - report.backward_start_s) * 1e3
             out["host_step_span_ms"] = (max(t.end_s for t in host_steps) - first) * 1e3
+    cycle = _host_cycle(opt.recent_steps()[-len(times) - len(skipped_ms) :])
+    if cycle:
+        out["host_cycle"] = cycle
     if speculate:
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
         if report is not None:  # the last timed step: how many regions stepped early

@@ -7,6 +7,7 @@ parameters, host / device optimizer state); see optim_helpers.offload_module.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Any
 
@@ -384,3 +385,31 @@ def test_bf16_trains_without_scaling() -> None:
     assert fell(losses)
     assert amp.last_step is not None and amp.last_step.overlap is OverlapMode.SPECULATIVE
     assert not any(r.skipped for r in [amp.last_step])
+
+
+def test_recent_steps_keep_every_step_in_order() -> None:
+    """keep_reports=3: the last three steps' reports, oldest first, the newest equal to
+    last_step, and one host worker: a step's host steps end before the next one's start."""
+    amp, module = make(tiny_gpt2(), keep_reports=3)
+    train_offload(amp, module, range(5))
+    reports = amp.recent_steps()
+    assert [r.step for r in reports] == [3, 4, 5]
+    assert reports[-1] == amp.last_step
+    host_regions = sum(st.host_state for st in module.storages)
+    assert host_regions > 0
+    for earlier, later in itertools.pairwise(reports):
+        first = [t for t in earlier.region_steps if t.host]
+        second = [t for t in later.region_steps if t.host]
+        assert len(first) == len(second) == host_regions
+        assert max(t.end_s for t in first) <= min(t.start_s for t in second)
+        assert earlier.backward_start_s is not None and later.backward_start_s is not None
+        assert earlier.backward_start_s < later.backward_start_s
+
+
+def test_recent_steps_are_off_by_default_and_refuse_bad_counts() -> None:
+    amp, module = make(tiny_gpt2())
+    train_offload(amp, module, range(2))
+    assert amp.recent_steps() == []
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="keep_reports"):
+            make(tiny_gpt2(), keep_reports=bad)

@@ -131,6 +131,7 @@ after backward, and :meth:`step` waits for them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -346,6 +347,9 @@ class AMPOptimizer(torch.optim.Optimizer):
       state dominates and backward is long enough to hide it) and host memory has room.
       No effect in bf16 / fp32 (they speculate without it), with clipping (every step
       would be undone: the answer is taken as without it), or with ``overlap=False``.
+    - ``keep_reports=n`` keeps the last ``n`` steps' :class:`StepReport` for
+      :meth:`recent_steps` (with every region step's start and end), where
+      :attr:`last_step` holds one; for finding where the host idles between steps.
     - ``param_groups`` are the HybridAdam's own, so ``torch.optim.lr_scheduler``
       schedulers take this object (or the HybridAdam) and the step uses their lr.
     - :meth:`state_dict` holds master weights, Adam moments, the scaler and the step count.
@@ -369,6 +373,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         overlap: bool = True,
         speculate_fp16: bool = False,
         speculative_params: int | None = None,
+        keep_reports: int = 0,
     ) -> None:
         if not isinstance(optimizer, HybridAdam):
             raise TypeError(
@@ -382,6 +387,8 @@ class AMPOptimizer(torch.optim.Optimizer):
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
         check_speculative_params(speculative_params)
+        if isinstance(keep_reports, bool) or not isinstance(keep_reports, int) or keep_reports < 0:
+            raise ValueError(f"keep_reports={keep_reports!r} must be an int >= 0 (0 keeps none)")
         self._initialized = False
         super().__init__(optimizer.param_groups, optimizer.defaults)
         # Share the HybridAdam's groups and state: schedulers edit these very dicts.
@@ -417,6 +424,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         # The last step's report without its region timings, the list the timings go to
         # and the host steps still queued: last_step completes the report once they are done.
         self._pending: tuple[StepReport, list[RegionStepTiming], list[Future[None]]] | None = None
+        # The same for the last keep_reports steps, completed by recent_steps().
+        self._history: collections.deque[
+            tuple[StepReport, list[RegionStepTiming], list[Future[None]]]
+        ] = collections.deque(maxlen=keep_reports)
         # ---- the current accumulation window (reset by step() and zero_grad()) ----
         self._micro = 0
         self._window_mode = OverlapMode.NONE
@@ -837,6 +848,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         )
         self._last_step = None
         self._pending = (report, timings, list(futures.values()))
+        self._history.append(self._pending)
         return loss
 
     def _step_regions(
@@ -876,6 +888,23 @@ class AMPOptimizer(torch.optim.Optimizer):
             self._pending = None
             self._last_step = dataclasses.replace(report, region_steps=tuple(timings))
         return self._last_step
+
+    def recent_steps(self) -> list[StepReport]:
+        """What the last ``keep_reports`` steps did (the constructor's argument; skipped
+        steps included), oldest first, each with its region steps' timings.
+
+        Waits for the host steps still queued (a host sync point while they run) and
+        re-raises their error, as :attr:`last_step` does. Keeping the reports costs no
+        wait while training: their timings are filled in by the steps themselves. Where the
+        time between one step's last host step and the next step's first goes is what
+        ``benchmarks/offload_bench.py`` reads from them.
+        """
+        out = []
+        for report, timings, futures in self._history:
+            for fut in futures:
+                fut.result()
+            out.append(dataclasses.replace(report, region_steps=tuple(timings)))
+        return out
 
     def synchronize(self) -> None:
         """Wait for the host steps still queued; re-raise their first error.
