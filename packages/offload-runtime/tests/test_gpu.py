@@ -57,9 +57,11 @@ def batch(b: int, s: int, seed: int = 0, *, mask: bool = True) -> dict[str, torc
 
 def budget_beside(held: int, budget: int) -> int:
     """A budget that leaves a plan the room ``budget`` alone would, beside ``held`` bytes
-    this process holds already (earlier tests' tensors: 13.9 GB in a whole ``nox -s
-    gpu_tests`` run). memory_optimize plans against ``BUDGET_SAFETY_FACTOR`` (0.95) of the
-    budget and takes what is in use off that, so the held bytes are added divided by it."""
+    this process holds already (earlier tests' tensors: 13.26 GB in whole ``nox -s
+    gpu_tests`` runs until session 19 found and fixed the trace tests' leak, in
+    ``trace_helpers.hook_counted_saved_bytes``). memory_optimize plans against
+    ``BUDGET_SAFETY_FACTOR`` (0.95) of the budget and takes what is in use off that, so
+    the held bytes are added divided by it."""
     return math.ceil(held / BUDGET_SAFETY_FACTOR) + budget
 
 
