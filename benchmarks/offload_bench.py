@@ -703,16 +703,33 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
         lines += [
             "",
             "| workload | kind | step / peak | predicted (step / peak) | host step in the loop "
-            "| host threads | undone steps | regions speculated (last step) |",
-            "|---|---|---|---|---|---|---|---|",
+            "| host threads | undone steps | regions speculated (last step) "
+            "| host per step: busy / idle inside / idle after last / idle before first |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for w, kind, r in variants:
             pred = f"{r['pred_step_ms']:.0f} ms / {r['pred_peak_gib']:.2f} GiB"
             host = r.get("host_step_ms_in_loop")
+            cyc = r.get("host_cycle")
+            cycle = (
+                "-"
+                if not cyc
+                else " / ".join(
+                    f"{cyc[k]:.0f}"
+                    for k in (
+                        "busy_ms",
+                        "idle_inside_ms",
+                        "idle_after_last_ms",
+                        "idle_before_first_ms",
+                    )
+                )
+                + " ms"
+            )
             lines.append(
                 f"| {w} | {kind} | {_cell(r)} | {pred} "
                 f"| {'-' if host is None else f'{host:.0f} ms'} | {r.get('host_threads', '-')} "
-                f"| {r.get('undone_steps', '-')} | {r.get('speculated_regions', '-')} |"
+                f"| {r.get('undone_steps', '-')} | {r.get('speculated_regions', '-')} "
+                f"| {cycle} |"
             )
     return "\n".join(lines) + "\n"
 
