@@ -31,12 +31,15 @@
 #   w4f     W4: ours_io, ours_io_bf16m, fsdp2, torchao (every W4 ratio in one call) ~6 min
 #   io23    W2 then W3: ours_io, ours_io_spec1, fsdp2, torchao (both workloads' fp16-I/O
 #           rows with their peers in one call)                                ~7 min
+#   w4idle  W4 ours_io_bf16m_spec1 with Python's default switch interval and with 0.5 ms
+#           (BENCH_SWITCH_INTERVAL_S), then torchao: where the host idles between its
+#           steps (rows record host_cycle)                                  ~6 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -116,6 +119,11 @@ case "$phase" in
     mv "$out/W3.json" "$out/W3_specio.json"
     bench W2 ours,ours_spec1,ours_io,ours_io_spec1 90
     mv "$out/W2.json" "$out/W2_specio.json" ;;
+  w4idle)
+    bench W4 ours_io_bf16m_spec1 200
+    mv "$out/W4.json" "$out/W4_idle_default.json"
+    BENCH_SWITCH_INTERVAL_S=0.0005 bench W4 ours_io_bf16m_spec1,torchao 200
+    mv "$out/W4.json" "$out/W4_idle_short_switch.json" ;;
   io23)
     bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90
     mv "$out/W2.json" "$out/W2_io23.json"

@@ -49,7 +49,10 @@ fp16 overflow skips and the step after each are not timed. Set BENCH_COMMIT to n
 the commit when running from a copy of the tree that is not a git checkout. Set
 BENCH_HOST_THREADS to run the ``ours`` kinds with that many intra-op CPU threads (the host
 Adam's; default: torch's, one per core): the main thread keeps issuing the next forward
-while the host steps run, so one core fewer may step faster.
+while the host steps run, so one core fewer may step faster. Set BENCH_SWITCH_INTERVAL_S
+to run them with that ``sys.setswitchinterval``: the host worker needs the GIL between
+its region steps while the main thread issues kernels, and Python hands it over only every
+switch interval (default 0.005 s); rows record the interval.
 """
 
 from __future__ import annotations
@@ -254,12 +257,14 @@ def _ours(
     )
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
-    from offload_solver import ParamPlacement, StatePlacement
+    from offload_solver import ParamPlacement, StatePlacement, Stream
 
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = budget_gib * GiB
     if os.environ.get("BENCH_HOST_THREADS"):
         torch.set_num_threads(int(os.environ["BENCH_HOST_THREADS"]))
+    if os.environ.get("BENCH_SWITCH_INTERVAL_S"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH_INTERVAL_S"]))
     dtype = torch.bfloat16 if kind == "ours_bf16" else torch.float16
     model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
@@ -385,6 +390,7 @@ def _ours(
     out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
     out["timed_steps"] = len(times)
     out["host_threads"] = torch.get_num_threads()
+    out["switch_interval_s"] = sys.getswitchinterval()
     # Host optimizer steps run on past step() into the next forward; what that forward had
     # to wait for them is the part of the host step that nothing hid.
     out["forward_waited_for_host_ms_per_step"] = (
@@ -396,6 +402,12 @@ def _ours(
     plan = module.plan
     out["pred_peak_gib"] = plan.predicted_peak_bytes / GiB
     out["pred_step_ms"] = plan.predicted_step_time_s * 1e3
+    # The simulated host worker's busy time in one step (host steps and publishes of the
+    # cold step), beside the measured host_cycle's busy: the step minus it is the host
+    # idle the simulator expects.
+    out["pred_host_busy_ms"] = (
+        sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST) * 1e3
+    )
     # What memory_optimize measured in use beside the plan (replay_bench.py takes it).
     out["device_bytes_in_use"] = plan.device_bytes_in_use
     if rate_samples:

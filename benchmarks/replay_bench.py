@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from offload_gpt_example.models import build_model, random_batch
     from offload_runtime.api import device_conversion_profile
-    from offload_solver import ModelProfile, ParamPlacement, solve
+    from offload_solver import ModelProfile, ParamPlacement, Stream, solve
     from offload_trace import trace
 
     traced: dict[str, ModelProfile] = {}
@@ -102,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         "| file | workload | kind | measured step | predicted then | replayed now | "
         "measured peak | predicted then | replayed now | "
         "offloaded / host-state regions (measured plan; replayed) | "
-        "mean step over the run: replayed now |"
+        "mean step over the run: replayed now | host busy per step: in the loop; replayed |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     worst_run = 0.0
     for path in args.json:
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind not in REPLAYED or not row.get("ok") or "profile" not in row:
                     continue
                 if f"{path.name}:{kind}" in args.exclude:
-                    print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | |")
+                    print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | |")
                     continue
                 if workload not in traced:
                     model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
@@ -174,6 +174,15 @@ def main(argv: list[str] | None = None) -> int:
                 if run is not None:
                     worst_run = max(worst_run, abs(replayed - run) / run)
                     run_cell = f"{run:.0f} ms: {_error(replayed, run)}"
+                # The host worker's busy time: measured (the last timed step's host region
+                # steps) and simulated (the cold step's host lane).
+                busy_now = sum(
+                    iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST
+                )
+                in_loop = row.get("host_step_ms_in_loop")
+                busy_cell = (
+                    f"{'-' if in_loop is None else f'{in_loop:.0f}'}; {busy_now * 1e3:.0f} ms"
+                )
                 print(
                     f"| {path.name} | {workload} | {kind} | {measured:.0f} ms | "
                     f"{row['pred_step_ms']:.0f} ({_error(row['pred_step_ms'], measured)}) | "
@@ -181,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['pred_peak_gib']:.2f} ({_error(row['pred_peak_gib'], peak)}) | "
                     f"{peak_now:.2f} ({_error(peak_now, peak)}) | "
                     f"{row['offloaded_regions']} / {row['host_state_regions']}; "
-                    f"{offloaded} / {host} | {run_cell} |",
+                    f"{offloaded} / {host} | {run_cell} | {busy_cell} |",
                     flush=True,
                 )
     print(f"largest replayed step error: {worst * 100:.1f}%")
