@@ -160,7 +160,11 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
 
     - ``period``: from one backward's call to the next;
     - ``busy``: the host region steps' summed time of a step;
-    - ``idle_inside``: gaps between a step's first host step and its last;
+    - ``idle_inside``: gaps between a step's first host step and its last, split into
+      ``idle_inside_until_step`` (gaps that began before ``step()`` returned: waiting for
+      gradients to land, or for ``step()`` to take the answer and queue the rest) and
+      ``idle_inside_after_step`` (gaps that began after it, between the steps it queued:
+      the worker's own overhead between regions);
     - ``idle_after_last``: from a step's last host step to the next backward's call (the
       rest of the next forward: the host has nothing to step);
     - ``idle_before_first``: from then (or from the last host step, if later) to the next
@@ -170,7 +174,16 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
     Empty when fewer than two stepped reports with host steps follow each other.
     """
     parts: dict[str, list[float]] = {
-        k: [] for k in ("period", "busy", "idle_inside", "idle_after_last", "idle_before_first")
+        k: []
+        for k in (
+            "period",
+            "busy",
+            "idle_inside",
+            "idle_inside_until_step",
+            "idle_inside_after_step",
+            "idle_after_last",
+            "idle_before_first",
+        )
     }
     last_regions: list[int] = []
     for a, b in itertools.pairwise(reports):
@@ -187,6 +200,16 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
         parts["period"].append(b.backward_start_s - a.backward_start_s)
         parts["busy"].append(busy)
         parts["idle_inside"].append(last.end_s - first_a - busy)
+        ordered = sorted(host_a, key=lambda t: t.start_s)
+        until = after = 0.0
+        for prev, nxt in itertools.pairwise(ordered):
+            gap = max(0.0, nxt.start_s - prev.end_s)
+            if a.step_end_s is not None and prev.end_s <= a.step_end_s:
+                until += gap
+            else:
+                after += gap
+        parts["idle_inside_until_step"].append(until)
+        parts["idle_inside_after_step"].append(after)
         parts["idle_after_last"].append(max(0.0, b.backward_start_s - last.end_s))
         parts["idle_before_first"].append(first_b - max(b.backward_start_s, last.end_s))
         last_regions.append(last.region)
