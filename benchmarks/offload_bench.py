@@ -478,6 +478,9 @@ def _ours(
         "device_memory_tbps": plan_hw.device_memory_bytes_per_s / 1e12,
         "host_copy_contention": plan_hw.host_copy_contention,
     }
+    # The whole profile too (bandwidth curves included), so that replay_bench.py replays
+    # the plan exactly instead of scaling the default curves to the plateaus above.
+    out["hardware"] = json.loads(plan_hw.to_json())
     if speculate:
         out["speculative_step_cost"] = spec_cost
     report = opt.last_step

@@ -4,8 +4,9 @@
 
 For every ``ours*`` row of ``offload_bench.py --json`` files that recorded the hardware
 profile its plan was made with, this traces the workload on the meta device, solves it
-again with that profile (``plan_predict.replay_hardware``: the default bandwidth curves
-scaled to the measured plateaus) and the row's own choices (dtype conversion on the
+again with that profile (the whole profile where the row records it, from session 20 on;
+else ``plan_predict.replay_hardware``: the default bandwidth curves scaled to the
+measured plateaus) and the row's own choices (dtype conversion on the
 device or the host, speculation and its measured step cost, fp16 I/O), and prints the
 measured step and peak beside the predictions the benchmark made and those of this tree
 (planned with the device memory in use that the row records; rows from before session 18
@@ -18,6 +19,7 @@ placements are printed when they do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,6 +38,22 @@ REPLAYED = tuple(
     dict.fromkeys(("ours", "ours_hostconv", "ours_bf16m", "ours_bf16m1", *SPECULATING, *FP16_IO))
 )
 """Kinds this script knows how to plan again (``ours_bf16`` and ``ablation`` are not)."""
+
+
+def _scaled_hardware(p: dict[str, Any], host_adam_gparam: float) -> Any:
+    """The row's profile figures on the default bandwidth curves, scaled to its plateaus
+    (``plan_predict.replay_hardware``): rows recorded before the whole profile was."""
+    return replay_hardware(
+        op_overhead_us=p["op_overhead_us"],
+        host_convert_gelem=p["host_convert_gelem"],
+        host_adam_gparam=host_adam_gparam,
+        h2d_gbps=p["h2d_gbps"],
+        d2h_gbps=p["d2h_gbps"],
+        peak_tflops=p["peak_tflops"],
+        efficiency=p["efficiency"],
+        hbm_tbps=p["device_memory_tbps"],
+        host_copy_contention=p["host_copy_contention"],
+    )
 
 
 def _error(pred: float, measured: float) -> str:
@@ -94,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from offload_gpt_example.models import build_model, random_batch
     from offload_runtime.api import device_conversion_profile
-    from offload_solver import ModelProfile, ParamPlacement, Stream, solve
+    from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Stream, solve
     from offload_trace import trace
 
     traced: dict[str, ModelProfile] = {}
@@ -128,19 +146,15 @@ def main(argv: list[str] | None = None) -> int:
                         model, inputs, dtype=torch.float16, target_device="cuda"
                     ).to_profile()
                 p = row["profile"]
-                hw = replay_hardware(
-                    op_overhead_us=p["op_overhead_us"],
-                    host_convert_gelem=p["host_convert_gelem"],
-                    host_adam_gparam=(
-                        args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
-                    ),
-                    h2d_gbps=p["h2d_gbps"],
-                    d2h_gbps=p["d2h_gbps"],
-                    peak_tflops=p["peak_tflops"],
-                    efficiency=p["efficiency"],
-                    hbm_tbps=p["device_memory_tbps"],
-                    host_copy_contention=p["host_copy_contention"],
-                )
+                rate = args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
+                if "hardware" in row:
+                    # Rows record the whole profile from session 20 on: the plan's own curves.
+                    hw = dataclasses.replace(
+                        HardwareProfile.from_json(json.dumps(row["hardware"])),
+                        host_adam_params_per_s=rate * 1e9,
+                    )
+                else:
+                    hw = _scaled_hardware(p, rate)
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = kind in SPECULATING
