@@ -2,8 +2,8 @@
 
 Plans charge host steps at the hardware profile's fused fp32 rate (measured over 64 M
 parameters) divided by a kernel's cost (``measure_host_step_cost``, also over 64 M). In
-session 19 W4's fp16-I/O host steps with fp32 moments ran at about 2.9 Gparam/s in the
-training loop (6.05 G host-state parameters, 2099 ms), where the kernel read 4.5 alone.
+session 19 W4's fp16-I/O host steps with fp32 moments ran at 2.9-3.1 Gparam/s in the
+training loop (6.04 G host-state parameters), where the kernel read 4.3-4.7 alone.
 This script times one host step over ``--total`` parameters held as regions of
 ``--region`` parameters each (one allocation per region, stepped one after another, as
 the runtime's host worker does), for three kinds:
