@@ -5,6 +5,7 @@
 #
 # PHASE:
 #   tests   nox -s gpu_tests (every package's gpu-marked tests)               ~5 min
+#   trace   the trace package's gpu tests alone (what each leaves allocated)      ~2 min
 #   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
 #   w2      benchmark W2: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~6 min
 #   w3      benchmark W3: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~7 min
@@ -39,7 +40,7 @@
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -52,6 +53,9 @@ bench() {
 }
 case "$phase" in
   tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+  trace)
+    python3 -m pytest -q -s -rA -p no:cacheprovider -m gpu "$root/packages/offload-trace/tests" \
+      2>&1 | tee "$out/trace_gpu_tests.log" | tail -30 ;;
   w1) bench W1 ours,full_gpu,ablation,fsdp2,torchao 120 ;;
   w2) bench W2 ours,ours_spec,ours_bf16,full_gpu,fsdp2,torchao 120 ;;
   w3) bench W3 ours,ours_spec,ours_bf16,full_gpu,fsdp2,torchao 150 ;;
