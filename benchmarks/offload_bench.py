@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import gzip
 import itertools
 import json
 import os
@@ -67,6 +68,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -152,6 +154,22 @@ def _fastest5_mean_s(times: list[float]) -> float:
     if not times:
         raise RuntimeError("no step was timed: every step after warm-up skipped its update")
     return statistics.mean(sorted(times)[:5])
+
+
+def _save_trace(prof: Any, path: Path) -> dict[str, Any]:
+    """Write ``prof``'s Chrome trace gzipped to ``path`` (for Perfetto, or ``step_trace.py
+    --summarise``; the host worker's region steps are named in it) and return
+    ``step_trace.summarise_trace`` of it: per-stream busy time, copy overlap, compute idle."""
+    from step_trace import summarise_trace
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        text = raw.read_text()
+    with gzip.open(path, "wt") as f:
+        f.write(text)
+    summary: dict[str, Any] = summarise_trace(json.loads(text))
+    return summary
 
 
 def _host_cycle(reports: list[Any]) -> dict[str, Any]:
@@ -514,6 +532,9 @@ def _ours(
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
             profile_dir.mkdir(parents=True, exist_ok=True)
             (profile_dir / f"profile_{workload}_{kind}.txt").write_text(table)
+            out["profile_streams"] = _save_trace(
+                prof, profile_dir / f"trace_{workload}_{kind}.json.gz"
+            )
         except Exception as exc:  # keep the measurement, say what broke
             out["profile_error"] = f"{type(exc).__name__}: {exc}"
     module.close()

@@ -194,9 +194,11 @@ def summarise_memory(snapshot: dict[str, Any], top: int = 12) -> dict[str, Any]:
 
 
 def _load_trace(path: Path) -> dict[str, Any]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:  # type: ignore[operator]
-        data: dict[str, Any] = json.load(f)
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt") as f:
+            data: dict[str, Any] = json.load(f)
+    else:
+        data = json.loads(path.read_text())
     return data
 
 

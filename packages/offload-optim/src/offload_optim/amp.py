@@ -574,15 +574,18 @@ class AMPOptimizer(torch.optim.Optimizer):
             done = self._backward_done
             if done is not None and done.query():
                 return  # backward is over on the device: step() queues r in forward order
-            if self.optimizer.step_region(r, hypers=self._hypers, timings=self._timings):
+            with torch.profiler.record_function(f"host step {r} (hook)"):
+                stepped = self.optimizer.step_region(r, hypers=self._hypers, timings=self._timings)
+            if stepped:
                 self._stepped.add(r)
             return
         if mode is OverlapMode.SPECULATIVE_UNDO:
             done = self._backward_done
             if self.optimizer.can_speculate(r) and (done is None or not done.query()):
-                part = self.optimizer.speculate_region(
-                    r, self._spec_scale, hypers=self._hypers, timings=self._timings
-                )
+                with torch.profiler.record_function(f"speculative step {r}"):
+                    part = self.optimizer.speculate_region(
+                        r, self._spec_scale, hypers=self._hypers, timings=self._timings
+                    )
                 if part is not None:
                     self._stepped.add(r)
                     self._partials[r] = part
@@ -616,9 +619,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         if answer.skip or fut is None:
             return
         try:
-            self.optimizer.step_region(
-                r, answer.grad_scale, hypers=answer.hypers, timings=answer.timings
-            )
+            with torch.profiler.record_function(f"host step {r} (landed after the answer)"):
+                self.optimizer.step_region(
+                    r, answer.grad_scale, hypers=answer.hypers, timings=answer.timings
+                )
         except BaseException as exc:
             # Not re-raised here: like a failed queued step, it surfaces at the region's
             # next forward or at the next wait for host work, not at zero_grad().
