@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
-import gzip
 import itertools
 import json
 import os
@@ -68,7 +67,6 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -157,18 +155,14 @@ def _fastest5_mean_s(times: list[float]) -> float:
 
 
 def _save_trace(prof: Any, path: Path) -> dict[str, Any]:
-    """Write ``prof``'s Chrome trace gzipped to ``path`` (for Perfetto, or ``step_trace.py
-    --summarise``; the host worker's region steps are named in it) and return
-    ``step_trace.summarise_trace`` of it: per-stream busy time, copy overlap, compute idle."""
-    from step_trace import summarise_trace
+    """Write ``prof``'s Chrome trace to ``path`` (``.gz``: torch gzips it; for Perfetto,
+    or ``step_trace.py --summarise``; the host worker's region steps are named in it) and
+    return ``step_trace.summarise_trace`` of it: per-stream busy time, copy overlap,
+    compute idle."""
+    from step_trace import load_trace, summarise_trace
 
-    with tempfile.TemporaryDirectory() as tmp:
-        raw = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(raw))
-        text = raw.read_text()
-    with gzip.open(path, "wt") as f:
-        f.write(text)
-    summary: dict[str, Any] = summarise_trace(json.loads(text))
+    prof.export_chrome_trace(str(path))
+    summary: dict[str, Any] = summarise_trace(load_trace(path))
     return summary
 
 

@@ -193,7 +193,8 @@ def summarise_memory(snapshot: dict[str, Any], top: int = 12) -> dict[str, Any]:
     }
 
 
-def _load_trace(path: Path) -> dict[str, Any]:
+def load_trace(path: Path) -> dict[str, Any]:
+    """A Chrome trace as torch.profiler writes it, gzipped (``.gz``) or not."""
     if path.suffix == ".gz":
         with gzip.open(path, "rt") as f:
             data: dict[str, Any] = json.load(f)
@@ -262,7 +263,7 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
     out_dir = Path(args.out)
     trace_path = out_dir / f"{solver}.trace.json"
     prof.export_chrome_trace(str(trace_path))
-    trace = _load_trace(trace_path)
+    trace = load_trace(trace_path)
     with gzip.open(str(trace_path) + ".gz", "wt") as f:
         json.dump(trace, f)
     trace_path.unlink()
@@ -322,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summarise", default="", help="summarise this Chrome trace and exit")
     args = parser.parse_args(argv)
     if args.summarise:
-        trace = _load_trace(Path(args.summarise))
+        trace = load_trace(Path(args.summarise))
         streams = summarise_trace(trace)
         streams["backward"] = summarise_backward(trace, str(streams.get("compute_stream")))
         print(json.dumps(streams, indent=1))
