@@ -205,13 +205,11 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
             continue
         if a.backward_start_s is None or b.backward_start_s is None:
             continue
-        first_a = min(t.start_s for t in host_a)
         last = max(host_a, key=lambda t: t.end_s)
         first_b = min(t.start_s for t in host_b)
         busy = sum(t.duration_s for t in host_a)
         parts["period"].append(b.backward_start_s - a.backward_start_s)
         parts["busy"].append(busy)
-        parts["idle_inside"].append(last.end_s - first_a - busy)
         ordered = sorted(host_a, key=lambda t: t.start_s)
         until = after = 0.0
         for prev, nxt in itertools.pairwise(ordered):
@@ -220,6 +218,7 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
                 until += gap
             else:
                 after += gap
+        parts["idle_inside"].append(until + after)
         parts["idle_inside_until_step"].append(until)
         parts["idle_inside_after_step"].append(after)
         parts["idle_after_last"].append(max(0.0, b.backward_start_s - last.end_s))
