@@ -247,26 +247,6 @@ def _step_times(times: list[float]) -> dict[str, Any]:
     }
 
 
-def _host_memory() -> dict[str, Any]:
-    """/proc/meminfo's free, available and transparent-huge-page bytes (GiB) and the THP
-    mode: what the host memory looked like when a host rate was measured. The fp16-I/O
-    rate spread 3.0-5.9 Gparam/s over session 18's children and 3.99-6.56 over session
-    17's, in no order of the children that holds in both. Where /proc cannot be read, what
-    was read and the error."""
-    out: dict[str, Any] = {}
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemFree", "MemAvailable", "AnonHugePages"):
-                out[key] = int(rest.split()[0]) / 2**20  # kB to GiB
-        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-        if thp.exists():
-            out["thp"] = thp.read_text().strip()
-    except (OSError, ValueError, IndexError) as exc:
-        out["error"] = f"{type(exc).__name__}: {exc}"
-    return out
-
-
 def _memory() -> dict[str, float]:
     import torch
 
@@ -315,9 +295,10 @@ def _ours(
     # 3.0-5.9 Gparam/s over one machine's children in session 18, and the plans made with
     # low readings over-predicted by 22-50%; replayed with the profile's rate over the
     # kernels' cost, every session-18 row came within 9% of its run. Three absolute
-    # samples are still kept, before and after the run, to find out why they spread.
+    # samples are still kept: the child's standalone rate, beside its rate in the loop
+    # (session 19: taken again after the run and with /proc/meminfo, they showed the
+    # spread is not free memory or huge pages, so that second set is gone).
     measured = bf16_moments or fp16_io
-    host_before = _host_memory()
     rate_samples = (
         [
             measure_host_step_params_per_s(moments, host_kernel=host_kernel, fp16_io=fp16_io)
@@ -531,17 +512,6 @@ def _ours(
         except Exception as exc:  # keep the measurement, say what broke
             out["profile_error"] = f"{type(exc).__name__}: {exc}"
     module.close()
-    if rate_samples:
-        # The same measurement once the module is gone: did the rate the plan took hold
-        # for the run (the steps' host time says what ran), or was the host slower then?
-        del module, opt
-        gc.collect()
-        out["host_memory_before"] = host_before
-        out["host_memory_after"] = _host_memory()
-        out["host_rate_after_samples_gparam"] = [
-            measure_host_step_params_per_s(moments, host_kernel=host_kernel, fp16_io=fp16_io) / 1e9
-            for _ in range(3)
-        ]
     return out
 
 
