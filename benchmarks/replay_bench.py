@@ -40,9 +40,32 @@ REPLAYED = tuple(
 """Kinds this script knows how to plan again (``ours_bf16`` and ``ablation`` are not)."""
 
 
-def _scaled_hardware(p: dict[str, Any], host_adam_gparam: float) -> Any:
-    """The row's profile figures on the default bandwidth curves, scaled to its plateaus
-    (``plan_predict.replay_hardware``): rows recorded before the whole profile was."""
+def workload_profile(workload: str) -> Any:
+    """The workload's ``ModelProfile``, traced on the meta device (nothing allocated)."""
+    import torch
+
+    from offload_gpt_example.models import build_model, random_batch
+    from offload_trace import trace
+
+    name, batch, seq, _ = WORKLOADS[workload]
+    model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
+    inputs = random_batch(batch, seq, device="meta")
+    return trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile()
+
+
+def row_hardware(row: dict[str, Any], host_adam_gparam: float) -> Any:
+    """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
+    set to ``host_adam_gparam``: the whole profile where the row records it (from
+    session 20 on), else the row's figures on the default bandwidth curves scaled to its
+    plateaus (``plan_predict.replay_hardware``)."""
+    from offload_solver import HardwareProfile
+
+    if "hardware" in row:
+        return dataclasses.replace(
+            HardwareProfile.from_json(json.dumps(row["hardware"])),
+            host_adam_params_per_s=host_adam_gparam * 1e9,
+        )
+    p = row["profile"]
     return replay_hardware(
         op_overhead_us=p["op_overhead_us"],
         host_convert_gelem=p["host_convert_gelem"],
@@ -108,12 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     if costs and not (args.fused_gparam and args.fused_gparam > 0):
         parser.error("--host-step-cost needs --fused-gparam > 0")
 
-    import torch
-
-    from offload_gpt_example.models import build_model, random_batch
     from offload_runtime.api import device_conversion_profile
-    from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Stream, solve
-    from offload_trace import trace
+    from offload_solver import ModelProfile, ParamPlacement, Stream, solve
 
     traced: dict[str, ModelProfile] = {}
     print(
@@ -132,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         results: dict[str, dict[str, dict[str, Any]]] = document["results"]
         for workload, rows in results.items():
-            name, batch, seq, budget_gib = WORKLOADS[workload]
+            budget_gib = WORKLOADS[workload][3]
             for kind, row in rows.items():
                 if kind not in REPLAYED or not row.get("ok") or "profile" not in row:
                     continue
@@ -140,21 +159,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | |")
                     continue
                 if workload not in traced:
-                    model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
-                    inputs = random_batch(batch, seq, device="meta")
-                    traced[workload] = trace(
-                        model, inputs, dtype=torch.float16, target_device="cuda"
-                    ).to_profile()
+                    traced[workload] = workload_profile(workload)
                 p = row["profile"]
                 rate = args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
-                if "hardware" in row:
-                    # Rows record the whole profile from session 20 on: the plan's own curves.
-                    hw = dataclasses.replace(
-                        HardwareProfile.from_json(json.dumps(row["hardware"])),
-                        host_adam_params_per_s=rate * 1e9,
-                    )
-                else:
-                    hw = _scaled_hardware(p, rate)
+                hw = row_hardware(row, rate)
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = kind in SPECULATING

@@ -13,7 +13,6 @@ workload is traced on the meta device.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -22,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload_bench import WORKLOADS
-from replay_bench import GiB, _scaled_hardware
+from replay_bench import GiB, row_hardware, workload_profile
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,24 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     if any(not 0 < f < 1 for f in fractions):
         parser.error("--fractions must lie between 0 and 1")
 
-    import torch
+    from offload_solver import StatePlacement, solve
 
-    from offload_gpt_example.models import build_model, random_batch
-    from offload_solver import HardwareProfile, StatePlacement, solve
-    from offload_trace import trace
-
-    name, batch, seq, budget_gib = WORKLOADS[args.workload]
-    model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
-    inputs = random_batch(batch, seq, device="meta")
-    profile = trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile()
-    p = row["profile"]
-    if "hardware" in row:
-        hw = dataclasses.replace(
-            HardwareProfile.from_json(json.dumps(row["hardware"])),
-            host_adam_params_per_s=p["host_adam_gparam"] * 1e9,
-        )
-    else:
-        hw = _scaled_hardware(p, p["host_adam_gparam"])
+    _, _, _, budget_gib = WORKLOADS[args.workload]
+    profile = workload_profile(args.workload)
+    hw = row_hardware(row, row["profile"]["host_adam_gparam"])
 
     def predicted_ms(limit: int | None, after_backward: bool) -> tuple[float, Any]:
         plan = solve(
