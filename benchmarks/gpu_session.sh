@@ -46,10 +46,13 @@ mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
 srcs=$(ls -d "$root"/packages/*/src | paste -sd:)
 export PYTHONPATH="$srcs${PYTHONPATH:+:$PYTHONPATH}"
+# bench WORKLOAD KINDS [TIMEOUT_S] [NAME]: results in $out/NAME.json and NAME.log (NAME
+# defaults to the workload).
 bench() {
+  local name=${4:-$1}
   python3 "$root/benchmarks/offload_bench.py" --workloads "$1" --kinds "$2" --steps 10 \
-    --timeout-s "${3:-240}" --json "$out/$1.json" --append "$out/BENCHMARKS.part.md" \
-    --profile-dir "$out" 2>&1 | tee "$out/$1.log" | grep -E '^\[bench\]|^\|' || true
+    --timeout-s "${3:-240}" --json "$out/$name.json" --append "$out/BENCHMARKS.part.md" \
+    --profile-dir "$out" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
 case "$phase" in
   tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
@@ -76,65 +79,45 @@ case "$phase" in
     python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
       --json "$out/host_step_contention.json" 2>&1 | tee "$out/host_step_contention.log" | tail -12
     cores=$(python3 -c "import os; print(os.cpu_count())")
-    bench W3 ours 110
-    mv "$out/W3.json" "$out/W3_threads_all.json"
-    BENCH_HOST_THREADS=$((cores - 1)) bench W3 ours 110
-    mv "$out/W3.json" "$out/W3_threads_less_one.json" ;;
+    bench W3 ours 110 W3_threads_all
+    BENCH_HOST_THREADS=$((cores - 1)) bench W3 ours 110 W3_threads_less_one ;;
   spec)
-    bench W3 ours,ours_spec,ours_spec1 90
-    mv "$out/W3.json" "$out/W3_spec.json"
-    bench W2 ours,ours_spec,ours_spec1 80
-    mv "$out/W2.json" "$out/W2_spec.json" ;;
+    bench W3 ours,ours_spec,ours_spec1 90 W3_spec
+    bench W2 ours,ours_spec,ours_spec1 80 W2_spec ;;
   bf16m)
-    bench W3 ours_bf16m,ours_bf16m1 90
-    mv "$out/W3.json" "$out/W3_bf16m.json"
-    bench W4 ours_bf16m1 200
-    mv "$out/W4.json" "$out/W4_bf16m1.json" ;;
+    bench W3 ours_bf16m,ours_bf16m1 90 W3_bf16m
+    bench W4 ours_bf16m1 200 W4_bf16m1 ;;
   fidelity)
     if [ -z "${SKIP_HARDWARE_TEST:-}" ]; then
       python3 -m pytest -q -p no:cacheprovider -m gpu -rA \
         "$root/packages/offload-runtime/tests/test_hardware.py" 2>&1 | tee "$out/hardware_test.log" | tail -30
     fi
-    bench W3 ours,ours_spec1,fsdp2,torchao 100
-    mv "$out/W3.json" "$out/W3_fidelity.json"
-    bench W2 ours,ours_spec1,fsdp2,torchao 90
-    mv "$out/W2.json" "$out/W2_fidelity.json" ;;
+    bench W3 ours,ours_spec1,fsdp2,torchao 100 W3_fidelity
+    bench W2 ours,ours_spec1,fsdp2,torchao 90 W2_fidelity ;;
   w4b)
-    bench W4 ours,ours_bf16m1,torchao 200
-    mv "$out/W4.json" "$out/W4_b.json" ;;
+    bench W4 ours,ours_bf16m1,torchao 200 W4_b ;;
   w4s)
-    bench W4 ours_io,ours_io_spec1,torchao 230
-    mv "$out/W4.json" "$out/W4_s.json" ;;
+    bench W4 ours_io,ours_io_spec1,torchao 230 W4_s ;;
   w4m)
-    bench W4 ours_io_bf16m,ours_io_bf16m_spec1,ours_io,torchao 200
-    mv "$out/W4.json" "$out/W4_m.json" ;;
+    bench W4 ours_io_bf16m,ours_io_bf16m_spec1,ours_io,torchao 200 W4_m ;;
   w4f)
-    bench W4 ours_io,ours_io_bf16m,fsdp2,torchao 200
-    mv "$out/W4.json" "$out/W4_f.json" ;;
+    bench W4 ours_io,ours_io_bf16m,fsdp2,torchao 200 W4_f ;;
   single)
     python3 "$root/benchmarks/single_pass_adam_bench.py" --numel 256e6 --repeats 5 \
       --json "$out/single_pass_adam.json" 2>&1 | tee "$out/single_pass_adam.log" | tail -8 ;;
   io3)
     [ -n "${SKIP_SINGLE:-}" ] || bash "$0" single "$out"
-    bench W3 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 100
-    mv "$out/W3.json" "$out/W3_io.json" ;;
+    bench W3 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io ;;
   specio)
-    bench W3 ours,ours_spec1,ours_io,ours_io_spec1 100
-    mv "$out/W3.json" "$out/W3_specio.json"
-    bench W2 ours,ours_spec1,ours_io,ours_io_spec1 90
-    mv "$out/W2.json" "$out/W2_specio.json" ;;
+    bench W3 ours,ours_spec1,ours_io,ours_io_spec1 100 W3_specio
+    bench W2 ours,ours_spec1,ours_io,ours_io_spec1 90 W2_specio ;;
   w4idle)
-    bench W4 ours_io_bf16m_spec1 200
-    mv "$out/W4.json" "$out/W4_idle_default.json"
-    BENCH_SWITCH_INTERVAL_S=0.0005 bench W4 ours_io_bf16m_spec1,torchao 200
-    mv "$out/W4.json" "$out/W4_idle_short_switch.json" ;;
+    bench W4 ours_io_bf16m_spec1 200 W4_idle_default
+    BENCH_SWITCH_INTERVAL_S=0.0005 bench W4 ours_io_bf16m_spec1,torchao 200 W4_idle_short_switch ;;
   io23)
-    bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90
-    mv "$out/W2.json" "$out/W2_io23.json"
-    bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100
-    mv "$out/W3.json" "$out/W3_io23.json" ;;
+    bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io23
+    bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io23 ;;
   io2)
-    bench W2 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 90
-    mv "$out/W2.json" "$out/W2_io.json" ;;
+    bench W2 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
