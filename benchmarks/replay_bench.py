@@ -10,7 +10,8 @@ measured plateaus) and the row's own choices (dtype conversion on the
 device or the host, speculation and its measured step cost, fp16 I/O), and prints the
 measured step and peak beside the predictions the benchmark made and those of this tree
 (planned with the device memory in use that the row records; rows from before session 18
-do not, so ``--in-use-mib`` stands in for them).
+do not, so ``--in-use-mib`` stands in for them), and where the host worker waits in each
+step, measured and in the replayed plan's repeating step (:func:`simulated_host_cycle`).
 A change to the simulator can so be checked against every measurement on record without
 a GPU. The replayed plan is solved again, so it can differ from the measured one; its
 placements are printed when they do.
@@ -79,6 +80,59 @@ def row_hardware(row: dict[str, Any], host_adam_gparam: float) -> Any:
     )
 
 
+def simulated_host_cycle(
+    variant: Any, hardware: Any, plan: Any, **simulation: Any
+) -> tuple[float, float, int]:
+    """Where the simulated host worker waits in ``plan``'s repeating step (seconds):
+
+    - from the compute lane's backward start to the host's first region step;
+    - from the host's last region step (of the step before) to that backward start, i.e.
+      the rest of the forward that nothing is left to step under;
+    - how many regions step before the step's last gradient copy lands (under backward).
+
+    ``simulation``: the keyword arguments the plan was solved with that shape the step
+    (``host_step_after_backward``, ``speculative_step_cost``, ``speculative_params``).
+    Comparable with a row's ``backward_to_first_host_step_ms``, ``host_cycle`` (or the
+    run's period minus the delay and the span) and ``speculated_regions``."""
+    from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
+
+    # The steady state and its lanes are the simulator's internals: this script reads them
+    # to set them beside what a run measured, nothing more.
+    from offload_solver.simulators._engine import KIND_HOST_STEP, LANE_HOST, steady_state
+
+    ctx = SimulationContext.build(variant, hardware, **simulation)
+    assignment = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
+    simulator = get_simulator("async")
+    steady = steady_state(ctx, assignment, simulator.run(ctx, assignment))
+    run = steady.last
+    backward = min(run.reach_b)
+    host = [i for i, lane in enumerate(run.lane) if lane == LANE_HOST]
+    if not host:
+        return 0.0, 0.0, 0
+    # As the bench's host_cycle counts them: the idle after the last host step ends at the
+    # next backward (never below 0), the delay runs from whichever of the two is later.
+    last_end = run.host_free_end - steady.period_s  # in this step's time
+    tail = max(0.0, backward - last_end)
+    delay = min(run.start[i] for i in host) - max(backward, last_end)
+    under = sum(run.kind[i] == KIND_HOST_STEP and run.start[i] < run.d2h_free_end for i in host)
+    return delay, tail, under
+
+
+def measured_host_cycle(row: dict[str, Any]) -> tuple[float, float] | None:
+    """(delay from backward's call to the first host step, idle from the host's last step to
+    the next backward's call), ms, as a row records them: ``host_cycle`` medians where
+    present (from session 19's ``cec68b5`` on), else the last timed step's delay and host
+    span with the run's mean step as the period; None when the row has neither."""
+    cycle = row.get("host_cycle")
+    if cycle:
+        return float(cycle["idle_before_first_ms"]), float(cycle["idle_after_last_ms"])
+    if "backward_to_first_host_step_ms" not in row or "host_step_span_ms" not in row:
+        return None
+    delay = float(row["backward_to_first_host_step_ms"])
+    period = float(row.get("step_mean_ms", row["step_ms"]))
+    return delay, max(0.0, period - delay - float(row["host_step_span_ms"]))
+
+
 def _error(pred: float, measured: float) -> str:
     return f"{(pred - measured) / measured * 100:+.1f}%"
 
@@ -139,9 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         "| file | workload | kind | measured step | predicted then | replayed now | "
         "measured peak | predicted then | replayed now | "
         "offloaded / host-state regions (measured plan; replayed) | "
-        "mean step over the run: replayed now | host busy per step: in the loop; replayed |"
+        "mean step over the run: replayed now | host busy per step: in the loop; replayed | "
+        "host idle after its last step until backward, and from there to its first step: "
+        "measured; replayed | regions stepped under backward: measured; replayed |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     worst_run = 0.0
     for path in args.json:
@@ -156,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
                 if kind not in REPLAYED or not row.get("ok") or "profile" not in row:
                     continue
                 if f"{path.name}:{kind}" in args.exclude:
-                    print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | |")
+                    print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | | | |")
                     continue
                 if workload not in traced:
                     traced[workload] = workload_profile(workload)
@@ -166,15 +222,18 @@ def main(argv: list[str] | None = None) -> int:
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = kind in SPECULATING
+                simulation = {
+                    "host_step_after_backward": not speculate,
+                    "speculative_step_cost": row.get("speculative_step_cost", 1.0),
+                    # A speculating row planned for fewer undo buffers records the limit.
+                    "speculative_params": row.get("speculative_params"),
+                }
                 plan = solve(
                     variant,
                     hw,
                     budget_gib * GiB,
                     solver="asyn",
-                    host_step_after_backward=not speculate,
-                    speculative_step_cost=row.get("speculative_step_cost", 1.0),
-                    # A speculating row planned for fewer undo buffers records the limit.
-                    speculative_params=row.get("speculative_params"),
+                    **simulation,
                     # Recorded from session 17 on; earlier rows were planned without it.
                     device_bytes_in_use=int(
                         row.get("device_bytes_in_use", args.in_use_mib * 2**20)
@@ -205,6 +264,18 @@ def main(argv: list[str] | None = None) -> int:
                 busy_cell = (
                     f"{'-' if in_loop is None else f'{in_loop:.0f}'}; {busy_now * 1e3:.0f} ms"
                 )
+                # Where the host waits: measured by the row, and in the replayed plan's
+                # repeating step (simulated_host_cycle).
+                sim_delay, sim_tail, sim_under = simulated_host_cycle(
+                    variant, hw, plan, **simulation
+                )
+                waits = measured_host_cycle(row)
+                waits_cell = (
+                    "-" if waits is None else f"{waits[1]:.0f} / {waits[0]:.0f}"
+                ) + f"; {sim_tail * 1e3:.0f} / {sim_delay * 1e3:.0f} ms"
+                under_cell = (
+                    f"{row.get('speculated_regions', '-')}; {sim_under}" if speculate else "-"
+                )
                 print(
                     f"| {path.name} | {workload} | {kind} | {measured:.0f} ms | "
                     f"{row['pred_step_ms']:.0f} ({_error(row['pred_step_ms'], measured)}) | "
@@ -212,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['pred_peak_gib']:.2f} ({_error(row['pred_peak_gib'], peak)}) | "
                     f"{peak_now:.2f} ({_error(peak_now, peak)}) | "
                     f"{row['offloaded_regions']} / {row['host_state_regions']}; "
-                    f"{offloaded} / {host} | {run_cell} | {busy_cell} |",
+                    f"{offloaded} / {host} | {run_cell} | {busy_cell} | {waits_cell} | "
+                    f"{under_cell} |",
                     flush=True,
                 )
     print(f"largest replayed step error: {worst * 100:.1f}%")
