@@ -32,9 +32,10 @@
 #   w4f     W4: ours_io, ours_io_bf16m, fsdp2, torchao (every W4 ratio in one call) ~6 min
 #   io23    W2 then W3: ours_io, ours_io_spec1, fsdp2, torchao (both workloads' fp16-I/O
 #           rows with their peers in one call)                                ~7 min
-#   w4idle  W4 ours_io_bf16m_spec1 with Python's default switch interval and with 0.5 ms
-#           (BENCH_SWITCH_INTERVAL_S), then torchao: where the host idles between its
-#           steps (rows record host_cycle)                                  ~6 min
+#   w4idle  W4 ours_io_bf16m_spec1 with every core for the host Adam and with one core
+#           fewer (BENCH_HOST_THREADS: the main thread issuing the forward), then torchao:
+#           where the host idles after its last step (rows record host_cycle and keep
+#           the profiled step's trace; replay_bench.py sets both beside the simulator's) ~6 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
@@ -112,8 +113,9 @@ case "$phase" in
     bench W3 ours,ours_spec1,ours_io,ours_io_spec1 100 W3_specio
     bench W2 ours,ours_spec1,ours_io,ours_io_spec1 90 W2_specio ;;
   w4idle)
-    bench W4 ours_io_bf16m_spec1 200 W4_idle_default
-    BENCH_SWITCH_INTERVAL_S=0.0005 bench W4 ours_io_bf16m_spec1,torchao 200 W4_idle_short_switch ;;
+    cores=$(python3 -c "import os; print(os.cpu_count())")
+    bench W4 ours_io_bf16m_spec1 200 W4_idle_all_cores
+    BENCH_HOST_THREADS=$((cores - 1)) bench W4 ours_io_bf16m_spec1,torchao 200 W4_idle_less_one ;;
   io23)
     bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io23
     bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io23 ;;
