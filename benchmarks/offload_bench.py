@@ -114,6 +114,7 @@ def _timed_steps(
     steps: int,
     skipped: Callable[[], bool] | None = None,
     untimed: list[float] | None = None,
+    before_timing: Callable[[], None] | None = None,
 ) -> list[float]:
     """Times of ``steps`` steps after ``warmup``. With ``skipped`` (a callable: did the last
     step skip its update, an fp16 overflow?), skipped steps are not counted: they do no
@@ -121,7 +122,9 @@ def _timed_steps(
     first timed step too, when the last warm-up step skipped): the host steps of a step
     run on into the next one's forward, so a step after a skip waits for none and is
     short for that reason (W2 ``ours_io_spec1``: 165 ms among 450-525, session 18). Their
-    times go to ``untimed``; at most ``2 * steps`` more steps are taken to replace them."""
+    times go to ``untimed``; at most ``2 * steps`` more steps are taken to replace them.
+    ``before_timing`` runs once, after the warm-up's last sync, before the first timed
+    step."""
     import torch
 
     after_skip = False
@@ -130,6 +133,8 @@ def _timed_steps(
         if skipped is not None:
             after_skip = skipped()
     torch.cuda.synchronize()
+    if before_timing is not None:
+        before_timing()
     times: list[float] = []
     for _ in range(3 * steps if skipped is not None else steps):
         t0 = time.perf_counter()
@@ -254,6 +259,20 @@ def _memory() -> dict[str, float]:
         "peak_alloc_gib": torch.cuda.max_memory_allocated() / GiB,
         "peak_reserved_gib": torch.cuda.max_memory_reserved() / GiB,
     }
+
+
+ALLOCATOR_EVENTS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+"""Caching-allocator counters whose change over the timed steps a row records: a retry
+frees cached blocks (``cudaFree``, which waits for the device) and tries again, and a
+device allocation or free in steady state means blocks did not come from the cache.
+Either would stall the thread that asked for memory."""
+
+
+def _allocator_counts() -> dict[str, int]:
+    import torch
+
+    stats = torch.cuda.memory_stats()
+    return {k: int(stats.get(k, 0)) for k in ALLOCATOR_EVENTS}
 
 
 def _ours(
@@ -394,7 +413,16 @@ def _ours(
 
     waited_before = module.controller.update_wait_s
     skipped_ms: list[float] = []
-    times = _timed_steps(step, warmup, steps, last_skipped, skipped_ms)
+    allocator_before: list[dict[str, int]] = []
+    times = _timed_steps(
+        step,
+        warmup,
+        steps,
+        last_skipped,
+        skipped_ms,
+        before_timing=lambda: allocator_before.append(_allocator_counts()),
+    )
+    allocator_after = _allocator_counts()
     out: dict[str, Any] = {
         "step_ms": _fastest5_mean_s(times) * 1e3,
         **_step_times(times),
@@ -404,6 +432,10 @@ def _ours(
     # timing (see _timed_steps).
     out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
     out["timed_steps"] = len(times)
+    # What the caching allocator did over the timed steps (ALLOCATOR_EVENTS).
+    out["allocator_events"] = {
+        k: allocator_after[k] - allocator_before[0][k] for k in ALLOCATOR_EVENTS
+    }
     out["host_threads"] = torch.get_num_threads()
     out["switch_interval_s"] = sys.getswitchinterval()
     # Host optimizer steps run on past step() into the next forward; what that forward had
