@@ -85,7 +85,8 @@ def simulated_host_cycle(
 ) -> tuple[float, float, int]:
     """Where the simulated host worker waits in ``plan``'s repeating step (seconds):
 
-    - from the compute lane's backward start to the host's first region step;
+    - from the compute lane's backward start (or the host's last step of the step
+      before, if that is later) to the host's first region step of this backward;
     - from the host's last region step (of the step before) to that backward start, i.e.
       the rest of the forward that nothing is left to step under;
     - how many regions step before the step's last gradient copy lands (under backward).
