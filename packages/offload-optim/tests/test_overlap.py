@@ -364,6 +364,10 @@ def test_forward_waits_for_each_region_it_uses() -> None:
     """The next forward blocks on a region whose host step has not run yet."""
     trainer = Trainer(Options(clipping=0.5), overlap=True)
     trainer.backward(0)
+    # Every gradient lands (its hook runs) before the blocker: a hook still queued when
+    # step() takes the answer would step its region itself, ahead of the blocker, and the
+    # forward would have nothing to wait for (seen once in CI on a loaded machine).
+    trainer.module.controller.wait_gradients()
     blocker = Blocker()
     trainer.module.controller.submit_host(blocker)
     trainer.amp.step()
