@@ -366,7 +366,7 @@ def test_forward_waits_for_each_region_it_uses() -> None:
     trainer.backward(0)
     # Every gradient lands (its hook runs) before the blocker: a hook still queued when
     # step() takes the answer would step its region itself, ahead of the blocker, and the
-    # forward would have nothing to wait for (seen once in CI on a loaded machine).
+    # forward would have nothing to wait for (seen once in a fresh-clone CI run).
     trainer.module.controller.wait_gradients()
     blocker = Blocker()
     trainer.module.controller.submit_host(blocker)
