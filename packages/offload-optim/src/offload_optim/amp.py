@@ -307,6 +307,17 @@ class StepReport:
         return after / total
 
 
+def _completed(
+    report: StepReport, timings: list[RegionStepTiming], futures: list[Future[None]]
+) -> StepReport:
+    """``report`` with its region steps' timings, once its queued host steps are done
+    (re-raises their error): what :attr:`AMPOptimizer.last_step` and
+    :meth:`AMPOptimizer.recent_steps` return for a step."""
+    for fut in futures:
+        fut.result()
+    return dataclasses.replace(report, region_steps=tuple(timings))
+
+
 class AMPOptimizer(torch.optim.Optimizer):
     """Mixed-precision training of an OffloadModule with a :class:`HybridAdam`.
 
@@ -886,11 +897,8 @@ class AMPOptimizer(torch.optim.Optimizer):
         since the report holds their timings, and re-raises their error.
         """
         if self._pending is not None:
-            report, timings, futures = self._pending
-            for fut in futures:
-                fut.result()
+            self._last_step = _completed(*self._pending)
             self._pending = None
-            self._last_step = dataclasses.replace(report, region_steps=tuple(timings))
         return self._last_step
 
     def recent_steps(self) -> list[StepReport]:
@@ -903,12 +911,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         time between one step's last host step and the next step's first goes is what
         ``benchmarks/offload_bench.py`` reads from them.
         """
-        out = []
-        for report, timings, futures in self._history:
-            for fut in futures:
-                fut.result()
-            out.append(dataclasses.replace(report, region_steps=tuple(timings)))
-        return out
+        return [_completed(*entry) for entry in self._history]
 
     def synchronize(self) -> None:
         """Wait for the host steps still queued; re-raise their first error.
