@@ -23,7 +23,12 @@ from tiny_models import (
 
 import offload_runtime.controller
 import offload_runtime.module
-from offload_runtime import OffloadModule, measure_device_bytes_in_use, memory_optimize
+from offload_runtime import (
+    OffloadModule,
+    measure_device_bytes_in_use,
+    memory_optimize,
+    planning_hardware,
+)
 from offload_runtime.hardware import default_cpu_profile
 from offload_solver import InfeasibleBudgetError
 
@@ -265,6 +270,28 @@ def test_modules_are_freed_and_close_releases_device_memory() -> None:
     del module
     gc.collect()
     assert all(ref() is None for ref in storages)
+
+
+def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
+    """The host Adam rate replaced (as a rate or as a cost against the profile's), no
+    conversion passes with fp16 I/O, and the same refusals as memory_optimize's."""
+    hw = default_cpu_profile()
+    assert planning_hardware(hw) == hw
+    rate = hw.host_adam_params_per_s / 4
+    by_cost = planning_hardware(hw, host_step_cost=4.0)
+    assert by_cost.host_adam_params_per_s == pytest.approx(rate)
+    assert by_cost == planning_hardware(hw, host_step_params_per_s=by_cost.host_adam_params_per_s)
+    io = planning_hardware(hw, host_step_cost=4.0, fp16_io=True)
+    assert io.host_convert_elems_per_s == 0.0
+    assert io.host_adam_params_per_s == by_cost.host_adam_params_per_s
+    bad: list[dict[str, Any]] = [
+        {"host_step_cost": 0.0},
+        {"host_step_params_per_s": -1.0},
+        {"host_step_cost": 2.0, "host_step_params_per_s": 1e9},
+    ]
+    for kwargs in bad:
+        with pytest.raises(ValueError, match="host_step"):
+            planning_hardware(hw, **kwargs)
 
 
 def test_a_slower_host_optimizer_is_planned_for() -> None:

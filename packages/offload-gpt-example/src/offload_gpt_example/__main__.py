@@ -36,7 +36,6 @@ simulated step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import math
 import sys
@@ -73,6 +72,7 @@ from offload_runtime.api import (
     measure_device_bytes_in_use,
     memory_optimize,
     plan_summary,
+    planning_hardware,
 )
 from offload_runtime.hardware import profile_hardware
 from offload_solver import (
@@ -234,13 +234,7 @@ class HostSteps:
 
     def plan_hardware(self, hardware: HardwareProfile) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``)."""
-        if self.host_cost is not None:
-            rate = hardware.host_adam_params_per_s / self.host_cost
-            hardware = dataclasses.replace(hardware, host_adam_params_per_s=rate)
-        if self.fp16_io:
-            # The conversions happen inside the host step: no separate passes to charge.
-            hardware = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
-        return hardware
+        return planning_hardware(hardware, host_step_cost=self.host_cost, fp16_io=self.fp16_io)
 
     @classmethod
     def choose(

@@ -12,6 +12,7 @@ from offload_runtime.api import (
     measure_device_bytes_in_use,
     memory_optimize,
     plan_summary,
+    planning_hardware,
 )
 from offload_runtime.controller import OffloadController, RegionState
 from offload_runtime.hardware import (
@@ -42,6 +43,7 @@ __all__ = [
     "measure_device_bytes_in_use",
     "memory_optimize",
     "plan_summary",
+    "planning_hardware",
     "profile_hardware",
     "region_of",
 ]

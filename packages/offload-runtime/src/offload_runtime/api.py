@@ -230,6 +230,39 @@ def choose_plan(
     return on_device, chosen, plan, {c[1]: c[0] for c in candidates}
 
 
+def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
+    """ValueError unless the host step is told at most one way, as a positive number."""
+    if cost is not None:
+        if params_per_s is not None:
+            raise ValueError("give host_step_cost or host_step_params_per_s, not both")
+        if not cost > 0:
+            raise ValueError(f"host_step_cost must be > 0, got {cost}")
+    if params_per_s is not None and not params_per_s > 0:
+        raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
+
+
+def planning_hardware(
+    hardware: HardwareProfile,
+    *,
+    host_step_params_per_s: float | None = None,
+    host_step_cost: float | None = None,
+    fp16_io: bool = False,
+) -> HardwareProfile:
+    """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
+    host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
+    parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step), and
+    no conversion passes charged with ``fp16_io`` (they happen inside the host step). For
+    planning without building, e.g. the example's ``--plan_only``."""
+    _check_host_step(host_step_params_per_s, host_step_cost)
+    if host_step_cost is not None:
+        host_step_params_per_s = hardware.host_adam_params_per_s / host_step_cost
+    if host_step_params_per_s is not None:
+        hardware = dataclasses.replace(hardware, host_adam_params_per_s=host_step_params_per_s)
+    if fp16_io:
+        hardware = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
+    return hardware
+
+
 def memory_optimize(
     model: torch.nn.Module,
     inputs: Mapping[str, torch.Tensor] | tuple[Any, ...],
@@ -335,11 +368,7 @@ def memory_optimize(
             "fp16_io=True plans fp16 training converted on the host: pass "
             "dtype=torch.float16 and convert_on_device=False (or None)"
         )
-    if host_step_cost is not None:
-        if host_step_params_per_s is not None:
-            raise ValueError("give host_step_cost or host_step_params_per_s, not both")
-        if not host_step_cost > 0:
-            raise ValueError(f"host_step_cost must be > 0, got {host_step_cost}")
+    _check_host_step(host_step_params_per_s, host_step_cost)
     dev = resolve_device(device)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
@@ -350,17 +379,13 @@ def memory_optimize(
         hardware = profile_hardware(
             dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
         )
-    if host_step_cost is not None:
-        host_step_params_per_s = hardware.host_adam_params_per_s / host_step_cost
-    if host_step_params_per_s is not None:
-        if not host_step_params_per_s > 0:
-            raise ValueError(
-                f"host_step_params_per_s must be > 0 parameters/s, got {host_step_params_per_s}"
-            )
-        hardware = dataclasses.replace(hardware, host_adam_params_per_s=host_step_params_per_s)
+    hardware = planning_hardware(
+        hardware,
+        host_step_params_per_s=host_step_params_per_s,
+        host_step_cost=host_step_cost,
+        fp16_io=fp16_io,
+    )
     if fp16_io:
-        # The conversions happen inside the host step: no separate passes to charge.
-        hardware = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
         convert_on_device = False
     if device_bytes_in_use is None:
         device_bytes_in_use = measure_device_bytes_in_use(dev, model, dtype)
