@@ -275,6 +275,15 @@ def _allocator_counts() -> dict[str, int]:
     return {k: int(stats.get(k, 0)) for k in ALLOCATOR_EVENTS}
 
 
+def planned_host_busy_s(plan: Any) -> float:
+    """Seconds the simulated host worker is busy in ``plan``'s cold step (host steps and
+    publishes): beside a run's measured host busy time, the step minus it is the host
+    idle the simulator expects."""
+    from offload_solver import Stream
+
+    return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
+
+
 def _ours(
     workload: str, kind: str, warmup: int, steps: int, profile_dir: Path | None
 ) -> dict[str, Any]:
@@ -290,7 +299,7 @@ def _ours(
     )
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
-    from offload_solver import ParamPlacement, StatePlacement, Stream
+    from offload_solver import ParamPlacement, StatePlacement
 
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = budget_gib * GiB
@@ -452,9 +461,7 @@ def _ours(
     # The simulated host worker's busy time in one step (host steps and publishes of the
     # cold step), beside the measured host_cycle's busy: the step minus it is the host
     # idle the simulator expects.
-    out["pred_host_busy_ms"] = (
-        sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST) * 1e3
-    )
+    out["pred_host_busy_ms"] = planned_host_busy_s(plan) * 1e3
     # What memory_optimize measured in use beside the plan (replay_bench.py takes it).
     out["device_bytes_in_use"] = plan.device_bytes_in_use
     if rate_samples:

@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import WORKLOADS
+from offload_bench import WORKLOADS, planned_host_busy_s
 from plan_predict import replay_hardware
 
 GiB = 2**30
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--host-step-cost needs --fused-gparam > 0")
 
     from offload_runtime.api import device_conversion_profile
-    from offload_solver import ModelProfile, ParamPlacement, Stream, solve
+    from offload_solver import ModelProfile, ParamPlacement, solve
 
     traced: dict[str, ModelProfile] = {}
     print(
@@ -258,9 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                     run_cell = f"{run:.0f} ms: {_error(replayed, run)}"
                 # The host worker's busy time: measured (the last timed step's host region
                 # steps) and simulated (the cold step's host lane).
-                busy_now = sum(
-                    iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST
-                )
+                busy_now = planned_host_busy_s(plan)
                 in_loop = row.get("host_step_ms_in_loop")
                 busy_cell = (
                     f"{'-' if in_loop is None else f'{in_loop:.0f}'}; {busy_now * 1e3:.0f} ms"
