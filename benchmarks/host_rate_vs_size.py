@@ -37,16 +37,11 @@ from typing import Any
 
 import torch
 
+from offload_runtime.hardware import available_host_memory_bytes
+
 KINDS = ("torch_fused", "io_fp32", "io_bf16")
 BYTES_PER_PARAM = {"torch_fused": 16, "io_fp32": 16, "io_bf16": 12}  # held, not moved
 MARGIN_BYTES = 8 << 30
-
-
-def _available_bytes() -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/meminfo has no MemAvailable line")
 
 
 def _regions(total: int, region: int) -> list[int]:
@@ -153,13 +148,14 @@ def main(argv: list[str] | None = None) -> int:
             fused_ms = None
             for kind in KINDS:
                 need = BYTES_PER_PARAM[kind] * total
-                if need + MARGIN_BYTES > _available_bytes():
+                available = available_host_memory_bytes()
+                if need + MARGIN_BYTES > available:
                     row: dict[str, Any] = {
                         "kind": kind,
                         "total": total,
                         "pinned": pinned,
                         "skipped": f"needs {need / 2**30:.1f} GiB, "
-                        f"{_available_bytes() / 2**30:.1f} GiB available",
+                        f"{available / 2**30:.1f} GiB available",
                     }
                 else:
                     row = _time(kind, total, region, pinned, args.repeats)
