@@ -261,12 +261,9 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         one_step(record=False)
     out_dir = Path(args.out)
-    trace_path = out_dir / f"{solver}.trace.json"
-    prof.export_chrome_trace(str(trace_path))
+    trace_path = out_dir / f"{solver}.trace.json.gz"
+    prof.export_chrome_trace(str(trace_path))  # a ".gz" path: torch writes it gzipped
     trace = load_trace(trace_path)
-    with gzip.open(str(trace_path) + ".gz", "wt") as f:
-        json.dump(trace, f)
-    trace_path.unlink()
     plan = module.plan
     streams = summarise_trace(trace)
     result = {
