@@ -36,12 +36,16 @@
 #           fewer (BENCH_HOST_THREADS: the main thread issuing the forward), then torchao:
 #           where the host idles after its last step (rows record host_cycle and keep
 #           the profiled step's trace; replay_bench.py sets both beside the simulator's) ~6 min
+#   probe   the host-step cost probe read again and again: back to back, and with a sleep
+#           before each half (host_probe_stability.py)                            ~1 min
+#   w4p     probe, then W4 ours_io_bf16m_spec1 and torchao (the plan's host cost from the
+#           settled probe)                                                      ~5 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -79,7 +83,7 @@ case "$phase" in
   threads)
     python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
       --json "$out/host_step_contention.json" 2>&1 | tee "$out/host_step_contention.log" | tail -12
-    cores=$(python3 -c "import os; print(os.cpu_count())")
+    cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
     bench W3 ours 110 W3_threads_all
     BENCH_HOST_THREADS=$((cores - 1)) bench W3 ours 110 W3_threads_less_one ;;
   spec)
@@ -113,9 +117,15 @@ case "$phase" in
     bench W3 ours,ours_spec1,ours_io,ours_io_spec1 100 W3_specio
     bench W2 ours,ours_spec1,ours_io,ours_io_spec1 90 W2_specio ;;
   w4idle)
-    cores=$(python3 -c "import os; print(os.cpu_count())")
+    cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
     bench W4 ours_io_bf16m_spec1 200 W4_idle_all_cores
     BENCH_HOST_THREADS=$((cores - 1)) bench W4 ours_io_bf16m_spec1,torchao 200 W4_idle_less_one ;;
+  probe)
+    python3 "$root/benchmarks/host_probe_stability.py" --json "$out/host_probe_stability.json" \
+      2>&1 | tee "$out/host_probe_stability.log" | tail -12 ;;
+  w4p)
+    bash "$0" probe "$out"
+    bench W4 ours_io_bf16m_spec1,torchao 200 W4_p ;;
   io23)
     bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io23
     bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io23 ;;

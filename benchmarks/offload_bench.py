@@ -446,6 +446,13 @@ def _ours(
         k: allocator_after[k] - allocator_before[0][k] for k in ALLOCATOR_EVENTS
     }
     out["host_threads"] = torch.get_num_threads()
+    # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
+    # os.cpu_count() - 1 recorded 16 threads, so say what each was.
+    out["cpus"] = {
+        "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)),
+        "bench_host_threads": os.environ.get("BENCH_HOST_THREADS"),
+    }
     out["switch_interval_s"] = sys.getswitchinterval()
     # Host optimizer steps run on past step() into the next forward; what that forward had
     # to wait for them is the part of the host step that nothing hid.

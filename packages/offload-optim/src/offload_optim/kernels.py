@@ -333,7 +333,8 @@ def measure_host_step_cost(
     *,
     host_kernel: str = "torch",
     fp16_io: bool = False,
-    pairs: int = 3,
+    pairs: int = 5,
+    gap_s: float = 0.05,
 ) -> float:
     """How many times the time of torch's fused fp32-moment Adam step a host step of this
     kind takes: what ``memory_optimize(..., host_step_cost=)`` should be given for an
@@ -348,12 +349,36 @@ def measure_host_step_cost(
     22-50% (BENCHMARKS.md, session 18). Below 1 when the kind moves fewer bytes (bf16
     moments with ``host_kernel="single_pass"``: 0.86 there). Needs about ``(16 + 8 + 2 *
     moment bytes) * numel`` bytes of host memory.
+
+    The two halves of a pair take turns going first, and ``gap_s`` seconds of sleep come
+    before each half: torch's and numba's thread pools are separate, and a pool that has
+    just finished may keep its threads spinning on the cores the other one needs, which
+    slows whichever runs second. On the H200 host in session 21 two benchmark children
+    read 0.93 and 0.58 for the same kernels with back-to-back halves (3 pairs), and
+    their plans came out +23% and -16% against their runs. About ``2 * pairs * (gap_s +
+    4 steps)`` seconds in all.
     """
     if pairs < 1:
         raise ValueError(f"pairs ({pairs}) must be >= 1")
+    if gap_s < 0:
+        raise ValueError(f"gap_s ({gap_s}) must be >= 0")
     fused = _host_step_timer(torch.float32, numel, "torch")
     kind = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
-    ratios = [kind(False, 3) / max(fused(False, 3), 1e-9) for _ in range(pairs)]
+
+    def settled(timer: Callable[[bool, int], float]) -> float:
+        if gap_s:
+            time.sleep(gap_s)
+        return timer(False, 3)
+
+    ratios = []
+    for i in range(pairs):
+        if i % 2:
+            fused_s = settled(fused)
+            kind_s = settled(kind)
+        else:
+            kind_s = settled(kind)
+            fused_s = settled(fused)
+        ratios.append(kind_s / max(fused_s, 1e-9))
     return statistics.median(ratios)
 
 
