@@ -318,14 +318,15 @@ def _ours(
     host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam
-    # the hardware profile times. The plan takes their cost relative to that step,
-    # measured back to back (memory_optimize(host_step_cost=)): the absolute rate read
-    # 3.0-5.9 Gparam/s over one machine's children in session 18, and the plans made with
-    # low readings over-predicted by 22-50%; replayed with the profile's rate over the
-    # kernels' cost, every session-18 row came within 9% of its run. Three absolute
-    # samples are still kept: the child's standalone rate, beside its rate in the loop
-    # (session 19: taken again after the run and with /proc/meminfo, they showed the
-    # spread is not free memory or huge pages, so that second set is gone).
+    # the hardware profile times. The plan is told both the kernel's cost relative to
+    # that step, measured back to back (memory_optimize(host_step_cost=)), and the
+    # median of three samples of its absolute rate (host_step_params_per_s=), and takes
+    # the geometric mean of the two rates. Each alone misled some plans on the H200's
+    # shared host: the absolute rate read 3.0-5.9 Gparam/s over one machine's children
+    # in session 18 (plans 22-50% over); in session 21 the cost read 0.58-0.93 for one
+    # kernel and the profile's fused rate 3.4-4.1 Gparam/s (plans -16% to +23%).
+    # Replaying ten rows of sessions 19 and 21 with the mean put every step within 11%
+    # (replay_bench.py --host-rate blend).
     measured = bf16_moments or fp16_io
     rate_samples = (
         [
@@ -363,6 +364,8 @@ def _ours(
             speculative_step_cost=spec_cost,
             speculative_params=limit,
             host_step_cost=host_cost,
+            # Both ways: the planner takes the geometric mean of the two rates.
+            host_step_params_per_s=statistics.median(rate_samples) if rate_samples else None,
             fp16_io=fp16_io,
         )
         opt = AMPOptimizer(
@@ -474,6 +477,9 @@ def _ours(
     if rate_samples:
         out["host_rate_samples_gparam"] = [r / 1e9 for r in rate_samples]
         out["host_step_cost"] = host_cost
+        # The plan's host rate (profile.host_adam_gparam) is the geometric mean of the
+        # samples' median and the profile's fused rate over the cost (session 21 on).
+        out["host_rate_planned_from"] = "blend"
     if speculate:
         # Host-state parameters planned (and given buffers) to step under backward; None:
         # all of them.
@@ -498,6 +504,7 @@ def _ours(
     host_params = sum(rp.region.numel for rp in host)
     # The floor uses the measured profile (fp32 host Adam rate, whatever the kind plans with).
     hw = profile_hardware("cuda", progress=False)
+    out["profile_host_adam_gparam"] = hw.host_adam_params_per_s / 1e9
     out["floor_parts_ms"] = {
         "h2d": h2d / hw.h2d_bytes_per_s(GiB) * 1e3,
         "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,

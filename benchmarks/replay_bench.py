@@ -134,6 +134,26 @@ def measured_host_cycle(row: dict[str, Any]) -> tuple[float, float] | None:
     return delay, max(0.0, period - delay - float(row["host_step_span_ms"]))
 
 
+def host_rate(row: dict[str, Any], recorded_gparam: float, how: str) -> float:
+    """The host rate, Gparam/s, to replay ``row`` with: ``recorded_gparam`` (``how ==
+    "recorded"`` or a row without rate samples), the median of the row's own samples of
+    its kernel's rate (``"samples"``), or the geometric mean of the two (``"blend"``, what
+    the bench plans with from session 21's third call on, so such rows keep theirs).
+    Rows from session 19 until then recorded the profile's fused fp32 rate over the
+    kernel's measured cost, so the two are read from different timings."""
+    if how not in ("recorded", "samples", "blend"):
+        raise ValueError(f"how must be recorded, samples or blend, not {how!r}")
+    samples = row.get("host_rate_samples_gparam")
+    if how == "recorded" or not samples:
+        return recorded_gparam
+    median = float(statistics.median(samples))
+    if how == "samples":
+        return median
+    if row.get("host_rate_planned_from") == "blend":
+        return recorded_gparam  # planned with the mean already (session 21 on)
+    return float((median * recorded_gparam) ** 0.5)
+
+
 def _error(pred: float, measured: float) -> str:
     return f"{(pred - measured) / measured * 100:+.1f}%"
 
@@ -172,6 +192,15 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="torch's fused fp32 host Adam rate, Gparam/s, that --host-step-cost divides "
         "(the machine's profile; session 18: 4.39)",
+    )
+    parser.add_argument(
+        "--host-rate",
+        choices=("recorded", "samples", "blend"),
+        default="recorded",
+        help="the host rate to plan rows with: the one their plan was made with "
+        "(recorded), the median of the kind's own rate samples the row took "
+        "(host_rate_samples_gparam: samples), or the geometric mean of the two (blend); "
+        "rows without samples keep the recorded rate",
     )
     args = parser.parse_args(argv)
     costs: dict[str, float] = {}
@@ -219,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     traced[workload] = workload_profile(workload)
                 p = row["profile"]
                 rate = args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
+                rate = host_rate(row, rate, args.host_rate)
                 hw = row_hardware(row, rate)
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base

@@ -287,7 +287,10 @@ def test_fp16_io_trains_as_the_conversion_passes_do(
         losses[" ".join(flags)] = float(loss.group(1))
         if flags:
             assert re.search(
-                r"^fp16_io: a host step takes [0-9.]+x torch's fused fp32 step$", out, re.M
+                r"^fp16_io: a host step takes [0-9.]+x torch's fused fp32 step, [0-9.]+ G "
+                r"parameters/s$",
+                out,
+                re.M,
             )
     plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
     assert any(rp.state.value == "host" for rp in plan.regions)
@@ -327,7 +330,10 @@ def test_bf16_moments_train_as_fp32_moments_do(
         key = " ".join(flags)
         losses[key] = float(loss.group(1))
         if flags:
-            rate = rf"^{re.escape(lines[key])}: a host step takes [0-9.]+x torch's fused fp32 step$"
+            rate = (
+                rf"^{re.escape(lines[key])}: a host step takes [0-9.]+x torch's fused fp32 "
+                r"step, [0-9.]+ G parameters/s$"
+            )
             assert re.search(rate, out, re.M), out
     plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
     assert any(rp.state.value == "host" for rp in plan.regions)

@@ -273,8 +273,9 @@ def test_modules_are_freed_and_close_releases_device_memory() -> None:
 
 
 def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
-    """The host Adam rate replaced (as a rate or as a cost against the profile's), no
-    conversion passes with fp16 I/O, and the same refusals as memory_optimize's."""
+    """The host Adam rate replaced (as a rate, as a cost against the profile's, or as the
+    geometric mean of both), no conversion passes with fp16 I/O, and the same refusals as
+    memory_optimize's."""
     hw = default_cpu_profile()
     assert planning_hardware(hw) == hw
     rate = hw.host_adam_params_per_s / 4
@@ -284,10 +285,13 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     io = planning_hardware(hw, host_step_cost=4.0, fp16_io=True)
     assert io.host_convert_elems_per_s == 0.0
     assert io.host_adam_params_per_s == by_cost.host_adam_params_per_s
+    # Told both ways: the geometric mean of the rate and the profile's rate over the cost.
+    both = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 9)
+    assert both.host_adam_params_per_s == pytest.approx(rate * 3)
     bad: list[dict[str, Any]] = [
         {"host_step_cost": 0.0},
         {"host_step_params_per_s": -1.0},
-        {"host_step_cost": 2.0, "host_step_params_per_s": 1e9},
+        {"host_step_cost": 2.0, "host_step_params_per_s": 0.0},
     ]
     for kwargs in bad:
         with pytest.raises(ValueError, match="host_step"):

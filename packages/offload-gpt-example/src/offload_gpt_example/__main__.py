@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import gc
 import math
+import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -63,6 +64,7 @@ from offload_optim import (
     AMPOptimizer,
     HybridAdam,
     measure_host_step_cost,
+    measure_host_step_params_per_s,
     measure_speculative_step_cost,
     single_pass,
 )
@@ -212,6 +214,10 @@ class HostSteps:
     (fp16 I/O or bf16 moments); None: 1, the hardware profile's rate."""
     moments: torch.dtype = torch.float32
     """``HybridAdam(moments_dtype=)`` of host-resident state."""
+    host_rate: float | None = None
+    """The host step's own rate, parameters/s (median of three measurements; with
+    :attr:`host_cost`): the planner takes the geometric mean of it and the profile's rate
+    over the cost."""
 
     @property
     def plan_kwargs(self) -> dict[str, Any]:
@@ -230,11 +236,18 @@ class HostSteps:
             kwargs["fp16_io"] = True
         if self.host_cost is not None:
             kwargs["host_step_cost"] = self.host_cost
+        if self.host_rate is not None:
+            kwargs["host_step_params_per_s"] = self.host_rate
         return kwargs
 
     def plan_hardware(self, hardware: HardwareProfile) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``)."""
-        return planning_hardware(hardware, host_step_cost=self.host_cost, fp16_io=self.fp16_io)
+        return planning_hardware(
+            hardware,
+            host_step_cost=self.host_cost,
+            host_step_params_per_s=self.host_rate,
+            fp16_io=self.fp16_io,
+        )
 
     @classmethod
     def choose(
@@ -266,15 +279,25 @@ class HostSteps:
                 "0.86x in one pass); pip install 'offload-optim[single-pass]'",
                 file=sys.stderr,
             )
-        host_cost = None
+        host_cost = host_rate = None
         if fp16_io or bf16_moments:
             host_cost = measure_host_step_cost(
                 moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
             )
+            host_rate = statistics.median(
+                measure_host_step_params_per_s(
+                    moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
+                )
+                for _ in range(3)
+            )
             what = " + ".join(
                 n for n, on in (("fp16_io", fp16_io), ("bf16_moments", bf16_moments)) if on
             )
-            print(f"{what}: a host step takes {host_cost:.2f}x torch's fused fp32 step", flush=True)
+            print(
+                f"{what}: a host step takes {host_cost:.2f}x torch's fused fp32 step, "
+                f"{host_rate / 1e9:.2f} G parameters/s",
+                flush=True,
+            )
         cost = None
         if speculate:
             cost = measure_speculative_step_cost(
@@ -283,7 +306,7 @@ class HostSteps:
             print(
                 f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one"
             )
-        return cls(kernel, fp16_io, cost, host_cost, moments)
+        return cls(kernel, fp16_io, cost, host_cost, moments, host_rate)
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import sys
 import time
 from collections.abc import Mapping
@@ -231,12 +232,9 @@ def choose_plan(
 
 
 def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
-    """ValueError unless the host step is told at most one way, as a positive number."""
-    if cost is not None:
-        if params_per_s is not None:
-            raise ValueError("give host_step_cost or host_step_params_per_s, not both")
-        if not cost > 0:
-            raise ValueError(f"host_step_cost must be > 0, got {cost}")
+    """ValueError unless each way the host step is told is a positive number."""
+    if cost is not None and not cost > 0:
+        raise ValueError(f"host_step_cost must be > 0, got {cost}")
     if params_per_s is not None and not params_per_s > 0:
         raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
 
@@ -250,12 +248,18 @@ def planning_hardware(
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
-    parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step), and
-    no conversion passes charged with ``fp16_io`` (they happen inside the host step). For
+    parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step; given
+    both, the geometric mean of that rate and the profile's over the cost), and no
+    conversion passes charged with ``fp16_io`` (they happen inside the host step). For
     planning without building, e.g. the example's ``--plan_only``."""
     _check_host_step(host_step_params_per_s, host_step_cost)
     if host_step_cost is not None:
-        host_step_params_per_s = hardware.host_adam_params_per_s / host_step_cost
+        by_cost = hardware.host_adam_params_per_s / host_step_cost
+        host_step_params_per_s = (
+            by_cost
+            if host_step_params_per_s is None
+            else math.sqrt(by_cost * host_step_params_per_s)
+        )
     if host_step_params_per_s is not None:
         hardware = dataclasses.replace(hardware, host_adam_params_per_s=host_step_params_per_s)
     if fp16_io:
@@ -325,8 +329,11 @@ def memory_optimize(
             (``offload_optim.measure_host_step_cost(...)`` with the optimizer's moments,
             kernel and fp16 I/O). The planner charges the profile's rate divided by it. A
             ratio measured back to back holds when the host is slower for a while, where
-            an absolute rate measured then does not (BENCHMARKS.md, session 18). Give
-            this or ``host_step_params_per_s``, not both.
+            an absolute rate measured then does not (BENCHMARKS.md, session 18). Given
+            with ``host_step_params_per_s``, the planner takes the geometric mean of the
+            two rates: they come from different timings on a shared host, and each alone
+            was off by up to 23-28% in the step it predicted where their mean stayed
+            within 11% (ten GPU rows replayed, BENCHMARKS.md, session 21).
         speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
             optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
             how many times longer a speculative host step takes than a plain one
