@@ -40,12 +40,14 @@
 #           before each half (host_probe_stability.py)                            ~1 min
 #   w4p     probe, then W4 ours_io_bf16m_spec1 and torchao (the plan's host cost from the
 #           settled probe)                                                      ~5 min
+#   blend   predictions planned with the mean of the two host rates: W4 ours_io_bf16m_spec1
+#           and torchao, then W3 and W2 ours_io and ours_io_spec1               ~8 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|blend|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -126,6 +128,10 @@ case "$phase" in
   w4p)
     bash "$0" probe "$out"
     bench W4 ours_io_bf16m_spec1,torchao 200 W4_p ;;
+  blend)
+    bench W4 ours_io_bf16m_spec1,torchao 200 W4_blend
+    bench W3 ours_io,ours_io_spec1 90 W3_blend
+    bench W2 ours_io,ours_io_spec1 90 W2_blend ;;
   io23)
     bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io23
     bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io23 ;;
