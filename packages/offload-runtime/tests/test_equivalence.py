@@ -317,10 +317,22 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
     assert costly.plan.predicted_step_time_s == pytest.approx(slow.plan.predicted_step_time_s)
     placements = [[(rp.placement, rp.state) for rp in m.plan.regions] for m in (costly, slow)]
     assert placements[0] == placements[1]
-    for bad in ({"host_step_cost": 0.0}, {"host_step_cost": 2.0, "host_step_params_per_s": 1e9}):
+    for bad in ({"host_step_cost": 0.0}, {"host_step_cost": -2.0, "host_step_params_per_s": 1e9}):
         with pytest.raises(ValueError, match="host_step_cost"):
             memory_optimize(model, inp, 2**30, "asyn", **bad, **kwargs)
-    for m in (fast, slow, costly):
+    # Told both ways, a cost of 100 and a rate of the profile's: planned at a tenth of it
+    # (the geometric mean), as the slow plan is.
+    both = memory_optimize(
+        model,
+        inp,
+        2**30,
+        "asyn",
+        host_step_cost=100.0,
+        host_step_params_per_s=hw.host_adam_params_per_s,
+        **kwargs,
+    )
+    assert both.plan.predicted_step_time_s == pytest.approx(slow.plan.predicted_step_time_s)
+    for m in (fast, slow, costly, both):
         m.close()
     # Host steps under backward for none of the parameters: the step waits for more.
     unspeculated = memory_optimize(
