@@ -134,6 +134,17 @@ def measured_host_cycle(row: dict[str, Any]) -> tuple[float, float] | None:
     return delay, max(0.0, period - delay - float(row["host_step_span_ms"]))
 
 
+def loop_busy_ms(row: dict[str, Any]) -> float | None:
+    """The host worker's busy time per step in the row's loop, ms: ``host_cycle``'s median
+    where recorded (session 20 on), else the last timed step's host region steps
+    (``host_step_ms_in_loop``); None when the row has neither."""
+    cycle = row.get("host_cycle")
+    if cycle and cycle.get("busy_ms"):
+        return float(cycle["busy_ms"])
+    busy = row.get("host_step_ms_in_loop")
+    return float(busy) if busy else None
+
+
 def host_rate(row: dict[str, Any], recorded_gparam: float, how: str) -> float:
     """The host rate, Gparam/s, to replay ``row`` with: ``recorded_gparam`` (``how ==
     "recorded"`` or a row without rate samples), the median of the row's own samples of
@@ -195,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--host-rate",
-        choices=("recorded", "samples", "blend"),
+        choices=("recorded", "samples", "blend", "loop"),
         default="recorded",
         help="the host rate to plan rows with: the one their plan was made with "
         "(recorded), the median of the kind's own rate samples the row took "
         "(host_rate_samples_gparam: samples), or the geometric mean of the two (blend); "
-        "rows without samples keep the recorded rate",
+        "rows without samples keep the recorded rate. loop: the rate the host steps ran "
+        "at in the row's own loop (the recorded rate scaled by the replayed host busy time "
+        "over the measured one), which is no prediction: what is left is the simulator's "
+        "error with the host's speed known",
     )
     args = parser.parse_args(argv)
     costs: dict[str, float] = {}
@@ -248,7 +262,9 @@ def main(argv: list[str] | None = None) -> int:
                     traced[workload] = workload_profile(workload)
                 p = row["profile"]
                 rate = args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
-                rate = host_rate(row, rate, args.host_rate)
+                rate = host_rate(
+                    row, rate, "recorded" if args.host_rate == "loop" else args.host_rate
+                )
                 hw = row_hardware(row, rate)
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
@@ -259,17 +275,28 @@ def main(argv: list[str] | None = None) -> int:
                     # A speculating row planned for fewer undo buffers records the limit.
                     "speculative_params": row.get("speculative_params"),
                 }
+                # Recorded from session 17 on; earlier rows were planned without it.
+                in_use = int(row.get("device_bytes_in_use", args.in_use_mib * 2**20))
                 plan = solve(
                     variant,
                     hw,
                     budget_gib * GiB,
                     solver="asyn",
                     **simulation,
-                    # Recorded from session 17 on; earlier rows were planned without it.
-                    device_bytes_in_use=int(
-                        row.get("device_bytes_in_use", args.in_use_mib * 2**20)
-                    ),
+                    device_bytes_in_use=in_use,
                 )
+                busy_in_loop = loop_busy_ms(row)
+                if args.host_rate == "loop" and busy_in_loop:
+                    rate *= planned_host_busy_s(plan) * 1e3 / busy_in_loop
+                    hw = row_hardware(row, rate)
+                    plan = solve(
+                        variant,
+                        hw,
+                        budget_gib * GiB,
+                        solver="asyn",
+                        **simulation,
+                        device_bytes_in_use=in_use,
+                    )
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3
                 worst = max(worst, abs(replayed - measured) / measured)
