@@ -265,7 +265,6 @@ def main(argv: list[str] | None = None) -> int:
                 rate = host_rate(
                     row, rate, "recorded" if args.host_rate == "loop" else args.host_rate
                 )
-                hw = row_hardware(row, rate)
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = kind in SPECULATING
@@ -277,26 +276,14 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 # Recorded from session 17 on; earlier rows were planned without it.
                 in_use = int(row.get("device_bytes_in_use", args.in_use_mib * 2**20))
-                plan = solve(
-                    variant,
-                    hw,
-                    budget_gib * GiB,
-                    solver="asyn",
-                    **simulation,
-                    device_bytes_in_use=in_use,
-                )
+                planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
+                hw = row_hardware(row, rate)
+                plan = solve(variant, hw, budget_gib * GiB, **planning)
                 busy_in_loop = loop_busy_ms(row)
                 if args.host_rate == "loop" and busy_in_loop:
                     rate *= planned_host_busy_s(plan) * 1e3 / busy_in_loop
                     hw = row_hardware(row, rate)
-                    plan = solve(
-                        variant,
-                        hw,
-                        budget_gib * GiB,
-                        solver="asyn",
-                        **simulation,
-                        device_bytes_in_use=in_use,
-                    )
+                    plan = solve(variant, hw, budget_gib * GiB, **planning)
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3
                 worst = max(worst, abs(replayed - measured) / measured)
