@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_session.sh PHASE [OUT_DIR]
 #
 # PHASE:
-#   tests   nox -s gpu_tests (every package's gpu-marked tests)               ~5 min
+#   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~7 min
 #   trace   the trace package's gpu tests alone (what each leaves allocated)      ~2 min
 #   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
 #   w2      benchmark W2: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~6 min
@@ -62,7 +62,7 @@ bench() {
     --profile-dir "$out" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
 case "$phase" in
-  tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+  tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider --durations=15 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   trace)
     python3 -m pytest -q -s -rA -p no:cacheprovider -m gpu "$root/packages/offload-trace/tests" \
       2>&1 | tee "$out/trace_gpu_tests.log" | tail -30 ;;
