@@ -42,12 +42,15 @@
 #           settled probe)                                                      ~5 min
 #   blend   predictions planned with the mean of the two host rates: W4 ours_io_bf16m_spec1
 #           and torchao, then W3 and W2 ours_io and ours_io_spec1               ~8 min
+#   split   part of W4's host step (bf16 moments, fp16 I/O) streamed through the GPU while
+#           the host steps the rest, then torch's fused fp32 step the same way
+#           (split_step_bench.py): what a host-state, device-stepped placement would buy ~2 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|blend|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -128,6 +131,13 @@ case "$phase" in
   w4p)
     bash "$0" probe "$out"
     bench W4 ours_io_bf16m_spec1,torchao 200 W4_p ;;
+  split)
+    python3 "$root/benchmarks/split_step_bench.py" --kernel io_bf16 --params 1.4e9 --chunk 66e6 \
+      --fractions 0,0.2,0.3,0.4,0.5 --repeats 3 --json "$out/split_io_bf16.json" \
+      2>&1 | tee "$out/split_io_bf16.log" | tail -12
+    python3 "$root/benchmarks/split_step_bench.py" --params 1.4e9 --chunk 66e6 \
+      --fractions 0,0.3,0.5 --repeats 3 --json "$out/split_fused.json" \
+      2>&1 | tee "$out/split_fused.log" | tail -8 ;;
   blend)
     bench W4 ours_io_bf16m_spec1,torchao 200 W4_blend
     bench W3 ours_io,ours_io_spec1 90 W3_blend

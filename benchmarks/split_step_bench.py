@@ -1,3 +1,4 @@
+# mypy: disable-error-code="no-untyped-call"
 """Can the GPU take part of the host optimizer step? A measurement, not a feature.
 
 The host Adam over fp32 master weights and moments is bound by host memory bandwidth
@@ -11,7 +12,19 @@ steps the rest at the same time, against ``f = 0`` (all on the host)::
 
     python benchmarks/split_step_bench.py --params 400e6 --chunk 16e6 --json out.json
 
-Needs CUDA. Times are medians of ``--repeats`` runs; rates in Gparam/s (1e9 params/s).
+``--kernel io_bf16`` measures the same with the host step W4's bf16-moment rows take
+(``HybridAdam(moments_dtype=torch.bfloat16, host_kernel="single_pass", fp16_io=True)``:
+fp16 gradient in, fp32 master and bf16 moments stepped, fp16 parameter out; 20 bytes per
+parameter of host memory). Its streamed chunks carry the fp32 master and bf16 moments
+up (8 bytes per parameter, with the fp16 gradient 10), step on the device with the
+moments widened to fp32, and bring master, moments and the fp16 parameter down (10
+bytes)::
+
+    python benchmarks/split_step_bench.py --kernel io_bf16 --params 1.4e9 --chunk 66e6 \
+        --fractions 0,0.2,0.3,0.4,0.5 --repeats 3
+
+Needs CUDA (and numba for ``io_bf16``). Times are medians of ``--repeats`` runs; rates in
+Gparam/s (1e9 params/s).
 """
 
 from __future__ import annotations
@@ -33,7 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--slots", type=int, default=3, help="device buffer sets in the ring")
     parser.add_argument("--json", default="")
+    parser.add_argument(
+        "--kernel",
+        choices=("fused", "io_bf16"),
+        default="fused",
+        help="the host step: torch's fused fp32 Adam (fused), or the single-pass kernel "
+        "with bf16 moments and fp16 I/O (io_bf16)",
+    )
     args = parser.parse_args(argv)
+    if args.kernel == "io_bf16":
+        return split_io_bf16(args)
 
     import torch
     from _adam import fused_adam_
@@ -110,6 +132,128 @@ def main(argv: list[str] | None = None) -> int:
     run(0.0, True)
     run(1.0, True)
     for grad_up in (True, False):
+        for frac in [float(x) for x in args.fractions.split(",")]:
+            times = [run(frac, grad_up) for _ in range(args.repeats)]
+            med = statistics.median(times)
+            row = {
+                "fraction_on_device": frac,
+                "grad_uploaded": grad_up,
+                "median_ms": med * 1e3,
+                "gparam_per_s": n_chunks * chunk / med / 1e9,
+            }
+            results["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def split_io_bf16(args: argparse.Namespace) -> int:
+    """``--kernel io_bf16``: the split measured with W4's bf16-moment, fp16-I/O host step
+    (see the module's docstring)."""
+    import torch
+
+    from offload_optim import single_pass
+    from offload_optim.kernels import AdamHyper
+
+    if not torch.cuda.is_available():
+        print("split_step_bench: needs CUDA", file=sys.stderr)
+        return 2
+    single_pass.require_fp16_io()
+    chunk = int(args.chunk)
+    n_chunks = max(1, int(args.params) // chunk)
+    dev = torch.device("cuda")
+    bf16, fp16 = torch.bfloat16, torch.float16
+    hyper = AdamHyper(lr=1e-4, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+
+    def pinned(dtype: torch.dtype, fill: float = 0.0) -> torch.Tensor:
+        return torch.full((chunk,), fill, dtype=dtype, pin_memory=True)
+
+    print(f"allocating {n_chunks} chunks x {chunk / 1e6:.0f} M params, pinned", file=sys.stderr)
+    p = [pinned(torch.float32, 0.5) for _ in range(n_chunks)]
+    g = [pinned(fp16, 1e-3) for _ in range(n_chunks)]
+    m = [pinned(bf16) for _ in range(n_chunks)]
+    v = [pinned(bf16) for _ in range(n_chunks)]
+    p16 = [pinned(fp16) for _ in range(n_chunks)]  # the fp16 copy the next forward uploads
+    step = torch.ones(())
+    step_d = torch.ones((), device=dev)
+    # Per slot: master, fp16 gradient, bf16 moments, fp16 parameter, and fp32 work space
+    # for the widened gradient and moments.
+    slots = [
+        [
+            torch.empty(chunk, device=dev),
+            torch.full((chunk,), 1e-3, dtype=fp16, device=dev),
+            torch.empty(chunk, dtype=bf16, device=dev),
+            torch.empty(chunk, dtype=bf16, device=dev),
+            torch.empty(chunk, dtype=fp16, device=dev),
+        ]
+        for _ in range(args.slots)
+    ]
+    work = [torch.empty(chunk, device=dev) for _ in range(3)]  # on the compute stream only
+    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
+    comp = torch.cuda.current_stream()
+    free = [torch.cuda.Event() for _ in slots]
+    for e in free:
+        e.record(d2h)
+
+    def stream_chunk(i: int, grad_up: bool) -> None:
+        k = i % len(slots)
+        sp, sg, sm, sv, s16 = slots[k]
+        h2d.wait_event(free[k])
+        with torch.cuda.stream(h2d):
+            sp.copy_(p[i], non_blocking=True)
+            sm.copy_(m[i], non_blocking=True)
+            sv.copy_(v[i], non_blocking=True)
+            if grad_up:
+                sg.copy_(g[i], non_blocking=True)
+            up = torch.cuda.Event()
+            up.record(h2d)
+        comp.wait_event(up)
+        g32, m32, v32 = work
+        g32.copy_(sg)
+        m32.copy_(sm)
+        v32.copy_(sv)
+        torch._fused_adamw_(
+            [sp], [g32], [m32], [v32], [], [step_d], lr=1e-4, beta1=0.9, beta2=0.999,
+            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None,
+            found_inf=None,
+        )  # fmt: skip
+        sm.copy_(m32)
+        sv.copy_(v32)
+        s16.copy_(sp)
+        done = torch.cuda.Event()
+        done.record(comp)
+        d2h.wait_event(done)
+        with torch.cuda.stream(d2h):
+            p[i].copy_(sp, non_blocking=True)
+            m[i].copy_(sm, non_blocking=True)
+            v[i].copy_(sv, non_blocking=True)
+            p16[i].copy_(s16, non_blocking=True)
+            freed = torch.cuda.Event()
+            freed.record(d2h)
+        free[k] = freed
+
+    def run(frac: float, grad_up: bool) -> float:
+        k_dev = round(frac * n_chunks)
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for i in range(k_dev):
+            stream_chunk(i, grad_up)
+        for i in range(k_dev, n_chunks):  # one region at a time, as the optimizer steps them
+            single_pass.adam_fp16_io_(p[i], g[i], m[i], v[i], p16[i], step, hyper)
+        torch.cuda.synchronize()
+        return time.perf_counter() - started
+
+    results: dict[str, Any] = {
+        "kernel": "io_bf16",
+        "params": n_chunks * chunk,
+        "chunk": chunk,
+        "host_threads": torch.get_num_threads(),
+        "rows": [],
+    }
+    run(0.0, True)
+    run(1.0, True)
+    for grad_up in (False, True):
         for frac in [float(x) for x in args.fractions.split(",")]:
             times = [run(frac, grad_up) for _ in range(args.repeats)]
             med = statistics.median(times)
