@@ -150,5 +150,10 @@ def test_host_step_cost_is_the_time_over_the_fused_fp32_steps() -> None:
     assert 0.5 < measure_host_step_cost(numel=1 << 18) < 2.0
     with pytest.raises(ValueError, match="pairs"):
         measure_host_step_cost(numel=16, pairs=0)
+    with pytest.raises(ValueError, match="gap_s"):
+        measure_host_step_cost(numel=16, gap_s=-1.0)
+    # Back to back (no sleep) is still allowed: a ratio about 1 for the same kernel (wide
+    # bounds: on a loaded 2-core machine one back-to-back pair can read far off).
+    assert 0.2 < measure_host_step_cost(numel=1 << 18, pairs=3, gap_s=0.0) < 5.0
     with pytest.raises(ValueError, match="single_pass"):
         measure_host_step_cost(numel=16, fp16_io=True)
