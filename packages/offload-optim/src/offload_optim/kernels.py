@@ -308,9 +308,11 @@ def measure_host_step_params_per_s(
     torch's fused fp32-moment Adam, e.g. ``memory_optimize(...,
     host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``: with
     torch's route bf16 moments run ~0.6x the fp32 rate on the H200 host. An absolute
-    rate measured while the host is slower for a while misleads the plan; the ratio of
-    :func:`measure_host_step_cost` (``memory_optimize(host_step_cost=)``) does not, and is
-    what the bench and the example plan with. Needs about ``(8 + 2 * moment
+    rate measured while the host is slower for a while misleads the plan, and so can the
+    ratio of :func:`measure_host_step_cost` (``memory_optimize(host_step_cost=)``), which
+    leans on the profile's fused rate; the bench and the example give the planner both
+    (the median of three of these readings, and the cost), and it takes the geometric
+    mean of the two rates (BENCHMARKS.md, session 21). Needs about ``(8 + 2 * moment
     bytes) * numel`` bytes of host memory. ``host_kernel="single_pass"`` times
     ``offload_optim.single_pass.adam_`` instead (what ``HybridAdam(host_kernel=...)``
     steps with; needs numba). ``speculative=True`` times the step that keeps undo data
