@@ -34,6 +34,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,18 +129,30 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    results: dict[str, Any] = {"params": n_chunks * chunk, "chunk": chunk, "rows": []}
+    results: dict[str, Any] = {"params": n_chunks * chunk, "chunk": chunk}
+    return _sweep(run, (True, False), args, results)
+
+
+def _sweep(
+    run: Callable[[float, bool], float],
+    grad_modes: tuple[bool, ...],
+    args: argparse.Namespace,
+    results: dict[str, Any],
+) -> int:
+    """Time ``run(fraction, grad_up)`` (seconds) for every ``--fractions`` entry under each
+    gradient mode, after one untimed run all on the host and one all on the device; print
+    each row and write ``results`` with them to ``--json``."""
     run(0.0, True)
     run(1.0, True)
-    for grad_up in (True, False):
+    results["rows"] = []
+    for grad_up in grad_modes:
         for frac in [float(x) for x in args.fractions.split(",")]:
-            times = [run(frac, grad_up) for _ in range(args.repeats)]
-            med = statistics.median(times)
+            med = statistics.median(run(frac, grad_up) for _ in range(args.repeats))
             row = {
                 "fraction_on_device": frac,
                 "grad_uploaded": grad_up,
                 "median_ms": med * 1e3,
-                "gparam_per_s": n_chunks * chunk / med / 1e9,
+                "gparam_per_s": results["params"] / med / 1e9,
             }
             results["rows"].append(row)
             print(json.dumps(row), flush=True)
@@ -249,25 +262,9 @@ def split_io_bf16(args: argparse.Namespace) -> int:
         "params": n_chunks * chunk,
         "chunk": chunk,
         "host_threads": torch.get_num_threads(),
-        "rows": [],
     }
-    run(0.0, True)
-    run(1.0, True)
-    for grad_up in (False, True):
-        for frac in [float(x) for x in args.fractions.split(",")]:
-            times = [run(frac, grad_up) for _ in range(args.repeats)]
-            med = statistics.median(times)
-            row = {
-                "fraction_on_device": frac,
-                "grad_uploaded": grad_up,
-                "median_ms": med * 1e3,
-                "gparam_per_s": n_chunks * chunk / med / 1e9,
-            }
-            results["rows"].append(row)
-            print(json.dumps(row), flush=True)
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    return 0
+    # The gradient is on the device where it is computed: not uploading it comes first.
+    return _sweep(run, (False, True), args, results)
 
 
 if __name__ == "__main__":
