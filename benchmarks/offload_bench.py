@@ -161,7 +161,8 @@ def _fastest5_mean_s(times: list[float]) -> float:
 
 def _save_trace(prof: Any, path: Path) -> dict[str, Any]:
     """Write ``prof``'s Chrome trace to ``path`` (``.gz``: torch gzips it; for Perfetto,
-    or ``step_trace.py --summarise``; the host worker's region steps are named in it) and
+    or ``step_trace.py --summarise``; the host worker's region steps are named in it when
+    the profile recorded every thread, ``step_trace.all_threads_config``) and
     return ``step_trace.summarise_trace`` of it: per-stream busy time, copy overlap,
     compute idle."""
     from step_trace import load_trace, summarise_trace
@@ -549,12 +550,21 @@ def _ours(
         if report is not None:  # the last timed step: how many regions stepped early
             out["speculated_regions"] = report.speculated_regions
     if profile_dir is not None:
+        from step_trace import all_threads_config
         from torch.profiler import ProfilerActivity, profile
 
-        # The step is already measured: a failing profile is reported, not fatal.
+        # The step is already measured: a failing profile is reported, not fatal. Two
+        # steps, then the host steps still queued: the second forward waiting on the first
+        # step's host steps is in the window, and so are the host worker's region steps
+        # (its own thread: recorded only with step_trace.all_threads_config()).
         try:
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                experimental_config=all_threads_config(),
+            ) as prof:
                 step()
+                step()
+                opt.synchronize()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
             profile_dir.mkdir(parents=True, exist_ok=True)
@@ -562,6 +572,7 @@ def _ours(
             out["profile_streams"] = _save_trace(
                 prof, profile_dir / f"trace_{workload}_{kind}.json.gz"
             )
+            out["profile_steps"] = 2  # profile_streams covers two steps and their host steps
         except Exception as exc:  # keep the measurement, say what broke
             out["profile_error"] = f"{type(exc).__name__}: {exc}"
     module.close()

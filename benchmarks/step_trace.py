@@ -53,8 +53,9 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
     """Per-stream busy time of the device events in a torch.profiler Chrome trace.
 
     Returns ``{"span_ms", "streams": {stream: {"busy_ms", "kinds"}}, "compute_stream",
-    "copy_overlap_ms": {stream: ms overlapped with compute}, "compute_idle_ms"}``. The
-    compute stream is the one with the most kernel time.
+    "copy_overlap_ms": {stream: ms overlapped with compute}, "compute_idle_ms"}``, and
+    ``"host_steps"`` (:func:`summarise_host_steps`) where the trace has the host worker's
+    region steps. The compute stream is the one with the most kernel time.
     """
     by_stream: dict[str, list[tuple[float, float]]] = {}
     kinds: dict[str, dict[str, float]] = {}
@@ -77,8 +78,9 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
         kinds[stream][kind] = kinds[stream].get(kind, 0.0) + dur / 1e3
         if cat == "kernel":
             kernel_us[stream] = kernel_us.get(stream, 0.0) + dur
+    host = summarise_host_steps(trace)
     if not by_stream:
-        return {"span_ms": 0.0, "streams": {}}
+        return {"span_ms": 0.0, "streams": {}, **({"host_steps": host} if host["count"] else {})}
     everything = [iv for ivs in by_stream.values() for iv in ivs]
     t0 = min(s for s, _ in everything)
     t1 = max(e for _, e in everything)
@@ -100,7 +102,46 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
         },
         "compute_idle_ms": (t1 - t0 - _union_us(by_stream[compute])) / 1e3,
     }
+    if host["count"]:
+        out["host_steps"] = host
     return out
+
+
+def all_threads_config() -> Any:
+    """torch.profiler's setting that records every thread's ranges, not only the
+    profiling thread's (``_ExperimentalConfig(profile_all_threads=True)``, torch 2.7 on),
+    for ``profile(experimental_config=...)``. The host worker's ``record_function``
+    ranges are on its own thread, and session 21's bench traces, taken without it, had
+    none of them. None where this torch lacks it (then only the profiling thread)."""
+    import torch
+
+    try:
+        return torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+    except (AttributeError, TypeError):
+        return None
+
+
+HOST_STEP_NAMES = ("host step ", "speculative step ")
+"""How ``offload_optim`` names its host region steps (``record_function``)."""
+
+
+def summarise_host_steps(trace: dict[str, Any]) -> dict[str, Any]:
+    """The host worker's region steps in a Chrome trace (the ranges ``offload_optim`` names
+    "host step N ..." and "speculative step N"; recorded only when the profile covered
+    every thread): ``{"count", "busy_ms", "first_ms", "last_end_ms"}``, times from the
+    trace's first event."""
+    events = [ev for ev in trace.get("traceEvents", []) if ev.get("ph") == "X" and "ts" in ev]
+    steps = [ev for ev in events if str(ev.get("name", "")).startswith(HOST_STEP_NAMES)]
+    if not steps:
+        return {"count": 0}
+    t0 = min(float(ev["ts"]) for ev in events)
+    spans = [(float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))) for ev in steps]
+    return {
+        "count": len(steps),
+        "busy_ms": _union_us(spans) / 1e3,
+        "first_ms": (min(a for a, _ in spans) - t0) / 1e3,
+        "last_end_ms": (max(b for _, b in spans) - t0) / 1e3,
+    }
 
 
 def summarise_backward(
@@ -258,7 +299,10 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
         torch.cuda.memory._record_memory_history(enabled=None)
         memory = summarise_memory(snapshot)
         memory["allocated_before_step_mib"] = base_mib
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        experimental_config=all_threads_config(),
+    ) as prof:
         one_step(record=False)
     out_dir = Path(args.out)
     trace_path = out_dir / f"{solver}.trace.json.gz"
