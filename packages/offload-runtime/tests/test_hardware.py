@@ -428,6 +428,8 @@ def test_copy_contention_needs_cuda_and_sizes() -> None:
 def test_host_adam_rejects_empty_sizes() -> None:
     with pytest.raises(ValueError, match="numel"):
         measure_host_adam_params_per_s(0)
+    with pytest.raises(ValueError, match="settle_s"):
+        measure_host_adam_params_per_s(1 << 10, settle_s=-1.0)
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -1014,15 +1014,26 @@ def measure_host_convert_elems_per_s(
     return numel / max((widen_s + publish_s) / 2, 1e-9)
 
 
-def measure_host_adam_params_per_s(numel: int = _HOST_ADAM_NUMEL, *, steps: int = 3) -> float:
+def measure_host_adam_params_per_s(
+    numel: int = _HOST_ADAM_NUMEL, *, steps: int = 5, settle_s: float = 0.25
+) -> float:
     """Fused ``torch.optim.Adam`` steps over ``numel`` fp32 host parameters: elements/s.
 
     Median wall time of ``steps`` timed steps after one untimed step (which allocates the
-    moments). Uses torch's current number of CPU threads. Needs about ``16 * numel`` bytes.
+    moments) and ``settle_s`` seconds of sleep. Uses torch's current number of CPU
+    threads. Needs about ``16 * numel`` bytes. The sleep lets another thread pool that
+    has just run (numba's, whose OpenMP threads may spin for a while after a kernel)
+    go idle: on the H200 host torch's fused step ran 17% slower right after the numba
+    kernel than alone (BENCHMARKS.md, session 21), and this rate is what every plan's
+    host steps are charged against.
     """
     if numel < 1 or steps < 1:
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
+    if settle_s < 0:
+        raise ValueError(f"settle_s ({settle_s}) must be >= 0")
     timed_step = _timed_host_adam(numel)
+    if settle_s:
+        time.sleep(settle_s)
     return numel / max(statistics.median(timed_step() for _ in range(steps)), 1e-9)
 
 
