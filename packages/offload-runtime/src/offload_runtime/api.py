@@ -331,9 +331,10 @@ def memory_optimize(
             ratio measured back to back holds when the host is slower for a while, where
             an absolute rate measured then does not (BENCHMARKS.md, session 18). Given
             with ``host_step_params_per_s``, the planner takes the geometric mean of the
-            two rates: they come from different timings on a shared host, and each alone
-            was off by up to 23-28% in the step it predicted where their mean stayed
-            within 11% (ten GPU rows replayed, BENCHMARKS.md, session 21).
+            two rates: they come from different timings on a shared host. Over ten
+            replayed GPU rows each alone put a predicted step up to 23-28% off where their
+            mean stayed within 11%; five rows planned with the mean came within 2-17%
+            (BENCHMARKS.md, session 21).
         speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
             optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
             how many times longer a speculative host step takes than a plain one
