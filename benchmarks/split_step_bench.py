@@ -39,6 +39,52 @@ from pathlib import Path
 from typing import Any
 
 
+class _Ring:
+    """Streams chunks through ``slots`` sets of device buffers on two copy streams: for
+    slot ``k``, upload on H2D once the slot's last download is done, step on the current
+    (compute) stream after the upload, download on D2H after the step."""
+
+    def __init__(self, slots: int) -> None:
+        import torch
+
+        self.h2d, self.d2h = torch.cuda.Stream(), torch.cuda.Stream()
+        self.comp = torch.cuda.current_stream()
+        # free[k]: the event after which slot k's buffers may be overwritten (its D2H done).
+        self.free = [torch.cuda.Event() for _ in range(slots)]
+        for e in self.free:
+            e.record(self.d2h)
+
+    def stream(
+        self,
+        k: int,
+        ups: list[tuple[Any, Any]],
+        step: Callable[[], None],
+        downs: list[tuple[Any, Any]],
+    ) -> None:
+        """Copy each ``(device, host)`` of ``ups`` up, run ``step``, copy each ``(host,
+        device)`` of ``downs`` down, in slot ``k % slots``."""
+        import torch
+
+        k %= len(self.free)
+        self.h2d.wait_event(self.free[k])
+        with torch.cuda.stream(self.h2d):
+            for dst, src in ups:
+                dst.copy_(src, non_blocking=True)
+            up = torch.cuda.Event()
+            up.record(self.h2d)
+        self.comp.wait_event(up)
+        step()
+        done = torch.cuda.Event()
+        done.record(self.comp)
+        self.d2h.wait_event(done)
+        with torch.cuda.stream(self.d2h):
+            for dst, src in downs:
+                dst.copy_(src, non_blocking=True)
+            freed = torch.cuda.Event()
+            freed.record(self.d2h)
+        self.free[k] = freed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=float, default=400e6, help="parameters in all")
@@ -84,38 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         [torch.empty(chunk, device=dev) for _ in range(4)]  # p, g, m, v
         for _ in range(args.slots)
     ]
-    h2d = torch.cuda.Stream()
-    d2h = torch.cuda.Stream()
-    comp = torch.cuda.current_stream()
-    # free[k]: the event after which slot k's buffers may be overwritten (its D2H done).
-    free = [torch.cuda.Event() for _ in slots]
-    for e in free:
-        e.record(d2h)
+    ring = _Ring(len(slots))
 
-    def stream_chunk(i: int, k: int, grad_up: bool) -> torch.cuda.Event:
+    def stream_chunk(i: int, k: int, grad_up: bool) -> None:
         sp, sg, sm, sv = slots[k % len(slots)]
-        h2d.wait_event(free[k % len(slots)])
-        with torch.cuda.stream(h2d):
-            sp.copy_(p[i], non_blocking=True)
-            sm.copy_(m[i], non_blocking=True)
-            sv.copy_(v[i], non_blocking=True)
-            if grad_up:
-                sg.copy_(g[i], non_blocking=True)
-            up = torch.cuda.Event()
-            up.record(h2d)
-        comp.wait_event(up)
-        fused_adam_([sp], [sg], [sm], [sv], [step_d])
-        done = torch.cuda.Event()
-        done.record(comp)
-        d2h.wait_event(done)
-        with torch.cuda.stream(d2h):
-            p[i].copy_(sp, non_blocking=True)
-            m[i].copy_(sm, non_blocking=True)
-            v[i].copy_(sv, non_blocking=True)
-            fr = torch.cuda.Event()
-            fr.record(d2h)
-        free[k % len(slots)] = fr
-        return fr
+        ups = [(sp, p[i]), (sm, m[i]), (sv, v[i])] + ([(sg, g[i])] if grad_up else [])
+        ring.stream(
+            k,
+            ups,
+            lambda: fused_adam_([sp], [sg], [sm], [sv], [step_d]),
+            [(p[i], sp), (m[i], sm), (v[i], sv)],
+        )
 
     def run(frac: float, grad_up: bool) -> float:
         k_dev = round(frac * n_chunks)
@@ -165,6 +190,7 @@ def split_io_bf16(args: argparse.Namespace) -> int:
     """``--kernel io_bf16``: the split measured with W4's bf16-moment, fp16-I/O host step
     (see the module's docstring)."""
     import torch
+    from _adam import fused_adam_
 
     from offload_optim import single_pass
     from offload_optim.kernels import AdamHyper
@@ -203,48 +229,23 @@ def split_io_bf16(args: argparse.Namespace) -> int:
         for _ in range(args.slots)
     ]
     work = [torch.empty(chunk, device=dev) for _ in range(3)]  # on the compute stream only
-    h2d, d2h = torch.cuda.Stream(), torch.cuda.Stream()
-    comp = torch.cuda.current_stream()
-    free = [torch.cuda.Event() for _ in slots]
-    for e in free:
-        e.record(d2h)
+    ring = _Ring(len(slots))
 
     def stream_chunk(i: int, grad_up: bool) -> None:
-        k = i % len(slots)
-        sp, sg, sm, sv, s16 = slots[k]
-        h2d.wait_event(free[k])
-        with torch.cuda.stream(h2d):
-            sp.copy_(p[i], non_blocking=True)
-            sm.copy_(m[i], non_blocking=True)
-            sv.copy_(v[i], non_blocking=True)
-            if grad_up:
-                sg.copy_(g[i], non_blocking=True)
-            up = torch.cuda.Event()
-            up.record(h2d)
-        comp.wait_event(up)
-        g32, m32, v32 = work
-        g32.copy_(sg)
-        m32.copy_(sm)
-        v32.copy_(sv)
-        torch._fused_adamw_(
-            [sp], [g32], [m32], [v32], [], [step_d], lr=1e-4, beta1=0.9, beta2=0.999,
-            weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None,
-            found_inf=None,
-        )  # fmt: skip
-        sm.copy_(m32)
-        sv.copy_(v32)
-        s16.copy_(sp)
-        done = torch.cuda.Event()
-        done.record(comp)
-        d2h.wait_event(done)
-        with torch.cuda.stream(d2h):
-            p[i].copy_(sp, non_blocking=True)
-            m[i].copy_(sm, non_blocking=True)
-            v[i].copy_(sv, non_blocking=True)
-            p16[i].copy_(s16, non_blocking=True)
-            freed = torch.cuda.Event()
-            freed.record(d2h)
-        free[k] = freed
+        sp, sg, sm, sv, s16 = slots[i % len(slots)]
+
+        def step_on_device() -> None:
+            g32, m32, v32 = work
+            g32.copy_(sg)
+            m32.copy_(sm)
+            v32.copy_(sv)
+            fused_adam_([sp], [g32], [m32], [v32], [step_d])
+            sm.copy_(m32)
+            sv.copy_(v32)
+            s16.copy_(sp)
+
+        ups = [(sp, p[i]), (sm, m[i]), (sv, v[i])] + ([(sg, g[i])] if grad_up else [])
+        ring.stream(i, ups, step_on_device, [(p[i], sp), (m[i], sm), (v[i], sv), (p16[i], s16)])
 
     def run(frac: float, grad_up: bool) -> float:
         k_dev = round(frac * n_chunks)
