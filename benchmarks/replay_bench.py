@@ -122,8 +122,9 @@ def simulated_host_cycle(
 def measured_host_cycle(row: dict[str, Any]) -> tuple[float, float] | None:
     """(delay from backward's call to the first host step, idle from the host's last step to
     the next backward's call), ms, as a row records them: ``host_cycle`` medians where
-    present (from session 19's ``cec68b5`` on), else the last timed step's delay and host
-    span with the run's mean step as the period; None when the row has neither."""
+    present (recorded from ``cec68b5`` on; session 21's rows are the first), else the last
+    timed step's delay and host span with the run's mean step as the period; None when
+    the row has neither."""
     cycle = row.get("host_cycle")
     if cycle:
         return float(cycle["idle_before_first_ms"]), float(cycle["idle_after_last_ms"])
@@ -136,8 +137,8 @@ def measured_host_cycle(row: dict[str, Any]) -> tuple[float, float] | None:
 
 def loop_busy_ms(row: dict[str, Any]) -> float | None:
     """The host worker's busy time per step in the row's loop, ms: ``host_cycle``'s median
-    where recorded (session 20 on), else the last timed step's host region steps
-    (``host_step_ms_in_loop``); None when the row has neither."""
+    where the row records it (session 21's rows are the first), else the last timed
+    step's host region steps (``host_step_ms_in_loop``); None when the row has neither."""
     cycle = row.get("host_cycle")
     if cycle and cycle.get("busy_ms"):
         return float(cycle["busy_ms"])
