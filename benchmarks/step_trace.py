@@ -121,6 +121,41 @@ def all_threads_config() -> Any:
         return None
 
 
+def count_worker_ranges(config: Any) -> int:
+    """How many of three "host step N" ``record_function`` ranges, run on a thread started
+    before the profiler (as the runtime's host worker is), a CPU profile with
+    ``experimental_config=config`` records."""
+    import queue
+    import tempfile
+    import threading
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    work: queue.Queue[int | None] = queue.Queue()
+
+    def worker() -> None:
+        while (r := work.get()) is not None:
+            with torch.profiler.record_function(f"host step {r}"):
+                torch.ones(1 << 16).mul_(2).sum()
+            work.task_done()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        with profile(activities=[ProfilerActivity.CPU], experimental_config=config) as prof:
+            for r in range(3):
+                work.put(r)
+            work.join()
+    finally:
+        work.put(None)
+        thread.join()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        return int(summarise_host_steps(load_trace(path))["count"])
+
+
 HOST_STEP_NAMES = ("host step ", "speculative step ")
 """How ``offload_optim`` names its host region steps (``record_function``)."""
 
@@ -362,7 +397,17 @@ def main(argv: list[str] | None = None) -> int:
         help="record the allocator during one step and report what is live at its peak",
     )
     parser.add_argument("--summarise", default="", help="summarise this Chrome trace and exit")
+    parser.add_argument(
+        "--check-threads",
+        action="store_true",
+        help="CPU only: profile a worker thread's three record_function ranges with and "
+        "without all_threads_config(), print how many each trace holds, and exit",
+    )
     args = parser.parse_args(argv)
+    if args.check_threads:
+        for name, config in (("default", None), ("all_threads", all_threads_config())):
+            print(f"{name}: {count_worker_ranges(config)} of 3 worker ranges recorded")
+        return 0
     if args.summarise:
         trace = load_trace(Path(args.summarise))
         streams = summarise_trace(trace)
