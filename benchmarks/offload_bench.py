@@ -205,8 +205,9 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
     }
     last_regions: list[int] = []
     for a, b in itertools.pairwise(reports):
-        host_a = [t for t in a.region_steps if t.host]
-        host_b = [t for t in b.region_steps if t.host]
+        # Streamed regions step on the device: their spans are not the host's time.
+        host_a = [t for t in a.region_steps if t.host and not t.streamed]
+        host_b = [t for t in b.region_steps if t.host and not t.streamed]
         if a.skipped or b.skipped or not host_a or not host_b:
             continue
         if a.backward_start_s is None or b.backward_start_s is None:
@@ -554,6 +555,14 @@ def _ours(
         from step_trace import all_threads_config
         from torch.profiler import ProfilerActivity, profile
 
+        # The measurement first, in case the profile runs past the parent's timeout (W4 in
+        # session 22: the row took 200 s with its two profiled steps and was lost whole);
+        # the parent keeps the last result line it got.
+        print(
+            RESULT_TAG + json.dumps({**out, "ok": True, "profile_error": "not finished"}),
+            flush=True,
+        )
+
         # The step is already measured: a failing profile is reported, not fatal. Two
         # steps, then the host steps still queued: the second forward waiting on the first
         # step's host steps is in the window, and so are the host worker's region steps
@@ -716,8 +725,16 @@ def run_child(workload: str, kind: str, args: argparse.Namespace) -> dict[str, A
         proc = subprocess.run(
             cmd, capture_output=True, text=True, timeout=args.timeout_s, check=False
         )
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {args.timeout_s} s"}
+    except subprocess.TimeoutExpired as exc:
+        # A result printed before the timeout (the measurement, before its profile) stands.
+        partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
+        got = [ln for ln in partial.splitlines() if ln.startswith(RESULT_TAG)]
+        if not got:
+            return {"ok": False, "error": f"timed out after {args.timeout_s} s"}
+        kept: dict[str, Any] = json.loads(got[-1][len(RESULT_TAG) :])
+        kept["timed_out_after_s"] = args.timeout_s
+        kept["wall_s"] = time.perf_counter() - t0
+        return kept
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
     if not lines:
         tail = (proc.stderr or proc.stdout)[-300:].replace("\n", " | ")

@@ -405,3 +405,80 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
         results[fp16_io] = ([float(x) for x in losses], masters(module), skipped)
         module.close()
     assert_same_runs(results, skipped=[False] * 5 + [True] + [False] * 2)
+
+
+@pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
+def test_cuda_streamed_regions_step_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Host-state regions marked streamed step on the GPU (their state up, torch's fused
+    CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
+    (fp16 I/O, bf16 moments, speculating): one step equals the all-host run's within
+    rounding (torch's CUDA update against the single-pass host kernel), the overflow at
+    step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses."""
+    import offload_optim.streamed as streamed_module
+    from offload_optim.streamed import StreamRing
+
+    issued = {"pieces": 0}
+    issue = StreamRing.issue
+
+    def counting(self: StreamRing, pieces: list[Any], grad_scale: float | None) -> Any:
+        issued["pieces"] += len(pieces)
+        return issue(self, pieces, grad_scale)
+
+    monkeypatch.setattr(StreamRing, "issue", counting)
+    monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)  # ragged chunks
+    model = tiny_gpt2()
+    runs: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
+    first: dict[bool, dict[str, torch.Tensor]] = {}
+    for stream in (True, False):
+        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
+        host = [st for st in module.storages if st.host_state]
+        assert len(host) >= 2 and host[0].index == 0
+        if stream:
+            for st in host[1:]:
+                st.streamed = True
+        poison = {"now": False}
+
+        def when(r: int, p: dict[str, Any] = poison) -> bool:
+            return bool(p["now"]) and r == 0
+
+        overflow_on_device(module, when)
+        opt = HybridAdam(
+            module.parameters(),
+            lr=1e-3,
+            weight_decay=0.01,
+            host_kernel="single_pass",
+            fp16_io=True,
+            moments_dtype=torch.bfloat16,
+        )
+        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
+        losses: list[float] = []
+        skipped: list[bool] = []
+        for step in range(8):
+            amp.zero_grad()
+            poison["now"] = step == 5
+            b = cuda_batch(step)
+            loss = loss_of(module(**b), b["input_ids"])
+            amp.backward(loss)
+            amp.step()
+            losses.append(loss.item())
+            report = amp.last_step
+            assert report is not None
+            skipped.append(report.skipped)
+            if step == 0:
+                first[stream] = masters(module)
+            if stream:
+                steps = {t.region: t.streamed for t in report.region_steps}
+                assert all(steps.get(st.index, True) for st in host[1:])
+                assert steps.get(0) is False
+        if stream:
+            for st in host[1:]:
+                if st.offloaded:
+                    assert st.host_params is not None
+                    assert torch.equal(st.host_params, st.master.half())
+            assert issued["pieces"] > 0
+        runs[stream] = (losses, masters(module), skipped)
+        module.close()
+    assert runs[True][2] == runs[False][2] == [False] * 5 + [True] + [False] * 2
+    for name, value in first[True].items():
+        torch.testing.assert_close(value, first[False][name], rtol=0, atol=1e-6)
+    assert rel_diff(runs[True][0], runs[False][0]) < 1e-3

@@ -585,6 +585,8 @@ class AMPOptimizer(torch.optim.Optimizer):
             done = self._backward_done
             if done is not None and done.query():
                 return  # backward is over on the device: step() queues r in forward order
+            if self.optimizer.region_storage(r).streamed:
+                return  # stepped on the device after backward: step() queues it
             with torch.profiler.record_function(f"host step {r} (hook)"):
                 stepped = self.optimizer.step_region(r, hypers=self._hypers, timings=self._timings)
             if stepped:

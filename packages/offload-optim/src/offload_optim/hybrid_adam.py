@@ -97,10 +97,12 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
-from offload_optim import single_pass
+from offload_optim import single_pass, streamed
 from offload_optim.kernels import HOST_KERNELS, AdamHyper, fused_adam_, speculative_adam_
+from offload_optim.streamed import StreamedQueue, StreamPiece, StreamRing
 from offload_runtime.hardware import available_host_memory_bytes
 from offload_runtime.storage import RegionStorage, region_of
+from offload_runtime.streams import Event
 
 if TYPE_CHECKING:
     from offload_runtime.controller import OffloadController
@@ -117,7 +119,10 @@ class RegionStepTiming:
     start_s: float
     end_s: float
     host: bool
-    """True for a host-state region (stepped on the host worker)."""
+    """True for a host-state region (stepped on the host worker, or streamed)."""
+    streamed: bool = False
+    """A streamed region (see [Note: streamed steps] in streamed.py): stepped on the
+    device; the span runs from issuing its device work to publishing it."""
 
     @property
     def duration_s(self) -> float:
@@ -187,8 +192,14 @@ class _RegionState:
     def __init__(self, storage: RegionStorage, moments_dtype: torch.dtype) -> None:
         self.storage = storage
         device = storage.master.device
-        self.exp_avg = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
-        self.exp_avg_sq = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
+        # A streamed region's moments cross PCIe at every step: pinned, as its master is.
+        pin = storage.streamed and storage.master.is_pinned()
+        self.exp_avg = torch.zeros(
+            storage.numel, dtype=moments_dtype, device=device, pin_memory=pin
+        )
+        self.exp_avg_sq = torch.zeros(
+            storage.numel, dtype=moments_dtype, device=device, pin_memory=pin
+        )
         self.segments: list[_Segment] = []
         self.spare: _Spare | None = None
         """Allocated by :meth:`HybridAdam.prepare_speculation` (host-state regions only)."""
@@ -623,10 +634,62 @@ class HybridAdam(torch.optim.Optimizer):
         """Step ``segments`` of region ``r`` (not publishing it), by fp16 I/O when the
         gradient waits in the staging buffer (see :meth:`_staged_io`)."""
         rs = self._regions[r]
+        if rs.storage.streamed:
+            ring = self._stream_ring()
+            try:
+                self._issue_streamed(ring, r, segments, grad_scale, hypers)
+            finally:
+                ring.close()
+            return
         io = self._staged_io(rs, segments) if rs.storage.host_state else None
         self._run(segments, grad_scale, hypers, io)
         if io is not None:
             self._consumed(rs.storage)
+
+    def _stream_ring(self) -> StreamRing:
+        """A ring to stream host-state regions through the device (see streamed.py)."""
+        return StreamRing(
+            self._require_controller().streams.device,
+            self.moments_dtype,
+            self.fp16_io,
+            chunk_numel=streamed.STREAM_CHUNK_NUMEL,  # read now: tests make it small
+            slots=streamed.STREAM_SLOTS,
+        )
+
+    def _issue_streamed(
+        self,
+        ring: StreamRing,
+        r: int,
+        segments: list[_Segment],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper] | None,
+    ) -> Event | None:
+        """Queue streamed region ``r``'s device step on ``ring`` (counting the step);
+        returns the event after its downloads. Its fp16-I/O flags are set as the host
+        step sets them; nothing may read its buffers before the event."""
+        rs = self._regions[r]
+        io = self._staged_io(rs, segments)
+        pieces = []
+        for seg in segments:
+            hyper = AdamHyper.of_group(seg.group) if hypers is None else hypers[id(seg.group)]
+            seg.step.add_(1.0)  # as _run counts it
+            a, b = seg.start, seg.start + seg.param.numel()
+            assert seg.grad is not None
+            pieces.append(
+                StreamPiece(
+                    seg.param,
+                    seg.exp_avg,
+                    seg.exp_avg_sq,
+                    seg.grad if io is None else io[0][a:b],
+                    float(seg.step),
+                    hyper,
+                    None if io is None else io[1][a:b],
+                )
+            )
+        landed = ring.issue(pieces, grad_scale)
+        if io is not None:
+            self._consumed(rs.storage)
+        return landed
 
     @staticmethod
     def _consumed(st: RegionStorage) -> None:
@@ -668,9 +731,10 @@ class HybridAdam(torch.optim.Optimizer):
         self._step_segments(r, segments, grad_scale, hypers)
         controller.publish(r)
         sink = self.timings if timings is None else timings
+        st = self._regions[r].storage
         sink.append(
             RegionStepTiming(
-                r, start, time.perf_counter(), host=self._regions[r].storage.host_state
+                r, start, time.perf_counter(), host=st.host_state, streamed=st.streamed
             )
         )
         return True
@@ -703,7 +767,7 @@ class HybridAdam(torch.optim.Optimizer):
         return sum(
             rs.spare_bytes
             for rs in self._regions.values()
-            if rs.storage.host_state and rs.spare is None
+            if rs.storage.host_state and not rs.storage.streamed and rs.spare is None
         )
 
     def can_speculate(self, r: int) -> bool:
@@ -734,7 +798,11 @@ class HybridAdam(torch.optim.Optimizer):
         if max_params is not None and (isinstance(max_params, bool) or max_params < 0):
             raise ValueError(f"max_params must be None or >= 0 parameters, got {max_params}")
         order = sorted(
-            (rs for rs in self._regions.values() if rs.storage.host_state),
+            (
+                rs
+                for rs in self._regions.values()
+                if rs.storage.host_state and not rs.storage.streamed
+            ),
             key=lambda rs: -rs.storage.index,
         )
         available = _available_host_bytes()
@@ -825,8 +893,11 @@ class HybridAdam(torch.optim.Optimizer):
         """
         self._ensure_laid_out()
         rs = self._regions[r]
-        if not rs.storage.host_state:
-            raise ValueError(f"speculate_region got device-state region {r}")
+        if not rs.storage.host_state or rs.storage.streamed:
+            raise ValueError(
+                f"speculate_region got region {r}, whose step runs on the device "
+                "(device state or streamed): only host-stepped regions speculate"
+            )
         if rs.spare is None:
             raise RuntimeError(
                 f"region {r} has no buffers for a speculative step: call prepare_speculation()"
@@ -1046,25 +1117,56 @@ class HybridAdam(torch.optim.Optimizer):
         futures: dict[int, Future[None]],
         sink: list[RegionStepTiming],
     ) -> None:
-        """Host worker: step and publish each job's region, completing its future."""
-        done = 0
+        """Host worker: step and publish each job's region, completing its future.
+
+        Streamed regions are issued to the device first, then the others step here, and
+        each streamed region is published once its downloads landed, between host steps
+        and at the end (see [Note: streamed steps] in streamed.py)."""
+        done: set[int] = set()
+
+        def finish(r: int, start: float, end: float, streamed: bool = False) -> None:
+            controller.publish(r)
+            sink.append(RegionStepTiming(r, start, end, host=True, streamed=streamed))
+            futures[r].set_result(None)
+            done.add(r)
+
+        def finish_streamed(r: int, start: float, end: float) -> None:
+            with torch.profiler.record_function(f"streamed step {r} (publish)"):
+                finish(r, start, end, streamed=True)
+
+        queue = StreamedQueue(finish_streamed)
+        ring: StreamRing | None = None
         try:
             for r, segments in jobs:
+                if segments and self._regions[r].storage.streamed:
+                    if ring is None:
+                        ring = self._stream_ring()
+                    with torch.profiler.record_function(f"streamed step {r} (issue)"):
+                        start = time.perf_counter()
+                        landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
+                    queue.add(r, landed, start)
+            streamed = set(queue.regions())
+            for r, segments in jobs:
+                if r in streamed:
+                    continue
                 # Named in a torch.profiler trace, beside the streams it feeds.
                 with torch.profiler.record_function(f"host step {r}"):
                     start = time.perf_counter()
                     if segments:
                         self._step_segments(r, segments, grad_scale, hypers)
-                    controller.publish(r)
-                    sink.append(RegionStepTiming(r, start, time.perf_counter(), host=True))
-                futures[r].set_result(None)
-                done += 1
+                    finish(r, start, time.perf_counter())
+                queue.publish_landed()
+            queue.publish_landed(wait=True)
         except BaseException as exc:
             # Every announced future must complete, or the region's next use would wait
             # forever: the error reaches whoever waits for any of them.
-            for r, _ in jobs[done:]:
-                futures[r].set_exception(exc)
+            for r, _ in jobs:
+                if r not in done:
+                    futures[r].set_exception(exc)
             raise
+        finally:
+            if ring is not None:
+                ring.close()  # after its last download, even when a step failed
 
     @torch.no_grad()
     def step_plain(

@@ -164,7 +164,7 @@ def insert_state_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     regions = [
         rp.region.index
         for rp in plan.regions
-        if rp.placement is ParamPlacement.RESIDENT and rp.state is StatePlacement.HOST
+        if rp.placement is ParamPlacement.RESIDENT and rp.state is not StatePlacement.DEVICE
     ]
     inserted = _insert_enter_exit(gm, plan, regions)
     gm.recompile()

@@ -173,7 +173,11 @@ class RegionStorage:
         self.offloaded = plan.placement is not ParamPlacement.RESIDENT
         self.slot = slot
         """Pool slot index of an offloaded region (regions sharing it never coexist)."""
-        self.host_state = plan.state is StatePlacement.HOST
+        self.host_state = plan.state is not StatePlacement.DEVICE
+        """Master and moments live in host memory (HOST or STREAMED)."""
+        self.streamed = plan.state.value == "streamed"
+        """STREAMED: host state whose optimizer step runs on the device (see [Note:
+        streamed steps] in offload_optim/streamed.py); its moments are pinned."""
         if self.offloaded:
             assert pool_slot is not None and pool_slot.numel() >= self.numel
             self.device_params = pool_slot[: self.numel]
@@ -335,7 +339,7 @@ def required_host_bytes(plan: Plan, dtype: torch.dtype, *, convert_on_device: bo
         n = rp.region.numel
         if rp.placement is not ParamPlacement.RESIDENT:
             total += n * copies  # host_params
-        if rp.state is StatePlacement.HOST:
+        if rp.state is not StatePlacement.DEVICE:
             # master + grad (fp32) + staging (dtype, unless converted on the device) + two
             # fp32 Adam moments.
             total += n * (4 + 4 + copies + 8)

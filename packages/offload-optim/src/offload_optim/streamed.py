@@ -1,0 +1,274 @@
+"""Host-state regions stepped on the device (the plan's ``StatePlacement.STREAMED``).
+
+[Note: streamed steps]
+A streamed region keeps its fp32 master and Adam moments in pinned host memory, as a
+host-state region does, and its gradient comes down to the host as one's does; but its
+Adam step runs on the device. Chunk by chunk (``STREAM_CHUNK_NUMEL`` elements), through a
+ring of ``STREAM_SLOTS`` device buffer sets on three streams of its own:
+
+- *up* (h2d): master, moments and gradient of the chunk into a free slot;
+- *step*: the gradient and narrow moments widened to fp32 work buffers, torch's fused
+  Adam(W) (the kernel device-state regions use), the moments narrowed back and, with fp16
+  I/O, the new master narrowed into the slot's fp16 copy;
+- *down* (d2h): master, moments (and the fp16 copy, into the region's upload copy) back
+  to their host buffers; the slot is free again once they land.
+
+Per parameter with bf16 moments and fp16 I/O that is 10 bytes up and 10 down over PCIe
+and no host pass at all, against the host kernel's 20 bytes of host-memory traffic. The
+host worker issues every streamed region of a step first (issuing blocks on nothing: a
+slot's reuse waits on the device), then steps the host regions on the CPU, and between
+them publishes each streamed region whose downloads have landed (in forward order). So
+the device and the host step different regions at the same time, which is the point:
+on the H200, streaming half of W4's host step through the GPU while the host stepped the
+other half took 0.75x the time of the host alone (``benchmarks/split_step_bench.py``,
+BENCHMARKS.md session 22).
+
+Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
+do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
+computes, and within rounding (about 1e-7 of an update) of ``"single_pass"``. A streamed
+region never steps speculatively (it steps after the step's answer, so nothing needs
+undoing), and after its step the region's fp32 gradient accumulator still holds the
+gradient as it was (loss scale included): the device divided its own copy.
+
+Device memory: the ring's buffers exist only while a task streams (allocated at its
+start on the step stream, freed when its last download has landed):
+:func:`stream_slot_bytes` says how many bytes, which the planner counts.
+On a machine without CUDA the "device" is the CPU and every copy runs at once, in order:
+the same values, for tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from offload_optim.kernels import AdamHyper, fused_adam_
+from offload_runtime.streams import Event, Stream
+
+STREAM_CHUNK_NUMEL = 16 << 20
+"""Elements of a region streamed at a time (one slot of the ring)."""
+STREAM_SLOTS = 3
+"""Buffer sets in the ring: one uploading, one stepping, one downloading."""
+
+MASTER_BYTES = 4
+
+
+def _sizes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, int]:
+    """(bytes of one moment, bytes of the gradient streamed up) per parameter: fp16 I/O
+    streams the fp16 gradient from the staging buffer, otherwise the fp32 accumulator."""
+    return torch.empty((), dtype=moments_dtype).element_size(), (2 if fp16_io else 4)
+
+
+def stream_slot_bytes(
+    moments_dtype: torch.dtype,
+    fp16_io: bool,
+    *,
+    chunk_numel: int = STREAM_CHUNK_NUMEL,
+    slots: int = STREAM_SLOTS,
+) -> int:
+    """Device bytes a :class:`StreamRing` holds while it streams: per slot, master,
+    moments, gradient (and the fp16 copy with ``fp16_io``) of ``chunk_numel`` elements,
+    plus one set of fp32 work buffers for what is narrower than fp32."""
+    moment, grad = _sizes(moments_dtype, fp16_io)
+    per_slot = MASTER_BYTES + 2 * moment + grad + (2 if fp16_io else 0)
+    work = (4 if grad < 4 else 0) + (8 if moment < 4 else 0)
+    return chunk_numel * (slots * per_slot + work)
+
+
+def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, int]:
+    """(bytes up, bytes down) per streamed parameter and step: master, moments and
+    gradient up; master, moments (and the fp16 copy with ``fp16_io``) down."""
+    moment, grad = _sizes(moments_dtype, fp16_io)
+    state = MASTER_BYTES + 2 * moment
+    return state + grad, state + (2 if fp16_io else 0)
+
+
+@dataclass
+class _Slot:
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    half: torch.Tensor | None
+    grads: dict[torch.dtype, torch.Tensor]
+    """Gradient buffer per gradient dtype streamed (fp16 I/O pieces, fp32 others)."""
+    free: Event | None = None
+    """When the slot's last download has landed (None: never used)."""
+
+
+@dataclass(frozen=True)
+class StreamPiece:
+    """One host-state slice to step on the device: its host tensors (flat, same length)."""
+
+    master: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    grad: torch.Tensor
+    step: float
+    """The step count this step takes (already counted)."""
+    hyper: AdamHyper
+    half_out: torch.Tensor | None = None
+    """fp16 I/O: where the new master's fp16 copy goes (the region's upload copy)."""
+
+
+class StreamRing:
+    """The ring of device buffers that streams host-state pieces through one device step.
+
+    Build one per host-worker task, :meth:`issue` pieces, then :meth:`close` (waits for
+    the last download and frees the buffers). Host worker thread only.
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        moments_dtype: torch.dtype,
+        fp16_io: bool,
+        *,
+        chunk_numel: int = STREAM_CHUNK_NUMEL,
+        slots: int = STREAM_SLOTS,
+    ) -> None:
+        if chunk_numel < 1 or slots < 1:
+            raise ValueError(f"chunk_numel={chunk_numel} and slots={slots} must be >= 1")
+        cuda = device.type == "cuda"
+        self.device = device
+        self.chunk = chunk_numel
+        self.up, self.step, self.down = (
+            Stream(torch.cuda.Stream(device) if cuda else None)  # type: ignore[no-untyped-call]
+            for _ in range(3)
+        )
+        n = chunk_numel
+        with self.step.context():  # allocated (and later freed) in the step stream's pool
+            self.slots = [
+                _Slot(
+                    torch.empty(n, dtype=torch.float32, device=device),
+                    torch.empty(n, dtype=moments_dtype, device=device),
+                    torch.empty(n, dtype=moments_dtype, device=device),
+                    torch.empty(n, dtype=torch.float16, device=device) if fp16_io else None,
+                    {},
+                )
+                for _ in range(slots)
+            ]
+            wide = torch.float32
+            self.grad32: torch.Tensor | None = None  # made with the first narrow gradient
+            self.moments32 = (
+                (
+                    torch.empty(n, dtype=wide, device=device),
+                    torch.empty(n, dtype=wide, device=device),
+                )
+                if moments_dtype != wide
+                else None
+            )
+        self._next = 0
+        self._last: Event | None = None
+
+    def issue(self, pieces: list[StreamPiece], grad_scale: float | None) -> Event | None:
+        """Queue the device step of ``pieces``; returns the event after their last download
+        (None on the CPU, where everything ran already). Blocks on nothing on CUDA."""
+        # Made on the step stream, the only one that reads them (so that their memory is
+        # reused in that stream's order).
+        with self.step.context():
+            scale = (
+                None
+                if grad_scale is None or grad_scale == 1.0
+                else torch.full((), grad_scale, dtype=torch.float32, device=self.device)
+            )
+        for piece in pieces:
+            with self.step.context():
+                step = torch.full((), piece.step, dtype=torch.float32, device=self.device)
+            total = piece.master.numel()
+            for a in range(0, total, self.chunk):
+                b = min(total, a + self.chunk)
+                self._chunk(piece, a, b, step, scale)
+        return self._last
+
+    def _chunk(
+        self,
+        piece: StreamPiece,
+        a: int,
+        b: int,
+        step: torch.Tensor,
+        scale: torch.Tensor | None,
+    ) -> None:
+        slot = self.slots[self._next]
+        self._next = (self._next + 1) % len(self.slots)
+        n = b - a
+        sp, sm, sv = slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]
+        sg = self._grad_buffer(slot, piece.grad.dtype)[:n]
+        self.up.wait(slot.free)
+        with self.up.context():
+            for dst, src in ((sp, piece.master), (sm, piece.exp_avg), (sv, piece.exp_avg_sq)):
+                dst.copy_(src[a:b], non_blocking=True)
+            sg.copy_(piece.grad[a:b], non_blocking=True)
+            uploaded = self.up.record()
+        self.step.wait(uploaded)
+        with self.step.context():
+            g = (
+                sg
+                if self.grad32 is None or sg.dtype == torch.float32
+                else self.grad32[:n].copy_(sg)
+            )
+            if self.moments32 is None:
+                m, v = sm, sv
+            else:
+                m, v = self.moments32[0][:n].copy_(sm), self.moments32[1][:n].copy_(sv)
+            fused_adam_([sp], [g], [m], [v], [step], piece.hyper, scale)
+            if self.moments32 is not None:
+                sm.copy_(m)
+                sv.copy_(v)
+            half = None
+            if piece.half_out is not None:
+                assert slot.half is not None, "ring built without fp16 I/O"
+                half = slot.half[:n].copy_(sp)
+            stepped = self.step.record()
+        self.down.wait(stepped)
+        with self.down.context():
+            for dst, src in ((piece.master, sp), (piece.exp_avg, sm), (piece.exp_avg_sq, sv)):
+                dst[a:b].copy_(src, non_blocking=True)
+            if half is not None and piece.half_out is not None:
+                piece.half_out[a:b].copy_(half, non_blocking=True)
+            slot.free = self._last = self.down.record()
+
+    def _grad_buffer(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
+        buf = slot.grads.get(dtype)
+        if buf is None:
+            with self.step.context():
+                buf = slot.grads[dtype] = torch.empty(self.chunk, dtype=dtype, device=self.device)
+                if dtype != torch.float32 and self.grad32 is None:
+                    self.grad32 = torch.empty(self.chunk, dtype=torch.float32, device=self.device)
+        return buf
+
+    def close(self) -> None:
+        """Wait for every queued download (a host sync point) and free the buffers."""
+        if self._last is not None:
+            self._last.synchronize()
+        self.slots = []
+        self.grad32 = self.moments32 = None
+
+
+class StreamedQueue:
+    """Streamed regions issued by one host-worker task, published in order once landed."""
+
+    def __init__(self, publish: Callable[[int, float, float], None]) -> None:
+        self._publish = publish
+        self._pending: deque[tuple[int, Event | None, float]] = deque()
+
+    def add(self, r: int, landed: Event | None, start_s: float) -> None:
+        self._pending.append((r, landed, start_s))
+
+    def publish_landed(self, wait: bool = False) -> None:
+        """Publish the regions whose downloads have landed, in issue order; with ``wait``,
+        all of them, blocking for each (a host sync point)."""
+        while self._pending:
+            r, landed, start = self._pending[0]
+            if landed is not None and not landed.query():
+                if not wait:
+                    return
+                landed.synchronize()
+            self._pending.popleft()
+            self._publish(r, start, time.perf_counter())
+
+    def regions(self) -> list[int]:
+        return [r for r, _, _ in self._pending]

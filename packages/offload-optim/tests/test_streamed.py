@@ -1,0 +1,171 @@
+"""Host-state regions stepped on the device ([Note: streamed steps] in streamed.py).
+
+On the CPU the "device" is the CPU, so a streamed step is the copies into the ring's
+buffers, the widening, torch's fused step and the copies back. The contract: with
+``host_kernel="torch"`` a run that streams some host-state regions equals the run that
+steps them on the host bit for bit (losses, masters, moments, step counts, loss scales),
+with overflow skips, speculation (streamed regions never speculate), accumulation and
+inline or threaded host work; with the single-pass kernel it equals it within rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import test_speculate
+import torch
+from optim_helpers import batch, loss_of, offload_module, tiny_gpt2
+from test_speculate import assert_same, run
+
+import offload_optim.streamed as streamed_module
+from offload_optim import AMPOptimizer, HybridAdam, single_pass
+from offload_optim.hybrid_adam import RegionStepTiming
+from offload_optim.streamed import StreamPiece, StreamRing, stream_copy_bytes, stream_slot_bytes
+
+
+@pytest.fixture
+def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Make the mixed plan's host-state regions after the first streamed (region 0 stays
+    host-stepped, so both kinds step in one run), with a ring chunk small enough that
+    every region takes several chunks and a ragged tail; counts the pieces issued."""
+    seen: dict[str, Any] = {"pieces": 0, "streamed": []}
+    build = test_speculate.offload_module
+
+    def offload_streamed(*args: Any, **kwargs: Any) -> Any:
+        module = build(*args, **kwargs)
+        host = [st for st in module.storages if st.host_state]
+        for st in host[1:]:
+            st.streamed = True
+        seen["streamed"] = [st.index for st in host[1:]]
+        return module
+
+    issue = StreamRing.issue
+
+    def counting(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+        seen["pieces"] += len(pieces)
+        return issue(self, pieces, grad_scale)
+
+    monkeypatch.setattr(test_speculate, "offload_module", offload_streamed)
+    monkeypatch.setattr(StreamRing, "issue", counting)
+    monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)
+    yield seen
+
+
+CASES: dict[str, dict[str, Any]] = {
+    "threaded": {},
+    "inline": {"host_worker": False},
+    "bf16_moments": {"moments": torch.bfloat16},
+    "accumulate_2": {"micro": 2},
+    "no_overlap": {"overlap": False},
+    "clipping": {"clipping": 0.5},
+    "bf16_training": {"dtype": torch.bfloat16},
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str, Any]) -> None:
+    kwargs = CASES[name]
+    growth: dict[str, Any] = {"growth_interval": 3, "initial_scale": 2.0**8}
+    poison: tuple[int, ...] = (2,)
+    if kwargs.get("dtype") is torch.bfloat16:  # no loss scale, nothing to skip
+        growth, poison = {}, ()
+    out = run(False, 7, poison=poison, **kwargs, **growth)
+    assert streaming["streamed"], "the mixed plan has host-state regions to stream"
+    assert streaming["pieces"] > 0
+    streaming["pieces"] = 0
+    with pytest.MonkeyPatch.context() as mp:  # the same run, every region host-stepped
+        mp.setattr(test_speculate, "offload_module", offload_module)
+        plain = run(False, 7, poison=poison, **kwargs, **growth)
+    assert streaming["pieces"] == 0
+    assert_same(out, plain)
+    if "dtype" not in kwargs:
+        assert out.skipped[2] and not any(out.skipped[3:])
+
+
+def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
+    """With speculate_fp16 only the host-stepped region speculates; the streamed ones step
+    after the answer. The run still equals the plain one, overflow undo included."""
+    trainer = test_speculate.Trainer(True, hysteresis=1)
+    trainer.poison_steps = {2}
+    try:
+        out = trainer.train(range(6))
+        opt = trainer.amp.optimizer
+        spec = {r for r in streaming["streamed"] if opt.can_speculate(r)}
+        assert spec == set(), "no streamed region has speculative buffers"
+        assert opt.can_speculate(0), "the host-stepped region does"
+    finally:
+        trainer.close()
+    assert out.undone[2] == 1, "only region 0 stepped speculatively and was undone"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_speculate, "offload_module", offload_module)
+        plain = run(False, 6, poison=(2,), hysteresis=1)
+    assert_same(out, plain)
+
+
+@pytest.mark.skipif(
+    not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
+)
+def test_streaming_with_fp16_io_writes_the_upload_copy(streaming: dict[str, Any]) -> None:
+    """fp16 I/O: a streamed region steps from the staged fp16 gradient and writes its
+    upload copy, as the single-pass kernel does. One step from the same state: masters
+    within rounding of the kernel's (torch's fused update against the single-pass one,
+    about 1e-7 of an lr 1e-2 step). Later steps are not compared: a rounding difference
+    in a gradient near zero flips its Adam update's sign."""
+    common: dict[str, Any] = {"host_kernel": "single_pass", "fp16_io": True}
+    trainer = test_speculate.Trainer(False, **common)
+    try:
+        out = trainer.train(range(3))
+        for st in trainer.module.storages:
+            if st.streamed and st.offloaded:
+                assert st.host_params is not None
+                assert torch.equal(st.host_params, st.master.half())
+        stats = trainer.module.controller.stats
+        host = [st for st in trainer.module.storages if st.host_state]
+        assert stats["staged_grads_widened_late"] == 0, "no fp32 accumulator pass"
+        assert stats["grads_to_staging"] == 3 * len(host)
+    finally:
+        trainer.close()
+    assert not any(out.skipped)
+    one = run(False, 1, **common)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_speculate, "offload_module", offload_module)
+        plain = run(False, 1, **common)
+    assert one.losses == plain.losses
+    for name, value in one.masters.items():
+        torch.testing.assert_close(value, plain.masters[name], rtol=0, atol=1e-8)
+
+
+def test_step_reports_name_streamed_regions(streaming: dict[str, Any]) -> None:
+    module = test_speculate.offload_module(
+        tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True
+    )
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+    try:
+        for step in range(2):
+            amp.zero_grad()
+            b = batch(step)
+            amp.backward(loss_of(module(**b), b["input_ids"]))
+            amp.step()
+        report = amp.last_step
+        assert report is not None
+        steps: dict[int, RegionStepTiming] = {t.region: t for t in report.region_steps}
+    finally:
+        module.close()
+    for r in streaming["streamed"]:
+        assert steps[r].streamed and steps[r].host
+    assert not steps[0].streamed and steps[0].host
+
+
+def test_ring_sizes() -> None:
+    """Bytes per parameter over PCIe, and the ring's device bytes, for W4's kernel (bf16
+    moments, fp16 I/O) and the fp32 one."""
+    assert stream_copy_bytes(torch.bfloat16, True) == (10, 10)
+    assert stream_copy_bytes(torch.float32, False) == (16, 12)
+    n = 1000
+    # 3 slots x (4 + 2 + 2 + 2 + 2) + work (4 + 8)
+    assert stream_slot_bytes(torch.bfloat16, True, chunk_numel=n, slots=3) == n * (3 * 12 + 12)
+    assert stream_slot_bytes(torch.float32, False, chunk_numel=n, slots=2) == n * 2 * 16
+    with pytest.raises(ValueError, match="must be >= 1"):
+        StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=0)
