@@ -45,12 +45,17 @@
 #   split   part of W4's host step (bf16 moments, fp16 I/O) streamed through the GPU while
 #           the host steps the rest, then torch's fused fp32 step the same way
 #           (split_step_bench.py): what a host-state, device-stepped placement would buy ~2 min
+#   streamf the streamed-step gpu test, then W4 ours_io_bf16m_spec1_stream with
+#           BENCH_STREAM_FRACTION (default 0.5) of the non-speculating host-state
+#           parameters streamed through the GPU, not planned (no profile)     ~5 min
+#   stream  W4 ours_io_bf16m_spec1_stream as planned (the planner picks the streamed
+#           regions) and torchao, in one call                                ~6 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -142,6 +147,15 @@ case "$phase" in
     bench W4 ours_io_bf16m_spec1,torchao 200 W4_blend
     bench W3 ours_io,ours_io_spec1 90 W3_blend
     bench W2 ours_io,ours_io_spec1 90 W2_blend ;;
+  streamf)
+    python3 -m nox -s gpu_tests -- -q -rA -p no:cacheprovider -k streamed 2>&1 \
+      | tee "$out/gpu_test_streamed.log" | tail -5
+    BENCH_STREAM_FRACTION=${BENCH_STREAM_FRACTION:-0.5} python3 "$root/benchmarks/offload_bench.py" \
+      --workloads W4 --kinds ours_io_bf16m_spec1_stream --steps 10 --timeout-s 260 \
+      --json "$out/W4_streamf.json" --append "$out/BENCHMARKS.part.md" 2>&1 \
+      | tee "$out/W4_streamf.log" | grep -E '^\[bench\]|^\|' || true ;;
+  stream)
+    bench W4 ours_io_bf16m_spec1_stream,torchao 260 W4_stream ;;
   io23)
     bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io23
     bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io23 ;;

@@ -32,6 +32,12 @@ Kinds:
     ours_io_bf16m  ours_io with bf16 host Adam moments (the W4 target with bf16 moments;
                 20 bytes per parameter through host memory instead of 28)
     ours_io_bf16m_spec1  ours_io_bf16m that speculates (8 B/param of undo buffers)
+    *_stream    any ours_io kind above with streamed host steps: the planner may mark
+                host-state regions that do not speculate STREAMED, whose Adam step runs on
+                the GPU while the host steps the others (memory_optimize(streamed=...);
+                [Note: streamed steps] in offload_optim/streamed.py). BENCH_STREAM_FRACTION
+                overrides the planner: that share of those regions' parameters, every
+                other region or so in forward order, is streamed (the plan not told)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
     full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam (speed ceiling);
@@ -96,6 +102,10 @@ OURS_KINDS = (
     "ours_io_spec1",
     "ours_io_bf16m",
     "ours_io_bf16m_spec1",
+    "ours_io_stream",
+    "ours_io_spec1_stream",
+    "ours_io_bf16m_stream",
+    "ours_io_bf16m_spec1_stream",
     "ablation",
 )
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
@@ -298,6 +308,7 @@ def _ours(
         measure_host_step_cost,
         measure_host_step_params_per_s,
         measure_speculative_step_cost,
+        stream_copy_bytes,
     )
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
@@ -313,10 +324,14 @@ def _ours(
     model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
     data = random_batch(batch, seq, device="cuda")
     ablation = kind == "ablation"
-    speculate = kind in ("ours_spec", "ours_spec1", "ours_io_spec1", "ours_io_bf16m_spec1")
-    bf16_moments = kind in ("ours_bf16m", "ours_bf16m1", "ours_io_bf16m", "ours_io_bf16m_spec1")
-    fp16_io = kind.startswith("ours_io")
-    single = kind in ("ours_spec1", "ours_bf16m1") or fp16_io
+    stream = kind.endswith("_stream")
+    base = kind.removesuffix("_stream")
+    speculate = base in ("ours_spec", "ours_spec1", "ours_io_spec1", "ours_io_bf16m_spec1")
+    bf16_moments = base in ("ours_bf16m", "ours_bf16m1", "ours_io_bf16m", "ours_io_bf16m_spec1")
+    fp16_io = base.startswith("ours_io")
+    single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
+    forced = os.environ.get("BENCH_STREAM_FRACTION")
+    stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam
@@ -371,6 +386,8 @@ def _ours(
             host_step_params_per_s=statistics.median(rate_samples) if rate_samples else None,
             fp16_io=fp16_io,
         )
+        if stream_fraction is not None:
+            _force_streamed(module, stream_fraction, limit if speculate else 0)
         opt = AMPOptimizer(
             HybridAdam(
                 module.parameters(),
@@ -492,19 +509,29 @@ def _ours(
         )
     out["solver_s"] = plan.solve_time_s
     offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
-    host = [rp for rp in plan.regions if rp.state is StatePlacement.HOST]
+    host = [rp for rp in plan.regions if rp.state is not StatePlacement.DEVICE]
+    streamed = {st.index for st in module.storages if st.streamed}
     out["regions"] = len(plan.regions)
     out["convert_on_device"] = module.convert_on_device
     out["offloaded_regions"] = len(offloaded)
     out["host_state_regions"] = len(host)
+    if stream:
+        out["streamed_regions"] = len(streamed)
+        out["streamed_params"] = sum(rp.region.numel for rp in host if rp.region.index in streamed)
+        out["stream_from"] = "plan" if stream_fraction is None else f"fraction {stream_fraction}"
     # Bytes moved per step, for the floor: offloaded regions come up twice (forward and
     # backward); resident host-state regions once after their host step; host-state
-    # gradients go down once.
-    h2d = sum(2 * rp.region.size_bytes for rp in offloaded) + sum(
-        rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT
+    # gradients go down once; streamed regions' state goes up and down
+    # (stream_copy_bytes), and only the others' step on the host.
+    up_b, down_b = stream_copy_bytes(moments, fp16_io)
+    streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
+    h2d = (
+        sum(2 * rp.region.size_bytes for rp in offloaded)
+        + sum(rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT)
+        + streamed_params * up_b
     )
-    d2h = sum(rp.region.size_bytes for rp in host)
-    host_params = sum(rp.region.numel for rp in host)
+    d2h = sum(rp.region.size_bytes for rp in host) + streamed_params * down_b
+    host_params = sum(rp.region.numel for rp in host) - streamed_params
     # The floor uses the measured profile (fp32 host Adam rate, whatever the kind plans with).
     hw = profile_hardware("cuda", progress=False)
     out["profile_host_adam_gparam"] = hw.host_adam_params_per_s / 1e9
@@ -587,6 +614,32 @@ def _ours(
             out["profile_error"] = f"{type(exc).__name__}: {exc}"
     module.close()
     return out
+
+
+def _force_streamed(module: Any, fraction: float, limit: int | None) -> None:
+    """BENCH_STREAM_FRACTION: stream ``fraction`` of the parameters of the host-state
+    regions outside the speculating suffix (``limit`` parameters from the last region
+    down, as ``HybridAdam.prepare_speculation`` picks them; None: all speculate, 0: none),
+    spread over forward order: a region is streamed while the streamed share of the
+    candidates so far stays at most ``fraction`` (counting half of the region itself)."""
+    host = [st for st in module.storages if st.host_state]
+    speculating: set[int] = set()
+    if limit is None:
+        return
+    left = limit
+    for st in sorted(host, key=lambda st: -st.index):
+        if st.numel > left:
+            break
+        left -= st.numel
+        speculating.add(st.index)
+    total = chosen = 0
+    for st in host:
+        if st.index in speculating:
+            continue
+        total += st.numel
+        if chosen + st.numel / 2 <= fraction * total:
+            st.streamed = True
+            chosen += st.numel
 
 
 def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:

@@ -6,7 +6,9 @@
 - :class:`AMPOptimizer`: fp16 loss scaling with overflow skip, bf16 / fp32 without scaling,
   global-norm clipping, gradient accumulation, checkpoints, and host steps that overlap
   backward (in fp16 too with ``speculate_fp16=True``: speculative steps, undone exactly on
-  overflow).
+  overflow);
+- streamed host-state regions (``StatePlacement.STREAMED``): host-resident state stepped
+  on the device, chunk by chunk (:mod:`offload_optim.streamed`).
 """
 
 from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
@@ -22,6 +24,7 @@ from offload_optim.kernels import (
     speculative_adam_,
 )
 from offload_optim.scaler import DynamicLossScaler
+from offload_optim.streamed import stream_copy_bytes, stream_slot_bytes
 
 __all__ = [
     "CHUNK_NUMEL",
@@ -38,4 +41,6 @@ __all__ = [
     "measure_host_step_params_per_s",
     "measure_speculative_step_cost",
     "speculative_adam_",
+    "stream_copy_bytes",
+    "stream_slot_bytes",
 ]
