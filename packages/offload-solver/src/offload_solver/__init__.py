@@ -20,6 +20,7 @@ from offload_solver.model import (
     RegionPlan,
     StatePlacement,
     Stream,
+    StreamedStepCosts,
     TimelineInterval,
     parse_bytes,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "SimulationResult",
     "StatePlacement",
     "Stream",
+    "StreamedStepCosts",
     "TimelineInterval",
     "build_regions",
     "check_speculative_params",

@@ -3,11 +3,12 @@
     offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json] [-o PLAN.json]
                   [--block-search-range 128MiB] [--in-use 64MiB] [--micro-batches K]
                   [--host-step-after-backward | --speculative-step-cost X
-                   [--speculative-params N]]
+                   [--speculative-params N]] [--streamed UP,DOWN,SLOT]
     python -m offload_solver PROFILE.json --budget 16GiB
 
-Prints one line per region (operations, MiB, placement, optimizer state, backward prefetch
-host) and the predicted peak and step time. Bad input prints a message and exits with 2.
+Prints one line per region (operations, MiB, placement, optimizer state: ``device``,
+``host`` or ``streamed``, backward prefetch host) and the predicted peak and step time.
+Bad input prints a message and exits with 2.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from offload_solver.hardware import default_hardware
-from offload_solver.model import HardwareProfile, ModelProfile, Plan, parse_bytes
+from offload_solver.model import (
+    HardwareProfile,
+    ModelProfile,
+    Plan,
+    StatePlacement,
+    StreamedStepCosts,
+    parse_bytes,
+)
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
 from offload_solver.solvers import SOLVERS
@@ -80,8 +88,35 @@ def _parser() -> argparse.ArgumentParser:
         help="how many host-state parameters may step under backward, the regions whose "
         "gradients land first (undo buffers for the rest do not fit; default: all)",
     )
+    p.add_argument(
+        "--streamed",
+        default=None,
+        metavar="UP,DOWN,SLOT",
+        help="let host-state regions that do not step speculatively be stepped on the "
+        "device instead (state 'streamed') where that shortens the step: bytes per "
+        "parameter copied up and down for such a step and the device ring's size, e.g. "
+        "10,10,2GiB (default: none streamed)",
+    )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
+
+
+def parse_streamed(text: str) -> StreamedStepCosts:
+    """``UP,DOWN,SLOT`` (bytes per parameter up and down, the ring's size, e.g.
+    ``10,10,2GiB``) as :class:`StreamedStepCosts`; ``ValueError`` naming the format."""
+    parts = [x.strip() for x in text.split(",")]
+    if len(parts) != 3:
+        raise ValueError(
+            f"--streamed {text!r}: write UP,DOWN,SLOT, the bytes per parameter copied up "
+            "and down and the device ring's size, e.g. 10,10,2GiB"
+        )
+    try:
+        up, down = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(
+            f"--streamed {text!r}: UP and DOWN must be numbers of bytes per parameter"
+        ) from None
+    return StreamedStepCosts(up, down, parse_bytes(parts[2]))
 
 
 def _read(path: Path, what: str) -> str:
@@ -93,8 +128,11 @@ def _read(path: Path, what: str) -> str:
 
 def format_plan(plan: Plan) -> str:
     """A short table of the plan's regions and its predictions."""
+    # The state column is as wide as its longest value ("streamed" only when present).
+    sw = max([6] + [len(rp.state.value) for rp in plan.regions])
     lines = [
-        f"{'region':>6} {'ops':>13} {'MiB':>10} {'placement':>9} {'state':>6} {'prefetch_at':>11}"
+        f"{'region':>6} {'ops':>13} {'MiB':>10} {'placement':>9} {'state':>{sw}} "
+        f"{'prefetch_at':>11}"
     ]
     for rp in plan.regions:
         reg = rp.region
@@ -103,12 +141,14 @@ def format_plan(plan: Plan) -> str:
         pin = "*" if reg.pinned else ""
         lines.append(
             f"{reg.index:>6} {ops:>13} {reg.size_bytes / MiB:>10.2f} "
-            f"{rp.placement.value + pin:>9} {rp.state.value:>6} {pf:>11}"
+            f"{rp.placement.value + pin:>9} {rp.state.value:>{sw}} {pf:>11}"
         )
     n_off = sum(rp.placement.value != "resident" for rp in plan.regions)
+    n_streamed = sum(rp.state is StatePlacement.STREAMED for rp in plan.regions)
+    streamed = f", {n_streamed} streamed" if n_streamed else ""
     lines.append("(* pinned: owns a parameter used outside its operations)")
     lines.append(
-        f"solver {plan.solver}: {n_off}/{len(plan.regions)} regions offloaded; "
+        f"solver {plan.solver}: {n_off}/{len(plan.regions)} regions offloaded{streamed}; "
         f"predicted peak {plan.predicted_peak_bytes / GiB:.3f} GiB of "
         f"{plan.budget_bytes * BUDGET_SAFETY_FACTOR / GiB:.3f} GiB planned "
         f"({BUDGET_SAFETY_FACTOR} x budget {plan.budget_bytes / GiB:.3f} GiB), "
@@ -145,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_step_after_backward=args.host_step_after_backward,
             speculative_step_cost=args.speculative_step_cost,
             speculative_params=args.speculative_params,
+            streamed=None if args.streamed is None else parse_streamed(args.streamed),
         )
         if args.output is not None:
             try:

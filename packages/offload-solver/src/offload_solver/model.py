@@ -51,10 +51,18 @@ class ParamPlacement(str, Enum):
 
 
 class StatePlacement(str, Enum):
-    """Where a region's master weights and optimizer state live."""
+    """Where a region's master weights and optimizer state live, and where it steps."""
 
     DEVICE = "device"
+    """On the device (RESIDENT regions only); stepped on the device."""
     HOST = "host"
+    """In pinned host memory; stepped by the host CPU."""
+    STREAMED = "streamed"
+    """In pinned host memory, as for HOST, but stepped on the device: after backward the
+    runtime copies the region's state (and gradient) up into a ring of device buffers,
+    steps it there and copies the result back down (:class:`StreamedStepCosts`; see
+    [Note: streamed steps] in ``offload_solver.simulators._engine``). Any parameter
+    placement."""
 
 
 class Stream(str, Enum):
@@ -483,6 +491,47 @@ class HardwareProfile:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
 
 
+@dataclass(frozen=True)
+class StreamedStepCosts:
+    """What the runtime moves and holds to step a STREAMED region on the device.
+
+    For W4's runtime (fp32 master, bf16 moments, fp16 training): 10 bytes per parameter
+    up (4 master + 2 x 2 moments + 2 fp16 gradient) and 10 down (4 master + 2 x 2 moments
+    + 2 fp16 parameters).
+    """
+
+    up_bytes_per_param: float
+    """Bytes per parameter element copied host-to-device before the device step."""
+    down_bytes_per_param: float
+    """Bytes per parameter element copied device-to-host after the device step."""
+    slot_bytes: int
+    """Device bytes of the ring of buffers the runtime holds while a step's streamed
+    regions are in flight (every slot together)."""
+
+    def __post_init__(self) -> None:
+        for name in ("up_bytes_per_param", "down_bytes_per_param"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value < math.inf
+            ):
+                raise ValueError(
+                    f"StreamedStepCosts.{name} is {value!r}; must be a finite number of "
+                    "bytes per parameter element > 0"
+                )
+        if isinstance(self.slot_bytes, bool) or not isinstance(self.slot_bytes, int):
+            raise ValueError(
+                f"StreamedStepCosts.slot_bytes is {self.slot_bytes!r}; must be an int "
+                "number of device bytes > 0"
+            )
+        if self.slot_bytes <= 0:
+            raise ValueError(
+                f"StreamedStepCosts.slot_bytes is {self.slot_bytes}; the ring of device "
+                "buffers needs > 0 bytes"
+            )
+
+
 # --------------------------------------------------------------------------------------
 # Plan
 # --------------------------------------------------------------------------------------
@@ -534,8 +583,10 @@ class TimelineInterval:
     kind: str
     """What runs: ``fwd``, ``bwd``, ``upload``, ``prefetch``, ``grad_offload``,
     ``grad_widen``, ``host_step``, ``publish``, ``device_step``, ``param_upload`` (see
-    [Note: step model] in ``offload_solver.simulators._engine``; plans written before
-    may also hold ``grad_partial``, a host pass no longer modelled)."""
+    [Note: step model] in ``offload_solver.simulators._engine``), and for STREAMED
+    regions ``stream_up``, ``stream_step``, ``stream_down`` and ``stream_contention``
+    ([Note: streamed steps]); plans written before may also hold ``grad_partial``, a host
+    pass no longer modelled."""
     start_s: float
     end_s: float
 
@@ -574,9 +625,16 @@ class Plan:
     solve_time_s: float = 0.0
     num_simulations: int = 0
     schema_version: int = SCHEMA_VERSION
+    streamed: StreamedStepCosts | None = None
+    """The costs the plan's STREAMED regions were planned with (``solve(...,
+    streamed=)``); ``None`` when no region is STREAMED. Left out of the JSON when
+    ``None``, so plans without STREAMED regions read as they did before it existed."""
 
     def to_json(self) -> str:
-        return json.dumps(_to_jsonable(self), indent=1)
+        data = _to_jsonable(self)
+        if self.streamed is None:
+            del data["streamed"]
+        return json.dumps(data, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -628,6 +686,11 @@ class Plan:
                 hardware_name=_get(data, "hardware_name", str, default=""),
                 solve_time_s=float(_get(data, "solve_time_s", (int, float), default=0.0)),
                 num_simulations=_get(data, "num_simulations", int, default=0),
+                streamed=(
+                    None
+                    if data.get("streamed") is None
+                    else _record(StreamedStepCosts, data["streamed"], "streamed")
+                ),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed Plan JSON: missing or mistyped field {exc}") from exc
@@ -752,6 +815,7 @@ __all__ = [
     "RegionPlan",
     "StatePlacement",
     "Stream",
+    "StreamedStepCosts",
     "TimelineInterval",
     "parse_bytes",
     "validate_profile",

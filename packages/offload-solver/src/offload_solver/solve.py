@@ -16,6 +16,9 @@ The steps, shared by every solver strategy:
    the fewest resident bytes). If even that does not fit, raise
    :class:`InfeasibleBudgetError` naming the least budget at which step 4 succeeds, so
    solving again with it always succeeds.
+5. With ``streamed`` costs, step some host-state regions on the device instead where
+   that shortens the repeating step within the budget ([Note: streamed search] in
+   ``solvers._streamed``).
 
 All planning is against ``budget * BUDGET_SAFETY_FACTOR``, less ``device_bytes_in_use``
 (measured bytes that stay allocated beside the plan's, charged whole).
@@ -34,12 +37,14 @@ from offload_solver.model import (
     Plan,
     RegionPlan,
     StatePlacement,
+    StreamedStepCosts,
 )
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_BYTES
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
 from offload_solver.solvers._search import GreedySearch, SolveStats
+from offload_solver.solvers._streamed import place_streamed
 
 BUDGET_SAFETY_FACTOR = 0.95
 """Solvers plan against this fraction of the budget: the simulator's estimates of memory
@@ -102,6 +107,7 @@ def solve(
     speculative_params: int | None = None,
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
+    streamed: StreamedStepCosts | None = None,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -140,6 +146,14 @@ def solve(
     accumulation). The predicted step time is then per optimizer step, all micro-batches
     included (see [Note: micro-batches] in ``simulators._engine``), and the solver weighs
     the parameters' uploads, paid in every micro-batch, against the host step, paid once.
+    ``streamed``: what the runtime moves per parameter and holds on the device to step a
+    host-state region on the device (:class:`StreamedStepCosts`). Given, once the plan
+    above is chosen, regions whose host step does not run speculatively may become
+    ``StatePlacement.STREAMED`` where the simulated repeating step gets shorter and the
+    peak, the ring of buffers included, still fits ([Note: streamed search] in
+    ``solvers._streamed``; [Note: streamed steps] in ``simulators._engine``). The plan
+    then records the costs (``Plan.streamed``). ``None`` (default): no region is
+    STREAMED.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -163,6 +177,7 @@ def solve(
         speculative_step_cost=speculative_step_cost,
         speculative_params=speculative_params,
         micro_batches=micro_batches,
+        streamed=streamed,
     )
     cap = budget * BUDGET_SAFETY_FACTOR - in_use
     stats = SolveStats()
@@ -195,10 +210,13 @@ def solve(
             search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
         steady = search.steady()
+    if streamed is not None:
+        chosen, result, steady = place_streamed(ctx, simulator, cap, stats, chosen, result, steady)
 
     # The timeline and memory curves are the cold step's; the step time is the period of
     # the repeating step (see [Note: steady state] in ``simulators._engine``).
-    detail = to_result(ctx, result, steady.period_s)
+    detail = to_result(ctx, result, steady.period_s, steady.last.stream_peak_bytes)
+    any_streamed = any(a.state is StatePlacement.STREAMED for a in chosen)
     regions = tuple(
         RegionPlan(
             region=ctx.regions[r],
@@ -223,6 +241,7 @@ def solve(
         hardware_name=hardware.name,
         solve_time_s=time.perf_counter() - t0,
         num_simulations=stats.num_simulations,
+        streamed=streamed if any_streamed else None,
     )
 
 

@@ -130,6 +130,57 @@ seen on the workloads measured). Solvers rank candidates on the cold step (its s
 and compare steady-state periods where they accept a change of step time (optimizer
 placement).
 
+[Note: streamed steps]
+A STREAMED region (``StatePlacement.STREAMED``, costs in ``SimulationContext.streamed``,
+a :class:`~offload_solver.model.StreamedStepCosts`) keeps its master weights and moments
+in pinned host memory, as a HOST region does (no device state; it may be offloaded or
+resident), but is stepped on the device, as the runtime's v1 does it:
+- Its gradient goes down and its host gradient work runs exactly as a HOST region's
+  (``grad_offload``, ``grad_widen``), and its gradient-ready hook runs when that ends.
+- It never steps speculatively and takes no speculative buffers (``may_speculate`` skips
+  it when counting ``speculative_params``). Where its host step would run were it a HOST
+  region outside the speculating set (in its hook once backward has ended with
+  ``host_step_after_backward``, else queued in forward order when ``step()`` has seen
+  every hook), the host lane gets a ``stream_contention`` task instead: what its pinned
+  copies of the step (gradient down, its parameter uploads as a HOST region's, state up
+  and down) cost the host, ``t / 2 * (1 / c - 1)`` per second of copy as above. It stands
+  for the slower host steps of the other regions while those copies run; none when ``c``
+  is 1.
+- The host worker issues a streamed region's device step where it would step it were it
+  a HOST region outside the speculating set, without waiting for it: in its hook when
+  that runs after backward with ``host_step_after_backward``; otherwise at the start of
+  the job that ``step()`` queues for the deferred regions, once the worker has done
+  everything queued before it (the hooks, and the steps taken in them), all of the job's
+  streamed regions at once, in forward order, before its host steps. (bf16 and fp32 need
+  no answer and could issue earlier, as gradients land; that is not modelled: the runtime
+  leaves them to ``step()`` too.) Each gets three tasks, every lane FIFO by issue:
+  1. ``stream_up`` on H2D, ``numel * up_bytes_per_param`` bytes, issued then and put on
+     the lane as post-step uploads are, at the next issue point (after uploads issued
+     at the same instant);
+  2. ``stream_step`` on COMPUTE, ``device_step_s``, at the first compute-lane issue point
+     after the copy up ends (or as soon as both are free while the compute lane waits on
+     the host or after the step's compute has ended): the forward is not held behind a
+     copy still running;
+  3. ``stream_down`` on D2H, ``numel * down_bytes_per_param`` bytes, after the step.
+  The region is then published as a HOST region is after its host step: a RESIDENT
+  region's post-step ``param_upload`` is issued when the copy down ends, and its next
+  forward waits for that upload; an offloaded region's next upload or prefetch waits for
+  the copy down. Nothing else serializes them (a ring of 2-3 slots keeps up with equal
+  copy rates up and down).
+- Memory: the runtime holds a ring of ``slot_bytes`` device bytes from the first copy
+  up's start to the last copy down's end of a step's streamed regions. The cold step
+  places its streamed work after its device-state steps, where the ring shows in its
+  memory curve and peak (with the gradients still on their way down). In the repeating
+  step that work runs under the next step's forward instead, which the forward's
+  activations share: a gated step records that window (``carried_stream_window``) and
+  ``stream_peak_bytes``, the ring plus the forward's activations at their highest in it,
+  and the peak a simulation or plan reports is the larger of the two (the memory curve
+  stays the cold step's).
+- Steady state: a step's streamed work is carried whole (``Carry.streams``: issue times)
+  and runs in the next step, each region's forward waiting for its own (the host blocks;
+  the lanes run the streamed work queued before it meanwhile); the lane-free times
+  carried are those before it.
+
 [Note: micro-batches]
 With gradient accumulation an optimizer step runs ``micro_batches`` forward and backward
 passes and steps once, after the last. The step modelled above is then the last
@@ -160,6 +211,7 @@ from offload_solver.model import (
     Region,
     StatePlacement,
     Stream,
+    StreamedStepCosts,
     TimelineInterval,
 )
 from offload_solver.regions import (
@@ -177,6 +229,7 @@ LANES = (Stream.COMPUTE, Stream.H2D, Stream.D2H, Stream.HOST)
 KIND_FWD, KIND_BWD, KIND_UPLOAD, KIND_PREFETCH = 0, 1, 2, 3
 KIND_GRAD_OFFLOAD, KIND_HOST_STEP, KIND_DEVICE_STEP, KIND_PARAM_UPLOAD = 4, 5, 6, 7
 KIND_GRAD_WIDEN, KIND_PUBLISH = 8, 9
+KIND_STREAM_UP, KIND_STREAM_STEP, KIND_STREAM_DOWN, KIND_STREAM_CONTENTION = 10, 11, 12, 13
 KINDS = (
     "fwd",
     "bwd",
@@ -188,6 +241,10 @@ KINDS = (
     "param_upload",
     "grad_widen",
     "publish",
+    "stream_up",
+    "stream_step",
+    "stream_down",
+    "stream_contention",
 )
 
 
@@ -206,7 +263,9 @@ class SimulationResult:
     """Everything a simulation of one step predicts."""
 
     peak_bytes: int
-    """Peak device bytes with offloaded regions held in the pool."""
+    """Peak device bytes with offloaded regions held in the pool. With STREAMED regions
+    it also covers the ring of device buffers held into the next step's forward, which
+    the cold step's ``memory_curve`` does not show ([Note: streamed steps])."""
     step_time_s: float
     """Seconds from the cold step's start until its last lane goes idle: the span of
     ``timeline``."""
@@ -256,6 +315,7 @@ class SimulationContext:
         speculative_step_cost: float = 1.0,
         micro_batches: int = 1,
         speculative_params: int | None = None,
+        streamed: StreamedStepCosts | None = None,
     ):
         if not 1.0 <= speculative_step_cost < math.inf:
             raise ValueError(
@@ -265,6 +325,11 @@ class SimulationContext:
             raise ValueError(f"micro_batches must be an int, got {micro_batches!r}")
         if micro_batches < 1:
             raise ValueError(f"micro_batches is {micro_batches}; an optimizer step needs >= 1")
+        if streamed is not None and not isinstance(streamed, StreamedStepCosts):
+            raise ValueError(f"streamed must be None or a StreamedStepCosts, got {streamed!r}")
+        self.streamed = streamed
+        """What the runtime moves and holds for a STREAMED region's device step (None: no
+        region may be STREAMED). See [Note: streamed steps]."""
         self.micro_batches = micro_batches
         """Forward and backward passes per optimizer step (gradient accumulation): see
         [Note: micro-batches]."""
@@ -344,6 +409,16 @@ class SimulationContext:
         the host: widening, Adam and publish."""
         self.device_step_s = [n / hw.device_adam_params_per_s for n in self.numel]
         self.state_bytes = [n * profile.device_state_bytes_per_param for n in self.numel]
+        # STREAMED regions (see [Note: streamed steps]): the state's copies up and down; the
+        # device step is ``device_step_s``.
+        up_pp = streamed.up_bytes_per_param if streamed is not None else 0.0
+        down_pp = streamed.down_bytes_per_param if streamed is not None else 0.0
+        self.stream_up_s = [hw.h2d_time_s(math.ceil(n * up_pp)) for n in self.numel]
+        """Per region, seconds of a STREAMED step's state copy up (0 without costs)."""
+        self.stream_down_s = [hw.d2h_time_s(math.ceil(n * down_pp)) for n in self.numel]
+        """Per region, seconds of a STREAMED step's state copy down (0 without costs)."""
+        self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
+        """Device bytes of the ring of buffers held while streamed steps are in flight."""
 
         fwd_op = [hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
         bwd_op = [hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
@@ -403,6 +478,7 @@ class SimulationContext:
         speculative_step_cost: float = 1.0,
         micro_batches: int = 1,
         speculative_params: int | None = None,
+        streamed: StreamedStepCosts | None = None,
     ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
         layout = build_regions(
@@ -416,6 +492,7 @@ class SimulationContext:
             speculative_step_cost=speculative_step_cost,
             micro_batches=micro_batches,
             speculative_params=speculative_params,
+            streamed=streamed,
         )
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
@@ -433,6 +510,11 @@ class SimulationContext:
                 f"assignment has {len(assignment)} entries; the layout has {n} regions"
             )
         for r, a in enumerate(assignment):
+            if a.state is StatePlacement.STREAMED and self.streamed is None:
+                raise ValueError(
+                    f"region {r} is streamed, but the simulation has no StreamedStepCosts; "
+                    "build the SimulationContext with streamed=StreamedStepCosts(...)"
+                )
             if a.placement is not ParamPlacement.RESIDENT:
                 if self.pinned[r]:
                     raise ValueError(
@@ -486,6 +568,10 @@ class Carry:
     uploads: tuple[tuple[float, int], ...]
     """(issue time, region) of the previous step's post-step uploads not yet on the H2D
     lane, in issue order: they share it with this step's forward prefetches."""
+    streams: tuple[tuple[float, int], ...] = ()
+    """(issue time, region) of the previous step's streamed steps, in issue order: all
+    of their work (state up, device step, state down, post-step upload) runs in this
+    step, and each region's forward waits for its own ([Note: streamed steps])."""
 
 
 class EngineRun:
@@ -519,6 +605,9 @@ class EngineRun:
         self.pf_f_task: list[int] = []
         self.pf_b_task: list[int] = []
         self.host_task: list[int] = []
+        self.stepped_early: list[bool] = []
+        """Per region, whether its host step ran in its gradient hook while backward ran
+        (speculatively)."""
         self.h2d_free_at_reach_f: list[float] = []
         """H2D lane free time when the compute lane reaches region r's forward."""
         self.h2d_free_after_b: list[float] = []
@@ -538,6 +627,20 @@ class EngineRun:
         point (region 0's backward start): placed after everything else on the H2D lane
         here, and carried into the next step's forward by :func:`steady_state`."""
         self.h2d_free_before_tail = 0.0
+        self.tail_streams: list[tuple[float, int]] = []
+        """(issue, region) of this step's streamed steps, in issue order: placed after
+        everything else here, and carried whole into the next step by :func:`steady_state`
+        (see [Note: streamed steps])."""
+        self.stream_window: tuple[float, float] | None = None
+        """(first state copy's start, last state copy's end) of this step's own streamed
+        steps, while the ring of device buffers is held; ``None`` without any."""
+        self.carried_stream_window: tuple[float, float] | None = None
+        """The same for the previous step's streamed steps, run in this one (gated steps)."""
+        self.stream_peak_bytes = 0
+        """Peak device bytes while the ring is held, over both windows, at most (0
+        without streamed steps; exact but where activations and gradients meet only in
+        sequence at one instant): the cold step's own window is in ``peak_bytes`` too, a
+        gated step's carried one only here."""
         self.compute_end_s = 0.0
         """When the compute lane finishes (backward, then the device-state optimizer steps
         that ``step()`` queues when it returns): when the next step can start."""
@@ -573,12 +676,13 @@ def run(
     as the previous step left things (see [Note: steady state]). ``optimizer_step=False``
     simulates a micro-batch that only accumulates gradients (see [Note: micro-batches]):
     host-state regions' gradients are copied and accumulated on the host, and nothing
-    steps.
+    steps. STREAMED regions: [Note: streamed steps].
     """
     n_reg = ctx.num_regions
     out = EngineRun()
     codes = [_CODES[a.placement] for a in assignment]
     device = [a.state is StatePlacement.DEVICE for a in assignment]
+    streamed = [a.state is StatePlacement.STREAMED for a in assignment]
     pf_at = [a.prefetch_at if a.prefetch_at is not None else -1 for a in assignment]
     out.codes, out.device_state, out.prefetch_at = codes, device, pf_at
     up, fwd_s, bwd_s = ctx.upload_s, ctx.fwd_s, ctx.bwd_s
@@ -616,11 +720,99 @@ def run(
     # issue order. They go on the lane at the compute lane's next issue point.
     pending: deque[tuple[float, int, int]] = deque()
     h2d_free = d2h_free = host_free = 0.0
-    last_h = -1
+    last_h = last_d = -1
+    t = 0.0
+    last_c = -1
+
+    # Streamed steps (see [Note: streamed steps]): state copies up not yet on the H2D lane,
+    # (issue, region); device steps whose state is up, (up end, region, up task); and
+    # post-step uploads of RESIDENT streamed regions, (issue: the copy down's end, region,
+    # down task). Each in issue order; ``s_gate[r]``: when region r's copy down ends (inf
+    # until it is placed).
+    s_ups: deque[tuple[float, int]] = deque()
+    s_steps: deque[tuple[float, int, int]] = deque()
+    s_pub: deque[tuple[float, int, int]] = deque()
+    s_gate = [math.inf] * n_reg
+    s_pred = [-1] * n_reg  # the task each state copy up waits for (its region's hook)
+    s_late: list[tuple[float, int]] = []  # (issue, region) of those issued in their hooks
+    s_win = [math.inf, _NEVER]  # (first copy up's start, last copy down's end)
+    sup, sdown, dstep = ctx.stream_up_s, ctx.stream_down_s, ctx.device_step_s
+
+    def stream_step() -> None:
+        """Put the first device step whose state is up on the compute lane, as soon as both
+        are free, and its state's copy down on D2H after it."""
+        nonlocal t, last_c, d2h_free, last_d
+        ue, pr, ut = s_steps.popleft()
+        cf = t_end[last_c] if last_c >= 0 else 0.0
+        s = ue if ue > cf else cf
+        e = s + dstep[pr]
+        last_c = add(LANE_COMPUTE, pr, KIND_STREAM_STEP, s, e, last_c, ut)
+        if e > t:
+            t = e
+        s = e if e > d2h_free else d2h_free
+        e = s + sdown[pr]
+        last_d = add(LANE_D2H, pr, KIND_STREAM_DOWN, s, e, last_d, last_c)
+        d2h_free = s_gate[pr] = e
+        if e > s_win[1]:
+            s_win[1] = e
+        if codes[pr] == RESIDENT:
+            s_pub.append((e, pr, last_d))
+
+    def stream_drain(until: float) -> None:
+        """:func:`drain` while streamed work is queued: the device steps whose state is up
+        by ``until``, then the H2D task issued first (post-step uploads before streamed
+        ones, and those before copies up, on ties), until none issued by ``until`` is
+        left."""
+        nonlocal h2d_free, last_h
+        while True:
+            if s_steps and s_steps[0][0] <= until:
+                stream_step()
+                continue
+            first, src = until, 0
+            if pending and pending[0][0] <= first:
+                first, src = pending[0][0], 1
+            if s_pub and s_pub[0][0] <= first and (src == 0 or s_pub[0][0] < first):
+                first, src = s_pub[0][0], 2
+            if s_ups and s_ups[0][0] <= first and (src == 0 or s_ups[0][0] < first):
+                src = 3
+            if src == 0:
+                return
+            if src == 3:
+                issue, pr = s_ups.popleft()
+                s = issue if issue > h2d_free else h2d_free
+                e = s + sup[pr]
+                last_h = add(LANE_H2D, pr, KIND_STREAM_UP, s, e, last_h, s_pred[pr])
+                h2d_order.append(last_h)
+                h2d_free = e
+                s_steps.append((e, pr, last_h))
+                if s < s_win[0]:
+                    s_win[0] = s
+                continue
+            issue, pr, ht = pending.popleft() if src == 1 else s_pub.popleft()
+            s = issue if issue > h2d_free else h2d_free
+            e = s + up[pr]
+            last_h = add(LANE_H2D, pr, KIND_PARAM_UPLOAD, s, e, last_h, ht)
+            h2d_order.append(last_h)
+            h2d_free = param_upload_end[pr] = e
+
+    def settle(r: int) -> None:
+        """The host blocks until region r's streamed step, carried from the previous step,
+        is back down; meanwhile the lanes run the streamed work queued before it."""
+        nonlocal t
+        while s_gate[r] == math.inf and (s_steps or s_ups):
+            if s_steps:
+                stream_step()
+            else:
+                stream_drain(s_ups[0][0])
+        if s_gate[r] > t:
+            t = s_gate[r]
 
     def drain(until: float) -> None:
         """Put the pending uploads issued at or before ``until`` on the H2D lane."""
         nonlocal h2d_free, last_h
+        if s_ups or s_steps or s_pub:
+            stream_drain(until)
+            return
         while pending and pending[0][0] <= until:
             issue, pr, ht = pending.popleft()
             s = issue if issue > h2d_free else h2d_free
@@ -631,20 +823,27 @@ def run(
 
     gated = carry is not None
     gate: Sequence[float] = ()
+    s_carried = [False] * n_reg  # regions whose streamed step of the previous step runs now
+    carried_any = False
     if carry is not None:
         h2d_free, d2h_free, host_free = carry.h2d_free_s, carry.d2h_free_s, carry.host_free_s
         gate = carry.gate_s
         pending.extend((s, r, -1) for s, r in carry.uploads)
+        if carry.streams:
+            s_ups.extend(carry.streams)
+            for _, r in carry.streams:
+                s_carried[r] = True
+            carried_any = True
 
     # ---- forward
-    t = 0.0
-    last_c = -1
     pf_issue = [0.0] * n_reg  # when each region's current prefetch was issued
     if n_reg and codes[0] == ASYNC:
         if gated:
             # The prefetch call blocks the host until the region's update is done.
             if gate[0] > t:
                 t = gate[0]
+            if carried_any and s_carried[0]:
+                settle(0)
             drain(t)
         s = t if t > h2d_free else h2d_free
         e = s + up[0]
@@ -664,6 +863,11 @@ def run(
                 t = gate[r]
             if prefetch_q and gate[q] > t:
                 t = gate[q]
+            if carried_any:
+                if c == SYNC and s_carried[r]:
+                    settle(r)
+                if prefetch_q and s_carried[q]:
+                    settle(q)
             drain(t)
         reach = t
         reach_f[r] = reach
@@ -692,6 +896,8 @@ def run(
             # (on the device) for the upload that update issued.
             if gate[r] > t:
                 t = gate[r]
+            if carried_any and s_carried[r]:
+                settle(r)
             drain(t)
             if param_upload_end[r] > t:
                 t = param_upload_end[r]
@@ -704,6 +910,9 @@ def run(
     if gated:
         # This step's own post-step uploads are told apart from the carried ones by these.
         param_upload_end[:] = [_NEVER] * n_reg
+    if carried_any and s_win[1] > _NEVER:
+        out.carried_stream_window = (s_win[0], s_win[1])
+        s_win[:] = [math.inf, _NEVER]
 
     # ---- backward
     by_host: list[list[int]] = [[] for _ in range(n_reg)]
@@ -716,9 +925,10 @@ def run(
     b_task = [-1] * n_reg
     pf_b_task = [-1] * n_reg
     host_task = [-1] * n_reg
+    stepped_early = [False] * n_reg
     free_after_b = [0.0] * n_reg
     pos_after_b = [0] * n_reg
-    last_d = last_o = -1
+    last_o = -1
     in_flight: deque[tuple[float, int]] = deque()  # (copy end, bytes), in copy order
     level = 0
     dyn = ctx.act_fwd_max
@@ -756,11 +966,13 @@ def run(
     early_cost = ctx.speculative_step_cost / ctx.hardware.host_copy_contention
     # Regions that may step in their hooks: with a parameter limit, the host-state
     # regions from the last one down until the first that would pass it.
-    may_speculate = [True] * n_reg
+    # STREAMED regions never step speculatively and need no undo buffers.
+    stream_any = optimizer_step and any(streamed)
+    may_speculate = [not x for x in streamed] if stream_any else [True] * n_reg
     if ctx.speculative_params is not None:
         left = ctx.speculative_params
         for r in range(n_reg - 1, -1, -1):
-            if device[r] or numel[r] == 0:
+            if device[r] or numel[r] == 0 or streamed[r]:
                 continue
             if numel[r] > left:
                 may_speculate[: r + 1] = [False] * (r + 1)
@@ -779,6 +991,7 @@ def run(
         s = ready_s if ready_s > host_free else host_free
         if early:
             e = s + hs[r] * early_cost
+            stepped_early[r] = True
         else:
             e = s + hs[r]
             if contention:
@@ -792,6 +1005,23 @@ def run(
         update_end[r] = e
         if codes[r] == RESIDENT:
             pending.append((e, r, last_o))
+
+    def stream_host(r: int, ready_s: float, pred: int) -> None:
+        """Where a STREAMED region's host step would run: the host seconds its pinned copies
+        of the step take from host work (see [Note: streamed steps]); none without
+        contention."""
+        nonlocal host_free, last_o
+        if not contention:
+            return
+        s = ready_s if ready_s > host_free else host_free
+        copies = gd[r] + (1 if codes[r] == RESIDENT else 2) * up[r] + sup[r] + sdown[r]
+        e = s + contention * copies
+        last_o = host_task[r] = add(LANE_HOST, r, KIND_STREAM_CONTENTION, s, e, last_o, pred)
+        host_free = e
+
+    def hooked(r: int, task: int) -> None:
+        """Record the task that ends streamed region r's gradient work (its hook runs then)."""
+        s_pred[r] = task
 
     def hooks_before(limit: float) -> None:
         """Without ``after_backward``: step, as their gradient work ends, the landed regions
@@ -809,6 +1039,8 @@ def run(
             if may_speculate[r]:
                 update(r, e, ready, early=True)
             else:
+                if stream_any and streamed[r]:
+                    hooked(r, ready)
                 deferred.append(r)  # no speculative buffers: steps after the last hook
 
     for r in range(n_reg - 1, -1, -1):
@@ -909,7 +1141,15 @@ def run(
         # after that step as they land; the others then, in forward order.
         for r, land, ready in landed:
             e, ready = grad_work_of(r, land, ready)
-            if e > bwd_end:
+            if stream_any and streamed[r]:
+                hooked(r, ready)
+                if e > bwd_end:
+                    # Issued in its hook, where a host-state region would step.
+                    s_late.append((e, r))
+                    stream_host(r, e, ready)
+                else:
+                    deferred.append(r)
+            elif e > bwd_end:
                 update(r, e, ready)
             else:
                 deferred.append(r)
@@ -920,7 +1160,9 @@ def run(
         last_copy = d2h_free
         hooks_before(last_copy)
         for r, land, ready in landed:
-            grad_work_of(r, land, ready)
+            e, ready = grad_work_of(r, land, ready)
+            if stream_any and streamed[r]:
+                hooked(r, ready)
             deferred.append(r)
         first_s, first_pred = host_free, last_o
     landed.clear()
@@ -930,17 +1172,35 @@ def run(
     released = t
     if optimizer_step and not after_backward and hooks_ran and host_free > t:
         released = host_free
+    # The deferred regions' job starts on the host worker once it is free: it issues the
+    # streamed ones first, in forward order, then steps the others (see the note).
+    job_s = first_s if first_s > host_free else host_free
     for r in sorted(deferred):
-        update(r, first_s, first_pred)
+        if stream_any and streamed[r]:
+            stream_host(r, first_s, first_pred)
+        else:
+            update(r, first_s, first_pred)
+    own = s_late + [(job_s, r) for r in sorted(deferred) if stream_any and streamed[r]]
     out.h2d_free_before_tail = h2d_free
     out.tail_uploads = [(issue, pr) for issue, pr, _ in pending]
-    drain(float("inf"))
+    d2h_carried = d2h_free
+    if not own:
+        drain(float("inf"))
     t = released
     for r in range(n_reg):
         if device[r] and optimizer_step:
             e = t + ctx.device_step_s[r]
             last_c = add(LANE_COMPUTE, r, KIND_DEVICE_STEP, t, e, last_c, -1)
             t = e
+    compute_end = t
+    if own:
+        # After the device-state steps on the compute lane; in the steady state all of it
+        # runs in the next step instead (carried as ``tail_streams``).
+        out.tail_streams = own
+        s_ups.extend(own)
+        drain(float("inf"))
+        out.stream_window = (s_win[0], s_win[1])
+    stream_end, t = t, compute_end
 
     out.reach_f, out.cs_f, out.ce_f, out.f_task, out.pf_f_task = (
         reach_f,
@@ -957,19 +1217,95 @@ def run(
         pf_b_task,
     )
     out.host_task = host_task
+    out.stepped_early = stepped_early
     out.h2d_free_at_reach_f = free_at_reach_f
     out.h2d_free_after_b, out.h2d_pos_after_b = free_after_b, pos_after_b
     out.compute_end_s = t
-    out.host_free_end, out.d2h_free_end = host_free, d2h_free
-    out.step_time_s = max(t, h2d_free, d2h_free, host_free)
+    out.host_free_end, out.d2h_free_end = host_free, d2h_carried
+    out.step_time_s = max(t, stream_end, h2d_free, d2h_free, host_free)
     out.dyn_peak_bytes = dyn
     out.static_bytes = sum(
         (ctx.state_bytes[r] if device[r] else 0) + (size[r] if codes[r] == RESIDENT else 0)
         for r in range(n_reg)
     )
     _assign_pool(ctx, out)
-    out.peak_bytes = out.static_bytes + out.pool_bytes + dyn
+    stream_dyn = _stream_level(ctx, out, dyn)
+    out.peak_bytes = out.static_bytes + out.pool_bytes + max(dyn, stream_dyn)
+    if stream_dyn:
+        out.stream_peak_bytes = out.static_bytes + out.pool_bytes + stream_dyn
+        if not gated:
+            # The cold step's peak is its memory curve's, exactly: the level above can add
+            # activations and gradients that meet only in sequence at one instant.
+            out.peak_bytes = max(m.bytes for m in _memory_curves(ctx, out)[0])
     return out
+
+
+def _stream_level(ctx: SimulationContext, out: EngineRun, dyn: int) -> int:
+    """Dynamic device bytes (above the static bytes and the pool) while the ring of
+    streamed-step buffers is held, at most: 0 without streamed steps (see [Note:
+    streamed steps]). This step's own window opens once every copy of a host-state
+    gradient has landed (without ``host_step_after_backward``) or after backward: the
+    ring, the activations of whatever backward is left (device-state regions) and the
+    gradients still on their way down, which only leave by then. The previous step's, in
+    a gated step, overlaps this step's forward: the ring and the forward's activations at
+    their highest in the window (``dyn``, the whole step's, should it reach backward)."""
+    slot = ctx.stream_slot_bytes
+    level = 0
+    if out.stream_window is not None:
+        ws, we = out.stream_window
+        waiting = sum(nbytes for _, _, copied, nbytes in out.grads if copied > ws)
+        level = slot + _activations_max(ctx, out, ws, we) + waiting
+    if out.carried_stream_window is not None:
+        ws, we = out.carried_stream_window
+        n_reg = ctx.num_regions
+        if n_reg and we > out.ce_f[n_reg - 1]:
+            level = max(level, slot + dyn)
+        else:
+            level = max(level, slot + _activations_max(ctx, out, ws, we))
+    return level
+
+
+def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: float) -> int:
+    """Highest activation bytes of the step ``out`` in the half-open window ``[ws, we)``,
+    as the memory curve counts them: an operation's level while it runs, what remains
+    from its end until the next one starts (an instant level at ``ws`` counts)."""
+    n_reg = ctx.num_regions
+    saved, act_fwd, act_bwd = ctx.saved_prefix, ctx.act_fwd, ctx.act_bwd
+    best = 0
+
+    def scan(
+        r: int, starts: float, offs: Sequence[float], end: float, nxt: float, fwd: bool
+    ) -> bool:
+        """Region r's operations, forward or backward; False once past ``we``."""
+        nonlocal best
+        last = len(offs) - 1
+        for k, off in enumerate(offs):
+            s = starts + off
+            if s >= we:
+                return False
+            e = starts + offs[k + 1] if k < last else end
+            if fwd:
+                j = ctx.op_start[r] + k
+                during, after = act_fwd[j], saved[j + 1]
+            else:
+                j = ctx.op_end[r] - 1 - k
+                during, after = act_bwd[j], saved[j]
+            if (e > ws or s >= ws) and during > best:
+                best = during
+            gap_end = e if k < last else nxt
+            if e < we and (gap_end > ws or e >= ws) and after > best:
+                best = after
+        return True
+
+    for r in range(n_reg):
+        nxt = out.cs_f[r + 1] if r + 1 < n_reg else out.cs_b[n_reg - 1]
+        if not scan(r, out.cs_f[r], ctx.fwd_offsets[r], out.ce_f[r], nxt, True):
+            return best
+    for r in range(n_reg - 1, -1, -1):
+        nxt = out.cs_b[r - 1] if r > 0 else math.inf
+        if not scan(r, out.cs_b[r], ctx.bwd_offsets[r], out.ce_b[r], nxt, False):
+            return best
+    return best
 
 
 STEADY_MAX_STEPS = 12
@@ -999,7 +1335,8 @@ class SteadyState:
 def carry_from(prev: EngineRun, period_s: float) -> Carry:
     """What ``prev`` leaves to a step that starts ``period_s`` after it did."""
     gate = [u - period_s for u in prev.update_end]
-    tail = {r for _, r in prev.tail_uploads}
+    # A streamed step runs again in the next step, which waits for it there.
+    tail = {r for _, r in prev.tail_uploads} | {r for _, r in prev.tail_streams}
     for r, e in enumerate(prev.param_upload_end):
         if e != _NEVER and r not in tail:
             gate[r] = e - period_s
@@ -1009,6 +1346,7 @@ def carry_from(prev: EngineRun, period_s: float) -> Carry:
         h2d_free_s=prev.h2d_free_before_tail - period_s,
         gate_s=tuple(gate),
         uploads=tuple((s - period_s, r) for s, r in prev.tail_uploads),
+        streams=tuple((s - period_s, r) for s, r in prev.tail_streams),
     )
 
 
@@ -1020,12 +1358,15 @@ def _effective_times(carry: Carry) -> list[float]:
     floor = 0.0
     if carry.uploads:
         floor = min(floor, carry.uploads[0][0])
+    if carry.streams:
+        floor = min(floor, carry.streams[0][0])
     return [
         max(carry.host_free_s, 0.0),
         max(carry.d2h_free_s, 0.0),
         max(carry.h2d_free_s, floor),
         *(max(g, 0.0) for g in carry.gate_s),
         *(issue for issue, _ in carry.uploads),
+        *(issue for issue, _ in carry.streams),
     ]
 
 
@@ -1033,6 +1374,8 @@ def same_carry(a: Carry, b: Carry, tol_s: float) -> bool:
     """Whether steps started from ``a`` and from ``b`` run alike: the same carried uploads,
     and every time :func:`run` reads within ``tol_s`` seconds (equal ones: the same step)."""
     if [r for _, r in a.uploads] != [r for _, r in b.uploads]:
+        return False
+    if [r for _, r in a.streams] != [r for _, r in b.streams]:
         return False
     return all(
         abs(x - y) <= tol_s for x, y in zip(_effective_times(a), _effective_times(b), strict=True)
@@ -1145,10 +1488,15 @@ def slack(out: EngineRun) -> list[float]:
 
 
 def to_result(
-    ctx: SimulationContext, out: EngineRun, steady_step_time_s: float
+    ctx: SimulationContext,
+    out: EngineRun,
+    steady_step_time_s: float,
+    steady_stream_peak_bytes: int = 0,
 ) -> SimulationResult:
     """Expand a run into per-lane intervals and per-operation memory curves; the steady
-    state's period comes from :func:`steady_state`."""
+    state's period comes from :func:`steady_state`, and with STREAMED regions the peak
+    while its ring overlaps the next forward from its last step's ``stream_peak_bytes``
+    (``steady_stream_peak_bytes``; see [Note: streamed steps])."""
     timeline = tuple(
         TimelineInterval(
             stream=LANES[out.lane[x]],
@@ -1163,7 +1511,7 @@ def to_result(
     pairs = sorted((a, b) for a, nbrs in out.adjacent.items() for b in nbrs if a < b)
     raw_peak = max(m.bytes for m in raw_curve)
     return SimulationResult(
-        peak_bytes=out.peak_bytes,
+        peak_bytes=max(out.peak_bytes, steady_stream_peak_bytes),
         step_time_s=out.step_time_s,
         steady_step_time_s=steady_step_time_s,
         raw_peak_bytes=raw_peak,
@@ -1193,6 +1541,10 @@ def _memory_curves(
     side: list[tuple[float, int, int, int]] = []
     for _, _, copied, nbytes in out.grads:
         side.append((copied, 0, -nbytes, 0))
+    if out.stream_window is not None:
+        # The ring of streamed-step buffers, counted with the gradients (both curves).
+        side.append((out.stream_window[0], 1, ctx.stream_slot_bytes, 0))
+        side.append((out.stream_window[1], 0, -ctx.stream_slot_bytes, 0))
     for r in range(n_reg):
         for s, e in out.lifetimes[r]:
             # Held from its upload's start or prefetch's issue to the end of its compute.

@@ -35,4 +35,5 @@ class Simulator:
         """Simulate the cold step and expand it into timelines and memory curves, with the
         steady state's period (see [Note: steady state] in ``_engine``)."""
         cold = self.run(ctx, assignment)
-        return to_result(ctx, cold, steady_state(ctx, assignment, cold).period_s)
+        steady = steady_state(ctx, assignment, cold)
+        return to_result(ctx, cold, steady.period_s, steady.last.stream_peak_bytes)
