@@ -46,7 +46,7 @@
 #           the host steps the rest, then torch's fused fp32 step the same way
 #           (split_step_bench.py): what a host-state, device-stepped placement would buy ~2 min
 #   streamf the streamed-step gpu test, then W4 ours_io_bf16m_spec1_stream with
-#           BENCH_STREAM_FRACTION (default 0.5) of the non-speculating host-state
+#           BENCH_STREAM_FRACTION (default 0.5) of the host-state
 #           parameters streamed through the GPU, not planned (no profile)     ~5 min
 #   stream  W4 ours_io_bf16m_spec1_stream as planned (the planner picks the streamed
 #           regions) and torchao, in one call                                ~6 min

@@ -38,7 +38,8 @@ FP16_IO = ("ours_io", "ours_io_spec1", "ours_io_bf16m", "ours_io_bf16m_spec1")
 REPLAYED = tuple(
     dict.fromkeys(("ours", "ours_hostconv", "ours_bf16m", "ours_bf16m1", *SPECULATING, *FP16_IO))
 )
-"""Kinds this script knows how to plan again (``ours_bf16`` and ``ablation`` are not)."""
+"""Kinds this script knows how to plan again (``ours_bf16`` and ``ablation`` are not), each
+also with the ``_stream`` suffix (streamed host steps, planned so)."""
 
 
 def workload_profile(workload: str) -> Any:
@@ -217,6 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         "over the measured one), which is no prediction: what is left is the simulator's "
         "error with the host's speed known",
     )
+    parser.add_argument(
+        "--streamed",
+        action="store_true",
+        help="plan every row as if its kind had the _stream suffix: what streaming host "
+        "steps through the GPU would predict on the row's measured profile",
+    )
     args = parser.parse_args(argv)
     costs: dict[str, float] = {}
     for item in args.host_step_cost:
@@ -230,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     if costs and not (args.fused_gparam and args.fused_gparam > 0):
         parser.error("--host-step-cost needs --fused-gparam > 0")
 
+    import torch
+
+    from offload_optim import streamed_step_costs
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ModelProfile, ParamPlacement, solve
 
@@ -254,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
         for workload, rows in results.items():
             budget_gib = WORKLOADS[workload][3]
             for kind, row in rows.items():
-                if kind not in REPLAYED or not row.get("ok") or "profile" not in row:
+                base_kind = kind.removesuffix("_stream")
+                if base_kind not in REPLAYED or not row.get("ok") or "profile" not in row:
                     continue
                 if f"{path.name}:{kind}" in args.exclude:
                     print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | | | |")
@@ -268,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 base = traced[workload]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
-                speculate = kind in SPECULATING
-                simulation = {
+                speculate = base_kind in SPECULATING
+                simulation: dict[str, Any] = {
                     "host_step_after_backward": not speculate,
                     "speculative_step_cost": row.get("speculative_step_cost", 1.0),
                     # A speculating row planned for fewer undo buffers records the limit.
@@ -277,6 +288,13 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 # Recorded from session 17 on; earlier rows were planned without it.
                 in_use = int(row.get("device_bytes_in_use", args.in_use_mib * 2**20))
+                if kind.endswith("_stream") or args.streamed:
+                    # What the row's optimizer streams (a row forced by
+                    # BENCH_STREAM_FRACTION was not planned so: replayed as planned).
+                    simulation["streamed"] = streamed_step_costs(
+                        torch.bfloat16 if "bf16m" in base_kind else torch.float32,
+                        base_kind in FP16_IO,
+                    )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw = row_hardware(row, rate)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)
@@ -289,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 replayed = plan.predicted_step_time_s * 1e3
                 worst = max(worst, abs(replayed - measured) / measured)
                 offloaded = sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)
-                host = sum(rp.state.value == "host" for rp in plan.regions)
+                host = sum(rp.state.value != "device" for rp in plan.regions)
+                streamed = sum(rp.state.value == "streamed" for rp in plan.regions)
                 peak = row["peak_alloc_gib"]
                 peak_now = plan.predicted_peak_bytes / GiB
                 # The mean of every timed step (rows from session 18 on keep the steps): our
@@ -327,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{row['pred_peak_gib']:.2f} ({_error(row['pred_peak_gib'], peak)}) | "
                     f"{peak_now:.2f} ({_error(peak_now, peak)}) | "
                     f"{row['offloaded_regions']} / {row['host_state_regions']}; "
-                    f"{offloaded} / {host} | {run_cell} | {busy_cell} | {waits_cell} | "
+                    f"{offloaded} / {host}{f' ({streamed} streamed)' if streamed else ''} | "
+                    f"{run_cell} | {busy_cell} | {waits_cell} | "
                     f"{under_cell} |",
                     flush=True,
                 )

@@ -573,3 +573,31 @@ def test_run_sh_defaults_fit_the_budget_on_a_gpu(tmp_path: Path) -> None:
     assert res >= alc
     loss = LOSS_LINE.search(text)
     assert loss is not None and math.isfinite(float(loss.group(1)))
+
+
+def test_stream_flag_tells_the_planner_what_streaming_costs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stream passes the optimizer's streamed-step costs to the planner (as
+    memory_optimize(streamed=...)); a tiny model's budget has no room for the ring of
+    device buffers, so nothing is streamed and training runs as without it."""
+    from dataclasses import replace
+
+    from offload_gpt_example.__main__ import HostSteps
+    from offload_optim import streamed_step_costs
+
+    plain = HostSteps("torch", False, None, None)
+    assert "streamed" not in plain.plan_kwargs
+    streaming = replace(plain, stream=True)
+    assert streaming.plan_kwargs["streamed"] == streamed_step_costs(torch.float32, False)
+    assert streaming.optimize_kwargs["streamed"] == streaming.plan_kwargs["streamed"]
+    base = [*TINY, *FINE, "--batch_size", "2", "--steps", "2", "--log_dir", str(tmp_path)]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    code, out, err = _run([*base, "--memory_budget", budget, "--stream"], capsys)
+    assert code == 0, err
+    loss = LOSS_LINE.search(out)
+    assert loss is not None and math.isfinite(float(loss.group(1))), out
+    plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
+    assert all(rp.state.value != "streamed" for rp in plan.regions)
+    code, out, err = _run([*base, "--memory_budget", budget, "--stream", "--plan_only"], capsys)
+    assert code == 0, err

@@ -50,3 +50,52 @@ def test_bf16_through_memory_optimize_trains_unscaled() -> None:
     losses = train_offload(amp, module, range(15))
     assert amp.loss_scale == 1.0
     assert fell(losses)
+
+
+def test_streamed_plan_through_memory_optimize_matches_adamw(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a profile whose host Adam is slow and PCIe fast, the planner streams some
+    host-state regions (memory_optimize(streamed=...)); they step through the ring, and
+    training matches AdamW as the all-host plan does."""
+    import dataclasses
+
+    import offload_optim.streamed as streamed_module
+    from offload_optim import streamed_step_costs
+    from offload_solver import StatePlacement
+
+    monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)
+    hardware = dataclasses.replace(default_cpu_profile(), host_adam_params_per_s=1e5)
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    costs = streamed_step_costs(torch.float32, fp16_io=False)
+    assert costs.slot_bytes == 1000 * (3 * 16)
+    module = memory_optimize(
+        model,
+        batch(0),
+        64 << 20,
+        "asyn",
+        dtype=torch.float32,
+        hardware=hardware,
+        device="cpu",
+        progress=False,
+        block_search_range_bytes=0,
+        state_on_device=False,
+        streamed=costs,
+    )
+    streamed = [
+        rp.region.index for rp in module.plan.regions if rp.state is StatePlacement.STREAMED
+    ]
+    assert streamed, "the planner streams on a host-bound profile"
+    assert module.plan.streamed == costs
+    assert {st.index for st in module.storages if st.streamed} == set(streamed)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01), module)
+    losses = train_offload(amp, module, range(12))
+    report = amp.last_step
+    assert report is not None
+    assert {t.region for t in report.region_steps if t.streamed} == set(streamed)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    expected = train_plain(opt, reference, range(12))
+    assert fell(losses)
+    assert rel_diff(losses, expected) < 1e-5
+    module.close()

@@ -43,7 +43,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,7 @@ from offload_optim import (
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
     single_pass,
+    streamed_step_costs,
 )
 from offload_runtime.api import (
     choose_plan,
@@ -191,6 +192,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "at its cost against torch's fused fp32 step, measured now",
     )
     p.add_argument(
+        "--stream",
+        action="store_true",
+        help="let the planner step some host-resident regions on the GPU instead "
+        "(memory_optimize(streamed=...)): their state stays in host memory and is copied "
+        "up and back around a device step, while the host steps the others; pays when the "
+        "host step bounds the training step and PCIe has time to spare",
+    )
+    p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
     )
     return p, p.parse_args(argv)
@@ -218,14 +227,21 @@ class HostSteps:
     """The host step's own rate, parameters/s (median of three measurements; with
     :attr:`host_cost`): the planner takes the geometric mean of it and the profile's rate
     over the cost."""
+    stream: bool = False
+    """``--stream``: the planner may step host-state regions on the device (STREAMED)."""
 
     @property
     def plan_kwargs(self) -> dict[str, Any]:
         """Extra ``solve`` arguments: with speculation, host steps start as gradients land,
-        each taken under backward costing ``speculative_cost`` plain ones."""
-        if self.speculative_cost is None:
-            return {}
-        return {"host_step_after_backward": False, "speculative_step_cost": self.speculative_cost}
+        each taken under backward costing ``speculative_cost`` plain ones; with
+        ``--stream``, what a streamed region moves and holds."""
+        kwargs: dict[str, Any] = {}
+        if self.speculative_cost is not None:
+            kwargs["host_step_after_backward"] = False
+            kwargs["speculative_step_cost"] = self.speculative_cost
+        if self.stream:
+            kwargs["streamed"] = streamed_step_costs(self.moments, self.fp16_io)
+        return kwargs
 
     @property
     def optimize_kwargs(self) -> dict[str, Any]:
@@ -450,7 +466,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
     try:
-        host_steps = HostSteps.choose(args.speculate, args.fp16_io, on_cuda, args.bf16_moments)
+        host_steps = replace(
+            HostSteps.choose(args.speculate, args.fp16_io, on_cuda, args.bf16_moments),
+            stream=args.stream,
+        )
     except (ImportError, RuntimeError) as exc:
         print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
         return EXIT_FAILURE
@@ -639,7 +658,10 @@ def plan_only(
         "micro_batches": args.accumulation_steps,
     }
     try:
-        host_steps = HostSteps.choose(args.speculate, args.fp16_io, False, args.bf16_moments)
+        host_steps = replace(
+            HostSteps.choose(args.speculate, args.fp16_io, False, args.bf16_moments),
+            stream=args.stream,
+        )
     except (ImportError, RuntimeError) as exc:
         print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
         return EXIT_FAILURE

@@ -43,6 +43,12 @@ _KIND_COLORS: dict[str, str] = {
     "grad_widen": "#a1c9f4",
     "grad_partial": "#ffb482",
     "publish": "#c5b0d5",
+    # Streamed regions (host state stepped on the device): up, step, down, and the host
+    # time their copies cost.
+    "stream_up": "#17becf",
+    "stream_step": "#bcbd22",
+    "stream_down": "#9edae5",
+    "stream_contention": "#dbdb8d",
 }
 _OTHER_COLOR = "#999999"
 _BUDGET_SAFETY = 0.95

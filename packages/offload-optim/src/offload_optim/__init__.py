@@ -24,7 +24,7 @@ from offload_optim.kernels import (
     speculative_adam_,
 )
 from offload_optim.scaler import DynamicLossScaler
-from offload_optim.streamed import stream_copy_bytes, stream_slot_bytes
+from offload_optim.streamed import stream_copy_bytes, stream_slot_bytes, streamed_step_costs
 
 __all__ = [
     "CHUNK_NUMEL",
@@ -43,4 +43,5 @@ __all__ = [
     "speculative_adam_",
     "stream_copy_bytes",
     "stream_slot_bytes",
+    "streamed_step_costs",
 ]

@@ -48,6 +48,7 @@ import torch
 
 from offload_optim.kernels import AdamHyper, fused_adam_
 from offload_runtime.streams import Event, Stream
+from offload_solver import StreamedStepCosts
 
 STREAM_CHUNK_NUMEL = 16 << 20
 """Elements of a region streamed at a time (one slot of the ring)."""
@@ -77,6 +78,26 @@ def stream_slot_bytes(
     per_slot = MASTER_BYTES + 2 * moment + grad + (2 if fp16_io else 0)
     work = (4 if grad < 4 else 0) + (8 if moment < 4 else 0)
     return chunk_numel * (slots * per_slot + work)
+
+
+def streamed_step_costs(
+    moments_dtype: torch.dtype,
+    fp16_io: bool,
+    *,
+    chunk_numel: int | None = None,
+    slots: int | None = None,
+) -> StreamedStepCosts:
+    """What :class:`StreamRing` moves per parameter and holds on the device, for the
+    planner (``memory_optimize(streamed=...)``): pass the ``HybridAdam``'s moments dtype
+    and ``fp16_io``. ``chunk_numel``/``slots``: default the module's values now."""
+    up, down = stream_copy_bytes(moments_dtype, fp16_io)
+    slot = stream_slot_bytes(
+        moments_dtype,
+        fp16_io,
+        chunk_numel=STREAM_CHUNK_NUMEL if chunk_numel is None else chunk_numel,
+        slots=STREAM_SLOTS if slots is None else slots,
+    )
+    return StreamedStepCosts(up_bytes_per_param=up, down_bytes_per_param=down, slot_bytes=slot)
 
 
 def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, int]:

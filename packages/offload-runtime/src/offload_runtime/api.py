@@ -22,6 +22,7 @@ from offload_solver import (
     ParamPlacement,
     Plan,
     StatePlacement,
+    StreamedStepCosts,
 )
 from offload_solver import solve as solve_plan
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
@@ -191,6 +192,7 @@ def choose_plan(
     speculative_params: int | None = None,
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
+    streamed: StreamedStepCosts | None = None,
 ) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
     """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
     does: for each place the dtype conversions may run (``convert_on_device``; None: both,
@@ -220,6 +222,7 @@ def choose_plan(
                 speculative_params=speculative_params,
                 device_bytes_in_use=device_bytes_in_use,
                 micro_batches=micro_batches,
+                streamed=streamed,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)
@@ -289,6 +292,7 @@ def memory_optimize(
     fp16_io: bool = False,
     device_bytes_in_use: int | None = None,
     micro_batches: int = 1,
+    streamed: StreamedStepCosts | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -361,6 +365,14 @@ def memory_optimize(
             loop accumulates gradients (``AMPOptimizer``'s accumulation). The plan's
             predicted step time then covers them all, and uploads paid in every
             micro-batch are weighed against host steps paid once.
+        streamed: let the planner step some host-state regions on the device instead
+            (``StatePlacement.STREAMED``: state stays in pinned host memory, goes up and
+            back down around a device step) where that shortens the step and fits the
+            budget. Pass what the optimizer will move and hold:
+            ``offload_optim.streamed_step_costs(moments_dtype, fp16_io)``, with the
+            moments and fp16 I/O the ``HybridAdam`` is built with. It pays where the host
+            step bounds the step and PCIe has time to spare (BENCHMARKS.md, session 22).
+            Default None: no region is streamed.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -420,6 +432,7 @@ def memory_optimize(
         speculative_params=speculative_params,
         device_bytes_in_use=device_bytes_in_use,
         micro_batches=micro_batches,
+        streamed=streamed,
     )
     if len(times) == 2:
         say(

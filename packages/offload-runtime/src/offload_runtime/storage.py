@@ -175,7 +175,7 @@ class RegionStorage:
         """Pool slot index of an offloaded region (regions sharing it never coexist)."""
         self.host_state = plan.state is not StatePlacement.DEVICE
         """Master and moments live in host memory (HOST or STREAMED)."""
-        self.streamed = plan.state.value == "streamed"
+        self.streamed = plan.state is StatePlacement.STREAMED
         """STREAMED: host state whose optimizer step runs on the device (see [Note:
         streamed steps] in offload_optim/streamed.py); its moments are pinned."""
         if self.offloaded:
