@@ -49,7 +49,7 @@
 #           BENCH_STREAM_FRACTION (default 0.5) of the host-state
 #           parameters streamed through the GPU, not planned (no profile)     ~5 min
 #   stream  W4 ours_io_bf16m_spec1_stream as planned (the planner picks the streamed
-#           regions) and torchao, in one call                                ~6 min
+#           regions) and torchao, then W3 and W2 ours_io_spec1_stream         ~8 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
@@ -155,7 +155,9 @@ case "$phase" in
       --json "$out/W4_streamf.json" --append "$out/BENCHMARKS.part.md" 2>&1 \
       | tee "$out/W4_streamf.log" | grep -E '^\[bench\]|^\|' || true ;;
   stream)
-    bench W4 ours_io_bf16m_spec1_stream,torchao 260 W4_stream ;;
+    bench W4 ours_io_bf16m_spec1_stream,torchao 260 W4_stream
+    bench W3 ours_io_spec1_stream 100 W3_stream
+    bench W2 ours_io_spec1_stream 100 W2_stream ;;
   io23)
     bench W2 ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io23
     bench W3 ours_io,ours_io_spec1,fsdp2,torchao 100 W3_io23 ;;

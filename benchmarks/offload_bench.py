@@ -540,6 +540,13 @@ def _ours(
         "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,
         "host_adam": host_params / hw.host_adam_params_per_s * 1e3,
     }
+    if streamed_params:
+        # The floor counts every host-resident parameter at the host Adam rate;
+        # the floor above is the plan's own (streamed ones step on the device and cross
+        # PCIe instead). Both are kept, so that neither hides the other.
+        out["floor_parts_ms"]["host_adam_all_host_state"] = (
+            sum(rp.region.numel for rp in host) / hw.host_adam_params_per_s * 1e3
+        )
     # The profile the plan was made with (plan_predict.py takes these to replay it).
     plan_hw = module.hardware or hw
     out["profile"] = {
