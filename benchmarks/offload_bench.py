@@ -309,6 +309,7 @@ def _ours(
         measure_host_step_params_per_s,
         measure_speculative_step_cost,
         stream_copy_bytes,
+        streamed_step_costs,
     )
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
@@ -385,6 +386,13 @@ def _ours(
             # Both ways: the planner takes the geometric mean of the two rates.
             host_step_params_per_s=statistics.median(rate_samples) if rate_samples else None,
             fp16_io=fp16_io,
+            # What the optimizer's ring moves and holds, for the planner to weigh (not
+            # when BENCH_STREAM_FRACTION forces the choice instead).
+            streamed=(
+                streamed_step_costs(moments, fp16_io)
+                if stream and stream_fraction is None
+                else None
+            ),
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
