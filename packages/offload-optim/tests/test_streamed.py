@@ -10,6 +10,7 @@ inline or threaded host work; with the single-pass kernel it equals it within ro
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -169,3 +170,35 @@ def test_ring_sizes() -> None:
     assert stream_slot_bytes(torch.float32, False, chunk_numel=n, slots=2) == n * 2 * 16
     with pytest.raises(ValueError, match="must be >= 1"):
         StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=0)
+
+
+def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ring's buffers go as soon as every streamed region of the task is published,
+    not after the host steps still to come (the planner counts them until the last
+    download): streaming only the second host-state region, the ring closes before the
+    later host-stepped regions step."""
+    closed: list[float] = []
+    close = StreamRing.close
+
+    def timed(self: StreamRing) -> None:
+        closed.append(time.perf_counter())
+        close(self)
+
+    monkeypatch.setattr(StreamRing, "close", timed)
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True)
+    host = [st for st in module.storages if st.host_state]
+    assert len(host) >= 3, "the mixed plan has host-stepped regions after the streamed one"
+    host[1].streamed = True
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+    try:
+        amp.zero_grad()
+        b = batch(0)
+        amp.backward(loss_of(module(**b), b["input_ids"]))
+        amp.step()
+        report = amp.last_step
+        assert report is not None
+    finally:
+        module.close()
+    assert len(closed) == 1
+    later = [t for t in report.region_steps if t.host and t.region > host[1].index]
+    assert later and closed[0] < max(t.start_s for t in later)

@@ -1156,6 +1156,13 @@ class HybridAdam(torch.optim.Optimizer):
                         self._step_segments(r, segments, grad_scale, hypers)
                     finish(r, start, time.perf_counter())
                 queue.publish_landed()
+                if ring is not None and not queue.regions():
+                    # Every streamed region landed: free the ring now, not after the
+                    # host steps still to come (the planner counts it until the last
+                    # download; held on, it met the next forward's activations and W2
+                    # peaked 0.54 GiB over its plan in session 22).
+                    ring.close()
+                    ring = None
             queue.publish_landed(wait=True)
         except BaseException as exc:
             # Every announced future must complete, or the region's next use would wait
