@@ -202,3 +202,20 @@ def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPat
     assert len(closed) == 1
     later = [t for t in report.region_steps if t.host and t.region > host[1].index]
     assert later and closed[0] < max(t.start_s for t in later)
+
+
+def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:
+    """The caching allocator reuses a freed block only on the stream it was allocated on:
+    each step's ring must run on the streams of the first, or it allocates anew."""
+    seen: list[tuple[Any, Any, Any]] = []  # the objects themselves: no id reuse
+    issue = StreamRing.issue
+
+    def recording(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+        seen.append((self.up, self.step, self.down))
+        return issue(self, pieces, grad_scale)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamRing, "issue", recording)
+        run(False, 3)
+    assert len(seen) >= 3
+    assert all(all(a is b for a, b in zip(s, seen[0], strict=True)) for s in seen)

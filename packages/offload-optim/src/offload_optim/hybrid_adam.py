@@ -317,6 +317,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._laid_out = False
         self._speculated: set[int] = set()  # regions with an uncommitted speculative step
         self._speculation_prepared = False
+        self._ring_streams: streamed.RingStreams | None = None
         self.timings: list[RegionStepTiming] = []
         """Region steps since this list was last cleared (appended from two threads)."""
         defaults = {
@@ -647,13 +648,19 @@ class HybridAdam(torch.optim.Optimizer):
             self._consumed(rs.storage)
 
     def _stream_ring(self) -> StreamRing:
-        """A ring to stream host-state regions through the device (see streamed.py)."""
+        """A ring to stream host-state regions through the device (see streamed.py), on
+        this optimizer's ring streams (made at the first ring, reused by every later one,
+        so that each ring reuses the last one's freed memory)."""
+        device = self._require_controller().streams.device
+        if self._ring_streams is None:
+            self._ring_streams = streamed.ring_streams(device)
         return StreamRing(
-            self._require_controller().streams.device,
+            device,
             self.moments_dtype,
             self.fp16_io,
             chunk_numel=streamed.STREAM_CHUNK_NUMEL,  # read now: tests make it small
             slots=streamed.STREAM_SLOTS,
+            streams=self._ring_streams,
         )
 
     def _issue_streamed(
