@@ -4,7 +4,8 @@
 A streamed region keeps its fp32 master and Adam moments in pinned host memory, as a
 host-state region does, and its gradient comes down to the host as one's does; but its
 Adam step runs on the device. Chunk by chunk (``STREAM_CHUNK_NUMEL`` elements), through a
-ring of ``STREAM_SLOTS`` device buffer sets on three streams of its own:
+ring of ``STREAM_SLOTS`` device buffer sets on three streams of its own (made once per
+optimizer, :func:`ring_streams`):
 
 - *up* (h2d): master, moments and gradient of the chunk into a free slot;
 - *step*: the gradient and narrow moments widened to fp32 work buffers, torch's fused
@@ -20,8 +21,9 @@ slot's reuse waits on the device), then steps the host regions on the CPU, and b
 them publishes each streamed region whose downloads have landed (in forward order). So
 the device and the host step different regions at the same time, which is the point:
 on the H200, streaming half of W4's host step through the GPU while the host stepped the
-other half took 0.75x the time of the host alone (``benchmarks/split_step_bench.py``,
-BENCHMARKS.md session 22).
+other half took 0.75x the time of the host alone (``benchmarks/split_step_bench.py``),
+and W4 planned with 30 of its 84 host-state regions streamed ran at 0.96x torchao's step
+(BENCHMARKS.md, session 22).
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
@@ -30,9 +32,12 @@ region never steps speculatively (it steps after the step's answer, so nothing n
 undoing), and after its step the region's fp32 gradient accumulator still holds the
 gradient as it was (loss scale included): the device divided its own copy.
 
-Device memory: the ring's buffers exist only while a task streams (allocated at its
-start on the step stream, freed when its last download has landed):
-:func:`stream_slot_bytes` says how many bytes, which the planner counts.
+Device memory: the ring's buffers exist only while a task streams: allocated on the step
+stream when the task issues its first streamed region, freed as soon as its last
+streamed region is published (not at the end of the task: the planner counts the ring
+until the last download, and W2 held past it broke its budget in session 22).
+:func:`stream_slot_bytes` says how many bytes. Every ring runs on the same streams, so
+that the caching allocator hands the next ring the last one's blocks.
 On a machine without CUDA the "device" is the CPU and every copy runs at once, in order:
 the same values, for tests.
 """
