@@ -388,8 +388,10 @@ def _ours(
             fp16_io=fp16_io,
             # What the optimizer's ring moves and holds, for the planner to weigh (not
             # when BENCH_STREAM_FRACTION forces the choice instead).
+            # The ring sized to a tenth of the budget at most (from f68ff1a's successor on;
+            # session 22's rows had 16 M-element chunks whatever the budget).
             streamed=(
-                streamed_step_costs(moments, fp16_io)
+                streamed_step_costs(moments, fp16_io, budget_bytes=budget)
                 if stream and stream_fraction is None
                 else None
             ),
@@ -524,6 +526,12 @@ def _ours(
     out["offloaded_regions"] = len(offloaded)
     out["host_state_regions"] = len(host)
     if stream:
+        if plan.streamed is not None:  # what the plan was made with (replay_bench.py)
+            out["plan_streamed"] = {
+                "up_bytes_per_param": plan.streamed.up_bytes_per_param,
+                "down_bytes_per_param": plan.streamed.down_bytes_per_param,
+                "slot_bytes": plan.streamed.slot_bytes,
+            }
         out["streamed_regions"] = len(streamed)
         out["streamed_params"] = sum(rp.region.numel for rp in host if rp.region.index in streamed)
         out["stream_from"] = "plan" if stream_fraction is None else f"fraction {stream_fraction}"

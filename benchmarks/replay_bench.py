@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from offload_optim import streamed_step_costs
     from offload_runtime.api import device_conversion_profile
-    from offload_solver import ModelProfile, ParamPlacement, solve
+    from offload_solver import ModelProfile, ParamPlacement, StreamedStepCosts, solve
 
     traced: dict[str, ModelProfile] = {}
     print(
@@ -291,9 +291,17 @@ def main(argv: list[str] | None = None) -> int:
                 if kind.endswith("_stream") or args.streamed:
                     # What the row's optimizer streams (a row forced by
                     # BENCH_STREAM_FRACTION was not planned so: replayed as planned).
-                    simulation["streamed"] = streamed_step_costs(
-                        torch.bfloat16 if "bf16m" in base_kind else torch.float32,
-                        base_kind in FP16_IO,
+                    # The costs the row's plan recorded; session 22's rows predate that
+                    # and used 16 M-element chunks whatever the budget.
+                    recorded = row.get("plan_streamed")
+                    simulation["streamed"] = (
+                        StreamedStepCosts(**recorded)
+                        if recorded
+                        else streamed_step_costs(
+                            torch.bfloat16 if "bf16m" in base_kind else torch.float32,
+                            base_kind in FP16_IO,
+                            chunk_numel=16 << 20,
+                        )
                     )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw = row_hardware(row, rate)

@@ -56,19 +56,26 @@ def test_streamed_plan_through_memory_optimize_matches_adamw(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On a profile whose host Adam is slow and PCIe fast, the planner streams some
-    host-state regions (memory_optimize(streamed=...)); they step through the ring, and
-    training matches AdamW as the all-host plan does."""
+    host-state regions (memory_optimize(streamed=...)); they step through a ring of the
+    size the plan counted, and training matches AdamW as the all-host plan does."""
     import dataclasses
 
-    import offload_optim.streamed as streamed_module
     from offload_optim import streamed_step_costs
+    from offload_optim.streamed import StreamRing
     from offload_solver import StatePlacement
 
-    monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)
+    chunks: list[int] = []
+    issue = StreamRing.issue
+
+    def recording(self: StreamRing, pieces: list[Any], grad_scale: float | None) -> Any:
+        chunks.append(self.chunk)
+        return issue(self, pieces, grad_scale)
+
+    monkeypatch.setattr(StreamRing, "issue", recording)
     hardware = dataclasses.replace(default_cpu_profile(), host_adam_params_per_s=1e5)
     model = tiny_gpt2()
     reference = copy.deepcopy(model)
-    costs = streamed_step_costs(torch.float32, fp16_io=False)
+    costs = streamed_step_costs(torch.float32, fp16_io=False, chunk_numel=1000)
     assert costs.slot_bytes == 1000 * (3 * 16)
     module = memory_optimize(
         model,
@@ -94,6 +101,7 @@ def test_streamed_plan_through_memory_optimize_matches_adamw(
     report = amp.last_step
     assert report is not None
     assert {t.region for t in report.region_steps if t.streamed} == set(streamed)
+    assert chunks and set(chunks) == {1000}, "rings built to the plan's slot_bytes"
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
     expected = train_plain(opt, reference, range(12))
     assert fell(losses)

@@ -23,7 +23,15 @@ from test_speculate import assert_same, run
 import offload_optim.streamed as streamed_module
 from offload_optim import AMPOptimizer, HybridAdam, single_pass
 from offload_optim.hybrid_adam import RegionStepTiming
-from offload_optim.streamed import StreamPiece, StreamRing, stream_copy_bytes, stream_slot_bytes
+from offload_optim.streamed import (
+    STREAM_CHUNK_NUMEL,
+    StreamPiece,
+    StreamRing,
+    chunk_numel_for,
+    stream_copy_bytes,
+    stream_slot_bytes,
+    streamed_step_costs,
+)
 
 
 @pytest.fixture
@@ -88,7 +96,9 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
     """With speculate_fp16 only the host-stepped region speculates; the streamed ones step
     after the answer. The run still equals the plain one, overflow undo included."""
-    trainer = test_speculate.Trainer(True, hysteresis=1)
+    # Inline host work: each hook runs during backward, so region 0 always speculates (on
+    # the worker thread its hook may come after backward's end and step after the answer).
+    trainer = test_speculate.Trainer(True, hysteresis=1, host_worker=False)
     trainer.poison_steps = {2}
     try:
         out = trainer.train(range(6))
@@ -101,7 +111,7 @@ def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
     assert out.undone[2] == 1, "only region 0 stepped speculatively and was undone"
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(test_speculate, "offload_module", offload_module)
-        plain = run(False, 6, poison=(2,), hysteresis=1)
+        plain = run(False, 6, poison=(2,), hysteresis=1, host_worker=False)
     assert_same(out, plain)
 
 
@@ -185,7 +195,9 @@ def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPat
         close(self)
 
     monkeypatch.setattr(StreamRing, "close", timed)
-    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True)
+    # Inline host work: every region steps in step()'s one task, in forward order (on the
+    # worker thread a region landing after the answer steps in its hook instead).
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
     host = [st for st in module.storages if st.host_state]
     assert len(host) >= 3, "the mixed plan has host-stepped regions after the streamed one"
     host[1].streamed = True
@@ -201,7 +213,7 @@ def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPat
         module.close()
     assert len(closed) == 1
     later = [t for t in report.region_steps if t.host and t.region > host[1].index]
-    assert later and closed[0] < max(t.start_s for t in later)
+    assert later and closed[0] < min(t.start_s for t in later)
 
 
 def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:
@@ -219,3 +231,42 @@ def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:
         run(False, 3)
     assert len(seen) >= 3
     assert all(all(a is b for a, b in zip(s, seen[0], strict=True)) for s in seen)
+
+
+def test_the_ring_is_sized_to_the_budget() -> None:
+    """streamed_step_costs(budget_bytes=) keeps the ring within a tenth of the budget
+    (W2's 3 GiB), with full chunks where that allows them (W4's 24 GiB); the optimizer
+    builds rings back from the plan's slot_bytes (chunk_numel_for)."""
+    gib = 2**30
+    w2 = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib)
+    assert w2.slot_bytes <= 0.1 * 3 * gib
+    assert w2.slot_bytes > 0.1 * 3 * gib - stream_slot_bytes(torch.float32, True, chunk_numel=1)
+    assert (w2.up_bytes_per_param, w2.down_bytes_per_param) == (14, 14)
+    w4 = streamed_step_costs(torch.bfloat16, True, budget_bytes=24 * gib)
+    assert w4 == streamed_step_costs(torch.bfloat16, True)
+    assert chunk_numel_for(w4.slot_bytes, torch.bfloat16, True) == STREAM_CHUNK_NUMEL
+    tiny = streamed_step_costs(torch.float32, False, budget_bytes=1 << 20)
+    assert chunk_numel_for(tiny.slot_bytes, torch.float32, False) == 1 << 16
+    assert chunk_numel_for(w2.slot_bytes + 5, torch.float32, True) == chunk_numel_for(
+        w2.slot_bytes, torch.float32, True
+    )
+    with pytest.raises(ValueError, match="holds no element"):
+        chunk_numel_for(10, torch.float32, True)
+    with pytest.raises(ValueError, match="must be > 0"):
+        streamed_step_costs(torch.float32, True, budget_bytes=0)
+
+
+def test_a_plan_for_other_streaming_costs_is_warned_about() -> None:
+    """A plan made with one optimizer's streaming costs and stepped by another's: the
+    ring moves other bytes than the plan counted, so the optimizer says so."""
+    import dataclasses
+
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
+    module.plan = dataclasses.replace(
+        module.plan, streamed=streamed_step_costs(torch.bfloat16, True, chunk_numel=1000)
+    )
+    try:
+        with pytest.warns(RuntimeWarning, match="bytes up and 10 down per parameter"):
+            AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+    finally:
+        module.close()

@@ -229,6 +229,8 @@ class HostSteps:
     over the cost."""
     stream: bool = False
     """``--stream``: the planner may step host-state regions on the device (STREAMED)."""
+    budget_bytes: int | None = None
+    """The device budget, which sizes the ring of a streamed step (a tenth at most)."""
 
     @property
     def plan_kwargs(self) -> dict[str, Any]:
@@ -240,7 +242,9 @@ class HostSteps:
             kwargs["host_step_after_backward"] = False
             kwargs["speculative_step_cost"] = self.speculative_cost
         if self.stream:
-            kwargs["streamed"] = streamed_step_costs(self.moments, self.fp16_io)
+            kwargs["streamed"] = streamed_step_costs(
+                self.moments, self.fp16_io, budget_bytes=self.budget_bytes
+            )
         return kwargs
 
     @property
@@ -469,6 +473,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_steps = replace(
             HostSteps.choose(args.speculate, args.fp16_io, on_cuda, args.bf16_moments),
             stream=args.stream,
+            budget_bytes=budget_bytes,
         )
     except (ImportError, RuntimeError) as exc:
         print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
@@ -661,6 +666,7 @@ def plan_only(
         host_steps = replace(
             HostSteps.choose(args.speculate, args.fp16_io, False, args.bf16_moments),
             stream=args.stream,
+            budget_bytes=budget_bytes,
         )
     except (ImportError, RuntimeError) as exc:
         print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)

@@ -103,6 +103,7 @@ from offload_optim.streamed import StreamedQueue, StreamPiece, StreamRing
 from offload_runtime.hardware import available_host_memory_bytes
 from offload_runtime.storage import RegionStorage, region_of
 from offload_runtime.streams import Event
+from offload_solver import StreamedStepCosts
 
 if TYPE_CHECKING:
     from offload_runtime.controller import OffloadController
@@ -318,6 +319,8 @@ class HybridAdam(torch.optim.Optimizer):
         self._speculated: set[int] = set()  # regions with an uncommitted speculative step
         self._speculation_prepared = False
         self._ring_streams: streamed.RingStreams | None = None
+        self._planned_streaming: StreamedStepCosts | None = None
+        """The plan's streaming costs (``Plan.streamed``): rings are built to its size."""
         self.timings: list[RegionStepTiming] = []
         """Region steps since this list was last cleared (appended from two threads)."""
         defaults = {
@@ -459,6 +462,23 @@ class HybridAdam(torch.optim.Optimizer):
                 )
         self._masters = masters
         self._controller = module.controller
+        self._planned_streaming = module.plan.streamed
+        if module.plan.streamed is not None:
+            up, down = streamed.stream_copy_bytes(self.moments_dtype, self.fp16_io)
+            planned = (
+                module.plan.streamed.up_bytes_per_param,
+                module.plan.streamed.down_bytes_per_param,
+            )
+            if planned != (up, down):
+                warnings.warn(
+                    f"the plan streams regions at {planned[0]:g} bytes up and {planned[1]:g} "
+                    f"down per parameter, but this optimizer moves {up} and {down} "
+                    f"(moments_dtype={self.moments_dtype}, fp16_io={self.fp16_io}); plan "
+                    "with memory_optimize(streamed=streamed_step_costs(moments_dtype, "
+                    "fp16_io)) of the optimizer you build, or the prediction will not hold",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
         if self.fp16_io:
             module.controller.keep_staged_grads = True
         self._ensure_laid_out()
@@ -654,11 +674,17 @@ class HybridAdam(torch.optim.Optimizer):
         device = self._require_controller().streams.device
         if self._ring_streams is None:
             self._ring_streams = streamed.ring_streams(device)
+        costs = self._planned_streaming
+        chunk = (
+            streamed.STREAM_CHUNK_NUMEL  # read now: tests make it small
+            if costs is None
+            else streamed.chunk_numel_for(costs.slot_bytes, self.moments_dtype, self.fp16_io)
+        )
         return StreamRing(
             device,
             self.moments_dtype,
             self.fp16_io,
-            chunk_numel=streamed.STREAM_CHUNK_NUMEL,  # read now: tests make it small
+            chunk_numel=chunk,
             slots=streamed.STREAM_SLOTS,
             streams=self._ring_streams,
         )

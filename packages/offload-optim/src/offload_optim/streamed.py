@@ -59,6 +59,11 @@ STREAM_CHUNK_NUMEL = 16 << 20
 """Elements of a region streamed at a time (one slot of the ring)."""
 STREAM_SLOTS = 3
 """Buffer sets in the ring: one uploading, one stepping, one downloading."""
+RING_BUDGET_SHARE = 0.1
+"""At most this share of the device budget goes to the ring when
+:func:`streamed_step_costs` is given the budget (W2's 3 GiB: a 0.3 GiB ring, not 0.81)."""
+MIN_CHUNK_NUMEL = 1 << 16
+"""The smallest chunk :func:`streamed_step_costs` sizes a ring to."""
 
 MASTER_BYTES = 4
 
@@ -89,20 +94,40 @@ def streamed_step_costs(
     moments_dtype: torch.dtype,
     fp16_io: bool,
     *,
+    budget_bytes: int | None = None,
     chunk_numel: int | None = None,
-    slots: int | None = None,
 ) -> StreamedStepCosts:
     """What :class:`StreamRing` moves per parameter and holds on the device, for the
     planner (``memory_optimize(streamed=...)``): pass the ``HybridAdam``'s moments dtype
-    and ``fp16_io``. ``chunk_numel``/``slots``: default the module's values now."""
+    and ``fp16_io``, and the device budget in bytes so that the ring takes at most
+    ``RING_BUDGET_SHARE`` of it (chunks of ``STREAM_CHUNK_NUMEL`` elements at most,
+    ``MIN_CHUNK_NUMEL`` at least). ``chunk_numel`` sets the chunk instead. The optimizer
+    builds its rings to the plan's ``slot_bytes`` (:func:`chunk_numel_for`)."""
+    if chunk_numel is None:
+        chunk_numel = STREAM_CHUNK_NUMEL
+        if budget_bytes is not None:
+            if budget_bytes <= 0:
+                raise ValueError(f"budget_bytes={budget_bytes} must be > 0")
+            per = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=1)
+            cap = int(budget_bytes * RING_BUDGET_SHARE) // per
+            chunk_numel = max(MIN_CHUNK_NUMEL, min(chunk_numel, cap))
     up, down = stream_copy_bytes(moments_dtype, fp16_io)
-    slot = stream_slot_bytes(
-        moments_dtype,
-        fp16_io,
-        chunk_numel=STREAM_CHUNK_NUMEL if chunk_numel is None else chunk_numel,
-        slots=STREAM_SLOTS if slots is None else slots,
-    )
+    slot = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=chunk_numel)
     return StreamedStepCosts(up_bytes_per_param=up, down_bytes_per_param=down, slot_bytes=slot)
+
+
+def chunk_numel_for(
+    slot_bytes: int, moments_dtype: torch.dtype, fp16_io: bool, *, slots: int = STREAM_SLOTS
+) -> int:
+    """The chunk of a ring that holds ``slot_bytes`` device bytes (the inverse of
+    :func:`stream_slot_bytes`, rounded down)."""
+    per = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=1, slots=slots)
+    if slot_bytes < per:
+        raise ValueError(
+            f"a ring of {slot_bytes} bytes holds no element ({per} bytes per element with "
+            f"{slots} slots)"
+        )
+    return slot_bytes // per
 
 
 def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, int]:
