@@ -369,8 +369,9 @@ def memory_optimize(
             (``StatePlacement.STREAMED``: state stays in pinned host memory, goes up and
             back down around a device step) where that shortens the step and fits the
             budget. Pass what the optimizer will move and hold:
-            ``offload_optim.streamed_step_costs(moments_dtype, fp16_io)``, with the
-            moments and fp16 I/O the ``HybridAdam`` is built with. It pays where the host
+            ``offload_optim.streamed_step_costs(moments_dtype, fp16_io,
+            budget_bytes=memory_budget)``, with the moments and fp16 I/O the
+            ``HybridAdam`` is built with. It pays where the host
             step bounds the step and PCIe has time to spare (BENCHMARKS.md, session 22).
             Default None: no region is streamed.
 
