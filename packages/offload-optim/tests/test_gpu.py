@@ -35,6 +35,14 @@ def cuda_batch(step: int, size: int = 4) -> dict[str, torch.Tensor]:
     return {k: v.to(CUDA) for k, v in batch(step, size).items()}
 
 
+def poison_region(module: OffloadModule, r: int) -> dict[str, bool]:
+    """Put an inf in region ``r``'s device gradients, as a real overflow, in every backward
+    while the returned flags' ``"now"`` is set (the norm partials are taken there)."""
+    poison = {"now": False}
+    overflow_on_device(module, lambda q: poison["now"] and q == r)
+    return poison
+
+
 def test_cuda_mixed_plan_matches_adamw_and_overlap_changes_nothing() -> None:
     """fp32 on CUDA, every region kind: AdamW's losses, with and without the overlap."""
     model = tiny_gpt2()
@@ -74,9 +82,7 @@ def test_cuda_mixed_plan_matches_adamw_and_overlap_changes_nothing() -> None:
 def test_cuda_fp16_overflow_skips_and_clipping_runs() -> None:
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, device=CUDA)
     target = next(st.index for st in module.storages if st.host_state and st.index > 0)
-    poison = {"now": False}
-    # An inf in the device gradients, as a real overflow: the norm partials are taken there.
-    overflow_on_device(module, lambda r: poison["now"] and r == target)
+    poison = poison_region(module, target)
     opt = HybridAdam(module.parameters(), lr=1e-2)
     amp = AMPOptimizer(opt, module, hysteresis=1, clipping_norm=1.0)
 
@@ -372,12 +378,7 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
         module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
         assert any(st.host_state and st.offloaded for st in module.storages)
         assert any(st.host_state and not st.offloaded for st in module.storages)
-        poison = {"now": False}
-
-        def when(r: int, p: dict[str, Any] = poison) -> bool:
-            return bool(p["now"]) and r == 0
-
-        overflow_on_device(module, when)
+        poison = poison_region(module, 0)
         opt = HybridAdam(
             module.parameters(),
             lr=1e-3,
@@ -436,12 +437,7 @@ def test_cuda_streamed_regions_step_on_the_device(monkeypatch: pytest.MonkeyPatc
         if stream:
             for st in host[1:]:
                 st.streamed = True
-        poison = {"now": False}
-
-        def when(r: int, p: dict[str, Any] = poison) -> bool:
-            return bool(p["now"]) and r == 0
-
-        overflow_on_device(module, when)
+        poison = poison_region(module, 0)
         opt = HybridAdam(
             module.parameters(),
             lr=1e-3,
