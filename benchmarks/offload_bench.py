@@ -64,6 +64,7 @@ switch interval (default 0.005 s); rows record the interval.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import itertools
@@ -216,8 +217,8 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
     last_regions: list[int] = []
     for a, b in itertools.pairwise(reports):
         # Streamed regions step on the device: their spans are not the host's time.
-        host_a = [t for t in a.region_steps if t.host and not t.streamed]
-        host_b = [t for t in b.region_steps if t.host and not t.streamed]
+        host_a = [t for t in a.region_steps if t.on_host]
+        host_b = [t for t in b.region_steps if t.on_host]
         if a.skipped or b.skipped or not host_a or not host_b:
             continue
         if a.backward_start_s is None or b.backward_start_s is None:
@@ -521,26 +522,22 @@ def _ours(
     offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
     host = [rp for rp in plan.regions if rp.state is not StatePlacement.DEVICE]
     streamed = {st.index for st in module.storages if st.streamed}
+    streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
     out["regions"] = len(plan.regions)
     out["convert_on_device"] = module.convert_on_device
     out["offloaded_regions"] = len(offloaded)
     out["host_state_regions"] = len(host)
     if stream:
         if plan.streamed is not None:  # what the plan was made with (replay_bench.py)
-            out["plan_streamed"] = {
-                "up_bytes_per_param": plan.streamed.up_bytes_per_param,
-                "down_bytes_per_param": plan.streamed.down_bytes_per_param,
-                "slot_bytes": plan.streamed.slot_bytes,
-            }
+            out["plan_streamed"] = dataclasses.asdict(plan.streamed)
         out["streamed_regions"] = len(streamed)
-        out["streamed_params"] = sum(rp.region.numel for rp in host if rp.region.index in streamed)
+        out["streamed_params"] = streamed_params
         out["stream_from"] = "plan" if stream_fraction is None else f"fraction {stream_fraction}"
     # Bytes moved per step, for the floor: offloaded regions come up twice (forward and
     # backward); resident host-state regions once after their host step; host-state
     # gradients go down once; streamed regions' state goes up and down
     # (stream_copy_bytes), and only the others' step on the host.
     up_b, down_b = stream_copy_bytes(moments, fp16_io)
-    streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
     h2d = (
         sum(2 * rp.region.size_bytes for rp in offloaded)
         + sum(rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT)
@@ -589,7 +586,7 @@ def _ours(
         out["host_step_ms_in_loop"] = report.host_step_s * 1e3
         # fp16 steps no region before backward's answer: a step takes at least the time
         # from backward's call to the first host step plus the host steps' span.
-        host_steps = [t for t in report.region_steps if t.host]
+        host_steps = [t for t in report.region_steps if t.on_host]
         if host_steps and report.backward_start_s is not None:
             first = min(t.start_s for t in host_steps)
             out["backward_to_first_host_step_ms"] = (first - report.backward_start_s) * 1e3

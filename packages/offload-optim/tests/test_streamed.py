@@ -165,8 +165,9 @@ def test_step_reports_name_streamed_regions(streaming: dict[str, Any]) -> None:
     finally:
         module.close()
     for r in streaming["streamed"]:
-        assert steps[r].streamed and steps[r].host
-    assert not steps[0].streamed and steps[0].host
+        assert steps[r].streamed and steps[r].host and not steps[r].on_host
+    assert not steps[0].streamed and steps[0].host and steps[0].on_host
+    assert report.host_step_s == steps[0].duration_s
 
 
 def test_ring_sizes() -> None:

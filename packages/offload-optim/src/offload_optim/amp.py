@@ -273,7 +273,7 @@ class StepReport:
         """Total time of host-state region steps on the host (with SPECULATIVE_UNDO, the
         publishes after the commit are recorded as steps of their regions too); streamed
         regions, stepped on the device, are not counted."""
-        return sum(t.duration_s for t in self.region_steps if t.host and not t.streamed)
+        return sum(t.duration_s for t in self.region_steps if t.on_host)
 
     def hidden_fraction(self, backward_end_s: float | None = None) -> float:
         """Fraction of the host step time that ran before ``backward_end_s``.
@@ -287,7 +287,7 @@ class StepReport:
             return 1.0
         hidden = 0.0
         for t in self.region_steps:
-            if t.host and not t.streamed:
+            if t.on_host:
                 hidden += max(0.0, min(t.end_s, end) - max(t.start_s, self.backward_start_s))
         return hidden / total
 
@@ -303,7 +303,7 @@ class StepReport:
             return 0.0
         after = 0.0
         for t in self.region_steps:
-            if t.host and not t.streamed:
+            if t.on_host:
                 after += max(0.0, t.end_s - max(t.start_s, self.step_end_s))
         return after / total
 

@@ -98,7 +98,13 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import torch
 
 from offload_optim import single_pass, streamed
-from offload_optim.kernels import HOST_KERNELS, AdamHyper, fused_adam_, speculative_adam_
+from offload_optim.kernels import (
+    HOST_KERNELS,
+    AdamHyper,
+    fused_adam_,
+    scale_tensor,
+    speculative_adam_,
+)
 from offload_optim.streamed import StreamedQueue, StreamPiece, StreamRing
 from offload_runtime.hardware import available_host_memory_bytes
 from offload_runtime.storage import RegionStorage, region_of
@@ -124,6 +130,11 @@ class RegionStepTiming:
     streamed: bool = False
     """A streamed region (see [Note: streamed steps] in streamed.py): stepped on the
     device; the span runs from issuing its device work to publishing it."""
+
+    @property
+    def on_host(self) -> bool:
+        """Stepped by the host CPU: a host-state region that is not streamed."""
+        return self.host and not self.streamed
 
     @property
     def duration_s(self) -> float:
@@ -175,6 +186,12 @@ class _Segment:
         """``spare`` cut per parameter of ``views``, shaped like it (what ``state`` shows)."""
 
 
+def _hyper_of(seg: _Segment, hypers: dict[int, AdamHyper] | None) -> AdamHyper:
+    """Segment ``seg``'s hyperparameters: from a :meth:`HybridAdam.hypers` snapshot, or
+    its group's values now."""
+    return AdamHyper.of_group(seg.group) if hypers is None else hypers[id(seg.group)]
+
+
 class _Spare:
     """A host-state region's buffers for speculative steps (see [Note: speculative steps])."""
 
@@ -209,14 +226,6 @@ class _RegionState:
     def spare_bytes(self) -> int:
         """Host bytes :class:`_Spare` takes: an fp32 master backup and two moment buffers."""
         return self.storage.numel * (4 + 2 * self.exp_avg.element_size())
-
-
-def _scale_tensor(grad_scale: float | None, device: torch.device) -> torch.Tensor | None:
-    """The divisor a fused step takes for ``grad_scale`` (0-dim fp32 on ``device``), or
-    None when there is nothing to divide by."""
-    if grad_scale is None or grad_scale == 1.0:
-        return None
-    return torch.full((), grad_scale, dtype=torch.float32, device=device)
 
 
 SPECULATION_HOST_SHARE = 0.9
@@ -580,7 +589,7 @@ class HybridAdam(torch.optim.Optimizer):
                     raise RuntimeError("HybridAdam: a parameter has no dense gradient")
             steps = [seg.step for seg in segs]
             torch._foreach_add_(steps, 1.0)
-            scale = _scale_tensor(grad_scale, device)
+            scale = scale_tensor(grad_scale, device)
             pairs = list(zip(segs, cast(list[torch.Tensor], grads), strict=True))
             if self._single_pass(device):
                 # Region segments are flat; a plain tensor that is not contiguous (it never
@@ -704,7 +713,7 @@ class HybridAdam(torch.optim.Optimizer):
         io = self._staged_io(rs, segments)
         pieces = []
         for seg in segments:
-            hyper = AdamHyper.of_group(seg.group) if hypers is None else hypers[id(seg.group)]
+            hyper = _hyper_of(seg, hypers)
             seg.step.add_(1.0)  # as _run counts it
             a, b = seg.start, seg.start + seg.param.numel()
             assert seg.grad is not None
@@ -949,11 +958,11 @@ class HybridAdam(torch.optim.Optimizer):
         io = self._staged_io(rs, segments)  # widens a staged gradient it does not step
         covered = sum(seg.param.numel() for seg in segments) == rs.storage.numel
         whole = None if covered else rs.storage.grad.sum()
-        scale = _scale_tensor(grad_scale, torch.device("cpu"))
+        scale = scale_tensor(grad_scale, torch.device("cpu"))
         parts = []
         for seg in segments:
             assert seg.grad is not None and seg.spare is not None
-            hyper = AdamHyper.of_group(seg.group) if hypers is None else hypers[id(seg.group)]
+            hyper = _hyper_of(seg, hypers)
             before = float(seg.step)
             seg.step.add_(1.0)  # as _run counts it
             stop = seg.start + seg.param.numel()

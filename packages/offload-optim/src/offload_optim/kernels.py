@@ -176,6 +176,14 @@ def _chunked(
         v[start:end].copy_(v32)
 
 
+def scale_tensor(grad_scale: float | None, device: torch.device) -> torch.Tensor | None:
+    """The divisor a fused step takes for ``grad_scale`` (0-dim fp32 on ``device``, made
+    on the current stream), or None when there is nothing to divide by."""
+    if grad_scale is None or grad_scale == 1.0:
+        return None
+    return torch.full((), grad_scale, dtype=torch.float32, device=device)
+
+
 def fused_adam_(
     params: Sequence[torch.Tensor],
     grads: Sequence[torch.Tensor],

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_optim.kernels import AdamHyper, fused_adam_
+from offload_optim.kernels import AdamHyper, fused_adam_, scale_tensor
 from offload_runtime.streams import Event, Stream
 from offload_solver import StreamedStepCosts
 
@@ -71,7 +71,7 @@ MASTER_BYTES = 4
 def _sizes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, int]:
     """(bytes of one moment, bytes of the gradient streamed up) per parameter: fp16 I/O
     streams the fp16 gradient from the staging buffer, otherwise the fp32 accumulator."""
-    return torch.empty((), dtype=moments_dtype).element_size(), (2 if fp16_io else 4)
+    return moments_dtype.itemsize, (2 if fp16_io else 4)
 
 
 def stream_slot_bytes(
@@ -236,11 +236,7 @@ class StreamRing:
         # Made on the step stream, the only one that reads them (so that their memory is
         # reused in that stream's order).
         with self.step.context():
-            scale = (
-                None
-                if grad_scale is None or grad_scale == 1.0
-                else torch.full((), grad_scale, dtype=torch.float32, device=self.device)
-            )
+            scale = scale_tensor(grad_scale, self.device)
         for piece in pieces:
             with self.step.context():
                 step = torch.full((), piece.step, dtype=torch.float32, device=self.device)
