@@ -224,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
         help="plan every row as if its kind had the _stream suffix: what streaming host "
         "steps through the GPU would predict on the row's measured profile",
     )
+    parser.add_argument(
+        "--stream-ring",
+        choices=("recorded", "budget"),
+        default="recorded",
+        help="the ring of streamed rows: as their plan recorded it (plan_streamed; before "
+        "it was recorded, 16 M-element chunks), or sized to the budget as the bench sizes "
+        "it now (streamed_step_costs(budget_bytes=))",
+    )
     args = parser.parse_args(argv)
     costs: dict[str, float] = {}
     for item in args.host_step_cost:
@@ -293,16 +301,19 @@ def main(argv: list[str] | None = None) -> int:
                     # BENCH_STREAM_FRACTION was not planned so: replayed as planned).
                     # The costs the row's plan recorded; session 22's rows predate that
                     # and used 16 M-element chunks whatever the budget.
+                    # --stream-ring budget: the ring sized as the bench sizes it now.
                     recorded = row.get("plan_streamed")
-                    simulation["streamed"] = (
-                        StreamedStepCosts(**recorded)
-                        if recorded
-                        else streamed_step_costs(
-                            torch.bfloat16 if "bf16m" in base_kind else torch.float32,
-                            base_kind in FP16_IO,
-                            chunk_numel=16 << 20,
+                    moments = torch.bfloat16 if "bf16m" in base_kind else torch.float32
+                    if args.stream_ring == "budget":
+                        simulation["streamed"] = streamed_step_costs(
+                            moments, base_kind in FP16_IO, budget_bytes=budget_gib * GiB
                         )
-                    )
+                    elif recorded:
+                        simulation["streamed"] = StreamedStepCosts(**recorded)
+                    else:
+                        simulation["streamed"] = streamed_step_costs(
+                            moments, base_kind in FP16_IO, chunk_numel=16 << 20
+                        )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw = row_hardware(row, rate)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)
