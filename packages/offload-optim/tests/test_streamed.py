@@ -10,18 +10,21 @@ inline or threaded host work; with the single-pass kernel it equals it within ro
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+import test_overlap
 import test_speculate
 import torch
-from optim_helpers import batch, loss_of, offload_module, tiny_gpt2
+from optim_helpers import batch, loss_of, masters, offload_module, tiny_gpt2
 from test_speculate import assert_same, run
 
 import offload_optim.streamed as streamed_module
-from offload_optim import AMPOptimizer, HybridAdam, single_pass
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
 from offload_optim.hybrid_adam import RegionStepTiming
 from offload_optim.streamed import (
     STREAM_CHUNK_NUMEL,
@@ -271,3 +274,123 @@ def test_a_plan_for_other_streaming_costs_is_warned_about() -> None:
             AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
     finally:
         module.close()
+
+
+class _Gate:
+    """Stands in for the CUDA event after a streamed region's downloads: it lands only
+    when the test lets it (``opened``)."""
+
+    def __init__(self, opened: threading.Event) -> None:
+        self.opened = opened
+
+    def query(self) -> bool:
+        return self.opened.is_set()
+
+    def synchronize(self) -> None:
+        assert self.opened.wait(timeout=20.0), "waited for downloads never let land"
+
+
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+@pytest.mark.parametrize("name", ["fp16_overflow", "bf16_clip"])
+def test_streamed_regions_landing_after_the_answer_do_not_hold_the_worker(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DEVICE_ANSWER with every host-state hook held until step() has the answer: the
+    hook of a streamed region only issues its device step, and the region is published
+    once its downloads land (here: when the test lets them), while the worker goes on
+    with the next hooks. So the host-stepped region, whose gradients land after every
+    streamed one's, steps and is published while no streamed download has landed. The
+    run equals the same plan stepped synchronously, bit for bit."""
+    opts = test_overlap.ANSWER_CASES[name]
+    build = test_overlap.offload_module
+    streamed_regions: list[int] = []
+
+    def offload_streamed(*args: Any, **kwargs: Any) -> Any:
+        module = build(*args, **kwargs)
+        host = [st for st in module.storages if st.host_state]
+        for st in host[1:]:
+            st.streamed = True
+        streamed_regions[:] = [st.index for st in host[1:]]
+        return module
+
+    gate = threading.Event()
+    issue = StreamRing.issue
+
+    def gated(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+        issue(self, pieces, grad_scale)  # on the CPU its copies are done here
+        return _Gate(gate)
+
+    monkeypatch.setattr(test_overlap, "offload_module", offload_streamed)
+    monkeypatch.setattr(StreamRing, "issue", gated)
+    steps = 4
+    gate.set()
+    reference = test_overlap.Trainer(opts, overlap=False)
+    expected = reference.train(range(steps))
+    reference.close()
+
+    trainer = test_overlap.Trainer(opts, overlap=True)
+    assert len(streamed_regions) >= 2, "the mixed plan has host-state regions to stream"
+    host_stepped = next(st.index for st in trainer.module.storages if st.host_state)
+    controller = trainer.module.controller
+    published: list[int] = []
+    publish = controller.publish
+
+    def recording(r: int) -> None:
+        publish(r)
+        published.append(r)
+
+    controller.publish = recording  # type: ignore[method-assign]
+    issued: list[int] = []
+    issue_region = HybridAdam.issue_region
+
+    def counting(self: HybridAdam, r: int, *args: Any, **kwargs: Any) -> bool:
+        stepped = issue_region(self, r, *args, **kwargs)
+        issued.append(r)
+        return stepped
+
+    monkeypatch.setattr(HybridAdam, "issue_region", counting)
+    armed: list[test_overlap.Blocker] = []
+
+    def hold_from_first_region(r: int, grads: list[torch.Tensor]) -> None:
+        if armed:  # holds every host-state hook of the last backward (see test_overlap)
+            controller.submit_host(armed.pop())
+
+    controller.add_device_grad_hook(hold_from_first_region)
+    losses = []
+    for step in range(steps):
+        trainer.amp.zero_grad()
+        gate.clear()
+        published.clear()
+        issued.clear()
+        blocker = test_overlap.Blocker()
+        losses.append(trainer.backward(step, before_last=functools.partial(armed.append, blocker)))
+        trainer.amp.step()
+        trainer.after_step()
+        blocker.release.set()
+        if step != opts.poison_step:
+            assert _wait_until(lambda: host_stepped in published), "the worker was held"
+            assert set(streamed_regions) <= set(issued), "every streamed hook returned"
+            assert not set(published) & set(streamed_regions), "published before landing"
+        gate.set()
+        report = trainer.amp.last_step  # waits for the window's last task
+        assert report is not None and report.overlap is OverlapMode.DEVICE_ANSWER
+        assert not blocker.timed_out
+        assert report.skipped == (step == opts.poison_step)
+        if not report.skipped:
+            assert sorted(t.region for t in report.region_steps if t.streamed) == sorted(
+                streamed_regions
+            )
+            assert set(streamed_regions) <= set(published)
+    assert losses == expected.losses
+    stepped = masters(trainer.module)
+    for key, value in expected.masters.items():
+        assert torch.equal(stepped[key], value), key
+    trainer.close()

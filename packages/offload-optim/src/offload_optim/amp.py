@@ -133,6 +133,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 import math
 import threading
@@ -633,16 +634,21 @@ class AMPOptimizer(torch.optim.Optimizer):
         if answer.skip or fut is None:
             return
         try:
+            # A streamed region is only issued here: its future completes once its
+            # downloads land, at a later hook or behind the last (see _hand_over).
             with torch.profiler.record_function(f"host step {r} (landed after the answer)"):
-                self.optimizer.step_region(
-                    r, answer.grad_scale, hypers=answer.hypers, timings=answer.timings
+                self.optimizer.issue_region(
+                    r,
+                    answer.grad_scale,
+                    hypers=answer.hypers,
+                    timings=answer.timings,
+                    published=functools.partial(fut.set_result, None),
                 )
         except BaseException as exc:
             # Not re-raised here: like a failed queued step, it surfaces at the region's
             # next forward or at the next wait for host work, not at zero_grad().
-            fut.set_exception(exc)
-            return
-        fut.set_result(None)
+            if not fut.done():
+                fut.set_exception(exc)
 
     def _hand_over(
         self,
@@ -664,11 +670,21 @@ class AMPOptimizer(torch.optim.Optimizer):
             # whose gradients came from earlier micro-batches only.
             queued = self._notified - set(in_flight)
         futures = self._step_regions(queued, grad_scale, hypers, timings)
-        # Behind every hook of this backward (one FIFO worker): a hook that never ran
-        # (its gradient task failed first) must not leave its region's forward waiting.
-        self.controller.submit_host(lambda: _fail_unfinished(handed))
+        # Behind every hook of this backward (one FIFO worker): the streamed regions the
+        # hooks issued are published once landed, and a hook that never ran (its
+        # gradient task failed first) must not leave its region's forward waiting.
+        self.controller.submit_host(functools.partial(self._close_window, handed))
         futures.update(handed)
         return futures
+
+    def _close_window(self, handed: dict[int, Future[None]]) -> None:
+        """Host worker, behind every hook of a DEVICE_ANSWER window: publish the
+        streamed regions still landing (waiting for them), then fail the futures of
+        regions whose hooks never stepped them."""
+        try:
+            self.optimizer.publish_streamed(wait=True)
+        finally:
+            _fail_unfinished(handed)
 
     # ---- global answers ------------------------------------------------------------
 

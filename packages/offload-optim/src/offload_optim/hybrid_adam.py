@@ -328,6 +328,9 @@ class HybridAdam(torch.optim.Optimizer):
         self._speculated: set[int] = set()  # regions with an uncommitted speculative step
         self._speculation_prepared = False
         self._ring_streams: streamed.RingStreams | None = None
+        self._streaming: tuple[StreamRing, StreamedQueue] | None = None
+        """The ring and the queue of streamed regions issued and not yet published (host
+        worker only; see :meth:`publish_streamed`)."""
         self._planned_streaming: StreamedStepCosts | None = None
         """The plan's streaming costs (``Plan.streamed``): rings are built to its size."""
         self.timings: list[RegionStepTiming] = []
@@ -1176,20 +1179,18 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
                 finish(r, start, end, streamed=True)
 
-        queue = StreamedQueue(finish_streamed)
-        ring: StreamRing | None = None
+        streamed_here: set[int] = set()
         try:
             for r, segments in jobs:
                 if segments and self._regions[r].storage.streamed:
-                    if ring is None:
-                        ring = self._stream_ring()
+                    ring, queue = self._streaming_session()
                     with torch.profiler.record_function(f"streamed step {r} (issue)"):
                         start = time.perf_counter()
                         landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
-                    queue.add(r, landed, start)
-            streamed = set(queue.regions())
+                    queue.add(r, landed, start, partial(finish_streamed, r))
+                    streamed_here.add(r)
             for r, segments in jobs:
-                if r in streamed:
+                if r in streamed_here:
                     continue
                 # Named in a torch.profiler trace, beside the streams it feeds.
                 with torch.profiler.record_function(f"host step {r}"):
@@ -1197,25 +1198,113 @@ class HybridAdam(torch.optim.Optimizer):
                     if segments:
                         self._step_segments(r, segments, grad_scale, hypers)
                     finish(r, start, time.perf_counter())
-                queue.publish_landed()
-                if ring is not None and not queue.regions():
-                    # Every streamed region landed: free the ring now, not after the
-                    # host steps still to come (the planner counts it until the last
-                    # download; held on, it met the next forward's activations and W2
-                    # peaked 0.54 GiB over its plan in session 22).
-                    ring.close()
-                    ring = None
-            queue.publish_landed(wait=True)
+                # Frees the ring as soon as every streamed region landed, not after the
+                # host steps still to come (see publish_streamed).
+                self.publish_streamed()
+            self.publish_streamed(wait=True)
         except BaseException as exc:
             # Every announced future must complete, or the region's next use would wait
-            # forever: the error reaches whoever waits for any of them.
+            # forever: the error reaches whoever waits for any of them. The ring goes too
+            # (after its last download), with what it still had to publish: those
+            # regions' futures fail here, or (a hook's) in the window's last task.
+            self._drop_streaming()
             for r, _ in jobs:
                 if r not in done:
                     futures[r].set_exception(exc)
             raise
-        finally:
-            if ring is not None:
-                ring.close()  # after its last download, even when a step failed
+
+    def _streaming_session(self) -> tuple[StreamRing, StreamedQueue]:
+        """Host worker: the ring and queue that streamed regions are issued to, made (on
+        this optimizer's ring streams) when none is open."""
+        if self._streaming is None:
+            self._streaming = (self._stream_ring(), StreamedQueue())
+        return self._streaming
+
+    def publish_streamed(self, wait: bool = False) -> None:
+        """Host worker: publish each streamed region whose downloads have landed (in
+        issue order; with ``wait``, all of them, blocking: a host sync point), and free
+        the ring once none is left to publish.
+
+        The ring is freed as soon as the last streamed region is published, not at the
+        end of the task: the planner counts it until the last download, and W2, holding
+        it into the next forward, peaked 0.54 GiB over its plan in session 22."""
+        if self._streaming is None:
+            return
+        ring, queue = self._streaming
+        try:
+            queue.publish_landed(wait)
+        except BaseException:
+            self._drop_streaming()  # what is left is not published; its futures fail
+            raise
+        if not queue.regions():
+            self._streaming = None
+            ring.close()  # every download has landed: no wait
+
+    def _drop_streaming(self) -> None:
+        """Host worker, after an error: free the ring after its last download, leaving
+        what it had still to publish unpublished (their futures fail elsewhere)."""
+        if self._streaming is not None:
+            ring, _ = self._streaming
+            self._streaming = None
+            ring.close()
+
+    @torch.no_grad()
+    def issue_region(
+        self,
+        r: int,
+        grad_scale: float | None = None,
+        *,
+        hypers: dict[int, AdamHyper] | None = None,
+        timings: list[RegionStepTiming] | None = None,
+        published: Callable[[], None],
+    ) -> bool:
+        """Host worker: :meth:`step_region`, except that a streamed region's device step
+        is only issued; it is published, timed and ``published()`` called once its
+        downloads land, in this or a later :meth:`publish_streamed` call (the caller
+        makes one with ``wait=True`` before it relies on the step). Any other region
+        steps, publishes and calls ``published()`` here. Either way streamed regions
+        issued earlier that have landed are published too. False if ``r`` had nothing
+        to step (``published()`` is called all the same).
+
+        This is how the hook of a region whose gradients land after the step's answer
+        steps it (``OverlapMode.DEVICE_ANSWER``): a streamed region's copies and device
+        step then run while the host worker goes on to the next hook, as the planner
+        models it, instead of blocking it (the up and down copies take longer than the
+        host step of the same region would)."""
+        self._ensure_laid_out()
+        rs = self._regions.get(r)
+        if rs is None or not rs.storage.streamed:
+            stepped = self.step_region(r, grad_scale, hypers=hypers, timings=timings)
+            published()
+            self.publish_streamed()
+            return stepped
+        if r in self._speculated:
+            self._refuse_speculated(f"issue_region({r})")
+        segments = self._segments_with_grad(r)
+        if not segments:
+            published()
+            self.publish_streamed()
+            return False
+        controller = self._require_controller()
+        sink = self.timings if timings is None else timings
+
+        def publish(start: float, end: float) -> None:
+            with torch.profiler.record_function(f"streamed step {r} (publish)"):
+                controller.publish(r)
+                sink.append(RegionStepTiming(r, start, end, host=True, streamed=True))
+                published()
+
+        ring, queue = self._streaming_session()
+        with torch.profiler.record_function(f"streamed step {r} (issue)"):
+            start = time.perf_counter()
+            try:
+                landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
+            except BaseException:
+                self._drop_streaming()
+                raise
+        queue.add(r, landed, start, publish)
+        self.publish_streamed()
+        return True
 
     @torch.no_grad()
     def step_plain(

@@ -23,7 +23,12 @@ the device and the host step different regions at the same time, which is the po
 on the H200, streaming half of W4's host step through the GPU while the host stepped the
 other half took 0.75x the time of the host alone (``benchmarks/split_step_bench.py``),
 and W4 planned with 30 of its 84 host-state regions streamed ran at 0.96x torchao's step
-(BENCHMARKS.md, session 22).
+(BENCHMARKS.md, session 22). With ``OverlapMode.DEVICE_ANSWER`` a region whose gradients
+land after the step's answer is stepped by its own hook instead; a streamed one is only
+issued there (``HybridAdam.issue_region``), into the same ring and queue, and published
+once landed, at a later hook or in the task that ``step()`` queues behind the last hook.
+The hook does not wait for the device: the copies of one region take longer than its
+host step would.
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
@@ -311,26 +316,37 @@ class StreamRing:
 
 
 class StreamedQueue:
-    """Streamed regions issued by one host-worker task, published in order once landed."""
+    """Streamed regions issued on the host worker, published in issue order once landed.
 
-    def __init__(self, publish: Callable[[int, float, float], None]) -> None:
-        self._publish = publish
-        self._pending: deque[tuple[int, Event | None, float]] = deque()
+    Each entry carries its own ``publish(start_s, end_s)``: a step's host task and the
+    hooks of regions landing after the step's answer share one queue (and one ring)."""
 
-    def add(self, r: int, landed: Event | None, start_s: float) -> None:
-        self._pending.append((r, landed, start_s))
+    def __init__(self) -> None:
+        self._pending: deque[tuple[int, Event | None, float, Callable[[float, float], None]]]
+        self._pending = deque()
+
+    def add(
+        self,
+        r: int,
+        landed: Event | None,
+        start_s: float,
+        publish: Callable[[float, float], None],
+    ) -> None:
+        """Queue region ``r``, issued at ``start_s`` (``time.perf_counter()``), whose
+        downloads are done at ``landed``; ``publish(start_s, end_s)`` runs once they are."""
+        self._pending.append((r, landed, start_s, publish))
 
     def publish_landed(self, wait: bool = False) -> None:
         """Publish the regions whose downloads have landed, in issue order; with ``wait``,
         all of them, blocking for each (a host sync point)."""
         while self._pending:
-            r, landed, start = self._pending[0]
+            _, landed, start, publish = self._pending[0]
             if landed is not None and not landed.query():
                 if not wait:
                     return
                 landed.synchronize()
             self._pending.popleft()
-            self._publish(r, start, time.perf_counter())
+            publish(start, time.perf_counter())
 
     def regions(self) -> list[int]:
-        return [r for r, _, _ in self._pending]
+        return [entry[0] for entry in self._pending]
