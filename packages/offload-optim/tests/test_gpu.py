@@ -483,3 +483,29 @@ def test_cuda_streamed_regions_step_on_the_device(monkeypatch: pytest.MonkeyPatc
     for name, value in first[True].items():
         torch.testing.assert_close(value, first[False][name], rtol=0, atol=1e-6)
     assert rel_diff(runs[True][0], runs[False][0]) < 1e-3
+
+
+def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
+    """A streamed region's moments cross PCIe at every step, so they are page-locked, in
+    place at their exact size rather than by PyTorch's caching host allocator, which
+    rounds each buffer up to a power of two (W4 with fp32 moments streamed ran out of
+    host memory so; see [Note: exact-size pinned memory] in offload_runtime.storage)."""
+    module = offload_module(
+        tiny_gpt2(layers=1, width=512), batch(0), dtype=torch.float16, device=CUDA
+    )
+    big = [st for st in module.storages if st.host_state and st.numel * 2 >= 1 << 20]
+    assert big, "the plan has host-state regions of at least 1 MiB of bf16 moments"
+    for st in big:
+        assert st.master.is_pinned()
+        st.streamed = True
+    before = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    opt = HybridAdam(module.parameters(), lr=1e-3, moments_dtype=torch.bfloat16, module=module)
+    assert opt.region_indices  # lays the regions out: their moments are made now
+    after = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    for st in big:
+        rs = opt._regions[st.index]
+        for moment in (rs.exp_avg, rs.exp_avg_sq):
+            assert moment.is_pinned() and moment.numel() == st.numel
+            assert int(torch.count_nonzero(moment)) == 0
+    assert after == before, "no moment came from the caching host allocator"
+    module.close()

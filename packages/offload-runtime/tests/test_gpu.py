@@ -21,7 +21,7 @@ from offload_runtime import (
     memory_optimize,
     profile_hardware,
 )
-from offload_runtime.storage import _alloc_host
+from offload_runtime.storage import alloc_host
 from offload_solver import ParamPlacement
 from offload_solver.solve import BUDGET_SAFETY_FACTOR
 
@@ -208,7 +208,7 @@ def test_host_buffers_are_pinned_at_their_exact_size() -> None:
     memory; see [Note: exact-size pinned memory] in storage.py)."""
     numel = (3 << 20) + 5  # 12 MiB + 20 bytes: the caching allocator would take 16 MiB
     before = _host_allocator_bytes()
-    buf = _alloc_host(numel, torch.float32, pin=True)
+    buf = alloc_host(numel, torch.float32, pin=True)
     assert buf.is_pinned()
     if before is not None:
         assert _host_allocator_bytes() == before

@@ -107,7 +107,7 @@ from offload_optim.kernels import (
 )
 from offload_optim.streamed import StreamedQueue, StreamPiece, StreamRing
 from offload_runtime.hardware import available_host_memory_bytes
-from offload_runtime.storage import RegionStorage, region_of
+from offload_runtime.storage import RegionStorage, alloc_host, region_of
 from offload_runtime.streams import Event
 from offload_solver import StreamedStepCosts
 
@@ -210,14 +210,16 @@ class _RegionState:
     def __init__(self, storage: RegionStorage, moments_dtype: torch.dtype) -> None:
         self.storage = storage
         device = storage.master.device
-        # A streamed region's moments cross PCIe at every step: pinned, as its master is.
+        # A streamed region's moments cross PCIe at every step: pinned, as its master is,
+        # and at their exact size (PyTorch's pinned allocator would round gpt2_6b's up
+        # to twice theirs: W4 with fp32 moments streamed ran out of host memory).
         pin = storage.streamed and storage.master.is_pinned()
-        self.exp_avg = torch.zeros(
-            storage.numel, dtype=moments_dtype, device=device, pin_memory=pin
-        )
-        self.exp_avg_sq = torch.zeros(
-            storage.numel, dtype=moments_dtype, device=device, pin_memory=pin
-        )
+        if pin:
+            self.exp_avg = alloc_host(storage.numel, moments_dtype, pin=True).zero_()
+            self.exp_avg_sq = alloc_host(storage.numel, moments_dtype, pin=True).zero_()
+        else:
+            self.exp_avg = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
+            self.exp_avg_sq = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
         self.segments: list[_Segment] = []
         self.spare: _Spare | None = None
         """Allocated by :meth:`HybridAdam.prepare_speculation` (host-state regions only)."""

@@ -112,9 +112,10 @@ def _pin_in_place(t: torch.Tensor) -> bool:
     return True
 
 
-def _alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    """``numel`` elements of host memory, page-locked when ``pin`` (see
-    [Note: exact-size pinned memory]; falls back to PyTorch's pinned allocator)."""
+def alloc_host(numel: int, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """``numel`` elements of host memory (uninitialised), page-locked when ``pin`` (see
+    [Note: exact-size pinned memory]; falls back to PyTorch's pinned allocator). Every
+    buffer of host state that crosses PCIe at every step should come from here."""
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     try:
         if pin and nbytes >= _PIN_IN_PLACE_MIN_BYTES:
@@ -182,15 +183,15 @@ class RegionStorage:
             assert pool_slot is not None and pool_slot.numel() >= self.numel
             self.device_params = pool_slot[: self.numel]
             self.host_params: torch.Tensor | None = (
-                None if convert_on_device else _alloc_host(self.numel, dtype, pin)
+                None if convert_on_device else alloc_host(self.numel, dtype, pin)
             )
         else:
             self.device_params = torch.empty(self.numel, dtype=dtype, device=device)
             self.host_params = None
         state_device = torch.device("cpu") if self.host_state else device
         if state_device.type == "cpu":
-            self.master = _alloc_host(self.numel, MASTER_DTYPE, pin)
-            self.grad = _alloc_host(self.numel, MASTER_DTYPE, pin)
+            self.master = alloc_host(self.numel, MASTER_DTYPE, pin)
+            self.grad = alloc_host(self.numel, MASTER_DTYPE, pin)
         else:
             self.master = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
             self.grad = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
@@ -202,7 +203,7 @@ class RegionStorage:
         backward overwrites it instead of adding (a copy is ~5x faster than zero + add on
         the host), and readers clear it first (:meth:`materialize_grad`)."""
         self.grad_staging: torch.Tensor | None = (
-            _alloc_host(self.numel, dtype, pin)
+            alloc_host(self.numel, dtype, pin)
             if self.host_state and not convert_on_device
             else None
         )
@@ -243,7 +244,7 @@ class RegionStorage:
         if not self.host_state:
             raise RuntimeError(f"region {self.index} keeps its state on the device: no staging")
         if self.grad_staging is None:
-            self.grad_staging = _alloc_host(self.numel, self.dtype, self._pin)
+            self.grad_staging = alloc_host(self.numel, self.dtype, self._pin)
         return self.grad_staging
 
     def upload_copy(self) -> torch.Tensor:
