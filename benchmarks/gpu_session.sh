@@ -58,12 +58,14 @@
 #           in their hooks), FSDP2, torchao and ours_io_bf16m_spec1_stream      ~8 min
 #   w4fs3   W4 ours_io_stream and FSDP2 only                                   ~5 min
 #   w2s     W2 ours_io_spec1_stream beside FSDP2 and torchao                   ~3 min
+#   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
+#           (ours_io_spec1_stream), and FSDP2                                  ~8 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w2s|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -168,6 +170,8 @@ case "$phase" in
     bench W4 ours_io_stream,fsdp2,torchao,ours_io_bf16m_spec1_stream 250 W4_fs2 ;;
   w4fs3)
     bench W4 ours_io_stream,fsdp2 250 W4_fs3 ;;
+  w4fsp)
+    bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
   w2s)
     bench W2 ours_io_spec1_stream,fsdp2,torchao 100 W2_s ;;
   streamab)

@@ -232,7 +232,28 @@ def main(argv: list[str] | None = None) -> int:
         "it was recorded, 16 M-element chunks), or sized to the budget as the bench sizes "
         "it now (streamed_step_costs(budget_bytes=))",
     )
+    parser.add_argument(
+        "--speculate",
+        type=float,
+        default=None,
+        metavar="GPARAMS",
+        help="plan every row as a speculating kind (host steps start in their gradient "
+        "hooks) with undo buffers for this many G parameters (what host memory holds "
+        "beside the state), at --speculative-step-cost: what ours_io_spec1 would predict "
+        "where ours_io was measured",
+    )
+    parser.add_argument(
+        "--speculative-step-cost",
+        type=float,
+        default=1.25,
+        help="with --speculate, for rows that did not measure one (default 1.25, about "
+        "what session 23's W4 rows measured: 1.25-1.44)",
+    )
     args = parser.parse_args(argv)
+    if args.speculate is not None and not args.speculate >= 0:
+        parser.error(f"--speculate takes G parameters >= 0, got {args.speculate}")
+    if not args.speculative_step_cost >= 1:
+        parser.error(f"--speculative-step-cost must be >= 1, got {args.speculative_step_cost}")
     costs: dict[str, float] = {}
     for item in args.host_step_cost:
         kind_name, _, value = item.partition("=")
@@ -294,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
                     # A speculating row planned for fewer undo buffers records the limit.
                     "speculative_params": row.get("speculative_params"),
                 }
+                if args.speculate is not None:
+                    simulation["host_step_after_backward"] = False
+                    simulation["speculative_params"] = int(args.speculate * 1e9)
+                    if not speculate:
+                        simulation["speculative_step_cost"] = args.speculative_step_cost
                 # Recorded from session 17 on; earlier rows were planned without it.
                 in_use = int(row.get("device_bytes_in_use", args.in_use_mib * 2**20))
                 if kind.endswith("_stream") or args.streamed:
