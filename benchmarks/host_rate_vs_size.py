@@ -60,9 +60,9 @@ def _stepper(kind: str, sizes: list[int], pinned: bool) -> Callable[[int], None]
         if pinned:
             # The runtime's own allocation: registered in place at the exact size (torch's
             # pinned allocator rounds up to a power of two).
-            from offload_runtime.storage import _alloc_host
+            from offload_runtime.storage import alloc_host
 
-            t = _alloc_host(n, dtype, True)
+            t = alloc_host(n, dtype, True)
         else:
             t = torch.empty(n, dtype=dtype)
         t.zero_()  # touch every page now, not in the first timed step
