@@ -55,9 +55,12 @@ def solver_only(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """``mypy --strict`` over the sources of every package."""
+    """``mypy --strict`` over the sources of every package, then over the benchmark
+    scripts (which import each other, hence ``MYPYPATH``)."""
     _install_all(session, "mypy")
     session.run("mypy", "--strict", *SRC_DIRS, *session.posargs)
+    scripts = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py"))
+    session.run("mypy", "--strict", *scripts, env={"MYPYPATH": str(ROOT / "benchmarks")})
 
 
 @nox.session

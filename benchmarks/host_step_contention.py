@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_src = torch.zeros(64 * 2**20, dtype=torch.float32, pin_memory=pin)  # 256 MiB
     copy_dev = torch.empty(copy_src.shape, device="cuda") if cuda else None
     small = torch.zeros(1024, device="cuda") if cuda else None
-    side = torch.cuda.Stream() if cuda else None
+    side = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
 
     def load(condition: str, stop: threading.Event) -> None:
         """Runs on the main thread until ``stop`` is set."""

@@ -21,9 +21,13 @@ import math
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
-def markov_chain(vocab: int, successors: int, seed: int) -> tuple[object, float]:
+def markov_chain(vocab: int, successors: int, seed: int) -> tuple[torch.Tensor, float]:
     """A transition matrix where each token has ``successors`` likely next tokens (90% of
     the mass, the rest spread over the vocabulary), and its entropy rate in nats."""
     import torch
@@ -38,7 +42,7 @@ def markov_chain(vocab: int, successors: int, seed: int) -> tuple[object, float]
     return probs, entropy
 
 
-def sample(probs: object, batch: int, seq: int, gen: object) -> object:
+def sample(probs: torch.Tensor, batch: int, seq: int, gen: torch.Generator) -> torch.Tensor:
     import torch
 
     assert isinstance(probs, torch.Tensor) and isinstance(gen, torch.Generator)
@@ -50,7 +54,7 @@ def sample(probs: object, batch: int, seq: int, gen: object) -> object:
     return ids
 
 
-def run(args: argparse.Namespace, moments: object) -> list[float]:
+def run(args: argparse.Namespace, moments: torch.dtype) -> list[float]:
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss
@@ -84,7 +88,7 @@ def run(args: argparse.Namespace, moments: object) -> list[float]:
     losses: list[float] = []
     start = time.perf_counter()
     for step in range(args.steps):
-        ids = sample(probs, args.batch, args.seq, gen).to(device)  # type: ignore[attr-defined]
+        ids = sample(probs, args.batch, args.seq, gen).to(device)
         opt.zero_grad()
         loss = lm_loss(module(input_ids=ids), ids)
         opt.backward(loss)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -82,14 +83,15 @@ def main() -> None:
         n = args.numel
         b16 = torch.zeros(n, dtype=torch.bfloat16)
         f32 = torch.zeros(n)
-        for name, fn in (
+        ops: tuple[tuple[str, Callable[[], torch.Tensor]], ...] = (
             ("widen bf16->fp32", lambda: f32.copy_(b16)),
             ("narrow fp32->bf16", lambda: b16.copy_(f32)),
             # The runtime's host gradient accumulation: zero, then add the staged gradient.
             ("zero fp32", lambda: f32.zero_()),
             ("add bf16 into fp32", lambda: f32.add_(b16)),
             ("add fp32 into fp32", lambda: f32.add_(f32)),
-        ):
+        )
+        for name, fn in ops:
             fn()
             start = time.perf_counter()
             fn()

@@ -128,7 +128,7 @@ def _fp16_io() -> Callable[..., None]:
                 sign = (f >> 16) & 0x8000
                 a = f & 0x7FFFFFFF
                 if a >= 0x47800000:  # too large for fp16, inf or NaN
-                    out = 0x7E00 if a > 0x7F800000 else 0x7C00
+                    out = np.int64(0x7E00 if a > 0x7F800000 else 0x7C00)
                 elif a < 0x38800000:  # fp16 subnormal or zero: 0.5 + |x| rounds it
                     out = np.int64(bits[k + j]) - 0x3F000000
                 else:

@@ -44,7 +44,9 @@ class LogitsOnly(nn.Module):
         self.lm = lm
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        out = self.lm(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        logits: torch.Tensor = out.logits
+        return logits
 
 
 def peak_rss_bytes() -> int:
