@@ -394,3 +394,28 @@ def test_streamed_regions_landing_after_the_answer_do_not_hold_the_worker(
     for key, value in expected.masters.items():
         assert torch.equal(stepped[key], value), key
     trainer.close()
+
+
+def test_the_queue_publishes_in_issue_order_once_landed() -> None:
+    """Entries publish in the order issued, each with its own callback, and not past the
+    first whose downloads have not landed; ``wait`` publishes the rest."""
+    gates = [threading.Event() for _ in range(3)]
+    published: list[tuple[int, float, float]] = []
+    queue = streamed_module.StreamedQueue()
+    for r, gate in enumerate(gates):
+        queue.add(
+            r,
+            _Gate(gate),  # type: ignore[arg-type]
+            float(r),
+            functools.partial(lambda r, start, end: published.append((r, start, end)), r),
+        )
+    gates[1].set()
+    queue.publish_landed()
+    assert published == [] and queue.regions() == [0, 1, 2], "region 0 has not landed"
+    gates[0].set()
+    queue.publish_landed()
+    assert [p[0] for p in published] == [0, 1] and queue.regions() == [2]
+    assert [p[1] for p in published] == [0.0, 1.0], "each with its own issue time"
+    threading.Timer(0.05, gates[2].set).start()
+    queue.publish_landed(wait=True)
+    assert [p[0] for p in published] == [0, 1, 2] and queue.regions() == []
