@@ -206,6 +206,10 @@ class _Spare:
         before that step."""
 
 
+def _nothing() -> None:
+    """The default ``published`` callback of :meth:`HybridAdam.issue_region`."""
+
+
 class _RegionState:
     def __init__(self, storage: RegionStorage, moments_dtype: torch.dtype) -> None:
         self.storage = storage
@@ -669,13 +673,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Step ``segments`` of region ``r`` (not publishing it), by fp16 I/O when the
         gradient waits in the staging buffer (see :meth:`_staged_io`)."""
         rs = self._regions[r]
-        if rs.storage.streamed:
-            ring = self._stream_ring()
-            try:
-                self._issue_streamed(ring, r, segments, grad_scale, hypers)
-            finally:
-                ring.close()
-            return
+        assert not rs.storage.streamed, "streamed regions are issued (issue_region)"
         io = self._staged_io(rs, segments) if rs.storage.host_state else None
         self._run(segments, grad_scale, hypers, io)
         if io is not None:
@@ -763,28 +761,13 @@ class HybridAdam(torch.optim.Optimizer):
         ``hypers``: a :meth:`hypers` snapshot (default: the groups' values now); ``timings``:
         where to record the step (default :attr:`timings`). Usable from a grad-ready hook:
         call it on the host worker for a host-state region, on the main thread for a
-        device-state one (see [Note: region segments]).
+        device-state one (see [Note: region segments]). A streamed region is stepped on
+        the device, and this waits for it (a host sync point; see :meth:`issue_region`).
         """
-        self._ensure_laid_out()
-        if r not in self._regions:
-            return False
-        if r in self._speculated:
-            self._refuse_speculated(f"step_region({r})")
-        controller = self._require_controller()
-        start = time.perf_counter()
-        segments = self._segments_with_grad(r)
-        if not segments:
-            return False
-        self._step_segments(r, segments, grad_scale, hypers)
-        controller.publish(r)
-        sink = self.timings if timings is None else timings
-        st = self._regions[r].storage
-        sink.append(
-            RegionStepTiming(
-                r, start, time.perf_counter(), host=st.host_state, streamed=st.streamed
-            )
-        )
-        return True
+        stepped = self.issue_region(r, grad_scale, hypers=hypers, timings=timings)
+        if stepped and self._regions[r].storage.streamed:
+            self.publish_streamed(wait=True)
+        return stepped
 
     # ---- speculative steps ---------------------------------------------------------
 
@@ -1258,47 +1241,54 @@ class HybridAdam(torch.optim.Optimizer):
         *,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
-        published: Callable[[], None],
+        published: Callable[[], None] | None = None,
     ) -> bool:
-        """Host worker: :meth:`step_region`, except that a streamed region's device step
-        is only issued; it is published, timed and ``published()`` called once its
-        downloads land, in this or a later :meth:`publish_streamed` call (the caller
-        makes one with ``wait=True`` before it relies on the step). Any other region
-        steps, publishes and calls ``published()`` here. Either way streamed regions
-        issued earlier that have landed are published too. False if ``r`` had nothing
-        to step (``published()`` is called all the same).
+        """:meth:`step_region`, except that a streamed region's device step is only
+        issued (on the host worker): it is published, timed and ``published()`` called
+        once its downloads land, in this or a later :meth:`publish_streamed` call (the
+        caller makes one with ``wait=True`` before it relies on the step). Any other
+        region steps, publishes and calls ``published()`` here, and on the host worker
+        streamed regions issued earlier that have landed are published too. False if
+        ``r`` had nothing to step (``published()`` is called all the same).
 
         This is how the hook of a region whose gradients land after the step's answer
         steps it (``OverlapMode.DEVICE_ANSWER``): a streamed region's copies and device
         step then run while the host worker goes on to the next hook, as the planner
         models it, instead of blocking it (the up and down copies take longer than the
         host step of the same region would)."""
+        done = published if published is not None else _nothing
         self._ensure_laid_out()
         rs = self._regions.get(r)
-        if rs is None or not rs.storage.streamed:
-            stepped = self.step_region(r, grad_scale, hypers=hypers, timings=timings)
-            published()
-            self.publish_streamed()
-            return stepped
+        if rs is None:
+            done()
+            return False
         if r in self._speculated:
-            self._refuse_speculated(f"issue_region({r})")
+            self._refuse_speculated(f"step_region({r})")
+        controller = self._require_controller()
+        start = time.perf_counter()
         segments = self._segments_with_grad(r)
         if not segments:
-            published()
-            self.publish_streamed()
+            done()
             return False
-        controller = self._require_controller()
+        st = rs.storage
         sink = self.timings if timings is None else timings
+        if not st.streamed:
+            self._step_segments(r, segments, grad_scale, hypers)
+            controller.publish(r)
+            sink.append(RegionStepTiming(r, start, time.perf_counter(), host=st.host_state))
+            done()
+            if st.host_state:  # on the host worker, where streamed regions are issued
+                self.publish_streamed()
+            return True
 
         def publish(start: float, end: float) -> None:
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
                 controller.publish(r)
                 sink.append(RegionStepTiming(r, start, end, host=True, streamed=True))
-                published()
+                done()
 
         ring, queue = self._streaming_session()
         with torch.profiler.record_function(f"streamed step {r} (issue)"):
-            start = time.perf_counter()
             try:
                 landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
             except BaseException:
