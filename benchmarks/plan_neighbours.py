@@ -3,9 +3,10 @@
     python benchmarks/plan_neighbours.py benchmarks/results/s23c1_W4_stream.json \\
         ours_io_bf16m_spec1_stream --stream-up-bytes 8
 
-For one ``offload_bench.py --json`` row this solves the workload again with the profile,
-rates and choices the row recorded (as ``replay_bench.py --host-rate recorded`` does), then
-prints:
+For one ``offload_bench.py --json`` row this prints the CUDA streams' busy time per
+profiled step that the row recorded (``profile_streams``), solves the workload again with
+the profile, rates and choices the row recorded (as ``replay_bench.py --host-rate
+recorded`` does), and prints:
 
 - the plan: its predicted step and peak, its static device bytes (resident parameters,
   device optimizer state, pool), and the parameters per placement and state;
@@ -106,6 +107,16 @@ def main(argv: list[str] | None = None) -> int:
     period, _ = evaluate(chosen)
     static = simulator.run(ctx, chosen).static_bytes
     print(f"{args.json.name} {workload} {args.kind}: measured {row['step_ms']:.0f} ms")
+    streams = row.get("profile_streams")
+    if streams:  # the profiled steps' CUDA streams, per step
+        n = max(1, int(row.get("profile_steps", 1)))
+        h2d = d2h = 0.0
+        for sid, st in sorted(streams["streams"].items()):
+            kinds = ", ".join(f"{k} {v / n:.0f}" for k, v in st["kinds"].items())
+            print(f"  measured stream {sid}: busy {st['busy_ms'] / n:.0f} ms per step ({kinds})")
+            h2d += st["kinds"].get("memcpy HtoD", 0.0) / n
+            d2h += st["kinds"].get("memcpy DtoH", 0.0) / n
+        print(f"  measured copies per step: H2D {h2d:.0f} ms, D2H {d2h:.0f} ms")
     print(
         f"plan: {plan.predicted_step_time_s * 1e3:.0f} ms, peak "
         f"{plan.predicted_peak_bytes / GiB:.2f} GiB, static {static / GiB:.2f} GiB"
