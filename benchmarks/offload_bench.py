@@ -58,7 +58,9 @@ Adam's; default: torch's, one per core): the main thread keeps issuing the next 
 while the host steps run, so one core fewer may step faster. Set BENCH_SWITCH_INTERVAL_S
 to run them with that ``sys.setswitchinterval``: the host worker needs the GIL between
 its region steps while the main thread issues kernels, and Python hands it over only every
-switch interval (default 0.005 s); rows record the interval.
+switch interval (default 0.005 s); rows record the interval. Set BENCH_POLISH_ROUNDS to
+plan the ``ours`` kinds with that many rounds of the solver's local search (0: the greedy
+phases' plan; default: the solver's); rows record it as ``polish_rounds``.
 """
 
 from __future__ import annotations
@@ -315,6 +317,7 @@ def _ours(
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
     from offload_solver import ParamPlacement, StatePlacement
+    from offload_solver.solve import POLISH_ROUNDS
 
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = budget_gib * GiB
@@ -332,6 +335,7 @@ def _ours(
     bf16_moments = base in ("ours_bf16m", "ours_bf16m1", "ours_io_bf16m", "ours_io_bf16m_spec1")
     fp16_io = base.startswith("ours_io")
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
+    polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -396,6 +400,7 @@ def _ours(
                 if stream and stream_fraction is None
                 else None
             ),
+            polish_rounds=polish_rounds,
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -480,6 +485,7 @@ def _ours(
         k: allocator_after[k] - allocator_before[0][k] for k in ALLOCATOR_EVENTS
     }
     out["host_threads"] = torch.get_num_threads()
+    out["polish_rounds"] = polish_rounds
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {

@@ -10,10 +10,9 @@ recorded`` does), and prints:
 
 - the plan: its predicted step and peak, its static device bytes (resident parameters,
   device optimizer state, pool), and the parameters per placement and state;
-- a local search from it: each round simulates every change of one region (streamed or
-  not, resident or offloaded, device state given up for host or streamed state) and takes
-  the one that shortens the repeating step most while the peak fits the budget, until
-  none does; this says whether a better choice among today's placements exists;
+- the plan the solver's greedy phases alone choose (``polish_rounds=0``), against the
+  plan after its local search over one-region changes ([Note: local search] in
+  ``offload_solver.solvers._polish``);
 - with ``--stream-up-bytes N``, the plan solved again with streamed regions moving ``N``
   bytes per parameter up instead of the recorded amount (e.g. 8 for a gradient that
   stays on the device), device memory unchanged: an upper bound on that lead's gain;
@@ -33,7 +32,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="solve again with streamed regions moving this many bytes per parameter up",
     )
-    parser.add_argument("--rounds", type=int, default=8, help="local search rounds at most")
     args = parser.parse_args(argv)
 
     import torch
@@ -64,14 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     from offload_optim.hybrid_adam import SPECULATION_HOST_SHARE
     from offload_runtime.api import device_conversion_profile
     from offload_runtime.storage import required_host_bytes
-    from offload_solver import ParamPlacement, StatePlacement, StreamedStepCosts, solve
+    from offload_solver import StreamedStepCosts, solve
     from offload_solver.simulators import get_simulator
     from offload_solver.simulators._engine import (
         RegionAssignment,
         SimulationContext,
         steady_state,
     )
-    from offload_solver.solve import BUDGET_SAFETY_FACTOR
 
     results: dict[str, dict[str, dict[str, Any]]] = json.loads(args.json.read_text())["results"]
     workload = args.workload or next(iter(results))
@@ -95,7 +92,6 @@ def main(argv: list[str] | None = None) -> int:
     plan = solve(profile, hardware, budget, solver="asyn", device_bytes_in_use=in_use, **planning)
     ctx = SimulationContext.build(profile, hardware, **planning)
     simulator = get_simulator("async")
-    cap = budget * BUDGET_SAFETY_FACTOR - in_use
 
     def evaluate(assignment: Sequence[RegionAssignment]) -> tuple[float, float]:
         """(repeating step s, peak bytes the solver compares with its cap)."""
@@ -127,45 +123,20 @@ def main(argv: list[str] | None = None) -> int:
     for (placement, state), numels in sorted(groups.items()):
         print(f"  {placement:>8} / {state:<8} {len(numels):3d} regions {sum(numels) / 1e9:.3f} G")
 
-    def moves(assignment: Sequence[RegionAssignment]) -> Iterator[tuple[int, RegionAssignment]]:
-        streamable = "streamed" in planning
-        for r, a in enumerate(assignment):
-            if ctx.numel[r] == 0:
-                continue
-            if a.state is StatePlacement.HOST and streamable:
-                yield r, RegionAssignment(a.placement, StatePlacement.STREAMED, a.prefetch_at)
-            if a.state is StatePlacement.STREAMED:
-                yield r, RegionAssignment(a.placement, StatePlacement.HOST, a.prefetch_at)
-            if a.state is StatePlacement.DEVICE:
-                yield r, RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.HOST)
-                if streamable:
-                    yield r, RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.STREAMED)
-            elif a.placement is ParamPlacement.RESIDENT:
-                if r + 1 < len(assignment):  # prefetched for backward at the next region's
-                    yield r, RegionAssignment(ParamPlacement.ASYNC, a.state, r + 1)
-            else:
-                yield r, RegionAssignment(ParamPlacement.RESIDENT, a.state)
-
-    current, best_period = list(chosen), period
-    for round_ in range(args.rounds):
-        best: tuple[float, int, RegionAssignment] | None = None
-        for r, change in moves(current):
-            trial = list(current)
-            trial[r] = change
-            p, peak = evaluate(trial)
-            if peak <= cap and p < best_period * (1 - 1e-3) and (best is None or p < best[0]):
-                best = (p, r, change)
-        if best is None:
-            break
-        best_period, r, change = best
-        current[r] = change
-        print(
-            f"local search round {round_ + 1}: region {r} -> {change.placement.value} / "
-            f"{change.state.value}: {best_period * 1e3:.0f} ms"
-        )
+    greedy = solve(
+        profile,
+        hardware,
+        budget,
+        solver="asyn",
+        device_bytes_in_use=in_use,
+        polish_rounds=0,
+        **planning,
+    )
     print(
-        f"local search: {period * 1e3:.0f} -> {best_period * 1e3:.0f} ms "
-        f"({(period - best_period) / period:.1%} shorter)"
+        f"the greedy phases alone (polish_rounds=0): {greedy.predicted_step_time_s * 1e3:.0f} "
+        f"ms; the solver's local search makes it {period * 1e3:.0f} ms "
+        f"({(greedy.predicted_step_time_s - period) / greedy.predicted_step_time_s:.1%} "
+        f"shorter, {plan.num_simulations} simulations in {plan.solve_time_s:.1f} s)"
     )
 
     if args.stream_up_bytes is not None:

@@ -26,6 +26,7 @@ from offload_solver import (
 )
 from offload_solver import solve as solve_plan
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
+from offload_solver.solve import POLISH_ROUNDS
 from offload_trace import TracedModel, trace
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ def choose_plan(
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
+    polish_rounds: int = POLISH_ROUNDS,
 ) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
     """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
     does: for each place the dtype conversions may run (``convert_on_device``; None: both,
@@ -223,6 +225,7 @@ def choose_plan(
                 device_bytes_in_use=device_bytes_in_use,
                 micro_batches=micro_batches,
                 streamed=streamed,
+                polish_rounds=polish_rounds,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)
@@ -293,6 +296,7 @@ def memory_optimize(
     device_bytes_in_use: int | None = None,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
+    polish_rounds: int = POLISH_ROUNDS,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -374,6 +378,10 @@ def memory_optimize(
             ``HybridAdam`` is built with. It pays where the host
             step bounds the step and PCIe has time to spare (BENCHMARKS.md, session 22).
             Default None: no region is streamed.
+        polish_rounds: rounds of the solver's final local search, which simulates every
+            one-region change of the plan and takes the best while one shortens the
+            predicted step within the budget (a few seconds for a 92-region model on one
+            core; 0 keeps the greedy phases' plan). See ``offload_solver.solve``.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -420,6 +428,10 @@ def memory_optimize(
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
     )
+    say(
+        f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
+        f"{polish_rounds} rounds of local search"
+    )
     on_device, profile, plan, times = choose_plan(
         base_profile,
         hardware,
@@ -434,6 +446,7 @@ def memory_optimize(
         device_bytes_in_use=device_bytes_in_use,
         micro_batches=micro_batches,
         streamed=streamed,
+        polish_rounds=polish_rounds,
     )
     if len(times) == 2:
         say(

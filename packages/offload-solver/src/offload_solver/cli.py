@@ -28,7 +28,12 @@ from offload_solver.model import (
     parse_bytes,
 )
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
-from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
+from offload_solver.solve import (
+    BUDGET_SAFETY_FACTOR,
+    POLISH_ROUNDS,
+    InfeasibleBudgetError,
+    solve,
+)
 from offload_solver.solvers import SOLVERS
 
 MiB = 2**20
@@ -96,6 +101,13 @@ def _parser() -> argparse.ArgumentParser:
         "device instead (state 'streamed') where that shortens the step: bytes per "
         "parameter copied up and down for such a step and the device ring's size, e.g. "
         "10,10,2GiB (default: none streamed)",
+    )
+    p.add_argument(
+        "--polish-rounds",
+        type=int,
+        default=POLISH_ROUNDS,
+        help="rounds of the final local search over one-region changes (default "
+        f"{POLISH_ROUNDS}; 0 keeps the greedy phases' plan)",
     )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
@@ -186,6 +198,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculative_step_cost=args.speculative_step_cost,
             speculative_params=args.speculative_params,
             streamed=None if args.streamed is None else parse_streamed(args.streamed),
+            polish_rounds=args.polish_rounds,
         )
         if args.output is not None:
             try:

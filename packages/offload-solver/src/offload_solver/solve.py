@@ -19,6 +19,9 @@ The steps, shared by every solver strategy:
 5. With ``streamed`` costs, step some host-state regions on the device instead where
    that shortens the repeating step within the budget ([Note: streamed search] in
    ``solvers._streamed``).
+6. Unless the plan is step 1's, a local search changes one region at a time while that
+   shortens the simulated repeating step within the budget ([Note: local search] in
+   ``solvers._polish``; ``polish_rounds`` bounds its rounds).
 
 All planning is against ``budget * BUDGET_SAFETY_FACTOR``, less ``device_bytes_in_use``
 (measured bytes that stay allocated beside the plan's, charged whole).
@@ -43,6 +46,7 @@ from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_B
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
+from offload_solver.solvers._polish import POLISH_ROUNDS, polish
 from offload_solver.solvers._search import GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
 
@@ -108,6 +112,7 @@ def solve(
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
+    polish_rounds: int = POLISH_ROUNDS,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -154,9 +159,12 @@ def solve(
     ``solvers._streamed``; [Note: streamed steps] in ``simulators._engine``). The plan
     then records the costs (``Plan.streamed``). ``None`` (default): no region is
     STREAMED.
+    ``polish_rounds``: rounds of the final local search (step 6), each simulating every
+    one-region change of the plan and taking the best; 0 keeps the greedy phases' plan.
 
     Raises:
-        ValueError: a non-positive budget or an unknown solver name.
+        ValueError: a non-positive budget, negative ``polish_rounds`` or an unknown solver
+            name.
         InfeasibleBudgetError: no plan fits; the error carries ``least_budget_bytes``.
     """
     t0 = time.perf_counter()
@@ -166,6 +174,8 @@ def solve(
     if device_bytes_in_use < 0:
         raise ValueError(f"device_bytes_in_use must be >= 0 bytes, got {device_bytes_in_use}")
     in_use = device_bytes_in_use
+    if isinstance(polish_rounds, bool) or not isinstance(polish_rounds, int) or polish_rounds < 0:
+        raise ValueError(f"polish_rounds must be an int >= 0, got {polish_rounds!r}")
     strategy = get_solver(solver)
     simulator = get_simulator(strategy.simulator)
     ctx = SimulationContext.build(
@@ -212,6 +222,10 @@ def solve(
         steady = search.steady()
     if streamed is not None:
         chosen, result, steady = place_streamed(ctx, simulator, cap, stats, chosen, result, steady)
+    if chosen is not on_device:
+        chosen, result, steady = polish(
+            ctx, simulator, cap, stats, chosen, result, steady, max_rounds=polish_rounds
+        )
 
     # The timeline and memory curves are the cold step's; the step time is the period of
     # the repeating step (see [Note: steady state] in ``simulators._engine``).
@@ -245,4 +259,10 @@ def solve(
     )
 
 
-__all__ = ["BUDGET_SAFETY_FACTOR", "InfeasibleBudgetError", "least_budget_bytes", "solve"]
+__all__ = [
+    "BUDGET_SAFETY_FACTOR",
+    "POLISH_ROUNDS",
+    "InfeasibleBudgetError",
+    "least_budget_bytes",
+    "solve",
+]

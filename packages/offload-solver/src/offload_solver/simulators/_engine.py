@@ -200,7 +200,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from offload_solver.model import (
@@ -1236,7 +1236,7 @@ def run(
         if not gated:
             # The cold step's peak is its memory curve's, exactly: the level above can add
             # activations and gradients that meet only in sequence at one instant.
-            out.peak_bytes = max(m.bytes for m in _memory_curves(ctx, out)[0])
+            out.peak_bytes = _curve_peak(ctx, out)
     return out
 
 
@@ -1529,14 +1529,46 @@ def to_result(
 def _memory_curves(
     ctx: SimulationContext, out: EngineRun
 ) -> tuple[tuple[MemorySample, ...], tuple[MemorySample, ...]]:
-    """Walk the step in execution order, merging gradient and parameter events by time.
+    """The step's memory curves: with offloaded regions in the pool, and counting them only
+    while on the device (see :func:`_walk_memory`)."""
+    static_pool = out.static_bytes + out.pool_bytes
+    static_raw = out.static_bytes
+    pool_samples: list[MemorySample] = [MemorySample(0.0, static_pool)]
+    raw_samples: list[MemorySample] = [MemorySample(0.0, static_raw)]
+
+    def record(time_s: float, dynamic: int, live: int) -> None:
+        pool_samples.append(MemorySample(time_s, static_pool + dynamic))
+        raw_samples.append(MemorySample(time_s, static_raw + live + dynamic))
+
+    _walk_memory(ctx, out, record)
+    return _compact(pool_samples), _compact(raw_samples)
+
+
+def _curve_peak(ctx: SimulationContext, out: EngineRun) -> int:
+    """The highest level of the pool memory curve of :func:`_memory_curves`, without
+    building it (the solvers ask for it once per simulated streamed plan)."""
+    peak = 0
+
+    def record(time_s: float, dynamic: int, live: int) -> None:
+        nonlocal peak
+        if dynamic > peak:
+            peak = dynamic
+
+    _walk_memory(ctx, out, record)
+    return out.static_bytes + out.pool_bytes + peak
+
+
+def _walk_memory(
+    ctx: SimulationContext, out: EngineRun, record: Callable[[float, int, int], None]
+) -> None:
+    """Walk the step in execution order, merging gradient and parameter events by time,
+    and ``record(time_s, activations + gradients, offloaded bytes on the device)`` after
+    every change (the static bytes and the pool not included).
 
     Events off the compute lane (copies ending, prefetches starting) at or before the
     moment of a compute-lane event are applied before it, removals before additions.
     """
     n_reg = ctx.num_regions
-    static_pool = out.static_bytes + out.pool_bytes
-    static_raw = out.static_bytes
     # Off-lane events: (time, order, delta_grads, delta_params).
     side: list[tuple[float, int, int, int]] = []
     for _, _, copied, nbytes in out.grads:
@@ -1554,12 +1586,9 @@ def _memory_curves(
     act = 0
     grads = 0
     live = 0
-    pool_samples: list[MemorySample] = [MemorySample(0.0, static_pool)]
-    raw_samples: list[MemorySample] = [MemorySample(0.0, static_raw)]
 
     def emit(time_s: float) -> None:
-        pool_samples.append(MemorySample(time_s, static_pool + act + grads))
-        raw_samples.append(MemorySample(time_s, static_raw + live + act + grads))
+        record(time_s, act + grads, live)
 
     def flush(time_s: float, *, inclusive: bool = True) -> None:
         nonlocal grads, live
@@ -1606,7 +1635,6 @@ def _memory_curves(
             emit(end)
     while side:
         flush(side[0][0])
-    return _compact(pool_samples), _compact(raw_samples)
 
 
 def _compact(samples: list[MemorySample]) -> tuple[MemorySample, ...]:

@@ -1,0 +1,166 @@
+"""A local search over one-region changes, run on the finished plan.
+
+[Note: local search]
+The greedy phases choose one kind of change at a time with estimates (offload until the
+peak fits, then place state, then streamed regions at a few even fractions), so the plan
+they end with can sit next to a better one that no phase tries: one more region streamed
+where the host tail bounds the step, one offloaded region made resident where its upload
+delays a compute, one region given the host state that lets another stream. The last
+phase therefore simulates every change of a single region (:func:`moves`) with its steady
+state, and takes the one that shortens the repeating step most while the peak, the
+streamed ring included, still fits the cap. Rounds repeat from the new plan until no
+change shortens the step by more than :data:`POLISH_MIN_GAIN` of it, or ``max_rounds``
+rounds have run. Each round costs one cold step per move (a move whose cold peak already
+exceeds the cap stops there) and a steady state for the others; all of them count in
+``num_simulations``.
+
+The changes, for a region that owns parameters:
+
+- host state to STREAMED (when the context has streamed costs), and STREAMED to host;
+- device state (resident regions only) to host state, or to STREAMED;
+- a resident region offloaded: ASYNC, prefetched for backward at the next region's
+  backward start (not for a pinned region, nor the last region, nor with a simulator
+  without prefetch), else SYNC where the region is not pinned;
+- an offloaded region made resident, keeping its state;
+- an ASYNC region made SYNC, and a SYNC one ASYNC as above.
+
+Every candidate is a plan the runtime carries out as it does the greedy ones: the search
+only recombines placements the phases already produce.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+
+from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.simulators._engine import (
+    EngineRun,
+    RegionAssignment,
+    SimulationContext,
+    SteadyState,
+    steady_state,
+)
+from offload_solver.simulators.base import Simulator
+from offload_solver.solvers._search import SolveStats
+
+log = logging.getLogger(__name__)
+
+POLISH_ROUNDS = 8
+"""Rounds of the local search :func:`~offload_solver.solve` runs by default."""
+POLISH_BEAM = 1
+"""Plans each round of the local search goes on from (the best of the round's changes)."""
+POLISH_PATIENCE = 2
+"""Rounds in a row without a better plan after which the local search stops."""
+POLISH_MIN_GAIN = 2e-3
+"""A plan counts as better only if its repeating step is shorter by more than this
+fraction (above the steady state's own tolerance, so float noise never drives a round)."""
+
+
+def moves(
+    ctx: SimulationContext, assignment: Sequence[RegionAssignment], *, allow_async: bool
+) -> Iterator[tuple[int, RegionAssignment]]:
+    """Every one-region change of ``assignment`` the search tries (see the note)."""
+    n = ctx.num_regions
+    streamable = ctx.streamed is not None
+    for r, a in enumerate(assignment):
+        if ctx.numel[r] == 0:
+            continue
+        if a.state is StatePlacement.HOST and streamable:
+            yield r, RegionAssignment(a.placement, StatePlacement.STREAMED, a.prefetch_at)
+        elif a.state is StatePlacement.STREAMED:
+            yield r, RegionAssignment(a.placement, StatePlacement.HOST, a.prefetch_at)
+        elif a.state is StatePlacement.DEVICE:
+            yield r, RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.HOST)
+            if streamable:
+                yield r, RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.STREAMED)
+            continue  # device state stays resident
+        if a.placement is ParamPlacement.RESIDENT:
+            if ctx.pinned[r]:
+                continue
+            if allow_async and r + 1 < n:
+                yield r, RegionAssignment(ParamPlacement.ASYNC, a.state, r + 1)
+            else:
+                yield r, RegionAssignment(ParamPlacement.SYNC, a.state)
+        else:
+            yield r, RegionAssignment(ParamPlacement.RESIDENT, a.state)
+            if a.placement is ParamPlacement.ASYNC:
+                yield r, RegionAssignment(ParamPlacement.SYNC, a.state)
+            elif allow_async and r + 1 < n:
+                yield r, RegionAssignment(ParamPlacement.ASYNC, a.state, r + 1)
+
+
+class _Candidate:
+    """One simulated assignment of the search: its cold step, steady state and period."""
+
+    __slots__ = ("assignment", "cold", "period_s", "steady")
+
+    def __init__(
+        self, assignment: list[RegionAssignment], cold: EngineRun, steady: SteadyState
+    ) -> None:
+        self.assignment = assignment
+        self.cold = cold
+        self.steady = steady
+        self.period_s = steady.period_s
+
+
+def polish(
+    ctx: SimulationContext,
+    simulator: Simulator,
+    cap_bytes: float,
+    stats: SolveStats,
+    assignment: Sequence[RegionAssignment],
+    cold: EngineRun,
+    steady: SteadyState,
+    *,
+    max_rounds: int = POLISH_ROUNDS,
+    beam: int = POLISH_BEAM,
+) -> tuple[list[RegionAssignment], EngineRun, SteadyState]:
+    """Improve ``assignment`` (simulated as ``cold`` and ``steady``) by one-region changes
+    while that shortens the repeating step and the peak fits ``cap_bytes`` (see the note).
+    Returns the best assignment found with its cold step and steady state: the inputs
+    when no change helps or ``max_rounds`` is 0."""
+    if max_rounds < 0:
+        raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
+    if beam < 1:
+        raise ValueError(f"beam must be >= 1, got {beam}")
+    best = _Candidate(list(assignment), cold, steady)
+    frontier = [best]
+    seen = {tuple(best.assignment)}
+    stale = 0
+    for round_ in range(max_rounds):
+        found: list[_Candidate] = []
+        for parent in frontier:
+            for r, change in moves(ctx, parent.assignment, allow_async=simulator.allow_async):
+                trial = list(parent.assignment)
+                trial[r] = change
+                key = tuple(trial)
+                if key in seen:
+                    continue
+                seen.add(key)
+                stats.num_simulations += 1
+                run = simulator.run(ctx, trial)
+                if run.peak_bytes > cap_bytes:
+                    continue
+                st = steady_state(ctx, trial, run)
+                stats.num_simulations += len(st.periods_s) - 1
+                if st.last.stream_peak_bytes <= cap_bytes:
+                    found.append(_Candidate(trial, run, st))
+        if not found:
+            break
+        found.sort(key=lambda c: c.period_s)  # stable: ties keep the order they were tried
+        frontier = found[:beam]
+        if frontier[0].period_s < best.period_s * (1.0 - POLISH_MIN_GAIN):
+            best, stale = frontier[0], 0
+        else:
+            stale += 1
+            if stale >= POLISH_PATIENCE:
+                break
+        log.debug(
+            "local search round %d: best %.1f ms, round's best %.1f ms (%d plans tried)",
+            round_ + 1,
+            best.period_s * 1e3,
+            frontier[0].period_s * 1e3,
+            len(seen),
+        )
+    return best.assignment, best.cold, best.steady
