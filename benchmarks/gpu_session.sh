@@ -58,9 +58,9 @@
 #           in their hooks), FSDP2, torchao and ours_io_bf16m_spec1_stream      ~8 min
 #   w4fs3   W4 ours_io_stream and FSDP2 only                                   ~5 min
 #   w2s     W2 ours_io_spec1_stream beside FSDP2 and torchao                   ~3 min
-#   s24     plans with the solver's local search: W3 ours_io_spec1_stream beside full GPU,
-#           FSDP2 and torchao, then W3 planned without it (BENCH_POLISH_ROUNDS=0), W2
-#           beside FSDP2 and torchao, W1 beside full GPU                        ~9 min
+#   s24     plans with the solver's local search (8 rounds; off by default since): W3
+#           ours_io_spec1_stream beside full GPU, FSDP2 and torchao, then W3 without it,
+#           W2 with it beside FSDP2 and torchao, W1 beside full GPU             ~9 min
 #   polishab the solver's local search on and off (BENCH_POLISH_ROUNDS=0), alternating:
 #           W3 ours_io_spec1_stream twice each way, then W2 once each way       ~7 min
 #   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
@@ -178,17 +178,17 @@ case "$phase" in
   w4fsp)
     bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
   s24)
-    bench W3 ours_io_spec1_stream,full_gpu,fsdp2,torchao 150 W3_s24
+    BENCH_POLISH_ROUNDS=8 bench W3 ours_io_spec1_stream,full_gpu,fsdp2,torchao 150 W3_s24
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
-    bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
+    BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
   polishab)
     for i in 1 2; do
       BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy$i
-      bench W3 ours_io_spec1_stream 150 W3_polish$i
+      BENCH_POLISH_ROUNDS=8 bench W3 ours_io_spec1_stream 150 W3_polish$i
     done
     BENCH_POLISH_ROUNDS=0 bench W2 ours_io_spec1_stream 120 W2_greedy
-    bench W2 ours_io_spec1_stream 120 W2_polish ;;
+    BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream 120 W2_polish ;;
   w2s)
     bench W2 ours_io_spec1_stream,fsdp2,torchao 100 W2_s ;;
   streamab)

@@ -59,8 +59,8 @@ while the host steps run, so one core fewer may step faster. Set BENCH_SWITCH_IN
 to run them with that ``sys.setswitchinterval``: the host worker needs the GIL between
 its region steps while the main thread issues kernels, and Python hands it over only every
 switch interval (default 0.005 s); rows record the interval. Set BENCH_POLISH_ROUNDS to
-plan the ``ours`` kinds with that many rounds of the solver's local search (0: the greedy
-phases' plan; default: the solver's); rows record it as ``polish_rounds``.
+plan the ``ours`` kinds with that many rounds of the solver's local search (default: the
+solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The local search that ends every solve ([Note: local search] in ``solvers._polish``)."""
+"""The local search a solve can end with ([Note: local search] in ``solvers._polish``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from offload_solver import (
 )
 from offload_solver.cli import main
 from offload_solver.simulators._engine import steady_state
-from offload_solver.solve import BUDGET_SAFETY_FACTOR
+from offload_solver.solve import BUDGET_SAFETY_FACTOR, POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS
 from offload_solver.solvers._polish import POLISH_MIN_GAIN, moves, polish
 from offload_solver.solvers._search import SolveStats
 
@@ -180,21 +180,26 @@ def test_bad_polish_rounds_are_named(rounds: Any) -> None:
 
 
 def test_cli_takes_the_round_count(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # With --polish-rounds 0 the CLI plans with the greedy phases alone; by default the
-    # local search runs after them, simulating more for a plan no slower. A negative
-    # count is named.
+    # By default (and with --polish-rounds 0) the CLI plans with the greedy phases alone;
+    # with rounds the local search runs after them, simulating more for a plan no slower.
+    # A negative count is named.
     profile = tmp_path / "profile.json"
     profile.write_text(chain([400, 400, 400, 400], fwd_flop=100, bwd_flop=200).to_json())
     hardware = tmp_path / "hw.json"
     hardware.write_text(flat_hardware(h2d_bytes_per_s=100.0, d2h_bytes_per_s=1e6).to_json())
     out = tmp_path / "plan.json"
-    args = [str(profile), "--budget", "7kB", "--hardware", str(hardware), "-o", str(out)]
+    args = [str(profile), "--budget", "5.5kB", "--hardware", str(hardware), "-o", str(out)]
     args += ["--block-search-range", "0"]
+    assert POLISH_ROUNDS == 0
     assert main([*args, "--polish-rounds", "0"]) == 0
     greedy = Plan.from_json(out.read_text())
     assert main(args) == 0
+    default = Plan.from_json(out.read_text())
+    assert default.regions == greedy.regions
+    assert default.num_simulations == greedy.num_simulations
+    assert main([*args, "--polish-rounds", str(POLISH_SUGGESTED_ROUNDS)]) == 0
     polished = Plan.from_json(out.read_text())
-    assert polished.predicted_step_time_s <= greedy.predicted_step_time_s
+    assert polished.predicted_step_time_s < greedy.predicted_step_time_s
     assert polished.num_simulations > greedy.num_simulations
     capsys.readouterr()
     assert main([*args, "--polish-rounds", "-1"]) == 2

@@ -32,7 +32,7 @@ from offload_solver import (
 )
 from offload_solver.cli import main
 from offload_solver.simulators._engine import KINDS, LANES, EngineRun, run, steady_state
-from offload_solver.solve import BUDGET_SAFETY_FACTOR
+from offload_solver.solve import BUDGET_SAFETY_FACTOR, POLISH_SUGGESTED_ROUNDS
 from offload_solver.solvers._streamed import interleave, stream_candidates
 
 A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
@@ -333,8 +333,10 @@ def test_streaming_pays_where_the_host_bounds_the_step_and_pcie_is_idle() -> Non
     assert plan.streamed == W4_LIKE
     assert [rp.placement for rp in plan.regions] == [rp.placement for rp in base.regions]
     assert plan.num_simulations > base.num_simulations
-    # The local search after it goes further or stays.
-    polished = solve(profile, fast, 10**6, streamed=W4_LIKE, **kwargs)
+    # The local search after it, when asked for, goes further or stays.
+    polished = solve(
+        profile, fast, 10**6, streamed=W4_LIKE, polish_rounds=POLISH_SUGGESTED_ROUNDS, **kwargs
+    )
     assert polished.predicted_step_time_s <= plan.predicted_step_time_s
     assert polished.predicted_peak_bytes <= 10**6 * BUDGET_SAFETY_FACTOR
 

@@ -381,7 +381,8 @@ def memory_optimize(
         polish_rounds: rounds of the solver's final local search, which simulates every
             one-region change of the plan and takes the best while one shortens the
             predicted step within the budget (a few seconds for a 92-region model on one
-            core; 0 keeps the greedy phases' plan). See ``offload_solver.solve``.
+            core). Default 0: the greedy phases' plan, which measured faster on the GPU
+            than the search's (``offload_solver.solvers._polish``).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -428,10 +429,11 @@ def memory_optimize(
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
     )
-    say(
-        f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
-        f"{polish_rounds} rounds of local search"
-    )
+    if polish_rounds:
+        say(
+            f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
+            f"{polish_rounds} rounds of local search"
+        )
     on_device, profile, plan, times = choose_plan(
         base_profile,
         hardware,

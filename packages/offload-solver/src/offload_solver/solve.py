@@ -19,9 +19,10 @@ The steps, shared by every solver strategy:
 5. With ``streamed`` costs, step some host-state regions on the device instead where
    that shortens the repeating step within the budget ([Note: streamed search] in
    ``solvers._streamed``).
-6. Unless the plan is step 1's, a local search changes one region at a time while that
-   shortens the simulated repeating step within the budget ([Note: local search] in
-   ``solvers._polish``; ``polish_rounds`` bounds its rounds).
+6. With ``polish_rounds`` > 0 (default 0) and unless the plan is step 1's, a local search
+   changes one region at a time while that shortens the simulated repeating step within
+   the budget ([Note: local search] in ``solvers._polish``: measured on the GPU, its
+   plans were slower than the greedy ones, so it is off by default).
 
 All planning is against ``budget * BUDGET_SAFETY_FACTOR``, less ``device_bytes_in_use``
 (measured bytes that stay allocated beside the plan's, charged whole).
@@ -46,7 +47,7 @@ from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_B
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
-from offload_solver.solvers._polish import POLISH_ROUNDS, polish
+from offload_solver.solvers._polish import POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS, polish
 from offload_solver.solvers._search import GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
 
@@ -160,7 +161,8 @@ def solve(
     then records the costs (``Plan.streamed``). ``None`` (default): no region is
     STREAMED.
     ``polish_rounds``: rounds of the final local search (step 6), each simulating every
-    one-region change of the plan and taking the best; 0 keeps the greedy phases' plan.
+    one-region change of the plan and taking the best (``POLISH_SUGGESTED_ROUNDS`` lets it
+    converge); 0 (default) keeps the greedy phases' plan, which measured faster.
 
     Raises:
         ValueError: a non-positive budget, negative ``polish_rounds`` or an unknown solver
@@ -262,6 +264,7 @@ def solve(
 __all__ = [
     "BUDGET_SAFETY_FACTOR",
     "POLISH_ROUNDS",
+    "POLISH_SUGGESTED_ROUNDS",
     "InfeasibleBudgetError",
     "least_budget_bytes",
     "solve",

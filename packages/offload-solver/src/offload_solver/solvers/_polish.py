@@ -26,6 +26,17 @@ The changes, for a region that owns parameters:
 
 Every candidate is a plan the runtime carries out as it does the greedy ones: the search
 only recombines placements the phases already produce.
+
+Off by default (``polish_rounds=0``), because what it finds did not hold on the GPU. On the
+H200 (BENCHMARKS.md, session 24; ``gpu_session.sh polishab``, runs alternating with and
+without it), W3's polished plans were predicted 3% shorter than the greedy ones (416-421
+ms against 430-432) and measured 6-9% longer (451-469 ms against 425-430, the 5 fastest
+steps; run means 3-5% longer); W2's predicted 6% shorter and measured 1.5-3% longer. A
+search against a model picks out the model's errors: W3's polished plans stream region
+29, whose gradients land first, and there the host waited 75 ms from backward's start
+to its first step against 43-46 ms for the greedy plans, which the simulator does not
+show. Each round costs about a second for 30 regions and 1.5-3 s for 92 (after the cold
+step's streamed peak stopped building the memory curve).
 """
 
 from __future__ import annotations
@@ -46,8 +57,12 @@ from offload_solver.solvers._search import SolveStats
 
 log = logging.getLogger(__name__)
 
-POLISH_ROUNDS = 8
-"""Rounds of the local search :func:`~offload_solver.solve` runs by default."""
+POLISH_ROUNDS = 0
+"""Rounds of the local search :func:`~offload_solver.solve` runs by default: none (see
+the note: measured, the search's plans were slower)."""
+POLISH_SUGGESTED_ROUNDS = 8
+"""Rounds that let the search converge on the benchmark workloads (it stopped after 3-5
+on W2, W3 and W4), for callers that opt in."""
 POLISH_BEAM = 1
 """Plans each round of the local search goes on from (the best of the round's changes)."""
 POLISH_PATIENCE = 2
@@ -113,7 +128,7 @@ def polish(
     cold: EngineRun,
     steady: SteadyState,
     *,
-    max_rounds: int = POLISH_ROUNDS,
+    max_rounds: int = POLISH_SUGGESTED_ROUNDS,
     beam: int = POLISH_BEAM,
 ) -> tuple[list[RegionAssignment], EngineRun, SteadyState]:
     """Improve ``assignment`` (simulated as ``cold`` and ``steady``) by one-region changes
