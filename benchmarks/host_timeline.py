@@ -7,10 +7,12 @@ Reads a ``torch.profiler`` Chrome trace that ``offload_bench.py --profile-dir`` 
 autograd engine's thread (its ``autograd::engine::evaluate_function`` ops, merged where
 less than ``--gap-ms`` apart); the host worker is the thread of the ``host step`` and
 ``streamed step`` annotations. For each backward it prints, in ms from the trace's start:
-when backward's CPU side ran, when the host worker's first and last region work of that
-step ran (until the next backward), how many regions were stepped by the hooks of regions
-landing after the answer (and how many of those were streamed regions only issued there),
-how many step()'s task stepped or issued, and, with ``--spans``, every span.
+how many regions its hooks stepped speculatively (``speculative step`` spans, fp16 with
+``speculate_fp16``) and when; when backward's CPU side ran, when the host worker's first
+and last other region work of that step ran (until the next backward), how many regions
+were stepped by the hooks of regions landing after the answer (and how many of those were
+streamed regions only issued there), how many step()'s task stepped or issued, and, with
+``--spans``, every span.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ def main(argv: list[str] | None = None) -> int:
         ),
         key=lambda e: float(e["ts"]),
     )
+    speculative = sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") == "user_annotation"
+            and str(e.get("name", "")).startswith("speculative step")
+        ),
+        key=lambda e: float(e["ts"]),
+    )
     windows = backward_windows(events, args.gap_ms * 1e3)
     if not windows or not work:
         parser.error(f"{args.trace}: no backward or no host worker region spans found")
@@ -76,6 +87,16 @@ def main(argv: list[str] | None = None) -> int:
 
     for i, (b_start, b_end) in enumerate(windows):
         until = windows[i + 1][0] if i + 1 < len(windows) else float("inf")
+        spec = [e for e in speculative if b_start <= float(e["ts"]) < until]
+        if spec:
+            s_first = float(spec[0]["ts"])
+            s_last = max(float(e["ts"]) + float(e["dur"]) for e in spec)
+            print(
+                f"backward {i + 1}: {len(spec)} regions stepped speculatively in their hooks, "
+                f"{ms(s_first):.0f}-{ms(s_last):.0f} ms ({(s_first - b_start) / 1e3:.0f} ms "
+                f"after backward's CPU side began; "
+                f"{sum(float(e['dur']) for e in spec) / 1e3:.0f} ms busy)"
+            )
         mine = [e for e in work if b_end <= float(e["ts"]) < until]
         if not mine:
             print(f"backward {i + 1}: {ms(b_start):.0f}-{ms(b_end):.0f} ms, no host work after it")

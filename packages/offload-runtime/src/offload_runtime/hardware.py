@@ -629,7 +629,9 @@ def measure_hardware(
 ) -> HardwareProfile:
     """Measure a CUDA device now, without the cache; ``compute_efficiency`` is the default.
 
-    Copies, peak matmul and both Adam rates; a few seconds on a current GPU.
+    Copies, peak matmul, both Adam rates, host copy contention, device memory and
+    conversion rates, and the per-operation issue cost (the lower of two reads, one first
+    and one last); a few seconds on a current GPU.
     """
     dev = _resolve_device(device)
     if dev.type != "cuda":
@@ -639,6 +641,10 @@ def measure_hardware(
     say = _Progress(enabled=progress)
     with torch.cuda.device(dev):
         try:
+            # The issue cost is read twice, first and last, and the lower kept: one read
+            # ranged 15.7-26.8 us on the same kind of machine in one session (BENCHMARKS.md,
+            # session 24), and a launch-bound plan's step scales with it.
+            overhead_first = measure_op_overhead_s(dev, dtype=dtype)
             h2d, d2h = measure_copy_bandwidth(dev)
             say(
                 f"copies {_fmt_size(h2d[0].size_bytes)}..{_fmt_size(h2d[-1].size_bytes)}: "
@@ -666,8 +672,13 @@ def measure_hardware(
                 dtype=dtype,
             )
             say(f"host {dtype_name} <-> float32 conversion {host_convert / 1e9:.2f} Gelem/s")
-            overhead = measure_op_overhead_s(dev, dtype=dtype)
-            say(f"per-operation issue cost {overhead * 1e6:.1f} us (GPT-2-like graph)")
+            overhead_last = measure_op_overhead_s(dev, dtype=dtype)
+            overhead = min(overhead_first, overhead_last)
+            say(
+                f"per-operation issue cost {overhead * 1e6:.1f} us (GPT-2-like graph; the "
+                f"lower of {overhead_first * 1e6:.1f} us first and {overhead_last * 1e6:.1f} "
+                "us last)"
+            )
             _, device_total = torch.cuda.mem_get_info(dev)
         finally:
             _release_cached_memory()
