@@ -34,6 +34,23 @@ def load(path: Path) -> list[dict[str, Any]]:
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
 
+def region_spans(events: list[dict[str, Any]], prefixes: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The CPU-side ``record_function`` spans whose names start with ``prefixes``, by start."""
+    return sorted(
+        (
+            e
+            for e in events
+            if e.get("cat") == "user_annotation" and str(e.get("name", "")).startswith(prefixes)
+        ),
+        key=lambda e: float(e["ts"]),
+    )
+
+
+def extent(spans: list[dict[str, Any]]) -> tuple[float, float]:
+    """(first start, last end) of time-ordered spans, in the trace's microseconds."""
+    return float(spans[0]["ts"]), max(float(e["ts"]) + float(e["dur"]) for e in spans)
+
+
 def backward_windows(events: list[dict[str, Any]], gap_us: float) -> list[tuple[float, float]]:
     """CPU-side spans of backward: the autograd thread's ops, merged across small gaps."""
     ops = [e for e in events if str(e.get("name", "")).startswith("autograd::engine::")]
@@ -60,24 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     events = load(args.trace)
     t0 = min(float(e["ts"]) for e in events)
-    work = sorted(
-        (
-            e
-            for e in events
-            if e.get("cat") == "user_annotation"
-            and str(e.get("name", "")).startswith(("host step", "streamed step"))
-        ),
-        key=lambda e: float(e["ts"]),
-    )
-    speculative = sorted(
-        (
-            e
-            for e in events
-            if e.get("cat") == "user_annotation"
-            and str(e.get("name", "")).startswith("speculative step")
-        ),
-        key=lambda e: float(e["ts"]),
-    )
+    work = region_spans(events, ("host step", "streamed step"))
+    speculative = region_spans(events, ("speculative step",))
     windows = backward_windows(events, args.gap_ms * 1e3)
     if not windows or not work:
         parser.error(f"{args.trace}: no backward or no host worker region spans found")
@@ -89,8 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         until = windows[i + 1][0] if i + 1 < len(windows) else float("inf")
         spec = [e for e in speculative if b_start <= float(e["ts"]) < until]
         if spec:
-            s_first = float(spec[0]["ts"])
-            s_last = max(float(e["ts"]) + float(e["dur"]) for e in spec)
+            s_first, s_last = extent(spec)
             print(
                 f"backward {i + 1}: {len(spec)} regions stepped speculatively in their hooks, "
                 f"{ms(s_first):.0f}-{ms(s_last):.0f} ms ({(s_first - b_start) / 1e3:.0f} ms "
@@ -121,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             if HOOK_MARK in str(e["name"])
             and str(e["name"]).split()[2] in {n.split()[2] for n in issued_in_hooks}
         ]
-        first = float(mine[0]["ts"])
-        last = max(float(e["ts"]) + float(e["dur"]) for e in mine)
+        first, last = extent(mine)
         print(
             f"backward {i + 1}: {ms(b_start):.0f}-{ms(b_end):.0f} ms; host work "
             f"{ms(first):.0f}-{ms(last):.0f} ms ({(first - b_end) / 1e3:.0f} ms after "
