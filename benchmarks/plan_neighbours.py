@@ -23,7 +23,7 @@ recorded`` does), and prints:
   ``HybridAdam.prepare_speculation`` takes that share of the memory available then,
   which the process's other allocations lower.
 
-Nothing is allocated; it reads the solver's simulation internals, as ``replay_bench`` does.
+Nothing is allocated; it uses the solver's public API only.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,12 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     from offload_optim.hybrid_adam import SPECULATION_HOST_SHARE
     from offload_runtime.api import device_conversion_profile
     from offload_runtime.storage import required_host_bytes
-    from offload_solver import StreamedStepCosts, solve
-    from offload_solver.simulators import get_simulator
-    from offload_solver.simulators._engine import (
+    from offload_solver import (
         RegionAssignment,
         SimulationContext,
-        steady_state,
+        StreamedStepCosts,
+        get_simulator,
+        solve,
     )
     from offload_solver.solve import POLISH_SUGGESTED_ROUNDS
 
@@ -92,17 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     in_use = int(row.get("device_bytes_in_use", 0))
     plan = solve(profile, hardware, budget, solver="asyn", device_bytes_in_use=in_use, **planning)
     ctx = SimulationContext.build(profile, hardware, **planning)
-    simulator = get_simulator("async")
-
-    def evaluate(assignment: Sequence[RegionAssignment]) -> tuple[float, float]:
-        """(repeating step s, peak bytes the solver compares with its cap)."""
-        run = simulator.run(ctx, assignment)
-        steady = steady_state(ctx, assignment, run)
-        return steady.period_s, float(max(run.peak_bytes, steady.last.stream_peak_bytes))
-
     chosen = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
-    period, _ = evaluate(chosen)
-    static = simulator.run(ctx, chosen).static_bytes
+    period = plan.predicted_step_time_s
+    static = get_simulator("async").simulate(ctx, chosen).static_bytes
     print(f"{args.json.name} {workload} {args.kind}: measured {row['step_ms']:.0f} ms")
     streams = row.get("profile_streams")
     if streams:  # the profiled steps' CUDA streams, per step
