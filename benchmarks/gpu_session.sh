@@ -61,6 +61,8 @@
 #   s24     plans with the solver's local search (8 rounds; off by default since): W3
 #           ours_io_spec1_stream beside full GPU, FSDP2 and torchao, then W3 without it,
 #           W2 with it beside FSDP2 and torchao, W1 beside full GPU             ~9 min
+#   issueab streamed regions issued on the host worker and from their own thread
+#           (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way, W3 once     ~7 min
 #   polishab the solver's local search on and off (BENCH_POLISH_ROUNDS=0), alternating:
 #           W3 ours_io_spec1_stream twice each way, then W2 once each way       ~7 min
 #   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
@@ -70,7 +72,7 @@
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -182,6 +184,13 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
+  issueab)
+    for i in 1 2; do
+      bench W2 ours_io_spec1_stream 120 W2_worker$i
+      BENCH_ISSUE_THREAD=1 bench W2 ours_io_spec1_stream 120 W2_thread$i
+    done
+    bench W3 ours_io_spec1_stream 150 W3_worker
+    BENCH_ISSUE_THREAD=1 bench W3 ours_io_spec1_stream 150 W3_thread ;;
   polishab)
     for i in 1 2; do
       BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy$i

@@ -60,7 +60,9 @@ to run them with that ``sys.setswitchinterval``: the host worker needs the GIL b
 its region steps while the main thread issues kernels, and Python hands it over only every
 switch interval (default 0.005 s); rows record the interval. Set BENCH_POLISH_ROUNDS to
 plan the ``ours`` kinds with that many rounds of the solver's local search (default: the
-solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``.
+solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``. Set
+BENCH_ISSUE_THREAD=1 to build the ``ours`` kinds' HybridAdam with ``issue_thread=True``
+(streamed regions issued from a thread of their own); rows record ``issue_thread``.
 """
 
 from __future__ import annotations
@@ -336,6 +338,7 @@ def _ours(
     fp16_io = base.startswith("ours_io")
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
+    issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "") == "1"
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -411,6 +414,7 @@ def _ours(
                 moments_dtype=moments,
                 host_kernel=host_kernel,
                 fp16_io=fp16_io,
+                issue_thread=issue_thread,
             ),
             module,
             overlap=not ablation,
@@ -486,6 +490,7 @@ def _ours(
     }
     out["host_threads"] = torch.get_num_threads()
     out["polish_rounds"] = polish_rounds
+    out["issue_thread"] = issue_thread
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {

@@ -409,20 +409,27 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
-def test_cuda_streamed_regions_step_on_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("issue_thread", [False, True], ids=["worker_issues", "issue_thread"])
+def test_cuda_streamed_regions_step_on_the_device(
+    monkeypatch: pytest.MonkeyPatch, issue_thread: bool
+) -> None:
     """Host-state regions marked streamed step on the GPU (their state up, torch's fused
     CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
     (fp16 I/O, bf16 moments, speculating): one step equals the all-host run's within
     rounding (torch's CUDA update against the single-pass host kernel), the overflow at
-    step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses."""
+    step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. With
+    ``issue_thread`` the streamed regions are issued from the issuing thread."""
+    import threading
+
     import offload_optim.streamed as streamed_module
     from offload_optim.streamed import StreamRing
 
-    issued = {"pieces": 0}
+    issued: dict[str, Any] = {"pieces": 0, "threads": set()}
     issue = StreamRing.issue
 
     def counting(self: StreamRing, pieces: list[Any], grad_scale: float | None) -> Any:
         issued["pieces"] += len(pieces)
+        issued["threads"].add(threading.current_thread().name.split("_")[0])
         return issue(self, pieces, grad_scale)
 
     monkeypatch.setattr(StreamRing, "issue", counting)
@@ -445,6 +452,7 @@ def test_cuda_streamed_regions_step_on_the_device(monkeypatch: pytest.MonkeyPatc
             host_kernel="single_pass",
             fp16_io=True,
             moments_dtype=torch.bfloat16,
+            issue_thread=issue_thread,
         )
         amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
         losses: list[float] = []
@@ -477,6 +485,7 @@ def test_cuda_streamed_regions_step_on_the_device(monkeypatch: pytest.MonkeyPatc
                     assert st.host_params is not None
                     assert torch.equal(st.host_params, st.master.half())
             assert issued["pieces"] > 0
+            assert ("offload-stream-issue" in issued["threads"]) == issue_thread
         runs[stream] = (losses, masters(module), skipped)
         module.close()
     assert runs[True][2] == runs[False][2] == [False] * 5 + [True] + [False] * 2

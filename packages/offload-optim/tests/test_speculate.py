@@ -65,6 +65,7 @@ class Trainer:
         convert_on_device: bool = False,
         host_kernel: str = "torch",
         fp16_io: bool = False,
+        issue_thread: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -90,6 +91,7 @@ class Trainer:
                 moments_dtype=moments,
                 host_kernel=host_kernel,
                 fp16_io=fp16_io,
+                issue_thread=issue_thread,
             ),
             self.module,
             clipping_norm=clipping,

@@ -10,6 +10,7 @@ inline or threaded host work; with the single-pass kernel it equals it within ro
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -42,7 +43,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Make the mixed plan's host-state regions after the first streamed (region 0 stays
     host-stepped, so both kinds step in one run), with a ring chunk small enough that
     every region takes several chunks and a ragged tail; counts the pieces issued."""
-    seen: dict[str, Any] = {"pieces": 0, "streamed": []}
+    seen: dict[str, Any] = {"pieces": 0, "streamed": [], "threads": set()}
     build = test_speculate.offload_module
 
     def offload_streamed(*args: Any, **kwargs: Any) -> Any:
@@ -57,6 +58,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 
     def counting(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
         seen["pieces"] += len(pieces)
+        seen["threads"].add(threading.current_thread().name)
         return issue(self, pieces, grad_scale)
 
     monkeypatch.setattr(test_speculate, "offload_module", offload_streamed)
@@ -73,6 +75,9 @@ CASES: dict[str, dict[str, Any]] = {
     "no_overlap": {"overlap": False},
     "clipping": {"clipping": 0.5},
     "bf16_training": {"dtype": torch.bfloat16},
+    "issue_thread": {"issue_thread": True},
+    "issue_thread_bf16_moments": {"issue_thread": True, "moments": torch.bfloat16},
+    "issue_thread_accumulate_2": {"issue_thread": True, "micro": 2},
 }
 
 
@@ -94,6 +99,13 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
     assert_same(out, plain)
     if "dtype" not in kwargs:
         assert out.skipped[2] and not any(out.skipped[3:])
+    # With issue_thread the step's streamed regions are issued from the issuing thread
+    # (a hook's, landing after the answer, still from the host worker).
+    issuers = {name.split("_")[0] for name in streaming["threads"]}
+    if kwargs.get("issue_thread"):
+        assert "offload-stream-issue" in issuers
+    else:
+        assert "offload-stream-issue" not in issuers
 
 
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
@@ -419,3 +431,36 @@ def test_the_queue_publishes_in_issue_order_once_landed() -> None:
     threading.Timer(0.05, gates[2].set).start()
     queue.publish_landed(wait=True)
     assert [p[0] for p in published] == [0, 1, 2] and queue.regions() == []
+
+
+def test_an_error_on_the_issuing_thread_reaches_the_training_loop(
+    streaming: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The second issue of the first step fails on the issuing thread: the host worker's
+    # task waits for the thread, fails every region it had announced (so nothing waits
+    # forever), drops the ring, and the error reaches the loop at the next wait for those
+    # regions. The host-stepped region 0 stepped all the same.
+    issue = StreamRing.issue  # the fixture's counting wrapper
+    calls = {"n": 0}
+
+    def failing(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("issue failed on purpose")
+        return issue(self, pieces, grad_scale)
+
+    monkeypatch.setattr(StreamRing, "issue", failing)
+    trainer = test_speculate.Trainer(False, issue_thread=True)
+    try:
+        trainer.amp.zero_grad()
+        trainer.backward(0)
+        trainer.amp.step()  # queues the host task and returns
+        with pytest.raises(RuntimeError, match="issue failed on purpose"):
+            trainer.amp.synchronize()
+        assert calls["n"] == 2
+        hy = trainer.amp.optimizer
+        assert isinstance(hy, HybridAdam)
+        assert hy._streaming is None and hy._issuing == 0  # the ring was let go
+    finally:
+        with contextlib.suppress(RuntimeError):
+            trainer.close()

@@ -86,11 +86,12 @@ gradients) is widened and stepped by the fp32 kernel.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
 from collections.abc import Callable, Collection, Iterable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast, overload
@@ -281,6 +282,15 @@ class HybridAdam(torch.optim.Optimizer):
         module: the OffloadModule whose masters are among ``params``; needed to step them
             (its controller orders the step after the host gradient work and publishes the
             new weights). ``AMPOptimizer`` binds it for you.
+        issue_thread: issue the device steps of a step's streamed regions (see [Note:
+            streamed steps] in streamed.py) from a thread of their own while the host
+            worker steps the others, instead of issuing them all on the host worker
+            first. The issuing is copies, kernels and events per ring chunk, 0.4-0.6 ms
+            each in profiled GPU runs (40 ms of W2's step; BENCHMARKS.md, session 24), and
+            the host worker bounds the step where host state is large. Values are the
+            same either way. Off by default until measured on a GPU: the thread takes
+            the GIL between the torch calls it makes, which the host worker also needs
+            between its kernels.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -299,6 +309,7 @@ class HybridAdam(torch.optim.Optimizer):
         host_kernel: str = "torch",
         fp16_io: bool = False,
         module: OffloadModule | None = None,
+        issue_thread: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -337,6 +348,12 @@ class HybridAdam(torch.optim.Optimizer):
         self._streaming: tuple[StreamRing, StreamedQueue] | None = None
         """The ring and the queue of streamed regions issued and not yet published (host
         worker only; see :meth:`publish_streamed`)."""
+        self.issue_thread = issue_thread
+        self._issuer: ThreadPoolExecutor | None = None
+        """The thread streamed regions are issued from with ``issue_thread`` (made at the
+        first use)."""
+        self._issuing = 0
+        """Issuing tasks running on that thread: the ring stays open while one runs."""
         self._planned_streaming: StreamedStepCosts | None = None
         """The plan's streaming costs (``Plan.streamed``): rings are built to its size."""
         self.timings: list[RegionStepTiming] = []
@@ -1164,16 +1181,27 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
                 finish(r, start, end, streamed=True)
 
-        streamed_here: set[int] = set()
+        streamed_jobs = [
+            (r, segments) for r, segments in jobs if segments and self._regions[r].storage.streamed
+        ]
+        streamed_here = {r for r, _ in streamed_jobs}
+        issuing: Future[None] | None = None
         try:
-            for r, segments in jobs:
-                if segments and self._regions[r].storage.streamed:
-                    ring, queue = self._streaming_session()
-                    with torch.profiler.record_function(f"streamed step {r} (issue)"):
-                        start = time.perf_counter()
-                        landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
-                    queue.add(r, landed, start, partial(finish_streamed, r))
-                    streamed_here.add(r)
+            if streamed_jobs:
+                ring, queue = self._streaming_session()
+                issue = partial(
+                    self._issue_jobs,
+                    ring,
+                    queue,
+                    streamed_jobs,
+                    grad_scale,
+                    hypers,
+                    {r: partial(finish_streamed, r) for r, _ in streamed_jobs},
+                )
+                if self.issue_thread:
+                    issuing = self._issue_elsewhere(issue)
+                else:
+                    issue()
             for r, segments in jobs:
                 if r in streamed_here:
                     continue
@@ -1186,17 +1214,62 @@ class HybridAdam(torch.optim.Optimizer):
                 # Frees the ring as soon as every streamed region landed, not after the
                 # host steps still to come (see publish_streamed).
                 self.publish_streamed()
+            if issuing is not None:
+                pending, issuing = issuing, None
+                self._finish_issuing(pending)
             self.publish_streamed(wait=True)
         except BaseException as exc:
             # Every announced future must complete, or the region's next use would wait
             # forever: the error reaches whoever waits for any of them. The ring goes too
-            # (after its last download), with what it still had to publish: those
-            # regions' futures fail here, or (a hook's) in the window's last task.
+            # (after its last download, and after the issuing thread let it go), with what
+            # it still had to publish: those regions' futures fail here, or (a hook's) in
+            # the window's last task.
+            if issuing is not None:
+                with contextlib.suppress(BaseException):
+                    self._finish_issuing(issuing)
             self._drop_streaming()
             for r, _ in jobs:
                 if r not in done:
                     futures[r].set_exception(exc)
             raise
+
+    def _issue_jobs(
+        self,
+        ring: StreamRing,
+        queue: StreamedQueue,
+        jobs: list[tuple[int, list[_Segment]]],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper],
+        publish: dict[int, Callable[[float, float], None]],
+    ) -> None:
+        """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
+        order (the host worker, or the issuing thread with ``issue_thread``)."""
+        with torch.no_grad():  # grad mode is per thread
+            for r, segments in jobs:
+                with torch.profiler.record_function(f"streamed step {r} (issue)"):
+                    start = time.perf_counter()
+                    landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
+                queue.add(r, landed, start, publish[r])
+
+    def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:
+        """Host worker: run ``issue`` on the issuing thread; the ring stays open until
+        :meth:`_finish_issuing`."""
+        if self._issuer is None:
+            self._issuer = ThreadPoolExecutor(1, thread_name_prefix="offload-stream-issue")
+        self._issuing += 1
+        try:
+            return self._issuer.submit(issue)
+        except BaseException:
+            self._issuing -= 1
+            raise
+
+    def _finish_issuing(self, issuing: Future[None]) -> None:
+        """Host worker: wait for an issuing task (raising its error); the ring may close
+        again once its regions are published."""
+        try:
+            issuing.result()
+        finally:
+            self._issuing -= 1
 
     def _streaming_session(self) -> tuple[StreamRing, StreamedQueue]:
         """Host worker: the ring and queue that streamed regions are issued to, made (on
@@ -1221,7 +1294,7 @@ class HybridAdam(torch.optim.Optimizer):
         except BaseException:
             self._drop_streaming()  # what is left is not published; its futures fail
             raise
-        if not queue.regions():
+        if not queue.regions() and not self._issuing:
             self._streaming = None
             ring.close()  # every download has landed: no wait
 

@@ -29,6 +29,12 @@ issued there (``HybridAdam.issue_region``), into the same ring and queue, and pu
 once landed, at a later hook or in the task that ``step()`` queues behind the last hook.
 The hook does not wait for the device: the copies of one region take longer than its
 host step would.
+With ``HybridAdam(issue_thread=True)`` the task hands its streamed regions to a thread
+of their own, which issues them in the same order while the host worker steps the
+others from the start: issuing is Python and CUDA calls per chunk, 0.4-0.6 ms each in
+profiled GPU runs (BENCHMARKS.md, session 24), taken off the thread that bounds
+host-heavy steps. The queue takes entries from that thread under a lock, and the ring
+stays open until the task has waited for the thread. Off by default until measured.
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
@@ -49,6 +55,7 @@ the same values, for tests.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -319,11 +326,14 @@ class StreamedQueue:
     """Streamed regions issued on the host worker, published in issue order once landed.
 
     Each entry carries its own ``publish(start_s, end_s)``: a step's host task and the
-    hooks of regions landing after the step's answer share one queue (and one ring)."""
+    hooks of regions landing after the step's answer share one queue (and one ring).
+    :meth:`add` may run on another thread (``HybridAdam(issue_thread=True)``) while the
+    host worker publishes; publishing stays on the host worker."""
 
     def __init__(self) -> None:
         self._pending: deque[tuple[int, Event | None, float, Callable[[float, float], None]]]
         self._pending = deque()
+        self._lock = threading.Lock()
 
     def add(
         self,
@@ -334,19 +344,26 @@ class StreamedQueue:
     ) -> None:
         """Queue region ``r``, issued at ``start_s`` (``time.perf_counter()``), whose
         downloads are done at ``landed``; ``publish(start_s, end_s)`` runs once they are."""
-        self._pending.append((r, landed, start_s, publish))
+        with self._lock:
+            self._pending.append((r, landed, start_s, publish))
 
     def publish_landed(self, wait: bool = False) -> None:
         """Publish the regions whose downloads have landed, in issue order; with ``wait``,
         all of them, blocking for each (a host sync point)."""
-        while self._pending:
-            _, landed, start, publish = self._pending[0]
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                _, landed, start, publish = self._pending[0]
             if landed is not None and not landed.query():
                 if not wait:
                     return
                 landed.synchronize()
-            self._pending.popleft()
+            with self._lock:
+                self._pending.popleft()
             publish(start, time.perf_counter())
 
     def regions(self) -> list[int]:
-        return [entry[0] for entry in self._pending]
+        """The regions queued and not yet published, in issue order."""
+        with self._lock:
+            return [entry[0] for entry in self._pending]
