@@ -62,7 +62,9 @@
 #           ours_io_spec1_stream beside full GPU, FSDP2 and torchao, then W3 without it,
 #           W2 with it beside FSDP2 and torchao, W1 beside full GPU             ~9 min
 #   issueab streamed regions issued on the host worker and from their own thread
-#           (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way, W3 once     ~7 min
+#           (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way and once with the
+#           thread and a core left out of the host Adam (BENCH_HOST_THREADS=15), W3
+#           once each way                                                    ~8 min
 #   polishab the solver's local search on and off (BENCH_POLISH_ROUNDS=0), alternating:
 #           W3 ours_io_spec1_stream twice each way, then W2 once each way       ~7 min
 #   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
@@ -189,6 +191,7 @@ case "$phase" in
       bench W2 ours_io_spec1_stream 120 W2_worker$i
       BENCH_ISSUE_THREAD=1 bench W2 ours_io_spec1_stream 120 W2_thread$i
     done
+    BENCH_ISSUE_THREAD=1 BENCH_HOST_THREADS=15 bench W2 ours_io_spec1_stream 120 W2_thread15
     bench W3 ours_io_spec1_stream 150 W3_worker
     BENCH_ISSUE_THREAD=1 bench W3 ours_io_spec1_stream 150 W3_thread ;;
   polishab)
