@@ -207,8 +207,8 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     fake_cuda: FakeCuda, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every device measurement is replaced by a constant; what is checked is that the
-    # host conversion rate and the per-operation cost (the lower of its two reads) reach
-    # the profile, measured in the training dtype.
+    # host conversion rate and the per-operation cost (the median of its three reads)
+    # reach the profile, measured in the training dtype.
     calls: dict[str, tuple[object, object]] = {}
     points = (BandwidthPoint(1024, 1e9), BandwidthPoint(2**30, 50e9))
 
@@ -216,7 +216,8 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
         calls["convert"] = (numel, dtype)
         return 9.5e9
 
-    reads = iter([27e-6, 21e-6])  # the issue cost is read first and last; the lower is kept
+    # The issue cost is read first, midway and last; the median is kept.
+    reads = iter([27e-6, 16e-6, 21e-6])
 
     def overhead(device: torch.device, *, dtype: torch.dtype | None = None, **_: object) -> float:
         calls["overhead"] = (device, dtype)
@@ -239,7 +240,7 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     )
     assert profile.host_convert_elems_per_s == 9.5e9
     assert profile.op_overhead_s == 21e-6
-    assert next(reads, None) is None  # read exactly twice
+    assert next(reads, None) is None  # read exactly three times
     assert profile.device_memory_bytes_per_s == 4.2e12
     assert profile.host_copy_contention == 0.7
     numel, dtype = calls["convert"]

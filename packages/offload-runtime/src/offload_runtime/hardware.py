@@ -630,8 +630,8 @@ def measure_hardware(
     """Measure a CUDA device now, without the cache; ``compute_efficiency`` is the default.
 
     Copies, peak matmul, both Adam rates, host copy contention, device memory and
-    conversion rates, and the per-operation issue cost (the lower of two reads, one first
-    and one last); a few seconds on a current GPU.
+    conversion rates, and the per-operation issue cost (the median of three reads, first,
+    midway and last); a few seconds on a current GPU.
     """
     dev = _resolve_device(device)
     if dev.type != "cuda":
@@ -641,10 +641,11 @@ def measure_hardware(
     say = _Progress(enabled=progress)
     with torch.cuda.device(dev):
         try:
-            # The issue cost is read twice, first and last, and the lower kept: one read
-            # ranged 15.7-26.8 us on the same kind of machine in one session (BENCHMARKS.md,
-            # session 24), and a launch-bound plan's step scales with it.
-            overhead_first = measure_op_overhead_s(dev, dtype=dtype)
+            # The issue cost is read three times (first, midway and last) and the median
+            # kept: one read ranged 15.7-26.8 us on the same kind of machine in one session
+            # (BENCHMARKS.md, session 24), and a launch-bound plan's step scales with it.
+            # The median drops one disturbed read without leaning low or high.
+            overheads = [measure_op_overhead_s(dev, dtype=dtype)]
             h2d, d2h = measure_copy_bandwidth(dev)
             say(
                 f"copies {_fmt_size(h2d[0].size_bytes)}..{_fmt_size(h2d[-1].size_bytes)}: "
@@ -657,6 +658,7 @@ def measure_hardware(
                 _fit_numel(_HOST_ADAM_NUMEL, available_host_memory_bytes())
             )
             device_adam = measure_device_adam_params_per_s(dev)
+            overheads.append(measure_op_overhead_s(dev, dtype=dtype))
             say(
                 f"fused Adam host {host_adam / 1e9:.2f} Gparam/s, "
                 f"device {device_adam / 1e9:.1f} Gparam/s"
@@ -672,12 +674,12 @@ def measure_hardware(
                 dtype=dtype,
             )
             say(f"host {dtype_name} <-> float32 conversion {host_convert / 1e9:.2f} Gelem/s")
-            overhead_last = measure_op_overhead_s(dev, dtype=dtype)
-            overhead = min(overhead_first, overhead_last)
+            overheads.append(measure_op_overhead_s(dev, dtype=dtype))
+            overhead = statistics.median(overheads)
             say(
                 f"per-operation issue cost {overhead * 1e6:.1f} us (GPT-2-like graph; the "
-                f"lower of {overhead_first * 1e6:.1f} us first and {overhead_last * 1e6:.1f} "
-                "us last)"
+                f"median of {', '.join(f'{x * 1e6:.1f}' for x in overheads)} us read first, "
+                "midway and last)"
             )
             _, device_total = torch.cuda.mem_get_info(dev)
         finally:
