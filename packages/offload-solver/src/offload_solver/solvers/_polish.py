@@ -7,10 +7,13 @@ they end with can sit next to a better one that no phase tries: one more region 
 where the host tail bounds the step, one offloaded region made resident where its upload
 delays a compute, one region given the host state that lets another stream. The last
 phase therefore simulates every change of a single region (:func:`moves`) with its steady
-state, and takes the one that shortens the repeating step most while the peak, the
-streamed ring included, still fits the cap. Rounds repeat from the new plan until no
-change shortens the step by more than :data:`POLISH_MIN_GAIN` of it, or ``max_rounds``
-rounds have run. Each round costs one cold step per move (a move whose cold peak already
+state, and goes on from the change with the shortest repeating step whose peak, the
+streamed ring included, still fits the cap (the best :data:`POLISH_BEAM` changes, with a
+wider beam), even when that is no shorter than the plan it came from: a step sideways
+can open a better one. It stops after :data:`POLISH_PATIENCE` rounds in a row without a
+plan shorter than the best so far by more than :data:`POLISH_MIN_GAIN`, or after
+``max_rounds`` rounds, and returns the best plan seen; plans already simulated are not
+tried again. Each round costs one cold step per move (a move whose cold peak already
 exceeds the cap stops there) and a steady state for the others; all of them count in
 ``num_simulations``.
 
