@@ -71,7 +71,8 @@
 #           (ours_io_spec1_stream), and FSDP2                                  ~8 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
-# Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs, JSON, profiler summaries.
+# Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
+# call's profiler summaries and traces in prof_NAME/ (so rows of one kind keep their own).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
 phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|io23|io3|io2|specio|single [OUT_DIR]}
@@ -86,7 +87,7 @@ bench() {
   local name=${4:-$1}
   python3 "$root/benchmarks/offload_bench.py" --workloads "$1" --kinds "$2" --steps 10 \
     --timeout-s "${3:-240}" --json "$out/$name.json" --append "$out/BENCHMARKS.part.md" \
-    --profile-dir "$out" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
+    --profile-dir "$out/prof_$name" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
 case "$phase" in
   tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider --durations=15 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
