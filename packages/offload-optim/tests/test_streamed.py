@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -468,3 +469,42 @@ def test_an_error_on_the_issuing_thread_reaches_the_training_loop(
     finally:
         with contextlib.suppress(RuntimeError):
             trainer.close()
+
+
+def test_the_queue_publishes_in_issue_order_while_another_thread_adds() -> None:
+    # HybridAdam(issue_thread=True) adds from the issuing thread while the host worker
+    # publishes and reads the regions left: every entry is published once, in order, and
+    # reading the queue never trips over an append (without the queue's lock, reading a
+    # long deque while another thread appends raises "deque mutated during iteration";
+    # three rounds with threads switching as often as the interpreter can catch that
+    # nearly always).
+    from offload_optim.streamed import StreamedQueue
+
+    n = 100000
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(3):
+            queue = StreamedQueue()
+            published: list[int] = []
+
+            def adder(queue: StreamedQueue = queue, published: list[int] = published) -> None:
+                for r in range(n):
+                    queue.add(r, None, 0.0, lambda s, e, r=r: published.append(r))
+
+            thread = threading.Thread(target=adder)
+            thread.start()
+            rounds = 0
+            while thread.is_alive():
+                left = queue.regions()  # a long queue, read while it grows
+                start = left[0] if left else 0
+                assert left == list(range(start, start + len(left)))
+                rounds += 1
+                if rounds % 64 == 0:  # mostly read: the queue grows long
+                    queue.publish_landed()
+                    assert published == list(range(len(published)))
+            thread.join()
+            queue.publish_landed(wait=True)
+            assert published == list(range(n))
+    finally:
+        sys.setswitchinterval(interval)
