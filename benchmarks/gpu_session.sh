@@ -65,6 +65,8 @@
 #           (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way and once with the
 #           thread and a core left out of the host Adam (BENCH_HOST_THREADS=15), W3
 #           once each way                                                    ~8 min
+#   w4issue W4 bf16 moments streamed with torchao, then the same with the streamed regions
+#           issued from their own thread (BENCH_ISSUE_THREAD=1)                 ~7 min
 #   polishab the solver's local search on and off (BENCH_POLISH_ROUNDS=0), alternating:
 #           W3 ours_io_spec1_stream twice each way, then W2 once each way       ~7 min
 #   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
@@ -75,7 +77,7 @@
 # call's profiler summaries and traces in prof_NAME/ (so rows of one kind keep their own).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -187,6 +189,9 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
+  w4issue)
+    bench W4 ours_io_bf16m_spec1_stream,torchao 300 W4_worker
+    BENCH_ISSUE_THREAD=1 bench W4 ours_io_bf16m_spec1_stream 300 W4_thread ;;
   issueab)
     for i in 1 2; do
       bench W2 ours_io_spec1_stream 120 W2_worker$i
