@@ -6,7 +6,10 @@ Reads a ``torch.profiler`` Chrome trace that ``offload_bench.py --profile-dir`` 
 (``trace_<workload>_<kind>.json.gz``). The backward passes are the CPU-side spans of the
 autograd engine's thread (its ``autograd::engine::evaluate_function`` ops, merged where
 less than ``--gap-ms`` apart); the host worker is the thread of the ``host step`` and
-``streamed step`` annotations. For each backward it prints, in ms from the trace's start:
+``streamed step`` annotations. It ends with the host worker's time issuing streamed
+regions per profiled step and the ring chunks issued (fused Adam launches inside those
+spans), and, with ``--workload``, the median rates of speculative and plain host steps.
+For each backward it prints, in ms from the trace's start:
 how many regions its hooks stepped speculatively (``speculative step`` spans, fp16 with
 ``speculate_fp16``) and when; when backward's CPU side ran, when the host worker's first
 and last other region work of that step ran (until the next backward), how many regions
@@ -20,10 +23,15 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
+import statistics
 from pathlib import Path
 from typing import Any
 
 HOOK_MARK = "(landed after the answer)"
+FUSED_ADAM_OPS = ("aten::_fused_adamw_", "aten::_fused_adam_")
+MIN_STEP_MS = 2.0
+"""Host-step spans shorter than this only commit a speculative step or publish."""
 
 
 def load(path: Path) -> list[dict[str, Any]]:
@@ -74,6 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace", type=Path)
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--spans", action="store_true", help="print every host worker span")
+    parser.add_argument(
+        "--workload",
+        default=None,
+        help="the trace's workload (W1-W4): also print the median rate of speculative and "
+        "of plain host steps, with region sizes from its traced profile",
+    )
     args = parser.parse_args(argv)
     events = load(args.trace)
     t0 = min(float(e["ts"]) for e in events)
@@ -139,7 +153,57 @@ def main(argv: list[str] | None = None) -> int:
         if args.spans:
             for e in mine:
                 print(f"  {ms(float(e['ts'])):9.1f} {float(e['dur']) / 1e3:6.1f} {e['name']}")
+    print_issue_cost(events, len(windows))
+    if args.workload is not None:
+        print_step_rates(events, args.workload)
     return 0
+
+
+def print_issue_cost(events: list[dict[str, Any]], steps: int) -> None:
+    """The host worker's time issuing streamed regions (``streamed step N (issue)``
+    spans) per profiled step, and the ring chunks issued in them (one fused Adam launch
+    per chunk)."""
+    issues = [e for e in region_spans(events, ("streamed step",)) if e["name"].endswith("(issue)")]
+    if not issues or steps < 1:
+        return
+    fused = sorted(
+        float(e["ts"])
+        for e in events
+        if e.get("cat") == "cpu_op" and str(e.get("name")) in FUSED_ADAM_OPS
+    )
+    chunks = sum(
+        1 for t in fused for e in issues if float(e["ts"]) <= t < float(e["ts"]) + float(e["dur"])
+    )
+    total_ms = sum(float(e["dur"]) for e in issues) / 1e3
+    print(
+        f"issuing streamed regions: {total_ms / steps:.0f} ms per profiled step for "
+        f"{len(issues) / steps:.0f} regions in {chunks / steps:.0f} ring chunks "
+        f"({total_ms / max(1, chunks):.2f} ms per chunk)"
+    )
+
+
+def print_step_rates(events: list[dict[str, Any]], workload: str) -> None:
+    """Median Gparam/s of the speculative and of the plain host steps of at least
+    ``MIN_STEP_MS`` (shorter ones only commit or publish), region sizes from the
+    workload's traced profile."""
+    from replay_bench import workload_profile
+
+    from offload_solver import SimulationContext, default_hardware
+
+    numel = SimulationContext.build(workload_profile(workload), default_hardware()).numel
+    rates: dict[str, list[float]] = {"speculative": [], "host": []}
+    for e in region_spans(events, ("speculative step", "host step")):
+        m = re.fullmatch(r"(speculative|host) step (\d+)", str(e["name"]))
+        seconds = float(e["dur"]) / 1e6
+        if m is None or seconds * 1e3 < MIN_STEP_MS:
+            continue
+        rates[m.group(1)].append(numel[int(m.group(2))] / seconds / 1e9)
+    for kind, values in rates.items():
+        if values:
+            print(
+                f"{kind} steps: {len(values)}, median {statistics.median(values):.2f} Gparam/s "
+                f"({min(values):.2f}-{max(values):.2f})"
+            )
 
 
 if __name__ == "__main__":
