@@ -602,9 +602,18 @@ def _ours(
             first = min(t.start_s for t in host_steps)
             out["backward_to_first_host_step_ms"] = (first - report.backward_start_s) * 1e3
             out["host_step_span_ms"] = (max(t.end_s for t in host_steps) - first) * 1e3
-    cycle = _host_cycle(opt.recent_steps()[-len(times) - len(skipped_ms) :])
+    timed_reports = opt.recent_steps()[-len(times) - len(skipped_ms) :]
+    cycle = _host_cycle(timed_reports)
     if cycle:
         out["host_cycle"] = cycle
+    # Time spent issuing the streamed regions' device work per step (median over the
+    # timed steps; on the host worker, or on the issuing thread with issue_thread), which
+    # the planner does not charge: unprofiled, unlike the traces' issue spans.
+    issue_ms = [
+        sum(t.issue_s for t in rep.region_steps if t.streamed) * 1e3 for rep in timed_reports
+    ]
+    if any(issue_ms):
+        out["streamed_issue_ms_per_step"] = statistics.median(issue_ms)
     if speculate:
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
         if report is not None:  # the last timed step: how many regions stepped early

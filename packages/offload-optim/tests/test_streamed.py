@@ -167,11 +167,14 @@ def test_streaming_with_fp16_io_writes_the_upload_copy(streaming: dict[str, Any]
         torch.testing.assert_close(value, plain.masters[name], rtol=0, atol=1e-8)
 
 
-def test_step_reports_name_streamed_regions(streaming: dict[str, Any]) -> None:
+@pytest.mark.parametrize("issue_thread", [False, True])
+def test_step_reports_name_streamed_regions(streaming: dict[str, Any], issue_thread: bool) -> None:
+    # Streamed regions' timings say how long issuing them took (within their span); the
+    # host-stepped region's say 0.
     module = test_speculate.offload_module(
         tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True
     )
-    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=issue_thread), module)
     try:
         for step in range(2):
             amp.zero_grad()
@@ -185,7 +188,9 @@ def test_step_reports_name_streamed_regions(streaming: dict[str, Any]) -> None:
         module.close()
     for r in streaming["streamed"]:
         assert steps[r].streamed and steps[r].host and not steps[r].on_host
+        assert 0 < steps[r].issue_s <= steps[r].duration_s
     assert not steps[0].streamed and steps[0].host and steps[0].on_host
+    assert steps[0].issue_s == 0.0
     assert report.host_step_s == steps[0].duration_s
 
 

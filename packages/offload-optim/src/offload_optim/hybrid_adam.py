@@ -131,6 +131,10 @@ class RegionStepTiming:
     streamed: bool = False
     """A streamed region (see [Note: streamed steps] in streamed.py): stepped on the
     device; the span runs from issuing its device work to publishing it."""
+    issue_s: float = 0.0
+    """A streamed region: seconds spent issuing its device work (copies, kernels and
+    events per ring chunk), on the host worker or, with ``issue_thread``, on the issuing
+    thread; 0 for the others."""
 
     @property
     def on_host(self) -> bool:
@@ -1171,15 +1175,17 @@ class HybridAdam(torch.optim.Optimizer):
         and at the end (see [Note: streamed steps] in streamed.py)."""
         done: set[int] = set()
 
-        def finish(r: int, start: float, end: float, streamed: bool = False) -> None:
+        def finish(
+            r: int, start: float, end: float, streamed: bool = False, issue_s: float = 0.0
+        ) -> None:
             controller.publish(r)
-            sink.append(RegionStepTiming(r, start, end, host=True, streamed=streamed))
+            sink.append(RegionStepTiming(r, start, end, True, streamed, issue_s))
             futures[r].set_result(None)
             done.add(r)
 
-        def finish_streamed(r: int, start: float, end: float) -> None:
+        def finish_streamed(r: int, start: float, end: float, issue_s: float = 0.0) -> None:
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
-                finish(r, start, end, streamed=True)
+                finish(r, start, end, streamed=True, issue_s=issue_s)
 
         streamed_jobs = [
             (r, segments) for r, segments in jobs if segments and self._regions[r].storage.streamed
@@ -1240,16 +1246,18 @@ class HybridAdam(torch.optim.Optimizer):
         jobs: list[tuple[int, list[_Segment]]],
         grad_scale: float | None,
         hypers: dict[int, AdamHyper],
-        publish: dict[int, Callable[[float, float], None]],
+        publish: dict[int, Callable[..., None]],
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
-        order (the host worker, or the issuing thread with ``issue_thread``)."""
+        order (the host worker, or the issuing thread with ``issue_thread``);
+        ``publish[r](start_s, end_s, issue_s=)`` publishes region ``r`` once landed."""
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
                     start = time.perf_counter()
                     landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
-                queue.add(r, landed, start, publish[r])
+                    issued = time.perf_counter() - start
+                queue.add(r, landed, start, partial(publish[r], issue_s=issued))
 
     def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:
         """Host worker: run ``issue`` on the issuing thread; the ring stays open until
@@ -1354,20 +1362,22 @@ class HybridAdam(torch.optim.Optimizer):
                 self.publish_streamed()
             return True
 
-        def publish(start: float, end: float) -> None:
+        def publish(start: float, end: float, issue_s: float = 0.0) -> None:
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
                 controller.publish(r)
-                sink.append(RegionStepTiming(r, start, end, host=True, streamed=True))
+                sink.append(RegionStepTiming(r, start, end, True, True, issue_s))
                 done()
 
         ring, queue = self._streaming_session()
         with torch.profiler.record_function(f"streamed step {r} (issue)"):
+            issuing = time.perf_counter()
             try:
                 landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
             except BaseException:
                 self._drop_streaming()
                 raise
-        queue.add(r, landed, start, publish)
+            issued = time.perf_counter() - issuing
+        queue.add(r, landed, start, partial(publish, issue_s=issued))
         self.publish_streamed()
         return True
 
