@@ -249,7 +249,20 @@ def main(argv: list[str] | None = None) -> int:
         help="with --speculate, for rows that did not measure one (default 1.25, about "
         "what session 23's W4 rows measured: 1.25-1.44)",
     )
+    parser.add_argument(
+        "--speculative-step-cost-all",
+        type=float,
+        default=None,
+        metavar="COST",
+        help="replan the speculating rows with this speculative step cost instead of the "
+        "one each measured alone (the traces of session 24 time speculative steps at "
+        "1.02-1.09x plain ones in the loop, against 1.23-1.26x alone)",
+    )
     args = parser.parse_args(argv)
+    if args.speculative_step_cost_all is not None and not args.speculative_step_cost_all >= 1:
+        parser.error(
+            f"--speculative-step-cost-all must be >= 1, got {args.speculative_step_cost_all}"
+        )
     if args.speculate is not None and not args.speculate >= 0:
         parser.error(f"--speculate takes G parameters >= 0, got {args.speculate}")
     if not args.speculative_step_cost >= 1:
@@ -315,6 +328,8 @@ def main(argv: list[str] | None = None) -> int:
                     # A speculating row planned for fewer undo buffers records the limit.
                     "speculative_params": row.get("speculative_params"),
                 }
+                if speculate and args.speculative_step_cost_all is not None:
+                    simulation["speculative_step_cost"] = args.speculative_step_cost_all
                 if args.speculate is not None:
                     simulation["host_step_after_backward"] = False
                     simulation["speculative_params"] = int(args.speculate * 1e9)
