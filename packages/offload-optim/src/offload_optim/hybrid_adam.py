@@ -1245,12 +1245,13 @@ class HybridAdam(torch.optim.Optimizer):
         queue: StreamedQueue,
         jobs: list[tuple[int, list[_Segment]]],
         grad_scale: float | None,
-        hypers: dict[int, AdamHyper],
+        hypers: dict[int, AdamHyper] | None,
         publish: dict[int, Callable[..., None]],
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
-        order (the host worker, or the issuing thread with ``issue_thread``);
-        ``publish[r](start_s, end_s, issue_s=)`` publishes region ``r`` once landed."""
+        order (the host worker: step()'s task or a hook's :meth:`issue_region`; or the
+        issuing thread with ``issue_thread``); ``publish[r](start_s, end_s, issue_s=)``
+        publishes region ``r`` once landed."""
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
@@ -1369,15 +1370,11 @@ class HybridAdam(torch.optim.Optimizer):
                 done()
 
         ring, queue = self._streaming_session()
-        with torch.profiler.record_function(f"streamed step {r} (issue)"):
-            issuing = time.perf_counter()
-            try:
-                landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
-            except BaseException:
-                self._drop_streaming()
-                raise
-            issued = time.perf_counter() - issuing
-        queue.add(r, landed, start, partial(publish, issue_s=issued))
+        try:
+            self._issue_jobs(ring, queue, [(r, segments)], grad_scale, hypers, {r: publish})
+        except BaseException:
+            self._drop_streaming()
+            raise
         self.publish_streamed()
         return True
 
