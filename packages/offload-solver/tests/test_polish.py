@@ -80,13 +80,11 @@ def test_from_all_sync_the_search_reaches_the_best_plan_of_its_moves(
     )
     assert stats.num_simulations >= 2 * n  # every round simulates each region's moves
 
-    # No rounds, no change; a bad round count or beam is named.
+    # No rounds, no change; a bad round count is named.
     same = polish(ctx, sim, 1e9, SolveStats(), start, cold, steady, max_rounds=0)
     assert same == (start, cold, steady)
     with pytest.raises(ValueError, match="max_rounds must be >= 0"):
         polish(ctx, sim, 1e9, SolveStats(), start, cold, steady, max_rounds=-1)
-    with pytest.raises(ValueError, match="beam must be >= 1"):
-        polish(ctx, sim, 1e9, SolveStats(), start, cold, steady, beam=0)
 
 
 def test_the_cap_holds_the_search_back() -> None:

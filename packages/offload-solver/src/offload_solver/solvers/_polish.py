@@ -6,16 +6,15 @@ peak fits, then place state, then streamed regions at a few even fractions), so 
 they end with can sit next to a better one that no phase tries: one more region streamed
 where the host tail bounds the step, one offloaded region made resident where its upload
 delays a compute, one region given the host state that lets another stream. The last
-phase therefore simulates every change of a single region (:func:`moves`) with its steady
-state, and goes on from the change with the shortest repeating step whose peak, the
-streamed ring included, still fits the cap (the best :data:`POLISH_BEAM` changes, with a
-wider beam), even when that is no shorter than the plan it came from: a step sideways
-can open a better one. It stops after :data:`POLISH_PATIENCE` rounds in a row without a
-plan shorter than the best so far by more than :data:`POLISH_MIN_GAIN`, or after
-``max_rounds`` rounds, and returns the best plan seen; plans already simulated are not
-tried again. Each round costs one cold step per move (a move whose cold peak already
-exceeds the cap stops there) and a steady state for the others; all of them count in
-``num_simulations``.
+phase therefore simulates every change of a single region (:func:`moves`) with its
+steady state, and goes on from the change with the shortest repeating step whose peak,
+the streamed ring included, still fits the cap, even when that is no shorter than the
+plan it came from: a step sideways can open a better one. It stops after
+:data:`POLISH_PATIENCE` rounds in a row without a plan shorter than the best so far by
+more than :data:`POLISH_MIN_GAIN`, or after ``max_rounds`` rounds, and returns the best
+plan seen; plans already simulated are not tried again. Each round costs one cold step
+per move (a move whose cold peak already exceeds the cap stops there) and a steady state
+for the others; all of them count in ``num_simulations``.
 
 The changes, for a region that owns parameters:
 
@@ -66,8 +65,6 @@ the note: measured, the search's plans were slower)."""
 POLISH_SUGGESTED_ROUNDS = 8
 """Rounds that let the search converge on the benchmark workloads (it stopped after 3-5
 on W2, W3 and W4), for callers that opt in."""
-POLISH_BEAM = 1
-"""Plans each round of the local search goes on from (the best of the round's changes)."""
 POLISH_PATIENCE = 2
 """Rounds in a row without a better plan after which the local search stops."""
 POLISH_MIN_GAIN = 2e-3
@@ -108,20 +105,6 @@ def moves(
                 yield r, RegionAssignment(ParamPlacement.ASYNC, a.state, r + 1)
 
 
-class _Candidate:
-    """One simulated assignment of the search: its cold step, steady state and period."""
-
-    __slots__ = ("assignment", "cold", "period_s", "steady")
-
-    def __init__(
-        self, assignment: list[RegionAssignment], cold: EngineRun, steady: SteadyState
-    ) -> None:
-        self.assignment = assignment
-        self.cold = cold
-        self.steady = steady
-        self.period_s = steady.period_s
-
-
 def polish(
     ctx: SimulationContext,
     simulator: Simulator,
@@ -132,7 +115,6 @@ def polish(
     steady: SteadyState,
     *,
     max_rounds: int = POLISH_SUGGESTED_ROUNDS,
-    beam: int = POLISH_BEAM,
 ) -> tuple[list[RegionAssignment], EngineRun, SteadyState]:
     """Improve ``assignment`` (simulated as ``cold`` and ``steady``) by one-region changes
     while that shortens the repeating step and the peak fits ``cap_bytes`` (see the note).
@@ -140,36 +122,34 @@ def polish(
     when no change helps or ``max_rounds`` is 0."""
     if max_rounds < 0:
         raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
-    if beam < 1:
-        raise ValueError(f"beam must be >= 1, got {beam}")
-    best = _Candidate(list(assignment), cold, steady)
-    frontier = [best]
-    seen = {tuple(best.assignment)}
+    Trial = tuple[list[RegionAssignment], EngineRun, SteadyState]
+    best: Trial = (list(assignment), cold, steady)
+    current = best
+    seen = {tuple(best[0])}
     stale = 0
     for round_ in range(max_rounds):
-        found: list[_Candidate] = []
-        for parent in frontier:
-            for r, change in moves(ctx, parent.assignment, allow_async=simulator.allow_async):
-                trial = list(parent.assignment)
-                trial[r] = change
-                key = tuple(trial)
-                if key in seen:
-                    continue
-                seen.add(key)
-                stats.num_simulations += 1
-                run = simulator.run(ctx, trial)
-                if run.peak_bytes > cap_bytes:
-                    continue
-                st = steady_state(ctx, trial, run)
-                stats.num_simulations += len(st.periods_s) - 1
-                if st.last.stream_peak_bytes <= cap_bytes:
-                    found.append(_Candidate(trial, run, st))
-        if not found:
+        found: Trial | None = None  # the round's shortest fitting change (first on ties)
+        for r, change in moves(ctx, current[0], allow_async=simulator.allow_async):
+            trial = list(current[0])
+            trial[r] = change
+            key = tuple(trial)
+            if key in seen:
+                continue
+            seen.add(key)
+            stats.num_simulations += 1
+            run = simulator.run(ctx, trial)
+            if run.peak_bytes > cap_bytes:
+                continue
+            st = steady_state(ctx, trial, run)
+            stats.num_simulations += len(st.periods_s) - 1
+            fits = st.last.stream_peak_bytes <= cap_bytes
+            if fits and (found is None or st.period_s < found[2].period_s):
+                found = (trial, run, st)
+        if found is None:
             break
-        found.sort(key=lambda c: c.period_s)  # stable: ties keep the order they were tried
-        frontier = found[:beam]
-        if frontier[0].period_s < best.period_s * (1.0 - POLISH_MIN_GAIN):
-            best, stale = frontier[0], 0
+        current = found
+        if found[2].period_s < best[2].period_s * (1.0 - POLISH_MIN_GAIN):
+            best, stale = found, 0
         else:
             stale += 1
             if stale >= POLISH_PATIENCE:
@@ -177,8 +157,8 @@ def polish(
         log.debug(
             "local search round %d: best %.1f ms, round's best %.1f ms (%d plans tried)",
             round_ + 1,
-            best.period_s * 1e3,
-            frontier[0].period_s * 1e3,
+            best[2].period_s * 1e3,
+            found[2].period_s * 1e3,
             len(seen),
         )
-    return best.assignment, best.cold, best.steady
+    return best
