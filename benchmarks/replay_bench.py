@@ -55,21 +55,26 @@ def workload_profile(workload: str) -> Any:
     return trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile()
 
 
-def row_hardware(row: dict[str, Any], host_adam_gparam: float) -> Any:
+def row_hardware(
+    row: dict[str, Any], host_adam_gparam: float, *, op_overhead_us: float | None = None
+) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
-    set to ``host_adam_gparam``: the whole profile where the row records it (from
-    session 20 on), else the row's figures on the default bandwidth curves scaled to its
-    plateaus (``plan_predict.replay_hardware``)."""
+    set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``
+    when given): the whole profile where the row records it (from session 20 on), else
+    the row's figures on the default bandwidth curves scaled to its plateaus
+    (``plan_predict.replay_hardware``)."""
     from offload_solver import HardwareProfile
 
+    p = row["profile"]
+    overhead_us = p["op_overhead_us"] if op_overhead_us is None else op_overhead_us
     if "hardware" in row:
         return dataclasses.replace(
             HardwareProfile.from_json(json.dumps(row["hardware"])),
             host_adam_params_per_s=host_adam_gparam * 1e9,
+            op_overhead_s=overhead_us * 1e-6,
         )
-    p = row["profile"]
     return replay_hardware(
-        op_overhead_us=p["op_overhead_us"],
+        op_overhead_us=overhead_us,
         host_convert_gelem=p["host_convert_gelem"],
         host_adam_gparam=host_adam_gparam,
         h2d_gbps=p["h2d_gbps"],
@@ -258,7 +263,18 @@ def main(argv: list[str] | None = None) -> int:
         "one each measured alone (the traces of session 24 time speculative steps at "
         "1.02-1.09x plain ones in the loop, against 1.23-1.26x alone)",
     )
+    parser.add_argument(
+        "--op-overhead-us",
+        type=float,
+        default=None,
+        metavar="US",
+        help="replan every row with this per-operation issue cost (microseconds) instead "
+        "of the one its profile read: how a launch-bound row's prediction (W1) follows the "
+        "probe",
+    )
     args = parser.parse_args(argv)
+    if args.op_overhead_us is not None and not args.op_overhead_us >= 0:
+        parser.error(f"--op-overhead-us must be >= 0, got {args.op_overhead_us}")
     if args.speculative_step_cost_all is not None and not args.speculative_step_cost_all >= 1:
         parser.error(
             f"--speculative-step-cost-all must be >= 1, got {args.speculative_step_cost_all}"
@@ -356,12 +372,12 @@ def main(argv: list[str] | None = None) -> int:
                             moments, base_kind in FP16_IO, chunk_numel=16 << 20
                         )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
-                hw = row_hardware(row, rate)
+                hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)
                 busy_in_loop = loop_busy_ms(row)
                 if args.host_rate == "loop" and busy_in_loop:
                     rate *= planned_host_busy_s(plan) * 1e3 / busy_in_loop
-                    hw = row_hardware(row, rate)
+                    hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us)
                     plan = solve(variant, hw, budget_gib * GiB, **planning)
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3

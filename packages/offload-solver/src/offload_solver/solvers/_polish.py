@@ -37,8 +37,8 @@ steps; run means 3-5% longer); W2's predicted 6% shorter and measured 1.5-3% lon
 search against a model picks out the model's errors: W3's polished plans stream region
 29, whose gradients land first, and there the host waited 75 ms from backward's start
 to its first step against 43-46 ms for the greedy plans, which the simulator does not
-show. Each round costs about a second for 30 regions and 1.5-3 s for 92 (after the cold
-step's streamed peak stopped building the memory curve).
+show. The whole search takes 1.1-1.5 s for W2 and W3 (30 regions) and 3.4 s for W4 (92),
+as ``benchmarks/plan_neighbours.py`` prints it.
 """
 
 from __future__ import annotations
