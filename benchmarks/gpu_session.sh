@@ -61,10 +61,10 @@
 #   s24     plans with the solver's local search (8 rounds; off by default since): W3
 #           ours_io_spec1_stream beside full GPU, FSDP2 and torchao, then W3 without it,
 #           W2 with it beside FSDP2 and torchao, W1 beside full GPU             ~9 min
-#   issueab streamed regions issued on the host worker and from their own thread
-#           (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way and once with the
-#           thread and a core left out of the host Adam (BENCH_HOST_THREADS=15), W3
-#           once each way                                                    ~8 min
+#   issueab W2 FSDP2, then streamed regions issued on the host worker and from their own
+#           thread (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way, W3 once each
+#           way, last W2 with the thread and a core left out of the host Adam
+#           (BENCH_HOST_THREADS=15)                                           ~9 min
 #   w4issue W4 bf16 moments streamed with torchao, then the same with the streamed regions
 #           issued from their own thread (BENCH_ISSUE_THREAD=1)                 ~7 min
 #   polishab the solver's local search on and off (BENCH_POLISH_ROUNDS=0), alternating:
@@ -193,13 +193,14 @@ case "$phase" in
     bench W4 ours_io_bf16m_spec1_stream,torchao 300 W4_worker
     BENCH_ISSUE_THREAD=1 bench W4 ours_io_bf16m_spec1_stream 300 W4_thread ;;
   issueab)
+    bench W2 fsdp2 120 W2_fsdp2
     for i in 1 2; do
       bench W2 ours_io_spec1_stream 120 W2_worker$i
       BENCH_ISSUE_THREAD=1 bench W2 ours_io_spec1_stream 120 W2_thread$i
     done
-    BENCH_ISSUE_THREAD=1 BENCH_HOST_THREADS=15 bench W2 ours_io_spec1_stream 120 W2_thread15
     bench W3 ours_io_spec1_stream 150 W3_worker
-    BENCH_ISSUE_THREAD=1 bench W3 ours_io_spec1_stream 150 W3_thread ;;
+    BENCH_ISSUE_THREAD=1 bench W3 ours_io_spec1_stream 150 W3_thread
+    BENCH_ISSUE_THREAD=1 BENCH_HOST_THREADS=15 bench W2 ours_io_spec1_stream 120 W2_thread15 ;;
   polishab)
     for i in 1 2; do
       BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy$i
