@@ -5,6 +5,7 @@
 #
 # PHASE:
 #   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~7 min
+#   testsw1 the tests phase, then W1 ours beside full-GPU training              ~7 min
 #   trace   the trace package's gpu tests alone (what each leaves allocated)      ~2 min
 #   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
 #   w2      benchmark W2: ours, ours_spec, ours_bf16, full_gpu, fsdp2, torchao ~6 min
@@ -62,11 +63,11 @@
 #           ours_io_spec1_stream beside full GPU, FSDP2 and torchao, then W3 without it,
 #           W2 with it beside FSDP2 and torchao, W1 beside full GPU             ~9 min
 #   issueab W2 FSDP2, then streamed regions issued on the host worker and from their own
-#           thread (BENCH_ISSUE_THREAD=1), alternating: W2 twice each way, W3 once each
+#           thread (BENCH_ISSUE_THREAD=0, then 1), alternating: W2 twice each way, W3 once each
 #           way, last W2 with the thread and a core left out of the host Adam
 #           (BENCH_HOST_THREADS=15)                                           ~9 min
 #   w4issue W4 bf16 moments streamed with torchao, then the same with the streamed regions
-#           issued from their own thread (BENCH_ISSUE_THREAD=1)                 ~7 min
+#           issued from their own thread (BENCH_ISSUE_THREAD=0, then 1)        ~7 min
 #   polishab the solver's local search on and off (BENCH_POLISH_ROUNDS=0), alternating:
 #           W3 ours_io_spec1_stream twice each way, then W2 once each way       ~7 min
 #   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
@@ -77,7 +78,7 @@
 # call's profiler summaries and traces in prof_NAME/ (so rows of one kind keep their own).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|testsw1|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -92,6 +93,9 @@ bench() {
     --profile-dir "$out/prof_$name" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
 case "$phase" in
+  testsw1)
+    bash "$0" tests "$out"
+    bench W1 ours,full_gpu 120 ;;
   tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider --durations=15 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
   trace)
     python3 -m pytest -q -s -rA -p no:cacheprovider -m gpu "$root/packages/offload-trace/tests" \
@@ -190,15 +194,15 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
   w4issue)
-    bench W4 ours_io_bf16m_spec1_stream,torchao 300 W4_worker
+    BENCH_ISSUE_THREAD=0 bench W4 ours_io_bf16m_spec1_stream,torchao 300 W4_worker
     BENCH_ISSUE_THREAD=1 bench W4 ours_io_bf16m_spec1_stream 300 W4_thread ;;
   issueab)
     bench W2 fsdp2 120 W2_fsdp2
     for i in 1 2; do
-      bench W2 ours_io_spec1_stream 120 W2_worker$i
+      BENCH_ISSUE_THREAD=0 bench W2 ours_io_spec1_stream 120 W2_worker$i
       BENCH_ISSUE_THREAD=1 bench W2 ours_io_spec1_stream 120 W2_thread$i
     done
-    bench W3 ours_io_spec1_stream 150 W3_worker
+    BENCH_ISSUE_THREAD=0 bench W3 ours_io_spec1_stream 150 W3_worker
     BENCH_ISSUE_THREAD=1 bench W3 ours_io_spec1_stream 150 W3_thread
     BENCH_ISSUE_THREAD=1 BENCH_HOST_THREADS=15 bench W2 ours_io_spec1_stream 120 W2_thread15 ;;
   polishab)

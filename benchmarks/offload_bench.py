@@ -61,8 +61,9 @@ its region steps while the main thread issues kernels, and Python hands it over 
 switch interval (default 0.005 s); rows record the interval. Set BENCH_POLISH_ROUNDS to
 plan the ``ours`` kinds with that many rounds of the solver's local search (default: the
 solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``. Set
-BENCH_ISSUE_THREAD=1 to build the ``ours`` kinds' HybridAdam with ``issue_thread=True``
-(streamed regions issued from a thread of their own); rows record ``issue_thread``.
+BENCH_ISSUE_THREAD=0 to build the ``ours`` kinds' HybridAdam with ``issue_thread=False``
+(streamed regions issued on the host worker, not from a thread of their own, the
+default); rows record ``issue_thread``.
 """
 
 from __future__ import annotations
@@ -338,7 +339,7 @@ def _ours(
     fp16_io = base.startswith("ours_io")
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
-    issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "") == "1"
+    issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"

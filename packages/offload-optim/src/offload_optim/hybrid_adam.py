@@ -292,9 +292,11 @@ class HybridAdam(torch.optim.Optimizer):
             first. The issuing is copies, kernels and events per ring chunk, 0.4-0.6 ms
             each in profiled GPU runs (40 ms of W2's step; BENCHMARKS.md, session 24), and
             the host worker bounds the step where host state is large. Values are the
-            same either way. Off by default until measured on a GPU: the thread takes
-            the GIL between the torch calls it makes, which the host worker also needs
-            between its kernels.
+            same either way. On by default: on an H200, alternating runs of one machine
+            took W2's median step from 437-451 ms to 379-405 ms and W4's (bf16 moments)
+            from 1090 to 1043 ms, and left W3's (issuing 12-24 ms of its step) at 470
+            ms (BENCHMARKS.md, session 25). ``False`` issues them on the host worker
+            before its host steps.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -313,7 +315,7 @@ class HybridAdam(torch.optim.Optimizer):
         host_kernel: str = "torch",
         fp16_io: bool = False,
         module: OffloadModule | None = None,
-        issue_thread: bool = False,
+        issue_thread: bool = True,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")

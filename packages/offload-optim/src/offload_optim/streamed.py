@@ -29,12 +29,13 @@ issued there (``HybridAdam.issue_region``), into the same ring and queue, and pu
 once landed, at a later hook or in the task that ``step()`` queues behind the last hook.
 The hook does not wait for the device: the copies of one region take longer than its
 host step would.
-With ``HybridAdam(issue_thread=True)`` the task hands its streamed regions to a thread
+With ``HybridAdam(issue_thread=True)``, the default, the task hands its streamed regions to a thread
 of their own, which issues them in the same order while the host worker steps the
 others from the start: issuing is Python and CUDA calls per chunk, 0.4-0.6 ms each in
 profiled GPU runs (BENCHMARKS.md, session 24), taken off the thread that bounds
 host-heavy steps. The queue takes entries from that thread under a lock, and the ring
-stays open until the task has waited for the thread. Off by default until measured.
+stays open until the task has waited for the thread. It is the default (measured in
+BENCHMARKS.md, session 25); ``issue_thread=False`` issues on the host worker.
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
