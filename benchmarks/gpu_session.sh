@@ -5,6 +5,9 @@
 #
 # PHASE:
 #   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~7 min
+#   w2t     W2 FSDP2, then the default (streamed regions issued from their own thread)
+#           and BENCH_ISSUE_THREAD=0 alternating twice, 20 timed steps each; W1 ours
+#           beside full GPU                                                   ~7 min
 #   testsw1 the tests phase, then W1 ours beside full-GPU training              ~7 min
 #   trace   the trace package's gpu tests alone (what each leaves allocated)      ~2 min
 #   w1      benchmark W1: ours, full_gpu, ablation, fsdp2, torchao            ~4 min
@@ -76,9 +79,10 @@
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
 # call's profiler summaries and traces in prof_NAME/ (so rows of one kind keep their own).
+# BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|testsw1|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|testsw1|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -88,11 +92,18 @@ export PYTHONPATH="$srcs${PYTHONPATH:+:$PYTHONPATH}"
 # defaults to the workload).
 bench() {
   local name=${4:-$1}
-  python3 "$root/benchmarks/offload_bench.py" --workloads "$1" --kinds "$2" --steps 10 \
+  python3 "$root/benchmarks/offload_bench.py" --workloads "$1" --kinds "$2" --steps "${BENCH_STEPS:-10}" \
     --timeout-s "${3:-240}" --json "$out/$name.json" --append "$out/BENCHMARKS.part.md" \
     --profile-dir "$out/prof_$name" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
 case "$phase" in
+  w2t)
+    BENCH_STEPS=20 bench W2 fsdp2 120 W2_fsdp2
+    for i in 1 2; do
+      BENCH_STEPS=20 bench W2 ours_io_spec1_stream 120 W2_thread$i
+      BENCH_ISSUE_THREAD=0 BENCH_STEPS=20 bench W2 ours_io_spec1_stream 120 W2_worker$i
+    done
+    bench W1 ours,full_gpu 120 W1 ;;
   testsw1)
     bash "$0" tests "$out"
     bench W1 ours,full_gpu 120 ;;

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -207,11 +208,16 @@ def test_ring_sizes() -> None:
         StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=0)
 
 
-def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("issue_thread", [False, True], ids=["worker_issues", "issue_thread"])
+def test_the_ring_is_freed_once_its_regions_landed(
+    monkeypatch: pytest.MonkeyPatch, issue_thread: bool
+) -> None:
     """The ring's buffers go as soon as every streamed region of the task is published,
     not after the host steps still to come (the planner counts them until the last
     download): streaming only the second host-state region, the ring closes before the
-    later host-stepped regions step."""
+    later host-stepped regions step. With ``issue_thread`` the first later region's step
+    waits until the issuing thread is done (on a GPU a host step takes milliseconds, the
+    issuing less), and the ring closes before the second one's."""
     closed: list[float] = []
     close = StreamRing.close
 
@@ -224,9 +230,25 @@ def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPat
     # worker thread a region landing after the answer steps in its hook instead).
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
     host = [st for st in module.storages if st.host_state]
-    assert len(host) >= 3, "the mixed plan has host-stepped regions after the streamed one"
+    assert len(host) >= 4, "the mixed plan has host-stepped regions after the streamed one"
     host[1].streamed = True
-    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+    opt = HybridAdam(module.parameters(), lr=1e-2, issue_thread=issue_thread)
+    issued: list[Future[None]] = []
+    elsewhere = HybridAdam._issue_elsewhere
+    step_segments = HybridAdam._step_segments
+
+    def kept(self: HybridAdam, issue: Callable[[], None]) -> Future[None]:
+        issued.append(elsewhere(self, issue))
+        return issued[-1]
+
+    def after_issuing(self: HybridAdam, r: int, *args: Any) -> None:
+        if r == host[2].index and issued:
+            issued[-1].result()
+        step_segments(self, r, *args)
+
+    monkeypatch.setattr(HybridAdam, "_issue_elsewhere", kept)
+    monkeypatch.setattr(HybridAdam, "_step_segments", after_issuing)
+    amp = AMPOptimizer(opt, module)
     try:
         amp.zero_grad()
         b = batch(0)
@@ -236,9 +258,11 @@ def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPat
         assert report is not None
     finally:
         module.close()
+    assert len(issued) == int(issue_thread)
     assert len(closed) == 1
-    later = [t for t in report.region_steps if t.host and t.region > host[1].index]
-    assert later and closed[0] < min(t.start_s for t in later)
+    later = sorted(t.start_s for t in report.region_steps if t.host and t.region > host[1].index)
+    assert len(later) >= 2
+    assert closed[0] < later[1 if issue_thread else 0]
 
 
 def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:

@@ -1219,6 +1219,9 @@ class HybridAdam(torch.optim.Optimizer):
                     if segments:
                         self._step_segments(r, segments, grad_scale, hypers)
                     finish(r, start, time.perf_counter())
+                if issuing is not None and issuing.done():
+                    pending, issuing = issuing, None
+                    self._finish_issuing(pending)  # the ring may close now
                 # Frees the ring as soon as every streamed region landed, not after the
                 # host steps still to come (see publish_streamed).
                 self.publish_streamed()
