@@ -218,6 +218,44 @@ def test_state_dict_round_trip_and_eval_mode() -> None:
     module.train()
 
 
+@pytest.mark.parametrize("name", ["gpt2", "tied3"])
+def test_the_graph_reads_parameters_without_module_getattr(name: str) -> None:
+    """The rewritten graphs read every parameter and buffer from an attribute of their own
+    (``_flatten_attribute_reads``), with no chain of ``nn.Module.__getattr__`` calls, and
+    each such attribute is the very tensor registered under the dotted name (tied ones
+    included), so in-place updates reach the graph."""
+    _, module, inp = build(name, "asyn")
+    for gm in (module._graph_train, module._graph_eval):
+        reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
+        assert reads
+        for node in reads:
+            assert "." not in node.target, node.target
+            assert node.target in gm.__dict__
+        assert "getattr(self." not in gm.code and "self.m." not in gm.code
+    registered = {id(t) for t in module._graph_train.parameters()} | {
+        id(t) for t in module._graph_train.buffers()
+    }
+    read = {
+        id(module._graph_train.__dict__[n.target])
+        for n in module._graph_train.graph.nodes
+        if n.op == "get_attr"
+    }
+    assert read <= registered
+    calls = 0
+    original = torch.nn.Module.__getattr__
+
+    def counting(self: torch.nn.Module, attr: str) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(self, attr)
+
+    with pytest.MonkeyPatch.context() as mp, torch.no_grad():
+        mp.setattr(torch.nn.Module, "__getattr__", counting)
+        module(**inp)
+    assert calls < len(read), "parameters are read without nn.Module.__getattr__"
+    module.close()
+
+
 def test_batched_device_gradients_equal_per_region_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     """With room in the budget every device-state region's gradients are folded in at the
     end of backward in one batch; the accumulated fp32 gradients are bit-identical to the
