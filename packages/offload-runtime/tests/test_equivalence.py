@@ -221,7 +221,7 @@ def test_state_dict_round_trip_and_eval_mode() -> None:
 @pytest.mark.parametrize("name", ["gpt2", "tied3"])
 def test_the_graph_reads_parameters_without_module_getattr(name: str) -> None:
     """The rewritten graphs read every parameter and buffer from an attribute of their own
-    (``_flatten_attribute_reads``), with no chain of ``nn.Module.__getattr__`` calls, and
+    (``flatten_attribute_reads``), with no chain of ``nn.Module.__getattr__`` calls, and
     each such attribute is the very tensor registered under the dotted name (tied ones
     included), so in-place updates reach the graph."""
     _, module, inp = build(name, "asyn")

@@ -65,6 +65,7 @@ from typing import Literal
 
 import torch
 
+from offload_runtime.attr_reads import flatten_attribute_reads
 from offload_solver import BandwidthPoint, HardwareProfile
 
 __all__ = [
@@ -764,6 +765,7 @@ def _issue_cost_graph(
     """The traced :class:`_IssueCostBlocks` and its number of operations (``call_*`` nodes:
     per block, the operations ``offload_trace`` records for the same code)."""
     graph = torch.fx.symbolic_trace(_IssueCostBlocks(layers, dtype, device))
+    flatten_attribute_reads(graph)  # as the runtime reads its graphs' parameters
     num_ops = sum(
         node.op in ("call_function", "call_method", "call_module") for node in graph.graph.nodes
     )
@@ -782,13 +784,15 @@ def measure_op_overhead_s(
     The graph is ``layers`` blocks of :class:`_IssueCostBlocks` (linear layers with bias,
     layer norm, split, views and transposes, causal attention, dropout, residual adds, the
     decomposed tanh GELU), traced with ``torch.fx`` and run as a ``GraphModule``, which is
-    how the offload runtime runs a model. Its tensors are tiny, so one step's time is what
-    issuing the operations costs: Python, dispatcher, autograd recording and the backward
-    nodes, kernel launches (views launch none). The result is the median wall time of a
-    forward plus backward over twice the graph's operation count (its ``call_*`` nodes):
-    the simulator charges ``op_overhead_s`` to every traced operation once in forward and
-    once in backward, so that is the per-charge cost a graph of this mix needs. ``dtype``
-    defaults to float16 on CUDA and float32 on the CPU.
+    how the offload runtime runs a model, reading its parameters as the runtime does
+    (:func:`~offload_runtime.attr_reads.flatten_attribute_reads`). Its tensors are tiny,
+    so one step's time is what issuing the operations costs: Python, dispatcher, autograd
+    recording and the backward nodes, kernel launches (views launch none). The result is
+    the median wall time of a forward plus backward over twice the graph's operation
+    count (its ``call_*`` nodes): the simulator charges ``op_overhead_s`` to every traced
+    operation once in forward and once in backward, so that is the per-charge cost a
+    graph of this mix needs. ``dtype`` defaults to float16 on CUDA and float32 on the
+    CPU.
     """
     if layers < 1 or reps < 1:
         raise ValueError(f"layers ({layers}) and reps ({reps}) must be >= 1")

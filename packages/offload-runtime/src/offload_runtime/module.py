@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from offload_runtime.attr_reads import flatten_attribute_reads
 from offload_runtime.controller import OffloadController
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
@@ -26,36 +27,6 @@ def _set_attr(gm: torch.nn.Module, target: str, value: torch.Tensor, *, buffer: 
     else:
         assert isinstance(value, torch.nn.Parameter)
         owner._parameters[leaf] = value
-
-
-def _flatten_attribute_reads(gm: fx.GraphModule) -> None:
-    """Point each of ``gm``'s tensor ``get_attr`` nodes at an attribute of ``gm`` itself,
-    kept in its instance dict, and recompile.
-
-    fx generates ``getattr(self.m.transformer.h, "0").ln_1.weight`` for a dotted target:
-    one ``nn.Module.__getattr__`` per dot, a Python call each (about 0.3 us). A 24-layer
-    GPT-2 reads about 290 parameters that way, 1650 calls per forward, issued before any
-    of its kernels: on a step bound by issuing operations (W1) that is the host's time.
-    An instance attribute is found by the ordinary lookup, without that call (a
-    top-level buffer's ``self.scale`` makes one, so it is moved too). The
-    tensors stay registered where they were; the new attribute is another reference to
-    the same object (parameters and buffers are updated in place, never replaced)."""
-    changed = False
-    for node in gm.graph.nodes:
-        if node.op != "get_attr" or not isinstance(node.target, str):
-            continue
-        owner_path, _, leaf = node.target.rpartition(".")
-        value = getattr(gm.get_submodule(owner_path) if owner_path else gm, leaf)
-        if not isinstance(value, torch.Tensor):
-            continue
-        flat = f"_read_{node.name}"
-        if flat in gm.__dict__ or hasattr(type(gm), flat):
-            raise RuntimeError(f"the graph already has an attribute named {flat!r}")
-        object.__setattr__(gm, flat, value)  # not registered: a plain instance attribute
-        node.target = flat
-        changed = True
-    if changed:
-        gm.recompile()
 
 
 class OffloadModule:
@@ -147,7 +118,7 @@ class OffloadModule:
             gm.meta[META_OP_NAMES] = op_names
             gm.meta[META_CONTROLLER] = key
             apply_plan(gm, plan)
-            _flatten_attribute_reads(gm)
+            flatten_attribute_reads(gm)
         self._graph_train = graph_train
         self._graph_eval = graph_eval
 
