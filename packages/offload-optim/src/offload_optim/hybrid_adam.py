@@ -292,11 +292,11 @@ class HybridAdam(torch.optim.Optimizer):
             first. The issuing is copies, kernels and events per ring chunk, 0.4-0.6 ms
             each in profiled GPU runs (40 ms of W2's step; BENCHMARKS.md, session 24), and
             the host worker bounds the step where host state is large. Values are the
-            same either way. On by default: on an H200, alternating runs of one machine
-            took W2's median step from 437-451 ms to 379-405 ms and W4's (bf16 moments)
-            from 1090 to 1043 ms, and left W3's (issuing 12-24 ms of its step) at 470
-            ms (BENCHMARKS.md, session 25). ``False`` issues them on the host worker
-            before its host steps.
+            same either way. On by default: on an H200, in alternating runs, W2's median
+            step went from 437-451 ms to 379-405 ms on one machine and from 385-395 to
+            383-389 ms on another, W4's (bf16 moments) from 1090 to 1043 ms, and W3's
+            (issuing 12-24 ms of its step) stayed at 470 ms (BENCHMARKS.md, session 25).
+            ``False`` issues them on the host worker before its host steps.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.

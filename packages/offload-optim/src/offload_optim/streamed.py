@@ -29,13 +29,15 @@ issued there (``HybridAdam.issue_region``), into the same ring and queue, and pu
 once landed, at a later hook or in the task that ``step()`` queues behind the last hook.
 The hook does not wait for the device: the copies of one region take longer than its
 host step would.
-With ``HybridAdam(issue_thread=True)``, the default, the task hands its streamed regions to a thread
-of their own, which issues them in the same order while the host worker steps the
-others from the start: issuing is Python and CUDA calls per chunk, 0.4-0.6 ms each in
-profiled GPU runs (BENCHMARKS.md, session 24), taken off the thread that bounds
-host-heavy steps. The queue takes entries from that thread under a lock, and the ring
-stays open until the task has waited for the thread. It is the default (measured in
-BENCHMARKS.md, session 25); ``issue_thread=False`` issues on the host worker.
+With ``HybridAdam(issue_thread=True)``, the default, the task hands its streamed
+regions to a thread of their own, which issues them in the same order while the host
+worker steps the others from the start: issuing is Python and CUDA calls per chunk,
+0.4-0.6 ms each in profiled GPU runs (BENCHMARKS.md, session 24), taken off the thread
+that bounds host-heavy steps (W2's median step 1-13% shorter and W4's 4%, session 25).
+The queue takes entries from that thread under a lock. The ring stays open while the
+thread issues: between its host steps the task checks whether the thread is done, and
+the ring closes at the first check after that once every streamed region has landed.
+``issue_thread=False`` issues on the host worker, before its host steps.
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
