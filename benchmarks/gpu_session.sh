@@ -5,6 +5,8 @@
 #
 # PHASE:
 #   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~7 min
+#   w1w3    W1 ours beside full GPU twice (the parameter reads and the probe of e9103c3),
+#           then W3 ours_io_spec1_stream (the issue thread) beside FSDP2 and torchao ~7 min
 #   w2t     W2 FSDP2, then the default (streamed regions issued from their own thread)
 #           and BENCH_ISSUE_THREAD=0 alternating twice, 20 timed steps each; W1 ours
 #           beside full GPU                                                   ~7 min
@@ -82,7 +84,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|testsw1|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|testsw1|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -97,6 +99,9 @@ bench() {
     --profile-dir "$out/prof_$name" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
 case "$phase" in
+  w1w3)
+    for i in 1 2; do bench W1 ours,full_gpu 120 W1_$i; done
+    bench W3 ours_io_spec1_stream,fsdp2,torchao 150 W3 ;;
   w2t)
     BENCH_STEPS=20 bench W2 fsdp2 120 W2_fsdp2
     for i in 1 2; do
