@@ -37,7 +37,8 @@ The identity key (:attr:`DeviceIdentity.cache_key`) names the GPU model, its UUI
 bus id) and the torch version, so a different card, or a torch upgrade that may change the
 kernels, gets a fresh profile. ``<format>`` (:data:`_CACHE_FORMAT`) changes when a
 profile gains a measurement, so that older files, which lack it, are measured again
-rather than read with the field's "unknown" default. ``force=True`` or
+rather than read with the field's "unknown" default, and when a probe changes what it
+measures. ``force=True`` or
 ``OFFLOAD_REPROFILE=1`` re-measures and overwrites; an unreadable file is re-measured with
 a warning.
 """
@@ -109,10 +110,12 @@ _SUPPORTED_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
 }
 _REPROFILE_ENV = "OFFLOAD_REPROFILE"
-_CACHE_FORMAT = "p4"
+_CACHE_FORMAT = "p5"
 """Version of what a cached profile measures, part of its file name: profiles cached
-before ``host_copy_contention`` (p3), ``device_memory_bytes_per_s`` (p2) or
-``host_convert_elems_per_s`` (p1) existed are not read, so they are measured again."""
+before the op-overhead probe read its graph's parameters as the runtime does (p4:
+``flatten_attribute_reads``, a lower per-operation cost), or before
+``host_copy_contention`` (p3), ``device_memory_bytes_per_s`` (p2) or
+``host_convert_elems_per_s`` (p1) existed, are not read, so they are measured again."""
 _CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 # Bounds that keep a whole CUDA profile to a few seconds.
