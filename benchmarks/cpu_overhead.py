@@ -2,13 +2,18 @@
 
     python benchmarks/cpu_overhead.py            # 24-layer tiny GPT-2, batch 2 x 8
     python benchmarks/cpu_overhead.py --layers 48 --steps 30
+    python benchmarks/cpu_overhead.py --probe     # also the op-overhead probe, 5 reads
 
 A tiny GPT-2 (hidden 32) whose step is dominated by issuing operations, not by arithmetic,
 trained two ways on one CPU thread: plain ``torch.optim.Adam(fused=True)`` over the model,
 and ``memory_optimize`` (fp32, a budget with room for everything, finest regions) with
 ``AMPOptimizer(HybridAdam)``. Every region then stays resident with its optimizer state
 on the device, like workload W1 on a GPU, so the difference is the runtime's and the
-optimizer's own per-step Python and launches. Prints medians of alternating rounds.
+optimizer's own per-step Python and launches. Prints medians of alternating rounds, for
+the whole step and for its forward (loss included), backward and optimizer step, and how
+many ``nn.Module.__getattr__`` calls one forward makes (the rewritten graph's parameter
+reads: ``offload_runtime.attr_reads``). ``--probe`` also prints
+``offload_runtime.hardware.measure_op_overhead_s`` read 5 times on this CPU, sorted.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--probe", action="store_true", help="read the op-overhead probe too")
     args = parser.parse_args(argv)
 
     import torch
@@ -33,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from offload_optim import AMPOptimizer, HybridAdam
     from offload_runtime import memory_optimize
-    from offload_runtime.hardware import default_cpu_profile
+    from offload_runtime.hardware import default_cpu_profile, measure_op_overhead_s
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -80,36 +86,74 @@ def main(argv: list[str] | None = None) -> int:
     )
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-4), module)
 
-    def plain() -> None:
-        loss_of(plain_model(**inp), ids).backward()  # type: ignore[no-untyped-call]
+    Phases = tuple[float, float, float]  # forward (with the loss), backward, step: seconds
+
+    def plain() -> Phases:
+        t0 = time.perf_counter()
+        loss = loss_of(plain_model(**inp), ids)
+        t1 = time.perf_counter()
+        loss.backward()  # type: ignore[no-untyped-call]
+        t2 = time.perf_counter()
         plain_opt.step()
         plain_opt.zero_grad()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    def ours() -> None:
+    def ours() -> Phases:
+        t0 = time.perf_counter()
         amp.zero_grad()
-        amp.backward(loss_of(module(**inp), ids))
+        loss = loss_of(module(**inp), ids)
+        t1 = time.perf_counter()
+        amp.backward(loss)
+        t2 = time.perf_counter()
         amp.step()
+        return t1 - t0, t2 - t1, time.perf_counter() - t2
 
-    def median_ms(step: Callable[[], None]) -> float:
+    def medians_ms(step: Callable[[], Phases]) -> list[float]:
+        """Whole step, forward, backward, optimizer step: medians over ``--steps``."""
         for _ in range(3):
             step()
-        times = []
-        for _ in range(args.steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times) * 1e3
+        phases = [step() for _ in range(args.steps)]
+        return [
+            statistics.median(sum(p) for p in phases) * 1e3,
+            *(statistics.median(p[i] for p in phases) * 1e3 for i in range(3)),
+        ]
 
-    results: dict[str, list[float]] = {"plain": [], "ours": []}
+    def getattr_calls(forward: Callable[[], object]) -> int:
+        calls = 0
+        original = torch.nn.Module.__getattr__
+
+        def counting(self: torch.nn.Module, name: str) -> object:
+            nonlocal calls
+            calls += 1
+            return original(self, name)
+
+        torch.nn.Module.__getattr__ = counting  # type: ignore[method-assign,assignment]
+        try:
+            with torch.no_grad():
+                forward()
+        finally:
+            torch.nn.Module.__getattr__ = original  # type: ignore[method-assign]
+        return calls
+
+    results: dict[str, list[list[float]]] = {"plain": [], "ours": []}
     for _ in range(args.rounds):
-        results["plain"].append(median_ms(plain))
-        results["ours"].append(median_ms(ours))
-    p = statistics.median(results["plain"])
-    o = statistics.median(results["ours"])
+        results["plain"].append(medians_ms(plain))
+        results["ours"].append(medians_ms(ours))
+    p, o = ([statistics.median(r[i] for r in results[k]) for i in range(4)] for k in results)
     print(
-        f"{len(module.plan.regions)} regions, {args.layers} layers: plain {p:.2f} ms, "
-        f"ours {o:.2f} ms per step ({o / p:.2f}x)"
+        f"{len(module.plan.regions)} regions, {args.layers} layers: plain {p[0]:.2f} ms, "
+        f"ours {o[0]:.2f} ms per step ({o[0] / p[0]:.2f}x)"
     )
+    for i, phase in enumerate(("forward", "backward", "step"), start=1):
+        print(f"  {phase}: plain {p[i]:.2f} ms, ours {o[i]:.2f} ms")
+    print(
+        "  nn.Module.__getattr__ calls per forward: "
+        f"plain {getattr_calls(lambda: plain_model(**inp))}, "
+        f"ours {getattr_calls(lambda: module(**inp))}"
+    )
+    if args.probe:
+        reads = sorted(measure_op_overhead_s("cpu") * 1e6 for _ in range(5))
+        print("  op-overhead probe (us per operation): " + ", ".join(f"{r:.2f}" for r in reads))
     module.close()
     return 0
 
