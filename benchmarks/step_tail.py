@@ -30,20 +30,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_trace import load_trace
+from step_trace import load_trace, union_us
 
 STEP = "Optimizer.step#AMPOptimizer.step"
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")
-
-
-def _top_level_busy_ms(spans: list[dict[str, Any]]) -> float:
-    """Summed length of the spans not inside an earlier one (they nest on one thread)."""
-    busy, end = 0.0, -1.0
-    for e in sorted(spans, key=lambda e: e["ts"]):
-        if e["ts"] >= end:
-            busy += e["dur"]
-            end = e["ts"] + e["dur"]
-    return busy / 1e3
 
 
 def summarise(trace: dict[str, Any]) -> list[str]:
@@ -86,7 +76,8 @@ def summarise(trace: dict[str, Any]) -> list[str]:
     spans = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
     lines.append(
         f"main thread (tid {main}, {ops[main]} operator spans): top-level operators busy "
-        f"{_top_level_busy_ms(spans):.1f} ms over the trace's {len(steps)} steps"
+        f"{union_us([(e['ts'], e['ts'] + e['dur']) for e in spans]) / 1e3:.1f} ms over the "
+        f"trace's {len(steps)} steps"
     )
     lines.append(
         f"device: kernels and copies busy {sum(e['dur'] for e in device) / 1e3:.1f} ms over "

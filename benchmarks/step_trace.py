@@ -30,7 +30,7 @@ from typing import Any
 GiB = 2**30
 
 
-def _union_us(intervals: list[tuple[float, float]]) -> float:
+def union_us(intervals: list[tuple[float, float]]) -> float:
     """Total length covered by ``intervals`` (microseconds)."""
     total = 0.0
     end = -1.0
@@ -46,7 +46,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 
 def _intersect_us(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
     """Length covered by both interval sets (microseconds)."""
-    return _union_us(a) + _union_us(b) - _union_us(a + b)
+    return union_us(a) + union_us(b) - union_us(a + b)
 
 
 def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
@@ -90,7 +90,7 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
         "compute_stream": compute,
         "streams": {
             s: {
-                "busy_ms": _union_us(ivs) / 1e3,
+                "busy_ms": union_us(ivs) / 1e3,
                 "kinds": {k: round(v, 3) for k, v in kinds[s].items()},
             }
             for s, ivs in by_stream.items()
@@ -100,7 +100,7 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
             for s, ivs in by_stream.items()
             if s != compute
         },
-        "compute_idle_ms": (t1 - t0 - _union_us(by_stream[compute])) / 1e3,
+        "compute_idle_ms": (t1 - t0 - union_us(by_stream[compute])) / 1e3,
     }
     if host["count"]:
         out["host_steps"] = host
@@ -173,7 +173,7 @@ def summarise_host_steps(trace: dict[str, Any]) -> dict[str, Any]:
     spans = [(float(ev["ts"]), float(ev["ts"]) + float(ev.get("dur", 0.0))) for ev in steps]
     return {
         "count": len(steps),
-        "busy_ms": _union_us(spans) / 1e3,
+        "busy_ms": union_us(spans) / 1e3,
         "first_ms": (min(a for a, _ in spans) - t0) / 1e3,
         "last_end_ms": (max(b for _, b in spans) - t0) / 1e3,
     }
@@ -218,7 +218,7 @@ def summarise_backward(
     ]
     return {
         "span_ms": (reach - first) / 1e3,
-        "compute_busy_ms": _union_us(tail) / 1e3,
+        "compute_busy_ms": union_us(tail) / 1e3,
         "gaps": len(gaps),
         "gaps_ms": sum(gaps) / 1e3,
         "long_accumulate_grad": len(hooks),
