@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -47,9 +46,8 @@ def summarise(trace: dict[str, Any]) -> list[str]:
         raise SystemExit(f"no {STEP} span in the trace: was it profiled with AMPOptimizer?")
     device = sorted((e for e in events if e.get("cat") in DEVICE_WORK), key=lambda e: e["ts"])
     main = steps[0]["tid"]
-    main_ops = sorted(
-        (e["ts"] for e in events if e["tid"] == main and e.get("cat") == "cpu_op"),
-    )
+    spans = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
+    main_ops = sorted(e["ts"] for e in spans)
     lines = []
     for i, step in enumerate(steps, start=1):
         t0 = step["ts"]
@@ -72,10 +70,8 @@ def summarise(trace: dict[str, Any]) -> list[str]:
             f"{step['dur'] / 1e3:.2f} ms (answer read at {answer}); device busy "
             f"{busy:.2f} ms after it, done at {end}"
         )
-    ops = Counter(e["tid"] for e in events if e.get("cat") == "cpu_op")
-    spans = [e for e in events if e["tid"] == main and e.get("cat") == "cpu_op"]
     lines.append(
-        f"main thread (tid {main}, {ops[main]} operator spans): top-level operators busy "
+        f"main thread (tid {main}, {len(spans)} operator spans): top-level operators busy "
         f"{union_us([(e['ts'], e['ts'] + e['dur']) for e in spans]) / 1e3:.1f} ms over the "
         f"trace's {len(steps)} steps"
     )
