@@ -637,41 +637,49 @@ def _ours(
         if report is not None:  # the last timed step: how many regions stepped early
             out["speculated_regions"] = report.speculated_regions
     if profile_dir is not None:
-        from step_trace import all_threads_config
-        from torch.profiler import ProfilerActivity, profile
 
-        # The measurement first, in case the profile runs past the parent's timeout (W4 in
-        # session 22: the row took 200 s with its two profiled steps and was lost whole);
-        # the parent keeps the last result line it got.
-        print(
-            RESULT_TAG + json.dumps({**out, "ok": True, "profile_error": "not finished"}),
-            flush=True,
-        )
+        def two_steps() -> None:
+            # Then the host steps still queued: the second forward waiting on the first
+            # step's host steps is in the window, and so are the host worker's region steps.
+            step()
+            step()
+            opt.synchronize()
 
-        # The step is already measured: a failing profile is reported, not fatal. Two
-        # steps, then the host steps still queued: the second forward waiting on the first
-        # step's host steps is in the window, and so are the host worker's region steps
-        # (its own thread: recorded only with step_trace.all_threads_config()).
-        try:
-            with profile(
-                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                experimental_config=all_threads_config(),
-            ) as prof:
-                step()
-                step()
-                opt.synchronize()
-                torch.cuda.synchronize()
-            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
-            profile_dir.mkdir(parents=True, exist_ok=True)
-            (profile_dir / f"profile_{workload}_{kind}.txt").write_text(table)
-            out["profile_streams"] = _save_trace(
-                prof, profile_dir / f"trace_{workload}_{kind}.json.gz"
-            )
-            out["profile_steps"] = 2  # profile_streams covers two steps and their host steps
-        except Exception as exc:  # keep the measurement, say what broke
-            out["profile_error"] = f"{type(exc).__name__}: {exc}"
+        _profile_steps(out, two_steps, profile_dir / f"{workload}_{kind}")
     module.close()
     return out
+
+
+def _profile_steps(out: dict[str, Any], two_steps: Callable[[], None], stem: Path) -> None:
+    """Profile ``two_steps`` (two training steps) on every thread, after the row's
+    measurement: ``stem``'s ``profile_*.txt`` (the top operators) and ``trace_*.json.gz``
+    (``step_trace.py``, ``step_tail.py``, ``issue_compare.py`` read it); ``out`` gets
+    ``profile_streams`` and ``profile_steps``, or ``profile_error``.
+
+    The measurement is printed first, in case the profile runs past the parent's timeout
+    (W4 in session 22: the row took 200 s with its two profiled steps and was lost whole);
+    the parent keeps the last result line it got. A failing profile is reported, not fatal.
+    """
+    import torch
+    from step_trace import all_threads_config
+    from torch.profiler import ProfilerActivity, profile
+
+    print(RESULT_TAG + json.dumps({**out, "ok": True, "profile_error": "not finished"}), flush=True)
+    try:
+        # Every thread: the host worker's and the autograd engine's operators too.
+        with profile(
+            activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+            experimental_config=all_threads_config(),
+        ) as prof:
+            two_steps()
+            torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
+        stem.parent.mkdir(parents=True, exist_ok=True)
+        (stem.parent / f"profile_{stem.name}.txt").write_text(table)
+        out["profile_streams"] = _save_trace(prof, stem.parent / f"trace_{stem.name}.json.gz")
+        out["profile_steps"] = 2  # profile_streams covers two steps (and their host steps)
+    except Exception as exc:  # keep the measurement, say what broke
+        out["profile_error"] = f"{type(exc).__name__}: {exc}"
 
 
 def _force_streamed(module: Any, fraction: float) -> None:
@@ -691,7 +699,9 @@ def _force_streamed(module: Any, fraction: float) -> None:
             chosen += st.numel
 
 
-def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
+def _full_gpu(
+    workload: str, warmup: int, steps: int, profile_dir: Path | None = None
+) -> dict[str, Any]:
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
@@ -719,6 +729,14 @@ def _full_gpu(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
 
     out["fwd_bwd_ms"] = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
+    if profile_dir is not None:
+
+        def two_steps() -> None:
+            step()
+            step()
+
+        # Beside ours' trace of the same run: what each issues per step (issue_compare.py).
+        _profile_steps(out, two_steps, profile_dir / f"{workload}_full_gpu")
     return out
 
 
@@ -788,7 +806,7 @@ def child_main(args: argparse.Namespace) -> None:
         if args.child in OURS_KINDS:
             result = _ours(args.workload, args.child, args.warmup, args.steps, profile_dir)
         elif args.child == "full_gpu":
-            result = _full_gpu(args.workload, args.warmup, args.steps)
+            result = _full_gpu(args.workload, args.warmup, args.steps, profile_dir)
         elif args.child == "fsdp2":
             result = _fsdp2(args.workload, args.warmup, args.steps)
         elif args.child == "torchao":
@@ -978,7 +996,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-dir",
         default="",
-        help="write a torch.profiler summary of one step of each 'ours' run here",
+        help="write a torch.profiler summary and trace of two steps of each 'ours' and "
+        "'full_gpu' row here",
     )
     parser.add_argument("--child", default="", help=argparse.SUPPRESS)
     parser.add_argument("--workload", default="", help=argparse.SUPPRESS)
