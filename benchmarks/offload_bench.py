@@ -51,9 +51,9 @@ Tables also show "run:", the mean of every timed step. Our host steps run on int
 next forward, so our steps alternate fast and slow and the 5 fastest understate the time
 per step over a run (12% below it for W4 ``ours_io_bf16m`` in session 18, 3-5% for the
 peers): compare by both. A launch-bound row (W1: each step issues about 2100
-operators and keeps the device busy for a third of it) takes as long as the host takes
-to issue, which drifts by more than 5% from one minute to the next on a shared machine:
-judge it by the median ratio over alternating rounds (``gpu_session.sh w1x``, then
+operators and keeps the device busy for a quarter to a third of it) takes as long as the
+host takes to issue, which drifts by more than 5% from one minute to the next on a shared
+machine: judge it by the median ratio over alternating rounds (``gpu_session.sh w1x``, then
 ``pair_ratios.py``), and what each row issues by ``issue_compare.py`` on the traces
 ``--profile-dir`` keeps.
 fp16 overflow skips and the step after each are not timed. Set BENCH_COMMIT to name
