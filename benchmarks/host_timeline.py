@@ -9,6 +9,12 @@ less than ``--gap-ms`` apart); the host worker is the thread of the ``host step`
 ``streamed step`` annotations. It ends with the host worker's time issuing streamed
 regions per profiled step and the ring chunks issued (fused Adam launches inside those
 spans), and, with ``--workload``, the median rates of speculative and plain host steps.
+``--engines`` also prints, for each step's phases (backward's CPU side; from its end to
+the end of the host worker's last region step; from there to the last streamed region's
+publish), how long each took and how busy the copy engines (H2D, D2H), the kernels and
+backward's thread were in it, and when ``step()`` ran; ``--contended OP`` the median time
+of operator ``OP`` while a host region step ran and otherwise (does the host step slow
+issuing?).
 For each backward it prints, in ms from the trace's start:
 how many regions its hooks stepped speculatively (``speculative step`` spans, fp16 with
 ``speculate_fp16``) and when; when backward's CPU side ran, when the host worker's first
@@ -25,11 +31,17 @@ import gzip
 import json
 import re
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_trace import union_us
+
 HOOK_MARK = "(landed after the answer)"
 FUSED_ADAM_OPS = ("aten::_fused_adamw_", "aten::_fused_adam_")
+ENGINES = (("H2D", "HtoD"), ("D2H", "DtoH"))
 MIN_STEP_MS = 2.0
 """Host-step spans shorter than this only commit a speculative step or publish."""
 
@@ -81,7 +93,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trace", type=Path)
     parser.add_argument("--gap-ms", type=float, default=50.0)
-    parser.add_argument("--spans", action="store_true", help="print every host worker span")
+    parser.add_argument(
+        "--spans", action="store_true", help="print every host worker span (speculative too)"
+    )
+    parser.add_argument(
+        "--engines", action="store_true", help="print each phase's copy-engine and kernel time"
+    )
+    parser.add_argument(
+        "--contended",
+        action="append",
+        default=[],
+        metavar="OP",
+        help="print OP's median time during host region steps and otherwise (repeatable)",
+    )
     parser.add_argument(
         "--workload",
         default=None,
@@ -111,6 +135,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"after backward's CPU side began; "
                 f"{sum(float(e['dur']) for e in spec) / 1e3:.0f} ms busy)"
             )
+            if args.spans:
+                for e in spec:
+                    print(f"  {ms(float(e['ts'])):9.1f} {float(e['dur']) / 1e3:6.1f} {e['name']}")
         mine = [e for e in work if b_end <= float(e["ts"]) < until]
         if not mine:
             print(f"backward {i + 1}: {ms(b_start):.0f}-{ms(b_end):.0f} ms, no host work after it")
@@ -153,10 +180,86 @@ def main(argv: list[str] | None = None) -> int:
         if args.spans:
             for e in mine:
                 print(f"  {ms(float(e['ts'])):9.1f} {float(e['dur']) / 1e3:6.1f} {e['name']}")
+        if args.engines:
+            steps = [e for e in mine if str(e["name"]).startswith("host step")]
+            last_step = max(
+                (
+                    float(e["ts"]) + float(e["dur"])
+                    for e in steps
+                    if float(e["dur"]) >= MIN_STEP_MS * 1e3
+                ),
+                default=b_end,
+            )
+            publishes = [float(e["ts"]) for e in mine if str(e["name"]).endswith("(publish)")]
+            phases = [("backward (CPU side)", b_start, b_end)]
+            phases.append(("then to the host's last region step", b_end, last_step))
+            if publishes and max(publishes) > last_step:
+                phases.append(("then to the last streamed publish", last_step, max(publishes)))
+            for label, a, b in phases:
+                print("  " + phase_engines(events, label, a, b))
+            for e in region_spans(events, ("Optimizer.step#",)):
+                if b_start <= float(e["ts"]) < until:
+                    start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+                    print(f"  step(): {ms(start):.0f}-{ms(end):.0f} ms")
     print_issue_cost(events, len(windows))
     if args.workload is not None:
         print_step_rates(events, args.workload)
+    for op in args.contended:
+        print(contended(events, op))
     return 0
+
+
+def _busy_ms(events: list[dict[str, Any]], a: float, b: float) -> float:
+    """Union of ``events``' spans clipped to [a, b), in ms."""
+    return (
+        union_us(
+            [
+                (max(float(e["ts"]), a), min(float(e["ts"]) + float(e["dur"]), b))
+                for e in events
+                if float(e["ts"]) < b and float(e["ts"]) + float(e["dur"]) > a
+            ]
+        )
+        / 1e3
+    )
+
+
+def phase_engines(events: list[dict[str, Any]], label: str, a: float, b: float) -> str:
+    """One ``--engines`` line: phase [a, b) (trace microseconds), its copy engines',
+    kernels' and backward thread's busy time."""
+    copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
+    parts = [
+        f"{name} {_busy_ms([e for e in copies if tag in str(e['name'])], a, b):.0f}"
+        for name, tag in ENGINES
+    ]
+    kernels = _busy_ms([e for e in events if e.get("cat") == "kernel"], a, b)
+    autograd = {e["tid"] for e in events if str(e.get("name", "")).startswith("autograd::engine::")}
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e["tid"] in autograd]
+    return (
+        f"{label}: {(b - a) / 1e3:.0f} ms; busy (ms): {', '.join(parts)}, kernels "
+        f"{kernels:.0f}, backward's thread {_busy_ms(ops, a, b):.0f}"
+    )
+
+
+def contended(events: list[dict[str, Any]], op: str) -> str:
+    """``--contended``: ``op``'s median time while a host region step (``host step`` or
+    ``speculative step`` of at least ``MIN_STEP_MS``) ran, and otherwise."""
+    steps = [
+        (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in region_spans(events, ("host step", "speculative step"))
+        if float(e["dur"]) >= MIN_STEP_MS * 1e3
+    ]
+    during: list[float] = []
+    otherwise: list[float] = []
+    for e in events:
+        if e.get("cat") != "cpu_op" or e["name"] != op:
+            continue
+        a, b = float(e["ts"]), float(e["ts"]) + float(e["dur"])
+        (during if any(x < b and y > a for x, y in steps) else otherwise).append(float(e["dur"]))
+
+    def med(xs: list[float]) -> str:
+        return f"{statistics.median(xs):.0f} us (n={len(xs)})" if xs else "- (n=0)"
+
+    return f"{op}: median {med(during)} during host region steps, {med(otherwise)} otherwise"
 
 
 def print_issue_cost(events: list[dict[str, Any]], steps: int) -> None:
