@@ -27,8 +27,6 @@ streamed regions only issued there), how many step()'s task stepped or issued, a
 from __future__ import annotations
 
 import argparse
-import gzip
-import json
 import re
 import statistics
 import sys
@@ -37,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_trace import union_us
+from step_trace import load_trace, union_us
 
 HOOK_MARK = "(landed after the answer)"
 FUSED_ADAM_OPS = ("aten::_fused_adamw_", "aten::_fused_adam_")
@@ -47,9 +45,8 @@ MIN_STEP_MS = 2.0
 
 
 def load(path: Path) -> list[dict[str, Any]]:
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt") as f:
-        doc = json.load(f)
+    """The complete-span (``X``) events of a Chrome trace (``step_trace.load_trace``)."""
+    doc: Any = load_trace(path)
     events: list[dict[str, Any]] = doc["traceEvents"] if isinstance(doc, dict) else doc
     return [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
 
@@ -124,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     def ms(us: float) -> float:
         return (us - t0) / 1e3
 
+    groups = engine_groups(events) if args.engines else {}
     for i, (b_start, b_end) in enumerate(windows):
         until = windows[i + 1][0] if i + 1 < len(windows) else float("inf")
         spec = [e for e in speculative if b_start <= float(e["ts"]) < until]
@@ -196,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             if publishes and max(publishes) > last_step:
                 phases.append(("then to the last streamed publish", last_step, max(publishes)))
             for label, a, b in phases:
-                print("  " + phase_engines(events, label, a, b))
+                print("  " + phase_engines(groups, label, a, b))
             for e in region_spans(events, ("Optimizer.step#",)):
                 if b_start <= float(e["ts"]) < until:
                     start, end = float(e["ts"]), float(e["ts"]) + float(e["dur"])
@@ -223,21 +221,24 @@ def _busy_ms(events: list[dict[str, Any]], a: float, b: float) -> float:
     )
 
 
-def phase_engines(events: list[dict[str, Any]], label: str, a: float, b: float) -> str:
-    """One ``--engines`` line: phase [a, b) (trace microseconds), its copy engines',
-    kernels' and backward thread's busy time."""
+def engine_groups(events: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """What ``--engines`` sums per phase, picked out of ``events`` once: each copy
+    engine's copies (``ENGINES``), the kernels, and backward's thread's operators."""
     copies = [e for e in events if e.get("cat") == "gpu_memcpy"]
-    parts = [
-        f"{name} {_busy_ms([e for e in copies if tag in str(e['name'])], a, b):.0f}"
-        for name, tag in ENGINES
-    ]
-    kernels = _busy_ms([e for e in events if e.get("cat") == "kernel"], a, b)
+    groups = {name: [e for e in copies if tag in str(e["name"])] for name, tag in ENGINES}
+    groups["kernels"] = [e for e in events if e.get("cat") == "kernel"]
     autograd = {e["tid"] for e in events if str(e.get("name", "")).startswith("autograd::engine::")}
-    ops = [e for e in events if e.get("cat") == "cpu_op" and e["tid"] in autograd]
-    return (
-        f"{label}: {(b - a) / 1e3:.0f} ms; busy (ms): {', '.join(parts)}, kernels "
-        f"{kernels:.0f}, backward's thread {_busy_ms(ops, a, b):.0f}"
-    )
+    groups["backward's thread"] = [
+        e for e in events if e.get("cat") == "cpu_op" and e["tid"] in autograd
+    ]
+    return groups
+
+
+def phase_engines(groups: dict[str, list[dict[str, Any]]], label: str, a: float, b: float) -> str:
+    """One ``--engines`` line: phase [a, b) (trace microseconds) and each of
+    :func:`engine_groups`' busy time in it."""
+    parts = ", ".join(f"{name} {_busy_ms(group, a, b):.0f}" for name, group in groups.items())
+    return f"{label}: {(b - a) / 1e3:.0f} ms; busy (ms): {parts}"
 
 
 def contended(events: list[dict[str, Any]], op: str) -> str:
