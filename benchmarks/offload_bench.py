@@ -68,10 +68,7 @@ plan the ``ours`` kinds with that many rounds of the solver's local search (defa
 solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``. Set
 BENCH_ISSUE_THREAD=0 to build the ``ours`` kinds' HybridAdam with ``issue_thread=False``
 (streamed regions issued on the host worker, not from a thread of their own, the
-default); rows record ``issue_thread``. Set BENCH_HOOKS_AB_STEPS=N to time the speculating
-kinds' plan again after the row, in blocks of N steps, with ``step()`` answering while
-gradient hooks still run and with it waiting for them first (``hooks_ab``: the same plan
-both ways, which separate rows do not give: each plans from its own host-rate samples).
+default); rows record ``issue_thread``.
 """
 
 from __future__ import annotations
@@ -644,9 +641,6 @@ def _ours(
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
         if report is not None:  # the last timed step: how many regions stepped early
             out["speculated_regions"] = report.speculated_regions
-    ab_steps = int(os.environ.get("BENCH_HOOKS_AB_STEPS") or 0)
-    if speculate and ab_steps > 0:
-        out["hooks_ab"] = _hooks_ab(step, module, opt, data, ab_steps, last_skipped)
     if profile_dir is not None:
 
         def two_steps() -> None:
@@ -658,42 +652,6 @@ def _ours(
 
         _profile_steps(out, two_steps, profile_dir / f"{workload}_{kind}")
     module.close()
-    return out
-
-
-def _hooks_ab(
-    step: Callable[[], None],
-    module: Any,
-    opt: Any,
-    data: dict[str, Any],
-    steps: int,
-    skipped: Callable[[], bool],
-) -> dict[str, Any]:
-    """The same plan and process timed two ways, in blocks of ``steps`` steps (2 warm-up
-    each) in the order answer, wait, wait, answer: ``answer`` is ``step`` as it is,
-    ``wait`` calls ``controller.wait_gradients()`` between backward and ``step()``, as
-    ``AMPOptimizer.step()`` itself did in SPECULATIVE_UNDO before d37f45b (the answer only
-    once every gradient hook had run). Set by ``BENCH_HOOKS_AB_STEPS``; the row's own
-    timing comes before and is not affected. Returns each way's step times (ms) and
-    their mean and median."""
-    from offload_gpt_example.models import lm_loss
-
-    def step_waiting() -> None:
-        loss = lm_loss(module(**data), data["input_ids"])
-        opt.backward(loss)
-        module.controller.wait_gradients()  # host sync point: every hook has run
-        opt.step()
-        opt.zero_grad()
-
-    ways = {"answer": step, "wait": step_waiting}
-    times: dict[str, list[float]] = {"answer": [], "wait": []}
-    for name in ("answer", "wait", "wait", "answer"):
-        times[name] += [t * 1e3 for t in _timed_steps(ways[name], 2, steps, skipped, [])]
-    out: dict[str, Any] = {}
-    for name, ms in times.items():
-        out[f"{name}_steps_ms"] = ms
-        out[f"{name}_mean_ms"] = statistics.mean(ms) if ms else float("nan")
-        out[f"{name}_median_ms"] = statistics.median(ms) if ms else float("nan")
     return out
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import math
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -365,66 +364,6 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(
     )
     assert_same(spec, plain)
     assert spec.skipped == [False] * 3 + [True] + [False] * 8
-
-
-@pytest.mark.parametrize("poison", [False, True])
-def test_step_answers_while_a_speculative_hook_still_runs(poison: bool) -> None:
-    """step() takes the answer from the device partials without waiting for the hooks:
-    a hook held inside its speculative step keeps it uncommitted when step() returns
-    (no overflow), and the host worker commits it behind that hook. With an overflow,
-    step() waits for the hook (released by a timer) and undoes it. Either way the run is
-    the non-speculative one bit for bit."""
-    trainer = Trainer(True, hysteresis=1)
-    head = trainer.train(range(2))
-    optimizer = trainer.amp.optimizer
-    real = optimizer.speculate_region
-    gate = threading.Event()
-    held: list[int] = []
-
-    def held_speculation(r: int, *args: Any, **kwargs: Any) -> torch.Tensor | None:
-        part = real(r, *args, **kwargs)
-        if not held:
-            held.append(r)
-            assert gate.wait(30.0), "the test never released the hook"
-        return part
-
-    optimizer.speculate_region = held_speculation  # type: ignore[method-assign]
-    if poison:
-        trainer.poison_steps = {2}
-    trainer.amp.zero_grad()
-    head.losses.append(trainer.backward(2))
-    deadline = time.monotonic() + 30.0
-    while not held:  # the first hook of the backward is inside its speculative step
-        assert time.monotonic() < deadline, "no hook speculated"
-        time.sleep(0.001)
-    timer = threading.Timer(0.3, gate.set)
-    if poison:
-        timer.start()  # step() waits for the hook to undo it
-    trainer.amp.step()
-    if not poison:
-        assert not gate.is_set() and set(held) <= optimizer.speculated_regions, (
-            "step() returned with the hook's speculative step still uncommitted"
-        )
-        gate.set()
-    timer.join() if poison else timer.cancel()
-    report = trainer.amp.last_step
-    assert report is not None and report.overlap is OverlapMode.SPECULATIVE_UNDO
-    assert not optimizer.speculated_regions
-    if poison:
-        assert report.skipped and report.undone_regions >= 1
-    else:
-        assert not report.skipped and report.speculated_regions >= 1
-    # What Trainer.train records for a step.
-    head.scales.append(report.loss_scale)
-    head.step_counts.append(trainer.amp.step_count)
-    head.skipped.append(report.skipped)
-    head.undone.append(report.undone_regions)
-    optimizer.speculate_region = real  # type: ignore[method-assign]
-    trainer.poison_steps = set()
-    spec = trainer.train(range(3, 6), head)
-    trainer.close()
-    plain = run(False, 6, poison=(2,) if poison else (), hysteresis=1)
-    assert_same(spec, plain)
 
 
 def test_hysteresis_two_skips_first_and_backs_off_on_the_second_overflow() -> None:

@@ -63,31 +63,27 @@ Both answers exist only once the last region's gradients are in. Options:
    Device-state regions always step after backward, all in one batch: their step is GPU
    work that would queue behind backward on the same stream anyway.
 SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
-region's hook steps it speculatively (``HybridAdam.speculate_region``, which also reads
-the region's overflow partial in the same pass); the step divides by the loss scale of
-the backward, which is the one :meth:`step` would use. The answer comes from the device
-partials, as in DEVICE_ANSWER: :meth:`step` combines them as soon as backward's kernels
-are done, without waiting for the hooks (one may be in the middle of a speculative step
-then). A hook that runs once backward is over only notes its region, with no host pass
-over the gradients, and one that runs after the answer steps its region as in
-DEVICE_ANSWER. No overflow: the task :meth:`step` queues for the host worker runs behind
-every hook of the backward; it commits the speculative steps (a swap of moment
-references) and publishes them in forward order together with the steps of the landed
-regions that did not speculate (the tail, below; nothing else changes), and the scale
-grows as usual. (Until session 27 :meth:`step` waited for every hook first: 38-56 ms in
-W2's profiled steps of session 26, in BENCHMARKS.md, behind the hook in flight.)
-Overflow: :meth:`step` waits for the hooks, then every speculative step is undone
+region's hook steps it speculatively and returns its overflow partial, read in the same
+pass (``HybridAdam.speculate_region``: the sum of the gradients, not their L1 norm, since
+only finiteness matters here and a sum reads faster); the step divides by the loss scale
+of the backward, which is the one :meth:`step` would use. The device partials of
+DEVICE_ANSWER are taken too, and :meth:`step` combines them (the device's where taken,
+else the hooks') as PARTIALS does: a hook that runs once backward is over only notes its
+region, with no host pass over the gradients. No overflow: the speculative steps are
+committed (a swap of moment references), queued for publishing in forward order together
+with the steps of the regions that did not speculate (the tail, below; nothing else
+changes), and the scale grows as usual. Overflow: every speculative step is undone
 (master from its backup, step counts restored; moments never written), the step is
 skipped and the scale backs off: :attr:`StepReport.undone_regions` and
-:attr:`AMPOptimizer.undone_steps` count it. The result is the non-speculative result,
-bit for bit. Nothing is published before the commit, but the masters change in place
-under backward: until :meth:`step` decides, an eval forward or ``module.state_dict()``
-would see stepped masters (those regions that upload straight from the master, with
-``convert_on_device``) next to unstepped training-dtype copies (the others). Run such
-things after :meth:`step`, as the training loop does; ``amp.state_dict()`` refuses to
-run mid-window. :meth:`zero_grad` (or ``load_state_dict``) before :meth:`step` undoes
-the speculative steps. bf16 host moments speculate the same way (widened and narrowed
-per chunk, no extra copy).
+:attr:`AMPOptimizer.undone_steps` count it. The result is the non-speculative
+result, bit for bit. Nothing is published before the commit, but
+the masters change in place under backward: until :meth:`step` decides, an eval forward
+or ``module.state_dict()`` would see stepped masters (those regions that upload straight
+from the master, with ``convert_on_device``) next to unstepped training-dtype copies
+(the others). Run such things after :meth:`step`, as the training loop does;
+``amp.state_dict()`` refuses to run mid-window. :meth:`zero_grad` (or
+``load_state_dict``) before :meth:`step` undoes the speculative steps. bf16 host moments
+speculate the same way (widened and narrowed per chunk, no extra copy).
 Speculation happens only in the backward of the last micro-batch of an accumulation
 window (``accumulation_steps`` says which one), so accumulated gradients are never stepped
 early. The hyperparameters an early step used are checked again in :meth:`step`: changing
@@ -95,21 +91,20 @@ a learning rate between ``backward`` and ``step`` raises instead of silently dif
 
 After backward, the host steps also overlap the *next forward* (with ``overlap``):
 - :meth:`step` waits for the window's host gradient work (it holds the partials, and says
-  which regions stepped early; DEVICE_ANSWER and SPECULATIVE_UNDO do not wait, see
-  above), then queues the remaining host-state regions' steps on the host worker in
-  forward order, steps the device-state regions on this thread, and returns without
-  waiting. The runtime's ``begin_forward`` / ``upload`` / ``prefetch`` of region ``r``
-  waits (on the host, only while it still runs) for ``r``'s step and publish
-  (``OffloadController.expect_updates``), so region 0 computes while later regions still
-  step. In fp16 that is where the host
+  which regions stepped early; DEVICE_ANSWER does not wait, see above), then queues the
+  remaining host-state regions' steps on the host worker in forward order, steps the
+  device-state regions on this thread, and returns without waiting. The runtime's
+  ``begin_forward`` / ``upload`` / ``prefetch`` of region ``r`` waits (on the host, only
+  while it still runs) for ``r``'s step and publish (``OffloadController.expect_updates``),
+  so region 0 computes while later regions still step. In fp16 that is where the host
   step hides: it cannot start before backward ends.
 - A queued step is fixed when queued: the hyperparameters (a scheduler may change ``lr``
   right after :meth:`step`), the loss scale and clip factor, and which segments have
   gradients. It reads the flat gradient accumulators, never ``.grad``.
-- In DEVICE_ANSWER and SPECULATIVE_UNDO, the hooks still to run after :meth:`step` step
-  their regions with what :meth:`step` fixed (hyperparameters, scale), and announce them
-  to the runtime the same way; :meth:`zero_grad` waits for those hooks (they are
-  gradient work), not for the queued steps behind them.
+- In DEVICE_ANSWER, the hooks still to run after :meth:`step` step their regions with
+  what :meth:`step` fixed (hyperparameters, scale), and announce them to the runtime the
+  same way; :meth:`zero_grad` waits for those hooks (they are gradient work), not for the
+  queued steps behind them.
 - :meth:`zero_grad` does not wait for queued steps: ``set_to_none`` only drops the
   ``.grad`` references, and the runtime overwrites each accumulator when the region's next
   gradients arrive, on the host worker, which runs them after the queued steps (one FIFO
@@ -129,7 +124,7 @@ After backward, the host steps also overlap the *next forward* (with ``overlap``
   regions in forward order: region 0, whose gradients arrive last, then steps first and
   the next forward can start while the others step. SPECULATIVE_UNDO keeps the same
   rule: such a hook steps nothing (and computes no partial: the device took it), and
-  the region steps after the answer, as in DEVICE_ANSWER.
+  the region steps after the answer, as in PARTIALS.
 ``overlap=False`` is the reference's behaviour: every host region steps in :meth:`step`,
 after backward, and :meth:`step` waits for them.
 """
@@ -144,7 +139,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -204,9 +199,8 @@ class OverlapMode(str, Enum):
     """Compute the region's norm partial on the host (clipping over accumulated windows);
     the region steps after backward."""
     SPECULATIVE_UNDO = "speculative_undo"
-    """fp16: step the region speculatively while backward runs (``speculate_fp16``); the
-    answer comes from device partials as in DEVICE_ANSWER, then the step is committed on
-    the host worker behind the window's hooks, or undone exactly on overflow."""
+    """fp16: step the region speculatively and compute its overflow partial; the step is
+    committed, or undone exactly on overflow, after backward (``speculate_fp16``)."""
     DEVICE_ANSWER = "device_answer"
     """fp16 or clipping with one micro-batch per step, or fp16 without clipping over any
     number (the default there): the region's partials of the answer are taken on the
@@ -229,28 +223,11 @@ class _Answer:
     """The regions the hooks step, each completed once stepped and published."""
 
 
-@dataclass
-class _Speculation:
-    """What the speculative steps of a SPECULATIVE_UNDO window use, fixed by
-    :meth:`AMPOptimizer.backward` (the main thread resets its own copies in :meth:`step`
-    while hooks of the window may still run)."""
-
-    scale: float | None
-    """The loss scale the steps divide by (None: 1)."""
-    hypers: dict[int, AdamHyper]
-    timings: list[RegionStepTiming]
-    backward_done: Event | None = None
-    """Recorded on the d2h stream once backward has queued its last gradient copy (set
-    after ``module.backward`` returns); once complete, hooks leave their region to the
-    step after the answer (see the note's SPECULATIVE tail)."""
-
-
 class _AnswerWindow:
-    """A DEVICE_ANSWER or SPECULATIVE_UNDO window as its host-worker hooks see it. It
-    outlives the window on the main thread: hooks of the last window may still run after
-    :meth:`step` reset it."""
+    """A DEVICE_ANSWER window as its host-worker hooks see it. It outlives the window on
+    the main thread: hooks of the last window may still run after :meth:`step` reset it."""
 
-    def __init__(self, speculation: _Speculation | None = None) -> None:
+    def __init__(self) -> None:
         self.lock = threading.Lock()
         self.answer: _Answer | None = None
         self.landed: set[int] = set()
@@ -259,9 +236,6 @@ class _AnswerWindow:
         self.mode_set = threading.Event()
         """Set on the host worker when it enters this window's mode, behind every hook of
         the window's earlier micro-batches."""
-        self.speculation = speculation
-        """SPECULATIVE_UNDO: hooks that run before the answer step their region
-        speculatively with this (None: DEVICE_ANSWER, they only note it)."""
 
 
 @dataclass(frozen=True)
@@ -335,29 +309,15 @@ class StepReport:
         return after / total
 
 
-_Pending = tuple[StepReport, list[RegionStepTiming], list[Future[None]], list[int] | None]
-"""A step's report without its region timings, the list its timings go to, its host steps
-still queued, and (SPECULATIVE_UNDO, the step taken) the list of regions whose speculative
-steps the host worker commits."""
-
-
 def _completed(
-    report: StepReport,
-    timings: list[RegionStepTiming],
-    futures: list[Future[None]],
-    committed: list[int] | None,
+    report: StepReport, timings: list[RegionStepTiming], futures: list[Future[None]]
 ) -> StepReport:
-    """``report`` with its region steps' timings (and the speculative steps committed),
-    once its queued host steps are done (re-raises their error): what
-    :attr:`AMPOptimizer.last_step` and :meth:`AMPOptimizer.recent_steps` return for a
-    step."""
+    """``report`` with its region steps' timings, once its queued host steps are done
+    (re-raises their error): what :attr:`AMPOptimizer.last_step` and
+    :meth:`AMPOptimizer.recent_steps` return for a step."""
     for fut in futures:
         fut.result()
-    if committed is None:
-        return dataclasses.replace(report, region_steps=tuple(timings))
-    return dataclasses.replace(
-        report, region_steps=tuple(timings), speculated_regions=len(committed)
-    )
+    return dataclasses.replace(report, region_steps=tuple(timings))
 
 
 class AMPOptimizer(torch.optim.Optimizer):
@@ -474,34 +434,33 @@ class AMPOptimizer(torch.optim.Optimizer):
         """Steps whose speculative host steps were undone because the gradients overflowed
         (SPECULATIVE_UNDO; 0 otherwise)."""
         self._last_step: StepReport | None = None
-        # The last step's report without its region timings, the list the timings go to,
-        # the host steps still queued and (SPECULATIVE_UNDO) the list of regions the host
-        # worker commits: last_step completes the report once they are done.
-        self._pending: _Pending | None = None
+        # The last step's report without its region timings, the list the timings go to
+        # and the host steps still queued: last_step completes the report once they are done.
+        self._pending: tuple[StepReport, list[RegionStepTiming], list[Future[None]]] | None = None
         # The same for the last keep_reports steps, completed by recent_steps().
-        self._history: collections.deque[_Pending] = collections.deque(maxlen=keep_reports)
+        self._history: collections.deque[
+            tuple[StepReport, list[RegionStepTiming], list[Future[None]]]
+        ] = collections.deque(maxlen=keep_reports)
         # ---- the current accumulation window (reset by step() and zero_grad()) ----
         self._micro = 0
         self._window_mode = OverlapMode.NONE
         self._host_mode = OverlapMode.NONE  # read by hooks on the host worker
         self._notified: set[int] = set()  # regions whose gradients arrived in the window
-        self._stepped: set[int] = set()  # regions stepped early (SPECULATIVE)
-        self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS)
+        self._stepped: set[int] = set()  # regions stepped early (SPECULATIVE, _UNDO)
+        self._partials: dict[int, torch.Tensor] = {}  # region -> partial (PARTIALS, _UNDO)
         self._hypers: dict[int, AdamHyper] = {}  # what early steps use (SPECULATIVE, _UNDO)
         self._spec_scale: float | None = None  # what speculative steps divide by (_UNDO)
         # Each host-state region's partials of the answer, taken on the device (backward
         # thread) in a window whose answer they give (see _answer_on_device; summed over
-        # micro-batches); and, in DEVICE_ANSWER and SPECULATIVE_UNDO, the window its
-        # host-worker hooks answer to.
+        # micro-batches); and, in DEVICE_ANSWER, the window its host-worker hooks answer to.
         self._device_parts: dict[int, list[torch.Tensor]] = {}
         self._device_current: set[int] = set()  # regions the last backward took them for
         self._device_answer = False  # whether this window takes them (set by backward)
         self._window: _AnswerWindow | None = None
         self._host_window: _AnswerWindow | None = None  # read by hooks on the host worker
         self._timings: list[RegionStepTiming] = []  # the window's region steps
-        # Recorded on the d2h stream after the last backward (SPECULATIVE, and the
-        # window's _Speculation in _UNDO): once complete, hooks leave their region to
-        # step() (see the note's SPECULATIVE tail).
+        # Recorded on the d2h stream after the last backward (SPECULATIVE, _UNDO): once complete,
+        # hooks leave their region to step() (see the note's SPECULATIVE tail).
         self._backward_done: Event | None = None
         self._backward_s: tuple[float, float] | None = None
         ref = weakref.ref(self)
@@ -577,12 +536,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             self._hypers = self.optimizer.hypers()
         self._window_mode = mode
         self._backward_done = None
-        window = None
-        if mode is OverlapMode.DEVICE_ANSWER:
-            window = _AnswerWindow()
-        elif mode is OverlapMode.SPECULATIVE_UNDO:
-            assert self._device_answer, "fp16 without clipping takes its answer on the device"
-            window = _AnswerWindow(_Speculation(self._spec_scale, self._hypers, self._timings))
+        window = _AnswerWindow() if mode is OverlapMode.DEVICE_ANSWER else None
         self._window = window
         # Queued on the host worker, behind the previous micro-batch's gradient work: the
         # hooks of that backward still see the old mode, those of this one the new mode.
@@ -595,8 +549,6 @@ class AMPOptimizer(torch.optim.Optimizer):
         if mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO):
             # Every gradient copy of this backward is queued on d2h by now.
             self._backward_done = self.controller.streams.d2h.record()
-            if window is not None and window.speculation is not None:
-                window.speculation.backward_done = self._backward_done
 
     def _set_host_mode(self, mode: OverlapMode, window: _AnswerWindow | None = None) -> None:
         self._host_mode = mode
@@ -622,10 +574,9 @@ class AMPOptimizer(torch.optim.Optimizer):
     def _on_grad_ready(self, r: int) -> None:
         """Grad-ready hook: host worker (host-state regions) or backward thread (others)."""
         host_state = self.optimizer.has_region(r) and self.optimizer.region_storage(r).host_state
-        answered = (OverlapMode.DEVICE_ANSWER, OverlapMode.SPECULATIVE_UNDO)
-        if self._host_mode in answered and host_state:
+        if self._host_mode is OverlapMode.DEVICE_ANSWER and host_state:
             window = self._host_window
-            assert window is not None, "answered windows' hooks run with their window set"
+            assert window is not None, "DEVICE_ANSWER hooks run with their window set"
             self._answered_landing(r, window)
             return
         self._notified.add(r)
@@ -643,30 +594,42 @@ class AMPOptimizer(torch.optim.Optimizer):
             if stepped:
                 self._stepped.add(r)
             return
-        if mode is OverlapMode.PARTIALS:
+        if mode is OverlapMode.SPECULATIVE_UNDO:
+            done = self._backward_done
+            if self.optimizer.can_speculate(r) and (done is None or not done.query()):
+                with torch.profiler.record_function(f"speculative step {r}"):
+                    part = self.optimizer.speculate_region(
+                        r, self._spec_scale, hypers=self._hypers, timings=self._timings
+                    )
+                if part is not None:
+                    self._stepped.add(r)
+                    self._partials[r] = part
+                    return
+            # Backward is over on the device (or the region had no gradient, or has no
+            # buffers for a speculative step): the region steps after the answer, as in
+            # PARTIALS. Its partial is the device's when the window takes them, else
+            # computed here.
+            if self._device_answer:
+                return
+        if mode in (OverlapMode.PARTIALS, OverlapMode.SPECULATIVE_UNDO):
             grad = self.optimizer.region_grad(r)
             as_norm = self.clipping_norm > 0
             self._partials[r] = _partials_of([grad], self.norm_type, as_norm)[0]
 
     def _answered_landing(self, r: int, window: _AnswerWindow) -> None:
-        """Host worker, DEVICE_ANSWER and SPECULATIVE_UNDO: host-state region ``r``'s
-        gradients landed. Before :meth:`step` has the answer, leave ``r`` to it (stepped
-        speculatively here first in SPECULATIVE_UNDO, while backward runs); after, step
-        ``r`` here (unless the step is skipped), so regions whose gradients land after
-        backward step as they land instead of after the last one."""
+        """Host worker, DEVICE_ANSWER: host-state region ``r``'s gradients landed. Before
+        :meth:`step` has the answer, leave ``r`` to it; after, step ``r`` here (unless the
+        step is skipped), so regions whose gradients land after backward step as they
+        land instead of after the last one."""
         with window.lock:
             answer = window.answer
             if answer is None:
-                # Landed before the answer: step() queues it (and the task it queues
-                # commits a speculative step taken below: it runs behind this hook). The
-                # window is still open on the main thread: step() sets the answer under
-                # this lock before it resets the window.
+                # Landed before the answer: step() queues it. The window is still open on
+                # the main thread: step() sets the answer under this lock before it resets
+                # the window.
                 self._notified.add(r)
                 window.landed.add(r)
-        if answer is None:
-            if window.speculation is not None:
-                self._speculate_landed(r, window, window.speculation)
-            return
+                return
         fut = answer.futures.get(r)
         if answer.skip or fut is None:
             return
@@ -687,34 +650,16 @@ class AMPOptimizer(torch.optim.Optimizer):
             if not fut.done():
                 fut.set_exception(exc)
 
-    def _speculate_landed(self, r: int, window: _AnswerWindow, spec: _Speculation) -> None:
-        """Host worker, SPECULATIVE_UNDO: step host-state region ``r`` speculatively while
-        the device still runs backward or its gradient copies (see the note's SPECULATIVE
-        tail); otherwise, or once the answer is known, or without buffers for it, the
-        region steps after the answer in :meth:`step`'s queue."""
-        done = spec.backward_done
-        if window.answer is not None or (done is not None and done.query()):
-            return
-        if not self.optimizer.can_speculate(r):
-            return
-        with torch.profiler.record_function(f"speculative step {r}"):
-            # Its overflow partial is not needed: the device's partials give the answer.
-            self.optimizer.speculate_region(r, spec.scale, hypers=spec.hypers, timings=spec.timings)
-
     def _hand_over(
         self,
         window: _AnswerWindow,
         grad_scale: float | None,
         hypers: dict[int, AdamHyper],
         timings: list[RegionStepTiming],
-        committed: list[int] | None = None,
     ) -> dict[int, Future[None]]:
-        """DEVICE_ANSWER or SPECULATIVE_UNDO, the step taken: hand each host-state region
-        whose gradients are still in flight to its hook, and queue the rest (landed ones,
-        device-state regions, plain parameters) as :meth:`step` always does. Returns every
-        host step's future. ``committed`` (SPECULATIVE_UNDO): the queued host task first
-        commits the speculative steps, on the host worker behind every hook of the
-        window, and lists their regions here; it only publishes those."""
+        """DEVICE_ANSWER, the step taken: hand each host-state region whose gradients are
+        still in flight to its hook, and queue the rest (landed ones, device-state regions,
+        plain parameters) as :meth:`step` always does. Returns every host step's future."""
         with window.lock:
             # Device partials are taken for host-state regions only: those of the last
             # backward whose gradients have not landed yet are in flight.
@@ -724,7 +669,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             # Landed ones, device-state regions, and (accumulating) host-state regions
             # whose gradients came from earlier micro-batches only.
             queued = self._notified - set(in_flight)
-        futures = self._step_regions(queued, grad_scale, hypers, timings, committed=committed)
+        futures = self._step_regions(queued, grad_scale, hypers, timings)
         # Behind every hook of this backward (one FIFO worker): the streamed regions the
         # hooks issued are published once landed, and a hook that never ran (its
         # gradient task failed first) must not leave its region's forward waiting.
@@ -824,10 +769,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                 "call amp.backward(loss) instead of loss.backward()"
             )
         mode = self._window_mode
-        # DEVICE_ANSWER and SPECULATIVE_UNDO windows: the answer comes from the device's
-        # partials, while hooks may still run on the host worker.
-        window = self._window
-        if window is None:
+        if mode is not OverlapMode.DEVICE_ANSWER:
             # Host sync point: every gradient hook of this window has run (partials
             # computed, early steps done). Steps queued by the last step() may still run.
             self.controller.wait_gradients()
@@ -840,19 +782,13 @@ class AMPOptimizer(torch.optim.Optimizer):
         futures: dict[int, Future[None]] = {}
         undone = 0
         speculated = 0
-        committed: list[int] | None = None  # SPECULATIVE_UNDO: filled by the host worker
         # Whether host regions stepped in their hooks depends on thread timing (see the
-        # SPECULATIVE tail), so a changed lr is refused whenever one could have: in
-        # SPECULATIVE_UNDO whenever the last backward gave host-state regions gradients
-        # (their device partials say which; hooks may still run).
-        if mode is OverlapMode.SPECULATIVE_UNDO:
-            early = bool(self._device_current)
-        else:
-            early = mode is OverlapMode.SPECULATIVE and any(
-                self.optimizer.region_storage(r).host_state
-                for r in self._notified
-                if self.optimizer.has_region(r)
-            )
+        # SPECULATIVE tail), so a changed lr is refused whenever one could have.
+        early = mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO) and any(
+            self.optimizer.region_storage(r).host_state
+            for r in self._notified
+            if self.optimizer.has_region(r)
+        )
         if mode is OverlapMode.SPECULATIVE:
             if early and hypers != self._hypers:
                 raise RuntimeError(
@@ -866,10 +802,6 @@ class AMPOptimizer(torch.optim.Optimizer):
             futures = self._step_regions(rest, None, hypers, timings)
         else:
             if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
-                assert window is not None
-                with window.lock:  # hooks still to run step nothing
-                    window.answer = _Answer(True, None, hypers, timings, {})
-                self.controller.wait_gradients()  # hooks stepping now finish first
                 self.optimizer.undo_speculation()
                 self._reset_window()
                 raise RuntimeError(
@@ -882,6 +814,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             assert mode is not OverlapMode.SPECULATIVE_UNDO or self._spec_scale == (
                 None if scale == 1.0 else scale
             ), "speculative steps divided by another loss scale"
+            window = self._window if mode is OverlapMode.DEVICE_ANSWER else None
             if window is not None and self._micro > 1:
                 # Accumulated: the hooks of the earlier micro-batches have run (they are
                 # queued before this mark, and the last backward waited for most of them
@@ -909,8 +842,6 @@ class AMPOptimizer(torch.optim.Optimizer):
                 if window is not None:
                     with window.lock:
                         window.answer = _Answer(True, None, hypers, timings, {})
-                if mode is OverlapMode.SPECULATIVE_UNDO:
-                    self.controller.wait_gradients()  # hooks stepping now finish first
                 # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
                 undone = len(self.optimizer.undo_speculation())
                 speculated = undone
@@ -920,14 +851,15 @@ class AMPOptimizer(torch.optim.Optimizer):
                 divisor = scale / coef
                 grad_scale = None if divisor == 1.0 else divisor
                 if window is not None:
-                    if mode is OverlapMode.SPECULATIVE_UNDO:
-                        # Those stepped in their hooks are committed on the host worker
-                        # behind the last hook, then published in forward order among
-                        # the rest.
-                        committed = []
-                    futures = self._hand_over(window, grad_scale, hypers, timings, committed)
+                    futures = self._hand_over(window, grad_scale, hypers, timings)
                 else:
-                    futures = self._step_regions(self._notified, grad_scale, hypers, timings)
+                    # SPECULATIVE_UNDO: those stepped in their hooks are only published now,
+                    # in forward order among the rest (else nothing was stepped early).
+                    stepped = self.optimizer.commit_speculation()
+                    speculated = len(stepped)
+                    futures = self._step_regions(
+                        self._notified, grad_scale, hypers, timings, stepped=stepped
+                    )
         if self.scaling:
             self.scaler.update(skipped)
         if not skipped:
@@ -949,7 +881,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             speculated_regions=speculated,
         )
         self._last_step = None
-        self._pending = (report, timings, list(futures.values()), committed)
+        self._pending = (report, timings, list(futures.values()))
         self._history.append(self._pending)
         return loss
 
@@ -960,12 +892,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         hypers: dict[int, AdamHyper],
         timings: list[RegionStepTiming],
         *,
-        committed: list[int] | None = None,
+        stepped: Collection[int] = (),
     ) -> dict[int, Future[None]]:
         """Step ``regions`` and the plain parameters; host regions queued in forward order.
 
-        ``committed``: commit the speculative steps first, on the host worker, listing
-        their regions there; those are only published in their turn.
+        ``stepped``: host-state regions of ``regions`` already stepped (committed
+        speculative steps), only published in their turn.
         """
         return self.optimizer.step_regions(
             regions,
@@ -973,7 +905,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             wait=not self.overlap,
             hypers=hypers,
             timings=timings,
-            commit=committed,
+            stepped=stepped,
         )
 
     @property
@@ -1036,10 +968,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         window dropped before :meth:`step` (SPECULATIVE_UNDO) are undone.
         """
         self.optimizer.zero_grad(set_to_none)  # waits for host gradient work only
-        if self._window_mode is OverlapMode.SPECULATIVE_UNDO:
-            # A window dropped before step(). After step() the host worker commits them
-            # (or step() undid them), so there is nothing here to undo.
-            self.optimizer.undo_speculation()
+        self.optimizer.undo_speculation()
         self._reset_window()
 
     # ---- clipping on demand --------------------------------------------------------
@@ -1054,8 +983,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         """
         if self._micro == 0:
             raise RuntimeError("clip_grad_norm() needs gradients: call it after backward()")
-        self.controller.wait_host()  # the hooks have run: what they stepped is known
-        if self._stepped or self.optimizer.speculated_regions:
+        if self._stepped:
             raise RuntimeError(
                 "clip_grad_norm() after a backward whose host regions already stepped (the "
                 "overlap speculates when no clipping is configured): pass "
@@ -1063,6 +991,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             )
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
+        self.controller.wait_host()
         total, _ = self._combine(norm_type, fresh=True)
         unscaled = total / self.loss_scale
         if bool(torch.isfinite(unscaled)):

@@ -43,10 +43,9 @@ add no copy at all (only the backup).
   were never written.
 The extra host memory is 12 bytes per host-state parameter (8 with bf16 moments), pageable,
 allocated once by :meth:`HybridAdam.prepare_speculation`. Nothing is published by a
-speculative step: ``submit_host_steps(..., commit=[])`` commits them on the host worker
-(behind the hooks that took them) and publishes them in their turn. While a step is
-uncommitted, ``state_dict``, ``load_state_dict`` and other steps of the region refuse to
-run.
+speculative step: the caller publishes after the commit
+(``submit_host_steps(..., stepped=...)``). While a step is uncommitted, ``state_dict``,
+``load_state_dict`` and other steps of the region refuse to run.
 Measured (packages/offload-optim/benchmarks/speculative_step_bench.py, 64 Mi parameters)
 on the 2-core test machine, where the host step is bound by each core's load/store rate
 rather than by main memory: 0.44 Gparam/s against 1.40 for the plain fused step with fp32
@@ -91,7 +90,7 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -936,8 +935,8 @@ class HybridAdam(torch.optim.Optimizer):
         The step's values are those of :meth:`step_region` (same kernel, hyperparameters
         and step count), but it keeps a backup of the master and writes the new moments to
         the spare buffers (see [Note: speculative steps]). The new weights are not
-        published: ``submit_host_steps(..., commit=[])`` commits and publishes it, or
-        :meth:`undo_speculation` restores the region.
+        published: :meth:`commit_speculation` then ``submit_host_steps(...,
+        stepped=...)`` do that, or :meth:`undo_speculation` restores the region.
         Host worker (a grad-ready hook); :meth:`prepare_speculation` must have run.
 
         Returns the region's overflow partial: the sum of its whole gradient before the
@@ -1014,9 +1013,8 @@ class HybridAdam(torch.optim.Optimizer):
 
         The next moments become the moments by a swap of references (segments and
         ``state`` entries), no copy; the masters are stepped already. Publishing the new
-        weights is left to the caller. Host worker (``submit_host_steps(...,
-        commit=[])``, behind the hooks that stepped them), or any thread once they are
-        done.
+        weights is left to the caller (``submit_host_steps(..., stepped=...)``). Main
+        thread, once the host worker has finished the speculative steps.
         """
         done = sorted(self._speculated)
         for r in done:
@@ -1120,7 +1118,7 @@ class HybridAdam(torch.optim.Optimizer):
         *,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
-        commit: list[int] | None = None,
+        stepped: Collection[int] = (),
     ) -> dict[int, Future[None]]:
         """Queue host-state ``regions``' steps on the host worker, in the given order.
 
@@ -1132,10 +1130,8 @@ class HybridAdam(torch.optim.Optimizer):
         flat accumulators, which stay) and the hyperparameters (``hypers``, default a
         snapshot now: a scheduler may change ``lr`` before the worker gets there). One
         task steps the regions one after another, so their publishes come in that order.
-        ``commit``: the task first commits the speculative steps (:meth:`commit_speculation`,
-        on the host worker, so behind the hooks queued before it that may still be taking
-        them) and appends their regions to this list; those regions, which must be among
-        ``regions``, are then only published, in their place in the order.
+        Regions of ``regions`` also in ``stepped`` were stepped already (committed
+        speculative steps): they are only published, in their place in the order.
         """
         self._ensure_laid_out()
         controller = self._require_controller()
@@ -1146,7 +1142,10 @@ class HybridAdam(torch.optim.Optimizer):
                     f"submit_host_steps got device-state region {r}; step it with "
                     "step_device_regions on the main thread"
                 )
-            if commit is None and r in self._speculated:
+            if r in stepped:
+                jobs.append((r, []))  # publish only
+                continue
+            if r in self._speculated:
                 self._refuse_speculated(f"submit_host_steps of region {r}")
             segs = self._segments_with_grad(r)
             if segs:
@@ -1157,16 +1156,7 @@ class HybridAdam(torch.optim.Optimizer):
         sink = self.timings if timings is None else timings
         futures = controller.expect_updates(r for r, _ in jobs)
         controller.submit_host(
-            partial(
-                self._host_steps_task,
-                controller,
-                jobs,
-                grad_scale,
-                snapshot,
-                futures,
-                sink,
-                commit,
-            )
+            partial(self._host_steps_task, controller, jobs, grad_scale, snapshot, futures, sink)
         )
         return futures
 
@@ -1179,10 +1169,8 @@ class HybridAdam(torch.optim.Optimizer):
         hypers: dict[int, AdamHyper],
         futures: dict[int, Future[None]],
         sink: list[RegionStepTiming],
-        commit: list[int] | None = None,
     ) -> None:
-        """Host worker: step and publish each job's region, completing its future; with
-        ``commit``, commit the speculative steps first and only publish their regions.
+        """Host worker: step and publish each job's region, completing its future.
 
         Streamed regions are issued to the device first, then the others step here, and
         each streamed region is published once its downloads landed, between host steps
@@ -1201,24 +1189,12 @@ class HybridAdam(torch.optim.Optimizer):
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
                 finish(r, start, end, streamed=True, issue_s=issue_s)
 
+        streamed_jobs = [
+            (r, segments) for r, segments in jobs if segments and self._regions[r].storage.streamed
+        ]
+        streamed_here = {r for r, _ in streamed_jobs}
         issuing: Future[None] | None = None
         try:
-            if commit is not None:
-                committed = self.commit_speculation()
-                commit.extend(committed)
-                queued = {r for r, _ in jobs}
-                if not queued.issuperset(committed):
-                    raise RuntimeError(
-                        f"regions {sorted(set(committed) - queued)} were committed but not "
-                        "queued to be published: a bug in the caller"
-                    )
-                jobs = [(r, [] if r in committed else segments) for r, segments in jobs]
-            streamed_jobs = [
-                (r, segments)
-                for r, segments in jobs
-                if segments and self._regions[r].storage.streamed
-            ]
-            streamed_here = {r for r, _ in streamed_jobs}
             if streamed_jobs:
                 ring, queue = self._streaming_session()
                 issue = partial(
@@ -1426,7 +1402,7 @@ class HybridAdam(torch.optim.Optimizer):
         wait: bool = True,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
-        commit: list[int] | None = None,
+        stepped: Collection[int] = (),
     ) -> dict[int, Future[None]]:
         """Step ``regions`` (default: all) and, if ``plain``, the plain parameters.
 
@@ -1434,8 +1410,8 @@ class HybridAdam(torch.optim.Optimizer):
         (:meth:`submit_host_steps`) and run while this thread steps the device-state
         regions (all in one batch). With ``wait`` this returns when all are done (a host
         sync point); otherwise at once, with the host regions' futures. ``hypers``: a
-        :meth:`hypers` snapshot for every region (default: now). ``commit``: commit the
-        speculative steps first and only publish those (see :meth:`submit_host_steps`).
+        :meth:`hypers` snapshot for every region (default: now). ``stepped``: host-state
+        regions stepped already, only published (see :meth:`submit_host_steps`).
         """
         self._ensure_laid_out()
         chosen = self._region_list if regions is None else sorted(regions)
@@ -1446,7 +1422,7 @@ class HybridAdam(torch.optim.Optimizer):
         futures: dict[int, Future[None]] = {}
         if host:
             futures = self.submit_host_steps(
-                host, grad_scale, hypers=snapshot, timings=timings, commit=commit
+                host, grad_scale, hypers=snapshot, timings=timings, stepped=stepped
             )
         if device:
             self.step_device_regions(device, grad_scale, hypers=snapshot, timings=timings)
