@@ -80,6 +80,11 @@
 #           W3 ours_io_spec1_stream twice each way, then W2 once each way       ~7 min
 #   w4fsp   W4 fp32 state speculating where host memory holds undo buffers, streamed
 #           (ours_io_spec1_stream), and FSDP2                                  ~8 min
+#   pinab   one plan, two trees: PIN_WORKLOAD (default W2) PIN_KIND (default
+#           ours_io_spec1_stream) planned and run here once, then that plan run in
+#           OTHER_TREE (a copy of another commit, at or after the one that added
+#           BENCH_PLAN_FROM) and here, alternating, ROUNDS rounds (default 2); then each
+#           row's run mean. BENCH_STEPS as for every phase; W2 with BENCH_STEPS=20 ~9 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -87,7 +92,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh pinab|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -243,6 +248,35 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream 120 W2_polish ;;
   w2s)
     bench W2 ours_io_spec1_stream,fsdp2,torchao 100 W2_s ;;
+  pinab)
+    w=${PIN_WORKLOAD:-W2}
+    k=${PIN_KIND:-ours_io_spec1_stream}
+    other=${OTHER_TREE:?pinab needs OTHER_TREE, a copy of the tree to compare with}
+    other=$(cd "$other" && pwd)
+    bench "$w" "$k" 150 "${w}_pin_source"
+    export BENCH_PLAN_FROM="$out/${w}_pin_source.json"
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      PYTHONPATH="$(ls -d "$other"/packages/*/src | paste -sd:)${PYTHONPATH#"$srcs"}" \
+        python3 "$other/benchmarks/offload_bench.py" --workloads "$w" --kinds "$k" \
+        --steps "${BENCH_STEPS:-10}" --timeout-s 150 --json "$out/${w}_pin_other$i.json" \
+        2>&1 | tee "$out/${w}_pin_other$i.log" | grep -E '^\[bench\]|^\|' || true
+      bench "$w" "$k" 150 "${w}_pin_here$i"
+    done
+    unset BENCH_PLAN_FROM
+    python3 - "$w" "$k" "$out"/"${w}"_pin_*.json <<'PY' | tee "$out/${w}_pinab.txt"
+import json, sys
+w, k, *files = sys.argv[1:]
+for f in files:
+    row = json.load(open(f))["results"][w][k]
+    if not row.get("ok"):
+        print(f"{f}: {row.get('error')}")
+        continue
+    print(
+        f"{f}: run mean {row['step_mean_ms']:.0f} ms, 5 fastest {row['step_ms']:.0f} ms, "
+        f"plan matches the source: {row.get('plan_matches_source', 'source')}"
+    )
+PY
+    ;;
   streamab)
     bench W4 ours_io_bf16m_spec1,ours_io_bf16m_spec1_stream,torchao 260 W4_streamab
     bench W2 ours_io_spec1,ours_io_spec1_stream 100 W2_streamab ;;

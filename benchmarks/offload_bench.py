@@ -68,7 +68,14 @@ plan the ``ours`` kinds with that many rounds of the solver's local search (defa
 solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``. Set
 BENCH_ISSUE_THREAD=0 to build the ``ours`` kinds' HybridAdam with ``issue_thread=False``
 (streamed regions issued on the host worker, not from a thread of their own, the
-default); rows record ``issue_thread``.
+default); rows record ``issue_thread``. Set BENCH_PLAN_FROM=FILE (a ``--json`` file of an
+earlier run) to plan the ``ours`` kinds exactly as that file's row of the same workload and
+kind did: its profile (with the host rate it blended), speculative step cost, device bytes
+in use and speculation limit, instead of measuring them again. Rows plan from their own
+samples otherwise, and on a shared host those move enough to change the plan (W2 streamed
+10 to 15 regions across five rows of one machine, session 27), so two trees or two ways of
+running compare only on one plan; rows record ``plan_from`` and ``plan_matches_source``
+(the same predicted step and peak as the source row).
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ import datetime
 import gc
 import itertools
 import json
+import math
 import os
 import socket
 import statistics
@@ -323,6 +331,45 @@ def planned_host_busy_s(plan: Any) -> float:
     return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
 
 
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """What a row planned with, read back from its JSON (``BENCH_PLAN_FROM``)."""
+
+    source: str
+    hardware_json: str
+    """The profile the plan was made with (host Adam rate already blended)."""
+    speculative_step_cost: float
+    device_bytes_in_use: int | None
+    speculative_params: int | None
+    pred_step_ms: float
+    pred_peak_gib: float
+    """The row's predictions: a plan made from the same inputs predicts the same."""
+
+
+def plan_inputs_from(path: str, workload: str, kind: str) -> PlanInputs:
+    """The plan inputs of ``workload``'s ``kind`` row in an ``offload_bench.py --json``
+    file, so that a run of another tree (or another way of running the same plan) plans
+    exactly as that row did. Raises ValueError when the file lacks the row or the row
+    lacks the profile it planned with (rows before session 21 did not keep it)."""
+    doc = json.loads(Path(path).read_text())
+    row = doc.get("results", {}).get(workload, {}).get(kind)
+    if not isinstance(row, dict) or not row.get("ok", False):
+        raise ValueError(f"{path} has no measured {workload} {kind} row to plan from")
+    if "hardware" not in row:
+        raise ValueError(f"{path}'s {workload} {kind} row lacks the profile it planned with")
+    in_use = row.get("device_bytes_in_use")
+    limit = row.get("speculative_params")
+    return PlanInputs(
+        source=path,
+        hardware_json=json.dumps(row["hardware"]),
+        speculative_step_cost=float(row.get("speculative_step_cost", 1.0)),
+        device_bytes_in_use=None if in_use is None else int(in_use),
+        speculative_params=None if limit is None else int(limit),
+        pred_step_ms=float(row["pred_step_ms"]),
+        pred_peak_gib=float(row["pred_peak_gib"]),
+    )
+
+
 def _ours(
     workload: str, kind: str, warmup: int, steps: int, profile_dir: Path | None
 ) -> dict[str, Any]:
@@ -340,7 +387,7 @@ def _ours(
     )
     from offload_runtime import memory_optimize
     from offload_runtime.hardware import profile_hardware
-    from offload_solver import ParamPlacement, StatePlacement
+    from offload_solver import HardwareProfile, ParamPlacement, StatePlacement
     from offload_solver.solve import POLISH_ROUNDS
 
     name, batch, seq, budget_gib = WORKLOADS[workload]
@@ -376,7 +423,10 @@ def _ours(
     # Replaying ten rows of sessions 19 and 21 with the mean put every step within 11%
     # (replay_bench.py --host-rate blend); the five rows of session 21's call 3, planned
     # with it, came within 2-17%.
-    measured = bf16_moments or fp16_io
+    plan_from = os.environ.get("BENCH_PLAN_FROM")
+    pinned = plan_inputs_from(plan_from, workload, kind) if plan_from else None
+    # A pinned row's profile holds the host rate it blended: nothing is sampled again.
+    measured = (bf16_moments or fp16_io) and pinned is None
     rate_samples = (
         [
             measure_host_step_params_per_s(moments, host_kernel=host_kernel, fp16_io=fp16_io)
@@ -393,7 +443,9 @@ def _ours(
     # A speculative step also writes its undo data: the planner charges the steps taken
     # under backward this many times a plain one (measured with the kernel that runs them).
     spec_cost = (
-        measure_speculative_step_cost(moments, host_kernel=host_kernel, fp16_io=fp16_io)
+        pinned.speculative_step_cost
+        if pinned is not None
+        else measure_speculative_step_cost(moments, host_kernel=host_kernel, fp16_io=fp16_io)
         if speculate
         else 1.0
     )
@@ -405,6 +457,8 @@ def _ours(
             budget,
             "asyn",
             dtype=dtype,
+            hardware=None if pinned is None else HardwareProfile.from_json(pinned.hardware_json),
+            device_bytes_in_use=None if pinned is None else pinned.device_bytes_in_use,
             progress=False,
             state_on_device=not ablation,
             convert_on_device=False if kind == "ours_hostconv" else None,
@@ -447,10 +501,10 @@ def _ours(
         return module, opt
 
     t0 = time.perf_counter()
-    module, opt = build(model, None)
+    limit: int | None = None if pinned is None else pinned.speculative_params
+    module, opt = build(model, limit)
     del model
-    limit: int | None = None
-    if speculate:
+    if speculate and limit is None:
         # Undo buffers for every host-state parameter may not fit beside the host state
         # (W4 on a 128 GiB host): then plan again for the regions whose buffers fit.
         host_params = sum(
@@ -544,6 +598,13 @@ def _ours(
         # The plan's host rate (profile.host_adam_gparam) is the geometric mean of the
         # samples' median and the profile's fused rate over the cost (session 21 on).
         out["host_rate_planned_from"] = "blend"
+    if pinned is not None:
+        out["host_rate_planned_from"] = "pinned"
+        out["plan_from"] = pinned.source
+        # Whether the plan is the source row's: same predictions from the same inputs.
+        out["plan_matches_source"] = math.isclose(
+            out["pred_step_ms"], pinned.pred_step_ms, rel_tol=1e-9
+        ) and math.isclose(out["pred_peak_gib"], pinned.pred_peak_gib, rel_tol=1e-9)
     if speculate:
         # Host-state parameters planned (and given buffers) to step under backward; None:
         # all of them.
