@@ -26,7 +26,7 @@ from offload_solver.cli import main
 from offload_solver.simulators._engine import steady_state
 from offload_solver.solve import BUDGET_SAFETY_FACTOR, POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS
 from offload_solver.solvers._polish import POLISH_MIN_GAIN, moves, polish
-from offload_solver.solvers._search import SolveStats
+from offload_solver.solvers._search import Candidate, SolveStats
 
 R, S, A = ParamPlacement.RESIDENT, ParamPlacement.SYNC, ParamPlacement.ASYNC
 HOST, DEVICE, STREAMED = StatePlacement.HOST, StatePlacement.DEVICE, StatePlacement.STREAMED
@@ -62,7 +62,9 @@ def test_from_all_sync_the_search_reaches_the_best_plan_of_its_moves(
     cold = sim.run(ctx, start)
     steady = steady_state(ctx, start, cold)
     stats = SolveStats()
-    asg, cold2, steady2 = polish(ctx, sim, 1e9, stats, start, cold, steady, max_rounds=20)
+    first = Candidate(start, cold, steady)
+    found = polish(ctx, sim, 1e9, stats, first, max_rounds=20)
+    asg, cold2, steady2 = found.assignment, found.cold, found.steady
 
     def options(r: int) -> list[RegionAssignment]:
         out = [RegionAssignment(R, HOST), RegionAssignment(S, HOST)]
@@ -81,10 +83,9 @@ def test_from_all_sync_the_search_reaches_the_best_plan_of_its_moves(
     assert stats.num_simulations >= 2 * n  # every round simulates each region's moves
 
     # No rounds, no change; a bad round count is named.
-    same = polish(ctx, sim, 1e9, SolveStats(), start, cold, steady, max_rounds=0)
-    assert same == (start, cold, steady)
+    assert polish(ctx, sim, 1e9, SolveStats(), first, max_rounds=0) is first
     with pytest.raises(ValueError, match="max_rounds must be >= 0"):
-        polish(ctx, sim, 1e9, SolveStats(), start, cold, steady, max_rounds=-1)
+        polish(ctx, sim, 1e9, SolveStats(), first, max_rounds=-1)
 
 
 def test_the_cap_holds_the_search_back() -> None:
@@ -97,7 +98,7 @@ def test_the_cap_holds_the_search_back() -> None:
     sim = get_simulator("async")
     cold = sim.run(ctx, start)
     steady = steady_state(ctx, start, cold)
-    asg, _, _ = polish(ctx, sim, cold.peak_bytes, SolveStats(), start, cold, steady)
+    asg = polish(ctx, sim, cold.peak_bytes, SolveStats(), Candidate(start, cold, steady)).assignment
     for r, a in enumerate(asg):
         assert a.placement is not R, f"region {r} made resident above the cap"
     assert period_and_peak(ctx, asg)[1] <= cold.peak_bytes

@@ -48,7 +48,7 @@ from offload_solver.simulators import RegionAssignment, SimulationContext, get_s
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
 from offload_solver.solvers._polish import POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS, polish
-from offload_solver.solvers._search import GreedySearch, SolveStats
+from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
 
 BUDGET_SAFETY_FACTOR = 0.95
@@ -222,12 +222,13 @@ def solve(
             search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
         steady = search.steady()
-    if streamed is not None:
-        chosen, result, steady = place_streamed(ctx, simulator, cap, stats, chosen, result, steady)
-    if chosen is not on_device:
-        chosen, result, steady = polish(
-            ctx, simulator, cap, stats, chosen, result, steady, max_rounds=polish_rounds
-        )
+    if streamed is not None or chosen is not on_device:
+        found = Candidate(list(chosen), result, steady)
+        if streamed is not None:
+            found = place_streamed(ctx, simulator, cap, stats, found)
+        if chosen is not on_device:
+            found = polish(ctx, simulator, cap, stats, found, max_rounds=polish_rounds)
+        chosen, result, steady = found.assignment, found.cold, found.steady
 
     # The timeline and memory curves are the cold step's; the step time is the period of
     # the repeating step (see [Note: steady state] in ``simulators._engine``).

@@ -47,15 +47,9 @@ import logging
 from collections.abc import Iterator, Sequence
 
 from offload_solver.model import ParamPlacement, StatePlacement
-from offload_solver.simulators._engine import (
-    EngineRun,
-    RegionAssignment,
-    SimulationContext,
-    SteadyState,
-    steady_state,
-)
+from offload_solver.simulators._engine import RegionAssignment, SimulationContext
 from offload_solver.simulators.base import Simulator
-from offload_solver.solvers._search import SolveStats
+from offload_solver.solvers._search import Candidate, SolveStats, evaluate
 
 log = logging.getLogger(__name__)
 
@@ -110,45 +104,36 @@ def polish(
     simulator: Simulator,
     cap_bytes: float,
     stats: SolveStats,
-    assignment: Sequence[RegionAssignment],
-    cold: EngineRun,
-    steady: SteadyState,
+    start: Candidate,
     *,
     max_rounds: int = POLISH_SUGGESTED_ROUNDS,
-) -> tuple[list[RegionAssignment], EngineRun, SteadyState]:
-    """Improve ``assignment`` (simulated as ``cold`` and ``steady``) by one-region changes
-    while that shortens the repeating step and the peak fits ``cap_bytes`` (see the note).
-    Returns the best assignment found with its cold step and steady state: the inputs
-    when no change helps or ``max_rounds`` is 0."""
+) -> Candidate:
+    """Improve ``start`` by one-region changes while that shortens the repeating step and
+    the peak fits ``cap_bytes`` (see the note). Returns the best candidate found:
+    ``start`` when no change helps or ``max_rounds`` is 0."""
     if max_rounds < 0:
         raise ValueError(f"max_rounds must be >= 0, got {max_rounds}")
-    Trial = tuple[list[RegionAssignment], EngineRun, SteadyState]
-    best: Trial = (list(assignment), cold, steady)
-    current = best
-    seen = {tuple(best[0])}
+    best = current = start
+    seen = {tuple(start.assignment)}
     stale = 0
     for round_ in range(max_rounds):
-        found: Trial | None = None  # the round's shortest fitting change (first on ties)
-        for r, change in moves(ctx, current[0], allow_async=simulator.allow_async):
-            trial = list(current[0])
+        found: Candidate | None = None  # the round's shortest fitting change (first on ties)
+        for r, change in moves(ctx, current.assignment, allow_async=simulator.allow_async):
+            trial = list(current.assignment)
             trial[r] = change
             key = tuple(trial)
             if key in seen:
                 continue
             seen.add(key)
-            stats.num_simulations += 1
-            run = simulator.run(ctx, trial)
-            if run.peak_bytes > cap_bytes:
+            c = evaluate(ctx, simulator, stats, trial, cap_bytes)
+            if c is None or c.peak_bytes > cap_bytes:
                 continue
-            st = steady_state(ctx, trial, run)
-            stats.num_simulations += len(st.periods_s) - 1
-            fits = st.last.stream_peak_bytes <= cap_bytes
-            if fits and (found is None or st.period_s < found[2].period_s):
-                found = (trial, run, st)
+            if found is None or c.period_s < found.period_s:
+                found = c
         if found is None:
             break
         current = found
-        if found[2].period_s < best[2].period_s * (1.0 - POLISH_MIN_GAIN):
+        if found.period_s < best.period_s * (1.0 - POLISH_MIN_GAIN):
             best, stale = found, 0
         else:
             stale += 1
@@ -157,8 +142,8 @@ def polish(
         log.debug(
             "local search round %d: best %.1f ms, round's best %.1f ms (%d plans tried)",
             round_ + 1,
-            best[2].period_s * 1e3,
-            found[2].period_s * 1e3,
+            best.period_s * 1e3,
+            found.period_s * 1e3,
             len(seen),
         )
     return best

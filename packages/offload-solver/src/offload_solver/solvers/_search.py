@@ -72,6 +72,45 @@ class SolveStats:
     num_simulations: int = 0
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """An assignment with its simulated cold step and repeating (steady) step: what the
+    phases after the greedy search (streaming, local search) take and return."""
+
+    assignment: list[RegionAssignment]
+    cold: EngineRun
+    steady: SteadyState
+
+    @property
+    def period_s(self) -> float:
+        """The repeating step's time (seconds)."""
+        return self.steady.period_s
+
+    @property
+    def peak_bytes(self) -> int:
+        """The larger of the cold step's peak and the repeating step's streaming peak."""
+        return max(self.cold.peak_bytes, self.steady.last.stream_peak_bytes)
+
+
+def evaluate(
+    ctx: SimulationContext,
+    simulator: Simulator,
+    stats: SolveStats,
+    assignment: Sequence[RegionAssignment],
+    cap_bytes: float | None = None,
+) -> Candidate | None:
+    """Simulate ``assignment``'s cold step and then its repeating step, counting each
+    simulation in ``stats``. None, without the repeating step, when the cold step's peak
+    is over ``cap_bytes``."""
+    run = simulator.run(ctx, assignment)
+    if cap_bytes is not None and run.peak_bytes > cap_bytes:
+        stats.num_simulations += 1
+        return None
+    st = steady_state(ctx, assignment, run)
+    stats.num_simulations += len(st.periods_s)
+    return Candidate(list(assignment), run, st)
+
+
 class GreedySearch:
     """The current assignment of a greedy solver and its latest full simulation."""
 

@@ -37,11 +37,9 @@ from offload_solver.simulators._engine import (
     EngineRun,
     RegionAssignment,
     SimulationContext,
-    SteadyState,
-    steady_state,
 )
 from offload_solver.simulators.base import Simulator
-from offload_solver.solvers._search import SolveStats
+from offload_solver.solvers._search import Candidate, SolveStats, evaluate
 
 STREAM_FRACTIONS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7)
 """Fractions of the candidates' parameters tried as STREAMED (see the note)."""
@@ -75,56 +73,36 @@ def interleave(candidates: Sequence[int], numel: Sequence[int], fraction: float)
     return chosen
 
 
-class _Trial:
-    """One simulated assignment: its cold step, steady state and peak."""
-
-    def __init__(
-        self,
-        assignment: list[RegionAssignment],
-        cold: EngineRun,
-        steady: SteadyState,
-    ) -> None:
-        self.assignment = assignment
-        self.cold = cold
-        self.steady = steady
-        self.peak_bytes = max(cold.peak_bytes, steady.last.stream_peak_bytes)
-
-
 def place_streamed(
     ctx: SimulationContext,
     simulator: Simulator,
     cap_bytes: float,
     stats: SolveStats,
-    assignment: Sequence[RegionAssignment],
-    cold: EngineRun,
-    steady: SteadyState,
-) -> tuple[list[RegionAssignment], EngineRun, SteadyState]:
-    """Make some host-state regions of ``assignment`` STREAMED where that shortens the
-    repeating step and the peak fits ``cap_bytes`` (see the note); ``assignment``,
-    ``cold`` and ``steady`` unchanged when nothing does. Needs ``ctx.streamed``."""
-    candidates = stream_candidates(ctx, assignment, cold)
+    start: Candidate,
+) -> Candidate:
+    """Make some host-state regions of ``start`` STREAMED where that shortens the
+    repeating step and the peak fits ``cap_bytes`` (see the note); ``start`` when nothing
+    does. Needs ``ctx.streamed``."""
+    candidates = stream_candidates(ctx, start.assignment, start.cold)
     if not candidates or ctx.streamed is None:
-        return list(assignment), cold, steady
+        return start
     numel = ctx.numel
-    tried: dict[tuple[int, ...], _Trial | None] = {}
+    tried: dict[tuple[int, ...], Candidate | None] = {}
 
-    def trial(fraction: float) -> _Trial | None:
+    def trial(fraction: float) -> Candidate | None:
         chosen = interleave(candidates, numel, fraction)
         key = tuple(chosen)
         if not chosen or key in tried:
             return tried.get(key)
-        asg = list(assignment)
+        asg = list(start.assignment)
         for r in chosen:
             a = asg[r]
             asg[r] = RegionAssignment(a.placement, StatePlacement.STREAMED, a.prefetch_at)
-        run = simulator.run(ctx, asg)
-        st = steady_state(ctx, asg, run)
-        stats.num_simulations += len(st.periods_s)
-        tried[key] = _Trial(asg, run, st)
+        tried[key] = evaluate(ctx, simulator, stats, asg)
         return tried[key]
 
-    threshold = steady.period_s * (1.0 - STEADY_REL_TOL)
-    best: _Trial | None = None
+    threshold = start.period_s * (1.0 - STEADY_REL_TOL)
+    best: Candidate | None = None
     best_fraction = 0.0
 
     def consider(fraction: float) -> None:
@@ -133,8 +111,8 @@ def place_streamed(
         if (
             t is not None
             and t.peak_bytes <= cap_bytes
-            and t.steady.period_s < threshold
-            and (best is None or t.steady.period_s < best.steady.period_s)
+            and t.period_s < threshold
+            and (best is None or t.period_s < best.period_s)
         ):
             best, best_fraction = t, fraction
 
@@ -144,6 +122,4 @@ def place_streamed(
         for fraction in (best_fraction - STREAM_REFINE_STEP, best_fraction + STREAM_REFINE_STEP):
             if 0.0 < fraction < 1.0:
                 consider(fraction)
-    if best is None:
-        return list(assignment), cold, steady
-    return best.assignment, best.cold, best.steady
+    return start if best is None else best
