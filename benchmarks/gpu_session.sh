@@ -85,6 +85,10 @@
 #           OTHER_TREE (a copy of another commit, at or after the one that added
 #           BENCH_PLAN_FROM) and here, alternating, ROUNDS rounds (default 2); then each
 #           row's run mean. BENCH_STEPS as for every phase; W2 with BENCH_STEPS=20 ~9 min
+#   specthr W2 planned and run once, then that plan with speculative steps on their own
+#           thread (BENCH_SPECULATION_THREAD=1) and without, alternating, ROUNDS rounds
+#           (default 2), each planned from the first row (BENCH_PLAN_FROM); then each
+#           row's run mean. W2 with BENCH_STEPS=20                               ~9 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -92,7 +96,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh pinab|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -263,19 +267,16 @@ case "$phase" in
       bench "$w" "$k" 150 "${w}_pin_here$i"
     done
     unset BENCH_PLAN_FROM
-    python3 - "$w" "$k" "$out"/"${w}"_pin_*.json <<'PY' | tee "$out/${w}_pinab.txt"
-import json, sys
-w, k, *files = sys.argv[1:]
-for f in files:
-    row = json.load(open(f))["results"][w][k]
-    if not row.get("ok"):
-        print(f"{f}: {row.get('error')}")
-        continue
-    print(
-        f"{f}: run mean {row['step_mean_ms']:.0f} ms, 5 fastest {row['step_ms']:.0f} ms, "
-        f"plan matches the source: {row.get('plan_matches_source', 'source')}"
-    )
-PY
+    python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_pin_*.json | tee "$out/${w}_pinab.txt" ;;
+  specthr)
+    bench W2 ours_io_spec1_stream 150 W2_pin_source
+    export BENCH_PLAN_FROM="$out/W2_pin_source.json"
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      BENCH_SPECULATION_THREAD=1 bench W2 ours_io_spec1_stream 150 "W2_pin_thread$i"
+      BENCH_SPECULATION_THREAD=0 bench W2 ours_io_spec1_stream 150 "W2_pin_hook$i"
+    done
+    unset BENCH_PLAN_FROM
+    python3 "$root/benchmarks/pin_rows.py" W2 ours_io_spec1_stream "$out"/W2_pin_*.json | tee "$out/W2_specthr.txt"
     ;;
   streamab)
     bench W4 ours_io_bf16m_spec1,ours_io_bf16m_spec1_stream,torchao 260 W4_streamab

@@ -75,7 +75,9 @@ in use and speculation limit, instead of measuring them again. Rows plan from th
 samples otherwise, and on a shared host those move enough to change the plan (W2 streamed
 10 to 15 regions across five rows of one machine, session 27), so two trees or two ways of
 running compare only on one plan; rows record ``plan_from`` and ``plan_matches_source``
-(the same predicted step and peak as the source row).
+(the same predicted step and peak as the source row). Set BENCH_SPECULATION_THREAD=1 to
+build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (speculative host
+steps on a thread of their own); rows record ``speculation_thread``.
 """
 
 from __future__ import annotations
@@ -408,6 +410,7 @@ def _ours(
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
+    speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -491,6 +494,7 @@ def _ours(
                 host_kernel=host_kernel,
                 fp16_io=fp16_io,
                 issue_thread=issue_thread,
+                speculation_thread=speculation_thread,
             ),
             module,
             overlap=not ablation,
@@ -567,6 +571,7 @@ def _ours(
     out["host_threads"] = torch.get_num_threads()
     out["polish_rounds"] = polish_rounds
     out["issue_thread"] = issue_thread
+    out["speculation_thread"] = speculation_thread
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {

@@ -409,16 +409,21 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
-@pytest.mark.parametrize("issue_thread", [False, True], ids=["worker_issues", "issue_thread"])
+@pytest.mark.parametrize(
+    ("issue_thread", "speculation_thread"),
+    [(False, False), (True, False), (True, True)],
+    ids=["worker_issues", "issue_thread", "speculation_thread"],
+)
 def test_cuda_streamed_regions_step_on_the_device(
-    monkeypatch: pytest.MonkeyPatch, issue_thread: bool
+    monkeypatch: pytest.MonkeyPatch, issue_thread: bool, speculation_thread: bool
 ) -> None:
     """Host-state regions marked streamed step on the GPU (their state up, torch's fused
     CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
     (fp16 I/O, bf16 moments, speculating): one step equals the all-host run's within
     rounding (torch's CUDA update against the single-pass host kernel), the overflow at
     step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. With
-    ``issue_thread`` the streamed regions are issued from the issuing thread."""
+    ``issue_thread`` the streamed regions are issued from the issuing thread; with
+    ``speculation_thread`` the speculative steps run on their own thread too."""
     import threading
 
     import offload_optim.streamed as streamed_module
@@ -453,6 +458,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             fp16_io=True,
             moments_dtype=torch.bfloat16,
             issue_thread=issue_thread,
+            speculation_thread=speculation_thread,
         )
         amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
         losses: list[float] = []

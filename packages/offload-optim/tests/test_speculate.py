@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import math
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,7 @@ class Trainer:
         host_kernel: str = "torch",
         fp16_io: bool = False,
         issue_thread: bool = False,
+        speculation_thread: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -92,6 +94,7 @@ class Trainer:
                 host_kernel=host_kernel,
                 fp16_io=fp16_io,
                 issue_thread=issue_thread,
+                speculation_thread=speculation_thread,
             ),
             self.module,
             clipping_norm=clipping,
@@ -305,6 +308,9 @@ EXACT_CASES: dict[str, dict[str, Any]] = {
     "single_pass": {"host_kernel": "single_pass"},
     "single_pass_accumulate_2": {"host_kernel": "single_pass", "micro": 2},
     "single_pass_bf16_moments": {"host_kernel": "single_pass", "moments": torch.bfloat16},
+    # Speculative steps on a thread of their own, committed by step()'s host task.
+    "speculation_thread": {"speculation_thread": True},
+    "speculation_thread_accumulate_2": {"speculation_thread": True, "micro": 2},
 }
 
 
@@ -326,16 +332,25 @@ def test_speculative_fp16_training_is_bit_identical(name: str) -> None:
     assert sum(spec.losses[-3:]) < sum(spec.losses[:3]), "the run trains"
 
 
-@pytest.mark.parametrize("host_kernel", ["torch", "single_pass"])
+@pytest.mark.parametrize(
+    ("host_kernel", "speculation_thread"),
+    [("torch", False), ("single_pass", False), ("torch", True)],
+)
 @pytest.mark.parametrize("host_worker", [False, True])
 def test_overflow_in_the_last_region_undoes_the_speculative_steps(
-    host_worker: bool, host_kernel: str
+    host_worker: bool, host_kernel: str, speculation_thread: bool
 ) -> None:
     """An inf in region 0, whose gradients arrive last: the other host-state regions have
     stepped already (inline hooks: all of them). The step is skipped, the scale halves
     (hysteresis 1), masters, moments and step counts are as before the step, and the rest
     of the run equals the non-speculative one bit for bit."""
-    trainer = Trainer(True, host_worker=host_worker, hysteresis=1, host_kernel=host_kernel)
+    trainer = Trainer(
+        True,
+        host_worker=host_worker,
+        hysteresis=1,
+        host_kernel=host_kernel,
+        speculation_thread=speculation_thread,
+    )
     head = trainer.train(range(3))
     before = snapshot(trainer)
     scale = trainer.amp.loss_scale
@@ -348,7 +363,7 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(
     assert trainer.amp.step_count == 3
     assert trainer.amp.undone_steps == 1
     host = host_state_regions(trainer.amp)
-    if not host_worker:
+    if not host_worker and not speculation_thread:
         # Inline hooks all run during backward: every host-state region stepped, region 0
         # (poisoned) last, and every one of them was undone.
         assert report.undone_regions == report.speculated_regions == len(host)
@@ -360,10 +375,88 @@ def test_overflow_in_the_last_region_undoes_the_speculative_steps(
     spec = trainer.train(range(4, 12), head)
     trainer.close()
     plain = run(
-        False, 12, poison=(3,), host_worker=host_worker, hysteresis=1, host_kernel=host_kernel
+        False,
+        12,
+        poison=(3,),
+        host_worker=host_worker,
+        hysteresis=1,
+        host_kernel=host_kernel,
+        speculation_thread=speculation_thread,
     )
     assert_same(spec, plain)
     assert spec.skipped == [False] * 3 + [True] + [False] * 8
+
+
+@pytest.mark.parametrize("poison", [False, True])
+def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
+    """With speculation_thread, step() takes its answer and queues its host task while a
+    speculative step still runs: the step is committed by that task (no overflow) or
+    undone once it ends (overflow, step() waits for it). Either way the run is the
+    non-speculative one bit for bit."""
+    trainer = Trainer(True, hysteresis=1, speculation_thread=True)
+    head = trainer.train(range(2))
+    optimizer = trainer.amp.optimizer
+    real = optimizer._speculate
+    gate = threading.Event()
+    held: list[int] = []
+
+    def held_speculation(r: int, *args: Any) -> torch.Tensor:
+        part = real(r, *args)
+        if not held:
+            held.append(r)
+            assert gate.wait(30.0), "the test never released the speculative step"
+        return part
+
+    optimizer._speculate = held_speculation  # type: ignore[method-assign]
+    if poison:
+        trainer.poison_steps = {2}
+    trainer.amp.zero_grad()
+    head.losses.append(trainer.backward(2))
+    deadline = time.monotonic() + 30.0
+    while not held:  # the first speculative step of the backward is running
+        assert time.monotonic() < deadline, "nothing speculated"
+        time.sleep(0.001)
+    timer = threading.Timer(0.3, gate.set)
+    if poison:
+        timer.start()  # step() waits for the step to undo it
+    trainer.amp.step()
+    if not poison:
+        assert not gate.is_set() and set(held) <= optimizer.speculated_regions, (
+            "step() returned while the speculative step ran, uncommitted"
+        )
+        gate.set()
+    if poison:
+        timer.join()
+    report = trainer.amp.last_step
+    assert report is not None and report.overlap is OverlapMode.SPECULATIVE_UNDO
+    assert not optimizer.speculated_regions
+    if poison:
+        assert report.skipped and report.undone_regions >= 1
+    else:
+        assert not report.skipped and report.speculated_regions >= 1
+    # What Trainer.train records for a step.
+    head.scales.append(report.loss_scale)
+    head.step_counts.append(trainer.amp.step_count)
+    head.skipped.append(report.skipped)
+    head.undone.append(report.undone_regions)
+    optimizer._speculate = real  # type: ignore[method-assign]
+    trainer.poison_steps = set()
+    spec = trainer.train(range(3, 6), head)
+    trainer.close()
+    assert_same(spec, run(False, 6, poison=(2,) if poison else (), hysteresis=1))
+
+
+def test_zero_grad_waits_for_a_speculative_step_on_its_thread_and_undoes_it() -> None:
+    trainer = Trainer(True, speculation_thread=True)
+    head = trainer.train(range(2))
+    before = snapshot(trainer)
+    trainer.backward(2)
+    trainer.amp.zero_grad()  # drops the window: waits for the thread, then undoes
+    assert not trainer.amp.optimizer.speculated_regions
+    assert_unchanged(trainer, before)
+    spec = trainer.train(range(2, 5), head)
+    trainer.close()
+    assert_same(spec, run(False, 5))
 
 
 def test_hysteresis_two_skips_first_and_backs_off_on_the_second_overflow() -> None:

@@ -113,6 +113,27 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         assert issuers == {"offload-stream-issue"}
 
 
+@pytest.mark.parametrize(
+    "threads",
+    [{"speculation_thread": True}, {"speculation_thread": True, "issue_thread": True}],
+    ids=["speculation_thread", "both_threads"],
+)
+def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
+    threads: dict[str, Any], streaming: dict[str, Any]
+) -> None:
+    """Speculative steps on their own thread, committed by step()'s host task after it
+    has issued the streamed regions, with an overflow on the way: the run is the one with
+    every region host-stepped and nothing speculated, bit for bit."""
+    growth: dict[str, Any] = {"growth_interval": 3, "initial_scale": 2.0**8, "hysteresis": 1}
+    out = run(True, 7, poison=(2,), **threads, **growth)
+    assert streaming["pieces"] > 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_speculate, "offload_module", offload_module)
+        plain = run(False, 7, poison=(2,), **growth)
+    assert_same(out, plain)
+    assert out.skipped[2] and not any(out.skipped[3:])
+
+
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
     """With speculate_fp16 only the host-stepped region speculates; the streamed ones step
     after the answer. The run still equals the plain one, overflow undo included."""

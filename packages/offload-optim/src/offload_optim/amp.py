@@ -69,14 +69,20 @@ only finiteness matters here and a sum reads faster); the step divides by the lo
 of the backward, which is the one :meth:`step` would use. The device partials of
 DEVICE_ANSWER are taken too, and :meth:`step` combines them (the device's where taken,
 else the hooks') as PARTIALS does: a hook that runs once backward is over only notes its
-region, with no host pass over the gradients. No overflow: the speculative steps are
-committed (a swap of moment references), queued for publishing in forward order together
-with the steps of the regions that did not speculate (the tail, below; nothing else
-changes), and the scale grows as usual. Overflow: every speculative step is undone
-(master from its backup, step counts restored; moments never written), the step is
-skipped and the scale backs off: :attr:`StepReport.undone_regions` and
-:attr:`AMPOptimizer.undone_steps` count it. The result is the non-speculative
-result, bit for bit. Nothing is published before the commit, but
+region, with no host pass over the gradients. No overflow: the host task :meth:`step`
+queues issues the streamed regions first, then commits the speculative steps (a swap of
+moment references) and publishes them in forward order together with the steps of the
+regions that did not speculate (the tail, below; nothing else changes), and the scale
+grows as usual. With ``HybridAdam(speculation_thread=True)`` the hooks hand their
+speculative steps to a thread of their own (``HybridAdam.submit_speculation``), so the
+host worker keeps taking landed gradients meanwhile: :meth:`step` then waits for the
+gradients, not for the speculative step in flight when backward ends, and its task waits
+for that step (``HybridAdam.wait_speculation``) only after issuing the streamed regions.
+Off by default until a GPU measures it (BENCHMARKS.md, session 27). Overflow: every
+speculative step is undone, once it has ended (master from its backup, step counts
+restored; moments never written), the step is skipped and the scale backs off:
+:attr:`StepReport.undone_regions` and :attr:`AMPOptimizer.undone_steps` count it. The
+result is the non-speculative result, bit for bit. Nothing is published before the commit, but
 the masters change in place under backward: until :meth:`step` decides, an eval forward
 or ``module.state_dict()`` would see stepped masters (those regions that upload straight
 from the master, with ``convert_on_device``) next to unstepped training-dtype copies
@@ -139,7 +145,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -309,15 +315,29 @@ class StepReport:
         return after / total
 
 
+_Pending = tuple[StepReport, list[RegionStepTiming], list[Future[None]], list[int] | None]
+"""A step's report without its region timings, the list its timings go to, its host steps
+still queued, and (SPECULATIVE_UNDO, the step taken) the list of regions whose speculative
+steps the host task commits."""
+
+
 def _completed(
-    report: StepReport, timings: list[RegionStepTiming], futures: list[Future[None]]
+    report: StepReport,
+    timings: list[RegionStepTiming],
+    futures: list[Future[None]],
+    committed: list[int] | None,
 ) -> StepReport:
-    """``report`` with its region steps' timings, once its queued host steps are done
-    (re-raises their error): what :attr:`AMPOptimizer.last_step` and
-    :meth:`AMPOptimizer.recent_steps` return for a step."""
+    """``report`` with its region steps' timings (and the speculative steps committed),
+    once its queued host steps are done (re-raises their error): what
+    :attr:`AMPOptimizer.last_step` and :meth:`AMPOptimizer.recent_steps` return for a
+    step."""
     for fut in futures:
         fut.result()
-    return dataclasses.replace(report, region_steps=tuple(timings))
+    if committed is None:
+        return dataclasses.replace(report, region_steps=tuple(timings))
+    return dataclasses.replace(
+        report, region_steps=tuple(timings), speculated_regions=len(committed)
+    )
 
 
 class AMPOptimizer(torch.optim.Optimizer):
@@ -434,13 +454,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         """Steps whose speculative host steps were undone because the gradients overflowed
         (SPECULATIVE_UNDO; 0 otherwise)."""
         self._last_step: StepReport | None = None
-        # The last step's report without its region timings, the list the timings go to
-        # and the host steps still queued: last_step completes the report once they are done.
-        self._pending: tuple[StepReport, list[RegionStepTiming], list[Future[None]]] | None = None
+        # The last step's report without its region timings, the list the timings go to,
+        # the host steps still queued and (SPECULATIVE_UNDO) the list of regions the host
+        # task commits: last_step completes the report once they are done.
+        self._pending: _Pending | None = None
         # The same for the last keep_reports steps, completed by recent_steps().
-        self._history: collections.deque[
-            tuple[StepReport, list[RegionStepTiming], list[Future[None]]]
-        ] = collections.deque(maxlen=keep_reports)
+        self._history: collections.deque[_Pending] = collections.deque(maxlen=keep_reports)
         # ---- the current accumulation window (reset by step() and zero_grad()) ----
         self._micro = 0
         self._window_mode = OverlapMode.NONE
@@ -462,6 +481,9 @@ class AMPOptimizer(torch.optim.Optimizer):
         # Recorded on the d2h stream after the last backward (SPECULATIVE, _UNDO): once complete,
         # hooks leave their region to step() (see the note's SPECULATIVE tail).
         self._backward_done: Event | None = None
+        # The same event in a box made per backward, for speculative steps that start on
+        # their own thread later (it is filled once backward() returns).
+        self._done_box: list[Event | None] = [None]
         self._backward_s: tuple[float, float] | None = None
         ref = weakref.ref(self)
 
@@ -536,6 +558,8 @@ class AMPOptimizer(torch.optim.Optimizer):
             self._hypers = self.optimizer.hypers()
         self._window_mode = mode
         self._backward_done = None
+        box: list[Event | None] = [None]
+        self._done_box = box
         window = _AnswerWindow() if mode is OverlapMode.DEVICE_ANSWER else None
         self._window = window
         # Queued on the host worker, behind the previous micro-batch's gradient work: the
@@ -548,7 +572,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._backward_s = (start, time.perf_counter())
         if mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO):
             # Every gradient copy of this backward is queued on d2h by now.
-            self._backward_done = self.controller.streams.d2h.record()
+            self._backward_done = box[0] = self.controller.streams.d2h.record()
 
     def _set_host_mode(self, mode: OverlapMode, window: _AnswerWindow | None = None) -> None:
         self._host_mode = mode
@@ -597,18 +621,34 @@ class AMPOptimizer(torch.optim.Optimizer):
         if mode is OverlapMode.SPECULATIVE_UNDO:
             done = self._backward_done
             if self.optimizer.can_speculate(r) and (done is None or not done.query()):
-                with torch.profiler.record_function(f"speculative step {r}"):
-                    part = self.optimizer.speculate_region(
-                        r, self._spec_scale, hypers=self._hypers, timings=self._timings
-                    )
-                if part is not None:
-                    self._stepped.add(r)
-                    self._partials[r] = part
+                # The window's own containers: with HybridAdam(speculation_thread=True)
+                # the step may end after step() has started the next window.
+                early_steps, partials = self._stepped, self._partials
+
+                def note(region: int, part: torch.Tensor) -> None:
+                    early_steps.add(region)
+                    partials[region] = part
+
+                box = self._done_box
+
+                def backward_over() -> bool:
+                    event = box[0]
+                    return event is not None and event.query()
+
+                self.optimizer.submit_speculation(
+                    r,
+                    self._spec_scale,
+                    hypers=self._hypers,
+                    timings=self._timings,
+                    stop=backward_over,
+                    stepped=note,
+                )
+                if self._device_answer:
                     return
-            # Backward is over on the device (or the region had no gradient, or has no
-            # buffers for a speculative step): the region steps after the answer, as in
-            # PARTIALS. Its partial is the device's when the window takes them, else
-            # computed here.
+            # Backward is over on the device (or the region has no buffers for a
+            # speculative step, or its step is left to the speculation thread): the
+            # region steps after the answer, as in PARTIALS, unless it stepped. Its
+            # partial is the device's when the window takes them, else computed here.
             if self._device_answer:
                 return
         if mode in (OverlapMode.PARTIALS, OverlapMode.SPECULATIVE_UNDO):
@@ -782,6 +822,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         futures: dict[int, Future[None]] = {}
         undone = 0
         speculated = 0
+        committed: list[int] | None = None  # SPECULATIVE_UNDO: filled by the host task
         # Whether host regions stepped in their hooks depends on thread timing (see the
         # SPECULATIVE tail), so a changed lr is refused whenever one could have.
         early = mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO) and any(
@@ -802,6 +843,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             futures = self._step_regions(rest, None, hypers, timings)
         else:
             if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
+                self.optimizer.wait_speculation()
                 self.optimizer.undo_speculation()
                 self._reset_window()
                 raise RuntimeError(
@@ -843,6 +885,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                     with window.lock:
                         window.answer = _Answer(True, None, hypers, timings, {})
                 # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
+                self.optimizer.wait_speculation()
                 undone = len(self.optimizer.undo_speculation())
                 speculated = undone
                 if undone:
@@ -852,14 +895,17 @@ class AMPOptimizer(torch.optim.Optimizer):
                 grad_scale = None if divisor == 1.0 else divisor
                 if window is not None:
                     futures = self._hand_over(window, grad_scale, hypers, timings)
-                else:
-                    # SPECULATIVE_UNDO: those stepped in their hooks are only published now,
-                    # in forward order among the rest (else nothing was stepped early).
-                    stepped = self.optimizer.commit_speculation()
-                    speculated = len(stepped)
+                elif mode is OverlapMode.SPECULATIVE_UNDO:
+                    # Those stepped in their hooks are committed by the host task, once
+                    # it has issued the streamed regions and the speculative steps are
+                    # done (on their own thread with speculation_thread), and only
+                    # published, in forward order among the rest.
+                    committed = []
                     futures = self._step_regions(
-                        self._notified, grad_scale, hypers, timings, stepped=stepped
+                        self._notified, grad_scale, hypers, timings, committed=committed
                     )
+                else:
+                    futures = self._step_regions(self._notified, grad_scale, hypers, timings)
         if self.scaling:
             self.scaler.update(skipped)
         if not skipped:
@@ -881,7 +927,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             speculated_regions=speculated,
         )
         self._last_step = None
-        self._pending = (report, timings, list(futures.values()))
+        self._pending = (report, timings, list(futures.values()), committed)
         self._history.append(self._pending)
         return loss
 
@@ -892,12 +938,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         hypers: dict[int, AdamHyper],
         timings: list[RegionStepTiming],
         *,
-        stepped: Collection[int] = (),
+        committed: list[int] | None = None,
     ) -> dict[int, Future[None]]:
         """Step ``regions`` and the plain parameters; host regions queued in forward order.
 
-        ``stepped``: host-state regions of ``regions`` already stepped (committed
-        speculative steps), only published in their turn.
+        ``committed``: the host task commits the speculative steps first, lists their
+        regions here, and only publishes those in their turn.
         """
         return self.optimizer.step_regions(
             regions,
@@ -905,7 +951,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             wait=not self.overlap,
             hypers=hypers,
             timings=timings,
-            stepped=stepped,
+            commit=committed,
         )
 
     @property
@@ -968,7 +1014,11 @@ class AMPOptimizer(torch.optim.Optimizer):
         window dropped before :meth:`step` (SPECULATIVE_UNDO) are undone.
         """
         self.optimizer.zero_grad(set_to_none)  # waits for host gradient work only
-        self.optimizer.undo_speculation()
+        if self._window_mode is OverlapMode.SPECULATIVE_UNDO:
+            # A window dropped before step(). After step() the host task commits them
+            # (or step() undid them): nothing to undo, nor to wait for, here.
+            self.optimizer.wait_speculation()
+            self.optimizer.undo_speculation()
         self._reset_window()
 
     # ---- clipping on demand --------------------------------------------------------
@@ -983,6 +1033,8 @@ class AMPOptimizer(torch.optim.Optimizer):
         """
         if self._micro == 0:
             raise RuntimeError("clip_grad_norm() needs gradients: call it after backward()")
+        self.controller.wait_host()
+        self.optimizer.wait_speculation()  # what the hooks stepped is known
         if self._stepped:
             raise RuntimeError(
                 "clip_grad_norm() after a backward whose host regions already stepped (the "
@@ -991,7 +1043,6 @@ class AMPOptimizer(torch.optim.Optimizer):
             )
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
-        self.controller.wait_host()
         total, _ = self._combine(norm_type, fresh=True)
         unscaled = total / self.loss_scale
         if bool(torch.isfinite(unscaled)):

@@ -90,7 +90,7 @@ import contextlib
 import math
 import time
 import warnings
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
@@ -297,6 +297,16 @@ class HybridAdam(torch.optim.Optimizer):
             383-389 ms on another, W4's (bf16 moments) from 1090 to 1043 ms, and W3's
             (issuing 12-24 ms of its step) stayed at 470 ms (BENCHMARKS.md, session 25).
             ``False`` issues them on the host worker before its host steps.
+        speculation_thread: run the speculative steps that grad-ready hooks submit
+            (:meth:`submit_speculation`, ``AMPOptimizer(speculate_fp16=True)``) on a
+            thread of their own instead of in the hook. The host worker then keeps taking
+            landed gradients while one runs, so ``AMPOptimizer.step()`` has its answer
+            and queues its task without waiting for the speculative step in flight when
+            backward ends, and that task issues the streamed regions before it waits for
+            the speculative steps and commits them. Values are the same either way. Off
+            by default: not yet measured on a GPU (BENCHMARKS.md, session 27: in W2's
+            profiled steps the streamed regions were issued 38-56 ms after backward's
+            call returned, behind the speculative step in flight).
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -316,6 +326,7 @@ class HybridAdam(torch.optim.Optimizer):
         fp16_io: bool = False,
         module: OffloadModule | None = None,
         issue_thread: bool = True,
+        speculation_thread: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -360,6 +371,13 @@ class HybridAdam(torch.optim.Optimizer):
         first use)."""
         self._issuing = 0
         """Issuing tasks running on that thread: the ring stays open while one runs."""
+        self.speculation_thread = speculation_thread
+        self._speculator: ThreadPoolExecutor | None = None
+        """The thread speculative steps run on with ``speculation_thread`` (made at the
+        first use)."""
+        self._speculating: list[Future[None]] = []
+        """Speculative steps submitted to it and not yet waited for (appended by hooks on
+        the host worker; taken by :meth:`wait_speculation` once those hooks have run)."""
         self._planned_streaming: StreamedStepCosts | None = None
         """The plan's streaming costs (``Plan.streamed``): rings are built to its size."""
         self.timings: list[RegionStepTiming] = []
@@ -944,6 +962,14 @@ class HybridAdam(torch.optim.Optimizer):
         ``kernels.speculative_adam_``), or None when the region had no gradients (nothing
         stepped).
         """
+        self._check_speculative(r)
+        segments = self._segments_with_grad(r)
+        if not segments:
+            return None
+        return self._speculate(r, segments, grad_scale, hypers, timings)
+
+    def _check_speculative(self, r: int) -> _RegionState:
+        """Region ``r``'s state, if it may step speculatively now."""
         self._ensure_laid_out()
         rs = self._regions[r]
         if not rs.storage.host_state or rs.storage.streamed:
@@ -960,10 +986,85 @@ class HybridAdam(torch.optim.Optimizer):
                 f"region {r} was already stepped speculatively in this window; "
                 "commit_speculation() or undo_speculation() first"
             )
-        start = time.perf_counter()
+        return rs
+
+    def submit_speculation(
+        self,
+        r: int,
+        grad_scale: float | None,
+        *,
+        hypers: dict[int, AdamHyper],
+        timings: list[RegionStepTiming],
+        stop: Callable[[], bool] | None = None,
+        stepped: Callable[[int, torch.Tensor], None] | None = None,
+    ) -> None:
+        """Host worker (a grad-ready hook): step host-state region ``r`` speculatively, as
+        :meth:`speculate_region` does, now or, with ``speculation_thread``, on that thread
+        in submission order. ``stepped(r, partial)`` is called after the step (where it
+        ran; not when ``r`` had no gradients). On the thread the step is skipped when
+        ``stop()`` is true by the time it would start (backward is over: the region steps
+        after the answer instead). Which segments step is fixed here, so the
+        thread reads no ``.grad``: ``zero_grad`` may drop them meanwhile. Wait with
+        :meth:`wait_speculation` before committing or undoing."""
+        self._check_speculative(r)
         segments = self._segments_with_grad(r)
         if not segments:
-            return None
+            return
+
+        def run() -> None:
+            if stop is not None and self.speculation_thread and stop():
+                return
+            with torch.profiler.record_function(f"speculative step {r}"):
+                part = self._speculate(r, segments, grad_scale, hypers, timings)
+            if stepped is not None:
+                stepped(r, part)
+
+        if not self.speculation_thread:
+            run()
+            return
+        if self._speculator is None:
+            self._speculator = ThreadPoolExecutor(1, thread_name_prefix="offload-speculate")
+        self._speculating.append(self._speculator.submit(run))
+
+    def wait_speculation(self, between: Callable[[], None] | None = None) -> None:
+        """Block until every speculative step submitted so far has finished (a host sync
+        point while one runs) and re-raise the first error; nothing to wait for without
+        ``speculation_thread``. ``between`` runs about every millisecond while waiting
+        (the host worker publishes streamed regions that landed). Call it once the hooks
+        that submit them have run: after ``controller.wait_gradients()``, or on the host
+        worker behind them."""
+        pending, self._speculating = self._speculating, []
+        error: BaseException | None = None
+        for fut in pending:
+            while True:
+                try:
+                    fut.result(timeout=None if between is None else 0.001)
+                except TimeoutError:
+                    assert between is not None
+                    between()
+                    continue
+                except BaseException as exc:  # re-raised below, after the rest finish
+                    if error is None:
+                        error = exc
+                break
+        if error is not None:
+            raise error
+
+    @torch.no_grad()
+    def _speculate(
+        self,
+        r: int,
+        segments: list[_Segment],
+        grad_scale: float | None,
+        hypers: dict[int, AdamHyper] | None,
+        timings: list[RegionStepTiming] | None,
+    ) -> torch.Tensor:
+        """:meth:`speculate_region`'s step of ``segments`` (those with gradients, found
+        by the caller: this reads no ``.grad``)."""
+        rs = self._regions[r]
+        spare = rs.spare
+        assert spare is not None, "checked by _check_speculative"
+        start = time.perf_counter()
         # The gradient check must see the whole region, as the non-speculative check does:
         # when segments without gradients leave parts of it out, read it all first.
         io = self._staged_io(rs, segments)  # widens a staged gradient it does not step
@@ -991,7 +1092,7 @@ class HybridAdam(torch.optim.Optimizer):
                 seg.exp_avg_sq,
                 seg.spare[0],
                 seg.spare[1],
-                rs.spare.backup[seg.start : stop],
+                spare.backup[seg.start : stop],
             ]
             if io is not None:
                 args.append(io[1][seg.start : stop])  # the fp16 upload copy it writes
@@ -1000,7 +1101,7 @@ class HybridAdam(torch.optim.Optimizer):
             except BaseException:
                 seg.step.fill_(before)
                 raise
-            rs.spare.pending.append((seg, before))
+            spare.pending.append((seg, before))
         if io is not None:
             self._consumed(rs.storage)
         self._speculated.add(r)
@@ -1013,8 +1114,9 @@ class HybridAdam(torch.optim.Optimizer):
 
         The next moments become the moments by a swap of references (segments and
         ``state`` entries), no copy; the masters are stepped already. Publishing the new
-        weights is left to the caller (``submit_host_steps(..., stepped=...)``). Main
-        thread, once the host worker has finished the speculative steps.
+        weights is left to the caller. The host task of ``submit_host_steps(...,
+        commit=[])`` calls it, after :meth:`wait_speculation`; or any thread once the
+        speculative steps are done.
         """
         done = sorted(self._speculated)
         for r in done:
@@ -1118,7 +1220,7 @@ class HybridAdam(torch.optim.Optimizer):
         *,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
-        stepped: Collection[int] = (),
+        commit: list[int] | None = None,
     ) -> dict[int, Future[None]]:
         """Queue host-state ``regions``' steps on the host worker, in the given order.
 
@@ -1130,8 +1232,11 @@ class HybridAdam(torch.optim.Optimizer):
         flat accumulators, which stay) and the hyperparameters (``hypers``, default a
         snapshot now: a scheduler may change ``lr`` before the worker gets there). One
         task steps the regions one after another, so their publishes come in that order.
-        Regions of ``regions`` also in ``stepped`` were stepped already (committed
-        speculative steps): they are only published, in their place in the order.
+        ``commit``: the task first issues its streamed regions, then waits for the
+        speculative steps (:meth:`wait_speculation`, publishing landed streamed regions
+        meanwhile), commits them (:meth:`commit_speculation`) and appends their regions to
+        this list; those, which must be among ``regions``, are then only published, in
+        their place in the order.
         """
         self._ensure_laid_out()
         controller = self._require_controller()
@@ -1142,21 +1247,30 @@ class HybridAdam(torch.optim.Optimizer):
                     f"submit_host_steps got device-state region {r}; step it with "
                     "step_device_regions on the main thread"
                 )
-            if r in stepped:
-                jobs.append((r, []))  # publish only
-                continue
-            if r in self._speculated:
+            if commit is None and r in self._speculated:
                 self._refuse_speculated(f"submit_host_steps of region {r}")
             segs = self._segments_with_grad(r)
             if segs:
                 jobs.append((r, segs))
         if not jobs:
+            if commit is not None:  # nothing to publish: what speculated had no gradient
+                self.wait_speculation()
+                commit.extend(self.commit_speculation())
             return {}
         snapshot = self.hypers() if hypers is None else hypers
         sink = self.timings if timings is None else timings
         futures = controller.expect_updates(r for r, _ in jobs)
         controller.submit_host(
-            partial(self._host_steps_task, controller, jobs, grad_scale, snapshot, futures, sink)
+            partial(
+                self._host_steps_task,
+                controller,
+                jobs,
+                grad_scale,
+                snapshot,
+                futures,
+                sink,
+                commit,
+            )
         )
         return futures
 
@@ -1169,8 +1283,11 @@ class HybridAdam(torch.optim.Optimizer):
         hypers: dict[int, AdamHyper],
         futures: dict[int, Future[None]],
         sink: list[RegionStepTiming],
+        commit: list[int] | None = None,
     ) -> None:
-        """Host worker: step and publish each job's region, completing its future.
+        """Host worker: step and publish each job's region, completing its future; with
+        ``commit``, commit the speculative steps (after issuing the streamed regions) and
+        only publish their regions.
 
         Streamed regions are issued to the device first, then the others step here, and
         each streamed region is published once its downloads landed, between host steps
@@ -1210,6 +1327,18 @@ class HybridAdam(torch.optim.Optimizer):
                     issuing = self._issue_elsewhere(issue)
                 else:
                     issue()
+            if commit is not None:
+                # The streamed regions go first; the speculative steps may still run.
+                self.wait_speculation(between=self.publish_streamed)
+                committed = self.commit_speculation()
+                commit.extend(committed)
+                if not {r for r, _ in jobs}.issuperset(committed):
+                    raise RuntimeError(
+                        f"regions {sorted(set(committed) - {r for r, _ in jobs})} were "
+                        "committed but not queued to be published: a bug in the caller"
+                    )
+                jobs = [(r, [] if r in committed else segments) for r, segments in jobs]
+                commit = None
             for r, segments in jobs:
                 if r in streamed_here:
                     continue
@@ -1402,7 +1531,7 @@ class HybridAdam(torch.optim.Optimizer):
         wait: bool = True,
         hypers: dict[int, AdamHyper] | None = None,
         timings: list[RegionStepTiming] | None = None,
-        stepped: Collection[int] = (),
+        commit: list[int] | None = None,
     ) -> dict[int, Future[None]]:
         """Step ``regions`` (default: all) and, if ``plain``, the plain parameters.
 
@@ -1410,8 +1539,9 @@ class HybridAdam(torch.optim.Optimizer):
         (:meth:`submit_host_steps`) and run while this thread steps the device-state
         regions (all in one batch). With ``wait`` this returns when all are done (a host
         sync point); otherwise at once, with the host regions' futures. ``hypers``: a
-        :meth:`hypers` snapshot for every region (default: now). ``stepped``: host-state
-        regions stepped already, only published (see :meth:`submit_host_steps`).
+        :meth:`hypers` snapshot for every region (default: now). ``commit``: commit the
+        speculative steps on the host worker first and only publish those (see
+        :meth:`submit_host_steps`).
         """
         self._ensure_laid_out()
         chosen = self._region_list if regions is None else sorted(regions)
@@ -1422,7 +1552,7 @@ class HybridAdam(torch.optim.Optimizer):
         futures: dict[int, Future[None]] = {}
         if host:
             futures = self.submit_host_steps(
-                host, grad_scale, hypers=snapshot, timings=timings, stepped=stepped
+                host, grad_scale, hypers=snapshot, timings=timings, commit=commit
             )
         if device:
             self.step_device_regions(device, grad_scale, hypers=snapshot, timings=timings)
@@ -1518,9 +1648,11 @@ class HybridAdam(torch.optim.Optimizer):
         return [p for group in self.param_groups for p in group["params"]]
 
     def synchronize(self) -> None:
-        """Wait for the steps queued on the host worker; re-raise their first error."""
+        """Wait for the steps queued on the host worker (and the speculative steps on
+        their thread); re-raise their first error."""
         if self._controller is not None:
             self._controller.wait_host()
+        self.wait_speculation()
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer format (``state`` by parameter index, ``param_groups``).
@@ -1531,6 +1663,7 @@ class HybridAdam(torch.optim.Optimizer):
         """
         if self._controller is not None:
             self._controller.wait_host()
+        self.wait_speculation()
         self._refuse_speculated("state_dict()")
         self._ensure_laid_out()
         groups = []
@@ -1555,6 +1688,7 @@ class HybridAdam(torch.optim.Optimizer):
         """
         if self._controller is not None:
             self._controller.wait_host()
+        self.wait_speculation()
         self._refuse_speculated("load_state_dict()")
         self._ensure_laid_out()
         saved_groups = state_dict.get("param_groups")

@@ -1,0 +1,48 @@
+"""One line per row of runs that shared a plan (``gpu_session.sh pinab`` / ``specthr``).
+
+    python benchmarks/pin_rows.py W2 ours_io_spec1_stream OUT/W2_pin_*.json
+
+For each ``offload_bench.py --json`` file: the row's run mean and mean of the 5 fastest
+steps (ms), what it ran with (``speculation_thread``, ``issue_thread``), and whether its
+plan was the source row's (``plan_matches_source``; ``source`` for the row the others
+planned from). Then the median run mean of each group of rows named alike (the file name
+without its trailing round number), for comparing ways of running one plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("workload")
+    parser.add_argument("kind")
+    parser.add_argument("files", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    groups: dict[str, list[float]] = {}
+    for path in args.files:
+        row = json.loads(path.read_text())["results"][args.workload][args.kind]
+        if not row.get("ok"):
+            print(f"{path.name}: {row.get('error')}")
+            continue
+        matches = row.get("plan_matches_source", "source")
+        print(
+            f"{path.name}: run mean {row['step_mean_ms']:.0f} ms, 5 fastest "
+            f"{row['step_ms']:.0f} ms, speculation_thread {row.get('speculation_thread')}, "
+            f"issue_thread {row.get('issue_thread')}, plan matches the source: {matches}"
+        )
+        if matches is True:
+            group = re.sub(r"\d+$", "", path.stem)
+            groups.setdefault(group, []).append(row["step_mean_ms"])
+    for group, means in groups.items():
+        print(f"{group}: median run mean {statistics.median(means):.0f} ms over {len(means)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
