@@ -148,6 +148,7 @@ CASES: dict[str, dict[str, Any]] = {
     "bf16_moments_speculate": {"moments": torch.bfloat16, "speculate": True},
     "inline": {"host_worker": False},
     "speculate": {"speculate": True},
+    "speculate_on_a_thread": {"speculate": True, "speculation_thread": True},
     "accumulate_2": {"micro": 2},
     "no_overlap": {"overlap": False},
 }
@@ -192,12 +193,22 @@ def test_training_equals_the_three_pass_route(name: str, counted: dict[str, int]
     assert io.scales[-1] > io.scales[0] and sum(io.losses[-3:]) < sum(io.losses[:3])
 
 
-def test_overflow_undo_restores_the_offloaded_upload_copy(counted: dict[str, int]) -> None:
+@pytest.mark.parametrize("speculation_thread", [False, True])
+def test_overflow_undo_restores_the_offloaded_upload_copy(
+    counted: dict[str, int], speculation_thread: bool
+) -> None:
     """Speculative fp16-I/O steps write the upload copy; an overflow undoes them, and the
     next forward must compute with the old weights: the rest of the run equals the run
-    without speculation or fp16 I/O, bit for bit."""
+    without speculation or fp16 I/O, bit for bit. With ``speculation_thread`` the steps
+    run on their own thread, beside backward."""
     common: dict[str, Any] = {"host_worker": False, "hysteresis": 1}
-    trainer = Trainer(True, host_kernel="single_pass", fp16_io=True, **common)
+    trainer = Trainer(
+        True,
+        host_kernel="single_pass",
+        fp16_io=True,
+        speculation_thread=speculation_thread,
+        **common,
+    )
     trainer.poison_steps = {2}
     try:
         out = trainer.train(range(6))
