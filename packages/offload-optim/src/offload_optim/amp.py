@@ -478,11 +478,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._window: _AnswerWindow | None = None
         self._host_window: _AnswerWindow | None = None  # read by hooks on the host worker
         self._timings: list[RegionStepTiming] = []  # the window's region steps
-        # Recorded on the d2h stream after the last backward (SPECULATIVE, _UNDO): once complete,
-        # hooks leave their region to step() (see the note's SPECULATIVE tail).
-        self._backward_done: Event | None = None
-        # The same event in a box made per backward, for speculative steps that start on
-        # their own thread later (it is filled once backward() returns).
+        # Holds the event recorded on the d2h stream after the last backward (SPECULATIVE,
+        # _UNDO): once complete, hooks leave their region to step() (see the note's
+        # SPECULATIVE tail). A new box per backward, filled once backward() returns, so
+        # that speculative steps starting later on their own thread read their window's.
         self._done_box: list[Event | None] = [None]
         self._backward_s: tuple[float, float] | None = None
         ref = weakref.ref(self)
@@ -557,7 +556,6 @@ class AMPOptimizer(torch.optim.Optimizer):
         if mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO):
             self._hypers = self.optimizer.hypers()
         self._window_mode = mode
-        self._backward_done = None
         box: list[Event | None] = [None]
         self._done_box = box
         window = _AnswerWindow() if mode is OverlapMode.DEVICE_ANSWER else None
@@ -572,7 +570,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._backward_s = (start, time.perf_counter())
         if mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO):
             # Every gradient copy of this backward is queued on d2h by now.
-            self._backward_done = box[0] = self.controller.streams.d2h.record()
+            box[0] = self.controller.streams.d2h.record()
 
     def _set_host_mode(self, mode: OverlapMode, window: _AnswerWindow | None = None) -> None:
         self._host_mode = mode
@@ -608,7 +606,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             return
         mode = self._host_mode
         if mode is OverlapMode.SPECULATIVE:
-            done = self._backward_done
+            done = self._done_box[0]
             if done is not None and done.query():
                 return  # backward is over on the device: step() queues r in forward order
             if self.optimizer.region_storage(r).streamed:
@@ -619,7 +617,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                 self._stepped.add(r)
             return
         if mode is OverlapMode.SPECULATIVE_UNDO:
-            done = self._backward_done
+            done = self._done_box[0]
             if self.optimizer.can_speculate(r) and (done is None or not done.query()):
                 # The window's own containers: with HybridAdam(speculation_thread=True)
                 # the step may end after step() has started the next window.
@@ -629,7 +627,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                     early_steps.add(region)
                     partials[region] = part
 
-                box = self._done_box
+                box = self._done_box  # this window's
 
                 def backward_over() -> bool:
                     event = box[0]
@@ -643,8 +641,6 @@ class AMPOptimizer(torch.optim.Optimizer):
                     stop=backward_over,
                     stepped=note,
                 )
-                if self._device_answer:
-                    return
             # Backward is over on the device (or the region has no buffers for a
             # speculative step, or its step is left to the speculation thread): the
             # region steps after the answer, as in PARTIALS, unless it stepped. Its
@@ -1002,7 +998,7 @@ class AMPOptimizer(torch.optim.Optimizer):
         self._device_answer = False
         self._window = None
         self._timings = []
-        self._backward_done = None
+        self._done_box = [None]
         self._backward_s = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -92,6 +92,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast, overload
@@ -968,8 +969,8 @@ class HybridAdam(torch.optim.Optimizer):
             return None
         return self._speculate(r, segments, grad_scale, hypers, timings)
 
-    def _check_speculative(self, r: int) -> _RegionState:
-        """Region ``r``'s state, if it may step speculatively now."""
+    def _check_speculative(self, r: int) -> None:
+        """Raise unless region ``r`` may step speculatively now."""
         self._ensure_laid_out()
         rs = self._regions[r]
         if not rs.storage.host_state or rs.storage.streamed:
@@ -986,7 +987,6 @@ class HybridAdam(torch.optim.Optimizer):
                 f"region {r} was already stepped speculatively in this window; "
                 "commit_speculation() or undo_speculation() first"
             )
-        return rs
 
     def submit_speculation(
         self,
@@ -1036,17 +1036,13 @@ class HybridAdam(torch.optim.Optimizer):
         pending, self._speculating = self._speculating, []
         error: BaseException | None = None
         for fut in pending:
-            while True:
-                try:
-                    fut.result(timeout=None if between is None else 0.001)
-                except TimeoutError:
-                    assert between is not None
+            if between is not None:
+                while not fut.done():
                     between()
-                    continue
-                except BaseException as exc:  # re-raised below, after the rest finish
-                    if error is None:
-                        error = exc
-                break
+                    futures_wait([fut], timeout=0.001)
+            exc = fut.exception()  # waits; re-raised below, after the rest finish
+            if exc is not None and error is None:
+                error = exc
         if error is not None:
             raise error
 
@@ -1253,9 +1249,6 @@ class HybridAdam(torch.optim.Optimizer):
             if segs:
                 jobs.append((r, segs))
         if not jobs:
-            if commit is not None:  # nothing to publish: what speculated had no gradient
-                self.wait_speculation()
-                commit.extend(self.commit_speculation())
             return {}
         snapshot = self.hypers() if hypers is None else hypers
         sink = self.timings if timings is None else timings
@@ -1332,13 +1325,13 @@ class HybridAdam(torch.optim.Optimizer):
                 self.wait_speculation(between=self.publish_streamed)
                 committed = self.commit_speculation()
                 commit.extend(committed)
-                if not {r for r, _ in jobs}.issuperset(committed):
+                unqueued = set(committed).difference(r for r, _ in jobs)
+                if unqueued:
                     raise RuntimeError(
-                        f"regions {sorted(set(committed) - {r for r, _ in jobs})} were "
-                        "committed but not queued to be published: a bug in the caller"
+                        f"regions {sorted(unqueued)} were committed but not queued to be "
+                        "published: a bug in the caller"
                     )
                 jobs = [(r, [] if r in committed else segments) for r, segments in jobs]
-                commit = None
             for r, segments in jobs:
                 if r in streamed_here:
                     continue
