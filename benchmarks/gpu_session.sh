@@ -89,6 +89,10 @@
 #           thread (BENCH_SPECULATION_THREAD=1) and without, alternating, ROUNDS rounds
 #           (default 2), each planned from the first row (BENCH_PLAN_FROM); then each
 #           row's run mean. W2 with BENCH_STEPS=20                               ~9 min
+#   s28     W4 bf16 moments streamed beside torchao, W3 ours_io_spec1_stream beside FSDP2
+#           and torchao, then W1 ours and full GPU for ROUNDS rounds (default 2, the
+#           order swapped each round) and their median ratio: the rows a session
+#           that already ran w2s and w4fsp still needs for every target      ~9 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -96,7 +100,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -231,6 +235,10 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
+  s28)
+    bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m
+    bench W3 ours_io_spec1_stream,fsdp2,torchao 150 W3
+    ROUNDS=${ROUNDS:-2} bash "$0" w1x "$out" ;;
   w4issue)
     BENCH_ISSUE_THREAD=0 bench W4 ours_io_bf16m_spec1_stream,torchao 300 W4_worker
     BENCH_ISSUE_THREAD=1 bench W4 ours_io_bf16m_spec1_stream 300 W4_thread ;;
