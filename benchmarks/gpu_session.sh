@@ -93,6 +93,11 @@
 #           and torchao, then W1 ours and full GPU for ROUNDS rounds (default 2, the
 #           order swapped each round) and their median ratio: the rows a session
 #           that already ran w2s and w4fsp still needs for every target      ~9 min
+#   pace    the streamed gpu test, then PIN_WORKLOAD (default W3) planned and run once
+#           unpaced, then that plan paced (BENCH_STREAM_PACED=1) and unpaced,
+#           alternating, ROUNDS rounds (default 1), and one more paced; then W2 planned
+#           unpaced and run paced on that plan (skipped with PACE_W2=0); each row's run
+#           mean                                                              ~6 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -100,7 +105,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -235,6 +240,24 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
+  pace)
+    python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
+      "$root/packages/offload-optim/tests/test_gpu.py" -k streamed_regions_step_on_the_device \
+      2>&1 | tee "$out/pace_gpu_test.log" | tail -3
+    w=${PIN_WORKLOAD:-W3}
+    k=ours_io_spec1_stream
+    BENCH_STREAM_PACED=0 bench "$w" "$k" 150 "${w}_pace_source"
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 150 "${w}_pace_on$i"
+      BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=0 bench "$w" "$k" 150 "${w}_pace_off$i"
+    done
+    BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 150 "${w}_pace_on$((${ROUNDS:-1} + 1))"
+    python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_pace_*.json | tee "$out/${w}_pace.txt"
+    if [[ ${PACE_W2:-1} != 0 ]]; then
+      BENCH_STREAM_PACED=0 bench W2 "$k" 150 W2_pace_source
+      BENCH_PLAN_FROM="$out/W2_pace_source.json" BENCH_STREAM_PACED=1 bench W2 "$k" 150 W2_pace_on1
+      python3 "$root/benchmarks/pin_rows.py" W2 "$k" "$out"/W2_pace_*.json | tee "$out/W2_pace.txt"
+    fi ;;
   s28)
     bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m
     bench W3 ours_io_spec1_stream,fsdp2,torchao 150 W3

@@ -77,7 +77,10 @@ samples otherwise, and on a shared host those move enough to change the plan (W2
 running compare only on one plan; rows record ``plan_from`` and ``plan_matches_source``
 (the same predicted step and peak as the source row). Set BENCH_SPECULATION_THREAD=1 to
 build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (speculative host
-steps on a thread of their own); rows record ``speculation_thread``.
+steps on a thread of their own); rows record ``speculation_thread``. Set
+BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unset: the
+optimizer's default): the issuing thread issues each ring chunk once its slot is free;
+rows record ``paced_ring``.
 """
 
 from __future__ import annotations
@@ -86,6 +89,7 @@ import argparse
 import dataclasses
 import datetime
 import gc
+import inspect
 import itertools
 import json
 import math
@@ -411,6 +415,12 @@ def _ours(
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
+    paced_env = os.environ.get("BENCH_STREAM_PACED")
+    paced_ring: bool = (
+        inspect.signature(HybridAdam).parameters["paced_ring"].default
+        if paced_env is None
+        else paced_env != "0"
+    )
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -495,6 +505,7 @@ def _ours(
                 fp16_io=fp16_io,
                 issue_thread=issue_thread,
                 speculation_thread=speculation_thread,
+                paced_ring=paced_ring,
             ),
             module,
             overlap=not ablation,
@@ -572,6 +583,7 @@ def _ours(
     out["polish_rounds"] = polish_rounds
     out["issue_thread"] = issue_thread
     out["speculation_thread"] = speculation_thread
+    out["paced_ring"] = paced_ring
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {

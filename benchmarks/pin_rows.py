@@ -3,9 +3,9 @@
     python benchmarks/pin_rows.py W2 ours_io_spec1_stream OUT/W2_pin_*.json
 
 For each ``offload_bench.py --json`` file: the row's run mean and mean of the 5 fastest
-steps (ms), what it ran with (``speculation_thread``, ``issue_thread``), and whether its
-plan was the source row's (``plan_matches_source``; ``source`` for the row the others
-planned from). Then the median run mean of each group of rows named alike (the file name
+steps (ms), what it ran with (``speculation_thread``, ``issue_thread``, ``paced_ring``),
+and whether its plan was the source row's (``plan_matches_source``; ``source`` for the row
+the others planned from). Then the median run mean of each group of rows named alike (the file name
 without its trailing round number), for comparing ways of running one plan.
 """
 
@@ -34,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{path.name}: run mean {row['step_mean_ms']:.0f} ms, 5 fastest "
             f"{row['step_ms']:.0f} ms, speculation_thread {row.get('speculation_thread')}, "
-            f"issue_thread {row.get('issue_thread')}, plan matches the source: {matches}"
+            f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
+            f"plan matches the source: {matches}"
         )
         if matches is True:
             group = re.sub(r"\d+$", "", path.stem)

@@ -410,12 +410,12 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
 @pytest.mark.parametrize(
-    ("issue_thread", "speculation_thread"),
-    [(False, False), (True, False), (True, True)],
-    ids=["worker_issues", "issue_thread", "speculation_thread"],
+    ("issue_thread", "speculation_thread", "paced_ring"),
+    [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
+    ids=["worker_issues", "issue_thread", "speculation_thread", "paced_ring"],
 )
 def test_cuda_streamed_regions_step_on_the_device(
-    monkeypatch: pytest.MonkeyPatch, issue_thread: bool, speculation_thread: bool
+    monkeypatch: pytest.MonkeyPatch, issue_thread: bool, speculation_thread: bool, paced_ring: bool
 ) -> None:
     """Host-state regions marked streamed step on the GPU (their state up, torch's fused
     CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
@@ -423,7 +423,8 @@ def test_cuda_streamed_regions_step_on_the_device(
     rounding (torch's CUDA update against the single-pass host kernel), the overflow at
     step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. With
     ``issue_thread`` the streamed regions are issued from the issuing thread; with
-    ``speculation_thread`` the speculative steps run on their own thread too."""
+    ``speculation_thread`` the speculative steps run on their own thread too; with
+    ``paced_ring`` the issuing thread waits on the host for each slot's CUDA event."""
     import threading
 
     import offload_optim.streamed as streamed_module
@@ -432,10 +433,10 @@ def test_cuda_streamed_regions_step_on_the_device(
     issued: dict[str, Any] = {"pieces": 0, "threads": set()}
     issue = StreamRing.issue
 
-    def counting(self: StreamRing, pieces: list[Any], grad_scale: float | None) -> Any:
+    def counting(self: StreamRing, pieces: list[Any], grad_scale: float | None, **kw: Any) -> Any:
         issued["pieces"] += len(pieces)
         issued["threads"].add(threading.current_thread().name.split("_")[0])
-        return issue(self, pieces, grad_scale)
+        return issue(self, pieces, grad_scale, **kw)
 
     monkeypatch.setattr(StreamRing, "issue", counting)
     monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)  # ragged chunks
@@ -459,6 +460,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             moments_dtype=torch.bfloat16,
             issue_thread=issue_thread,
             speculation_thread=speculation_thread,
+            paced_ring=paced_ring,
         )
         amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
         losses: list[float] = []

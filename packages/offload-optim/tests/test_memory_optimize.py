@@ -67,9 +67,9 @@ def test_streamed_plan_through_memory_optimize_matches_adamw(
     chunks: list[int] = []
     issue = StreamRing.issue
 
-    def recording(self: StreamRing, pieces: list[Any], grad_scale: float | None) -> Any:
+    def recording(self: StreamRing, pieces: list[Any], grad_scale: float | None, **kw: Any) -> Any:
         chunks.append(self.chunk)
-        return issue(self, pieces, grad_scale)
+        return issue(self, pieces, grad_scale, **kw)
 
     monkeypatch.setattr(StreamRing, "issue", recording)
     hardware = dataclasses.replace(default_cpu_profile(), host_adam_params_per_s=1e5)

@@ -68,6 +68,7 @@ class Trainer:
         fp16_io: bool = False,
         issue_thread: bool = False,
         speculation_thread: bool = False,
+        paced_ring: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -95,6 +96,7 @@ class Trainer:
                 fp16_io=fp16_io,
                 issue_thread=issue_thread,
                 speculation_thread=speculation_thread,
+                paced_ring=paced_ring,
             ),
             self.module,
             clipping_norm=clipping,

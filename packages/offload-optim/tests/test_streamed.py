@@ -29,6 +29,7 @@ from test_speculate import assert_same, run
 import offload_optim.streamed as streamed_module
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
 from offload_optim.hybrid_adam import RegionStepTiming
+from offload_optim.kernels import AdamHyper
 from offload_optim.streamed import (
     STREAM_CHUNK_NUMEL,
     StreamPiece,
@@ -45,7 +46,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Make the mixed plan's host-state regions after the first streamed (region 0 stays
     host-stepped, so both kinds step in one run), with a ring chunk small enough that
     every region takes several chunks and a ragged tail; counts the pieces issued."""
-    seen: dict[str, Any] = {"pieces": 0, "streamed": [], "threads": set()}
+    seen: dict[str, Any] = {"pieces": 0, "streamed": [], "threads": set(), "paced": set()}
     build = test_speculate.offload_module
 
     def offload_streamed(*args: Any, **kwargs: Any) -> Any:
@@ -58,10 +59,14 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
 
     issue = StreamRing.issue
 
-    def counting(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+    def counting(
+        self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None, **kw: Any
+    ) -> Any:
         seen["pieces"] += len(pieces)
-        seen["threads"].add(threading.current_thread().name)
-        return issue(self, pieces, grad_scale)
+        name = threading.current_thread().name
+        seen["threads"].add(name)
+        seen["paced"].add((name.split("_")[0], kw.get("paced", False)))
+        return issue(self, pieces, grad_scale, **kw)
 
     monkeypatch.setattr(test_speculate, "offload_module", offload_streamed)
     monkeypatch.setattr(StreamRing, "issue", counting)
@@ -81,6 +86,9 @@ CASES: dict[str, dict[str, Any]] = {
     "issue_thread_bf16_moments": {"issue_thread": True, "moments": torch.bfloat16},
     "issue_thread_accumulate_2": {"issue_thread": True, "micro": 2},
     "issue_thread_no_overlap": {"issue_thread": True, "overlap": False},
+    "paced_ring": {"issue_thread": True, "paced_ring": True},
+    "paced_ring_no_overlap": {"issue_thread": True, "paced_ring": True, "overlap": False},
+    "paced_ring_on_the_worker": {"paced_ring": True},
 }
 
 
@@ -111,6 +119,13 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         assert "offload-stream-issue" not in issuers
     elif kwargs.get("overlap") is False:
         assert issuers == {"offload-stream-issue"}
+    # Only the issuing thread paces (see [Note: paced ring]); the host worker and the
+    # hooks never block on the ring.
+    paced_by = {thread for thread, paced in streaming["paced"] if paced}
+    if kwargs.get("paced_ring") and kwargs.get("issue_thread"):
+        assert paced_by == {"offload-stream-issue"}
+    else:
+        assert paced_by == set()
 
 
 @pytest.mark.parametrize(
@@ -292,9 +307,11 @@ def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:
     seen: list[tuple[Any, Any, Any]] = []  # the objects themselves: no id reuse
     issue = StreamRing.issue
 
-    def recording(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+    def recording(
+        self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None, **kw: Any
+    ) -> Any:
         seen.append((self.up, self.step, self.down))
-        return issue(self, pieces, grad_scale)
+        return issue(self, pieces, grad_scale, **kw)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(StreamRing, "issue", recording)
@@ -390,8 +407,10 @@ def test_streamed_regions_landing_after_the_answer_do_not_hold_the_worker(
     gate = threading.Event()
     issue = StreamRing.issue
 
-    def gated(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
-        issue(self, pieces, grad_scale)  # on the CPU its copies are done here
+    def gated(
+        self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None, **kw: Any
+    ) -> Any:
+        issue(self, pieces, grad_scale, **kw)  # on the CPU its copies are done here
         return _Gate(gate)
 
     monkeypatch.setattr(test_overlap, "offload_module", offload_streamed)
@@ -462,6 +481,56 @@ def test_streamed_regions_landing_after_the_answer_do_not_hold_the_worker(
     trainer.close()
 
 
+class _SlotGate(_Gate):
+    """A slot's "last download landed" event that the test lets land; counts queries."""
+
+    def __init__(self, opened: threading.Event) -> None:
+        super().__init__(opened)
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return super().query()
+
+    def wait_on(self, stream: Any) -> None:  # the device-side wait: nothing on the CPU
+        pass
+
+
+@pytest.mark.parametrize("paced", [True, False])
+def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> None:
+    """[Note: paced ring]: paced, the issuing thread polls the slot's event (sleeping, not
+    spinning on the GIL) and issues the chunk after it lands; unpaced, it issues at once."""
+    ring = StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=4, slots=2)
+    n = 8  # two chunks: one per slot
+    master = torch.zeros(n)
+    piece = StreamPiece(
+        master,
+        torch.zeros(n),
+        torch.zeros(n),
+        torch.ones(n),
+        1.0,
+        AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, True),
+    )
+    opened = threading.Event()
+    gates = [_SlotGate(opened) for _ in ring.slots]
+    for slot, gate in zip(ring.slots, gates, strict=True):
+        slot.free = gate  # type: ignore[assignment]
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (ring.issue([piece], None, paced=paced), done.set()))
+    thread.start()
+    try:
+        if paced:
+            assert _wait_until(lambda: gates[0].queries >= 3), "it polls the slot"
+            assert not done.is_set() and torch.equal(master, torch.zeros(n)), "nothing issued"
+            opened.set()
+        assert done.wait(timeout=10.0)
+    finally:
+        opened.set()
+        thread.join(timeout=10.0)
+    assert not torch.equal(master, torch.zeros(n)), "both chunks stepped"
+    assert (gates[0].queries > 0) == paced and (gates[1].queries > 0) == paced
+
+
 def test_the_queue_publishes_in_issue_order_once_landed() -> None:
     """Entries publish in the order issued, each with its own callback, and not past the
     first whose downloads have not landed; ``wait`` publishes the rest."""
@@ -498,11 +567,13 @@ def test_an_error_on_the_issuing_thread_reaches_the_training_loop(
     issue = StreamRing.issue  # the fixture's counting wrapper
     calls = {"n": 0}
 
-    def failing(self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None) -> Any:
+    def failing(
+        self: StreamRing, pieces: list[StreamPiece], grad_scale: float | None, **kw: Any
+    ) -> Any:
         calls["n"] += 1
         if calls["n"] == 2:
             raise RuntimeError("issue failed on purpose")
-        return issue(self, pieces, grad_scale)
+        return issue(self, pieces, grad_scale, **kw)
 
     monkeypatch.setattr(StreamRing, "issue", failing)
     trainer = test_speculate.Trainer(False, issue_thread=True, overlap=False)

@@ -298,6 +298,10 @@ class HybridAdam(torch.optim.Optimizer):
             383-389 ms on another, W4's (bf16 moments) from 1090 to 1043 ms, and W3's
             (issuing 12-24 ms of its step) stayed at 470 ms (BENCHMARKS.md, session 25).
             ``False`` issues them on the host worker before its host steps.
+        paced_ring: with ``issue_thread``, the issuing thread issues each ring chunk only
+            once its slot is free (see [Note: paced ring] in streamed.py), so that the
+            next forward's parameter prefetches are not queued behind the whole ring's
+            copies. Values are the same either way.
         speculation_thread: run the speculative steps that grad-ready hooks submit
             (:meth:`submit_speculation`, ``AMPOptimizer(speculate_fp16=True)``) on a
             thread of their own instead of in the hook. The host worker then keeps taking
@@ -328,6 +332,7 @@ class HybridAdam(torch.optim.Optimizer):
         module: OffloadModule | None = None,
         issue_thread: bool = True,
         speculation_thread: bool = False,
+        paced_ring: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -372,6 +377,7 @@ class HybridAdam(torch.optim.Optimizer):
         first use)."""
         self._issuing = 0
         """Issuing tasks running on that thread: the ring stays open while one runs."""
+        self.paced_ring = paced_ring
         self.speculation_thread = speculation_thread
         self._speculator: ThreadPoolExecutor | None = None
         """The thread speculative steps run on with ``speculation_thread`` (made at the
@@ -750,10 +756,12 @@ class HybridAdam(torch.optim.Optimizer):
         segments: list[_Segment],
         grad_scale: float | None,
         hypers: dict[int, AdamHyper] | None,
+        paced: bool = False,
     ) -> Event | None:
         """Queue streamed region ``r``'s device step on ``ring`` (counting the step);
         returns the event after its downloads. Its fp16-I/O flags are set as the host
-        step sets them; nothing may read its buffers before the event."""
+        step sets them; nothing may read its buffers before the event. ``paced``: see
+        [Note: paced ring] in streamed.py (the issuing thread only)."""
         rs = self._regions[r]
         io = self._staged_io(rs, segments)
         pieces = []
@@ -773,7 +781,7 @@ class HybridAdam(torch.optim.Optimizer):
                     None if io is None else io[1][a:b],
                 )
             )
-        landed = ring.issue(pieces, grad_scale)
+        landed = ring.issue(pieces, grad_scale, paced=paced)
         if io is not None:
             self._consumed(rs.storage)
         return landed
@@ -1317,7 +1325,7 @@ class HybridAdam(torch.optim.Optimizer):
                     {r: partial(finish_streamed, r) for r, _ in streamed_jobs},
                 )
                 if self.issue_thread:
-                    issuing = self._issue_elsewhere(issue)
+                    issuing = self._issue_elsewhere(partial(issue, paced=self.paced_ring))
                 else:
                     issue()
             if commit is not None:
@@ -1374,6 +1382,7 @@ class HybridAdam(torch.optim.Optimizer):
         grad_scale: float | None,
         hypers: dict[int, AdamHyper] | None,
         publish: dict[int, Callable[..., None]],
+        paced: bool = False,
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
         order (the host worker: step()'s task or a hook's :meth:`issue_region`; or the
@@ -1383,7 +1392,7 @@ class HybridAdam(torch.optim.Optimizer):
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
                     start = time.perf_counter()
-                    landed = self._issue_streamed(ring, r, segments, grad_scale, hypers)
+                    landed = self._issue_streamed(ring, r, segments, grad_scale, hypers, paced)
                     issued = time.perf_counter() - start
                 queue.add(r, landed, start, partial(publish[r], issue_s=issued))
 

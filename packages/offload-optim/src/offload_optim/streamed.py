@@ -39,6 +39,18 @@ thread issues: between its host steps the task checks whether the thread is done
 the ring closes at the first check after that once every streamed region has landed.
 ``issue_thread=False`` issues on the host worker, before its host steps.
 
+[Note: paced ring]
+Unpaced, the ring queues every chunk of a task at once, each slot's next upload waiting
+on the device for its last download. The copies sit on the copy engine's queue ahead of
+whatever is issued after them, and the runtime's prefetches of the next forward's
+parameters are (the h2d stream): on an H200 (session 28) the forward's uploads ran
+100-200 ms after they were issued while the ring's 5-20 GB went up first, and the
+compute stream idled 130-210 ms per step with its kernels queued (W2, W3 and W4, profiled
+steps of ``offload_bench.py``). ``issue(..., paced=True)`` issues a chunk only once its
+slot's last download has landed, so at most a slot's worth of copies is queued ahead of
+a prefetch. The issuing thread then blocks, so only the issuing thread
+(``HybridAdam(issue_thread=True)``) paces; the host worker and the hooks never do.
+
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
 computes, and within rounding (about 1e-7 of an update) of ``"single_pass"``. A streamed
@@ -153,6 +165,18 @@ def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, i
     return state + grad, state + (2 if fp16_io else 0)
 
 
+PACE_POLL_S = 1e-4
+"""Seconds a paced ring's issuing thread sleeps between checks that a slot is free."""
+
+
+def wait_polling(event: Event, poll_s: float = PACE_POLL_S) -> None:
+    """Block until ``event`` has happened, sleeping ``poll_s`` between queries: the thread
+    gives up its core (``Event.synchronize`` may spin on one that the host Adam uses) and
+    the GIL."""
+    while not event.query():
+        time.sleep(poll_s)
+
+
 @dataclass
 class _Slot:
     master: torch.Tensor
@@ -245,9 +269,13 @@ class StreamRing:
         self._next = 0
         self._last: Event | None = None
 
-    def issue(self, pieces: list[StreamPiece], grad_scale: float | None) -> Event | None:
+    def issue(
+        self, pieces: list[StreamPiece], grad_scale: float | None, *, paced: bool = False
+    ) -> Event | None:
         """Queue the device step of ``pieces``; returns the event after their last download
-        (None on the CPU, where everything ran already). Blocks on nothing on CUDA."""
+        (None on the CPU, where everything ran already). Blocks on nothing on CUDA unless
+        ``paced``: then each chunk is issued only once its slot is free, the calling
+        thread polling for it (see [Note: paced ring])."""
         # Made on the step stream, the only one that reads them (so that their memory is
         # reused in that stream's order).
         with self.step.context():
@@ -258,7 +286,7 @@ class StreamRing:
             total = piece.master.numel()
             for a in range(0, total, self.chunk):
                 b = min(total, a + self.chunk)
-                self._chunk(piece, a, b, step, scale)
+                self._chunk(piece, a, b, step, scale, paced)
         return self._last
 
     def _chunk(
@@ -268,9 +296,12 @@ class StreamRing:
         b: int,
         step: torch.Tensor,
         scale: torch.Tensor | None,
+        paced: bool = False,
     ) -> None:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
+        if paced and slot.free is not None:
+            wait_polling(slot.free)
         n = b - a
         sp, sm, sv = slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]
         sg = self._grad_buffer(slot, piece.grad.dtype)[:n]
