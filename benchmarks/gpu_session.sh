@@ -96,8 +96,8 @@
 #   pace    the streamed gpu test, then PIN_WORKLOAD (default W3) planned and run once
 #           unpaced, then that plan paced (BENCH_STREAM_PACED=1) and unpaced,
 #           alternating, ROUNDS rounds (default 1), and one more paced; then W2 planned
-#           unpaced and run paced on that plan (skipped with PACE_W2=0); each row's run
-#           mean                                                              ~6 min
+#           unpaced and run paced on that plan, 20 timed steps each (skipped with
+#           PACE_W2=0); each row's run mean. ROUNDS=0: W3 once each way       ~5 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -254,8 +254,9 @@ case "$phase" in
     BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 150 "${w}_pace_on$((${ROUNDS:-1} + 1))"
     python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_pace_*.json | tee "$out/${w}_pace.txt"
     if [[ ${PACE_W2:-1} != 0 ]]; then
-      BENCH_STREAM_PACED=0 bench W2 "$k" 150 W2_pace_source
-      BENCH_PLAN_FROM="$out/W2_pace_source.json" BENCH_STREAM_PACED=1 bench W2 "$k" 150 W2_pace_on1
+      BENCH_STEPS=20 BENCH_STREAM_PACED=0 bench W2 "$k" 150 W2_pace_source
+      BENCH_STEPS=20 BENCH_PLAN_FROM="$out/W2_pace_source.json" BENCH_STREAM_PACED=1 \
+        bench W2 "$k" 150 W2_pace_on1
       python3 "$root/benchmarks/pin_rows.py" W2 "$k" "$out"/W2_pace_*.json | tee "$out/W2_pace.txt"
     fi ;;
   s28)
