@@ -412,7 +412,7 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 @pytest.mark.parametrize(
     ("issue_thread", "speculation_thread", "paced_ring"),
     [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
-    ids=["worker_issues", "issue_thread", "speculation_thread", "paced_ring"],
+    ids=["worker_issues", "issue_thread_unpaced", "speculation_thread", "paced_ring"],
 )
 def test_cuda_streamed_regions_step_on_the_device(
     monkeypatch: pytest.MonkeyPatch, issue_thread: bool, speculation_thread: bool, paced_ring: bool

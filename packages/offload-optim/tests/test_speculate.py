@@ -68,7 +68,7 @@ class Trainer:
         fp16_io: bool = False,
         issue_thread: bool = False,
         speculation_thread: bool = False,
-        paced_ring: bool = False,
+        paced_ring: bool = True,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro

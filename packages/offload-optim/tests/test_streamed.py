@@ -86,8 +86,8 @@ CASES: dict[str, dict[str, Any]] = {
     "issue_thread_bf16_moments": {"issue_thread": True, "moments": torch.bfloat16},
     "issue_thread_accumulate_2": {"issue_thread": True, "micro": 2},
     "issue_thread_no_overlap": {"issue_thread": True, "overlap": False},
-    "paced_ring": {"issue_thread": True, "paced_ring": True},
-    "paced_ring_no_overlap": {"issue_thread": True, "paced_ring": True, "overlap": False},
+    "unpaced_ring": {"issue_thread": True, "paced_ring": False},
+    "unpaced_ring_no_overlap": {"issue_thread": True, "paced_ring": False, "overlap": False},
     "paced_ring_on_the_worker": {"paced_ring": True},
 }
 
@@ -122,7 +122,7 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
     # Only the issuing thread paces (see [Note: paced ring]); the host worker and the
     # hooks never block on the ring.
     paced_by = {thread for thread, paced in streaming["paced"] if paced}
-    if kwargs.get("paced_ring") and kwargs.get("issue_thread"):
+    if kwargs.get("paced_ring", True) and kwargs.get("issue_thread"):
         assert paced_by == {"offload-stream-issue"}
     else:
         assert paced_by == set()

@@ -301,7 +301,11 @@ class HybridAdam(torch.optim.Optimizer):
         paced_ring: with ``issue_thread``, the issuing thread issues each ring chunk only
             once its slot is free (see [Note: paced ring] in streamed.py), so that the
             next forward's parameter prefetches are not queued behind the whole ring's
-            copies. Values are the same either way.
+            copies. Values are the same either way. On by default: on an H200, one plan
+            run each way (BENCHMARKS.md, session 28), W3's mean step over the run went
+            from 465 to 439 ms and W2's from 393 to 380, their steps no longer
+            alternating long and short; the prefetches W2's forward waited on ran at most
+            17 ms after they were issued instead of 186.
         speculation_thread: run the speculative steps that grad-ready hooks submit
             (:meth:`submit_speculation`, ``AMPOptimizer(speculate_fp16=True)``) on a
             thread of their own instead of in the hook. The host worker then keeps taking
@@ -332,7 +336,7 @@ class HybridAdam(torch.optim.Optimizer):
         module: OffloadModule | None = None,
         issue_thread: bool = True,
         speculation_thread: bool = False,
-        paced_ring: bool = False,
+        paced_ring: bool = True,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")

@@ -49,7 +49,12 @@ compute stream idled 130-210 ms per step with its kernels queued (W2, W3 and W4,
 steps of ``offload_bench.py``). ``issue(..., paced=True)`` issues a chunk only once its
 slot's last download has landed, so at most a slot's worth of copies is queued ahead of
 a prefetch. The issuing thread then blocks, so only the issuing thread
-(``HybridAdam(issue_thread=True)``) paces; the host worker and the hooks never do.
+(``HybridAdam(issue_thread=True)``, with ``paced_ring=True``: both the default) paces;
+the host worker and the hooks never do. One plan run each way (session 28): W3's mean
+step 465 -> 439 ms, W2's 393 -> 380 ms, with the longest prefetch wait in W2's profiled
+steps 186 -> 17 ms. The planner still models the unpaced ring (every copy up on the H2D
+lane in issue order, [Note: streamed steps] in the solver's simulator), so it predicts a
+paced step as it would the unpaced one.
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
