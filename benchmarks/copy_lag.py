@@ -1,0 +1,105 @@
+"""How long copies waited on the device after they were issued, per stream, from a trace.
+
+    python benchmarks/copy_lag.py TRACE.json.gz [--streams 13,21] [--compute 7]
+
+For a ``torch.profiler`` trace of ``offload_bench.py --profile-dir`` (two profiled steps):
+for each stream named (default: every stream that copies), the copies' lag, from the
+``cudaMemcpyAsync`` call that issued each to its start on the device (ms: median, and
+the largest with the time they started, from the trace's first event); then the gaps of
+more than ``--gap-ms`` between kernels on the compute stream (default: the stream that ran
+most kernels), with the time each began. A prefetch that waits behind other copies shows
+as a long lag on the runtime's h2d stream beside a gap in compute ([Note: paced ring] in
+offload_optim/streamed.py). Stream numbers are the trace's own; the row's
+``profile_streams`` says what each carried.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import itertools
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+def load(path: Path) -> list[dict[str, Any]]:
+    """The trace's events (gzip or plain JSON)."""
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        events: list[dict[str, Any]] = json.load(f)["traceEvents"]
+    return events
+
+
+def copy_lags(events: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Per stream, (lag ms, device start ms from the first event) of every copy whose
+    issuing runtime call is in the trace."""
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    t0 = min(float(e["ts"]) for e in spans)
+    issued = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in spans
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
+    for e in spans:
+        if e.get("cat") != "gpu_memcpy":
+            continue
+        at = issued.get(e.get("args", {}).get("correlation"))
+        if at is not None:
+            out[str(e["tid"])].append(((float(e["ts"]) - at) / 1e3, (float(e["ts"]) - t0) / 1e3))
+    return dict(out)
+
+
+def compute_gaps(
+    events: list[dict[str, Any]], stream: str | None, gap_ms: float
+) -> tuple[str, list[tuple[float, float]]]:
+    """(the compute stream, [(gap start ms, gap ms)]) between its kernels."""
+    kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
+    if stream is None:
+        stream = collections.Counter(str(e["tid"]) for e in kernels).most_common(1)[0][0]
+    t0 = min(float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e)
+    mine = sorted((e for e in kernels if str(e["tid"]) == stream), key=lambda e: e["ts"])
+    gaps = []
+    for a, b in itertools.pairwise(mine):
+        end = float(a["ts"]) + float(a["dur"])
+        gap = (float(b["ts"]) - end) / 1e3
+        if gap > gap_ms:
+            gaps.append(((end - t0) / 1e3, gap))
+    return stream, gaps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("trace", type=Path)
+    parser.add_argument("--streams", help="comma-separated stream numbers (default: all)")
+    parser.add_argument("--compute", help="the compute stream (default: most kernels)")
+    parser.add_argument("--gap-ms", type=float, default=5.0)
+    parser.add_argument("--top", type=int, default=3, help="largest lags shown per stream")
+    args = parser.parse_args(argv)
+    events = load(args.trace)
+    lags = copy_lags(events)
+    wanted = args.streams.split(",") if args.streams else sorted(lags, key=int)
+    for sid in wanted:
+        rows = lags.get(sid, [])
+        if not rows:
+            print(f"stream {sid}: no copies")
+            continue
+        top = sorted(rows, reverse=True)[: args.top]
+        shown = ", ".join(f"{lag:.0f} ms at {at:.0f}" for lag, at in top)
+        median = statistics.median(r[0] for r in rows)
+        print(f"stream {sid}: {len(rows)} copies, lag median {median:.1f} ms, largest {shown}")
+    stream, gaps = compute_gaps(events, args.compute, args.gap_ms)
+    listed = ", ".join(f"{g:.0f} ms at {at:.0f}" for at, g in gaps)
+    total = sum(g for _, g in gaps)
+    print(
+        f"compute stream {stream}: {len(gaps)} gaps over {args.gap_ms:g} ms, {total:.0f} ms in "
+        f"all: {listed}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
