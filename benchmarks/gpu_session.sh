@@ -93,7 +93,8 @@
 #           and torchao, then W1 ours and full GPU for ROUNDS rounds (default 2, the
 #           order swapped each round) and their median ratio: the rows a session
 #           that already ran w2s and w4fsp still needs for every target      ~9 min
-#   pace    the streamed gpu test, then PIN_WORKLOAD (default W3) planned and run once
+#   pace    the streamed gpu test, then PIN_WORKLOAD (default W3) as PIN_KIND (default
+#           ours_io_spec1_stream; W4: ours_io_bf16m_spec1_stream) planned and run once
 #           unpaced, then that plan paced (BENCH_STREAM_PACED=1) and unpaced,
 #           alternating, ROUNDS rounds (default 1), and one more paced; then W2 planned
 #           unpaced and run paced on that plan, 20 timed steps each (skipped with
@@ -245,15 +246,16 @@ case "$phase" in
       "$root/packages/offload-optim/tests/test_gpu.py" -k streamed_regions_step_on_the_device \
       2>&1 | tee "$out/pace_gpu_test.log" | tail -3
     w=${PIN_WORKLOAD:-W3}
-    k=ours_io_spec1_stream
-    BENCH_STREAM_PACED=0 bench "$w" "$k" 150 "${w}_pace_source"
+    k=${PIN_KIND:-ours_io_spec1_stream}
+    BENCH_STREAM_PACED=0 bench "$w" "$k" 280 "${w}_pace_source"
     for i in $(seq 1 "${ROUNDS:-1}"); do
-      BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 150 "${w}_pace_on$i"
-      BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=0 bench "$w" "$k" 150 "${w}_pace_off$i"
+      BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 280 "${w}_pace_on$i"
+      BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=0 bench "$w" "$k" 280 "${w}_pace_off$i"
     done
-    BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 150 "${w}_pace_on$((${ROUNDS:-1} + 1))"
+    BENCH_PLAN_FROM="$out/${w}_pace_source.json" BENCH_STREAM_PACED=1 bench "$w" "$k" 280 "${w}_pace_on$((${ROUNDS:-1} + 1))"
     python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_pace_*.json | tee "$out/${w}_pace.txt"
     if [[ ${PACE_W2:-1} != 0 ]]; then
+      k=ours_io_spec1_stream
       BENCH_STEPS=20 BENCH_STREAM_PACED=0 bench W2 "$k" 150 W2_pace_source
       BENCH_STEPS=20 BENCH_PLAN_FROM="$out/W2_pace_source.json" BENCH_STREAM_PACED=1 \
         bench W2 "$k" 150 W2_pace_on1
