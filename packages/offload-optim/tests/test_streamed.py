@@ -529,6 +529,7 @@ def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> 
         thread.join(timeout=10.0)
     assert not torch.equal(master, torch.zeros(n)), "both chunks stepped"
     assert (gates[0].queries > 0) == paced and (gates[1].queries > 0) == paced
+    assert (ring.paced_wait_s > 0) == paced, "the waits are counted"
 
 
 def test_the_queue_publishes_in_issue_order_once_landed() -> None:

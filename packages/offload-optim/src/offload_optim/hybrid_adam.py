@@ -135,7 +135,10 @@ class RegionStepTiming:
     issue_s: float = 0.0
     """A streamed region: seconds spent issuing its device work (copies, kernels and
     events per ring chunk), on the host worker or, with ``issue_thread``, on the issuing
-    thread; 0 for the others."""
+    thread, not counting ``paced_wait_s``; 0 for the others."""
+    paced_wait_s: float = 0.0
+    """A streamed region issued by a paced ring (``HybridAdam(paced_ring=True)``): seconds
+    the issuing thread waited for free ring slots while issuing it; 0 otherwise."""
 
     @property
     def on_host(self) -> bool:
@@ -1300,16 +1303,23 @@ class HybridAdam(torch.optim.Optimizer):
         done: set[int] = set()
 
         def finish(
-            r: int, start: float, end: float, streamed: bool = False, issue_s: float = 0.0
+            r: int,
+            start: float,
+            end: float,
+            streamed: bool = False,
+            issue_s: float = 0.0,
+            paced_wait_s: float = 0.0,
         ) -> None:
             controller.publish(r)
-            sink.append(RegionStepTiming(r, start, end, True, streamed, issue_s))
+            sink.append(RegionStepTiming(r, start, end, True, streamed, issue_s, paced_wait_s))
             futures[r].set_result(None)
             done.add(r)
 
-        def finish_streamed(r: int, start: float, end: float, issue_s: float = 0.0) -> None:
+        def finish_streamed(
+            r: int, start: float, end: float, issue_s: float = 0.0, paced_wait_s: float = 0.0
+        ) -> None:
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
-                finish(r, start, end, streamed=True, issue_s=issue_s)
+                finish(r, start, end, True, issue_s, paced_wait_s)
 
         streamed_jobs = [
             (r, segments) for r, segments in jobs if segments and self._regions[r].storage.streamed
@@ -1390,15 +1400,19 @@ class HybridAdam(torch.optim.Optimizer):
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
         order (the host worker: step()'s task or a hook's :meth:`issue_region`; or the
-        issuing thread with ``issue_thread``); ``publish[r](start_s, end_s, issue_s=)``
-        publishes region ``r`` once landed."""
+        issuing thread with ``issue_thread``); ``publish[r](start_s, end_s, issue_s=,
+        paced_wait_s=)`` publishes region ``r`` once landed."""
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
                     start = time.perf_counter()
+                    waited = ring.paced_wait_s
                     landed = self._issue_streamed(ring, r, segments, grad_scale, hypers, paced)
-                    issued = time.perf_counter() - start
-                queue.add(r, landed, start, partial(publish[r], issue_s=issued))
+                    waited = ring.paced_wait_s - waited
+                    issued = time.perf_counter() - start - waited
+                queue.add(
+                    r, landed, start, partial(publish[r], issue_s=issued, paced_wait_s=waited)
+                )
 
     def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:
         """Host worker: run ``issue`` on the issuing thread; the ring stays open until
@@ -1503,10 +1517,12 @@ class HybridAdam(torch.optim.Optimizer):
                 self.publish_streamed()
             return True
 
-        def publish(start: float, end: float, issue_s: float = 0.0) -> None:
+        def publish(
+            start: float, end: float, issue_s: float = 0.0, paced_wait_s: float = 0.0
+        ) -> None:
             with torch.profiler.record_function(f"streamed step {r} (publish)"):
                 controller.publish(r)
-                sink.append(RegionStepTiming(r, start, end, True, True, issue_s))
+                sink.append(RegionStepTiming(r, start, end, True, True, issue_s, paced_wait_s))
                 done()
 
         ring, queue = self._streaming_session()

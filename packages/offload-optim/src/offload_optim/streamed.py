@@ -273,6 +273,8 @@ class StreamRing:
             )
         self._next = 0
         self._last: Event | None = None
+        self.paced_wait_s = 0.0
+        """Seconds the issuing thread has waited for free slots (``issue(paced=True)``)."""
 
     def issue(
         self, pieces: list[StreamPiece], grad_scale: float | None, *, paced: bool = False
@@ -305,8 +307,10 @@ class StreamRing:
     ) -> None:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
-        if paced and slot.free is not None:
+        if paced and slot.free is not None and not slot.free.query():
+            waited = time.perf_counter()
             wait_polling(slot.free)
+            self.paced_wait_s += time.perf_counter() - waited
         n = b - a
         sp, sm, sv = slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]
         sg = self._grad_buffer(slot, piece.grad.dtype)[:n]
