@@ -1,16 +1,17 @@
-"""How long copies waited on the device after they were issued, per stream, from a trace.
+"""How fast copies ran and how long they waited after they were issued, per stream, from a
+trace.
 
     python benchmarks/copy_lag.py TRACE.json.gz [--streams 13,21] [--compute 7]
 
 For a ``torch.profiler`` trace of ``offload_bench.py --profile-dir`` (two profiled steps):
-for each stream named (default: every stream that copies), the copies' lag, from the
-``cudaMemcpyAsync`` call that issued each to its start on the device (ms: median, and
-the largest with the time they started, from the trace's first event); then the gaps of
-more than ``--gap-ms`` between kernels on the compute stream (default: the stream that ran
-most kernels), with the time each began. A prefetch that waits behind other copies shows
-as a long lag on the runtime's h2d stream beside a gap in compute ([Note: paced ring] in
-offload_optim/streamed.py). Stream numbers are the trace's own; the row's
-``profile_streams`` says what each carried.
+for each stream named (default: every stream that copies), the rate its copies moved
+bytes at while they ran, and their lag, from the ``cudaMemcpyAsync`` call that issued
+each to its start on the device (ms: median, and the largest with the time they started,
+from the trace's first event); then the gaps of more than ``--gap-ms`` between kernels on
+the compute stream (default: the stream that ran most kernels), with the time each
+began. A prefetch that waits behind other copies shows as a long lag on the runtime's h2d
+stream beside a gap in compute ([Note: paced ring] in offload_optim/streamed.py). Stream
+numbers are the trace's own; the row's ``profile_streams`` says what each carried.
 """
 
 from __future__ import annotations
@@ -53,6 +54,17 @@ def copy_lags(events: list[dict[str, Any]]) -> dict[str, list[tuple[float, float
     return dict(out)
 
 
+def copy_rates(events: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
+    """Per stream, (bytes copied, seconds the copies ran) over the trace."""
+    out: dict[str, tuple[int, float]] = {}
+    for e in events:
+        if e.get("cat") == "gpu_memcpy" and e.get("ph") == "X":
+            sid = str(e["tid"])
+            moved, took = out.get(sid, (0, 0.0))
+            out[sid] = (moved + int(e.get("args", {}).get("bytes", 0)), took + e["dur"] / 1e6)
+    return out
+
+
 def compute_gaps(
     events: list[dict[str, Any]], stream: str | None, gap_ms: float
 ) -> tuple[str, list[tuple[float, float]]]:
@@ -81,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     events = load(args.trace)
     lags = copy_lags(events)
+    rates = copy_rates(events)
     wanted = args.streams.split(",") if args.streams else sorted(lags, key=int)
     for sid in wanted:
         rows = lags.get(sid, [])
@@ -90,7 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         top = sorted(rows, reverse=True)[: args.top]
         shown = ", ".join(f"{lag:.0f} ms at {at:.0f}" for lag, at in top)
         median = statistics.median(r[0] for r in rows)
-        print(f"stream {sid}: {len(rows)} copies, lag median {median:.1f} ms, largest {shown}")
+        moved, took = rates[sid]
+        print(
+            f"stream {sid}: {len(rows)} copies, {moved / took / 1e9:.1f} GB/s while copying "
+            f"({took * 1e3:.0f} ms), lag median {median:.1f} ms, largest {shown}"
+        )
     stream, gaps = compute_gaps(events, args.compute, args.gap_ms)
     listed = ", ".join(f"{g:.0f} ms at {at:.0f}" for at, g in gaps)
     total = sum(g for _, g in gaps)

@@ -89,6 +89,10 @@
 #           thread (BENCH_SPECULATION_THREAD=1) and without, alternating, ROUNDS rounds
 #           (default 2), each planned from the first row (BENCH_PLAN_FROM); then each
 #           row's run mean. W2 with BENCH_STEPS=20                               ~9 min
+#   upfrac  plans with streamed copies up at the full H2D rate (the profile's) and at
+#           UP_FRACTION (default 0.7; BENCH_STREAM_UP_FRACTION), alternating, ROUNDS
+#           rounds (default 1): W3 ours_io_spec1_stream, W2 the same with 20 timed
+#           steps; then each row's run mean and plan (the two plan apart)       ~5 min
 #   s28     W4 bf16 moments streamed beside torchao, W3 ours_io_spec1_stream beside FSDP2
 #           and torchao, then W1 ours and full GPU for ROUNDS rounds (default 2, the
 #           order swapped each round) and their median ratio: the rows a session
@@ -106,7 +110,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -241,6 +245,17 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
+  upfrac)
+    k=ours_io_spec1_stream
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      bench W3 "$k" 150 "W3_upfull$i"
+      BENCH_STREAM_UP_FRACTION=${UP_FRACTION:-0.7} bench W3 "$k" 150 "W3_upfrac$i"
+      BENCH_STEPS=20 bench W2 "$k" 150 "W2_upfull$i"
+      BENCH_STEPS=20 BENCH_STREAM_UP_FRACTION=${UP_FRACTION:-0.7} bench W2 "$k" 150 "W2_upfrac$i"
+    done
+    for w in W3 W2; do
+      python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_up*.json | tee -a "$out/upfrac.txt"
+    done ;;
   pace)
     python3 -m pytest -q -rA -p no:cacheprovider -m gpu \
       "$root/packages/offload-optim/tests/test_gpu.py" -k streamed_regions_step_on_the_device \

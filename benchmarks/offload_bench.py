@@ -80,7 +80,9 @@ build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (speculati
 steps on a thread of their own); rows record ``speculation_thread``. Set
 BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unset: the
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
-rows record ``paced_ring``.
+rows record ``paced_ring``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
+at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``; unset: the profile's,
+1); rows record it in ``profile``.
 """
 
 from __future__ import annotations
@@ -421,6 +423,8 @@ def _ours(
         if paced_env is None
         else paced_env != "0"
     )
+    up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")
+    stream_up_fraction = float(up_env) if up_env else None
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -493,6 +497,7 @@ def _ours(
                 else None
             ),
             polish_rounds=polish_rounds,
+            stream_up_fraction=stream_up_fraction,
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -684,6 +689,7 @@ def _ours(
         "op_overhead_us": plan_hw.op_overhead_s * 1e6,
         "device_memory_tbps": plan_hw.device_memory_bytes_per_s / 1e12,
         "host_copy_contention": plan_hw.host_copy_contention,
+        "stream_up_fraction": plan_hw.stream_up_fraction,
     }
     # The whole profile too (bandwidth curves included), so that replay_bench.py replays
     # the plan exactly instead of scaling the default curves to the plateaus above.

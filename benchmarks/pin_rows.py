@@ -33,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
         matches = row.get("plan_matches_source", "source")
         print(
             f"{path.name}: run mean {row['step_mean_ms']:.0f} ms, 5 fastest "
-            f"{row['step_ms']:.0f} ms, speculation_thread {row.get('speculation_thread')}, "
+            f"{row['step_ms']:.0f} ms, predicted {row.get('pred_step_ms', float('nan')):.0f} ms, "
+            f"{row.get('streamed_regions', 0)} streamed, "
+            f"stream_up_fraction {row.get('profile', {}).get('stream_up_fraction', 1.0)}, "
+            f"speculation_thread {row.get('speculation_thread')}, "
             f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
             f"plan matches the source: {matches}"
         )

@@ -56,13 +56,24 @@ def workload_profile(workload: str) -> Any:
 
 
 def row_hardware(
-    row: dict[str, Any], host_adam_gparam: float, *, op_overhead_us: float | None = None
+    row: dict[str, Any],
+    host_adam_gparam: float,
+    *,
+    op_overhead_us: float | None = None,
+    stream_up: float | None = None,
 ) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
-    set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``
-    when given): the whole profile where the row records it (from session 20 on), else
-    the row's figures on the default bandwidth curves scaled to its plateaus
-    (``plan_predict.replay_hardware``)."""
+    set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``,
+    its ``stream_up_fraction`` to ``stream_up``, when given): the whole profile where the
+    row records it (from session 20 on), else the row's figures on the default bandwidth
+    curves scaled to its plateaus (``plan_predict.replay_hardware``)."""
+    hw = _row_hardware(row, host_adam_gparam, op_overhead_us)
+    return hw if stream_up is None else dataclasses.replace(hw, stream_up_fraction=stream_up)
+
+
+def _row_hardware(
+    row: dict[str, Any], host_adam_gparam: float, op_overhead_us: float | None
+) -> Any:
     from offload_solver import HardwareProfile
 
     p = row["profile"]
@@ -272,7 +283,18 @@ def main(argv: list[str] | None = None) -> int:
         "of the one its profile read: how a launch-bound row's prediction (W1) follows the "
         "probe",
     )
+    parser.add_argument(
+        "--stream-up-fraction",
+        type=float,
+        default=None,
+        metavar="F",
+        help="replan every row with streamed copies up at this fraction of the H2D rate "
+        "(HardwareProfile.stream_up_fraction) instead of the row's own (1 before session "
+        "28's change; its traces read 0.69-0.74, benchmarks/copy_lag.py)",
+    )
     args = parser.parse_args(argv)
+    if args.stream_up_fraction is not None and not 0 < args.stream_up_fraction <= 1:
+        parser.error(f"--stream-up-fraction must be in (0, 1], got {args.stream_up_fraction}")
     if args.op_overhead_us is not None and not args.op_overhead_us >= 0:
         parser.error(f"--op-overhead-us must be >= 0, got {args.op_overhead_us}")
     if args.speculative_step_cost_all is not None and not args.speculative_step_cost_all >= 1:
@@ -372,12 +394,13 @@ def main(argv: list[str] | None = None) -> int:
                             moments, base_kind in FP16_IO, chunk_numel=16 << 20
                         )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
-                hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us)
+                up = args.stream_up_fraction
+                hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us, stream_up=up)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)
                 busy_in_loop = loop_busy_ms(row)
                 if args.host_rate == "loop" and busy_in_loop:
                     rate *= planned_host_busy_s(plan) * 1e3 / busy_in_loop
-                    hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us)
+                    hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us, stream_up=up)
                     plan = solve(variant, hw, budget_gib * GiB, **planning)
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3

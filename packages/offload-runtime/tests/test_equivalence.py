@@ -334,6 +334,33 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     for kwargs in bad:
         with pytest.raises(ValueError, match="host_step"):
             planning_hardware(hw, **kwargs)
+    # The streamed copies' share of the H2D rate, set when given (the profile's otherwise).
+    assert planning_hardware(hw, stream_up_fraction=0.7).stream_up_fraction == 0.7
+    assert planning_hardware(hw).stream_up_fraction == hw.stream_up_fraction == 1.0
+    for fraction in (0.0, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="stream_up_fraction"):
+            planning_hardware(hw, stream_up_fraction=fraction)
+
+
+def test_a_bad_stream_up_fraction_is_refused_before_tracing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import offload_runtime.api as api
+
+    def no_trace(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("traced before the arguments were checked")
+
+    monkeypatch.setattr(api, "trace", no_trace)
+    with pytest.raises(ValueError, match="stream_up_fraction"):
+        memory_optimize(
+            tiny_gpt2(),
+            inputs(),
+            2**30,
+            "asyn",
+            device="cpu",
+            progress=False,
+            stream_up_fraction=0.0,
+        )
 
 
 def test_a_slower_host_optimizer_is_planned_for() -> None:

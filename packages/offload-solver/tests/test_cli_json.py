@@ -92,6 +92,22 @@ def test_hardware_json_without_copy_contention_loads_as_none() -> None:
     assert HardwareProfile.from_json(loaded.to_json()) == loaded
 
 
+def test_hardware_json_without_stream_up_fraction_loads_at_the_full_rate() -> None:
+    # Profiles recorded before the field existed (every row before session 28's change)
+    # charge streamed copies up at the full H2D rate, as they were planned.
+    hw = dataclasses.replace(default_hardware(), stream_up_fraction=0.7)
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    old = json.loads(hw.to_json())
+    del old["stream_up_fraction"]
+    assert HardwareProfile.from_json(json.dumps(old)).stream_up_fraction == 1.0
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5, float("nan")])
+def test_bad_stream_up_fraction_is_named(fraction: float) -> None:
+    with pytest.raises(ValueError, match="stream_up_fraction"):
+        dataclasses.replace(flat_hardware(), stream_up_fraction=fraction)
+
+
 @pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
 def test_bad_device_memory_rate_is_named(rate: float) -> None:
     with pytest.raises(ValueError, match="device_memory_bytes_per_s"):

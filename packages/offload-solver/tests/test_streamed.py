@@ -158,6 +158,31 @@ def test_a_streamed_region_is_stepped_on_the_device_after_the_answer() -> None:
     assert res.peak_bytes == steady.last.stream_peak_bytes == 1110
 
 
+def test_streamed_copies_up_run_at_the_profiles_fraction_of_h2d() -> None:
+    # The first test's step with stream_up_fraction 0.5: region 1's state goes up in 2 s
+    # instead of 1 [11.4,13.4]; its device step [13.4,13.5], down [13.5,14.5] and post-step
+    # upload [14.5,14.7] move with it. Region 2's post-step upload, issued at 13.2, now
+    # waits for the copy up on the H2D lane: [13.4,13.6].
+    hw = dataclasses.replace(
+        flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0),
+        stream_up_fraction=0.5,
+    )
+    ctx = SimulationContext.build(
+        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+    )
+    asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
+    res = get_simulator("async").simulate(ctx, asg)
+    got = {(stream, r, kind): span for stream, r, kind, span in intervals(res.timeline)}
+    assert got["h2d", 1, "stream_up"] == pytest.approx((11.4, 13.4))
+    assert got["compute", 1, "stream_step"] == pytest.approx((13.4, 13.5))
+    assert got["d2h", 1, "stream_down"] == pytest.approx((13.5, 14.5))
+    assert got["h2d", 2, "param_upload"] == pytest.approx((13.4, 13.6))
+    assert got["h2d", 1, "param_upload"] == pytest.approx((14.5, 14.7))
+    assert res.step_time_s == pytest.approx(14.7)
+    # Parameter uploads and prefetches keep the full rate.
+    assert got["h2d", 0, "param_upload"] == pytest.approx((11.2, 11.4))
+
+
 def test_streamed_copies_cost_the_host_where_its_step_would_run() -> None:
     # The case above with host work at half its rate while copies run both ways
     # (contention 0.5): a second of one-way copy costs the host 0.5 s. Region 0's step

@@ -245,20 +245,30 @@ def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
         raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
 
 
+def _check_stream_up_fraction(fraction: float | None) -> None:
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"stream_up_fraction={fraction} must be in (0, 1] (or None)")
+
+
 def planning_hardware(
     hardware: HardwareProfile,
     *,
     host_step_params_per_s: float | None = None,
     host_step_cost: float | None = None,
     fp16_io: bool = False,
+    stream_up_fraction: float | None = None,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
     parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step; given
-    both, the geometric mean of that rate and the profile's over the cost), and no
-    conversion passes charged with ``fp16_io`` (they happen inside the host step). For
-    planning without building, e.g. the example's ``--plan_only``."""
+    both, the geometric mean of that rate and the profile's over the cost), no conversion
+    passes charged with ``fp16_io`` (they happen inside the host step), and
+    ``stream_up_fraction`` when given. For planning without building, e.g. the example's
+    ``--plan_only``."""
     _check_host_step(host_step_params_per_s, host_step_cost)
+    _check_stream_up_fraction(stream_up_fraction)
+    if stream_up_fraction is not None:
+        hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
     if host_step_cost is not None:
         by_cost = hardware.host_adam_params_per_s / host_step_cost
         host_step_params_per_s = (
@@ -297,6 +307,7 @@ def memory_optimize(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     polish_rounds: int = POLISH_ROUNDS,
+    stream_up_fraction: float | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -383,6 +394,14 @@ def memory_optimize(
             predicted step within the budget (a few seconds for a 92-region model on one
             core). Default 0: the greedy phases' plan, which measured faster on the GPU
             than the search's (``offload_solver.solvers._polish``).
+        stream_up_fraction: with ``streamed``, the fraction of the H2D rate the streamed
+            regions' state copies up reach, beside the host steps and the copies down
+            (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default None: the
+            hardware profile's, which a measured profile leaves at 1 (the full rate).
+            The H200 traces of BENCHMARKS.md session 28 read 0.69-0.74; replayed with
+            0.7, the predicted steps of 49 streamed rows of sessions 22-28 moved from
+            7.1% to 2.3% under their run means on average
+            (``benchmarks/replay_bench.py --stream-up-fraction``).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -399,6 +418,7 @@ def memory_optimize(
             "dtype=torch.float16 and convert_on_device=False (or None)"
         )
     _check_host_step(host_step_params_per_s, host_step_cost)
+    _check_stream_up_fraction(stream_up_fraction)
     dev = resolve_device(device)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
@@ -414,6 +434,7 @@ def memory_optimize(
         host_step_params_per_s=host_step_params_per_s,
         host_step_cost=host_step_cost,
         fp16_io=fp16_io,
+        stream_up_fraction=stream_up_fraction,
     )
     if fp16_io:
         convert_on_device = False

@@ -370,6 +370,12 @@ class HardwareProfile:
     the H200 machines of BENCHMARKS.md measured 0.52-0.58. The simulator charges each
     host-state region's step for its own copies and runs conversion passes at the
     contended rate ([Note: step model] in ``offload_solver.simulators._engine``)."""
+    stream_up_fraction: float = 1.0
+    """Fraction of the pinned host-to-device rate (``h2d``) that a STREAMED step's state
+    copies up reach (0 < f <= 1; 1 when not known). They run while the host steps other
+    regions and the ring's copies down run: the H200 traces of BENCHMARKS.md session 28
+    read 38-41 GB/s for them against a profiled 55.5 (0.69-0.74), and 43-47 GB/s for the
+    runtime's prefetches beside them."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -409,6 +415,11 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile.host_copy_contention is {self.host_copy_contention}; "
                 "must be in (0, 1] (1 when not measured)"
+            )
+        if not 0 < self.stream_up_fraction <= 1:
+            raise ValueError(
+                f"HardwareProfile.stream_up_fraction is {self.stream_up_fraction}; "
+                "must be in (0, 1] (1 when not known)"
             )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
@@ -485,6 +496,9 @@ class HardwareProfile:
                 ),
                 host_copy_contention=float(
                     _get(data, "host_copy_contention", (int, float), default=1.0)
+                ),
+                stream_up_fraction=float(
+                    _get(data, "stream_up_fraction", (int, float), default=1.0)
                 ),
             )
         except TypeError as exc:

@@ -154,9 +154,10 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   streamed regions at once, in forward order, before its host steps. (bf16 and fp32 need
   no answer and could issue earlier, as gradients land; that is not modelled: the runtime
   leaves them to ``step()`` too.) Each gets three tasks, every lane FIFO by issue:
-  1. ``stream_up`` on H2D, ``numel * up_bytes_per_param`` bytes, issued then and put on
-     the lane as post-step uploads are, at the next issue point (after uploads issued
-     at the same instant);
+  1. ``stream_up`` on H2D, ``numel * up_bytes_per_param`` bytes at the hardware's
+     ``stream_up_fraction`` of its H2D rate, issued then and put on the lane as
+     post-step uploads are, at the next issue point (after uploads issued at the same
+     instant);
   2. ``stream_step`` on COMPUTE, ``device_step_s``, at the first compute-lane issue point
      after the copy up ends (or as soon as both are free while the compute lane waits on
      the host or after the step's compute has ended): the forward is not held behind a
@@ -413,8 +414,11 @@ class SimulationContext:
         # device step is ``device_step_s``.
         up_pp = streamed.up_bytes_per_param if streamed is not None else 0.0
         down_pp = streamed.down_bytes_per_param if streamed is not None else 0.0
-        self.stream_up_s = [hw.h2d_time_s(math.ceil(n * up_pp)) for n in self.numel]
-        """Per region, seconds of a STREAMED step's state copy up (0 without costs)."""
+        self.stream_up_s = [
+            hw.h2d_time_s(math.ceil(n * up_pp)) / hw.stream_up_fraction for n in self.numel
+        ]
+        """Per region, seconds of a STREAMED step's state copy up (0 without costs), at
+        ``stream_up_fraction`` of the H2D rate."""
         self.stream_down_s = [hw.d2h_time_s(math.ceil(n * down_pp)) for n in self.numel]
         """Per region, seconds of a STREAMED step's state copy down (0 without costs)."""
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
