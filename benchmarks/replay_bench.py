@@ -292,6 +292,12 @@ def main(argv: list[str] | None = None) -> int:
         "(HardwareProfile.stream_up_fraction) instead of the row's own (1 before session "
         "28's change; its traces read 0.69-0.74, benchmarks/copy_lag.py)",
     )
+    parser.add_argument(
+        "--streamed-only",
+        action="store_true",
+        help="replay only the rows whose plan streamed (a _stream kind planned so, "
+        "stream_from 'plan')",
+    )
     args = parser.parse_args(argv)
     if args.stream_up_fraction is not None and not 0 < args.stream_up_fraction <= 1:
         parser.error(f"--stream-up-fraction must be in (0, 1], got {args.stream_up_fraction}")
@@ -335,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     worst = 0.0
     worst_run = 0.0
+    run_errors: list[float] = []
     for path in args.json:
         document = json.loads(path.read_text())
         if not isinstance(document, dict) or "results" not in document:
@@ -346,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
             for kind, row in rows.items():
                 base_kind = kind.removesuffix("_stream")
                 if base_kind not in REPLAYED or not row.get("ok") or "profile" not in row:
+                    continue
+                if args.streamed_only and not (
+                    kind.endswith("_stream") and row.get("stream_from") == "plan"
+                ):
                     continue
                 if f"{path.name}:{kind}" in args.exclude:
                     print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | | | |")
@@ -418,6 +429,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_cell = "-"
                 if run is not None:
                     worst_run = max(worst_run, abs(replayed - run) / run)
+                    run_errors.append(replayed / run - 1)
                     run_cell = f"{run:.0f} ms: {_error(replayed, run)}"
                 # The host worker's busy time: measured (the last timed step's host region
                 # steps) and simulated (the cold step's host lane).
@@ -452,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
     print(f"largest replayed step error: {worst * 100:.1f}%")
     print(f"largest replayed error against the mean step over the run: {worst_run * 100:.1f}%")
+    if run_errors:
+        within = sum(abs(e) <= 0.15 for e in run_errors)
+        print(
+            f"replayed against the run mean over {len(run_errors)} rows: mean "
+            f"{statistics.mean(run_errors) * 100:+.1f}%, mean absolute "
+            f"{statistics.mean(abs(e) for e in run_errors) * 100:.1f}%, {within} within 15%"
+        )
     return 0
 
 

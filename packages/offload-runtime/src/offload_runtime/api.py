@@ -398,10 +398,11 @@ def memory_optimize(
             regions' state copies up reach, beside the host steps and the copies down
             (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default None: the
             hardware profile's, which a measured profile leaves at 1 (the full rate).
-            The H200 traces of BENCHMARKS.md session 28 read 0.69-0.74; replayed with
-            0.7, the predicted steps of 49 streamed rows of sessions 22-28 moved from
-            7.1% to 2.3% under their run means on average
-            (``benchmarks/replay_bench.py --stream-up-fraction``).
+            The H200 traces of BENCHMARKS.md session 28 read 0.69-0.74. Replanned with
+            0.7, the 59 streamed rows of sessions 22-28 were predicted 3.0% under their
+            run means on average (mean absolute error 7.2%), against 8.0% (9.7%) at the
+            full rate (``benchmarks/replay_bench.py --streamed-only
+            --stream-up-fraction``).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
