@@ -89,6 +89,8 @@
 #           thread (BENCH_SPECULATION_THREAD=1) and without, alternating, ROUNDS rounds
 #           (default 2), each planned from the first row (BENCH_PLAN_FROM); then each
 #           row's run mean. W2 with BENCH_STEPS=20                               ~9 min
+#   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
+#           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate (the profile's) and at
 #           UP_FRACTION (default 0.7; BENCH_STREAM_UP_FRACTION), alternating, ROUNDS
 #           rounds (default 1): W3 ours_io_spec1_stream, W2 the same with 20 timed
@@ -110,7 +112,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -245,6 +247,10 @@ case "$phase" in
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
     BENCH_POLISH_ROUNDS=8 bench W2 ours_io_spec1_stream,fsdp2,torchao 120 W2_s24
     bench W1 ours,full_gpu 120 W1_s24 ;;
+  ringrate)
+    python3 "$root/benchmarks/ring_rate.py" --json "$out/ring_rate_fp32.json" 2>&1 | tee "$out/ring_rate.log"
+    python3 "$root/benchmarks/ring_rate.py" --moments bf16 --fp16-io \
+      --json "$out/ring_rate_bf16_io.json" 2>&1 | tee -a "$out/ring_rate.log" ;;
   upfrac)
     k=ours_io_spec1_stream
     for i in $(seq 1 "${ROUNDS:-1}"); do
