@@ -34,11 +34,15 @@ def load(path: Path) -> list[dict[str, Any]]:
     return events
 
 
-def copy_lags(events: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
-    """Per stream, (lag ms, device start ms from the first event) of every copy whose
-    issuing runtime call is in the trace."""
+def start_us(events: list[dict[str, Any]]) -> float:
+    """The trace's first span's start (us): the zero of the times printed."""
+    return min(float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e)
+
+
+def copy_lags(events: list[dict[str, Any]], t0: float) -> dict[str, list[tuple[float, float]]]:
+    """Per stream, (lag ms, device start ms from ``t0``) of every copy whose issuing
+    runtime call is in the trace."""
     spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    t0 = min(float(e["ts"]) for e in spans)
     issued = {
         e["args"]["correlation"]: float(e["ts"])
         for e in spans
@@ -66,13 +70,12 @@ def copy_rates(events: list[dict[str, Any]]) -> dict[str, tuple[int, float]]:
 
 
 def compute_gaps(
-    events: list[dict[str, Any]], stream: str | None, gap_ms: float
+    events: list[dict[str, Any]], t0: float, stream: str | None, gap_ms: float
 ) -> tuple[str, list[tuple[float, float]]]:
-    """(the compute stream, [(gap start ms, gap ms)]) between its kernels."""
+    """(the compute stream, [(gap start ms from ``t0``, gap ms)]) between its kernels."""
     kernels = [e for e in events if e.get("cat") == "kernel" and e.get("ph") == "X"]
     if stream is None:
         stream = collections.Counter(str(e["tid"]) for e in kernels).most_common(1)[0][0]
-    t0 = min(float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e)
     mine = sorted((e for e in kernels if str(e["tid"]) == stream), key=lambda e: e["ts"])
     gaps = []
     for a, b in itertools.pairwise(mine):
@@ -92,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=3, help="largest lags shown per stream")
     args = parser.parse_args(argv)
     events = load(args.trace)
-    lags = copy_lags(events)
+    t0 = start_us(events)
+    lags = copy_lags(events, t0)
     rates = copy_rates(events)
     wanted = args.streams.split(",") if args.streams else sorted(lags, key=int)
     for sid in wanted:
@@ -108,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             f"stream {sid}: {len(rows)} copies, {moved / took / 1e9:.1f} GB/s while copying "
             f"({took * 1e3:.0f} ms), lag median {median:.1f} ms, largest {shown}"
         )
-    stream, gaps = compute_gaps(events, args.compute, args.gap_ms)
+    stream, gaps = compute_gaps(events, t0, args.compute, args.gap_ms)
     listed = ", ".join(f"{g:.0f} ms at {at:.0f}" for at, g in gaps)
     total = sum(g for _, g in gaps)
     print(

@@ -9,8 +9,8 @@ prefetches beside them ran at 0.78-0.85 (``benchmarks/copy_lag.py``), and the pl
 now takes that fraction as ``HardwareProfile.stream_up_fraction`` (1 unless set). This
 script asks whether a short measurement reproduces it, which a profile could then take:
 
-1. ``plain``: one pinned buffer of the ring's chunk size copied up, back to back (the
-   profile's kind of measurement);
+1. ``plain``: pinned copies up of the ring's chunk size, as the hardware profile
+   measures them (``offload_runtime.hardware.measure_copy_bandwidth``);
 2. ``ring``: ``--numel`` parameters of host state (fp32 master, moments as
    ``--moments``, the gradient fp16 with ``--fp16-io`` else fp32) streamed through a
    ``StreamRing`` (paced, as the issuing thread runs it), alone;
@@ -40,23 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from copy_lag import copy_rates, load
 
 
-def _plain_h2d_rate(size_bytes: int, iters: int = 10) -> float:
-    """Bytes/s of back-to-back pinned copies up of ``size_bytes``, timed with events."""
-    import torch
-
-    src = torch.empty(size_bytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(size_bytes, dtype=torch.uint8, device="cuda")
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return float(iters * size_bytes / (start.elapsed_time(end) / 1e3))
-
-
 def _ring_rates(ring_run: Any) -> tuple[float, float]:
     """(bytes/s up, bytes/s down) of the copies ``ring_run()`` makes, from a profile."""
     import torch
@@ -69,13 +52,16 @@ def _ring_rates(ring_run: Any) -> tuple[float, float]:
         path = Path(tmp) / "ring.json"
         prof.export_chrome_trace(str(path))
         events = load(path)
-    up = down = (0, 0.0)
-    for e in events:  # which direction each stream copied
+    for e in events:  # group the copies by direction, whatever stream ran them
         if e.get("cat") == "gpu_memcpy":
             e["tid"] = "up" if "HtoD" in e["name"] else "down"
     rates = copy_rates(events)
-    up, down = rates.get("up", up), rates.get("down", down)
-    return (up[0] / up[1] if up[1] else 0.0, down[0] / down[1] if down[1] else 0.0)
+
+    def rate(direction: str) -> float:
+        moved, took = rates.get(direction, (0, 0.0))
+        return moved / took if took else 0.0
+
+    return rate("up"), rate("down")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from offload_optim.kernels import AdamHyper
     from offload_optim.streamed import STREAM_CHUNK_NUMEL, StreamPiece, StreamRing, ring_streams
+    from offload_runtime.hardware import measure_copy_bandwidth
 
     n = int(args.numel)
     moments = torch.bfloat16 if args.moments == "bf16" else torch.float32
@@ -124,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
         ring.close()
 
     ring_run()  # warm up: allocator, kernels
-    plain = _plain_h2d_rate(STREAM_CHUNK_NUMEL * 4)
+    up_points, _ = measure_copy_bandwidth(device, [STREAM_CHUNK_NUMEL * 4])
+    plain = up_points[0].bytes_per_s
 
     host_params = [torch.zeros(int(args.host_numel))]
     host_params[0].grad = torch.zeros_like(host_params[0])

@@ -492,8 +492,8 @@ class _SlotGate(_Gate):
         self.queries += 1
         return super().query()
 
-    def wait_on(self, stream: Any) -> None:  # the device-side wait: nothing on the CPU
-        pass
+    def wait_on(self, stream: Any) -> None:
+        """The device-side wait, which on the CPU has nothing to order (as ``Event``'s)."""
 
 
 @pytest.mark.parametrize("paced", [True, False])
