@@ -5,7 +5,7 @@
 
 In session 28's profiled GPU steps the ring's copies up (``offload_optim.streamed``,
 ``StreamRing``) ran at 0.69-0.74 of the profiled pinned H2D rate while the runtime's
-prefetches beside them ran at 0.78-0.85 (``benchmarks/copy_lag.py``), and the planner
+prefetches beside them ran at 0.78-0.83 (``benchmarks/copy_lag.py``), and the planner
 now takes that fraction as ``HardwareProfile.stream_up_fraction`` (1 unless set). This
 script asks whether a short measurement reproduces it, which a profile could then take:
 
