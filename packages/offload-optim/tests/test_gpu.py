@@ -483,7 +483,12 @@ def test_cuda_streamed_regions_step_on_the_device(
             if stream:
                 steps = {t.region: t.streamed for t in report.region_steps}
                 assert all(steps.get(st.index, True) for st in host[1:])
-                assert steps.get(0) is False
+                # Region 0 steps on the host. In the skipped step (5) it steps only if its
+                # hook found backward still running on the device (a speculative step,
+                # then undone); when backward was already over, the skip answer leaves it
+                # unstepped and the report has no timing for it.
+                if not report.skipped or 0 in steps:
+                    assert steps.get(0) is False
         # Each step's ring reuses the last one's memory (the same streams). Rings on new
         # streams each step reserved at least a 2 MiB segment more per step (5 here).
         assert torch.cuda.memory_reserved() - reserved < 4 << 20
