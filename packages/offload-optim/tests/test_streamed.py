@@ -532,6 +532,70 @@ def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> 
     assert (ring.paced_wait_s > 0) == paced, "the waits are counted"
 
 
+def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: publishing while issuing]: step()'s task, its host steps done, publishes a
+    streamed region once it lands even while the issuing thread is still busy with a later
+    one, instead of waiting for the issuing thread first. Here the first streamed region's
+    downloads land only after every host-stepped region is published, and the issuing
+    thread is held before the second streamed region until the test has seen the first
+    one published (or given up)."""
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
+    host = [st for st in module.storages if st.host_state]
+    assert len(host) >= 3, "the mixed plan has three host-state regions"
+    first, second = host[1].index, host[2].index
+    host[1].streamed = host[2].streamed = True
+    host_stepped = {st.index for st in host if not st.streamed}
+    landed, release = threading.Event(), threading.Event()
+    issue_streamed = HybridAdam._issue_streamed
+
+    def gated(self: HybridAdam, ring: StreamRing, r: int, *args: Any) -> Any:
+        if r == second:
+            assert release.wait(timeout=20.0), "the test never let the issuing go on"
+        issue_streamed(self, ring, r, *args)  # on the CPU its copies are done here
+        return _Gate(landed) if r == first else None
+
+    monkeypatch.setattr(HybridAdam, "_issue_streamed", gated)
+    published: list[int] = []
+    controller = module.controller
+    publish = controller.publish
+
+    def recording(r: int) -> None:
+        publish(r)
+        published.append(r)
+
+    controller.publish = recording  # type: ignore[method-assign]
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=True), module)
+    amp.zero_grad()
+    b = batch(0)
+    amp.backward(loss_of(module(**b), b["input_ids"]))
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            amp.step()
+        except BaseException as exc:
+            errors.append(exc)
+
+    stepping = threading.Thread(target=step)  # inline host work: step() runs the task
+    stepping.start()
+    try:
+        assert _wait_until(lambda: host_stepped <= set(published)), "host steps ran"
+        assert first not in published, "published before its downloads landed"
+        landed.set()
+        published_while_issuing = _wait_until(lambda: first in published, timeout_s=5.0)
+        assert second not in published
+    finally:
+        landed.set()
+        release.set()
+        stepping.join(timeout=20.0)
+    module.close()
+    assert not errors and not stepping.is_alive()
+    assert published_while_issuing, "the landed region waited for the issuing thread"
+    assert published.index(first) < published.index(second)
+
+
 def test_the_queue_publishes_in_issue_order_once_landed() -> None:
     """Entries publish in the order issued, each with its own callback, and not past the
     first whose downloads have not landed; ``wait`` publishes the rest."""

@@ -1298,8 +1298,9 @@ class HybridAdam(torch.optim.Optimizer):
         only publish their regions.
 
         Streamed regions are issued to the device first, then the others step here, and
-        each streamed region is published once its downloads landed, between host steps
-        and at the end (see [Note: streamed steps] in streamed.py)."""
+        each streamed region is published once its downloads landed, between host steps,
+        then while the issuing thread finishes, and at the end (see [Note: streamed steps]
+        and [Note: publishing while issuing] in streamed.py)."""
         done: set[int] = set()
 
         def finish(
@@ -1370,6 +1371,12 @@ class HybridAdam(torch.optim.Optimizer):
                 # host steps still to come (see publish_streamed).
                 self.publish_streamed()
             if issuing is not None:
+                # The host steps are done while the issuing thread still issues: publish
+                # each streamed region as it lands until it is done, instead of blocking
+                # on it first ([Note: publishing while issuing] in streamed.py).
+                while not issuing.done():
+                    self.publish_streamed()
+                    futures_wait([issuing], timeout=streamed.PUBLISH_POLL_S)
                 pending, issuing = issuing, None
                 self._finish_issuing(pending)
             self.publish_streamed(wait=True)

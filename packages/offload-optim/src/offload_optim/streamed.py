@@ -56,6 +56,18 @@ steps 186 -> 17 ms. The planner still models the unpaced ring (every copy up on 
 lane in issue order, [Note: streamed steps] in the solver's simulator), so it predicts a
 paced step as it would the unpaced one.
 
+[Note: publishing while issuing]
+Paced, the issuing thread can still be issuing when step()'s host task has finished its
+host steps. The task used to wait for the issuing thread first and only then publish,
+so regions that had landed meanwhile stayed unpublished, and the next forward, which
+waits for each region's publish, waited with them. In W2's profiled steps on an H200
+(session 29, ``benchmarks/results/s29c2_trace_W2.json.gz``), four streamed regions were
+published together right after the last issue ended, 15-72 ms after their own issue
+ended, where a region published between host steps waited 4-17 ms. Now the task, its
+host steps done, keeps publishing what has landed, checking every ``PUBLISH_POLL_S``,
+until the issuing thread is done. That is what the planner already assumed: a streamed
+region is published when its downloads land.
+
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
 computes, and within rounding (about 1e-7 of an update) of ``"single_pass"``. A streamed
@@ -172,6 +184,10 @@ def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, i
 
 PACE_POLL_S = 1e-4
 """Seconds a paced ring's issuing thread sleeps between checks that a slot is free."""
+
+PUBLISH_POLL_S = 5e-4
+"""Seconds step()'s host task waits for the issuing thread between checks for landed
+streamed regions, once its host steps are done ([Note: publishing while issuing])."""
 
 
 def wait_polling(event: Event, poll_s: float = PACE_POLL_S) -> None:
