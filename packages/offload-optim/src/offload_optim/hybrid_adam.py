@@ -120,6 +120,15 @@ if TYPE_CHECKING:
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _wait_calling(fut: Future[None], between: Callable[[], None], poll_s: float) -> None:
+    """Block until ``fut`` is done, calling ``between()`` first and then about every
+    ``poll_s`` seconds while it runs (the host worker publishing landed streamed regions
+    while it waits for another thread)."""
+    while not fut.done():
+        between()
+        futures_wait([fut], timeout=poll_s)
+
+
 @dataclass(frozen=True)
 class RegionStepTiming:
     """When one region's optimizer step ran, in ``time.perf_counter()`` seconds."""
@@ -1052,9 +1061,7 @@ class HybridAdam(torch.optim.Optimizer):
         error: BaseException | None = None
         for fut in pending:
             if between is not None:
-                while not fut.done():
-                    between()
-                    futures_wait([fut], timeout=0.001)
+                _wait_calling(fut, between, 0.001)
             exc = fut.exception()  # waits; re-raised below, after the rest finish
             if exc is not None and error is None:
                 error = exc
@@ -1374,9 +1381,7 @@ class HybridAdam(torch.optim.Optimizer):
                 # The host steps are done while the issuing thread still issues: publish
                 # each streamed region as it lands until it is done, instead of blocking
                 # on it first ([Note: publishing while issuing] in streamed.py).
-                while not issuing.done():
-                    self.publish_streamed()
-                    futures_wait([issuing], timeout=streamed.PUBLISH_POLL_S)
+                _wait_calling(issuing, self.publish_streamed, streamed.PUBLISH_POLL_S)
                 pending, issuing = issuing, None
                 self._finish_issuing(pending)
             self.publish_streamed(wait=True)
