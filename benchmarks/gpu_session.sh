@@ -95,6 +95,12 @@
 #           UP_FRACTION (default 0.7; BENCH_STREAM_UP_FRACTION), alternating, ROUNDS
 #           rounds (default 1): W3 ours_io_spec1_stream, W2 the same with 20 timed
 #           steps; then each row's run mean and plan (the two plan apart)       ~5 min
+#   chargeab plans made as today (the streamed copies' host contention charged to the host in
+#           full, copies up at the full H2D rate) and with it split (BENCH_STREAM_HOST_CHARGE
+#           ${CHARGE:-0.5}, BENCH_STREAM_UP_FRACTION ${UP_FRACTION:-0.78}), alternating, ROUNDS
+#           rounds (default 1), for each of CHARGE_WORKLOADS (default "W4 W3 W2"; W4 with
+#           bf16 moments, torchao once first; W2 with 20 timed steps); then each row's run
+#           mean and plan. W4 ~5 min a round, W3 and W2 ~2 min each a round
 #   s28     W4 bf16 moments streamed beside torchao, W3 ours_io_spec1_stream beside FSDP2
 #           and torchao, then W1 ours and full GPU for ROUNDS rounds (default 2, the
 #           order swapped each round) and their median ratio: the rows a session
@@ -112,7 +118,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -251,6 +257,22 @@ case "$phase" in
     python3 "$root/benchmarks/ring_rate.py" --json "$out/ring_rate_fp32.json" 2>&1 | tee "$out/ring_rate.log"
     python3 "$root/benchmarks/ring_rate.py" --moments bf16 --fp16-io \
       --json "$out/ring_rate_bf16_io.json" 2>&1 | tee -a "$out/ring_rate.log" ;;
+  chargeab)
+    for w in ${CHARGE_WORKLOADS:-W4 W3 W2}; do
+      k=ours_io_spec1_stream steps=${BENCH_STEPS:-10} limit=150
+      if [ "$w" = W4 ]; then
+        k=ours_io_bf16m_spec1_stream limit=300
+        bench W4 torchao 120 W4_charge_torchao
+      fi
+      if [ "$w" = W2 ]; then steps=20; fi
+      for i in $(seq 1 "${ROUNDS:-1}"); do
+        BENCH_STEPS=$steps bench "$w" "$k" "$limit" "${w}_chargefull$i"
+        BENCH_STEPS=$steps BENCH_STREAM_HOST_CHARGE=${CHARGE:-0.5} \
+          BENCH_STREAM_UP_FRACTION=${UP_FRACTION:-0.78} bench "$w" "$k" "$limit" "${w}_chargesplit$i"
+      done
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}"_charge[fs]*.json \
+        | tee -a "$out/chargeab.txt"
+    done ;;
   upfrac)
     k=ours_io_spec1_stream
     for i in $(seq 1 "${ROUNDS:-1}"); do

@@ -82,7 +82,9 @@ BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unse
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
 rows record ``paced_ring``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``; unset: the profile's,
-1); rows record it in ``profile``.
+1), and BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed
+regions' copies (``memory_optimize(stream_host_charge=S)``; unset: 1); rows record both in
+``profile``.
 """
 
 from __future__ import annotations
@@ -425,6 +427,8 @@ def _ours(
     )
     up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")
     stream_up_fraction = float(up_env) if up_env else None
+    charge_env = os.environ.get("BENCH_STREAM_HOST_CHARGE")
+    stream_host_charge = float(charge_env) if charge_env else None
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -498,6 +502,7 @@ def _ours(
             ),
             polish_rounds=polish_rounds,
             stream_up_fraction=stream_up_fraction,
+            stream_host_charge=stream_host_charge,
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -690,6 +695,7 @@ def _ours(
         "device_memory_tbps": plan_hw.device_memory_bytes_per_s / 1e12,
         "host_copy_contention": plan_hw.host_copy_contention,
         "stream_up_fraction": plan_hw.stream_up_fraction,
+        "stream_host_charge": plan_hw.stream_host_charge,
     }
     # The whole profile too (bandwidth curves included), so that replay_bench.py replays
     # the plan exactly instead of scaling the default curves to the plateaus above.

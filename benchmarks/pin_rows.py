@@ -6,7 +6,9 @@ For each ``offload_bench.py --json`` file: the row's run mean and mean of the 5 
 steps (ms), what it ran with (``speculation_thread``, ``issue_thread``, ``paced_ring``),
 and whether its plan was the source row's (``plan_matches_source``; ``source`` for the row
 the others planned from). Then the median run mean of each group of rows named alike (the file name
-without its trailing round number), for comparing ways of running one plan.
+without its trailing round number), for comparing ways of running one plan; with ``--all``,
+of every row, planned alike or not (``gpu_session.sh upfrac`` / ``chargeab``: ways of
+planning).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("workload")
     parser.add_argument("kind")
     parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument(
+        "--all",
+        action="store_true",
+        help="group every row, not only those that ran the source row's plan",
+    )
     args = parser.parse_args(argv)
     groups: dict[str, list[float]] = {}
     for path in args.files:
@@ -36,11 +43,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['step_ms']:.0f} ms, predicted {row.get('pred_step_ms', float('nan')):.0f} ms, "
             f"{row.get('streamed_regions', 0)} streamed, "
             f"stream_up_fraction {row.get('profile', {}).get('stream_up_fraction', 1.0)}, "
+            f"stream_host_charge {row.get('profile', {}).get('stream_host_charge', 1.0)}, "
             f"speculation_thread {row.get('speculation_thread')}, "
             f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
             f"plan matches the source: {matches}"
         )
-        if matches is True:
+        if matches is True or args.all:
             group = re.sub(r"\d+$", "", path.stem)
             groups.setdefault(group, []).append(row["step_mean_ms"])
     for group, means in groups.items():

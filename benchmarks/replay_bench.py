@@ -61,14 +61,20 @@ def row_hardware(
     *,
     op_overhead_us: float | None = None,
     stream_up: float | None = None,
+    stream_charge: float | None = None,
 ) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
     set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``,
-    its ``stream_up_fraction`` to ``stream_up``, when given): the whole profile where the
-    row records it (from session 20 on), else the row's figures on the default bandwidth
-    curves scaled to its plateaus (``plan_predict.replay_hardware``)."""
+    its ``stream_up_fraction`` to ``stream_up``, its ``stream_host_charge`` to
+    ``stream_charge``, when given): the whole profile where the row records it (from
+    session 20 on), else the row's figures on the default bandwidth curves scaled to its
+    plateaus (``plan_predict.replay_hardware``)."""
     hw = _row_hardware(row, host_adam_gparam, op_overhead_us)
-    return hw if stream_up is None else dataclasses.replace(hw, stream_up_fraction=stream_up)
+    if stream_up is not None:
+        hw = dataclasses.replace(hw, stream_up_fraction=stream_up)
+    if stream_charge is not None:
+        hw = dataclasses.replace(hw, stream_host_charge=stream_charge)
+    return hw
 
 
 def _row_hardware(
@@ -293,6 +299,15 @@ def main(argv: list[str] | None = None) -> int:
         "28's change; its traces read 0.69-0.74, benchmarks/copy_lag.py)",
     )
     parser.add_argument(
+        "--stream-host-charge",
+        type=float,
+        default=None,
+        metavar="S",
+        help="replan every row with this share of the streamed copies' host contention "
+        "charged to the host (HardwareProfile.stream_host_charge) instead of the row's own "
+        "(1 before session 30)",
+    )
+    parser.add_argument(
         "--streamed-only",
         action="store_true",
         help="replay only the rows whose plan streamed (a _stream kind planned so, "
@@ -301,6 +316,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.stream_up_fraction is not None and not 0 < args.stream_up_fraction <= 1:
         parser.error(f"--stream-up-fraction must be in (0, 1], got {args.stream_up_fraction}")
+    if args.stream_host_charge is not None and not 0 <= args.stream_host_charge <= 1:
+        parser.error(f"--stream-host-charge must be in [0, 1], got {args.stream_host_charge}")
     if args.op_overhead_us is not None and not args.op_overhead_us >= 0:
         parser.error(f"--op-overhead-us must be >= 0, got {args.op_overhead_us}")
     if args.speculative_step_cost_all is not None and not args.speculative_step_cost_all >= 1:
@@ -405,13 +422,17 @@ def main(argv: list[str] | None = None) -> int:
                             moments, base_kind in FP16_IO, chunk_numel=16 << 20
                         )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
-                up = args.stream_up_fraction
-                hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us, stream_up=up)
+                hw_args = {
+                    "op_overhead_us": args.op_overhead_us,
+                    "stream_up": args.stream_up_fraction,
+                    "stream_charge": args.stream_host_charge,
+                }
+                hw = row_hardware(row, rate, **hw_args)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)
                 busy_in_loop = loop_busy_ms(row)
                 if args.host_rate == "loop" and busy_in_loop:
                     rate *= planned_host_busy_s(plan) * 1e3 / busy_in_loop
-                    hw = row_hardware(row, rate, op_overhead_us=args.op_overhead_us, stream_up=up)
+                    hw = row_hardware(row, rate, **hw_args)
                     plan = solve(variant, hw, budget_gib * GiB, **planning)
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3

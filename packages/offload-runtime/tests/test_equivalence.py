@@ -340,10 +340,21 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     for fraction in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="stream_up_fraction"):
             planning_hardware(hw, stream_up_fraction=fraction)
+    # The share of the streamed copies' contention charged to the host, likewise.
+    both_sides = planning_hardware(hw, stream_up_fraction=0.78, stream_host_charge=0.5)
+    assert (both_sides.stream_up_fraction, both_sides.stream_host_charge) == (0.78, 0.5)
+    assert planning_hardware(hw, stream_host_charge=0.0).stream_host_charge == 0.0
+    assert planning_hardware(hw).stream_host_charge == hw.stream_host_charge == 1.0
+    for charge in (-0.5, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="stream_host_charge"):
+            planning_hardware(hw, stream_host_charge=charge)
 
 
-def test_a_bad_stream_up_fraction_is_refused_before_tracing(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    "kwargs", [{"stream_up_fraction": 0.0}, {"stream_host_charge": 2.0}], ids=["up", "charge"]
+)
+def test_bad_stream_planning_arguments_are_refused_before_tracing(
+    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, float]
 ) -> None:
     import offload_runtime.api as api
 
@@ -351,15 +362,9 @@ def test_a_bad_stream_up_fraction_is_refused_before_tracing(
         raise AssertionError("traced before the arguments were checked")
 
     monkeypatch.setattr(api, "trace", no_trace)
-    with pytest.raises(ValueError, match="stream_up_fraction"):
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
         memory_optimize(
-            tiny_gpt2(),
-            inputs(),
-            2**30,
-            "asyn",
-            device="cpu",
-            progress=False,
-            stream_up_fraction=0.0,
+            tiny_gpt2(), inputs(), 2**30, "asyn", device="cpu", progress=False, **kwargs
         )
 
 

@@ -108,6 +108,23 @@ def test_bad_stream_up_fraction_is_named(fraction: float) -> None:
         dataclasses.replace(flat_hardware(), stream_up_fraction=fraction)
 
 
+def test_hardware_json_without_stream_host_charge_charges_the_host_in_full() -> None:
+    # Profiles recorded before session 30's field planned with the whole charge.
+    hw = dataclasses.replace(default_hardware(), stream_host_charge=0.5)
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    old = json.loads(hw.to_json())
+    del old["stream_host_charge"]
+    assert HardwareProfile.from_json(json.dumps(old)).stream_host_charge == 1.0
+    # 0 is allowed: the streamed copies then cost the host nothing.
+    assert dataclasses.replace(hw, stream_host_charge=0.0).stream_host_charge == 0.0
+
+
+@pytest.mark.parametrize("charge", [-0.1, 1.5, float("nan")])
+def test_bad_stream_host_charge_is_named(charge: float) -> None:
+    with pytest.raises(ValueError, match="stream_host_charge"):
+        dataclasses.replace(flat_hardware(), stream_host_charge=charge)
+
+
 @pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
 def test_bad_device_memory_rate_is_named(rate: float) -> None:
     with pytest.raises(ValueError, match="device_memory_bytes_per_s"):

@@ -209,6 +209,51 @@ def test_streamed_copies_cost_the_host_where_its_step_would_run() -> None:
     assert (up.start_s, up.end_s) == pytest.approx((11.6, 12.6))
 
 
+@pytest.mark.parametrize(
+    ("charge", "host"),
+    [
+        # Half the charge: region 1's place holds 0.6 s [11.4,12.0], region 2 steps
+        # [12.0,14.2].
+        (
+            0.5,
+            [
+                ("host", 0, "host_step", pytest.approx((9.2, 11.4))),
+                ("host", 1, "stream_contention", pytest.approx((11.4, 12.0))),
+                ("host", 2, "host_step", pytest.approx((12.0, 14.2))),
+            ],
+        ),
+        # None: no task for region 1, region 2 steps right after region 0 [11.4,13.6].
+        (
+            0.0,
+            [
+                ("host", 0, "host_step", pytest.approx((9.2, 11.4))),
+                ("host", 2, "host_step", pytest.approx((11.4, 13.6))),
+            ],
+        ),
+    ],
+)
+def test_stream_host_charge_scales_only_what_streamed_copies_cost_the_host(
+    charge: float, host: list[object]
+) -> None:
+    # The case above with stream_host_charge below 1: region 0's step still pays for its
+    # own copies in full (2 s + 0.2 + 0.2), and the streamed copies themselves are
+    # untouched (stream_up_fraction is their side of the contention).
+    hw = dataclasses.replace(
+        flat_hardware(
+            host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0, host_copy_contention=0.5
+        ),
+        stream_host_charge=charge,
+    )
+    ctx = SimulationContext.build(
+        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+    )
+    asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
+    res = get_simulator("async").simulate(ctx, asg)
+    assert [t for t in intervals(res.timeline) if t[0] == "host"] == host
+    up = next(iv for iv in res.timeline if iv.kind == "stream_up")
+    assert (up.start_s, up.end_s) == pytest.approx((11.6, 12.6))
+
+
 def test_a_streamed_region_landing_after_the_answer_is_issued_in_its_hook() -> None:
     # As above with region 0 STREAMED: its gradient lands at 9.2, after the answer (9),
     # so its device step is issued in its hook, where a host-state region would step:

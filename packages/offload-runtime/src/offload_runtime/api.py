@@ -245,9 +245,11 @@ def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
         raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
 
 
-def _check_stream_up_fraction(fraction: float | None) -> None:
+def _check_stream_up_fraction(fraction: float | None, charge: float | None = None) -> None:
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"stream_up_fraction={fraction} must be in (0, 1] (or None)")
+    if charge is not None and not 0 <= charge <= 1:
+        raise ValueError(f"stream_host_charge={charge} must be in [0, 1] (or None)")
 
 
 def planning_hardware(
@@ -257,18 +259,21 @@ def planning_hardware(
     host_step_cost: float | None = None,
     fp16_io: bool = False,
     stream_up_fraction: float | None = None,
+    stream_host_charge: float | None = None,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
     parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step; given
     both, the geometric mean of that rate and the profile's over the cost), no conversion
     passes charged with ``fp16_io`` (they happen inside the host step), and
-    ``stream_up_fraction`` when given. For planning without building, e.g. the example's
-    ``--plan_only``."""
+    ``stream_up_fraction`` and ``stream_host_charge`` when given. For planning without
+    building, e.g. the example's ``--plan_only``."""
     _check_host_step(host_step_params_per_s, host_step_cost)
-    _check_stream_up_fraction(stream_up_fraction)
+    _check_stream_up_fraction(stream_up_fraction, stream_host_charge)
     if stream_up_fraction is not None:
         hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
+    if stream_host_charge is not None:
+        hardware = dataclasses.replace(hardware, stream_host_charge=stream_host_charge)
     if host_step_cost is not None:
         by_cost = hardware.host_adam_params_per_s / host_step_cost
         host_step_params_per_s = (
@@ -308,6 +313,7 @@ def memory_optimize(
     streamed: StreamedStepCosts | None = None,
     polish_rounds: int = POLISH_ROUNDS,
     stream_up_fraction: float | None = None,
+    stream_host_charge: float | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -403,6 +409,14 @@ def memory_optimize(
             run means on average (mean absolute error 7.2%), against 8.0% (9.7%) at the
             full rate (``benchmarks/replay_bench.py --streamed-only
             --stream-up-fraction``).
+        stream_host_charge: with ``streamed``, the share of the host-memory contention
+            that the streamed regions' pinned copies charge the host for, in [0, 1]
+            (``HardwareProfile.stream_host_charge``). Default None: the profile's, 1 (in
+            full). With 0.5 and ``stream_up_fraction=0.78`` the contention is split
+            between the host and the copies up: the 50 streamed rows of sessions 22-30
+            replay with the host's busy time 5% over the measured (19% in full) and the
+            steps 0.4% under their run means (6%; ``benchmarks/stream_charge_fidelity.py``).
+            Plans made so stream fewer regions; not yet timed on a GPU.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -419,7 +433,7 @@ def memory_optimize(
             "dtype=torch.float16 and convert_on_device=False (or None)"
         )
     _check_host_step(host_step_params_per_s, host_step_cost)
-    _check_stream_up_fraction(stream_up_fraction)
+    _check_stream_up_fraction(stream_up_fraction, stream_host_charge)
     dev = resolve_device(device)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
@@ -436,6 +450,7 @@ def memory_optimize(
         host_step_cost=host_step_cost,
         fp16_io=fp16_io,
         stream_up_fraction=stream_up_fraction,
+        stream_host_charge=stream_host_charge,
     )
     if fp16_io:
         convert_on_device = False

@@ -376,6 +376,16 @@ class HardwareProfile:
     regions and the ring's copies down run: the H200 traces of BENCHMARKS.md session 28
     read 38-41 GB/s for them against a profiled 55.5 (0.69-0.74), and 43-47 GB/s for the
     runtime's prefetches beside them."""
+    stream_host_charge: float = 1.0
+    """Share (0 <= s <= 1) of the ``host_copy_contention`` charge that a STREAMED region's
+    pinned copies of the step put on the host lane ([Note: streamed steps] in
+    ``offload_solver.simulators._engine``). 1 (the default) charges them as a host-state
+    region's own copies: all of the contention lands on the host. Where host Adam and the
+    ring's copies share host memory both slow down: on the H200 of BENCHMARKS.md session
+    30 the ring's copies up ran at 0.70-0.78 of their rate alone beside a host Adam step
+    (``benchmarks/ring_rate.py``), and the host steps of streamed plans ran 19% shorter
+    than charged in full. A lower share with ``stream_up_fraction`` below 1 splits the
+    contention between the two."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -420,6 +430,11 @@ class HardwareProfile:
             raise ValueError(
                 f"HardwareProfile.stream_up_fraction is {self.stream_up_fraction}; "
                 "must be in (0, 1] (1 when not known)"
+            )
+        if not 0 <= self.stream_host_charge <= 1:
+            raise ValueError(
+                f"HardwareProfile.stream_host_charge is {self.stream_host_charge}; "
+                "must be in [0, 1] (1 charges the host in full)"
             )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
@@ -499,6 +514,9 @@ class HardwareProfile:
                 ),
                 stream_up_fraction=float(
                     _get(data, "stream_up_fraction", (int, float), default=1.0)
+                ),
+                stream_host_charge=float(
+                    _get(data, "stream_host_charge", (int, float), default=1.0)
                 ),
             )
         except TypeError as exc:

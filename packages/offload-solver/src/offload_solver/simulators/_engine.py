@@ -143,9 +143,16 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   ``host_step_after_backward``, else queued in forward order when ``step()`` has seen
   every hook), the host lane gets a ``stream_contention`` task instead: what its pinned
   copies of the step (gradient down, its parameter uploads as a HOST region's, state up
-  and down) cost the host, ``t / 2 * (1 / c - 1)`` per second of copy as above. It stands
-  for the slower host steps of the other regions while those copies run; none when ``c``
-  is 1.
+  and down) cost the host, ``t / 2 * (1 / c - 1)`` per second of copy as above, times
+  the hardware's ``stream_host_charge`` ``s`` (1 unless set). It stands for the slower
+  host steps of the other regions while those copies run; none when ``c`` is 1 or ``s``
+  is 0. Host memory slows both sides, so the charge can be split: with ``s`` below 1 the
+  host takes that share and the copies up the rest, through ``stream_up_fraction``.
+  Charged in full (``s = 1``, up at the full rate), the 50 streamed rows on record
+  replayed with the host busy 19% longer than measured, and with their steps 6% under
+  their run means; with ``s = 0.5`` and copies up at 0.78 of the rate, which
+  ``benchmarks/ring_rate.py`` measured beside a host Adam step, 5% longer and 0.4%
+  under (``benchmarks/stream_charge_fidelity.py``, BENCHMARKS.md session 30).
 - The host worker issues a streamed region's device step where it would step it were it
   a HOST region outside the speculating set, without waiting for it: in its hook when
   that runs after backward with ``host_step_after_backward``; otherwise at the start of
@@ -376,6 +383,9 @@ class SimulationContext:
         self.host_step_s = [n / hw.host_adam_params_per_s for n in self.numel]
         self.copy_contention = (1.0 / hw.host_copy_contention - 1.0) / 2.0
         """Host seconds a second of one-directional pinned copy costs (see the note)."""
+        self.stream_copy_contention = self.copy_contention * hw.stream_host_charge
+        """The same for a STREAMED region's copies: ``stream_host_charge`` of it (see
+        [Note: streamed steps])."""
         # Host conversion passes of a host-state region (see the note); zero when the rate
         # is unknown, so the engine can skip them with one test.
         # They run as gradients land and right before uploads, so under copies: charged at
@@ -983,6 +993,7 @@ def run(
                 break
             left -= numel[r]
     contention = ctx.copy_contention
+    stream_contention = ctx.stream_copy_contention
 
     def update(r: int, ready_s: float, pred: int, early: bool = False) -> None:
         """Place region r's Adam step (and publish), and queue its post-step upload.
@@ -1015,11 +1026,11 @@ def run(
         of the step take from host work (see [Note: streamed steps]); none without
         contention."""
         nonlocal host_free, last_o
-        if not contention:
+        if not stream_contention:
             return
         s = ready_s if ready_s > host_free else host_free
         copies = gd[r] + (1 if codes[r] == RESIDENT else 2) * up[r] + sup[r] + sdown[r]
-        e = s + contention * copies
+        e = s + stream_contention * copies
         last_o = host_task[r] = add(LANE_HOST, r, KIND_STREAM_CONTENTION, s, e, last_o, pred)
         host_free = e
 
