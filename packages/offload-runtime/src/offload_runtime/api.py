@@ -245,7 +245,9 @@ def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
         raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
 
 
-def _check_stream_up_fraction(fraction: float | None, charge: float | None = None) -> None:
+def _check_stream_model(fraction: float | None, charge: float | None) -> None:
+    """ValueError unless the streamed copies' rate up and host charge, where given, are in
+    range."""
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"stream_up_fraction={fraction} must be in (0, 1] (or None)")
     if charge is not None and not 0 <= charge <= 1:
@@ -269,7 +271,7 @@ def planning_hardware(
     ``stream_up_fraction`` and ``stream_host_charge`` when given. For planning without
     building, e.g. the example's ``--plan_only``."""
     _check_host_step(host_step_params_per_s, host_step_cost)
-    _check_stream_up_fraction(stream_up_fraction, stream_host_charge)
+    _check_stream_model(stream_up_fraction, stream_host_charge)
     if stream_up_fraction is not None:
         hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
     if stream_host_charge is not None:
@@ -433,7 +435,7 @@ def memory_optimize(
             "dtype=torch.float16 and convert_on_device=False (or None)"
         )
     _check_host_step(host_step_params_per_s, host_step_cost)
-    _check_stream_up_fraction(stream_up_fraction, stream_host_charge)
+    _check_stream_model(stream_up_fraction, stream_host_charge)
     dev = resolve_device(device)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
