@@ -65,9 +65,9 @@ class Row:
     plan: Any
 
 
-def streamed_rows(paths: list[Path]) -> tuple[list[Row], int]:
-    """The streamed rows of ``paths`` whose recorded plan replans to the same number of
-    streamed regions, and how many did not."""
+def streamed_rows(paths: list[Path], kinds: list[str] | None = None) -> tuple[list[Row], int]:
+    """The streamed rows of ``paths`` (of ``kinds`` only, when given) whose recorded plan
+    replans to the same number of streamed regions, and how many did not."""
     from offload_solver import StreamedStepCosts, solve
 
     traced: dict[str, Any] = {}
@@ -77,8 +77,8 @@ def streamed_rows(paths: list[Path]) -> tuple[list[Row], int]:
         document = json.loads(path.read_text())
         if not isinstance(document, dict) or "results" not in document:
             continue
-        for workload, kinds in document["results"].items():
-            for kind, row in kinds.items():
+        for workload, by_kind in document["results"].items():
+            for kind, row in by_kind.items():
                 if not (
                     kind.endswith("_stream")
                     and isinstance(row, dict)
@@ -87,6 +87,7 @@ def streamed_rows(paths: list[Path]) -> tuple[list[Row], int]:
                     and "hardware" in row
                     and row.get("plan_streamed")
                     and not row.get("convert_on_device")
+                    and (kinds is None or kind in kinds)
                 ):
                     continue
                 if workload not in traced:
@@ -242,13 +243,19 @@ def main(argv: list[str] | None = None) -> int:
         metavar="FILE",
         help="part 2 for FILE's streamed rows; may be repeated",
     )
+    parser.add_argument(
+        "--kind",
+        action="append",
+        metavar="KIND",
+        help="only rows of this kind, e.g. ours_io_bf16m_spec1_stream; may be repeated",
+    )
     parser.add_argument("--rows", action="store_true", help="print each row's figures too")
     args = parser.parse_args(argv)
     models: list[tuple[float, float]] = args.model or [parse_model(m) for m in DEFAULT_MODELS]
     if not args.json and not args.cross:
         parser.error("give benchmark JSON files, or --cross FILE")
     if args.json:
-        rows, skipped = streamed_rows(args.json)
+        rows, skipped = streamed_rows(args.json, args.kind)
         if not rows:
             print("no streamed row replans as it was recorded", file=sys.stderr)
             return 1
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         fidelity(rows, models, args.rows)
     if args.cross:
-        rows, _ = streamed_rows(args.cross)
+        rows, _ = streamed_rows(args.cross, args.kind)
         cross(rows, models)
     return 0
 
