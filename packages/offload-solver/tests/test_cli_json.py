@@ -92,37 +92,38 @@ def test_hardware_json_without_copy_contention_loads_as_none() -> None:
     assert HardwareProfile.from_json(loaded.to_json()) == loaded
 
 
-def test_hardware_json_without_stream_up_fraction_loads_at_the_full_rate() -> None:
-    # Profiles recorded before the field existed (every row before session 28's change)
-    # charge streamed copies up at the full H2D rate, as they were planned.
-    hw = dataclasses.replace(default_hardware(), stream_up_fraction=0.7)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        # Rows before session 28's change planned streamed copies up at the full H2D rate.
+        ("stream_up_fraction", 0.7),
+        # Rows before session 30's field charged the host for streamed copies in full.
+        ("stream_host_charge", 0.5),
+    ],
+)
+def test_hardware_json_without_a_streaming_field_loads_as_it_was_planned(
+    field: str, value: float
+) -> None:
+    hw = dataclasses.replace(default_hardware(), **{field: value})
     assert HardwareProfile.from_json(hw.to_json()) == hw
     old = json.loads(hw.to_json())
-    del old["stream_up_fraction"]
-    assert HardwareProfile.from_json(json.dumps(old)).stream_up_fraction == 1.0
+    del old[field]
+    assert getattr(HardwareProfile.from_json(json.dumps(old)), field) == 1.0
 
 
-@pytest.mark.parametrize("fraction", [0.0, -0.5, 1.5, float("nan")])
-def test_bad_stream_up_fraction_is_named(fraction: float) -> None:
-    with pytest.raises(ValueError, match="stream_up_fraction"):
-        dataclasses.replace(flat_hardware(), stream_up_fraction=fraction)
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("stream_up_fraction", v) for v in (0.0, -0.5, 1.5, float("nan"))]
+    + [("stream_host_charge", v) for v in (-0.1, 1.5, float("nan"))],
+)
+def test_bad_streaming_field_is_named(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=field):
+        dataclasses.replace(flat_hardware(), **{field: value})
 
 
-def test_hardware_json_without_stream_host_charge_charges_the_host_in_full() -> None:
-    # Profiles recorded before session 30's field planned with the whole charge.
-    hw = dataclasses.replace(default_hardware(), stream_host_charge=0.5)
-    assert HardwareProfile.from_json(hw.to_json()) == hw
-    old = json.loads(hw.to_json())
-    del old["stream_host_charge"]
-    assert HardwareProfile.from_json(json.dumps(old)).stream_host_charge == 1.0
-    # 0 is allowed: the streamed copies then cost the host nothing.
-    assert dataclasses.replace(hw, stream_host_charge=0.0).stream_host_charge == 0.0
-
-
-@pytest.mark.parametrize("charge", [-0.1, 1.5, float("nan")])
-def test_bad_stream_host_charge_is_named(charge: float) -> None:
-    with pytest.raises(ValueError, match="stream_host_charge"):
-        dataclasses.replace(flat_hardware(), stream_host_charge=charge)
+def test_no_host_charge_for_streamed_copies_is_allowed() -> None:
+    # 0: the streamed copies cost the host nothing (their contention left to the copies).
+    assert dataclasses.replace(flat_hardware(), stream_host_charge=0.0).stream_host_charge == 0
 
 
 @pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
