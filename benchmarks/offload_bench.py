@@ -984,6 +984,30 @@ def _cell(r: dict[str, Any] | None) -> str:
     return f"{r['step_ms']:.0f} ms{over_run} / {r['peak_alloc_gib']:.2f} GiB"
 
 
+def issue_floor(r: dict[str, Any], full: dict[str, Any] | None) -> tuple[float, str] | None:
+    """The issue's floor for row ``r`` (ms, and which part sets it): the largest of its
+    ``floor_parts_ms`` (the H2D and D2H bytes over the profiled rates, host Adam over every
+    host-state parameter) and full-GPU training's forward and backward when ``full`` ran.
+    None when nothing is known."""
+    parts = dict(r.get("floor_parts_ms", {}))
+    if full and full.get("ok"):
+        parts["gpu_compute"] = full["fwd_bwd_ms"]
+    if not parts:
+        return None
+    key = max(parts, key=lambda k: parts[k])
+    return parts[key], key
+
+
+def _ratio(r: dict[str, Any], peer: dict[str, Any] | None) -> str:
+    """``r``'s step over ``peer``'s, by the 5 fastest and (in brackets) over the run."""
+    if peer is None or not peer.get("ok"):
+        return "-"
+    cell = f"{r['step_ms'] / peer['step_ms']:.3f}"
+    if "step_mean_ms" in r and "step_mean_ms" in peer:
+        cell += f" ({r['step_mean_ms'] / peer['step_mean_ms']:.3f})"
+    return cell
+
+
 def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]) -> str:
     lines = [
         f"### {meta['date']} - commit {meta['commit']} - {meta['gpu']} - torch {meta['torch']}",
@@ -1002,12 +1026,9 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
         pred = floor = ratio_floor = ratio_fsdp = "-"
         if ours and ours.get("ok"):
             pred = f"{ours['pred_step_ms']:.0f} ms / {ours['pred_peak_gib']:.2f} GiB"
-            parts = dict(ours.get("floor_parts_ms", {}))
-            if full and full.get("ok"):
-                parts["gpu_compute"] = full["fwd_bwd_ms"]
-            if parts:
-                key = max(parts, key=lambda k: parts[k])
-                floor_ms = parts[key]
+            found = issue_floor(ours, full)
+            if found:
+                floor_ms, key = found
                 floor = f"{floor_ms:.0f} ms ({key})"
                 ratio_floor = f"{ours['step_ms'] / floor_ms:.2f}"
             fsdp = by_kind.get("fsdp2")
@@ -1031,12 +1052,28 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
     if variants:
         lines += [
             "",
-            "| workload | kind | step / peak | predicted (step / peak) | host step in the loop "
+            "| workload | kind | step / peak | predicted (step / peak) | floor "
+            "| / floor (run) | / FSDP2 (run) | / torchao (run) | / full GPU (run) "
+            "| host step in the loop "
             "| host threads | undone steps | regions speculated (last step) "
             "| host per step: busy / idle inside / idle after last / idle before first |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for w, kind, r in variants:
+            # The issue's ratios, each against a peer measured in the same call.
+            peers = results[w]
+            found = issue_floor(r, peers.get("full_gpu"))
+            floor_cell = ratio_floor = "-"
+            if found:
+                floor_ms, key = found
+                floor_cell = f"{floor_ms:.0f} ms ({key})"
+                ratio_floor = f"{r['step_ms'] / floor_ms:.3f}"
+                if "step_mean_ms" in r:
+                    ratio_floor += f" ({r['step_mean_ms'] / floor_ms:.3f})"
+            ratios = (
+                f"| {floor_cell} | {ratio_floor} | {_ratio(r, peers.get('fsdp2'))} "
+                f"| {_ratio(r, peers.get('torchao'))} | {_ratio(r, peers.get('full_gpu'))} "
+            )
             pred = f"{r['pred_step_ms']:.0f} ms / {r['pred_peak_gib']:.2f} GiB"
             host = r.get("host_step_ms_in_loop")
             cyc = r.get("host_cycle")
@@ -1055,7 +1092,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
                 + " ms"
             )
             lines.append(
-                f"| {w} | {kind} | {_cell(r)} | {pred} "
+                f"| {w} | {kind} | {_cell(r)} | {pred} {ratios}"
                 f"| {'-' if host is None else f'{host:.0f} ms'} | {r.get('host_threads', '-')} "
                 f"| {r.get('undone_steps', '-')} | {r.get('speculated_regions', '-')} "
                 f"| {cycle} |"
