@@ -99,9 +99,10 @@
 #           full, copies up at the full H2D rate) and with it split (BENCH_STREAM_HOST_CHARGE
 #           ${CHARGE:-0.5}, BENCH_STREAM_UP_FRACTION ${UP_FRACTION:-0.78}), alternating, ROUNDS
 #           rounds (default 1), for each of CHARGE_WORKLOADS (default "W4 W3 W2"; W4 with
-#           bf16 moments, torchao once first; W2 with 20 timed steps), every row after the
-#           first planned from its inputs (BENCH_PLAN_FROM); then each row's run mean and
-#           plan. W4 ~5 min a round, W3 and W2 ~2 min each a round
+#           bf16 moments and torchao in the first row's call; W2 with 20 timed steps and
+#           FSDP2 likewise), every row after the first planned from its inputs
+#           (BENCH_PLAN_FROM); then each row's run mean and plan. W4 ~5.5 min a round, W2
+#           ~5 min for two, W3 ~4 min for two
 #   s28     W4 bf16 moments streamed beside torchao, W3 ours_io_spec1_stream beside FSDP2
 #           and torchao, then W1 ours and full GPU for ROUNDS rounds (default 2, the
 #           order swapped each round) and their median ratio: the rows a session
@@ -260,15 +261,13 @@ case "$phase" in
       --json "$out/ring_rate_bf16_io.json" 2>&1 | tee -a "$out/ring_rate.log" ;;
   chargeab)
     for w in ${CHARGE_WORKLOADS:-W4 W3 W2}; do
-      k=ours_io_spec1_stream steps=${BENCH_STEPS:-10} limit=150
-      if [ "$w" = W4 ]; then
-        k=ours_io_bf16m_spec1_stream limit=300
-        bench W4 torchao 120 W4_charge_torchao
-      fi
-      if [ "$w" = W2 ]; then steps=20; fi
+      # The peer of the target each workload misses runs beside the first row.
+      k=ours_io_spec1_stream steps=${BENCH_STEPS:-10} limit=150 peer=""
+      if [ "$w" = W4 ]; then k=ours_io_bf16m_spec1_stream limit=300 peer=,torchao; fi
+      if [ "$w" = W2 ]; then steps=20 peer=,fsdp2; fi
       # Every row after the first plans from the first row's inputs (host rate, device
       # memory in use), so the two ways differ only in the split.
-      BENCH_STEPS=$steps bench "$w" "$k" "$limit" "${w}_chargefull1"
+      BENCH_STEPS=$steps bench "$w" "$k$peer" "$limit" "${w}_chargefull1"
       for i in $(seq 1 "${ROUNDS:-1}"); do
         if [ "$i" -gt 1 ]; then
           BENCH_PLAN_FROM="$out/${w}_chargefull1.json" BENCH_STEPS=$steps \

@@ -33,7 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     groups: dict[str, list[float]] = {}
     for path in args.files:
-        row = json.loads(path.read_text())["results"][args.workload][args.kind]
+        rows = json.loads(path.read_text())["results"][args.workload]
+        # A peer run in the same call (chargeab runs one beside its first row).
+        for peer in ("full_gpu", "fsdp2", "torchao"):
+            other = rows.get(peer)
+            if other and other.get("ok"):
+                print(
+                    f"{path.name}: {peer} run mean {other['step_mean_ms']:.0f} ms, "
+                    f"5 fastest {other['step_ms']:.0f} ms"
+                )
+        row = rows[args.kind]
         if not row.get("ok"):
             print(f"{path.name}: {row.get('error')}")
             continue
