@@ -103,6 +103,19 @@ def _row_hardware(
     )
 
 
+def steady_run(variant: Any, hardware: Any, plan: Any, **simulation: Any) -> Any:
+    """The repeating step (``offload_solver.simulators._engine.SteadyState``) of ``plan``'s
+    placements simulated on ``hardware`` with the keyword arguments it was solved with.
+    The steady state and its lanes are the simulator's internals: the scripts read them to
+    set them beside what a run measured, nothing more."""
+    from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
+    from offload_solver.simulators._engine import steady_state
+
+    ctx = SimulationContext.build(variant, hardware, **simulation)
+    assignment = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
+    return steady_state(ctx, assignment, get_simulator("async").run(ctx, assignment))
+
+
 def simulated_host_cycle(
     variant: Any, hardware: Any, plan: Any, **simulation: Any
 ) -> tuple[float, float, int]:
@@ -118,16 +131,9 @@ def simulated_host_cycle(
     (``host_step_after_backward``, ``speculative_step_cost``, ``speculative_params``).
     Comparable with a row's ``backward_to_first_host_step_ms``, ``host_cycle`` (or the
     run's period minus the delay and the span) and ``speculated_regions``."""
-    from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
+    from offload_solver.simulators._engine import KIND_HOST_STEP, LANE_HOST
 
-    # The steady state and its lanes are the simulator's internals: this script reads them
-    # to set them beside what a run measured, nothing more.
-    from offload_solver.simulators._engine import KIND_HOST_STEP, LANE_HOST, steady_state
-
-    ctx = SimulationContext.build(variant, hardware, **simulation)
-    assignment = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
-    simulator = get_simulator("async")
-    steady = steady_state(ctx, assignment, simulator.run(ctx, assignment))
+    steady = steady_run(variant, hardware, plan, **simulation)
     run = steady.last
     backward = min(run.reach_b)
     host = [i for i, lane in enumerate(run.lane) if lane == LANE_HOST]

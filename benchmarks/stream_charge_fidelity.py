@@ -35,7 +35,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload_bench import WORKLOADS
-from replay_bench import SPECULATING, host_rate, loop_busy_ms, row_hardware, workload_profile
+from replay_bench import (
+    SPECULATING,
+    host_rate,
+    loop_busy_ms,
+    row_hardware,
+    steady_run,
+    workload_profile,
+)
 
 GiB = 2**30
 DEFAULT_MODELS = ("1:1", "1:0.78", "0.5:1", "0.5:0.78", "0:0.78")
@@ -124,15 +131,9 @@ def simulate(
 ) -> tuple[float, float]:
     """(steady-state period, host lane busy time in that step), ms, of ``plan``'s
     placements simulated on ``hardware``."""
-    from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
+    from offload_solver.simulators._engine import LANE_HOST
 
-    # The steady state and its lanes are the simulator's internals (as replay_bench.py
-    # reads them): read here only to set them beside what a run measured.
-    from offload_solver.simulators._engine import LANE_HOST, steady_state
-
-    ctx = SimulationContext.build(variant, hardware, **simulation)
-    assignment = [RegionAssignment(rp.placement, rp.state, rp.prefetch_at) for rp in plan.regions]
-    steady = steady_state(ctx, assignment, get_simulator("async").run(ctx, assignment))
+    steady = steady_run(variant, hardware, plan, **simulation)
     run = steady.last
     busy = sum(run.end[i] - run.start[i] for i, lane in enumerate(run.lane) if lane == LANE_HOST)
     return steady.period_s * 1e3, busy * 1e3
