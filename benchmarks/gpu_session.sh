@@ -91,12 +91,14 @@
 #           row's run mean. W2 with BENCH_STEPS=20                               ~9 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
-#   upfrac  plans with streamed copies up at the full H2D rate (the profile's) and at
-#           UP_FRACTION (default 0.7; BENCH_STREAM_UP_FRACTION), alternating, ROUNDS
+#   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
+#           (default 0.7; BENCH_STREAM_UP_FRACTION), both with the host charged in full
+#           (BENCH_STREAM_HOST_CHARGE=1, the model before session 31), alternating, ROUNDS
 #           rounds (default 1): W3 ours_io_spec1_stream, W2 the same with 20 timed
 #           steps; then each row's run mean and plan (the two plan apart)       ~5 min
-#   chargeab plans made as today (the streamed copies' host contention charged to the host in
-#           full, copies up at the full H2D rate) and with it split (BENCH_STREAM_HOST_CHARGE
+#   chargeab plans made as before session 31 (the streamed copies' host contention charged
+#           to the host in full, copies up at the full H2D rate: BENCH_STREAM_HOST_CHARGE=1
+#           BENCH_STREAM_UP_FRACTION=1) and with it split (today's default; BENCH_STREAM_HOST_CHARGE
 #           ${CHARGE:-0.5}, BENCH_STREAM_UP_FRACTION ${UP_FRACTION:-0.78}), alternating, ROUNDS
 #           rounds (default 1), for each of CHARGE_WORKLOADS (default "W4 W3 W2"; W4 with
 #           bf16 moments and torchao in the first row's call; W2 with 20 timed steps and
@@ -267,10 +269,12 @@ case "$phase" in
       if [ "$w" = W2 ]; then steps=20 peer=,fsdp2; fi
       # Every row after the first plans from the first row's inputs (host rate, device
       # memory in use), so the two ways differ only in the split.
-      BENCH_STEPS=$steps bench "$w" "$k$peer" "$limit" "${w}_chargefull1"
+      BENCH_STREAM_HOST_CHARGE=1 BENCH_STREAM_UP_FRACTION=1 BENCH_STEPS=$steps \
+        bench "$w" "$k$peer" "$limit" "${w}_chargefull1"
       for i in $(seq 1 "${ROUNDS:-1}"); do
         if [ "$i" -gt 1 ]; then
           BENCH_PLAN_FROM="$out/${w}_chargefull1.json" BENCH_STEPS=$steps \
+            BENCH_STREAM_HOST_CHARGE=1 BENCH_STREAM_UP_FRACTION=1 \
             bench "$w" "$k" "$limit" "${w}_chargefull$i"
         fi
         BENCH_PLAN_FROM="$out/${w}_chargefull1.json" BENCH_STEPS=$steps \
@@ -283,9 +287,10 @@ case "$phase" in
   upfrac)
     k=ours_io_spec1_stream
     for i in $(seq 1 "${ROUNDS:-1}"); do
-      bench W3 "$k" 150 "W3_upfull$i"
+      export BENCH_STREAM_HOST_CHARGE=1
+      BENCH_STREAM_UP_FRACTION=1 bench W3 "$k" 150 "W3_upfull$i"
       BENCH_STREAM_UP_FRACTION=${UP_FRACTION:-0.7} bench W3 "$k" 150 "W3_upfrac$i"
-      BENCH_STEPS=20 bench W2 "$k" 150 "W2_upfull$i"
+      BENCH_STEPS=20 BENCH_STREAM_UP_FRACTION=1 bench W2 "$k" 150 "W2_upfull$i"
       BENCH_STEPS=20 BENCH_STREAM_UP_FRACTION=${UP_FRACTION:-0.7} bench W2 "$k" 150 "W2_upfrac$i"
     done
     for w in W3 W2; do

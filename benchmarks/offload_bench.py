@@ -81,10 +81,12 @@ steps on a thread of their own); rows record ``speculation_thread``. Set
 BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unset: the
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
 rows record ``paced_ring``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
-at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``; unset: the profile's,
-1), and BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed
-regions' copies (``memory_optimize(stream_host_charge=S)``; unset: 1); rows record both in
-``profile``.
+at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
+BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
+copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's defaults
+(``STREAM_UP_FRACTION`` 0.78 and ``STREAM_HOST_CHARGE`` 0.5 from session 31 on; 1 and 1
+before). BENCH_STREAM_HOST_CHARGE=1 BENCH_STREAM_UP_FRACTION=1 plans as before session 31.
+Rows record both in ``profile``.
 """
 
 from __future__ import annotations
@@ -395,7 +397,7 @@ def _ours(
         stream_copy_bytes,
         streamed_step_costs,
     )
-    from offload_runtime import memory_optimize
+    from offload_runtime import STREAM_HOST_CHARGE, STREAM_UP_FRACTION, memory_optimize
     from offload_runtime.hardware import profile_hardware
     from offload_solver import HardwareProfile, ParamPlacement, StatePlacement
     from offload_solver.solve import POLISH_ROUNDS
@@ -425,10 +427,11 @@ def _ours(
         if paced_env is None
         else paced_env != "0"
     )
+    # The streamed copies' contention as set, else memory_optimize's defaults.
     up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")
-    stream_up_fraction = float(up_env) if up_env else None
+    stream_up_fraction = float(up_env) if up_env else STREAM_UP_FRACTION
     charge_env = os.environ.get("BENCH_STREAM_HOST_CHARGE")
-    stream_host_charge = float(charge_env) if charge_env else None
+    stream_host_charge = float(charge_env) if charge_env else STREAM_HOST_CHARGE
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"

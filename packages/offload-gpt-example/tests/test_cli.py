@@ -603,33 +603,29 @@ def test_stream_flag_tells_the_planner_what_streaming_costs(
     assert code == 0, err
 
 
-def test_stream_split_plans_with_the_contention_split(
+def test_stream_plans_with_the_runtimes_contention_split(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--stream_split hands memory_optimize (and --plan_only's profile) the split of the
-    streamed copies' host-memory contention; alone, without --stream, it is refused."""
+    """--stream leaves the split of the streamed copies' host-memory contention to
+    memory_optimize's defaults, and --plan_only's profile carries the same split; the
+    session-30 flag that asked for it (--stream_split) is gone."""
     from dataclasses import replace
 
-    from offload_gpt_example.__main__ import (
-        STREAM_SPLIT_HOST_CHARGE,
-        STREAM_SPLIT_UP_FRACTION,
-        HostSteps,
-    )
+    from offload_gpt_example.__main__ import HostSteps
+    from offload_runtime import STREAM_HOST_CHARGE, STREAM_UP_FRACTION
     from offload_solver import default_hardware
 
     plain = HostSteps("torch", False, None, None)
-    split = replace(plain, stream=True, stream_split=True)
-    assert split.optimize_kwargs["stream_host_charge"] == STREAM_SPLIT_HOST_CHARGE == 0.5
-    assert split.optimize_kwargs["stream_up_fraction"] == STREAM_SPLIT_UP_FRACTION == 0.78
-    hw = split.plan_hardware(default_hardware())
-    assert (hw.stream_host_charge, hw.stream_up_fraction) == (0.5, 0.78)
-    # Without --stream there is nothing to split: the profile is planned as given.
-    for steps in (replace(plain, stream=True), replace(plain, stream_split=True)):
-        assert "stream_host_charge" not in steps.optimize_kwargs
-        assert steps.plan_hardware(default_hardware()).stream_host_charge == 1.0
+    streamed = replace(plain, stream=True)
+    assert streamed.optimize_kwargs.keys().isdisjoint({"stream_host_charge", "stream_up_fraction"})
+    for steps in (plain, streamed):
+        hw = steps.plan_hardware(default_hardware())
+        assert (hw.stream_host_charge, hw.stream_up_fraction) == (
+            STREAM_HOST_CHARGE,
+            STREAM_UP_FRACTION,
+        )
+    assert (STREAM_HOST_CHARGE, STREAM_UP_FRACTION) == (0.5, 0.78)
     base = [*TINY, *FINE, "--batch_size", "2", "--steps", "2", "--log_dir", str(tmp_path)]
-    code, _, err = _run([*base, "--stream_split", "--plan_only"], capsys)
-    assert code == 2
-    assert "--stream_split applies with --stream only" in err
     code, _, err = _run([*base, "--stream", "--stream_split", "--plan_only"], capsys)
-    assert code == 0, err
+    assert code == 2
+    assert "--stream_split" in err

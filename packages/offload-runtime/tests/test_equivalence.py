@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +26,8 @@ from tiny_models import (
 import offload_runtime.controller
 import offload_runtime.module
 from offload_runtime import (
+    STREAM_HOST_CHARGE,
+    STREAM_UP_FRACTION,
     OffloadModule,
     measure_device_bytes_in_use,
     memory_optimize,
@@ -315,7 +319,19 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     geometric mean of both), no conversion passes with fp16 I/O, and the same refusals as
     memory_optimize's."""
     hw = default_cpu_profile()
-    assert planning_hardware(hw) == hw
+    # By default the streamed copies' contention is split (STREAM_HOST_CHARGE and
+    # STREAM_UP_FRACTION); None for both plans with the profile as it is.
+    as_is = {"stream_up_fraction": None, "stream_host_charge": None}
+    assert planning_hardware(hw, **as_is) == hw
+    split = planning_hardware(hw)
+    assert (split.stream_host_charge, split.stream_up_fraction) == (
+        STREAM_HOST_CHARGE,
+        STREAM_UP_FRACTION,
+    )
+    assert dataclasses.replace(split, stream_host_charge=1.0, stream_up_fraction=1.0) == hw
+    sig = inspect.signature(memory_optimize).parameters
+    assert sig["stream_host_charge"].default == STREAM_HOST_CHARGE
+    assert sig["stream_up_fraction"].default == STREAM_UP_FRACTION
     rate = hw.host_adam_params_per_s / 4
     by_cost = planning_hardware(hw, host_step_cost=4.0)
     assert by_cost.host_adam_params_per_s == pytest.approx(rate)
@@ -336,7 +352,7 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
             planning_hardware(hw, **kwargs)
     # The streamed copies' share of the H2D rate, set when given (the profile's otherwise).
     assert planning_hardware(hw, stream_up_fraction=0.7).stream_up_fraction == 0.7
-    assert planning_hardware(hw).stream_up_fraction == hw.stream_up_fraction == 1.0
+    assert planning_hardware(hw, **as_is).stream_up_fraction == hw.stream_up_fraction == 1.0
     for fraction in (0.0, 1.5, float("nan")):
         with pytest.raises(ValueError, match="stream_up_fraction"):
             planning_hardware(hw, stream_up_fraction=fraction)
@@ -344,7 +360,7 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     both_sides = planning_hardware(hw, stream_up_fraction=0.78, stream_host_charge=0.5)
     assert (both_sides.stream_up_fraction, both_sides.stream_host_charge) == (0.78, 0.5)
     assert planning_hardware(hw, stream_host_charge=0.0).stream_host_charge == 0.0
-    assert planning_hardware(hw).stream_host_charge == hw.stream_host_charge == 1.0
+    assert planning_hardware(hw, **as_is).stream_host_charge == hw.stream_host_charge == 1.0
     for charge in (-0.5, 1.5, float("nan")):
         with pytest.raises(ValueError, match="stream_host_charge"):
             planning_hardware(hw, stream_host_charge=charge)

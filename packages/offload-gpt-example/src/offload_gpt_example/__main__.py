@@ -108,13 +108,6 @@ SEED = 0
 CPU_FALLBACK_MODEL = "gpt2_tiny"
 CPU_FALLBACK_BATCH = 4
 FASTEST_STEPS = 5  # exec_time is the mean of this many fastest steps
-# --stream_split: the host-memory contention of streamed copies split between the host
-# (this share of the charge) and the copies up (at this fraction of the H2D rate). Over
-# the 50 streamed H200 rows on record it replays the host's busy time 5% over the
-# measured instead of 19%, with the steps as close (BENCHMARKS.md, session 30); plans
-# made so stream fewer regions. Not yet timed on a GPU.
-STREAM_SPLIT_HOST_CHARGE = 0.5
-STREAM_SPLIT_UP_FRACTION = 0.78
 # The pool block-size search looks this far above the largest region (the reference's
 # 128 MiB); regions packed into one block merge, so a model smaller than this becomes one
 # region. 0 keeps regions at parameter boundaries (for tiny models and tests).
@@ -207,15 +200,6 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "host step bounds the training step and PCIe has time to spare",
     )
     p.add_argument(
-        "--stream_split",
-        action="store_true",
-        help="with --stream, plan with host-memory contention split between the host "
-        f"steps and the streamed copies up (memory_optimize(stream_host_charge="
-        f"{STREAM_SPLIT_HOST_CHARGE}, stream_up_fraction={STREAM_SPLIT_UP_FRACTION})) "
-        "instead of charged to the host alone: fewer regions streamed; not yet timed on a "
-        "GPU",
-    )
-    p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
     )
     return p, p.parse_args(argv)
@@ -247,18 +231,6 @@ class HostSteps:
     """``--stream``: the planner may step host-state regions on the device (STREAMED)."""
     budget_bytes: int | None = None
     """The device budget, which sizes the ring of a streamed step (a tenth at most)."""
-    stream_split: bool = False
-    """``--stream_split``: plan the streamed copies' contention split between the host and
-    the copies up (:data:`STREAM_SPLIT_HOST_CHARGE`, :data:`STREAM_SPLIT_UP_FRACTION`)."""
-
-    @property
-    def _split_kwargs(self) -> dict[str, float]:
-        if not (self.stream and self.stream_split):
-            return {}
-        return {
-            "stream_host_charge": STREAM_SPLIT_HOST_CHARGE,
-            "stream_up_fraction": STREAM_SPLIT_UP_FRACTION,
-        }
 
     @property
     def plan_kwargs(self) -> dict[str, Any]:
@@ -286,7 +258,6 @@ class HostSteps:
             kwargs["host_step_cost"] = self.host_cost
         if self.host_rate is not None:
             kwargs["host_step_params_per_s"] = self.host_rate
-        kwargs.update(self._split_kwargs)
         return kwargs
 
     def plan_hardware(self, hardware: HardwareProfile) -> HardwareProfile:
@@ -296,7 +267,6 @@ class HostSteps:
             host_step_cost=self.host_cost,
             host_step_params_per_s=self.host_rate,
             fp16_io=self.fp16_io,
-            **self._split_kwargs,
         )
 
     @classmethod
@@ -429,8 +399,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.fp16_io and args.dtype != "fp16":
         parser.error(f"--fp16_io applies to --dtype fp16 only, not {args.dtype}")
-    if args.stream_split and not args.stream:
-        parser.error("--stream_split applies with --stream only")
     budget_bytes = int(args.memory_budget * GB)
     dtype = DTYPES[args.dtype]
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
@@ -505,7 +473,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         host_steps = replace(
             HostSteps.choose(args.speculate, args.fp16_io, on_cuda, args.bf16_moments),
             stream=args.stream,
-            stream_split=args.stream_split,
             budget_bytes=budget_bytes,
         )
     except (ImportError, RuntimeError) as exc:
@@ -699,7 +666,6 @@ def plan_only(
         host_steps = replace(
             HostSteps.choose(args.speculate, args.fp16_io, False, args.bf16_moments),
             stream=args.stream,
-            stream_split=args.stream_split,
             budget_bytes=budget_bytes,
         )
     except (ImportError, RuntimeError) as exc:

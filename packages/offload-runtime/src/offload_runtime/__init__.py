@@ -6,6 +6,8 @@ the graph and returns an :class:`OffloadModule` to train.
 """
 
 from offload_runtime.api import (
+    STREAM_HOST_CHARGE,
+    STREAM_UP_FRACTION,
     build_offload_module,
     choose_plan,
     device_conversion_profile,
@@ -26,6 +28,8 @@ from offload_runtime.passes import apply_plan, insert_async_ops, insert_state_op
 from offload_runtime.storage import RegionStorage, region_of
 
 __all__ = [
+    "STREAM_HOST_CHARGE",
+    "STREAM_UP_FRACTION",
     "DeviceIdentity",
     "OffloadController",
     "OffloadModule",

@@ -245,6 +245,22 @@ def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
         raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
 
 
+STREAM_HOST_CHARGE: float = 0.5
+"""The share of the host-memory contention of streamed regions' pinned copies that
+:func:`memory_optimize` charges the host for by default (``HardwareProfile.stream_host_charge``).
+With :data:`STREAM_UP_FRACTION` it splits the contention between the host steps and the
+copies up. The 50 streamed rows of BENCHMARKS.md sessions 22-30 replay with the host's busy
+time 5.5% over the measured (18.6% charged in full) and their steps 0.4% under their run
+means (5.9%; ``benchmarks/stream_charge_fidelity.py``). Timed on an H200 in session 31 on one
+plan source each way, plans made so ran 4.5-10.7% faster on W4 (bf16 moments), 1.6% on W2
+and 5.3% on W3 by run means (``gpu_session.sh chargeab``)."""
+
+STREAM_UP_FRACTION: float = 0.78
+"""The fraction of the H2D rate that streamed regions' state copies up reach beside the
+host steps and the copies down, which :func:`memory_optimize` plans with by default
+(``HardwareProfile.stream_up_fraction``); see :data:`STREAM_HOST_CHARGE`."""
+
+
 def _check_stream_model(fraction: float | None, charge: float | None) -> None:
     """ValueError unless the streamed copies' rate up and host charge, where given, are in
     range."""
@@ -260,16 +276,18 @@ def planning_hardware(
     host_step_params_per_s: float | None = None,
     host_step_cost: float | None = None,
     fp16_io: bool = False,
-    stream_up_fraction: float | None = None,
-    stream_host_charge: float | None = None,
+    stream_up_fraction: float | None = STREAM_UP_FRACTION,
+    stream_host_charge: float | None = STREAM_HOST_CHARGE,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
     parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step; given
     both, the geometric mean of that rate and the profile's over the cost), no conversion
     passes charged with ``fp16_io`` (they happen inside the host step), and
-    ``stream_up_fraction`` and ``stream_host_charge`` when given. For planning without
-    building, e.g. the example's ``--plan_only``."""
+    ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
+    :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
+    streamed regions are simulated). For planning without building, e.g. the example's
+    ``--plan_only``."""
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
     if stream_up_fraction is not None:
@@ -314,8 +332,8 @@ def memory_optimize(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     polish_rounds: int = POLISH_ROUNDS,
-    stream_up_fraction: float | None = None,
-    stream_host_charge: float | None = None,
+    stream_up_fraction: float | None = STREAM_UP_FRACTION,
+    stream_host_charge: float | None = STREAM_HOST_CHARGE,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -404,21 +422,16 @@ def memory_optimize(
             than the search's (``offload_solver.solvers._polish``).
         stream_up_fraction: with ``streamed``, the fraction of the H2D rate the streamed
             regions' state copies up reach, beside the host steps and the copies down
-            (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default None: the
-            hardware profile's, which a measured profile leaves at 1 (the full rate).
-            The H200 traces of BENCHMARKS.md session 28 read 0.69-0.74. Replanned with
-            0.7, the 59 streamed rows of sessions 22-28 were predicted 3.0% under their
-            run means on average (mean absolute error 7.2%), against 8.0% (9.7%) at the
-            full rate (``benchmarks/replay_bench.py --streamed-only
-            --stream-up-fraction``).
+            (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default
+            :data:`STREAM_UP_FRACTION` (0.78); None: the hardware profile's own, which a
+            measured profile leaves at 1 (the full rate).
         stream_host_charge: with ``streamed``, the share of the host-memory contention
             that the streamed regions' pinned copies charge the host for, in [0, 1]
-            (``HardwareProfile.stream_host_charge``). Default None: the profile's, 1 (in
-            full). With 0.5 and ``stream_up_fraction=0.78`` the contention is split
-            between the host and the copies up: the 50 streamed rows of sessions 22-30
-            replay with the host's busy time 5% over the measured (19% in full) and the
-            steps 0.4% under their run means (6%; ``benchmarks/stream_charge_fidelity.py``).
-            Plans made so stream fewer regions; not yet timed on a GPU.
+            (``HardwareProfile.stream_host_charge``). Default :data:`STREAM_HOST_CHARGE`
+            (0.5), which with the default ``stream_up_fraction`` splits the contention
+            between the host and the copies up; None: the profile's own, 1 (charged to
+            the host in full, the model before session 31). Plans made with the split
+            stream fewer regions and measured faster (:data:`STREAM_HOST_CHARGE`).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
