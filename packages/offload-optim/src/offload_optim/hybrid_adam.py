@@ -228,6 +228,27 @@ def _nothing() -> None:
     """The default ``published`` callback of :meth:`HybridAdam.issue_region`."""
 
 
+def _publish_streamed_step(
+    controller: OffloadController,
+    sink: list[RegionStepTiming],
+    r: int,
+    then: Callable[[], None],
+    start: float,
+    end: float,
+    issue_s: float = 0.0,
+    paced_wait_s: float = 0.0,
+) -> None:
+    """Publish streamed region ``r`` once its downloads landed: mark it published on
+    ``controller``, record its :class:`RegionStepTiming` in ``sink`` (``start``/``end`` in
+    seconds of ``time.perf_counter``, ``issue_s`` and ``paced_wait_s`` in seconds), then
+    call ``then`` (step()'s task completes the region's future; a hook's
+    :meth:`HybridAdam.issue_region` calls its ``published``)."""
+    with torch.profiler.record_function(f"streamed step {r} (publish)"):
+        controller.publish(r)
+        sink.append(RegionStepTiming(r, start, end, True, True, issue_s, paced_wait_s))
+        then()
+
+
 class _RegionState:
     def __init__(self, storage: RegionStorage, moments_dtype: torch.dtype) -> None:
         self.storage = storage
@@ -1310,24 +1331,14 @@ class HybridAdam(torch.optim.Optimizer):
         and [Note: publishing while issuing] in streamed.py)."""
         done: set[int] = set()
 
-        def finish(
-            r: int,
-            start: float,
-            end: float,
-            streamed: bool = False,
-            issue_s: float = 0.0,
-            paced_wait_s: float = 0.0,
-        ) -> None:
-            controller.publish(r)
-            sink.append(RegionStepTiming(r, start, end, True, streamed, issue_s, paced_wait_s))
+        def complete(r: int) -> None:
             futures[r].set_result(None)
             done.add(r)
 
-        def finish_streamed(
-            r: int, start: float, end: float, issue_s: float = 0.0, paced_wait_s: float = 0.0
-        ) -> None:
-            with torch.profiler.record_function(f"streamed step {r} (publish)"):
-                finish(r, start, end, True, issue_s, paced_wait_s)
+        def finish(r: int, start: float, end: float) -> None:
+            controller.publish(r)
+            sink.append(RegionStepTiming(r, start, end, host=True))
+            complete(r)
 
         streamed_jobs = [
             (r, segments) for r, segments in jobs if segments and self._regions[r].storage.streamed
@@ -1344,7 +1355,12 @@ class HybridAdam(torch.optim.Optimizer):
                     streamed_jobs,
                     grad_scale,
                     hypers,
-                    {r: partial(finish_streamed, r) for r, _ in streamed_jobs},
+                    {
+                        r: partial(
+                            _publish_streamed_step, controller, sink, r, partial(complete, r)
+                        )
+                        for r, _ in streamed_jobs
+                    },
                 )
                 if self.issue_thread:
                     issuing = self._issue_elsewhere(partial(issue, paced=self.paced_ring))
@@ -1529,14 +1545,7 @@ class HybridAdam(torch.optim.Optimizer):
                 self.publish_streamed()
             return True
 
-        def publish(
-            start: float, end: float, issue_s: float = 0.0, paced_wait_s: float = 0.0
-        ) -> None:
-            with torch.profiler.record_function(f"streamed step {r} (publish)"):
-                controller.publish(r)
-                sink.append(RegionStepTiming(r, start, end, True, True, issue_s, paced_wait_s))
-                done()
-
+        publish = partial(_publish_streamed_step, controller, sink, r, done)
         ring, queue = self._streaming_session()
         try:
             self._issue_jobs(ring, queue, [(r, segments)], grad_scale, hypers, {r: publish})
