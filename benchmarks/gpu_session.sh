@@ -119,6 +119,7 @@
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
 # call's profiler summaries and traces in prof_NAME/ (so rows of one kind keep their own).
+# Every phase ends with targets.md: benchmarks/targets.py over the folder's JSON files.
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
@@ -381,3 +382,7 @@ case "$phase" in
     bench W2 ours,ours_spec1,ours_io,ours_io_spec1,fsdp2,torchao 90 W2_io ;;
   *) echo "unknown phase $phase" >&2; exit 2 ;;
 esac
+# The targets over every row this output folder holds (CPU only, a second).
+if compgen -G "$out/*.json" > /dev/null; then
+  python3 "$root/benchmarks/targets.py" "$out"/*.json > "$out/targets.md" 2>&1 || true
+fi

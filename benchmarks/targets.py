@@ -1,0 +1,272 @@
+"""Issue #7's targets, met or missed, from ``offload_bench.py --json`` files.
+
+    python benchmarks/targets.py benchmarks/results/s31c*.json
+    python benchmarks/targets.py --kind ours_io_spec1_stream --kind ours \\
+        --kind ours_io_bf16m_spec1_stream "$OUT"/r/*.json
+
+Every ratio sets a row of ours beside a peer or a floor measured in the same run: the
+peer's row in the same file (one ``offload_bench.py`` run, as ``pair_ratios.py`` pairs
+rounds), else in the same call. Files named ``sNNcM_*`` (``benchmarks/results``) belong
+to call M of session NN, and any other file to the call of its folder (one
+``gpu_session.sh`` output folder). Where there is more than one row of a peer, the ratio
+is taken to the peer's median. Step times are the
+issue's measure, the mean of the 5 fastest timed steps; the run mean's ratio follows in
+brackets.
+
+The targets (issue #7): every peak allocated within its budget; predicted peak within 5%
+of the measured; predicted step within 15% of the run mean; W1 at most 1.05x full-GPU
+training; W2, W3 and W4 with fp32 optimizer state at most 1.15x the issue's floor and at
+most 0.55x FSDP2 CPU offload's step; W3 faster than torchao's CPU offload, whose peak fits
+the 40 GiB budget; W4 with bf16 host moments (``bf16m`` kinds) faster than torchao. The
+floor is :func:`offload_bench.issue_floor`'s. A ratio target reads "met" when every row
+meets it, "met by the median" when the median row does, else "missed" with the median's
+distance from the target. Nothing is allocated; no GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from offload_bench import OURS_KINDS, WORKLOADS, issue_floor
+
+GiB = 2**30
+PEERS = ("full_gpu", "fsdp2", "torchao")
+_CALL = re.compile(r"^(s\d+c\d+)_")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One of our rows, with what its call measured beside it."""
+
+    call: str
+    file: str
+    workload: str
+    kind: str
+    result: dict[str, Any]
+    peers: dict[str, list[dict[str, Any]]]
+    """Each peer kind's rows in the same call and workload."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.file.removesuffix('.json')} {self.kind}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    target: str
+    cells: list[str]
+    status: str
+
+
+def call_of(path: Path) -> str:
+    """The call a results file belongs to: ``sNNcM`` from its name, else its folder."""
+    m = _CALL.match(path.name)
+    return m.group(1) if m else str(path.resolve().parent)
+
+
+def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
+    """Our successful rows in ``paths`` (of ``kinds`` when given; never the ablation),
+    each with its call's peer rows of the same workload."""
+    in_call: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    in_file: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
+    ours: list[tuple[str, str, str, str, dict[str, Any]]] = []
+    for path in paths:
+        data = json.loads(path.read_text())
+        if not isinstance(data, dict):  # not an offload_bench.py file (ring_rate.py's, say)
+            continue
+        call = call_of(path)
+        for workload, by_kind in data.get("results", {}).items():
+            for kind, result in by_kind.items():
+                if not result.get("ok"):
+                    continue
+                if kind in PEERS:
+                    for table, key in ((in_call, call), (in_file, str(path.resolve()))):
+                        table.setdefault((key, workload), {}).setdefault(kind, []).append(result)
+                elif kind in OURS_KINDS and kind != "ablation" and (kinds is None or kind in kinds):
+                    ours.append((call, str(path.resolve()), workload, kind, result))
+    rows = []
+    for call, file, w, kind, result in ours:
+        peers = dict(in_call.get((call, w), {}))
+        peers.update(in_file.get((file, w), {}))  # the same run's peer, where there is one
+        rows.append(Row(call, Path(file).name, w, kind, result, peers))
+    return rows
+
+
+def _peer(row: Row, kind: str) -> tuple[float, float | None] | None:
+    """The median step of ``kind``'s rows in ``row``'s call, and of their run means."""
+    rows = row.peers.get(kind)
+    if not rows:
+        return None
+    means = [r["step_mean_ms"] for r in rows if "step_mean_ms" in r]
+    return (
+        statistics.median(r["step_ms"] for r in rows),
+        statistics.median(means) if len(means) == len(rows) else None,
+    )
+
+
+def _ratio_cell(row: Row, ratio: float, run_ratio: float | None) -> str:
+    run = "" if run_ratio is None else f" (run {run_ratio:.3f}x)"
+    return f"{row.label}: {ratio:.3f}x{run}"
+
+
+def ratio_verdict(
+    target: str, limit: float, ratios: list[tuple[Row, float, float | None]], strict: bool
+) -> Verdict:
+    """``target`` over ``ratios`` (row, ratio by the 5 fastest, ratio by run means): met
+    when each ratio is within ``limit`` (below it, with ``strict``)."""
+    if not ratios:
+        return Verdict(target, ["no rows"], "not measured")
+
+    def ok(x: float) -> bool:
+        return x < limit if strict else x <= limit
+
+    cells = [_ratio_cell(row, r, run) for row, r, run in ratios]
+    values = [r for _, r, _ in ratios]
+    median = statistics.median(values)
+    if all(ok(v) for v in values):
+        status = "met"
+    elif ok(median):
+        status = f"met by the median ({median:.3f}x; {sum(map(ok, values))} of {len(values)} rows)"
+    else:
+        status = f"missed: median {median:.3f}x, {100 * (median / limit - 1):.1f}% over {limit}x"
+    return Verdict(target, cells, status)
+
+
+def bound_verdict(target: str, checks: list[tuple[Row, str, bool]]) -> Verdict:
+    """``target`` met when every row's check holds; ``checks`` are (row, figure, holds)."""
+    if not checks:
+        return Verdict(target, ["no rows"], "not measured")
+    cells = [f"{row.label}: {figure}" for row, figure, _ in checks]
+    failed = [row.label for row, _, holds in checks if not holds]
+    status = "met" if not failed else f"missed by {len(failed)} of {len(checks)} rows"
+    return Verdict(target, cells, status)
+
+
+def _fp32_state(row: Row) -> bool:
+    return "bf16m" not in row.kind and row.kind != "ours_bf16"
+
+
+def verdicts(rows: list[Row]) -> list[Verdict]:
+    """Every target of the issue over ``rows``."""
+    out: list[Verdict] = []
+    peaks = []
+    for row in rows:
+        budget = WORKLOADS[row.workload][3]
+        peak = row.result["peak_alloc_gib"]
+        peaks.append((row, f"{peak:.2f} / {budget} GiB", peak <= budget))
+    out.append(bound_verdict("peak allocated <= budget", peaks))
+    pred_peak, pred_step = [], []
+    for row in rows:
+        r = row.result
+        if "pred_peak_gib" in r:
+            err = r["pred_peak_gib"] / r["peak_alloc_gib"] - 1
+            pred_peak.append((row, f"{100 * err:+.1f}%", abs(err) <= 0.05))
+        if "pred_step_ms" in r and "step_mean_ms" in r:
+            err = r["pred_step_ms"] / r["step_mean_ms"] - 1
+            pred_step.append((row, f"{100 * err:+.1f}%", abs(err) <= 0.15))
+    out.append(bound_verdict("predicted peak within 5%", pred_peak))
+    out.append(bound_verdict("predicted step within 15% of the run mean", pred_step))
+
+    def against(kind: str, which: list[Row]) -> list[tuple[Row, float, float | None]]:
+        ratios = []
+        for row in which:
+            peer = _peer(row, kind)
+            if peer is None:
+                continue
+            step, mean = peer
+            own_mean = row.result.get("step_mean_ms")
+            run = None if mean is None or own_mean is None else own_mean / mean
+            ratios.append((row, row.result["step_ms"] / step, run))
+        return ratios
+
+    w1 = [r for r in rows if r.workload == "W1"]
+    out.append(ratio_verdict("W1 <= 1.05x full GPU", 1.05, against("full_gpu", w1), False))
+    for w in ("W2", "W3", "W4"):
+        fp32 = [r for r in rows if r.workload == w and _fp32_state(r)]
+        floors = []
+        for row in fp32:
+            full = _peer_row(row, "full_gpu")
+            floor = issue_floor(row.result, full)
+            if floor is not None:
+                mean = row.result.get("step_mean_ms")
+                run = None if mean is None else mean / floor[0]
+                floors.append((row, row.result["step_ms"] / floor[0], run))
+        out.append(ratio_verdict(f"{w} fp32 state <= 1.15x floor", 1.15, floors, False))
+        out.append(
+            ratio_verdict(f"{w} fp32 state <= 0.55x FSDP2", 0.55, against("fsdp2", fp32), False)
+        )
+    w3 = [r for r in rows if r.workload == "W3" and _fp32_state(r)]
+    out.append(ratio_verdict("W3 faster than torchao", 1.0, against("torchao", w3), True))
+    torchao_w3 = {
+        (row.call, id(t)): t
+        for row in rows
+        if row.workload == "W3"
+        for t in row.peers.get("torchao", [])
+    }
+    out.append(
+        Verdict(
+            "torchao's W3 peak fits 40 GiB",
+            [f"{t['peak_alloc_gib']:.2f} GiB" for t in torchao_w3.values()] or ["no rows"],
+            "not measured"
+            if not torchao_w3
+            else (
+                "met" if all(t["peak_alloc_gib"] <= 40 for t in torchao_w3.values()) else "missed"
+            ),
+        )
+    )
+    w4m = [r for r in rows if r.workload == "W4" and "bf16m" in r.kind]
+    out.append(
+        ratio_verdict("W4 bf16 moments faster than torchao", 1.0, against("torchao", w4m), True)
+    )
+    return out
+
+
+def _peer_row(row: Row, kind: str) -> dict[str, Any] | None:
+    """The first of ``kind``'s rows in ``row``'s call (full-GPU training's forward and
+    backward time sets the floor's compute part)."""
+    rows = row.peers.get(kind)
+    return rows[0] if rows else None
+
+
+def markdown(results: list[Verdict]) -> str:
+    lines = ["| target | rows (same-call ratios) | status |", "|---|---|---|"]
+    for v in results:
+        lines.append(f"| {v.target} | {'<br>'.join(v.cells)} | {v.status} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("json", type=Path, nargs="+", help="offload_bench.py --json files")
+    parser.add_argument(
+        "--kind",
+        action="append",
+        metavar="KIND",
+        help="only our rows of this kind (may be repeated); default: every kind of ours "
+        "but the ablation",
+    )
+    args = parser.parse_args(argv)
+    missing = [p for p in args.json if not p.is_file()]
+    if missing:
+        parser.error(f"no such file: {', '.join(map(str, missing))}")
+    unknown = set(args.kind or ()) - set(OURS_KINDS)
+    if unknown:
+        parser.error(f"unknown kind(s) {sorted(unknown)}; ours are {', '.join(OURS_KINDS)}")
+    rows = load_rows(args.json, set(args.kind) if args.kind else None)
+    if not rows:
+        parser.error("no successful row of ours in these files")
+    print(markdown(verdicts(rows)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
