@@ -85,8 +85,8 @@ at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
 copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's defaults
 (``STREAM_UP_FRACTION`` 0.78 and ``STREAM_HOST_CHARGE`` 0.5 from session 31 on; 1 and 1
-before). BENCH_STREAM_HOST_CHARGE=1 BENCH_STREAM_UP_FRACTION=1 plans as before session 31.
-Rows record both in ``profile``.
+before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
+BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
 """
 
 from __future__ import annotations
@@ -427,11 +427,12 @@ def _ours(
         if paced_env is None
         else paced_env != "0"
     )
-    # The streamed copies' contention as set, else memory_optimize's defaults.
+    # The streamed copies' contention as set; else, below, the pinned row's or
+    # memory_optimize's defaults.
     up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")
-    stream_up_fraction = float(up_env) if up_env else STREAM_UP_FRACTION
+    stream_up_fraction = float(up_env) if up_env else None
     charge_env = os.environ.get("BENCH_STREAM_HOST_CHARGE")
-    stream_host_charge = float(charge_env) if charge_env else STREAM_HOST_CHARGE
+    stream_host_charge = float(charge_env) if charge_env else None
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     host_kernel = "single_pass" if single else "torch"
@@ -449,6 +450,14 @@ def _ours(
     # with it, came within 2-17%.
     plan_from = os.environ.get("BENCH_PLAN_FROM")
     pinned = plan_inputs_from(plan_from, workload, kind) if plan_from else None
+    # Unset with BENCH_PLAN_FROM: the source row's profile already holds the split it
+    # planned with, which None keeps (rows before d1e1237 planned with 1 and 1). Unset
+    # otherwise: memory_optimize's defaults.
+    if pinned is None:
+        if stream_up_fraction is None:
+            stream_up_fraction = STREAM_UP_FRACTION
+        if stream_host_charge is None:
+            stream_host_charge = STREAM_HOST_CHARGE
     # A pinned row's profile holds the host rate it blended: nothing is sampled again.
     measured = (bf16_moments or fp16_io) and pinned is None
     rate_samples = (
