@@ -47,13 +47,13 @@ _CALL = re.compile(r"^(s\d+c\d+)_")
 class Row:
     """One of our rows, with what its call measured beside it."""
 
-    call: str
     file: str
     workload: str
     kind: str
     result: dict[str, Any]
     peers: dict[str, list[dict[str, Any]]]
-    """Each peer kind's rows in the same call and workload."""
+    """Each peer kind's rows of the same workload: in the same file where it has them,
+    else in the same call."""
 
     @property
     def label(self) -> str:
@@ -97,7 +97,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
     for call, file, w, kind, result in ours:
         peers = dict(in_call.get((call, w), {}))
         peers.update(in_file.get((file, w), {}))  # the same run's peer, where there is one
-        rows.append(Row(call, Path(file).name, w, kind, result, peers))
+        rows.append(Row(Path(file).name, w, kind, result, peers))
     return rows
 
 
@@ -141,13 +141,13 @@ def ratio_verdict(
     return Verdict(target, cells, status)
 
 
-def bound_verdict(target: str, checks: list[tuple[Row, str, bool]]) -> Verdict:
-    """``target`` met when every row's check holds; ``checks`` are (row, figure, holds)."""
+def bound_verdict(target: str, checks: list[tuple[str, str, bool]]) -> Verdict:
+    """``target`` met when every check holds; ``checks`` are (row label, figure, holds)."""
     if not checks:
         return Verdict(target, ["no rows"], "not measured")
-    cells = [f"{row.label}: {figure}" for row, figure, _ in checks]
-    failed = [row.label for row, _, holds in checks if not holds]
-    status = "met" if not failed else f"missed by {len(failed)} of {len(checks)} rows"
+    cells = [f"{label}: {figure}" for label, figure, _ in checks]
+    failed = sum(not holds for _, _, holds in checks)
+    status = "met" if not failed else f"missed by {failed} of {len(checks)} rows"
     return Verdict(target, cells, status)
 
 
@@ -162,17 +162,17 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     for row in rows:
         budget = WORKLOADS[row.workload][3]
         peak = row.result["peak_alloc_gib"]
-        peaks.append((row, f"{peak:.2f} / {budget} GiB", peak <= budget))
+        peaks.append((row.label, f"{peak:.2f} / {budget} GiB", peak <= budget))
     out.append(bound_verdict("peak allocated <= budget", peaks))
     pred_peak, pred_step = [], []
     for row in rows:
         r = row.result
         if "pred_peak_gib" in r:
             err = r["pred_peak_gib"] / r["peak_alloc_gib"] - 1
-            pred_peak.append((row, f"{100 * err:+.1f}%", abs(err) <= 0.05))
+            pred_peak.append((row.label, f"{100 * err:+.1f}%", abs(err) <= 0.05))
         if "pred_step_ms" in r and "step_mean_ms" in r:
             err = r["pred_step_ms"] / r["step_mean_ms"] - 1
-            pred_step.append((row, f"{100 * err:+.1f}%", abs(err) <= 0.15))
+            pred_step.append((row.label, f"{100 * err:+.1f}%", abs(err) <= 0.15))
     out.append(bound_verdict("predicted peak within 5%", pred_peak))
     out.append(bound_verdict("predicted step within 15% of the run mean", pred_step))
 
@@ -206,23 +206,15 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         )
     w3 = [r for r in rows if r.workload == "W3" and _fp32_state(r)]
     out.append(ratio_verdict("W3 faster than torchao", 1.0, against("torchao", w3), True))
+    # Each torchao W3 row once, however many of our rows share its call.
     torchao_w3 = {
-        (row.call, id(t)): t
-        for row in rows
-        if row.workload == "W3"
-        for t in row.peers.get("torchao", [])
+        id(t): t for row in rows if row.workload == "W3" for t in row.peers.get("torchao", [])
     }
-    out.append(
-        Verdict(
-            "torchao's W3 peak fits 40 GiB",
-            [f"{t['peak_alloc_gib']:.2f} GiB" for t in torchao_w3.values()] or ["no rows"],
-            "not measured"
-            if not torchao_w3
-            else (
-                "met" if all(t["peak_alloc_gib"] <= 40 for t in torchao_w3.values()) else "missed"
-            ),
-        )
-    )
+    fits = [
+        ("torchao", f"{t['peak_alloc_gib']:.2f} GiB", t["peak_alloc_gib"] <= 40)
+        for t in torchao_w3.values()
+    ]
+    out.append(bound_verdict("torchao's W3 peak fits 40 GiB", fits))
     w4m = [r for r in rows if r.workload == "W4" and "bf16m" in r.kind]
     out.append(
         ratio_verdict("W4 bf16 moments faster than torchao", 1.0, against("torchao", w4m), True)
