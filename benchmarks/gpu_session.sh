@@ -115,6 +115,9 @@
 #           alternating, ROUNDS rounds (default 1), and one more paced; then W2 planned
 #           unpaced and run paced on that plan, 20 timed steps each (skipped with
 #           PACE_W2=0); each row's run mean. ROUNDS=0: W3 once each way       ~5 min
+#   hostmem what host memory carries for the host Adam and pinned copies at once
+#           (host_step_contention.py, every core: adam_gbps, copy_gbps, host_memory_gbps),
+#           then W2 as in w2s with 20 timed steps                              ~4 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -123,7 +126,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh hostmem|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -181,6 +184,11 @@ case "$phase" in
     python3 "$root/benchmarks/moments_curve.py" --model gpt2_medium --steps 200 --batch 16 \
       --seq 128 --lr 3e-4 --json "$out/moments_curve.json" 2>&1 | tee "$out/moments_curve.log" \
       | tail -25 ;;
+  hostmem)
+    cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
+    python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
+      --threads "$cores" --json "$out/host_memory.json" 2>&1 | tee "$out/host_memory.log" | tail -6
+    BENCH_STEPS=${BENCH_STEPS:-20} bench W2 ours_io_spec1_stream,fsdp2 100 W2_s ;;
   threads)
     python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
       --json "$out/host_step_contention.json" 2>&1 | tee "$out/host_step_contention.log" | tail -12

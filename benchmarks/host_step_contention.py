@@ -17,6 +17,13 @@ thread, as the optimizer does, under each condition and thread count:
 
 Without CUDA only ``alone`` and ``issue`` (a Python loop) run. Times are medians of
 ``--repeats`` steps; rates in Gparam/s (1e9 parameters per second).
+
+Each row also gives the host memory the step moved per second, ``adam_gbps`` (28 bytes
+per parameter: the fp32 parameter, gradient and moments read, the parameter and moments
+written; GB = 1e9 bytes), and under ``copies`` and ``both`` the pinned copies' own rate
+over the same time, ``copy_gbps`` (every byte copied is read from or written to host
+memory), and their sum, ``host_memory_gbps``: what host memory carried for the two at
+once, against ``adam_gbps`` alone.
 """
 
 from __future__ import annotations
@@ -30,6 +37,22 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+ADAM_BYTES_PER_PARAM = 28
+"""Host memory one fp32 Adam step moves per parameter: parameter, gradient and both moments
+read (16 bytes), parameter and moments written (12)."""
+
+
+def memory_rates(params_per_s: float, copy_rates: list[float]) -> dict[str, float]:
+    """The host memory rates of one row, in GB/s (1e9 bytes/s): the Adam step's (at
+    ``params_per_s``) and, where ``copy_rates`` (GB/s of pinned copies measured beside
+    each repeat) has any above 0, the copies' median and the sum of the two."""
+    adam = params_per_s * ADAM_BYTES_PER_PARAM / 1e9
+    rates = {"adam_gbps": adam}
+    if any(r > 0 for r in copy_rates):
+        copies = statistics.median(copy_rates)
+        rates |= {"copy_gbps": copies, "host_memory_gbps": adam + copies}
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,13 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     small = torch.zeros(1024, device="cuda") if cuda else None
     side = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
 
-    def load(condition: str, stop: threading.Event) -> None:
-        """Runs on the main thread until ``stop`` is set."""
+    def load(condition: str, stop: threading.Event) -> float:
+        """Runs on the main thread until ``stop`` is set; returns the pinned copies' rate
+        over that time in GB/s (0 without copies)."""
+        copied = 0
+        t0 = time.perf_counter()
         while not stop.is_set():
             if condition in ("copies", "both") and side is not None and copy_dev is not None:
                 with torch.cuda.stream(side):
                     copy_dev.copy_(copy_src, non_blocking=True)
                     copy_src.copy_(copy_dev, non_blocking=True)
+                copied += 2 * copy_src.numel() * copy_src.element_size()
                 if condition == "copies":
                     side.synchronize()
             if condition in ("issue", "both"):
@@ -97,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     torch.cuda.current_stream().synchronize()
         if cuda:
             torch.cuda.synchronize()
+        return copied / (time.perf_counter() - t0) / 1e9
 
     conditions = ["alone", "issue"] + (["copies", "both"] if cuda else [])
     rows: list[dict[str, Any]] = []
@@ -105,13 +133,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads)
         for condition in conditions:
             samples: list[float] = []
+            copy_rates: list[float] = []
             for _ in range(args.repeats):
                 stop = threading.Event()
                 result: list[float] = []
                 worker = threading.Thread(target=timed_step, args=(result, stop))
                 worker.start()
                 if condition != "alone":
-                    load(condition, stop)
+                    copy_rates.append(load(condition, stop))
                 worker.join()
                 samples.append(result[0])
             med = statistics.median(samples)
@@ -120,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                 "condition": condition,
                 "median_ms": med * 1e3,
                 "gparam_per_s": n_regions * region / med / 1e9,
+                **memory_rates(n_regions * region / med, copy_rates),
             }
             rows.append(row)
             print(json.dumps(row), flush=True)
