@@ -116,7 +116,8 @@
 #           unpaced and run paced on that plan, 20 timed steps each (skipped with
 #           PACE_W2=0); each row's run mean. ROUNDS=0: W3 once each way       ~5 min
 #   hostmem what host memory carries for the host Adam and pinned copies at once
-#           (host_step_contention.py, every core: adam_gbps, copy_gbps, host_memory_gbps),
+#           (host_step_contention.py, every core; `duplex` copies up and down at once: adam_gbps,
+#           copy_gbps, host_memory_gbps),
 #           then W2 as in w2s with 20 timed steps                              ~4 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min

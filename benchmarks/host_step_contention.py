@@ -11,7 +11,9 @@ thread, as the optimizer does, under each condition and thread count:
 - ``alone``: nothing else runs;
 - ``issue``: the main thread launches small CUDA kernels in a loop meanwhile;
 - ``copies``: a side stream copies pinned host buffers to and from the device meanwhile;
-- ``both``.
+- ``both``;
+- ``duplex``: two side streams copy at once, one up and one down, as the training step's
+  prefetches and gradient copies can (both copy engines busy).
 
     python benchmarks/host_step_contention.py --params 1.4e9 --region 48e6 --json out.json
 
@@ -20,7 +22,7 @@ Without CUDA only ``alone`` and ``issue`` (a Python loop) run. Times are medians
 
 Each row also gives the host memory the step moved per second, ``adam_gbps`` (28 bytes
 per parameter: the fp32 parameter, gradient and moments read, the parameter and moments
-written; GB = 1e9 bytes), and under ``copies`` and ``both`` the pinned copies' own rate
+written; GB = 1e9 bytes), and under ``copies``, ``both`` and ``duplex`` the pinned copies' rate
 over the same time, ``copy_gbps`` (every byte copied is read from or written to host
 memory), and their sum, ``host_memory_gbps``: what host memory carried for the two at
 once, against ``adam_gbps`` alone.
@@ -102,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     copy_dev = torch.empty(copy_src.shape, device="cuda") if cuda else None
     small = torch.zeros(1024, device="cuda") if cuda else None
     side = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
+    # duplex: its own buffers, so that the copy down does not wait for the copy up.
+    down_src = torch.empty(copy_src.shape, device="cuda") if cuda else None
+    down_dst = torch.zeros(copy_src.shape, dtype=torch.float32, pin_memory=pin) if cuda else None
+    side_down = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
 
     def load(condition: str, stop: threading.Event) -> float:
         """Runs on the main thread until ``stop`` is set; returns the pinned copies' rate
@@ -116,6 +122,15 @@ def main(argv: list[str] | None = None) -> int:
                 copied += 2 * copy_src.numel() * copy_src.element_size()
                 if condition == "copies":
                     side.synchronize()
+            if condition == "duplex" and side is not None and side_down is not None:
+                assert copy_dev is not None and down_src is not None and down_dst is not None
+                with torch.cuda.stream(side):
+                    copy_dev.copy_(copy_src, non_blocking=True)
+                with torch.cuda.stream(side_down):
+                    down_dst.copy_(down_src, non_blocking=True)
+                copied += 2 * copy_src.numel() * copy_src.element_size()
+                side.synchronize()
+                side_down.synchronize()
             if condition in ("issue", "both"):
                 for _ in range(200):
                     if small is not None:
@@ -126,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.synchronize()
         return copied / (time.perf_counter() - t0) / 1e9
 
-    conditions = ["alone", "issue"] + (["copies", "both"] if cuda else [])
+    conditions = ["alone", "issue"] + (["copies", "both", "duplex"] if cuda else [])
     rows: list[dict[str, Any]] = []
     host_step()  # first touch
     for threads in counts:
