@@ -1,0 +1,131 @@
+"""benchmarks/targets.py: the issue's targets from offload_bench.py JSON, on recorded H200
+results (BENCHMARKS.md, session 32) and on small made-up files whose verdicts are known."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import targets
+from host_step_contention import ADAM_BYTES_PER_PARAM, memory_rates
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+
+
+def _status(verdicts: list[targets.Verdict], target: str) -> str:
+    (found,) = [v for v in verdicts if v.target == target]
+    return found.status
+
+
+def test_session_32_verdicts_are_those_benchmarks_md_reports() -> None:
+    rows = targets.load_rows(sorted(RESULTS.glob("s32c*.json")))
+    verdicts = targets.verdicts(rows)
+    assert len(rows) == 11
+    assert _status(verdicts, "peak allocated <= budget") == "met"
+    assert _status(verdicts, "predicted peak within 5%") == "met"
+    assert _status(verdicts, "predicted step within 15% of the run mean") == (
+        "missed by 1 of 11 rows"
+    )
+    assert _status(verdicts, "W1 <= 1.05x full GPU") == "met by the median (0.895x; 2 of 3 rows)"
+    assert (
+        _status(verdicts, "W2 fp32 state <= 0.55x FSDP2")
+        == "missed: median 0.589x, 7.1% over 0.55x"
+    )
+    for target in (
+        "W2 fp32 state <= 1.15x floor",
+        "W3 fp32 state <= 1.15x floor",
+        "W3 fp32 state <= 0.55x FSDP2",
+        "W4 fp32 state <= 1.15x floor",
+        "W4 fp32 state <= 0.55x FSDP2",
+        "W3 faster than torchao",
+        "torchao's W3 peak fits 40 GiB",
+    ):
+        assert _status(verdicts, target) == "met", target
+    assert _status(verdicts, "W4 bf16 moments faster than torchao") == (
+        "met by the median (0.988x; 1 of 2 rows)"
+    )
+
+
+def _row(step: float, mean: float, **extra: Any) -> dict[str, Any]:
+    return {"ok": True, "step_ms": step, "step_mean_ms": mean, **extra}
+
+
+def _ours(step: float, mean: float) -> dict[str, Any]:
+    return _row(step, mean, peak_alloc_gib=2.5, pred_peak_gib=2.5, pred_step_ms=mean)
+
+
+def _write(path: Path, results: dict[str, dict[str, dict[str, Any]]]) -> Path:
+    path.write_text(json.dumps({"meta": {}, "results": results}))
+    return path
+
+
+def test_a_peer_in_the_same_file_is_preferred_to_one_in_the_same_call(tmp_path: Path) -> None:
+    # Call 1: file a has ours and FSDP2 at 1000 ms; file b has FSDP2 at 500 ms alone.
+    a = _write(
+        tmp_path / "s99c1_a.json", {"W2": {"ours": _ours(540, 540), "fsdp2": _row(1000, 1000)}}
+    )
+    b = _write(tmp_path / "s99c1_b.json", {"W2": {"fsdp2": _row(500, 500)}})
+    # Call 2: ours alone, so its peer is call 2's, none here.
+    c = _write(tmp_path / "s99c2_c.json", {"W2": {"ours": _ours(300, 300)}})
+    rows = targets.load_rows([a, b, c])
+    assert [r.file for r in rows] == ["s99c1_a.json", "s99c2_c.json"]
+    verdict = [v for v in targets.verdicts(rows) if v.target == "W2 fp32 state <= 0.55x FSDP2"]
+    assert verdict[0].status == "met"
+    assert verdict[0].cells == ["s99c1_a ours: 0.540x (run 0.540x)"]
+
+
+def test_ours_without_a_peer_in_its_call_takes_the_calls_other_files(tmp_path: Path) -> None:
+    a = _write(tmp_path / "s99c1_a.json", {"W2": {"ours": _ours(600, 660)}})
+    b = _write(tmp_path / "s99c1_b.json", {"W2": {"fsdp2": _row(1000, 1100)}})
+    rows = targets.load_rows([a, b])
+    verdict = [v for v in targets.verdicts(rows) if v.target == "W2 fp32 state <= 0.55x FSDP2"]
+    assert verdict[0].status == "missed: median 0.600x, 9.1% over 0.55x"
+    assert verdict[0].cells == ["s99c1_a ours: 0.600x (run 0.600x)"]
+
+
+def test_failed_rows_and_the_ablation_are_left_out(tmp_path: Path) -> None:
+    a = _write(
+        tmp_path / "s99c1_a.json",
+        {
+            "W2": {
+                "ours": {"ok": False, "error": "host out of memory"},
+                "ablation": _ours(900, 900),
+                "fsdp2": _row(1000, 1000),
+            }
+        },
+    )
+    assert targets.load_rows([a]) == []
+
+
+def test_faster_than_is_strict_and_at_most_is_not() -> None:
+    row = targets.Row("f.json", "W3", "ours", {}, {})
+    assert targets.ratio_verdict("t", 1.0, [(row, 1.0, None)], strict=True).status.startswith(
+        "missed"
+    )
+    assert targets.ratio_verdict("t", 1.0, [(row, 1.0, None)], strict=False).status == "met"
+    assert targets.ratio_verdict("t", 1.0, [], strict=False).status == "not measured"
+
+
+def test_peak_over_budget_and_prediction_off_by_more_than_5_percent_are_missed(
+    tmp_path: Path,
+) -> None:
+    over = _row(300, 300, peak_alloc_gib=3.2, pred_peak_gib=3.0, pred_step_ms=300)
+    a = _write(tmp_path / "s99c1_a.json", {"W2": {"ours": over}})
+    verdicts = targets.verdicts(targets.load_rows([a]))
+    assert _status(verdicts, "peak allocated <= budget") == "missed by 1 of 1 rows"
+    assert _status(verdicts, "predicted peak within 5%") == "missed by 1 of 1 rows"
+    assert _status(verdicts, "predicted step within 15% of the run mean") == "met"
+
+
+def test_memory_rates_count_28_bytes_a_parameter_and_add_the_copies() -> None:
+    assert ADAM_BYTES_PER_PARAM == 28
+    assert memory_rates(4e9, []) == {"adam_gbps": pytest.approx(112.0)}
+    assert memory_rates(4e9, [0.0, 0.0]) == {"adam_gbps": pytest.approx(112.0)}
+    rates = memory_rates(2.5e9, [40.0, 50.0, 60.0])
+    assert rates == {
+        "adam_gbps": pytest.approx(70.0),
+        "copy_gbps": pytest.approx(50.0),
+        "host_memory_gbps": pytest.approx(120.0),
+    }
