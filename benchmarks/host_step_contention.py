@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     down_src = torch.empty(copy_src.shape, device="cuda") if cuda else None
     down_dst = torch.zeros(copy_src.shape, dtype=torch.float32, pin_memory=pin) if cuda else None
     side_down = torch.cuda.Stream() if cuda else None  # type: ignore[no-untyped-call]
+    round_trip_bytes = 2 * copy_src.numel() * copy_src.element_size()  # one copy each way
 
     def load(condition: str, stop: threading.Event) -> float:
         """Runs on the main thread until ``stop`` is set; returns the pinned copies' rate
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
                 with torch.cuda.stream(side):
                     copy_dev.copy_(copy_src, non_blocking=True)
                     copy_src.copy_(copy_dev, non_blocking=True)
-                copied += 2 * copy_src.numel() * copy_src.element_size()
+                copied += round_trip_bytes
                 if condition == "copies":
                     side.synchronize()
             if condition == "duplex" and side is not None and side_down is not None:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                     copy_dev.copy_(copy_src, non_blocking=True)
                 with torch.cuda.stream(side_down):
                     down_dst.copy_(down_src, non_blocking=True)
-                copied += 2 * copy_src.numel() * copy_src.element_size()
+                copied += round_trip_bytes
                 side.synchronize()
                 side_down.synchronize()
             if condition in ("issue", "both"):
