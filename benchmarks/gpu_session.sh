@@ -117,8 +117,7 @@
 #           PACE_W2=0); each row's run mean. ROUNDS=0: W3 once each way       ~5 min
 #   hostmem what host memory carries for the host Adam and pinned copies at once
 #           (host_step_contention.py, every core; `duplex` copies up and down at once: adam_gbps,
-#           copy_gbps, host_memory_gbps),
-#           then W2 as in w2s with 20 timed steps                              ~4 min
+#           copy_gbps, host_memory_gbps), then the w2s phase with 20 timed steps ~4 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -189,7 +188,7 @@ case "$phase" in
     cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
     python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
       --threads "$cores" --json "$out/host_memory.json" 2>&1 | tee "$out/host_memory.log" | tail -6
-    BENCH_STEPS=${BENCH_STEPS:-20} bench W2 ours_io_spec1_stream,fsdp2 100 W2_s ;;
+    BENCH_STEPS=${BENCH_STEPS:-20} bash "$0" w2s "$out" ;;
   threads)
     python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
       --json "$out/host_step_contention.json" 2>&1 | tee "$out/host_step_contention.log" | tail -12
