@@ -693,6 +693,8 @@ def _ours(
         out["floor_parts_ms"]["host_adam_all_host_state"] = (
             sum(rp.region.numel for rp in host) / hw.host_adam_params_per_s * 1e3
         )
+    # The bytes behind the floor's copy and host parts (host_memory_bound.py reads them).
+    out["floor_bytes"] = {"h2d": h2d, "d2h": d2h, "host_params": host_params}
     out["steps_under_floor"] = steps_under_floor(out["steps_ms"], out["floor_parts_ms"])
     # The profile the plan was made with (plan_predict.py takes these to replay it).
     plan_hw = module.hardware or hw
