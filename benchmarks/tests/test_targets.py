@@ -19,33 +19,34 @@ def _status(verdicts: list[targets.Verdict], target: str) -> str:
     return found.status
 
 
-def test_session_32_verdicts_are_those_benchmarks_md_reports() -> None:
-    rows = targets.load_rows(sorted(RESULTS.glob("s32c*.json")))
+RECORDED = {
+    "s32": {
+        "predicted step within 15% of the run mean": "missed by 1 of 11 rows",
+        "W1 <= 1.05x full GPU": "met by the median (0.895x; 2 of 3 rows)",
+        "W2 fp32 state <= 0.55x FSDP2": "missed: median 0.589x, 7.1% over 0.55x",
+        "W4 bf16 moments faster than torchao": "met by the median (0.988x; 1 of 2 rows)",
+    },
+    "s33": {
+        "predicted step within 15% of the run mean": "missed by 3 of 11 rows",
+        "W2 fp32 state <= 0.55x FSDP2": "met by the median (0.508x; 3 of 4 rows)",
+        "W3 fp32 state <= 1.15x floor": "missed: median 1.198x, 4.2% over 1.15x",
+        "W4 bf16 moments faster than torchao": "met by the median (0.958x; 1 of 2 rows)",
+    },
+}
+"""Each recorded session's verdicts as BENCHMARKS.md reports them, where not plainly met."""
+
+
+@pytest.mark.parametrize("session", sorted(RECORDED))
+def test_recorded_sessions_verdicts_are_those_benchmarks_md_reports(session: str) -> None:
+    # s33c1_host_memory.json is host_step_contention.py's output: load_rows skips it.
+    rows = targets.load_rows(sorted(RESULTS.glob(f"{session}c*.json")))
     verdicts = targets.verdicts(rows)
     assert len(rows) == 11
-    assert _status(verdicts, "peak allocated <= budget") == "met"
-    assert _status(verdicts, "predicted peak within 5%") == "met"
-    assert _status(verdicts, "predicted step within 15% of the run mean") == (
-        "missed by 1 of 11 rows"
-    )
-    assert _status(verdicts, "W1 <= 1.05x full GPU") == "met by the median (0.895x; 2 of 3 rows)"
-    assert (
-        _status(verdicts, "W2 fp32 state <= 0.55x FSDP2")
-        == "missed: median 0.589x, 7.1% over 0.55x"
-    )
-    for target in (
-        "W2 fp32 state <= 1.15x floor",
-        "W3 fp32 state <= 1.15x floor",
-        "W3 fp32 state <= 0.55x FSDP2",
-        "W4 fp32 state <= 1.15x floor",
-        "W4 fp32 state <= 0.55x FSDP2",
-        "W3 faster than torchao",
-        "torchao's W3 peak fits 40 GiB",
-    ):
-        assert _status(verdicts, target) == "met", target
-    assert _status(verdicts, "W4 bf16 moments faster than torchao") == (
-        "met by the median (0.988x; 1 of 2 rows)"
-    )
+    assert len(verdicts) == 13
+    expected = RECORDED[session]
+    assert set(expected) <= {v.target for v in verdicts}
+    for v in verdicts:
+        assert v.status == expected.get(v.target, "met"), v.target
 
 
 def _row(step: float, mean: float, **extra: Any) -> dict[str, Any]:
