@@ -118,6 +118,12 @@
 #   hostmem what host memory carries for the host Adam and pinned copies at once
 #           (host_step_contention.py, every core; `duplex` copies up and down at once: adam_gbps,
 #           copy_gbps, host_memory_gbps), then the w2s phase with 20 timed steps ~4 min
+#   calibab each of CALIB_WORKLOADS (default "W4 W3 W2"; W4 with bf16 moments and
+#           torchao beside its first row, W2 with 20 timed steps and FSDP2 likewise) planned
+#           as by default, then planned again after CALIBRATE (default 3) measured steps
+#           with the host rate of its own loop (BENCH_CALIBRATE), alternating, ROUNDS rounds
+#           (default 1); then each row's run mean (calibab.txt). W4 ~4.5 min, W3 ~2.5
+#           min, W2 ~3 min
 #   single  single-pass host Adam kernels (numba, in the device image) against torch's
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
@@ -126,7 +132,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh hostmem|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh calibab|hostmem|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -140,7 +146,26 @@ bench() {
     --timeout-s "${3:-240}" --json "$out/$name.json" --append "$out/BENCHMARKS.part.md" \
     --profile-dir "$out/prof_$name" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
+# target_row WORKLOAD: sets k (our kind), steps, limit (seconds a row may take) and peer
+# (",PEER": the peer of the target the workload misses, to run beside its first row).
+target_row() {
+  k=ours_io_spec1_stream steps=${BENCH_STEPS:-10} limit=150 peer=""
+  if [ "$1" = W4 ]; then k=ours_io_bf16m_spec1_stream limit=300 peer=,torchao; fi
+  if [ "$1" = W2 ]; then steps=20 peer=,fsdp2; fi
+}
 case "$phase" in
+  calibab)
+    for w in ${CALIB_WORKLOADS:-W4 W3 W2}; do
+      target_row "$w"
+      for i in $(seq 1 "${ROUNDS:-1}"); do
+        BENCH_STEPS=$steps bench "$w" "$k$peer" "$limit" "${w}_default$i"
+        peer=""
+        BENCH_CALIBRATE=${CALIBRATE:-3} BENCH_STEPS=$steps \
+          bench "$w" "$k" "$((limit + 100))" "${w}_calib$i"
+      done
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}"_{default,calib}*.json \
+        | tee -a "$out/calibab.txt"
+    done ;;
   w1w3)
     for i in 1 2; do bench W1 ours,full_gpu 120 W1_$i; done
     bench W3 ours_io_spec1_stream,fsdp2,torchao 150 W3 ;;
@@ -272,10 +297,7 @@ case "$phase" in
       --json "$out/ring_rate_bf16_io.json" 2>&1 | tee -a "$out/ring_rate.log" ;;
   chargeab)
     for w in ${CHARGE_WORKLOADS:-W4 W3 W2}; do
-      # The peer of the target each workload misses runs beside the first row.
-      k=ours_io_spec1_stream steps=${BENCH_STEPS:-10} limit=150 peer=""
-      if [ "$w" = W4 ]; then k=ours_io_bf16m_spec1_stream limit=300 peer=,torchao; fi
-      if [ "$w" = W2 ]; then steps=20 peer=,fsdp2; fi
+      target_row "$w"
       # Every row after the first plans from the first row's inputs (host rate, device
       # memory in use), so the two ways differ only in the split.
       BENCH_STREAM_HOST_CHARGE=1 BENCH_STREAM_UP_FRACTION=1 BENCH_STEPS=$steps \

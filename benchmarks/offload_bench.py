@@ -87,6 +87,11 @@ copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's def
 (``STREAM_UP_FRACTION`` 0.78 and ``STREAM_HOST_CHARGE`` 0.5 from session 31 on; 1 and 1
 before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
 BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
+Set BENCH_CALIBRATE=N (not with BENCH_PLAN_FROM) to run each ``ours`` plan with host-state
+regions for 2 + N + 1 steps first, then plan again with the host Adam rate its loop ran at
+(``calibrated_host_rate``) and time that plan; rows record ``calibration`` (both host busy
+times and rates, the first plan's prediction and streamed regions) and
+``host_rate_planned_from: "calibrated"``.
 """
 
 from __future__ import annotations
@@ -343,6 +348,23 @@ def planned_host_busy_s(plan: Any) -> float:
     return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
 
 
+def calibrated_host_rate(
+    planned_params_per_s: float, planned_busy_ms: float, measured_busy_ms: float
+) -> float:
+    """The host Adam rate (parameters/s) to plan again with after measuring the host in
+    the loop (``BENCH_CALIBRATE``): the plan's rate scaled by the simulated host busy time
+    per step over the measured one (``host_cycle``'s ``busy``), as ``replay_bench.py
+    --host-rate loop`` scales it. Replaying session 33's rows that way brought every one
+    within 15% of its run mean (the plans as made: 8 of 11). Raises ValueError unless all
+    three are positive."""
+    if min(planned_params_per_s, planned_busy_ms, measured_busy_ms) <= 0:
+        raise ValueError(
+            f"calibrated_host_rate needs positive inputs, got rate {planned_params_per_s}, "
+            f"planned busy {planned_busy_ms} ms, measured busy {measured_busy_ms} ms"
+        )
+    return planned_params_per_s * planned_busy_ms / measured_busy_ms
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanInputs:
     """What a row planned with, read back from its JSON (``BENCH_PLAN_FROM``)."""
@@ -356,6 +378,18 @@ class PlanInputs:
     pred_step_ms: float
     pred_peak_gib: float
     """The row's predictions: a plan made from the same inputs predicts the same."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibrated:
+    """What a row plans with the second time under ``BENCH_CALIBRATE``: the first plan's
+    profile and device memory in use, with the host rate from its own loop."""
+
+    hardware: Any
+    """The first plan's ``HardwareProfile`` (its host rate is replaced)."""
+    device_bytes_in_use: int | None
+    host_params_per_s: float
+    """:func:`calibrated_host_rate`'s."""
 
 
 def plan_inputs_from(path: str, workload: str, kind: str) -> PlanInputs:
@@ -483,15 +517,25 @@ def _ours(
         else 1.0
     )
 
-    def build(model: Any, limit: int | None) -> tuple[Any, AMPOptimizer]:
+    def build(
+        model: Any, limit: int | None, calibrated: Calibrated | None = None
+    ) -> tuple[Any, AMPOptimizer]:
+        if calibrated is not None:  # the first plan's inputs, the host rate from its loop
+            hardware: HardwareProfile | None = calibrated.hardware
+            in_use = calibrated.device_bytes_in_use
+        elif pinned is not None:
+            hardware = HardwareProfile.from_json(pinned.hardware_json)
+            in_use = pinned.device_bytes_in_use
+        else:
+            hardware, in_use = None, None
         module = memory_optimize(
             model,
             data,
             budget,
             "asyn",
             dtype=dtype,
-            hardware=None if pinned is None else HardwareProfile.from_json(pinned.hardware_json),
-            device_bytes_in_use=None if pinned is None else pinned.device_bytes_in_use,
+            hardware=hardware,
+            device_bytes_in_use=in_use,
             progress=False,
             state_on_device=not ablation,
             convert_on_device=False if kind == "ours_hostconv" else None,
@@ -499,9 +543,15 @@ def _ours(
             host_step_after_backward=False if speculate else None,
             speculative_step_cost=spec_cost,
             speculative_params=limit,
-            host_step_cost=host_cost,
+            host_step_cost=None if calibrated is not None else host_cost,
             # Both ways: the planner takes the geometric mean of the two rates.
-            host_step_params_per_s=statistics.median(rate_samples) if rate_samples else None,
+            host_step_params_per_s=(
+                calibrated.host_params_per_s
+                if calibrated is not None
+                else statistics.median(rate_samples)
+                if rate_samples
+                else None
+            ),
             fp16_io=fp16_io,
             # What the optimizer's ring moves and holds, for the planner to weigh (not
             # when BENCH_STREAM_FRACTION forces the choice instead).
@@ -556,17 +606,51 @@ def _ours(
             model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
             module, opt = build(model, limit)
             del model
-    setup_s = time.perf_counter() - t0
-    # Hardware profiling inside memory_optimize used scratch memory once; the budget is
-    # about training, so the peak counts from here (the module's buffers stay counted).
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
 
     def step() -> None:
         loss = lm_loss(module(**data), data["input_ids"])
         opt.backward(loss)
         opt.step()
         opt.zero_grad()
+
+    # BENCH_CALIBRATE=N: run the plan for 2 + N + 1 steps, take the host's busy time per
+    # step from the last N + 1 (host_cycle), and plan again with the host rate that makes
+    # the simulated host as busy (calibrated_host_rate); the row times the second plan.
+    calibrate_steps = int(os.environ.get("BENCH_CALIBRATE") or 0)
+    calibration: dict[str, Any] | None = None
+    if calibrate_steps > 0 and pinned is None and module.hardware is not None:
+        for _ in range(2 + calibrate_steps + 1):
+            step()
+        torch.cuda.synchronize()
+        cycle = _host_cycle(opt.recent_steps()[-(calibrate_steps + 1) :])
+        planned_busy_ms = planned_host_busy_s(module.plan) * 1e3
+        if cycle and planned_busy_ms > 0:
+            first_hw = module.hardware
+            rate = calibrated_host_rate(
+                first_hw.host_adam_params_per_s, planned_busy_ms, cycle["busy_ms"]
+            )
+            calibration = {
+                "steps": calibrate_steps,
+                "pairs": cycle["pairs"],
+                "planned_host_busy_ms": planned_busy_ms,
+                "measured_host_busy_ms": cycle["busy_ms"],
+                "rate_before_gparam": first_hw.host_adam_params_per_s / 1e9,
+                "rate_after_gparam": rate / 1e9,
+                "pred_step_ms_before": module.plan.predicted_step_time_s * 1e3,
+                "streamed_regions_before": sum(1 for st in module.storages if st.streamed),
+            }
+            in_use = module.plan.device_bytes_in_use
+            module.close()
+            del module, opt
+            gc.collect()
+            model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
+            module, opt = build(model, limit, Calibrated(first_hw, in_use, rate))
+            del model
+    setup_s = time.perf_counter() - t0
+    # Hardware profiling inside memory_optimize used scratch memory once; the budget is
+    # about training, so the peak counts from here (the module's buffers stay counted).
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
 
     counted = [opt.step_count]
 
@@ -637,6 +721,9 @@ def _ours(
         # The plan's host rate (profile.host_adam_gparam) is the geometric mean of the
         # samples' median and the profile's fused rate over the cost (session 21 on).
         out["host_rate_planned_from"] = "blend"
+    if calibration is not None:
+        out["host_rate_planned_from"] = "calibrated"
+        out["calibration"] = calibration
     if pinned is not None:
         out["host_rate_planned_from"] = "pinned"
         out["plan_from"] = pinned.source
