@@ -128,7 +128,8 @@
 #           fused step and today's speculative step (single_pass_adam_bench.py)    ~1 min
 # Results go to OUT_DIR (default: $OUT, else ./gpu_out): logs and JSON, and each bench
 # call's profiler summaries and traces in prof_NAME/ (so rows of one kind keep their own).
-# Every phase ends with targets.md: benchmarks/targets.py over the folder's JSON files.
+# Every phase ends with targets.md: benchmarks/targets.py over the folder's JSON files; and
+# where the folder holds host_memory.json (the hostmem phase), host_memory_bound.md.
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
@@ -415,4 +416,9 @@ esac
 # The targets over every row this output folder holds (CPU only, a second).
 if compgen -G "$out/*.json" > /dev/null; then
   python3 "$root/benchmarks/targets.py" "$out"/*.json > "$out/targets.md" 2>&1 || true
+  # With the hostmem phase's rates in the folder: each row against what host memory carries.
+  if [ -f "$out/host_memory.json" ]; then
+    python3 "$root/benchmarks/host_memory_bound.py" --rates "$out/host_memory.json" \
+      "$out"/*.json > "$out/host_memory_bound.md" 2>&1 || true
+  fi
 fi

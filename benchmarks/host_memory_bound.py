@@ -112,11 +112,12 @@ def host_memory_gbps(rates_file: Path, condition: str | None = None) -> tuple[fl
 
 
 def table(paths: list[Path], gbps: float) -> list[str]:
-    """Markdown rows: each row's bytes per step and its step against the bound."""
+    """Markdown rows: each row's bytes per step and its step against the time they take
+    at ``gbps``."""
     lines = [
         "| file | workload | kind | up / down / host Adam (GB) | total (GB; bytes per"
-        " host-state param) | bound at "
-        f"{gbps:.0f} GB/s | step (run mean) | step / bound (run) |",
+        " host-state param) | host-memory time at "
+        f"{gbps:.0f} GB/s | step (run mean) | step / host-memory time (run) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     ratios: list[float] = []
@@ -131,20 +132,21 @@ def table(paths: list[Path], gbps: float) -> list[str]:
                 b = step_bytes(row, kind)
                 if b is None:
                     continue
-                bound_ms = b.total / (gbps * 1e9) * 1e3
-                ratio = row["step_ms"] / bound_ms
+                memory_ms = b.total / (gbps * 1e9) * 1e3
+                ratio = row["step_ms"] / memory_ms
                 ratios.append(ratio)
                 mean = row.get("step_mean_ms", float("nan"))
                 lines.append(
                     f"| {path.name} | {workload} | {kind} | {b.up / 1e9:.1f} / "
                     f"{b.down / 1e9:.1f} / {b.host_adam / 1e9:.1f} | {b.total / 1e9:.1f}; "
-                    f"{b.total / b.host_state_params:.1f} | {bound_ms:.0f} ms | "
+                    f"{b.total / b.host_state_params:.1f} | {memory_ms:.0f} ms | "
                     f"{row['step_ms']:.0f} ms ({mean:.0f}) | {ratio:.2f}x "
-                    f"({mean / bound_ms:.2f}x) |"
+                    f"({mean / memory_ms:.2f}x) |"
                 )
     if ratios:
         lines.append(
-            f"\n{len(ratios)} rows; step / bound {min(ratios):.2f}x to {max(ratios):.2f}x, "
+            f"\n{len(ratios)} rows; step / host-memory time {min(ratios):.2f}x to "
+            f"{max(ratios):.2f}x, "
             f"median {statistics.median(ratios):.2f}x"
         )
     return lines

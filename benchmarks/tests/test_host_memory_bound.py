@@ -81,7 +81,7 @@ def test_rows_without_fp16_io_or_offloading_are_left_out() -> None:
     assert hmb.step_bytes({"ok": True, "step_ms": 40.0}, "ours_io") is None
 
 
-def test_main_prints_each_row_against_the_bound(
+def test_main_prints_each_row_against_its_host_memory_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     bench = tmp_path / "made_up.json"
@@ -93,4 +93,4 @@ def test_main_prints_each_row_against_the_bound(
     # 42 GB at 140 GB/s: 300 ms; the step's 400 ms is 1.33x, its run mean 1.40x.
     assert "| made_up.json | W2 | ours_io_spec1_stream | 8.0 / 6.0 / 28.0 | 42.0; 33.6 |" in out
     assert "| 300 ms | 400 ms (420) | 1.33x (1.40x) |" in out
-    assert "1 rows; step / bound 1.33x to 1.33x" in out
+    assert "1 rows; step / host-memory time 1.33x to 1.33x" in out
