@@ -8,10 +8,13 @@
   backward (in fp16 too with ``speculate_fp16=True``: speculative steps, undone exactly on
   overflow);
 - streamed host-state regions (``StatePlacement.STREAMED``): host-resident state stepped
-  on the device, chunk by chunk (:mod:`offload_optim.streamed`).
+  on the device, chunk by chunk (:mod:`offload_optim.streamed`);
+- :func:`check_host_rate`: the host Adam rate the training loop ran at, against the one
+  the plan assumed, to plan again with (:mod:`offload_optim.calibration`).
 """
 
 from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
+from offload_optim.calibration import HostRateCheck, check_host_rate, planned_host_busy_s
 from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
 from offload_optim.kernels import (
     CHUNK_NUMEL,
@@ -32,14 +35,17 @@ __all__ = [
     "AMPOptimizer",
     "AdamHyper",
     "DynamicLossScaler",
+    "HostRateCheck",
     "HybridAdam",
     "OverlapMode",
     "RegionStepTiming",
     "StepReport",
+    "check_host_rate",
     "fused_adam_",
     "measure_host_step_cost",
     "measure_host_step_params_per_s",
     "measure_speculative_step_cost",
+    "planned_host_busy_s",
     "speculative_adam_",
     "stream_copy_bytes",
     "stream_slot_bytes",

@@ -962,6 +962,12 @@ class AMPOptimizer(torch.optim.Optimizer):
             self._pending = None
         return self._last_step
 
+    @property
+    def keep_reports(self) -> int:
+        """How many steps' reports :meth:`recent_steps` keeps (the constructor's
+        ``keep_reports``; 0 keeps none)."""
+        return self._history.maxlen or 0
+
     def recent_steps(self) -> list[StepReport]:
         """What the last ``keep_reports`` steps did (the constructor's argument; skipped
         steps included), oldest first, each with its region steps' timings.

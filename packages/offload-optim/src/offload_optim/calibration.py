@@ -1,0 +1,111 @@
+"""How fast the host optimizer stepped in training, against the rate the plan assumed.
+
+The planner prices every host-state region's step at the hardware profile's host Adam
+rate (``HardwareProfile.host_adam_params_per_s``, or what ``memory_optimize`` was told with
+``host_step_params_per_s`` / ``host_step_cost``), slowed by the pinned copies it expects
+beside it. That rate is measured once, alone, in seconds; inside the training loop the
+host shares memory bandwidth with the copies and cores with the thread issuing kernels,
+by amounts that differ from machine to machine. On one H200 host the loop's host steps
+took from 3.5% less to 15% more time than the plan simulated, and the predicted steps fell
+6.5-18.4% short of the measured (BENCHMARKS.md, session 33).
+
+:func:`check_host_rate` sets the host busy time the training loop measured
+(:attr:`StepReport.host_step_s`, median over the steps read) beside the time the plan's
+simulated host worker is busy in one step (:func:`planned_host_busy_s`), and gives the
+rate that would make the two agree (:attr:`HostRateCheck.loop_params_per_s`): pass it to
+``memory_optimize(..., host_step_params_per_s=...)`` to plan again for this machine as it
+runs. It reads :meth:`AMPOptimizer.recent_steps`, so the optimizer needs
+``keep_reports`` of at least the steps to read; leave out the first step or two, which
+allocate and warm caches.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+from offload_optim.amp import AMPOptimizer
+from offload_solver import Plan, Stream
+
+
+def planned_host_busy_s(plan: Plan) -> float:
+    """Seconds the simulated host worker is busy in ``plan``'s cold step (its region steps
+    and publishes on the host lane)."""
+    return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
+
+
+@dataclass(frozen=True)
+class HostRateCheck:
+    """The host's busy time per step in the loop against the plan's, and the host rate
+    that would have matched it."""
+
+    planned_params_per_s: float
+    """The host Adam rate the plan was made with, parameters per second."""
+    planned_busy_s: float
+    """Seconds the plan's simulated host worker is busy in one step."""
+    measured_busy_s: float
+    """Median over the steps read of their host-state region steps' time on the host,
+    seconds (streamed regions, stepped on the device, are not counted)."""
+    steps: int
+    """How many steps the median is over."""
+
+    @property
+    def busy_ratio(self) -> float:
+        """Measured host busy time over the planned: above 1, the host ran slower than
+        planned."""
+        return self.measured_busy_s / self.planned_busy_s
+
+    @property
+    def loop_params_per_s(self) -> float:
+        """The host Adam rate (parameters per second) at which the plan's simulated host
+        would be as busy as the measured one: the planned rate over :attr:`busy_ratio`.
+        Replaying session 33's H200 rows with it put every predicted step within 15% of
+        the measured run mean (8 of 11 as planned; ``benchmarks/replay_bench.py
+        --host-rate loop``)."""
+        return self.planned_params_per_s / self.busy_ratio
+
+
+def check_host_rate(optimizer: AMPOptimizer, last: int | None = None) -> HostRateCheck | None:
+    """The host rate the training loop ran at, from ``optimizer``'s recent step reports.
+
+    Args:
+        optimizer: an :class:`AMPOptimizer` over a module that ``memory_optimize`` built
+            (it knows the profile the plan was made with), constructed with
+            ``keep_reports`` >= 1.
+        last: read only the last ``last`` kept steps (default: all of them). Steps that
+            skipped their update (fp16 overflow) or stepped nothing on the host are left
+            out.
+
+    Returns:
+        None when the module has no hardware profile (a plan not made by
+        ``memory_optimize``), the plan's host worker has nothing to do, or no step read
+        stepped a region on the host.
+
+    Raises:
+        ValueError: when ``optimizer`` keeps no reports, or ``last`` is not positive.
+    """
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
+        raise ValueError(f"check_host_rate(last={last!r}): last must be an int >= 1 or None")
+    if optimizer.keep_reports < 1:
+        raise ValueError(
+            "check_host_rate reads AMPOptimizer.recent_steps(): construct the optimizer "
+            "with keep_reports >= 1 (the steps to read)"
+        )
+    reports = optimizer.recent_steps()
+    hardware = optimizer.module.hardware
+    if hardware is None:
+        return None
+    planned_busy = planned_host_busy_s(optimizer.module.plan)
+    if planned_busy <= 0:
+        return None
+    if last is not None:
+        reports = reports[-last:]
+    busy = [r.host_step_s for r in reports if not r.skipped and r.host_step_s > 0]
+    if not busy:
+        return None
+    return HostRateCheck(
+        planned_params_per_s=hardware.host_adam_params_per_s,
+        planned_busy_s=planned_busy,
+        measured_busy_s=statistics.median(busy),
+        steps=len(busy),
+    )
