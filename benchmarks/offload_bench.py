@@ -88,8 +88,8 @@ copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's def
 before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
 BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
 Set BENCH_CALIBRATE=N (not with BENCH_PLAN_FROM) to run each ``ours`` plan with host-state
-regions for 2 + N + 1 steps first, then plan again with the host Adam rate its loop ran at
-(``calibrated_host_rate``) and time that plan; rows record ``calibration`` (both host busy
+regions for 2 + N steps first, then plan again with the host Adam rate its last N ran at
+(``offload_optim.check_host_rate``) and time that plan; rows record ``calibration`` (both host busy
 times and rates, the first plan's prediction and streamed regions) and
 ``host_rate_planned_from: "calibrated"``.
 """
@@ -339,32 +339,6 @@ def _allocator_counts() -> dict[str, int]:
     return {k: int(stats.get(k, 0)) for k in ALLOCATOR_EVENTS}
 
 
-def planned_host_busy_s(plan: Any) -> float:
-    """Seconds the simulated host worker is busy in ``plan``'s cold step (host steps and
-    publishes): beside a run's measured host busy time, the step minus it is the host
-    idle the simulator expects."""
-    from offload_solver import Stream
-
-    return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
-
-
-def calibrated_host_rate(
-    planned_params_per_s: float, planned_busy_ms: float, measured_busy_ms: float
-) -> float:
-    """The host Adam rate (parameters/s) to plan again with after measuring the host in
-    the loop (``BENCH_CALIBRATE``): the plan's rate scaled by the simulated host busy time
-    per step over the measured one (``host_cycle``'s ``busy``), as ``replay_bench.py
-    --host-rate loop`` scales it. Replaying session 33's rows that way brought every one
-    within 15% of its run mean (the plans as made: 8 of 11). Raises ValueError unless all
-    three are positive."""
-    if min(planned_params_per_s, planned_busy_ms, measured_busy_ms) <= 0:
-        raise ValueError(
-            f"calibrated_host_rate needs positive inputs, got rate {planned_params_per_s}, "
-            f"planned busy {planned_busy_ms} ms, measured busy {measured_busy_ms} ms"
-        )
-    return planned_params_per_s * planned_busy_ms / measured_busy_ms
-
-
 @dataclasses.dataclass(frozen=True)
 class PlanInputs:
     """What a row planned with, read back from its JSON (``BENCH_PLAN_FROM``)."""
@@ -389,7 +363,7 @@ class Calibrated:
     """The first plan's ``HardwareProfile`` (its host rate is replaced)."""
     device_bytes_in_use: int | None
     host_params_per_s: float
-    """:func:`calibrated_host_rate`'s."""
+    """``offload_optim.check_host_rate``'s ``loop_params_per_s``."""
 
 
 def plan_inputs_from(path: str, workload: str, kind: str) -> PlanInputs:
@@ -425,9 +399,11 @@ def _ours(
     from offload_optim import (
         AMPOptimizer,
         HybridAdam,
+        check_host_rate,
         measure_host_step_cost,
         measure_host_step_params_per_s,
         measure_speculative_step_cost,
+        planned_host_busy_s,
         stream_copy_bytes,
         streamed_step_costs,
     )
@@ -613,28 +589,24 @@ def _ours(
         opt.step()
         opt.zero_grad()
 
-    # BENCH_CALIBRATE=N: run the plan for 2 + N + 1 steps, take the host's busy time per
-    # step from the last N + 1 (host_cycle), and plan again with the host rate that makes
-    # the simulated host as busy (calibrated_host_rate); the row times the second plan.
+    # BENCH_CALIBRATE=N: run the plan for 2 + N steps, take the host's busy time per step
+    # from the last N (check_host_rate), and plan again with the host rate that makes the
+    # simulated host as busy; the row times the second plan.
     calibrate_steps = int(os.environ.get("BENCH_CALIBRATE") or 0)
     calibration: dict[str, Any] | None = None
-    if calibrate_steps > 0 and pinned is None and module.hardware is not None:
-        for _ in range(2 + calibrate_steps + 1):
+    if calibrate_steps > 0 and pinned is None:
+        for _ in range(2 + calibrate_steps):
             step()
         torch.cuda.synchronize()
-        cycle = _host_cycle(opt.recent_steps()[-(calibrate_steps + 1) :])
-        planned_busy_ms = planned_host_busy_s(module.plan) * 1e3
-        if cycle and planned_busy_ms > 0:
+        check = check_host_rate(opt, last=calibrate_steps)
+        if check is not None:
             first_hw = module.hardware
-            rate = calibrated_host_rate(
-                first_hw.host_adam_params_per_s, planned_busy_ms, cycle["busy_ms"]
-            )
+            rate = check.loop_params_per_s
             calibration = {
-                "steps": calibrate_steps,
-                "pairs": cycle["pairs"],
-                "planned_host_busy_ms": planned_busy_ms,
-                "measured_host_busy_ms": cycle["busy_ms"],
-                "rate_before_gparam": first_hw.host_adam_params_per_s / 1e9,
+                "steps": check.steps,
+                "planned_host_busy_ms": check.planned_busy_s * 1e3,
+                "measured_host_busy_ms": check.measured_busy_s * 1e3,
+                "rate_before_gparam": check.planned_params_per_s / 1e9,
                 "rate_after_gparam": rate / 1e9,
                 "pred_step_ms_before": module.plan.predicted_step_time_s * 1e3,
                 "streamed_regions_before": sum(1 for st in module.storages if st.streamed),

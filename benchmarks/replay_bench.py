@@ -29,7 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import WORKLOADS, planned_host_busy_s
+from offload_bench import WORKLOADS
 from plan_predict import replay_hardware
 
 GiB = 2**30
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from offload_optim import streamed_step_costs
+    from offload_optim import planned_host_busy_s, streamed_step_costs
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ModelProfile, ParamPlacement, StreamedStepCosts, solve
 
