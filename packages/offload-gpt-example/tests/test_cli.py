@@ -44,6 +44,12 @@ PREDICTED_LINE = re.compile(
     re.M,
 )
 LOSS_LINE = re.compile(r"^final_loss=([-+0-9.eE]+|nan|inf)$", re.M)
+HOST_LINE = re.compile(
+    rf"^host_adam: planned {NUM} G parameters/s, {NUM} ms busy per step \| in the loop "
+    rf"{NUM} ms busy per step \((\d+) steps\): {NUM} G parameters/s "
+    rf"\(--host_rate {NUM} plans with it\)$",
+    re.M,
+)
 LEAST_BUDGET = re.compile(r"below the least feasible budget [0-9.e+-]+ GB \(([0-9]+) bytes\)")
 
 TINY = ["--model_type", "gpt2_tiny", "--device", "cpu", "--no_progress"]
@@ -487,6 +493,8 @@ def test_unknown_model_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) 
         ("--steps", "-1", "--steps is -1"),
         ("--accumulation_steps", "0", "--accumulation_steps is 0"),
         ("--memory_budget", "0", "--memory_budget is 0"),
+        ("--host_rate", "0", "--host_rate is 0"),
+        ("--host_rate", "-2", "--host_rate is -2"),
         ("--solver_type", "greedy", "invalid choice: 'greedy'"),
         ("--dtype", "fp8", "invalid choice: 'fp8'"),
     ],
@@ -629,3 +637,29 @@ def test_stream_plans_with_the_runtimes_contention_split(
     code, _, err = _run([*base, "--stream", "--stream_split", "--plan_only"], capsys)
     assert code == 2
     assert "--stream_split" in err
+
+
+def test_the_host_rate_the_loop_ran_at_plans_the_next_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The last line says how busy the host was in the loop against the plan, and the
+    rate that matches it; --host_rate plans the next run with that rate."""
+    base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp32", "--log_dir", str(tmp_path)]
+    base += ["--steps", "4"]
+    budget_gb = _least_budget_gb(base, capsys) * 1.5
+    code, out, err = _run([*base, "--memory_budget", repr(budget_gb)], capsys)
+    assert code == 0, err
+    line = HOST_LINE.search(out)
+    assert line is not None, out
+    planned, planned_ms, loop_ms, steps, loop, suggested = line.groups()
+    assert int(steps) == 3  # the first of the 4 steps left out
+    # The printed figures are rounded (to 1 us of busy time): agree within 1%.
+    assert float(loop) == pytest.approx(
+        float(planned) * float(planned_ms) / float(loop_ms), rel=1e-2
+    )
+    assert suggested == loop
+    code, out, err = _run([*base, "--memory_budget", repr(budget_gb), "--host_rate", loop], capsys)
+    assert code == 0, err
+    again = HOST_LINE.search(out)
+    assert again is not None, out
+    assert float(again.group(1)) == pytest.approx(float(loop), abs=1e-3)

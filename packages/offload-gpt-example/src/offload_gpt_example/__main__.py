@@ -63,6 +63,7 @@ from offload_gpt_example.plot import save_plan_png
 from offload_optim import (
     AMPOptimizer,
     HybridAdam,
+    check_host_rate,
     measure_host_step_cost,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
@@ -108,6 +109,9 @@ SEED = 0
 CPU_FALLBACK_MODEL = "gpt2_tiny"
 CPU_FALLBACK_BATCH = 4
 FASTEST_STEPS = 5  # exec_time is the mean of this many fastest steps
+# The host_adam line at the end reads the host's busy time over at most this many of the
+# last steps (the first step, which allocates, left out).
+HOST_CHECK_STEPS = 20
 # The pool block-size search looks this far above the largest region (the reference's
 # 128 MiB); regions packed into one block merge, so a model smaller than this becomes one
 # region. 0 keeps regions at parameter boundaries (for tiny models and tests).
@@ -200,6 +204,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "host step bounds the training step and PCIe has time to spare",
     )
     p.add_argument(
+        "--host_rate",
+        type=float,
+        default=None,
+        help="G parameters/s (1e9) of the host Adam step to plan with, instead of the rate "
+        "measured now or the hardware profile's: e.g. the rate an earlier run's last line "
+        "(host_adam: ...) says its training loop ran at",
+    )
+    p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
     )
     return p, p.parse_args(argv)
@@ -271,16 +283,22 @@ class HostSteps:
 
     @classmethod
     def choose(
-        cls, speculate: bool, fp16_io: bool, measure_big: bool, bf16_moments: bool = False
+        cls,
+        speculate: bool,
+        fp16_io: bool,
+        measure_big: bool,
+        bf16_moments: bool = False,
+        host_rate: float | None = None,
     ) -> HostSteps:
         """None of them: torch's kernel and the defaults. Otherwise the single-pass kernel
         (torch's when numba is missing and ``fp16_io`` is off, said on stderr), its rates
         measured now over 64 M parameters when ``measure_big`` (a GPU run), else 1 M
-        (about a second each). Raises ImportError or RuntimeError when ``fp16_io`` cannot
-        run here."""
+        (about a second each). ``host_rate`` (parameters/s, ``--host_rate``) replaces the
+        measured host rate and the profile's: the planner takes it as it is. Raises
+        ImportError or RuntimeError when ``fp16_io`` cannot run here."""
         moments = torch.bfloat16 if bf16_moments else torch.float32
         if not speculate and not fp16_io and not bf16_moments:
-            return cls("torch", False, None, None)
+            return cls("torch", False, None, None, host_rate=host_rate)
         numel = (64 if measure_big else 1) << 20
         if fp16_io:
             single_pass.require_fp16_io()
@@ -299,8 +317,8 @@ class HostSteps:
                 "0.86x in one pass); pip install 'offload-optim[single-pass]'",
                 file=sys.stderr,
             )
-        host_cost = host_rate = None
-        if fp16_io or bf16_moments:
+        host_cost = None
+        if host_rate is None and (fp16_io or bf16_moments):
             host_cost = measure_host_step_cost(
                 moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
             )
@@ -327,6 +345,11 @@ class HostSteps:
                 f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one"
             )
         return cls(kernel, fp16_io, cost, host_cost, moments, host_rate)
+
+
+def _host_rate(args: argparse.Namespace) -> float | None:
+    """``--host_rate`` in parameters/s, or None."""
+    return None if args.host_rate is None else args.host_rate * 1e9
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
@@ -392,6 +415,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
     if not args.block_search_range >= 0:
         parser.error(f"--block_search_range is {args.block_search_range:g}; give MB >= 0")
+    if args.host_rate is not None and not args.host_rate > 0:
+        parser.error(f"--host_rate is {args.host_rate:g}; give G parameters/s > 0")
     if args.speculate and args.dtype != "fp16":
         parser.error(
             f"--speculate applies to --dtype fp16 only; with {args.dtype} host regions "
@@ -471,7 +496,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     try:
         host_steps = replace(
-            HostSteps.choose(args.speculate, args.fp16_io, on_cuda, args.bf16_moments),
+            HostSteps.choose(
+                args.speculate, args.fp16_io, on_cuda, args.bf16_moments, _host_rate(args)
+            ),
             stream=args.stream,
             budget_bytes=budget_bytes,
         )
@@ -512,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculate_fp16=args.speculate,
             speculative_params=limit,
             accumulation_steps=args.accumulation_steps,
+            keep_reports=HOST_CHECK_STEPS,
         )
         if not args.speculate or limit is not None:
             break
@@ -616,6 +644,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             "and the predicted step time is for the planning hardware, not this CPU",
             flush=True,
         )
+    check = check_host_rate(optimizer, last=max(1, min(HOST_CHECK_STEPS, args.steps - 1)))
+    if check is not None:
+        # What the host's busy time in the loop says its Adam rate was, against the plan's.
+        print(
+            f"host_adam: planned {check.planned_params_per_s / 1e9:.3f} G parameters/s, "
+            f"{check.planned_busy_s * 1e3:.3f} ms busy per step | in the loop "
+            f"{check.measured_busy_s * 1e3:.3f} ms busy per step ({check.steps} steps): "
+            f"{check.loop_params_per_s / 1e9:.3f} G parameters/s "
+            f"(--host_rate {check.loop_params_per_s / 1e9:.3f} plans with it)",
+            flush=True,
+        )
     return 0
 
 
@@ -664,7 +703,9 @@ def plan_only(
     }
     try:
         host_steps = replace(
-            HostSteps.choose(args.speculate, args.fp16_io, False, args.bf16_moments),
+            HostSteps.choose(
+                args.speculate, args.fp16_io, False, args.bf16_moments, _host_rate(args)
+            ),
             stream=args.stream,
             budget_bytes=budget_bytes,
         )
