@@ -495,6 +495,7 @@ def test_unknown_model_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) 
         ("--memory_budget", "0", "--memory_budget is 0"),
         ("--host_rate", "0", "--host_rate is 0"),
         ("--host_rate", "-2", "--host_rate is -2"),
+        ("--host_rate", "inf", "--host_rate is inf"),
         ("--solver_type", "greedy", "invalid choice: 'greedy'"),
         ("--dtype", "fp8", "invalid choice: 'fp8'"),
     ],

@@ -415,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
     if not args.block_search_range >= 0:
         parser.error(f"--block_search_range is {args.block_search_range:g}; give MB >= 0")
-    if args.host_rate is not None and not args.host_rate > 0:
+    if args.host_rate is not None and not (args.host_rate > 0 and math.isfinite(args.host_rate)):
         parser.error(f"--host_rate is {args.host_rate:g}; give G parameters/s > 0")
     if args.speculate and args.dtype != "fp16":
         parser.error(
