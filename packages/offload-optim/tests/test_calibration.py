@@ -3,12 +3,20 @@ made by memory_optimize (every host-state region stepped by the host worker)."""
 
 from __future__ import annotations
 
+import copy
 import statistics
 from typing import Any
 
 import pytest
 import torch
-from optim_helpers import batch, offload_module, tiny_gpt2, train_offload
+from optim_helpers import (
+    batch,
+    offload_module,
+    rel_diff,
+    tiny_gpt2,
+    train_offload,
+    train_plain,
+)
 
 from offload_optim import (
     AMPOptimizer,
@@ -102,3 +110,44 @@ def test_a_plan_without_a_profile_has_no_check() -> None:
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module, keep_reports=3)
     train_offload(amp, module, range(3))
     assert check_host_rate(amp) is None
+
+
+def test_planning_again_mid_training_continues_exactly() -> None:
+    """The recipe: train, check the host rate, save the state, plan again with the loop's
+    rate (here also with room for device state, so that the two plans place regions
+    differently), load the state and go on: the losses are AdamW's."""
+    model = tiny_gpt2()
+    reference = copy.deepcopy(model)
+    first = _all_host(model)
+    amp = AMPOptimizer(
+        HybridAdam(first.parameters(), lr=1e-2, weight_decay=0.01), first, keep_reports=3
+    )
+    losses = train_offload(amp, first, range(4))
+    check = check_host_rate(amp, last=3)
+    assert check is not None and first.hardware is not None
+    state = amp.state_dict()
+    first.close()
+    # Another model's weights: everything the run continues from comes from the state.
+    fresh = tiny_gpt2(seed=7)
+    with pytest.raises(InfeasibleBudgetError) as info:
+        memory_optimize(fresh, batch(0), 1, "asyn", hardware=first.hardware, device="cpu")
+    second = memory_optimize(
+        fresh,
+        batch(0),
+        3 * info.value.least_budget_bytes,
+        "asyn",
+        hardware=first.hardware,
+        host_step_params_per_s=check.loop_params_per_s,
+        device="cpu",
+        progress=False,
+        block_search_range_bytes=0,
+        dtype=torch.float32,
+    )
+    placements = [(rp.placement, rp.state) for rp in second.plan.regions]
+    assert placements != [(rp.placement, rp.state) for rp in first.plan.regions]
+    again = AMPOptimizer(HybridAdam(second.parameters(), lr=1e-2, weight_decay=0.01), second)
+    again.load_state_dict(state)
+    losses += train_offload(again, second, range(4, 8))
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    expected = train_plain(opt, reference, range(8))
+    assert rel_diff(losses, expected) < 1e-5
