@@ -531,3 +531,51 @@ def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
             assert int(torch.count_nonzero(moment)) == 0
     assert after == before, "no moment came from the caching host allocator"
     module.close()
+
+
+def test_cuda_host_rate_check_reads_the_loop_and_plans_again_with_it() -> None:
+    """check_host_rate on a CUDA plan whose state is all on the host (fp16, steps after
+    the answer): the loop's host busy time per step and the rate that matches it, which a
+    plan made again with it takes as its host rate."""
+    import math
+
+    from offload_optim import check_host_rate, planned_host_busy_s
+    from offload_runtime import memory_optimize
+    from offload_solver import InfeasibleBudgetError, default_hardware
+
+    def plan(model: torch.nn.Module, **kwargs: Any) -> OffloadModule:
+        options: dict[str, Any] = {
+            "hardware": default_hardware(),
+            "device": CUDA,
+            "progress": False,
+            "block_search_range_bytes": 0,
+            "state_on_device": False,
+            **kwargs,
+        }
+        with pytest.raises(InfeasibleBudgetError) as info:
+            memory_optimize(model, cuda_batch(0), 1, "asyn", **options)
+        return memory_optimize(
+            model, cuda_batch(0), 2 * info.value.least_budget_bytes, "asyn", **options
+        )
+
+    module = plan(tiny_gpt2())
+    assert any(st.host_state for st in module.storages)
+    amp = AMPOptimizer(
+        HybridAdam(module.parameters(), lr=1e-3), module, initial_scale=2.0**10, keep_reports=6
+    )
+    for step in range(6):
+        amp.zero_grad()
+        b = cuda_batch(step)
+        amp.backward(loss_of(module(**b), b["input_ids"]))
+        amp.step()
+    check = check_host_rate(amp, last=4)
+    assert check is not None
+    assert 1 <= check.steps <= 4
+    assert check.planned_busy_s == planned_host_busy_s(module.plan) > 0
+    assert check.measured_busy_s > 0
+    assert math.isfinite(check.loop_params_per_s) and check.loop_params_per_s > 0
+    module.close()
+    again = plan(tiny_gpt2(), host_step_params_per_s=check.loop_params_per_s)
+    assert again.hardware is not None
+    assert again.hardware.host_adam_params_per_s == pytest.approx(check.loop_params_per_s)
+    again.close()
