@@ -41,6 +41,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from targets import load_rows
+
 ADAM_IO_BYTES_PER_PARAM = {"fp32": 28, "bf16": 20}
 """Host memory one host Adam step with fp16 gradient and parameter I/O moves per
 parameter, by moment dtype: fp32 parameter read and written (8), both moments read and
@@ -112,8 +116,9 @@ def host_memory_gbps(rates_file: Path, condition: str | None = None) -> tuple[fl
 
 
 def table(paths: list[Path], gbps: float) -> list[str]:
-    """Markdown rows: each row's bytes per step and its step against the time they take
-    at ``gbps``."""
+    """Markdown rows: each of our rows in ``paths`` (``targets.load_rows``, which skips
+    files that are not ``offload_bench.py`` output, such as the rates file) with its bytes
+    per step and its step against the time they take at ``gbps``."""
     lines = [
         "| file | workload | kind | up / down / host Adam (GB) | total (GB; bytes per"
         " host-state param) | host-memory time at "
@@ -121,28 +126,19 @@ def table(paths: list[Path], gbps: float) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     ratios: list[float] = []
-    for path in paths:
-        data = json.loads(path.read_text())
-        if not isinstance(data, dict) or "results" not in data:
+    for r in load_rows(paths):
+        b = step_bytes(r.result, r.kind)
+        if b is None:
             continue
-        for workload, by_kind in data["results"].items():
-            for kind, row in by_kind.items():
-                if not isinstance(row, dict) or not row.get("ok"):
-                    continue
-                b = step_bytes(row, kind)
-                if b is None:
-                    continue
-                memory_ms = b.total / (gbps * 1e9) * 1e3
-                ratio = row["step_ms"] / memory_ms
-                ratios.append(ratio)
-                mean = row.get("step_mean_ms", float("nan"))
-                lines.append(
-                    f"| {path.name} | {workload} | {kind} | {b.up / 1e9:.1f} / "
-                    f"{b.down / 1e9:.1f} / {b.host_adam / 1e9:.1f} | {b.total / 1e9:.1f}; "
-                    f"{b.total / b.host_state_params:.1f} | {memory_ms:.0f} ms | "
-                    f"{row['step_ms']:.0f} ms ({mean:.0f}) | {ratio:.2f}x "
-                    f"({mean / memory_ms:.2f}x) |"
-                )
+        memory_ms = b.total / (gbps * 1e9) * 1e3
+        step, mean = r.result["step_ms"], r.result.get("step_mean_ms", float("nan"))
+        ratios.append(step / memory_ms)
+        lines.append(
+            f"| {r.file} | {r.workload} | {r.kind} | {b.up / 1e9:.1f} / "
+            f"{b.down / 1e9:.1f} / {b.host_adam / 1e9:.1f} | {b.total / 1e9:.1f}; "
+            f"{b.total / b.host_state_params:.1f} | {memory_ms:.0f} ms | "
+            f"{step:.0f} ms ({mean:.0f}) | {step / memory_ms:.2f}x ({mean / memory_ms:.2f}x) |"
+        )
     if ratios:
         lines.append(
             f"\n{len(ratios)} rows; step / host-memory time {min(ratios):.2f}x to "
@@ -170,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, KeyError) as e:
         parser.error(str(e))
     print(f"host memory: {gbps:.1f} GB/s ({condition}, {args.rates.name})\n")
-    print("\n".join(table([p for p in args.json if p.resolve() != args.rates.resolve()], gbps)))
+    print("\n".join(table(args.json, gbps)))
     return 0
 
 
