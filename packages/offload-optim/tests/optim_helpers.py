@@ -16,8 +16,16 @@ from typing import Any
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from offload_runtime import memory_optimize
 from offload_runtime.module import OffloadModule
-from offload_solver import ParamPlacement, Plan, Region, RegionPlan, StatePlacement
+from offload_solver import (
+    InfeasibleBudgetError,
+    ParamPlacement,
+    Plan,
+    Region,
+    RegionPlan,
+    StatePlacement,
+)
 from offload_trace import rewrite_causal_attention
 
 VOCAB = 96
@@ -305,3 +313,21 @@ def overflow_on_device(module: OffloadModule, when: Callable[[int], bool]) -> No
                 grads[0].view(-1)[0] = float("inf")
 
     module.controller.add_device_grad_hook(hook)
+
+
+def plan_at_least_budget(
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    solver: str = "asyn",
+    scale: int = 1,
+    **options: Any,
+) -> OffloadModule:
+    """``memory_optimize`` at ``scale`` times the least budget ``solver`` accepts for
+    ``model`` (asked for with a 1-byte budget); at scale 1 it offloads all it can."""
+    try:
+        memory_optimize(model, example, 1, solver, **options)
+    except InfeasibleBudgetError as exc:
+        least = exc.least_budget_bytes
+    else:
+        raise AssertionError("memory_optimize accepted a 1-byte budget")
+    return memory_optimize(model, example, scale * least, solver, **options)

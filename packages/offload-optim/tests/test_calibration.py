@@ -12,6 +12,7 @@ import torch
 from optim_helpers import (
     batch,
     offload_module,
+    plan_at_least_budget,
     rel_diff,
     tiny_gpt2,
     train_offload,
@@ -25,8 +26,8 @@ from offload_optim import (
     check_host_rate,
     planned_host_busy_s,
 )
-from offload_runtime import OffloadModule, default_cpu_profile, memory_optimize
-from offload_solver import InfeasibleBudgetError, Stream
+from offload_runtime import OffloadModule, default_cpu_profile
+from offload_solver import Stream
 
 
 def _all_host(model: torch.nn.Module, **kwargs: Any) -> OffloadModule:
@@ -40,9 +41,7 @@ def _all_host(model: torch.nn.Module, **kwargs: Any) -> OffloadModule:
         "state_on_device": False,
         **kwargs,
     }
-    with pytest.raises(InfeasibleBudgetError) as info:
-        memory_optimize(model, batch(0), 1, "asyn", **options)
-    return memory_optimize(model, batch(0), info.value.least_budget_bytes, "asyn", **options)
+    return plan_at_least_budget(model, batch(0), **options)
 
 
 def _trained(steps: int, keep: int) -> tuple[AMPOptimizer, OffloadModule]:
@@ -128,14 +127,10 @@ def test_planning_again_mid_training_continues_exactly() -> None:
     state = amp.state_dict()
     first.close()
     # Another model's weights: everything the run continues from comes from the state.
-    fresh = tiny_gpt2(seed=7)
-    with pytest.raises(InfeasibleBudgetError) as info:
-        memory_optimize(fresh, batch(0), 1, "asyn", hardware=first.hardware, device="cpu")
-    second = memory_optimize(
-        fresh,
+    second = plan_at_least_budget(
+        tiny_gpt2(seed=7),
         batch(0),
-        3 * info.value.least_budget_bytes,
-        "asyn",
+        scale=3,
         hardware=first.hardware,
         host_step_params_per_s=check.loop_params_per_s,
         device="cpu",

@@ -539,9 +539,10 @@ def test_cuda_host_rate_check_reads_the_loop_and_plans_again_with_it() -> None:
     plan made again with it takes as its host rate."""
     import math
 
+    from optim_helpers import plan_at_least_budget
+
     from offload_optim import check_host_rate, planned_host_busy_s
-    from offload_runtime import memory_optimize
-    from offload_solver import InfeasibleBudgetError, default_hardware
+    from offload_solver import default_hardware
 
     def plan(model: torch.nn.Module, **kwargs: Any) -> OffloadModule:
         options: dict[str, Any] = {
@@ -552,11 +553,7 @@ def test_cuda_host_rate_check_reads_the_loop_and_plans_again_with_it() -> None:
             "state_on_device": False,
             **kwargs,
         }
-        with pytest.raises(InfeasibleBudgetError) as info:
-            memory_optimize(model, cuda_batch(0), 1, "asyn", **options)
-        return memory_optimize(
-            model, cuda_batch(0), 2 * info.value.least_budget_bytes, "asyn", **options
-        )
+        return plan_at_least_budget(model, cuda_batch(0), scale=2, **options)
 
     module = plan(tiny_gpt2())
     assert any(st.host_state for st in module.storages)

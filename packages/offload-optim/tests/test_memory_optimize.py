@@ -7,11 +7,18 @@ from typing import Any
 
 import pytest
 import torch
-from optim_helpers import batch, fell, rel_diff, tiny_gpt2, train_offload, train_plain
+from optim_helpers import (
+    batch,
+    fell,
+    plan_at_least_budget,
+    rel_diff,
+    tiny_gpt2,
+    train_offload,
+    train_plain,
+)
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
 from offload_runtime import OffloadModule, default_cpu_profile, memory_optimize
-from offload_solver import InfeasibleBudgetError
 
 
 def at_least_budget(model: torch.nn.Module, solver: str, **kwargs: Any) -> OffloadModule:
@@ -23,9 +30,7 @@ def at_least_budget(model: torch.nn.Module, solver: str, **kwargs: Any) -> Offlo
         "block_search_range_bytes": 0,  # the finest regions: several of each kind
         **kwargs,
     }
-    with pytest.raises(InfeasibleBudgetError) as info:
-        memory_optimize(model, batch(0), 1, solver, **options)
-    return memory_optimize(model, batch(0), info.value.least_budget_bytes, solver, **options)
+    return plan_at_least_budget(model, batch(0), solver, **options)
 
 
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
