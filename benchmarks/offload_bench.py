@@ -260,7 +260,7 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
             continue
         last = max(host_a, key=lambda t: t.end_s)
         first_b = min(t.start_s for t in host_b)
-        busy = sum(t.duration_s for t in host_a)
+        busy = a.host_step_s
         parts["period"].append(b.backward_start_s - a.backward_start_s)
         parts["busy"].append(busy)
         ordered = sorted(host_a, key=lambda t: t.start_s)

@@ -458,10 +458,10 @@ def main(argv: list[str] | None = None) -> int:
                     worst_run = max(worst_run, abs(replayed - run) / run)
                     run_errors.append(replayed / run - 1)
                     run_cell = f"{run:.0f} ms: {_error(replayed, run)}"
-                # The host worker's busy time: measured (the last timed step's host region
-                # steps) and simulated (the cold step's host lane).
+                # The host worker's busy time: measured (loop_busy_ms, what --host-rate loop
+                # scales by) and simulated (the cold step's host lane).
                 busy_now = planned_host_busy_s(plan)
-                in_loop = row.get("host_step_ms_in_loop")
+                in_loop = loop_busy_ms(row)
                 busy_cell = (
                     f"{'-' if in_loop is None else f'{in_loop:.0f}'}; {busy_now * 1e3:.0f} ms"
                 )
