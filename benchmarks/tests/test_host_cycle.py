@@ -4,8 +4,8 @@ goes between two steps, in milliseconds."""
 from __future__ import annotations
 
 import pytest
-
 from offload_bench import _host_cycle
+
 from offload_optim import OverlapMode, RegionStepTiming, StepReport
 
 
