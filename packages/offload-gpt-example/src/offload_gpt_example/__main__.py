@@ -352,6 +352,22 @@ def _host_rate(args: argparse.Namespace) -> float | None:
     return None if args.host_rate is None else args.host_rate * 1e9
 
 
+def _host_steps(args: argparse.Namespace, measure_big: bool, budget_bytes: int) -> HostSteps | None:
+    """:meth:`HostSteps.choose` for the parsed flags, with ``--stream`` and the device
+    budget (bytes); None, said on stderr, where ``--fp16_io``'s kernel cannot run."""
+    try:
+        return replace(
+            HostSteps.choose(
+                args.speculate, args.fp16_io, measure_big, args.bf16_moments, _host_rate(args)
+            ),
+            stream=args.stream,
+            budget_bytes=budget_bytes,
+        )
+    except (ImportError, RuntimeError) as exc:
+        print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
+        return None
+
+
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
     """The reference's log-file stem; the plan files share it."""
     return f"{model_type}_bs_{batch_size}_st_{solver_type}"
@@ -494,16 +510,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"memory_optimize: {args.solver_type} solver, budget {args.memory_budget:g} GB",
             file=sys.stderr,
         )
-    try:
-        host_steps = replace(
-            HostSteps.choose(
-                args.speculate, args.fp16_io, on_cuda, args.bf16_moments, _host_rate(args)
-            ),
-            stream=args.stream,
-            budget_bytes=budget_bytes,
-        )
-    except (ImportError, RuntimeError) as exc:
-        print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
+    host_steps = _host_steps(args, on_cuda, budget_bytes)
+    if host_steps is None:
         return EXIT_FAILURE
     t0 = time.perf_counter()
     limit: int | None = None  # host-state parameters that may speculate; None: all
@@ -701,16 +709,8 @@ def plan_only(
         "host_step_after_backward": dtype == torch.float16,
         "micro_batches": args.accumulation_steps,
     }
-    try:
-        host_steps = replace(
-            HostSteps.choose(
-                args.speculate, args.fp16_io, False, args.bf16_moments, _host_rate(args)
-            ),
-            stream=args.stream,
-            budget_bytes=budget_bytes,
-        )
-    except (ImportError, RuntimeError) as exc:
-        print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
+    host_steps = _host_steps(args, False, budget_bytes)
+    if host_steps is None:
         return EXIT_FAILURE
     plan_kwargs.update(host_steps.plan_kwargs)
     hardware = host_steps.plan_hardware(hardware)
