@@ -1,0 +1,204 @@
+"""The simulator's forward and backward compute against a profiled run's kernels.
+
+    python benchmarks/compute_fidelity.py benchmarks/results/s34c4_W3.json \\
+        benchmarks/results/s34c4_trace_W3.json.gz
+
+The simulator prices each traced operation as the largest of its FLOPs over the achieved
+matmul rate, its estimated device-memory traffic over the memory bandwidth, and the cost
+of issuing it ([Note: memory-bound operations] in ``offload_solver.model``). This sets the
+sums of those prices over a step's forward and over its backward (the "compute alone" of
+``plan_predict.py``, with the row's own profile: ``peak_tflops``, ``efficiency``,
+``op_overhead_us``, ``device_memory_tbps``) beside what the GPU ran in the profiled steps
+of ``offload_bench.py --profile-dir``'s trace of that row.
+
+Measured, per profiled step: the kernels on the compute stream (the stream that ran the
+most kernel time), split by the thread that launched them. Kernels launched by the
+autograd engine's threads (those that ran ``autograd::engine::evaluate_function``) are
+the backward's; the others, launched after the previous backward's call and before this
+one's, the forward's, leaving out optimizer kernels (``OPTIMIZER_KERNELS``). Each side is
+reported as kernel time (busy) and as the span from its first kernel's start to its last
+kernel's end; the span also holds the waits for uploads and for the host, so the busy
+time is the comparison for the compute model. Kernels time themselves on the device, so
+the profiler's own overhead on the CPU does not enter them. Nothing is allocated; no GPU
+is needed (the model is traced on the meta device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from step_trace import load_trace
+
+BACKWARD_OP_PREFIX = "autograd::engine::evaluate_function"
+OPTIMIZER_KERNELS = ("multi_tensor_apply", "fused_adam", "_fused_adamw", "FusedAdam")
+"""Kernel-name fragments of optimizer steps (device-state regions' fused Adam), which are
+neither forward nor backward."""
+
+
+@dataclass(frozen=True)
+class Side:
+    """One side (forward or backward) of one profiled step, in ms."""
+
+    busy_ms: float
+    span_ms: float
+    kernels: int
+
+
+@dataclass(frozen=True)
+class StepCompute:
+    """What the compute stream ran for one profiled step."""
+
+    forward: Side
+    backward: Side
+
+
+def _side(kernels: list[dict[str, Any]]) -> Side:
+    if not kernels:
+        return Side(0.0, 0.0, 0)
+    start = min(k["ts"] for k in kernels)
+    end = max(k["ts"] + k["dur"] for k in kernels)
+    return Side(sum(k["dur"] for k in kernels) / 1e3, (end - start) / 1e3, len(kernels))
+
+
+def measured_steps(events: list[dict[str, Any]]) -> list[StepCompute]:
+    """The forward and backward kernels of each profiled step (``events``: a Chrome
+    trace's ``traceEvents``), one entry per backward pass in the trace, in order."""
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
+    backward_ops = sorted(
+        (e for e in spans if str(e.get("name", "")).startswith(BACKWARD_OP_PREFIX)),
+        key=lambda e: e["ts"],
+    )
+    backward_tids = {e["tid"] for e in backward_ops}
+    kernels = [e for e in spans if e.get("cat") == "kernel"]
+    if not backward_ops or not kernels:
+        return []
+    busy_by_stream: dict[Any, float] = {}
+    for k in kernels:
+        busy_by_stream[k["tid"]] = busy_by_stream.get(k["tid"], 0.0) + k["dur"]
+    compute = max(busy_by_stream, key=lambda s: busy_by_stream[s])
+    launches = {
+        e["args"]["correlation"]: e
+        for e in spans
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    # Backward passes: a new one begins where a forward kernel was launched between the
+    # end of the last backward op and the start of this one.
+    forward_launches = sorted(
+        launches[k["args"]["correlation"]]["ts"]
+        for k in kernels
+        if k["tid"] == compute
+        and k.get("args", {}).get("correlation") in launches
+        and launches[k["args"]["correlation"]]["tid"] not in backward_tids
+    )
+    calls: list[float] = []
+    last_end = float("-inf")
+    for op in backward_ops:
+        if not calls or bisect.bisect_left(forward_launches, op["ts"]) > bisect.bisect_right(
+            forward_launches, last_end
+        ):
+            calls.append(op["ts"])
+        last_end = max(last_end, op["ts"] + op["dur"])
+    steps: list[StepCompute] = []
+    bounds = [*calls, float("inf")]
+    for i, call in enumerate(calls):
+        prev = calls[i - 1] if i else float("-inf")
+        fwd: list[dict[str, Any]] = []
+        bwd: list[dict[str, Any]] = []
+        for k in kernels:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if k["tid"] != compute or launch is None:
+                continue
+            if any(part in k["name"] for part in OPTIMIZER_KERNELS):
+                continue
+            if launch["tid"] in backward_tids:
+                if call <= launch["ts"] < bounds[i + 1]:
+                    bwd.append(k)
+            elif prev <= launch["ts"] < call:
+                fwd.append(k)
+        steps.append(StepCompute(_side(fwd), _side(bwd)))
+    return steps
+
+
+def simulated_ms(workload: str, profile: dict[str, Any]) -> tuple[float, float]:
+    """(forward, backward) compute of ``workload`` as the simulator prices it with the
+    row's ``profile`` (ms): every traced operation back to back."""
+    import torch
+    from offload_bench import WORKLOADS
+    from plan_predict import replay_hardware
+
+    from offload_gpt_example.models import build_model, random_batch
+    from offload_trace import trace
+
+    model_name, batch, seq, _ = WORKLOADS[workload]
+    model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
+    inputs = random_batch(batch, seq, device="meta")
+    traced = trace(model, inputs, dtype=torch.float16, target_device="cuda")
+    ops = traced.to_profile().operations
+    hw = replay_hardware(
+        op_overhead_us=profile["op_overhead_us"],
+        host_convert_gelem=profile.get("host_convert_gelem", 0.0),
+        peak_tflops=profile["peak_tflops"],
+        efficiency=profile["efficiency"],
+        hbm_tbps=profile.get("device_memory_tbps"),
+    )
+    fwd = sum(hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops)
+    bwd = sum(hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops)
+    return fwd * 1e3, bwd * 1e3
+
+
+def row_of(path: Path) -> tuple[str, dict[str, Any]]:
+    """The workload and our row (the first ``ours`` kind with a recorded profile) of an
+    ``offload_bench.py --json`` file."""
+    results = json.loads(path.read_text())["results"]
+    for workload, by_kind in results.items():
+        for kind, row in by_kind.items():
+            if kind.startswith("ours") and row.get("ok") and "profile" in row:
+                return workload, row
+    raise SystemExit(f"{path}: no row of ours with a recorded profile")
+
+
+def _error(simulated: float, measured: float) -> str:
+    return f"{(simulated / measured - 1) * 100:+.1f}%" if measured > 0 else "-"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("row", type=Path, help="offload_bench.py --json output of the run")
+    parser.add_argument("trace", type=Path, help="the trace its --profile-dir saved")
+    args = parser.parse_args(argv)
+    workload, row = row_of(args.row)
+    doc: Any = load_trace(args.trace)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    steps = measured_steps(events)
+    if not steps:
+        print(f"{args.trace}: no backward pass or no kernels in the trace", file=sys.stderr)
+        return 1
+    sim_fwd, sim_bwd = simulated_ms(workload, row["profile"])
+    print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
+    print("| step | forward busy / span (kernels) | backward busy / span (kernels) |")
+    print("|---|---|---|")
+    for i, s in enumerate(steps, 1):
+        print(
+            f"| {i} | {s.forward.busy_ms:.1f} / {s.forward.span_ms:.1f} ms ({s.forward.kernels}) "
+            f"| {s.backward.busy_ms:.1f} / {s.backward.span_ms:.1f} ms ({s.backward.kernels}) |"
+        )
+    fwd = statistics.median(s.forward.busy_ms for s in steps)
+    bwd = statistics.median(s.backward.busy_ms for s in steps)
+    print(
+        f"simulated: forward {sim_fwd:.1f} ms ({_error(sim_fwd, fwd)} against the median busy "
+        f"{fwd:.1f}), backward {sim_bwd:.1f} ms ({_error(sim_bwd, bwd)} against {bwd:.1f})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

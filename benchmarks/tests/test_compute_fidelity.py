@@ -1,0 +1,71 @@
+"""``compute_fidelity.measured_steps`` on a hand-made trace and on a recorded one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from compute_fidelity import measured_steps
+from step_trace import load_trace
+
+RESULTS = Path(__file__).resolve().parent.parent / "results"
+MAIN, AUTOGRAD, COMPUTE, OTHER = 1, 2, 7, 9
+
+
+def _launch(ts: float, tid: int, corr: int) -> dict[str, Any]:
+    return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+            "tid": tid, "args": {"correlation": corr}}  # fmt: skip
+
+
+def _kernel(
+    ts: float, dur: float, corr: int, name: str = "gemm", stream: int = COMPUTE
+) -> dict[str, Any]:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream,
+            "args": {"correlation": corr}}  # fmt: skip
+
+
+def _backward_op(ts: float, dur: float) -> dict[str, Any]:
+    return {"ph": "X", "cat": "cpu_op", "name": "autograd::engine::evaluate_function: MmBackward0",
+            "ts": ts, "dur": dur, "tid": AUTOGRAD}  # fmt: skip
+
+
+def test_kernels_split_by_launching_thread_and_backward_pass() -> None:
+    # Step 1: forward kernels (main thread) at 0 and 100 us, backward ops at 1000-1300
+    # launching two kernels; step 2: a forward kernel at 2000, a fused Adam kernel (left
+    # out), a kernel on another stream (left out), backward at 3000 launching one.
+    events = [
+        _launch(0, MAIN, 1), _kernel(10, 50, 1),
+        _launch(100, MAIN, 2), _kernel(110, 30, 2),
+        _backward_op(1000, 100), _launch(1010, AUTOGRAD, 3), _kernel(1020, 200, 3),
+        _backward_op(1200, 100), _launch(1210, AUTOGRAD, 4), _kernel(1300, 100, 4),
+        _launch(2000, MAIN, 5), _kernel(2010, 40, 5),
+        _launch(2100, MAIN, 6), _kernel(2110, 500, 6, name="multi_tensor_apply_kernel"),
+        _launch(2200, MAIN, 7), _kernel(2210, 900, 7, stream=OTHER),
+        _backward_op(3000, 100), _launch(3010, AUTOGRAD, 8), _kernel(3020, 300, 8),
+    ]  # fmt: skip
+    steps = measured_steps(events)
+    assert len(steps) == 2
+    first, second = steps
+    assert first.forward.busy_ms == pytest.approx(0.08) and first.forward.kernels == 2
+    assert first.forward.span_ms == pytest.approx(0.13)  # 10 us to 140 us
+    assert first.backward.busy_ms == pytest.approx(0.3)
+    assert first.backward.span_ms == pytest.approx(0.38)  # 1020 us to 1400 us
+    assert second.forward.busy_ms == pytest.approx(0.04) and second.forward.kernels == 1
+    assert second.backward.busy_ms == pytest.approx(0.3) and second.backward.kernels == 1
+
+
+def test_no_backward_no_steps() -> None:
+    assert measured_steps([_launch(0, MAIN, 1), _kernel(10, 50, 1)]) == []
+
+
+def test_recorded_w3_trace_runs_the_same_kernels_each_step() -> None:
+    # Session 34, W3: 86.5-86.7 ms of forward kernels and 160.5-160.8 ms of backward
+    # kernels in each of the two profiled steps.
+    doc: Any = load_trace(RESULTS / "s34c4_trace_W3.json.gz")
+    steps = measured_steps(doc["traceEvents"])
+    assert len(steps) == 2
+    for s in steps:
+        assert 86 < s.forward.busy_ms < 87.5
+        assert 160 < s.backward.busy_ms < 161.5
+        assert s.backward.kernels == 2253
