@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass
@@ -51,6 +52,9 @@ class Side:
     busy_ms: float
     span_ms: float
     kernels: int
+    by_op: dict[str, float]
+    """Kernel time (ms) by the outermost ``aten::`` operator that launched it (``?``
+    where none encloses the launch)."""
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,40 @@ class StepCompute:
     backward: Side
 
 
-def _side(kernels: list[dict[str, Any]]) -> Side:
+def _side(kernels: list[tuple[dict[str, Any], str]]) -> Side:
+    """``kernels``: (kernel event, the operator that launched it)."""
     if not kernels:
-        return Side(0.0, 0.0, 0)
-    start = min(k["ts"] for k in kernels)
-    end = max(k["ts"] + k["dur"] for k in kernels)
-    return Side(sum(k["dur"] for k in kernels) / 1e3, (end - start) / 1e3, len(kernels))
+        return Side(0.0, 0.0, 0, {})
+    start = min(k["ts"] for k, _ in kernels)
+    end = max(k["ts"] + k["dur"] for k, _ in kernels)
+    by_op: dict[str, float] = {}
+    for k, op in kernels:
+        by_op[op] = by_op.get(op, 0.0) + k["dur"] / 1e3
+    busy = sum(k["dur"] for k, _ in kernels) / 1e3
+    return Side(busy, (end - start) / 1e3, len(kernels), by_op)
+
+
+class _Launchers:
+    """The outermost ``aten::`` operator around a launch, per thread (a sweep keeps the
+    operators not nested in another, then a bisection finds the one around a time)."""
+
+    def __init__(self, spans: list[dict[str, Any]]) -> None:
+        by_tid: dict[Any, list[dict[str, Any]]] = {}
+        for e in sorted(spans, key=lambda e: (e["ts"], -e["dur"])):
+            if e.get("cat") != "cpu_op" or not str(e.get("name", "")).startswith("aten::"):
+                continue
+            top = by_tid.setdefault(e["tid"], [])
+            if not top or e["ts"] >= top[-1]["ts"] + top[-1]["dur"]:
+                top.append(e)
+        self._top = by_tid
+        self._starts = {tid: [e["ts"] for e in ops] for tid, ops in by_tid.items()}
+
+    def op(self, launch: dict[str, Any]) -> str:
+        ops = self._top.get(launch["tid"], [])
+        i = bisect.bisect_right(self._starts.get(launch["tid"], []), launch["ts"]) - 1
+        if i < 0 or launch["ts"] > ops[i]["ts"] + ops[i]["dur"]:
+            return "?"
+        return str(ops[i]["name"])[len("aten::") :]
 
 
 def measured_steps(events: list[dict[str, Any]]) -> list[StepCompute]:
@@ -107,12 +139,13 @@ def measured_steps(events: list[dict[str, Any]]) -> list[StepCompute]:
         ):
             calls.append(op["ts"])
         last_end = max(last_end, op["ts"] + op["dur"])
+    launchers = _Launchers(spans)
     steps: list[StepCompute] = []
     bounds = [*calls, float("inf")]
     for i, call in enumerate(calls):
         prev = calls[i - 1] if i else float("-inf")
-        fwd: list[dict[str, Any]] = []
-        bwd: list[dict[str, Any]] = []
+        fwd: list[tuple[dict[str, Any], str]] = []
+        bwd: list[tuple[dict[str, Any], str]] = []
         for k in kernels:
             launch = launches.get(k.get("args", {}).get("correlation"))
             if k["tid"] != compute or launch is None:
@@ -121,16 +154,37 @@ def measured_steps(events: list[dict[str, Any]]) -> list[StepCompute]:
                 continue
             if launch["tid"] in backward_tids:
                 if call <= launch["ts"] < bounds[i + 1]:
-                    bwd.append(k)
+                    bwd.append((k, launchers.op(launch)))
             elif prev <= launch["ts"] < call:
-                fwd.append(k)
+                fwd.append((k, launchers.op(launch)))
         steps.append(StepCompute(_side(fwd), _side(bwd)))
     return steps
 
 
-def simulated_ms(workload: str, profile: dict[str, Any]) -> tuple[float, float]:
-    """(forward, backward) compute of ``workload`` as the simulator prices it with the
-    row's ``profile`` (ms): every traced operation back to back."""
+@dataclass(frozen=True)
+class Simulated:
+    """A workload's forward and backward compute as the simulator prices it, in ms."""
+
+    forward_ms: float
+    backward_ms: float
+    forward_by_op: dict[str, float]
+    backward_by_op: dict[str, float]
+    """By the traced operation's kind (its graph node's name without the trailing
+    number: ``addmm``, ``view``, ``scaled_dot_product_attention``...)."""
+    forward_issue_ms: float
+    backward_issue_ms: float
+    """The part priced at the issue cost alone (operations whose compute and traffic
+    take less: views launch no kernel, so all of theirs)."""
+
+
+def op_kind(node_name: str) -> str:
+    """``addmm_12`` -> ``addmm``: a traced operation's kind from its graph node's name."""
+    return re.sub(r"_\d+$", "", node_name)
+
+
+def simulated(workload: str, profile: dict[str, Any]) -> Simulated:
+    """``workload``'s forward and backward compute as the simulator prices it with the
+    row's ``profile``: every traced operation back to back."""
     import torch
     from offload_bench import WORKLOADS
     from plan_predict import replay_hardware
@@ -142,7 +196,6 @@ def simulated_ms(workload: str, profile: dict[str, Any]) -> tuple[float, float]:
     model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
     inputs = random_batch(batch, seq, device="meta")
     traced = trace(model, inputs, dtype=torch.float16, target_device="cuda")
-    ops = traced.to_profile().operations
     hw = replay_hardware(
         op_overhead_us=profile["op_overhead_us"],
         host_convert_gelem=profile.get("host_convert_gelem", 0.0),
@@ -150,9 +203,24 @@ def simulated_ms(workload: str, profile: dict[str, Any]) -> tuple[float, float]:
         efficiency=profile["efficiency"],
         hbm_tbps=profile.get("device_memory_tbps"),
     )
-    fwd = sum(hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops)
-    bwd = sum(hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops)
-    return fwd * 1e3, bwd * 1e3
+    totals = {"fwd": 0.0, "bwd": 0.0}
+    issue = {"fwd": 0.0, "bwd": 0.0}
+    by_op: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}
+    for op in traced.to_profile().operations:
+        for side, flop, traffic in (
+            ("fwd", op.fwd_flop, op.fwd_traffic_bytes),
+            ("bwd", op.bwd_flop, op.bwd_traffic_bytes),
+        ):
+            ms = hw.op_time_s(flop, traffic) * 1e3
+            totals[side] += ms
+            kind = op_kind(op.name)
+            by_op[side][kind] = by_op[side].get(kind, 0.0) + ms
+            device_s = max(hw.compute_time_s(flop), traffic / hw.device_memory_bytes_per_s)
+            if device_s < hw.op_overhead_s:
+                issue[side] += ms
+    return Simulated(
+        totals["fwd"], totals["bwd"], by_op["fwd"], by_op["bwd"], issue["fwd"], issue["bwd"]
+    )
 
 
 def row_of(path: Path) -> tuple[str, dict[str, Any]]:
@@ -166,6 +234,19 @@ def row_of(path: Path) -> tuple[str, dict[str, Any]]:
     raise SystemExit(f"{path}: no row of ours with a recorded profile")
 
 
+def mean_by_op(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Each operator's kernel time per step, averaged over ``steps`` (ms)."""
+    ops = {op for step in steps for op in step}
+    return {op: sum(step.get(op, 0.0) for step in steps) / len(steps) for op in ops}
+
+
+def _top(ms_by_op: dict[str, float], n: int) -> str:
+    ranked = sorted(ms_by_op.items(), key=lambda kv: -kv[1])[:n]
+    return (
+        ", ".join(f"{op} {ms:.1f}" for op, ms in ranked) + f" (all: {sum(ms_by_op.values()):.1f})"
+    )
+
+
 def _error(simulated: float, measured: float) -> str:
     return f"{(simulated / measured - 1) * 100:+.1f}%" if measured > 0 else "-"
 
@@ -174,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("row", type=Path, help="offload_bench.py --json output of the run")
     parser.add_argument("trace", type=Path, help="the trace its --profile-dir saved")
+    parser.add_argument(
+        "--by-op",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also print the N largest operators of each side, measured and simulated",
+    )
     args = parser.parse_args(argv)
     workload, row = row_of(args.row)
     doc: Any = load_trace(args.trace)
@@ -182,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if not steps:
         print(f"{args.trace}: no backward pass or no kernels in the trace", file=sys.stderr)
         return 1
-    sim_fwd, sim_bwd = simulated_ms(workload, row["profile"])
+    sim = simulated(workload, row["profile"])
     print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
     print("| step | forward busy / span (kernels) | backward busy / span (kernels) |")
     print("|---|---|---|")
@@ -194,9 +282,21 @@ def main(argv: list[str] | None = None) -> int:
     fwd = statistics.median(s.forward.busy_ms for s in steps)
     bwd = statistics.median(s.backward.busy_ms for s in steps)
     print(
-        f"simulated: forward {sim_fwd:.1f} ms ({_error(sim_fwd, fwd)} against the median busy "
-        f"{fwd:.1f}), backward {sim_bwd:.1f} ms ({_error(sim_bwd, bwd)} against {bwd:.1f})"
+        f"simulated: forward {sim.forward_ms:.1f} ms ({_error(sim.forward_ms, fwd)} against the "
+        f"median busy {fwd:.1f}; {sim.forward_issue_ms:.1f} of it at the issue cost alone), "
+        f"backward {sim.backward_ms:.1f} ms ({_error(sim.backward_ms, bwd)} against {bwd:.1f}; "
+        f"{sim.backward_issue_ms:.1f} at the issue cost alone)"
     )
+    if args.by_op:
+        for name, measured, priced in (
+            ("forward", [s.forward.by_op for s in steps], sim.forward_by_op),
+            ("backward", [s.backward.by_op for s in steps], sim.backward_by_op),
+        ):
+            per_step = mean_by_op(measured)
+            print(
+                f"{name}, measured per step by outermost aten op (ms): {_top(per_step, args.by_op)}"
+            )
+            print(f"{name}, simulated by traced op kind (ms): {_top(priced, args.by_op)}")
     return 0
 
 

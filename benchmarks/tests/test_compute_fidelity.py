@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from compute_fidelity import measured_steps
+from compute_fidelity import mean_by_op, measured_steps, op_kind
 from step_trace import load_trace
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"
@@ -55,6 +55,33 @@ def test_kernels_split_by_launching_thread_and_backward_pass() -> None:
     assert second.backward.busy_ms == pytest.approx(0.3) and second.backward.kernels == 1
 
 
+def _aten(name: str, ts: float, dur: float, tid: int) -> dict[str, Any]:
+    return {"ph": "X", "cat": "cpu_op", "name": f"aten::{name}", "ts": ts, "dur": dur, "tid": tid}
+
+
+def test_kernels_are_charged_to_the_outermost_aten_op_around_their_launch() -> None:
+    # aten::linear (0-50 us) holds aten::addmm (5-45 us), which launches the first kernel;
+    # aten::mul (60-70 us) launches the second; the third launch has no operator around it.
+    events = [
+        _aten("linear", 0, 50, MAIN), _aten("addmm", 5, 40, MAIN),
+        _launch(10, MAIN, 1), _kernel(10, 100, 1),
+        _aten("mul", 60, 10, MAIN), _launch(65, MAIN, 2), _kernel(110, 20, 2),
+        _launch(80, MAIN, 3), _kernel(130, 5, 3),
+        _backward_op(1000, 100), _aten("mm", 1005, 50, AUTOGRAD),
+        _launch(1010, AUTOGRAD, 4), _kernel(1020, 200, 4),
+    ]  # fmt: skip
+    (step,) = measured_steps(events)
+    assert step.forward.by_op == pytest.approx({"linear": 0.1, "mul": 0.02, "?": 0.005})
+    assert step.backward.by_op == pytest.approx({"mm": 0.2})
+    assert mean_by_op([{"mm": 1.0}, {"mm": 3.0, "mul": 2.0}]) == {"mm": 2.0, "mul": 1.0}
+
+
+def test_op_kind_drops_the_node_number() -> None:
+    assert op_kind("addmm_12") == "addmm"
+    assert op_kind("scaled_dot_product_attention") == "scaled_dot_product_attention"
+    assert op_kind("view_3") == "view"
+
+
 def test_no_backward_no_steps() -> None:
     assert measured_steps([_launch(0, MAIN, 1), _kernel(10, 50, 1)]) == []
 
@@ -69,3 +96,6 @@ def test_recorded_w3_trace_runs_the_same_kernels_each_step() -> None:
         assert 86 < s.forward.busy_ms < 87.5
         assert 160 < s.backward.busy_ms < 161.5
         assert s.backward.kernels == 2253
+        # Attention's kernels: 20.8 ms of the forward; its backward 30.8 ms.
+        assert 20 < s.forward.by_op["scaled_dot_product_attention"] < 21.5
+        assert 30 < s.backward.by_op["_scaled_dot_product_flash_attention_backward"] < 31.5
