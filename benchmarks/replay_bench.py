@@ -62,11 +62,13 @@ def row_hardware(
     op_overhead_us: float | None = None,
     stream_up: float | None = None,
     stream_charge: float | None = None,
+    issue_ahead: bool = False,
 ) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
     set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``,
     its ``stream_up_fraction`` to ``stream_up``, its ``stream_host_charge`` to
-    ``stream_charge``, when given): the whole profile where the row records it (from
+    ``stream_charge``, when given; ``issue_ahead`` set where asked): the whole profile
+    where the row records it (from
     session 20 on), else the row's figures on the default bandwidth curves scaled to its
     plateaus (``plan_predict.replay_hardware``)."""
     hw = _row_hardware(row, host_adam_gparam, op_overhead_us)
@@ -74,6 +76,8 @@ def row_hardware(
         hw = dataclasses.replace(hw, stream_up_fraction=stream_up)
     if stream_charge is not None:
         hw = dataclasses.replace(hw, stream_host_charge=stream_charge)
+    if issue_ahead:
+        hw = dataclasses.replace(hw, issue_ahead=True)
     return hw
 
 
@@ -314,6 +318,12 @@ def main(argv: list[str] | None = None) -> int:
         "(1 before session 30)",
     )
     parser.add_argument(
+        "--issue-ahead",
+        action="store_true",
+        help="replan every row with HardwareProfile.issue_ahead (the host issues ahead of "
+        "the device; operations that launch nothing cost it nothing where it is behind)",
+    )
+    parser.add_argument(
         "--streamed-only",
         action="store_true",
         help="replay only the rows whose plan streamed (a _stream kind planned so, "
@@ -432,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
                     "op_overhead_us": args.op_overhead_us,
                     "stream_up": args.stream_up_fraction,
                     "stream_charge": args.stream_host_charge,
+                    "issue_ahead": args.issue_ahead,
                 }
                 hw = row_hardware(row, rate, **hw_args)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)

@@ -386,6 +386,13 @@ class HardwareProfile:
     (``benchmarks/ring_rate.py``), and the host steps of streamed plans ran 19% shorter
     than charged in full. A lower share with ``stream_up_fraction`` below 1 splits the
     contention between the two."""
+    issue_ahead: bool = False
+    """How issue costs and device time combine ([Note: issuing ahead] in
+    ``offload_solver.simulators._engine``). False (the default): each operation takes the
+    largest of its compute, its traffic and ``op_overhead_s``, one after another. True: the
+    host issues operations ahead of the device, one ``op_overhead_s`` each, and the device
+    runs each once issued and the one before it is done, for its compute or traffic; so
+    operations that launch nothing (views) cost the device nothing where it is behind."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -460,14 +467,19 @@ class HardwareProfile:
         """Seconds of device compute for ``flop`` floating-point operations."""
         return flop / (self.compute_flop_per_s * self.compute_efficiency)
 
+    def device_op_time_s(self, flop: int, traffic_bytes: int = 0) -> float:
+        """Seconds the device runs one operation of ``flop`` FLOPs moving ``traffic_bytes``
+        of device memory: the larger of its compute and its traffic (no issue cost)."""
+        rate = self.device_memory_bytes_per_s
+        memory_s = traffic_bytes / rate if rate > 0 else 0.0
+        return max(self.compute_time_s(flop), memory_s)
+
     def op_time_s(self, flop: int, traffic_bytes: int = 0) -> float:
         """Seconds one operation of ``flop`` FLOPs moving ``traffic_bytes`` of device
         memory takes in a step: the largest of its compute, its memory traffic (when the
         device's memory bandwidth is known) and the cost of issuing it (the device then
         waits for the host). See [Note: memory-bound operations]."""
-        rate = self.device_memory_bytes_per_s
-        memory_s = traffic_bytes / rate if rate > 0 else 0.0
-        return max(self.compute_time_s(flop), memory_s, self.op_overhead_s)
+        return max(self.device_op_time_s(flop, traffic_bytes), self.op_overhead_s)
 
     def host_convert_time_s(self, numel: int) -> float:
         """Seconds of one host dtype-converting copy of ``numel`` elements (0 when the rate
@@ -518,6 +530,7 @@ class HardwareProfile:
                 stream_host_charge=float(
                     _get(data, "stream_host_charge", (int, float), default=1.0)
                 ),
+                issue_ahead=_get(data, "issue_ahead", bool, default=False),
             )
         except TypeError as exc:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
@@ -768,7 +781,7 @@ def _get(data: Mapping[str, Any], key: str, typ: Any, default: Any = _MISSING) -
             raise ValueError(f"JSON field {key!r} is missing")
         return default
     value = data[key]
-    if isinstance(value, bool) or not isinstance(value, typ):
+    if (isinstance(value, bool) and typ is not bool) or not isinstance(value, typ):
         raise ValueError(f"JSON field {key!r} has type {type(value).__name__}, expected {typ}")
     return value
 

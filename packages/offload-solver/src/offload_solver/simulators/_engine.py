@@ -255,6 +255,36 @@ KINDS = (
     "stream_contention",
 )
 
+# [Note: issuing ahead]
+# The host issues a step's operations one after another, each costing it about
+# ``op_overhead_s`` (Python, dispatcher, autograd recording, the launch); the device runs
+# each operation once it is issued and the one before it is done. With small kernels
+# the device waits for the host and a pass takes the issue costs; with large ones the
+# host runs ahead and a pass takes the kernels' time, operations that launch nothing
+# (views, transposes, splits) costing the device nothing. ``HardwareProfile.issue_ahead``
+# models that over each pass, forward and backward, as if nothing else held the device up
+# (waits for uploads only let the host get further ahead): a region's compute takes from
+# its first operation's start to the next region's. Without it each
+# operation costs the largest of its compute, traffic and issue cost, which charges
+# views the issue cost even where the device is the bound: 19 ms of GPT-2 XL's forward at
+# 8 x 1024 tokens, 11 ms of the 6B model's at 4 x 512 (BENCHMARKS.md, session 34,
+# ``benchmarks/compute_fidelity.py``).
+
+
+def issued_starts(device_s: Sequence[float], issue_s: float) -> tuple[list[float], float]:
+    """Start of each operation (device seconds ``device_s``, in the order they run) from
+    the start of issuing, and the end of the last, when each is issued ``issue_s`` after
+    the one before it and runs once issued and after the one before it ([Note: issuing
+    ahead]). With ``issue_s`` 0 the operations run back to back."""
+    starts: list[float] = []
+    issued = done = 0.0
+    for d in device_s:
+        issued += issue_s
+        start = max(done, issued)
+        starts.append(start)
+        done = start + d
+    return starts, max(done, issued)
+
 
 @dataclass(frozen=True)
 class RegionAssignment:
@@ -434,8 +464,12 @@ class SimulationContext:
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
         """Device bytes of the ring of buffers held while streamed steps are in flight."""
 
-        fwd_op = [hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
-        bwd_op = [hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
+        if hw.issue_ahead:  # [Note: issuing ahead]
+            fwd_op = [hw.device_op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
+            bwd_op = [hw.device_op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
+        else:
+            fwd_op = [hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
+            bwd_op = [hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
         saved = [0]
         for op in ops:
             saved.append(saved[-1] + op.saved_bytes)
@@ -454,22 +488,38 @@ class SimulationContext:
         self.fwd_s: list[float] = []
         self.bwd_s: list[float] = []
         self.act_bwd_region_max: list[int] = []
+        fwd_eff, bwd_eff = fwd_op, bwd_op
+        if hw.issue_ahead:
+            # Operation starts over a whole pass (backward in reverse operation order);
+            # a region's offsets from its first operation's ([Note: issuing ahead]).
+            fwd_at, fwd_end = issued_starts(fwd_op, hw.op_overhead_s)
+            bwd_at_rev, bwd_end = issued_starts(bwd_op[::-1], hw.op_overhead_s)
+            bwd_at = bwd_at_rev[::-1]
+            # The first operation of a pass also waits for its own issue.
+            fwd_eff = [
+                b - a for a, b in zip([0.0, *fwd_at[1:]], [*fwd_at[1:], fwd_end], strict=True)
+            ]
+            bwd_eff = [
+                b - a for a, b in zip([*bwd_at[:-1], 0.0], [bwd_end, *bwd_at[:-1]], strict=True)
+            ]
         for reg in regions:
             acc, offs = 0.0, []
             for j in range(reg.op_start, reg.op_end):
                 offs.append(acc)
-                acc += fwd_op[j]
+                acc += fwd_eff[j]
             self.fwd_offsets.append(offs)
             self.fwd_s.append(acc)
             acc, offs = 0.0, []
             for j in range(reg.op_end - 1, reg.op_start - 1, -1):
                 offs.append(acc)
-                acc += bwd_op[j]
+                acc += bwd_eff[j]
             self.bwd_offsets.append(offs)
             self.bwd_s.append(acc)
             self.act_bwd_region_max.append(max(self.act_bwd[reg.op_start : reg.op_end], default=0))
-        self.fwd_op_s = fwd_op
-        self.bwd_op_s = bwd_op
+        self.fwd_op_s = fwd_eff
+        """Per operation, forward seconds from its start to the next operation's (to the
+        pass's end for the last): its price without ``issue_ahead``."""
+        self.bwd_op_s = bwd_eff
 
         # Sparse table for range maxima of backward activation levels.
         table = [self.act_bwd]
