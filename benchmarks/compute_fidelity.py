@@ -182,9 +182,11 @@ def op_kind(node_name: str) -> str:
     return re.sub(r"_\d+$", "", node_name)
 
 
-def simulated(workload: str, profile: dict[str, Any]) -> Simulated:
+def simulated(workload: str, profile: dict[str, Any], issue_ahead: bool = False) -> Simulated:
     """``workload``'s forward and backward compute as the simulator prices it with the
-    row's ``profile``: every traced operation back to back."""
+    row's ``profile``: every traced operation back to back. With ``issue_ahead``, each
+    pass's total is the one ``HardwareProfile.issue_ahead`` gives (the host issuing ahead
+    of the device, ``issued_starts``), and the by-op figures stay the operations' prices."""
     import torch
     from offload_bench import WORKLOADS
     from plan_predict import replay_hardware
@@ -218,6 +220,15 @@ def simulated(workload: str, profile: dict[str, Any]) -> Simulated:
             device_s = max(hw.compute_time_s(flop), traffic / hw.device_memory_bytes_per_s)
             if device_s < hw.op_overhead_s:
                 issue[side] += ms
+    if issue_ahead:
+        from offload_solver.simulators._engine import issued_starts
+
+        ops = traced.to_profile().operations
+        for side, device in (
+            ("fwd", [hw.device_op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]),
+            ("bwd", [hw.device_op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops][::-1]),
+        ):
+            totals[side] = issued_starts(device, hw.op_overhead_s)[1] * 1e3
     return Simulated(
         totals["fwd"], totals["bwd"], by_op["fwd"], by_op["bwd"], issue["fwd"], issue["bwd"]
     )
@@ -256,6 +267,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("row", type=Path, help="offload_bench.py --json output of the run")
     parser.add_argument("trace", type=Path, help="the trace its --profile-dir saved")
     parser.add_argument(
+        "--issue-ahead",
+        action="store_true",
+        help="price each pass as HardwareProfile.issue_ahead does (the host issuing ahead)",
+    )
+    parser.add_argument(
         "--by-op",
         type=int,
         default=0,
@@ -270,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     if not steps:
         print(f"{args.trace}: no backward pass or no kernels in the trace", file=sys.stderr)
         return 1
-    sim = simulated(workload, row["profile"])
+    sim = simulated(workload, row["profile"], args.issue_ahead)
     print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
     print("| step | forward busy / span (kernels) | backward busy / span (kernels) |")
     print("|---|---|---|")
