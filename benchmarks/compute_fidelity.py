@@ -182,53 +182,60 @@ def op_kind(node_name: str) -> str:
     return re.sub(r"_\d+$", "", node_name)
 
 
-def simulated(workload: str, profile: dict[str, Any], issue_ahead: bool = False) -> Simulated:
+def simulated(
+    workload: str,
+    profile: dict[str, Any],
+    issue_ahead: bool = False,
+    attention_tflops: tuple[float, float] = (0.0, 0.0),
+) -> Simulated:
     """``workload``'s forward and backward compute as the simulator prices it with the
     row's ``profile``: every traced operation back to back. With ``issue_ahead``, each
     pass's total is the one ``HardwareProfile.issue_ahead`` gives (the host issuing ahead
-    of the device, ``issued_starts``), and the by-op figures stay the operations' prices."""
+    of the device, ``issued_starts``), and the by-op figures stay the operations' prices;
+    ``attention_tflops`` (forward, backward; 0: unknown) sets the hardware's attention
+    rates (``HardwareProfile.attention_fwd_flop_per_s``) in TFLOP/s."""
+    import dataclasses
+
     import torch
     from offload_bench import WORKLOADS
     from plan_predict import replay_hardware
 
     from offload_gpt_example.models import build_model, random_batch
+    from offload_solver.simulators._engine import issued_starts
     from offload_trace import trace
 
     model_name, batch, seq, _ = WORKLOADS[workload]
     model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
     inputs = random_batch(batch, seq, device="meta")
-    traced = trace(model, inputs, dtype=torch.float16, target_device="cuda")
-    hw = replay_hardware(
-        op_overhead_us=profile["op_overhead_us"],
-        host_convert_gelem=profile.get("host_convert_gelem", 0.0),
-        peak_tflops=profile["peak_tflops"],
-        efficiency=profile["efficiency"],
-        hbm_tbps=profile.get("device_memory_tbps"),
+    ops = trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile().operations
+    hw = dataclasses.replace(
+        replay_hardware(
+            op_overhead_us=profile["op_overhead_us"],
+            host_convert_gelem=profile.get("host_convert_gelem", 0.0),
+            peak_tflops=profile["peak_tflops"],
+            efficiency=profile["efficiency"],
+            hbm_tbps=profile.get("device_memory_tbps"),
+        ),
+        attention_fwd_flop_per_s=attention_tflops[0] * 1e12,
+        attention_bwd_flop_per_s=attention_tflops[1] * 1e12,
     )
     totals = {"fwd": 0.0, "bwd": 0.0}
     issue = {"fwd": 0.0, "bwd": 0.0}
     by_op: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}
-    for op in traced.to_profile().operations:
-        for side, flop, traffic in (
-            ("fwd", op.fwd_flop, op.fwd_traffic_bytes),
-            ("bwd", op.bwd_flop, op.bwd_traffic_bytes),
-        ):
-            ms = hw.op_time_s(flop, traffic) * 1e3
+    device: dict[str, list[float]] = {"fwd": [], "bwd": []}
+    for op in ops:
+        for side in ("fwd", "bwd"):
+            device_s = hw.operation_device_s(op, backward=side == "bwd")
+            device[side].append(device_s)
+            ms = max(device_s, hw.op_overhead_s) * 1e3
             totals[side] += ms
             kind = op_kind(op.name)
             by_op[side][kind] = by_op[side].get(kind, 0.0) + ms
-            device_s = max(hw.compute_time_s(flop), traffic / hw.device_memory_bytes_per_s)
             if device_s < hw.op_overhead_s:
                 issue[side] += ms
     if issue_ahead:
-        from offload_solver.simulators._engine import issued_starts
-
-        ops = traced.to_profile().operations
-        for side, device in (
-            ("fwd", [hw.device_op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]),
-            ("bwd", [hw.device_op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops][::-1]),
-        ):
-            totals[side] = issued_starts(device, hw.op_overhead_s)[1] * 1e3
+        totals["fwd"] = issued_starts(device["fwd"], hw.op_overhead_s)[1] * 1e3
+        totals["bwd"] = issued_starts(device["bwd"][::-1], hw.op_overhead_s)[1] * 1e3
     return Simulated(
         totals["fwd"], totals["bwd"], by_op["fwd"], by_op["bwd"], issue["fwd"], issue["bwd"]
     )
@@ -271,6 +278,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="price each pass as HardwareProfile.issue_ahead does (the host issuing ahead)",
     )
+    for side in ("fwd", "bwd"):
+        parser.add_argument(
+            f"--attention-{side}",
+            type=float,
+            default=0.0,
+            metavar="TFLOPS",
+            help=f"price fused attention's {side} at this rate (0: the matmul rate)",
+        )
     parser.add_argument(
         "--by-op",
         type=int,
@@ -286,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     if not steps:
         print(f"{args.trace}: no backward pass or no kernels in the trace", file=sys.stderr)
         return 1
-    sim = simulated(workload, row["profile"], args.issue_ahead)
+    sim = simulated(
+        workload, row["profile"], args.issue_ahead, (args.attention_fwd, args.attention_bwd)
+    )
     print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
     print("| step | forward busy / span (kernels) | backward busy / span (kernels) |")
     print("|---|---|---|")

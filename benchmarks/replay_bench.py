@@ -63,11 +63,13 @@ def row_hardware(
     stream_up: float | None = None,
     stream_charge: float | None = None,
     issue_ahead: bool = False,
+    attention_tflops: tuple[float, float] = (0.0, 0.0),
 ) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
     set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``,
     its ``stream_up_fraction`` to ``stream_up``, its ``stream_host_charge`` to
-    ``stream_charge``, when given; ``issue_ahead`` set where asked): the whole profile
+    ``stream_charge``, when given; ``issue_ahead`` set where asked; the attention rates to
+    ``attention_tflops``, forward and backward, where not 0): the whole profile
     where the row records it (from
     session 20 on), else the row's figures on the default bandwidth curves scaled to its
     plateaus (``plan_predict.replay_hardware``)."""
@@ -78,6 +80,10 @@ def row_hardware(
         hw = dataclasses.replace(hw, stream_host_charge=stream_charge)
     if issue_ahead:
         hw = dataclasses.replace(hw, issue_ahead=True)
+    if attention_tflops[0] > 0:
+        hw = dataclasses.replace(hw, attention_fwd_flop_per_s=attention_tflops[0] * 1e12)
+    if attention_tflops[1] > 0:
+        hw = dataclasses.replace(hw, attention_bwd_flop_per_s=attention_tflops[1] * 1e12)
     return hw
 
 
@@ -323,6 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         help="replan every row with HardwareProfile.issue_ahead (the host issues ahead of "
         "the device; operations that launch nothing cost it nothing where it is behind)",
     )
+    for side in ("fwd", "bwd"):
+        parser.add_argument(
+            f"--attention-{side}",
+            type=float,
+            default=0.0,
+            metavar="TFLOPS",
+            help=f"replan every row with fused attention's {side} at this rate "
+            "(HardwareProfile.attention_fwd_flop_per_s / _bwd_; 0: the matmul rate)",
+        )
     parser.add_argument(
         "--streamed-only",
         action="store_true",
@@ -443,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
                     "stream_up": args.stream_up_fraction,
                     "stream_charge": args.stream_host_charge,
                     "issue_ahead": args.issue_ahead,
+                    "attention_tflops": (args.attention_fwd, args.attention_bwd),
                 }
                 hw = row_hardware(row, rate, **hw_args)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)

@@ -85,3 +85,22 @@ def test_issue_ahead_survives_json_and_defaults_to_off() -> None:
     assert HardwareProfile.from_json(hw.to_json()).issue_ahead is True
     assert flat_hardware().issue_ahead is False
     assert HardwareProfile.from_json(flat_hardware().to_json()).issue_ahead is False
+
+
+def test_attention_runs_at_its_own_rate_where_known() -> None:
+    # 1000 FLOP/s for matmuls; attention at 250 FLOP/s forward and 500 backward.
+    hw = dataclasses.replace(
+        flat_hardware(), attention_fwd_flop_per_s=250.0, attention_bwd_flop_per_s=500.0
+    )
+    attn = Operation("sdpa", fwd_flop=1000, bwd_flop=2500, attention=True)
+    mm = Operation("mm", fwd_flop=1000, bwd_flop=2500)
+    assert hw.operation_device_s(attn) == 4.0
+    assert hw.operation_device_s(attn, backward=True) == 5.0
+    assert hw.operation_device_s(mm) == 1.0  # matmul rate
+    assert flat_hardware().operation_device_s(attn) == 1.0  # rate unknown: matmul rate
+    back = HardwareProfile.from_json(hw.to_json())
+    assert (back.attention_fwd_flop_per_s, back.attention_bwd_flop_per_s) == (250.0, 500.0)
+    profile = ModelProfile("one", (Parameter("w", 10, 20),), (attn,))
+    assert ModelProfile.from_json(profile.to_json()).operations[0].attention is True
+    with pytest.raises(ValueError, match="attention_fwd_flop_per_s"):
+        dataclasses.replace(flat_hardware(), attention_fwd_flop_per_s=-1.0)

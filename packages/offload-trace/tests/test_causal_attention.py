@@ -277,3 +277,16 @@ def test_causal_attention_with_head_dim_50_saves_flash_padded_bytes() -> None:
     padded = BATCH * HEADS * S * 56 * 2
     lse = BATCH * HEADS * S * 4
     assert _sdpa_saved_bytes(50, masked=False, dtype=torch.float16) == 4 * padded + lse
+
+
+def test_the_profile_marks_attention_operations() -> None:
+    """``TracedModel.to_profile`` marks the fused attention operations (the solver prices
+    them at ``HardwareProfile.attention_*_flop_per_s`` where known) and nothing else."""
+    model = IdsOnly(gpt2(dropout=0.0).lm)
+    ids = token_inputs(2, 16)["input_ids"]
+    traced = trace(model, {"input_ids": ids}, dtype=torch.float32, target_device="cpu")
+    profile = traced.to_profile()
+    marked = [op.name for op in profile.operations if op.attention]
+    assert marked == [n.name for n in _attention_nodes(traced.graph_module)]
+    assert len(marked) == 2  # one per layer
+    assert all(op.fwd_flop > 0 for op in profile.operations if op.attention)

@@ -119,6 +119,10 @@ class Operation:
     """Bytes of the gradients its backward produces for its inputs."""
     fwd_flop: int = 0
     bwd_flop: int = 0
+    attention: bool = False
+    """A fused attention operation (scaled dot-product attention): priced at the
+    hardware's attention rates where known (``HardwareProfile.attention_fwd_flop_per_s``),
+    which are well under the matrix-multiply rate (BENCHMARKS.md, session 34)."""
 
     @property
     def fwd_traffic_bytes(self) -> int:
@@ -386,6 +390,14 @@ class HardwareProfile:
     (``benchmarks/ring_rate.py``), and the host steps of streamed plans ran 19% shorter
     than charged in full. A lower share with ``stream_up_fraction`` below 1 splits the
     contention between the two."""
+    attention_fwd_flop_per_s: float = 0.0
+    """Rate at which fused attention's forward runs (``Operation.attention``), its FLOPs
+    as the profile counts them per second; 0 (unknown): the matrix-multiply rate
+    (``compute_flop_per_s * compute_efficiency``). The H200 traces of BENCHMARKS.md
+    session 34 ran GPT-2 XL's at about 125e12 with the copies around it, 4.6x slower
+    than priced at the matrix-multiply rate."""
+    attention_bwd_flop_per_s: float = 0.0
+    """The same for fused attention's backward (session 34's traces: about 230e12)."""
     issue_ahead: bool = False
     """How issue costs and device time combine ([Note: issuing ahead] in
     ``offload_solver.simulators._engine``). False (the default): each operation takes the
@@ -422,6 +434,12 @@ class HardwareProfile:
                 f"HardwareProfile.host_convert_elems_per_s is {self.host_convert_elems_per_s}; "
                 "must be a finite rate >= 0 elements/s (0 when unknown)"
             )
+        for rate_name in ("attention_fwd_flop_per_s", "attention_bwd_flop_per_s"):
+            if not 0 <= getattr(self, rate_name) < math.inf:
+                raise ValueError(
+                    f"HardwareProfile.{rate_name} is {getattr(self, rate_name)}; must be a "
+                    "finite rate >= 0 FLOP/s (0 when unknown)"
+                )
         if not 0 <= self.device_memory_bytes_per_s < math.inf:
             raise ValueError(
                 "HardwareProfile.device_memory_bytes_per_s is "
@@ -473,6 +491,17 @@ class HardwareProfile:
         rate = self.device_memory_bytes_per_s
         memory_s = traffic_bytes / rate if rate > 0 else 0.0
         return max(self.compute_time_s(flop), memory_s)
+
+    def operation_device_s(self, op: Operation, backward: bool = False) -> float:
+        """Seconds the device runs ``op``'s forward (or backward): as
+        :meth:`device_op_time_s`, with fused attention at its own rate where known."""
+        flop = op.bwd_flop if backward else op.fwd_flop
+        traffic = op.bwd_traffic_bytes if backward else op.fwd_traffic_bytes
+        rate = self.attention_bwd_flop_per_s if backward else self.attention_fwd_flop_per_s
+        if not (op.attention and rate > 0):
+            return self.device_op_time_s(flop, traffic)
+        memory = traffic / self.device_memory_bytes_per_s if self.device_memory_bytes_per_s else 0.0
+        return max(flop / rate, memory)
 
     def op_time_s(self, flop: int, traffic_bytes: int = 0) -> float:
         """Seconds one operation of ``flop`` FLOPs moving ``traffic_bytes`` of device
@@ -529,6 +558,12 @@ class HardwareProfile:
                 ),
                 stream_host_charge=float(
                     _get(data, "stream_host_charge", (int, float), default=1.0)
+                ),
+                attention_fwd_flop_per_s=float(
+                    _get(data, "attention_fwd_flop_per_s", (int, float), default=0.0)
+                ),
+                attention_bwd_flop_per_s=float(
+                    _get(data, "attention_bwd_flop_per_s", (int, float), default=0.0)
                 ),
                 issue_ahead=_get(data, "issue_ahead", bool, default=False),
             )

@@ -15,6 +15,20 @@ from offload_trace._causal import apply_causal_attention
 from offload_trace._costs import CALL_OPS, OpCost
 from offload_trace._rewrite import move_device_constants, to_eval
 
+_aten = torch.ops.aten
+ATTENTION_OPS = frozenset(
+    getattr(_aten, name).default
+    for name in (
+        "scaled_dot_product_attention",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(_aten, name)
+)
+"""Graph targets of fused attention, whose operations the profile marks
+``Operation.attention``."""
+
 logger = logging.getLogger(__name__)
 
 
@@ -108,6 +122,11 @@ class TracedModel:
         Args:
             name: profile name; defaults to the model's class name.
         """
+        attention = {
+            n.name
+            for n in self.graph_module.graph.nodes
+            if n.op == "call_function" and n.target in ATTENTION_OPS
+        }
         operations = tuple(
             Operation(
                 name=c.name,
@@ -119,6 +138,7 @@ class TracedModel:
                 bwd_out_bytes=c.bwd_out_bytes,
                 fwd_flop=c.fwd_flop,
                 bwd_flop=c.bwd_flop,
+                attention=c.name in attention,
             )
             for c, pnames in zip(self.op_costs, self.op_param_names, strict=True)
         )

@@ -464,12 +464,11 @@ class SimulationContext:
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
         """Device bytes of the ring of buffers held while streamed steps are in flight."""
 
-        if hw.issue_ahead:  # [Note: issuing ahead]
-            fwd_op = [hw.device_op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
-            bwd_op = [hw.device_op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
-        else:
-            fwd_op = [hw.op_time_s(op.fwd_flop, op.fwd_traffic_bytes) for op in ops]
-            bwd_op = [hw.op_time_s(op.bwd_flop, op.bwd_traffic_bytes) for op in ops]
+        # Without issue_ahead every operation takes at least its issue cost
+        # ([Note: issuing ahead]); with it the passes below add the issue lane.
+        least = 0.0 if hw.issue_ahead else hw.op_overhead_s
+        fwd_op = [max(hw.operation_device_s(op), least) for op in ops]
+        bwd_op = [max(hw.operation_device_s(op, backward=True), least) for op in ops]
         saved = [0]
         for op in ops:
             saved.append(saved[-1] + op.saved_bytes)
