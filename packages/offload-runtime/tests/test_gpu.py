@@ -238,3 +238,15 @@ def test_host_buffers_are_pinned_at_their_exact_size() -> None:
     assert view.is_pinned()  # the view keeps the registered base alive
     del view, back, on_device
     gc.collect()
+
+
+def test_attention_rates_at_the_zoo_gpt2_xl_shape_are_a_gpus() -> None:
+    """``measure_attention_flop_per_s`` at W3's attention (8 x 32 heads x 1024 x 50, fp16,
+    causal) counts the flash kernel's FLOPs and times it on the device: rates of a data
+    centre GPU, under its matmul peak (session 34's H200 trace ran this attention's
+    kernels at about 220e12 forward, counting the padded head dimension)."""
+    from offload_runtime.hardware import measure_attention_flop_per_s
+
+    fwd, bwd = measure_attention_flop_per_s("cuda", batch=8, heads=32, seq=1024, head_dim=50)
+    assert 10e12 < fwd < 1500e12
+    assert 10e12 < bwd < 1500e12

@@ -19,6 +19,7 @@ from offload_runtime.hardware import (
     default_cache_dir,
     default_cpu_profile,
     device_identity,
+    measure_attention_flop_per_s,
     measure_device_memory_bytes_per_s,
     measure_host_adam_params_per_s,
     measure_host_convert_elems_per_s,
@@ -523,6 +524,23 @@ def test_op_overhead_is_a_small_positive_time_on_the_cpu() -> None:
     # host; the bound leaves room for a loaded 2-core machine (1.6 ms seen with another
     # test run beside it), while still catching a unit error (seconds, or zero).
     assert 1e-7 < overhead < 2e-2
+
+
+# ---------------------------------------------------------------------------- attention
+
+
+def test_attention_rates_count_what_the_flop_counter_counts_over_the_time() -> None:
+    # 2 x 2 heads x 64 positions x 16: a few MFLOP a pass, milliseconds on any CPU.
+    fwd, bwd = measure_attention_flop_per_s("cpu", batch=2, heads=2, seq=64, head_dim=16, reps=3)
+    # Rates of a CPU, well above a megaflop and well below a petaflop (a unit error
+    # would miss by 1e3 at least).
+    assert 1e6 < fwd < 1e15
+    assert 1e6 < bwd < 1e15
+
+
+def test_attention_rates_reject_an_empty_shape() -> None:
+    with pytest.raises(ValueError, match="head_dim"):
+        measure_attention_flop_per_s("cpu", batch=1, heads=1, seq=8, head_dim=0)
 
 
 def test_op_overhead_rejects_an_empty_graph() -> None:

@@ -77,6 +77,7 @@ __all__ = [
     "default_cache_dir",
     "default_cpu_profile",
     "device_identity",
+    "measure_attention_flop_per_s",
     "measure_copy_bandwidth",
     "measure_device_adam_params_per_s",
     "measure_device_memory_bytes_per_s",
@@ -1167,6 +1168,89 @@ def measure_device_adam_params_per_s(
     )
     del optimizer, params
     return numel / seconds
+
+
+def measure_attention_flop_per_s(
+    device: torch.device | str,
+    *,
+    batch: int,
+    heads: int,
+    seq: int,
+    head_dim: int,
+    dtype: torch.dtype | None = None,
+    reps: int = 5,
+) -> tuple[float, float]:
+    """(forward, backward) rates of causal fused attention at one shape, FLOP/s.
+
+    Runs ``F.scaled_dot_product_attention(q, k, v, is_causal=True)`` on ``[batch, heads,
+    seq, head_dim]`` tensors that need gradients, and its backward, and divides the FLOPs
+    ``torch.utils.flop_counter`` counts for each (the count the trace records for the
+    profile's attention operations; where it counts none, as for the CPU's kernel, its
+    ``sdpa_flop_count`` formulas) by its median time: for
+    ``HardwareProfile.attention_fwd_flop_per_s`` / ``attention_bwd_flop_per_s``, which
+    ``profile_hardware`` does not fill in yet. On CUDA the times are the device's (events,
+    several calls back to back); the backward's is that of forward and backward less the
+    forward's. ``dtype`` defaults to float16 on CUDA and float32 on the CPU. Measure at
+    the model's own shape: the example zoo's GPT-2 XL has 32 heads of 50, which the flash
+    kernel pads to 56 (BENCHMARKS.md, session 34).
+    """
+    from torch.nn import functional as F
+    from torch.utils.flop_counter import (
+        FlopCounterMode,
+        sdpa_backward_flop_count,
+        sdpa_flop_count,
+    )
+
+    if min(batch, heads, seq, head_dim, reps) < 1:
+        raise ValueError(
+            f"batch, heads, seq, head_dim and reps must be >= 1, got {batch}, {heads}, "
+            f"{seq}, {head_dim}, {reps}"
+        )
+    dev = torch.device(device)
+    if dtype is None:
+        dtype = torch.float16 if dev.type == "cuda" else torch.float32
+    shape = (batch, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device=dev, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(shape, device=dev, dtype=dtype)
+
+    def forward() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both() -> None:
+        for t in (q, k, v):
+            t.grad = None
+        torch.autograd.backward(forward(), grad)
+
+    with FlopCounterMode(display=False) as counter:
+        out = forward()
+    fwd_flop = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        torch.autograd.backward(out, grad)
+    bwd_flop = counter.get_total_flops()
+    if not fwd_flop or not bwd_flop:
+        # The CPU's fused kernel has no formula registered: count as the flash kernel's.
+        fwd_flop = sdpa_flop_count(shape, shape, shape)  # type: ignore[no-untyped-call]
+        bwd_flop = sdpa_backward_flop_count(shape, shape, shape, shape)  # type: ignore[no-untyped-call]
+    if dev.type == "cuda":
+        stream = torch.cuda.current_stream(dev)
+        iters = 4
+        fwd_s = _cuda_time_per_call_s(forward, stream=stream, iters=iters, reps=reps)
+        both_s = _cuda_time_per_call_s(both, stream=stream, iters=iters, reps=reps)
+    else:
+
+        def timed(fn: Callable[[], object]) -> float:
+            fn()
+            samples = []
+            for _ in range(reps):
+                started = time.perf_counter()
+                fn()
+                samples.append(time.perf_counter() - started)
+            return statistics.median(samples)
+
+        fwd_s = timed(forward)
+        both_s = timed(both)
+    bwd_s = max(both_s - fwd_s, 1e-9)
+    return fwd_flop / max(fwd_s, 1e-9), bwd_flop / bwd_s
 
 
 def measure_device_memory_bytes_per_s(
