@@ -541,6 +541,8 @@ def test_attention_rates_count_what_the_flop_counter_counts_over_the_time() -> N
 def test_attention_rates_reject_an_empty_shape() -> None:
     with pytest.raises(ValueError, match="head_dim"):
         measure_attention_flop_per_s("cpu", batch=1, heads=1, seq=8, head_dim=0)
+    with pytest.raises(ValueError, match="dropout_p"):
+        measure_attention_flop_per_s("cpu", batch=1, heads=1, seq=8, head_dim=8, dropout_p=1.0)
 
 
 def test_op_overhead_rejects_an_empty_graph() -> None:

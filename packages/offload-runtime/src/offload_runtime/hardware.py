@@ -1178,6 +1178,7 @@ def measure_attention_flop_per_s(
     seq: int,
     head_dim: int,
     dtype: torch.dtype | None = None,
+    dropout_p: float = 0.0,
     reps: int = 5,
 ) -> tuple[float, float]:
     """(forward, backward) rates of causal fused attention at one shape, FLOP/s.
@@ -1192,7 +1193,8 @@ def measure_attention_flop_per_s(
     several calls back to back); the backward's is that of forward and backward less the
     forward's. ``dtype`` defaults to float16 on CUDA and float32 on the CPU. Measure at
     the model's own shape: the example zoo's GPT-2 XL has 32 heads of 50, which the flash
-    kernel pads to 56 (BENCHMARKS.md, session 34).
+    kernel pads to 56 (BENCHMARKS.md, session 34), and ``offload_bench.py`` trains it with
+    Hugging Face's default dropout, 0.1 in attention too (``dropout_p``).
     """
     from torch.nn import functional as F
     from torch.utils.flop_counter import (
@@ -1201,6 +1203,8 @@ def measure_attention_flop_per_s(
         sdpa_flop_count,
     )
 
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if min(batch, heads, seq, head_dim, reps) < 1:
         raise ValueError(
             f"batch, heads, seq, head_dim and reps must be >= 1, got {batch}, {heads}, "
@@ -1214,7 +1218,7 @@ def measure_attention_flop_per_s(
     grad = torch.randn(shape, device=dev, dtype=dtype)
 
     def forward() -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True)
 
     def both() -> None:
         for t in (q, k, v):
