@@ -37,6 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from plan_predict import add_compute_model_args
 from step_trace import load_trace
 
 BACKWARD_OP_PREFIX = "autograd::engine::evaluate_function"
@@ -183,22 +184,16 @@ def op_kind(node_name: str) -> str:
 
 
 def simulated(
-    workload: str,
-    profile: dict[str, Any],
-    issue_ahead: bool = False,
-    attention_tflops: tuple[float, float] = (0.0, 0.0),
+    workload: str, profile: dict[str, Any], compute_model: argparse.Namespace | None = None
 ) -> Simulated:
     """``workload``'s forward and backward compute as the simulator prices it with the
-    row's ``profile``: every traced operation back to back. With ``issue_ahead``, each
-    pass's total is the one ``HardwareProfile.issue_ahead`` gives (the host issuing ahead
-    of the device, ``issued_starts``), and the by-op figures stay the operations' prices;
-    ``attention_tflops`` (forward, backward; 0: unknown) sets the hardware's attention
-    rates (``HardwareProfile.attention_fwd_flop_per_s``) in TFLOP/s."""
-    import dataclasses
-
+    row's ``profile``: every traced operation back to back, with ``compute_model``'s
+    options (``plan_predict.add_compute_model_args``). With ``issue_ahead`` each pass's
+    total is the one ``HardwareProfile.issue_ahead`` gives (the host issuing ahead of the
+    device, ``issued_starts``), and the by-op figures stay the operations' prices."""
     import torch
     from offload_bench import WORKLOADS
-    from plan_predict import replay_hardware
+    from plan_predict import replay_hardware, with_compute_model
 
     from offload_gpt_example.models import build_model, random_batch
     from offload_solver.simulators._engine import issued_starts
@@ -208,17 +203,15 @@ def simulated(
     model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
     inputs = random_batch(batch, seq, device="meta")
     ops = trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile().operations
-    hw = dataclasses.replace(
-        replay_hardware(
-            op_overhead_us=profile["op_overhead_us"],
-            host_convert_gelem=profile.get("host_convert_gelem", 0.0),
-            peak_tflops=profile["peak_tflops"],
-            efficiency=profile["efficiency"],
-            hbm_tbps=profile.get("device_memory_tbps"),
-        ),
-        attention_fwd_flop_per_s=attention_tflops[0] * 1e12,
-        attention_bwd_flop_per_s=attention_tflops[1] * 1e12,
+    hw = replay_hardware(
+        op_overhead_us=profile["op_overhead_us"],
+        host_convert_gelem=profile.get("host_convert_gelem", 0.0),
+        peak_tflops=profile["peak_tflops"],
+        efficiency=profile["efficiency"],
+        hbm_tbps=profile.get("device_memory_tbps"),
     )
+    if compute_model is not None:
+        hw = with_compute_model(hw, compute_model)
     totals = {"fwd": 0.0, "bwd": 0.0}
     issue = {"fwd": 0.0, "bwd": 0.0}
     by_op: dict[str, dict[str, float]] = {"fwd": {}, "bwd": {}}
@@ -233,7 +226,7 @@ def simulated(
             by_op[side][kind] = by_op[side].get(kind, 0.0) + ms
             if device_s < hw.op_overhead_s:
                 issue[side] += ms
-    if issue_ahead:
+    if hw.issue_ahead:
         totals["fwd"] = issued_starts(device["fwd"], hw.op_overhead_s)[1] * 1e3
         totals["bwd"] = issued_starts(device["bwd"][::-1], hw.op_overhead_s)[1] * 1e3
     return Simulated(
@@ -273,19 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("row", type=Path, help="offload_bench.py --json output of the run")
     parser.add_argument("trace", type=Path, help="the trace its --profile-dir saved")
-    parser.add_argument(
-        "--issue-ahead",
-        action="store_true",
-        help="price each pass as HardwareProfile.issue_ahead does (the host issuing ahead)",
-    )
-    for side in ("fwd", "bwd"):
-        parser.add_argument(
-            f"--attention-{side}",
-            type=float,
-            default=0.0,
-            metavar="TFLOPS",
-            help=f"price fused attention's {side} at this rate (0: the matmul rate)",
-        )
+    add_compute_model_args(parser, "price")
     parser.add_argument(
         "--by-op",
         type=int,
@@ -301,9 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     if not steps:
         print(f"{args.trace}: no backward pass or no kernels in the trace", file=sys.stderr)
         return 1
-    sim = simulated(
-        workload, row["profile"], args.issue_ahead, (args.attention_fwd, args.attention_bwd)
-    )
+    sim = simulated(workload, row["profile"], args)
     print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
     print("| step | forward busy / span (kernels) | backward busy / span (kernels) |")
     print("|---|---|---|")

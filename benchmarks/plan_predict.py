@@ -75,6 +75,37 @@ def replay_hardware(
     return hw
 
 
+def add_compute_model_args(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--issue-ahead`` and ``--attention-fwd`` / ``--attention-bwd`` (TFLOP/s): the
+    compute model's options, off by default ([Note: issuing ahead] in the solver's engine,
+    ``HardwareProfile.attention_fwd_flop_per_s``); ``what`` begins each help text."""
+    parser.add_argument(
+        "--issue-ahead",
+        action="store_true",
+        help=f"{what} with HardwareProfile.issue_ahead (the host issues ahead of the "
+        "device; operations that launch nothing cost it nothing where it is behind)",
+    )
+    for side in ("fwd", "bwd"):
+        parser.add_argument(
+            f"--attention-{side}",
+            type=float,
+            default=0.0,
+            metavar="TFLOPS",
+            help=f"{what} with fused attention's {side} at this rate "
+            f"(HardwareProfile.attention_{side}_flop_per_s; 0: the matmul rate)",
+        )
+
+
+def with_compute_model(hw: HardwareProfile, args: argparse.Namespace) -> HardwareProfile:
+    """``hw`` with the options :func:`add_compute_model_args` parsed into ``args``."""
+    return dataclasses.replace(
+        hw,
+        issue_ahead=hw.issue_ahead or bool(args.issue_ahead),
+        attention_fwd_flop_per_s=args.attention_fwd * 1e12 or hw.attention_fwd_flop_per_s,
+        attention_bwd_flop_per_s=args.attention_bwd * 1e12 or hw.attention_bwd_flop_per_s,
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="gpt2_xl")

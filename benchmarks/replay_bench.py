@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload_bench import WORKLOADS
-from plan_predict import replay_hardware
+from plan_predict import add_compute_model_args, replay_hardware, with_compute_model
 
 GiB = 2**30
 SPECULATING = ("ours_spec", "ours_spec1", "ours_io_spec1", "ours_io_bf16m_spec1")
@@ -62,14 +62,13 @@ def row_hardware(
     op_overhead_us: float | None = None,
     stream_up: float | None = None,
     stream_charge: float | None = None,
-    issue_ahead: bool = False,
-    attention_tflops: tuple[float, float] = (0.0, 0.0),
+    compute_model: argparse.Namespace | None = None,
 ) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
     set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``,
     its ``stream_up_fraction`` to ``stream_up``, its ``stream_host_charge`` to
-    ``stream_charge``, when given; ``issue_ahead`` set where asked; the attention rates to
-    ``attention_tflops``, forward and backward, where not 0): the whole profile
+    ``stream_charge``, when given; and ``compute_model``'s options,
+    ``plan_predict.with_compute_model``): the whole profile
     where the row records it (from
     session 20 on), else the row's figures on the default bandwidth curves scaled to its
     plateaus (``plan_predict.replay_hardware``)."""
@@ -78,12 +77,8 @@ def row_hardware(
         hw = dataclasses.replace(hw, stream_up_fraction=stream_up)
     if stream_charge is not None:
         hw = dataclasses.replace(hw, stream_host_charge=stream_charge)
-    if issue_ahead:
-        hw = dataclasses.replace(hw, issue_ahead=True)
-    if attention_tflops[0] > 0:
-        hw = dataclasses.replace(hw, attention_fwd_flop_per_s=attention_tflops[0] * 1e12)
-    if attention_tflops[1] > 0:
-        hw = dataclasses.replace(hw, attention_bwd_flop_per_s=attention_tflops[1] * 1e12)
+    if compute_model is not None:
+        hw = with_compute_model(hw, compute_model)
     return hw
 
 
@@ -323,21 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         "charged to the host (HardwareProfile.stream_host_charge) instead of the row's own "
         "(1 before session 30)",
     )
-    parser.add_argument(
-        "--issue-ahead",
-        action="store_true",
-        help="replan every row with HardwareProfile.issue_ahead (the host issues ahead of "
-        "the device; operations that launch nothing cost it nothing where it is behind)",
-    )
-    for side in ("fwd", "bwd"):
-        parser.add_argument(
-            f"--attention-{side}",
-            type=float,
-            default=0.0,
-            metavar="TFLOPS",
-            help=f"replan every row with fused attention's {side} at this rate "
-            "(HardwareProfile.attention_fwd_flop_per_s / _bwd_; 0: the matmul rate)",
-        )
+    add_compute_model_args(parser, "replan every row")
     parser.add_argument(
         "--streamed-only",
         action="store_true",
@@ -457,8 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                     "op_overhead_us": args.op_overhead_us,
                     "stream_up": args.stream_up_fraction,
                     "stream_charge": args.stream_host_charge,
-                    "issue_ahead": args.issue_ahead,
-                    "attention_tflops": (args.attention_fwd, args.attention_bwd),
+                    "compute_model": args,
                 }
                 hw = row_hardware(row, rate, **hw_args)
                 plan = solve(variant, hw, budget_gib * GiB, **planning)

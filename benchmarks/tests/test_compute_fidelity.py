@@ -99,3 +99,19 @@ def test_recorded_w3_trace_runs_the_same_kernels_each_step() -> None:
         # Attention's kernels: 20.8 ms of the forward; its backward 30.8 ms.
         assert 20 < s.forward.by_op["scaled_dot_product_attention"] < 21.5
         assert 30 < s.backward.by_op["_scaled_dot_product_flash_attention_backward"] < 31.5
+
+
+def test_compute_model_options_reach_the_hardware_profile() -> None:
+    import argparse
+
+    from plan_predict import add_compute_model_args, replay_hardware, with_compute_model
+
+    parser = argparse.ArgumentParser()
+    add_compute_model_args(parser, "price")
+    hw = replay_hardware(op_overhead_us=19.0, host_convert_gelem=0.0)
+    same = with_compute_model(hw, parser.parse_args([]))
+    assert same == hw  # off by default
+    args = parser.parse_args(["--issue-ahead", "--attention-fwd", "125", "--attention-bwd", "230"])
+    set_ = with_compute_model(hw, args)
+    assert set_.issue_ahead
+    assert (set_.attention_fwd_flop_per_s, set_.attention_bwd_flop_per_s) == (125e12, 230e12)
