@@ -120,6 +120,9 @@
 #           copy_gbps, host_memory_gbps), then the w2s phase with 20 timed steps ~4 min
 #   rates   hostmem's host_step_contention.py alone (host_memory.json), for a call that
 #           runs other phases after it                                     ~35 s
+#   attn    fused attention's forward and backward rates at W3's and W4's own attention
+#           shapes (attention_rates.py -> attention_rates.json), for compute_fidelity.py
+#           and replay_bench.py's --attention-fwd / --attention-bwd            ~1 min
 #   calibab each of CALIB_WORKLOADS (default "W4 W3 W2"; W4 with bf16 moments and
 #           torchao beside its first row, W2 with 20 timed steps and FSDP2 likewise) planned
 #           as by default, then planned again after CALIBRATE (default 3) measured steps
@@ -135,7 +138,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh calibab|hostmem|rates|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -216,6 +219,9 @@ case "$phase" in
     cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
     python3 "$root/benchmarks/host_step_contention.py" --params 1.4e9 --region 48e6 \
       --threads "$cores" --json "$out/host_memory.json" 2>&1 | tee "$out/host_memory.log" | tail -6 ;;
+  attn)
+    python3 "$root/benchmarks/attention_rates.py" --workloads W3,W4 \
+      --json "$out/attention_rates.json" 2>&1 | tee "$out/attention_rates.log" ;;
   hostmem)
     bash "$0" rates "$out"
     BENCH_STEPS=${BENCH_STEPS:-20} bash "$0" w2s "$out" ;;

@@ -1,0 +1,94 @@
+"""Fused attention's forward and backward rates at each workload's own attention shape.
+
+    python benchmarks/attention_rates.py --workloads W3,W4 --json attention_rates.json
+
+For each workload of ``offload_bench.py``, traces its model on the meta device (nothing
+is allocated), reads the shape of its attention operations' inputs from the graph
+(``[batch, heads, seq, head_dim]``: the example zoo's GPT-2 XL has 32 heads of 50) and
+their dropout, and runs ``offload_runtime.hardware.measure_attention_flop_per_s`` at that
+shape on ``--device`` (fp16 on CUDA, fp32 on the CPU). Prints one line per workload and
+writes the rates (FLOP/s) to ``--json``: the ``--attention-fwd`` / ``--attention-bwd`` of
+``compute_fidelity.py`` and ``replay_bench.py`` are these over 1e12.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """One workload's attention call: ``[batch, heads, seq, head_dim]`` and dropout."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    dropout_p: float
+
+
+def attention_shape(workload: str) -> AttentionShape:
+    """The shape of ``workload``'s first attention operation, from its traced graph."""
+    import torch
+    from offload_bench import WORKLOADS
+
+    from offload_gpt_example.models import build_model, random_batch
+    from offload_trace import trace
+    from offload_trace.traced import ATTENTION_OPS
+
+    model_name, batch, seq, _ = WORKLOADS[workload]
+    model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
+    traced = trace(
+        model, random_batch(batch, seq, device="meta"), dtype=torch.float16, target_device="cuda"
+    )
+    for node in traced.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target in ATTENTION_OPS:
+            query: Any = node.args[0].meta["val"]
+            dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+            b, h, s, d = (int(x) for x in query.shape)
+            return AttentionShape(b, h, s, d, float(dropout or 0.0))
+    raise SystemExit(f"{workload}: no attention operation in the traced graph")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workloads", default="W3,W4", help="comma-separated, as offload_bench")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rates here")
+    args = parser.parse_args(argv)
+    from offload_runtime.hardware import measure_attention_flop_per_s
+
+    out: dict[str, Any] = {}
+    for workload in [w.strip() for w in args.workloads.split(",") if w.strip()]:
+        shape = attention_shape(workload)
+        fwd, bwd = measure_attention_flop_per_s(
+            args.device,
+            batch=shape.batch,
+            heads=shape.heads,
+            seq=shape.seq,
+            head_dim=shape.head_dim,
+            dropout_p=shape.dropout_p,
+            reps=args.reps,
+        )
+        out[workload] = {**asdict(shape), "fwd_flop_per_s": fwd, "bwd_flop_per_s": bwd}
+        print(
+            f"{workload}: attention {shape.batch} x {shape.heads} x {shape.seq} x "
+            f"{shape.head_dim}, dropout {shape.dropout_p:g} on {args.device}: forward "
+            f"{fwd / 1e12:.3g} TFLOP/s, backward {bwd / 1e12:.3g} TFLOP/s",
+            flush=True,
+        )
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
