@@ -36,19 +36,11 @@ class AttentionShape:
 
 def attention_shape(workload: str) -> AttentionShape:
     """The shape of ``workload``'s first attention operation, from its traced graph."""
-    import torch
-    from offload_bench import WORKLOADS
+    from replay_bench import workload_traced
 
-    from offload_gpt_example.models import build_model, random_batch
-    from offload_trace import trace
     from offload_trace.traced import ATTENTION_OPS
 
-    model_name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
-    traced = trace(
-        model, random_batch(batch, seq, device="meta"), dtype=torch.float16, target_device="cuda"
-    )
-    for node in traced.graph_module.graph.nodes:
+    for node in workload_traced(workload).graph_module.graph.nodes:
         if node.op == "call_function" and node.target in ATTENTION_OPS:
             query: Any = node.args[0].meta["val"]
             dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)

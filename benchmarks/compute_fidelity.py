@@ -191,18 +191,12 @@ def simulated(
     options (``plan_predict.add_compute_model_args``). With ``issue_ahead`` each pass's
     total is the one ``HardwareProfile.issue_ahead`` gives (the host issuing ahead of the
     device, ``issued_starts``), and the by-op figures stay the operations' prices."""
-    import torch
-    from offload_bench import WORKLOADS
     from plan_predict import replay_hardware, with_compute_model
+    from replay_bench import workload_profile
 
-    from offload_gpt_example.models import build_model, random_batch
     from offload_solver.simulators._engine import issued_starts
-    from offload_trace import trace
 
-    model_name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(model_name, device="meta", dtype=torch.float16, seq_len=seq)
-    inputs = random_batch(batch, seq, device="meta")
-    ops = trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile().operations
+    ops = workload_profile(workload).operations
     hw = replay_hardware(
         op_overhead_us=profile["op_overhead_us"],
         host_convert_gelem=profile.get("host_convert_gelem", 0.0),

@@ -42,8 +42,9 @@ REPLAYED = tuple(
 also with the ``_stream`` suffix (streamed host steps, planned so)."""
 
 
-def workload_profile(workload: str) -> Any:
-    """The workload's ``ModelProfile``, traced on the meta device (nothing allocated)."""
+def workload_traced(workload: str) -> Any:
+    """The workload's ``TracedModel``: its model traced on the meta device in fp16 for
+    CUDA (nothing allocated)."""
     import torch
 
     from offload_gpt_example.models import build_model, random_batch
@@ -52,7 +53,12 @@ def workload_profile(workload: str) -> Any:
     name, batch, seq, _ = WORKLOADS[workload]
     model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
     inputs = random_batch(batch, seq, device="meta")
-    return trace(model, inputs, dtype=torch.float16, target_device="cuda").to_profile()
+    return trace(model, inputs, dtype=torch.float16, target_device="cuda")
+
+
+def workload_profile(workload: str) -> Any:
+    """The workload's ``ModelProfile`` (``workload_traced``'s)."""
+    return workload_traced(workload).to_profile()
 
 
 def row_hardware(

@@ -498,10 +498,9 @@ class HardwareProfile:
         flop = op.bwd_flop if backward else op.fwd_flop
         traffic = op.bwd_traffic_bytes if backward else op.fwd_traffic_bytes
         rate = self.attention_bwd_flop_per_s if backward else self.attention_fwd_flop_per_s
-        if not (op.attention and rate > 0):
-            return self.device_op_time_s(flop, traffic)
-        memory = traffic / self.device_memory_bytes_per_s if self.device_memory_bytes_per_s else 0.0
-        return max(flop / rate, memory)
+        if op.attention and rate > 0:
+            return max(flop / rate, self.device_op_time_s(0, traffic))  # 0: traffic alone
+        return self.device_op_time_s(flop, traffic)
 
     def op_time_s(self, flop: int, traffic_bytes: int = 0) -> float:
         """Seconds one operation of ``flop`` FLOPs moving ``traffic_bytes`` of device
