@@ -44,6 +44,9 @@ BACKWARD_OP_PREFIX = "autograd::engine::evaluate_function"
 OPTIMIZER_KERNELS = ("multi_tensor_apply", "fused_adam", "_fused_adamw", "FusedAdam")
 """Kernel-name fragments of optimizer steps (device-state regions' fused Adam), which are
 neither forward nor backward."""
+GAP_MS = 2.0
+"""Idle gaps of the compute stream shorter than this between a side's kernels are not
+listed (``Side.gaps_ms``)."""
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class Side:
     by_op: dict[str, float]
     """Kernel time (ms) by the outermost ``aten::`` operator that launched it (``?``
     where none encloses the launch)."""
+    gaps_ms: tuple[float, ...] = ()
+    """The compute stream's idle gaps of at least ``GAP_MS`` between the side's kernels,
+    in order (waits for uploads or for the host)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,11 @@ class StepCompute:
 
     forward: Side
     backward: Side
+    call_lag_ms: float = 0.0
+    """From backward's call on the CPU to its first kernel's start on the device: how far
+    the CPU ran ahead of the GPU."""
+    forward_after_call_ms: float = 0.0
+    """Forward kernel time that ran after backward's call (launched before it)."""
 
 
 def _side(kernels: list[tuple[dict[str, Any], str]]) -> Side:
@@ -73,10 +84,15 @@ def _side(kernels: list[tuple[dict[str, Any], str]]) -> Side:
     start = min(k["ts"] for k, _ in kernels)
     end = max(k["ts"] + k["dur"] for k, _ in kernels)
     by_op: dict[str, float] = {}
-    for k, op in kernels:
+    gaps: list[float] = []
+    done = start
+    for k, op in sorted(kernels, key=lambda ko: ko[0]["ts"]):
         by_op[op] = by_op.get(op, 0.0) + k["dur"] / 1e3
+        if (k["ts"] - done) / 1e3 >= GAP_MS:
+            gaps.append((k["ts"] - done) / 1e3)
+        done = max(done, k["ts"] + k["dur"])
     busy = sum(k["dur"] for k, _ in kernels) / 1e3
-    return Side(busy, (end - start) / 1e3, len(kernels), by_op)
+    return Side(busy, (end - start) / 1e3, len(kernels), by_op, tuple(gaps))
 
 
 class _Launchers:
@@ -158,7 +174,9 @@ def measured_steps(events: list[dict[str, Any]]) -> list[StepCompute]:
                     bwd.append((k, launchers.op(launch)))
             elif prev <= launch["ts"] < call:
                 fwd.append((k, launchers.op(launch)))
-        steps.append(StepCompute(_side(fwd), _side(bwd)))
+        lag = min((k["ts"] for k, _ in bwd), default=call) - call
+        after = sum(max(0.0, k["ts"] + k["dur"] - max(k["ts"], call)) for k, _ in fwd)
+        steps.append(StepCompute(_side(fwd), _side(bwd), lag / 1e3, after / 1e3))
     return steps
 
 
@@ -278,12 +296,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     sim = simulated(workload, row["profile"], args)
     print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
-    print("| step | forward busy / span (kernels) | backward busy / span (kernels) |")
-    print("|---|---|---|")
+    print(
+        "| step | forward busy / span (kernels) | backward busy / span (kernels) "
+        "| backward's first kernel after its call; forward kernels after the call "
+        f"| forward's idle gaps of {GAP_MS:g} ms or more |"
+    )
+    print("|---|---|---|---|---|")
     for i, s in enumerate(steps, 1):
+        gaps = ", ".join(f"{g:.1f}" for g in s.forward.gaps_ms) or "-"
         print(
             f"| {i} | {s.forward.busy_ms:.1f} / {s.forward.span_ms:.1f} ms ({s.forward.kernels}) "
-            f"| {s.backward.busy_ms:.1f} / {s.backward.span_ms:.1f} ms ({s.backward.kernels}) |"
+            f"| {s.backward.busy_ms:.1f} / {s.backward.span_ms:.1f} ms ({s.backward.kernels}) "
+            f"| {s.call_lag_ms:.1f}; {s.forward_after_call_ms:.1f} ms | {gaps} |"
         )
     fwd = statistics.median(s.forward.busy_ms for s in steps)
     bwd = statistics.median(s.backward.busy_ms for s in steps)

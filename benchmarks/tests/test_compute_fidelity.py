@@ -51,6 +51,8 @@ def test_kernels_split_by_launching_thread_and_backward_pass() -> None:
     assert first.forward.span_ms == pytest.approx(0.13)  # 10 us to 140 us
     assert first.backward.busy_ms == pytest.approx(0.3)
     assert first.backward.span_ms == pytest.approx(0.38)  # 1020 us to 1400 us
+    assert first.call_lag_ms == pytest.approx(0.02)  # call at 1000 us, kernel at 1020
+    assert first.forward_after_call_ms == 0.0 and first.forward.gaps_ms == ()
     assert second.forward.busy_ms == pytest.approx(0.04) and second.forward.kernels == 1
     assert second.backward.busy_ms == pytest.approx(0.3) and second.backward.kernels == 1
 
@@ -92,6 +94,10 @@ def test_recorded_w3_trace_runs_the_same_kernels_each_step() -> None:
     doc: Any = load_trace(RESULTS / "s34c4_trace_W3.json.gz")
     steps = measured_steps(doc["traceEvents"])
     assert len(steps) == 2
+    # The CPU ran ahead in the second step: backward's first kernel 35.2 ms after its
+    # call, and the forward idled in gaps waiting for the host (BENCHMARKS.md, session 34).
+    assert 35 < steps[1].call_lag_ms < 35.5 and steps[0].call_lag_ms < 3
+    assert [round(g) for g in steps[1].forward.gaps_ms if g > 20] == [36, 29, 44, 44]
     for s in steps:
         assert 86 < s.forward.busy_ms < 87.5
         assert 160 < s.backward.busy_ms < 161.5

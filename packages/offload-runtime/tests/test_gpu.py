@@ -243,8 +243,8 @@ def test_host_buffers_are_pinned_at_their_exact_size() -> None:
 def test_attention_rates_at_the_zoo_gpt2_xl_shape_are_a_gpus() -> None:
     """``measure_attention_flop_per_s`` at W3's attention (8 x 32 heads x 1024 x 50, fp16,
     causal) counts the flash kernel's FLOPs and times it on the device: rates of a data
-    centre GPU, under its matmul peak (session 34's H200 trace ran this attention's
-    kernels at about 220e12 forward, counting the padded head dimension)."""
+    centre GPU, under its matmul peak (session 34's H200 trace ran this attention's 48
+    calls in 20.8 ms forward and 30.8 ms backward a step)."""
     from offload_runtime.hardware import measure_attention_flop_per_s
 
     fwd, bwd = measure_attention_flop_per_s(

@@ -393,11 +393,11 @@ class HardwareProfile:
     attention_fwd_flop_per_s: float = 0.0
     """Rate at which fused attention's forward runs (``Operation.attention``), its FLOPs
     as the profile counts them per second; 0 (unknown): the matrix-multiply rate
-    (``compute_flop_per_s * compute_efficiency``). The H200 traces of BENCHMARKS.md
-    session 34 ran GPT-2 XL's at about 125e12 with the copies around it, 4.6x slower
-    than priced at the matrix-multiply rate."""
+    (``compute_flop_per_s * compute_efficiency``). In the H200 traces of BENCHMARKS.md
+    session 34, GPT-2 XL's attention forward took 4.6x its price at that rate, the 6B
+    model's 3.5x."""
     attention_bwd_flop_per_s: float = 0.0
-    """The same for fused attention's backward (session 34's traces: about 230e12)."""
+    """The same for fused attention's backward (session 34's traces: 2.75x and 2.4x)."""
     issue_ahead: bool = False
     """How issue costs and device time combine ([Note: issuing ahead] in
     ``offload_solver.simulators._engine``). False (the default): each operation takes the
