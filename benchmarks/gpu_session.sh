@@ -10,6 +10,9 @@
 #   w1x     W1 ours and full GPU, ROUNDS rounds (default 4), the order swapped each round;
 #           then pair_ratios.py (the median ratio) and issue_compare.py on each round's
 #           two traces (what ours issues more per step)                        ~4 min
+#   w1p     W1 ours with full-GPU training stepped in turn in the same process
+#           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
+#           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
 #   w2x     W2 FSDP2 and ours_io_spec1_stream, 20 timed steps, ROUNDS rounds (default 2),
 #           the order swapped each round; then pair_ratios.py (the median ratio)  ~2 min a round
 #   w2t     W2 FSDP2, then the default (streamed regions issued from their own thread)
@@ -140,7 +143,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -187,6 +190,11 @@ case "$phase" in
       python3 "$root/benchmarks/issue_compare.py" "$d/trace_W1_ours.json.gz" \
         "$d/trace_W1_full_gpu.json.gz" | tee -a "$out/w1_issue.txt" || true
     done ;;
+  w1p)
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_$i"
+    done
+    python3 "$root/benchmarks/pair_ratios.py" W1 ours full_gpu "$out"/W1_*.json | tee "$out/w1_ratios.txt" ;;
   w2x)
     for i in $(seq 1 "${ROUNDS:-2}"); do
       if ((i % 2)); then kinds=fsdp2,ours_io_spec1_stream; else kinds=ours_io_spec1_stream,fsdp2; fi

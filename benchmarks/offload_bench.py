@@ -87,6 +87,11 @@ copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's def
 (``STREAM_UP_FRACTION`` 0.78 and ``STREAM_HOST_CHARGE`` 0.5 from session 31 on; 1 and 1
 before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
 BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
+Set BENCH_PAIR_FULL_GPU=1 to follow each ``ours`` row's measurement (where full-GPU
+training fits beside it: W1) with full-GPU training built in the same process and the two
+stepped in turn, ``--steps`` pairs after ``--warmup`` each (:func:`interleaved_steps`); rows
+record ``paired_full_gpu`` (:func:`pair_summary`: both sides' steps and the median ratio of
+the pairs), which ``targets.py`` judges W1 by where present.
 Set BENCH_CALIBRATE=N (not with BENCH_PLAN_FROM) to run each ``ours`` plan with host-state
 regions for 2 + N steps first, then plan again with the host Adam rate its last N ran at
 (``offload_optim.check_host_rate``) and time that plan; rows record ``calibration`` (both host busy
@@ -203,6 +208,62 @@ def _fastest5_mean_s(times: list[float]) -> float:
     if not times:
         raise RuntimeError("no step was timed: every step after warm-up skipped its update")
     return statistics.mean(sorted(times)[:5])
+
+
+def interleaved_steps(
+    a: Callable[[], None],
+    b: Callable[[], None],
+    warmup: int,
+    pairs: int,
+    sync: Callable[[], None],
+    clock: Callable[[], float] = time.perf_counter,
+) -> tuple[list[float], list[float]]:
+    """Times (s) of ``pairs`` steps of ``a`` and of ``b``, taken in turn in one process:
+    a b, then b a, and so on, each step timed end to end (``sync`` after it). Two rows
+    timed one after the other on a shared host are apart by minutes, over which the
+    host's speed per operation drifts by more than a launch-bound row's difference from
+    its peer (W1 in session 35: full-GPU training at 29-31 ms in one call and 40-67 ms in
+    the next); steps taken in turn see the same host within a step or two. Each step
+    function runs ``warmup`` times first, in turn too."""
+    if pairs < 1:
+        raise ValueError(f"pairs={pairs} must be >= 1")
+    for _ in range(warmup):
+        a()
+        b()
+    sync()
+    ta: list[float] = []
+    tb: list[float] = []
+    for i in range(pairs):
+        order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
+        for fn, times in order:
+            t0 = clock()
+            fn()
+            sync()  # sync point: each step is timed end to end
+            times.append(clock() - t0)
+    return ta, tb
+
+
+def pair_summary(ours_s: list[float], peer_s: list[float]) -> dict[str, Any]:
+    """What :func:`interleaved_steps` measured: each side's steps (ms), their 5-fastest
+    and run means, the ratios of both, and the median of the per-pair ratios (the pair's
+    two steps ran within a step of each other)."""
+    if len(ours_s) != len(peer_s) or not ours_s:
+        raise ValueError(f"need equal, non-empty step lists, got {len(ours_s)} and {len(peer_s)}")
+    ours_ms = [t * 1e3 for t in ours_s]
+    peer_ms = [t * 1e3 for t in peer_s]
+    fast_ours, fast_peer = _fastest5_mean_s(ours_ms), _fastest5_mean_s(peer_ms)
+    return {
+        "pairs": len(ours_ms),
+        "ours_steps_ms": ours_ms,
+        "peer_steps_ms": peer_ms,
+        "ours_step_ms": fast_ours,
+        "peer_step_ms": fast_peer,
+        "ratio": fast_ours / fast_peer,
+        "run_ratio": statistics.mean(ours_ms) / statistics.mean(peer_ms),
+        "pair_ratio_median": statistics.median(
+            o / p for o, p in zip(ours_ms, peer_ms, strict=True)
+        ),
+    }
 
 
 def _save_trace(prof: Any, path: Path) -> dict[str, Any]:
@@ -826,6 +887,22 @@ def _ours(
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
         if report is not None:  # the last timed step: how many regions stepped early
             out["speculated_regions"] = report.speculated_regions
+    if os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0" and host:
+        # Host steps run on past step() into the next step, which would be the peer's.
+        out["paired_full_gpu"] = {"error": "the plan has host-state regions"}
+    elif os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0":
+        # After the row's own measurement (its peak is its own): full-GPU training built
+        # beside it and the two stepped in turn (interleaved_steps).
+        full_step, _, _ = _full_gpu_steps(workload)
+        applied_before = opt.step_count
+        ours_s, full_s = interleaved_steps(step, full_step, warmup, steps, torch.cuda.synchronize)
+        out["paired_full_gpu"] = pair_summary(ours_s, full_s)
+        # fp16 overflow skips among ours' paired steps (short steps, so they flatter it).
+        out["paired_full_gpu"]["ours_skipped_steps"] = (
+            warmup + steps - (opt.step_count - applied_before)
+        )
+        del full_step
+        gc.collect()
     if profile_dir is not None:
 
         def two_steps() -> None:
@@ -889,9 +966,11 @@ def _force_streamed(module: Any, fraction: float) -> None:
             chosen += st.numel
 
 
-def _full_gpu(
-    workload: str, warmup: int, steps: int, profile_dir: Path | None = None
-) -> dict[str, Any]:
+def _full_gpu_steps(
+    workload: str,
+) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
+    """Full-GPU training of ``workload`` built on the GPU: (training step, forward and
+    backward alone, zero the gradients)."""
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
@@ -904,11 +983,23 @@ def _full_gpu(
     def fwd_bwd() -> None:
         torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
 
+    def zero() -> None:
+        opt.zero_grad(set_to_none=True)
+
     def step() -> None:
         fwd_bwd()
         opt.step()
-        opt.zero_grad(set_to_none=True)
+        zero()
 
+    return step, fwd_bwd, zero
+
+
+def _full_gpu(
+    workload: str, warmup: int, steps: int, profile_dir: Path | None = None
+) -> dict[str, Any]:
+    import torch
+
+    step, fwd_bwd, zero = _full_gpu_steps(workload)
     torch.cuda.reset_peak_memory_stats()
     times = _timed_steps(step, warmup, steps)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
@@ -916,7 +1007,7 @@ def _full_gpu(
 
     def compute_only() -> None:
         fwd_bwd()
-        opt.zero_grad(set_to_none=True)
+        zero()
 
     out["fwd_bwd_ms"] = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     if profile_dir is not None:

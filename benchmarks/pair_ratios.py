@@ -34,9 +34,20 @@ def round_ratio(
 def report(paths: list[Path], workload: str, a: str, b: str) -> list[str]:
     """The lines this script prints."""
     lines = []
-    fast, run = [], []
+    fast, run, in_turn = [], [], []
     for path in paths:
-        got = round_ratio(json.loads(path.read_text()), workload, a, b)
+        data = json.loads(path.read_text())
+        paired = data["results"].get(workload, {}).get(a, {}).get("paired_full_gpu")
+        if b == "full_gpu" and isinstance(paired, dict) and "ratio" in paired:
+            # BENCH_PAIR_FULL_GPU: the two stepped in turn in a's process.
+            in_turn.append(paired["ratio"])
+            lines.append(
+                f"{path.name}, in turn ({paired['pairs']} pairs): {a} "
+                f"{paired['ours_step_ms']:.1f} ms, {b} {paired['peer_step_ms']:.1f} ms: "
+                f"{paired['ratio']:.3f}x (run {paired['run_ratio']:.3f}x, "
+                f"median pair {paired['pair_ratio_median']:.3f}x)"
+            )
+        got = round_ratio(data, workload, a, b)
         if got is None:
             lines.append(f"{path.name}: {a} or {b} missing or failed")
             continue
@@ -51,6 +62,11 @@ def report(paths: list[Path], workload: str, a: str, b: str) -> list[str]:
         lines.append(
             f"median over {len(fast)} rounds: {statistics.median(fast):.3f}x "
             f"(run {statistics.median(run):.3f}x); range {min(fast):.3f}-{max(fast):.3f}x"
+        )
+    if in_turn:
+        lines.append(
+            f"in turn, median over {len(in_turn)} rounds: {statistics.median(in_turn):.3f}x; "
+            f"range {min(in_turn):.3f}-{max(in_turn):.3f}x"
         )
     return lines
 
