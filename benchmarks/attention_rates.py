@@ -16,37 +16,25 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-@dataclass(frozen=True)
-class AttentionShape:
-    """One workload's attention call: ``[batch, heads, seq, head_dim]`` and dropout."""
-
-    batch: int
-    heads: int
-    seq: int
-    head_dim: int
-    dropout_p: float
+from offload_runtime import AttentionShape, attention_shapes
 
 
 def attention_shape(workload: str) -> AttentionShape:
-    """The shape of ``workload``'s first attention operation, from its traced graph."""
+    """The shape of ``workload``'s first attention operation, from its traced graph
+    (``offload_runtime.attention_shapes``, which ``memory_optimize(measure_attention=True)``
+    measures at)."""
     from replay_bench import workload_traced
 
-    from offload_trace.traced import ATTENTION_OPS
-
-    for node in workload_traced(workload).graph_module.graph.nodes:
-        if node.op == "call_function" and node.target in ATTENTION_OPS:
-            query: Any = node.args[0].meta["val"]
-            dropout = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-            b, h, s, d = (int(x) for x in query.shape)
-            return AttentionShape(b, h, s, d, float(dropout or 0.0))
-    raise SystemExit(f"{workload}: no attention operation in the traced graph")
+    shapes = attention_shapes(workload_traced(workload).graph_module)
+    if not shapes:
+        raise SystemExit(f"{workload}: no attention operation in the traced graph")
+    return shapes[0]
 
 
 def main(argv: list[str] | None = None) -> int:

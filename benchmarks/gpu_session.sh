@@ -10,6 +10,9 @@
 #   w1x     W1 ours and full GPU, ROUNDS rounds (default 4), the order swapped each round;
 #           then pair_ratios.py (the median ratio) and issue_compare.py on each round's
 #           two traces (what ours issues more per step)                        ~4 min
+#   attnab  W3 ours_io_spec1_stream as by default and planned with fused attention measured
+#           at its own shape (BENCH_MEASURE_ATTENTION=1), alternating, ROUNDS rounds
+#           (default 2); then each row's run mean and plan (pin_rows.py)     ~1.2 min a row
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
 #           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
 #           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
@@ -143,7 +146,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -190,6 +193,13 @@ case "$phase" in
       python3 "$root/benchmarks/issue_compare.py" "$d/trace_W1_ours.json.gz" \
         "$d/trace_W1_full_gpu.json.gz" | tee -a "$out/w1_issue.txt" || true
     done ;;
+  attnab)
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      bench W3 ours_io_spec1_stream 150 "W3_default$i"
+      BENCH_MEASURE_ATTENTION=1 bench W3 ours_io_spec1_stream 150 "W3_attn$i"
+    done
+    python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_{default,attn}*.json \
+      | tee "$out/attnab.txt" ;;
   w1p)
     for i in $(seq 1 "${ROUNDS:-2}"); do
       BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_$i"

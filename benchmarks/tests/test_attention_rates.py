@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from attention_rates import AttentionShape, attention_shape, main
+from attention_rates import attention_shape, main
+
+from offload_runtime import AttentionShape
 
 
 def test_w1_attention_shape_comes_from_the_graph() -> None:
-    # gpt2_medium at 64 x 8: 16 heads of 64; offload_bench trains with dropout 0.1.
-    assert attention_shape("W1") == AttentionShape(64, 16, 8, 64, 0.1)
+    # gpt2_medium at 64 x 8: 16 heads of 64 in each of 24 layers; offload_bench trains
+    # with dropout 0.1.
+    assert attention_shape("W1") == AttentionShape(64, 16, 8, 64, 0.1, calls=24)
 
 
 def test_rates_are_written_per_workload(tmp_path: Path) -> None:

@@ -8,6 +8,8 @@ the graph and returns an :class:`OffloadModule` to train.
 from offload_runtime.api import (
     STREAM_HOST_CHARGE,
     STREAM_UP_FRACTION,
+    AttentionShape,
+    attention_shapes,
     build_offload_module,
     choose_plan,
     device_conversion_profile,
@@ -15,6 +17,7 @@ from offload_runtime.api import (
     memory_optimize,
     plan_summary,
     planning_hardware,
+    with_attention_rates,
 )
 from offload_runtime.controller import OffloadController, RegionState
 from offload_runtime.hardware import (
@@ -30,12 +33,14 @@ from offload_runtime.storage import RegionStorage, region_of
 __all__ = [
     "STREAM_HOST_CHARGE",
     "STREAM_UP_FRACTION",
+    "AttentionShape",
     "DeviceIdentity",
     "OffloadController",
     "OffloadModule",
     "RegionState",
     "RegionStorage",
     "apply_plan",
+    "attention_shapes",
     "build_offload_module",
     "choose_plan",
     "default_cpu_profile",
@@ -50,4 +55,5 @@ __all__ = [
     "planning_hardware",
     "profile_hardware",
     "region_of",
+    "with_attention_rates",
 ]

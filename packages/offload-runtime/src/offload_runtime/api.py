@@ -7,13 +7,17 @@ import logging
 import math
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import fx
 
-from offload_runtime.hardware import MatmulShape, profile_hardware
+from offload_runtime.hardware import (
+    MatmulShape,
+    measure_attention_flop_per_s,
+    profile_hardware,
+)
 from offload_runtime.module import OffloadModule
 from offload_solver import (
     HardwareProfile,
@@ -28,6 +32,7 @@ from offload_solver import solve as solve_plan
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_solver.solve import POLISH_ROUNDS
 from offload_trace import TracedModel, trace
+from offload_trace.traced import ATTENTION_OPS
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +118,86 @@ def matmul_shapes(gm: fx.GraphModule) -> list[MatmulShape]:
             n = w.shape[0] if node.target is aten.linear.default else w.shape[-1]
             out.append((int(m), int(k), int(n)))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """One fused attention call of a traced graph: its query's ``[batch, heads, seq,
+    head_dim]`` and its dropout probability, and how many calls have them."""
+
+    batch: int
+    heads: int
+    seq: int
+    head_dim: int
+    dropout_p: float
+    calls: int = 1
+
+
+AttentionMeasure = Callable[[AttentionShape], tuple[float, float]]
+"""Measures causal fused attention at one shape: (forward, backward) FLOP/s."""
+
+
+def _dropout_of(node: fx.Node) -> float:
+    """A fused attention node's dropout probability: ``dropout_p`` by keyword, else the
+    position each op's schema gives it (``aten.scaled_dot_product_attention``: 4th
+    argument after the mask; the flash / efficient / cudnn variants: right after the
+    value, or after their bias)."""
+    given = node.kwargs.get("dropout_p")
+    if isinstance(given, float | int) and not isinstance(given, bool):
+        return float(given)
+    aten = torch.ops.aten
+    index = 4 if node.target is aten.scaled_dot_product_attention.default else 3
+    for arg in node.args[index:]:  # the first number after the tensors
+        if isinstance(arg, float | int) and not isinstance(arg, bool):
+            return float(arg)
+    return 0.0
+
+
+def attention_shapes(gm: fx.GraphModule) -> list[AttentionShape]:
+    """The distinct shapes of the fused attention calls in a traced graph, in graph order,
+    each with its number of calls (the example zoo's GPT-2 XL: one shape, 48 calls)."""
+    counts: dict[tuple[int, int, int, int, float], int] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in ATTENTION_OPS or not node.args:
+            continue
+        query = node.args[0].meta.get("val") if isinstance(node.args[0], fx.Node) else None
+        if not isinstance(query, torch.Tensor) or query.dim() != 4:
+            continue
+        b, h, sq, d = (int(x) for x in query.shape)
+        key = (b, h, sq, d, _dropout_of(node))
+        counts[key] = counts.get(key, 0) + 1
+    return [AttentionShape(*key, calls=n) for key, n in counts.items()]
+
+
+def with_attention_rates(
+    hardware: HardwareProfile, shapes: list[AttentionShape], measure: AttentionMeasure
+) -> HardwareProfile:
+    """``hardware`` with fused attention's rates (``attention_fwd_flop_per_s`` /
+    ``attention_bwd_flop_per_s``) measured by ``measure`` at ``shapes``: the whole
+    model's attention FLOPs over the time they take, each shape weighted by its calls and
+    FLOPs (``torch.utils.flop_counter``'s count for causal attention; the trace counts the
+    same). Unchanged when there is no attention call."""
+    from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+    fwd_flop = bwd_flop = fwd_s = bwd_s = 0.0
+    for shape in shapes:
+        dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
+        f = shape.calls * float(sdpa_flop_count(dims, dims, dims))  # type: ignore[no-untyped-call]
+        b = shape.calls * float(sdpa_backward_flop_count(dims, dims, dims, dims))  # type: ignore[no-untyped-call]
+        fwd_rate, bwd_rate = measure(shape)
+        if fwd_rate <= 0 or bwd_rate <= 0:
+            raise ValueError(
+                f"attention rates must be > 0 FLOP/s, measured {fwd_rate} and {bwd_rate} at {shape}"
+            )
+        fwd_flop, bwd_flop = fwd_flop + f, bwd_flop + b
+        fwd_s, bwd_s = fwd_s + f / fwd_rate, bwd_s + b / bwd_rate
+    if not shapes:
+        return hardware
+    return dataclasses.replace(
+        hardware,
+        attention_fwd_flop_per_s=fwd_flop / fwd_s,
+        attention_bwd_flop_per_s=bwd_flop / bwd_s,
+    )
 
 
 def plan_summary(profile: ModelProfile, plan: Plan) -> dict[str, float]:
@@ -334,6 +419,7 @@ def memory_optimize(
     polish_rounds: int = POLISH_ROUNDS,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
+    measure_attention: bool = False,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -432,6 +518,14 @@ def memory_optimize(
             between the host and the copies up; None: the profile's own, 1 (charged to
             the host in full, the model before session 31). Plans made with the split
             stream fewer regions and measured faster (:data:`STREAM_HOST_CHARGE`).
+        measure_attention: measure causal fused attention on the training GPU at the
+            traced model's own attention shapes (:func:`attention_shapes`, a second or
+            so) and plan with those rates (``HardwareProfile.attention_fwd_flop_per_s``
+            / ``attention_bwd_flop_per_s``, :func:`with_attention_rates`) instead of the
+            matrix-product rate. Fused attention ran 2.4-4.6x slower than that rate in
+            BENCHMARKS.md's traces, and priced at its measured rate W3's simulated
+            compute came within 5% of its kernels (session 35). Default False, until
+            plans made with it have run on a GPU. CUDA only.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -450,6 +544,11 @@ def memory_optimize(
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
     dev = resolve_device(device)
+    if measure_attention and dev.type != "cuda":
+        raise ValueError(
+            f"measure_attention=True measures fused attention on the GPU that trains the "
+            f"model, and the device is {dev}: leave it False on the CPU"
+        )
     say = _say if progress else _quiet
     t0 = time.perf_counter()
     traced = trace(model, inputs, dtype=dtype, target_device=dev.type)
@@ -459,6 +558,28 @@ def memory_optimize(
         hardware = profile_hardware(
             dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
         )
+    if measure_attention:
+        shapes = attention_shapes(traced.graph_module)
+
+        def measure(shape: AttentionShape) -> tuple[float, float]:
+            return measure_attention_flop_per_s(
+                dev,
+                batch=shape.batch,
+                heads=shape.heads,
+                seq=shape.seq,
+                head_dim=shape.head_dim,
+                dtype=dtype,
+                dropout_p=shape.dropout_p,
+            )
+
+        hardware = with_attention_rates(hardware, shapes, measure)
+        if shapes:
+            say(
+                f"fused attention at {len(shapes)} shape(s) of the model: forward "
+                f"{hardware.attention_fwd_flop_per_s / 1e12:.0f} TFLOP/s, backward "
+                f"{hardware.attention_bwd_flop_per_s / 1e12:.0f} TFLOP/s (matrix products "
+                f"{hardware.compute_flop_per_s / 1e12:.0f})"
+            )
     hardware = planning_hardware(
         hardware,
         host_step_params_per_s=host_step_params_per_s,
