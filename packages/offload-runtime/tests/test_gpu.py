@@ -252,3 +252,35 @@ def test_attention_rates_at_the_zoo_gpt2_xl_shape_are_a_gpus() -> None:
     )
     assert 10e12 < fwd < 1500e12
     assert 10e12 < bwd < 1500e12
+
+
+def test_measure_attention_plans_with_the_models_own_attention_rates() -> None:
+    """``memory_optimize(measure_attention=True)`` on two layers of the zoo's GPT-2 XL
+    (32 heads of 50) at W3's 8 x 1024 (causal, no mask: the fused kernels) plans with
+    attention rates measured on this GPU, under the matrix products' rate (W3's attention
+    measured 134 and 154 TFLOP/s against 705 in session 35), so that the plan's predicted
+    step is longer; without it the rates stay unset (the matmul rate)."""
+    model = gpt2(1600, 2, 32)
+    inp = batch(8, 1024, mask=False)
+
+    def planned(measure: bool) -> OffloadModule:
+        return memory_optimize(
+            model,
+            inp,
+            8 * GiB,
+            "asyn",
+            dtype=torch.float16,
+            progress=False,
+            measure_attention=measure,
+        )
+
+    plain = planned(False)
+    assert plain.hardware is not None and plain.hardware.attention_fwd_flop_per_s == 0.0
+    measured = planned(True)
+    hw = measured.hardware
+    assert hw is not None
+    assert 1e12 < hw.attention_fwd_flop_per_s < hw.compute_flop_per_s
+    assert 1e12 < hw.attention_bwd_flop_per_s < hw.compute_flop_per_s
+    assert measured.plan.predicted_step_time_s > plain.plan.predicted_step_time_s
+    plain.close()
+    measured.close()
