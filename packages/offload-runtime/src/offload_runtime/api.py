@@ -175,8 +175,9 @@ def with_attention_rates(
     """``hardware`` with fused attention's rates (``attention_fwd_flop_per_s`` /
     ``attention_bwd_flop_per_s``) measured by ``measure`` at ``shapes``: the whole
     model's attention FLOPs over the time they take, each shape weighted by its calls and
-    FLOPs (``torch.utils.flop_counter``'s count for causal attention; the trace counts the
-    same). Unchanged when there is no attention call."""
+    FLOPs (``torch.utils.flop_counter``'s count, which is the trace's for these operations
+    and which ``measure_attention_flop_per_s`` divides by the time). Unchanged when there
+    is no attention call."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
     fwd_flop = bwd_flop = fwd_s = bwd_s = 0.0
