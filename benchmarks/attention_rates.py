@@ -5,8 +5,8 @@
 For each workload of ``offload_bench.py``, traces its model on the meta device (nothing
 is allocated), reads the shape of its attention operations' inputs from the graph
 (``[batch, heads, seq, head_dim]``: the example zoo's GPT-2 XL has 32 heads of 50) and
-their dropout, and runs ``offload_runtime.hardware.measure_attention_flop_per_s`` at that
-shape on ``--device`` (fp16 on CUDA, fp32 on the CPU). Prints one line per workload and
+their dropout, and runs ``offload_runtime.measure_attention_at`` at that shape on
+``--device`` (fp16 on CUDA, fp32 on the CPU). Prints one line per workload and
 writes the rates (FLOP/s) to ``--json``: the ``--attention-fwd`` / ``--attention-bwd`` of
 ``compute_fidelity.py`` and ``replay_bench.py`` are these over 1e12.
 """
@@ -22,7 +22,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_runtime import AttentionShape, attention_shapes
+from offload_runtime import AttentionShape, attention_shapes, measure_attention_at
 
 
 def attention_shape(workload: str) -> AttentionShape:
@@ -44,20 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions (median)")
     parser.add_argument("--json", type=Path, default=None, help="write the rates here")
     args = parser.parse_args(argv)
-    from offload_runtime.hardware import measure_attention_flop_per_s
-
     out: dict[str, Any] = {}
     for workload in [w.strip() for w in args.workloads.split(",") if w.strip()]:
         shape = attention_shape(workload)
-        fwd, bwd = measure_attention_flop_per_s(
-            args.device,
-            batch=shape.batch,
-            heads=shape.heads,
-            seq=shape.seq,
-            head_dim=shape.head_dim,
-            dropout_p=shape.dropout_p,
-            reps=args.reps,
-        )
+        fwd, bwd = measure_attention_at(args.device, shape, reps=args.reps)
         out[workload] = {**asdict(shape), "fwd_flop_per_s": fwd, "bwd_flop_per_s": bwd}
         print(
             f"{workload}: attention {shape.batch} x {shape.heads} x {shape.seq} x "

@@ -505,6 +505,7 @@ def _ours(
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     measure_attention = os.environ.get("BENCH_MEASURE_ATTENTION", "0") != "0"
+    pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
     paced_env = os.environ.get("BENCH_STREAM_PACED")
@@ -893,10 +894,10 @@ def _ours(
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
         if report is not None:  # the last timed step: how many regions stepped early
             out["speculated_regions"] = report.speculated_regions
-    if os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0" and host:
+    if pair_full_gpu and host:
         # Host steps run on past step() into the next step, which would be the peer's.
         out["paired_full_gpu"] = {"error": "the plan has host-state regions"}
-    elif os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0":
+    elif pair_full_gpu:
         # After the row's own measurement (its peak is its own): full-GPU training built
         # beside it and the two stepped in turn (interleaved_steps).
         full_step = _full_gpu_steps(workload)[0]  # its closures hold the model

@@ -137,6 +137,27 @@ AttentionMeasure = Callable[[AttentionShape], tuple[float, float]]
 """Measures causal fused attention at one shape: (forward, backward) FLOP/s."""
 
 
+def measure_attention_at(
+    device: torch.device | str,
+    shape: AttentionShape,
+    *,
+    dtype: torch.dtype | None = None,
+    reps: int = 5,
+) -> tuple[float, float]:
+    """:func:`offload_runtime.hardware.measure_attention_flop_per_s` at ``shape``:
+    (forward, backward) FLOP/s on ``device``."""
+    return measure_attention_flop_per_s(
+        device,
+        batch=shape.batch,
+        heads=shape.heads,
+        seq=shape.seq,
+        head_dim=shape.head_dim,
+        dtype=dtype,
+        dropout_p=shape.dropout_p,
+        reps=reps,
+    )
+
+
 def _dropout_of(node: fx.Node) -> float:
     """A fused attention node's dropout probability: ``dropout_p`` by keyword, else the
     position each op's schema gives it (``aten.scaled_dot_product_attention``: 4th
@@ -180,6 +201,8 @@ def with_attention_rates(
     is no attention call."""
     from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
+    if not shapes:
+        return hardware
     fwd_flop = bwd_flop = fwd_s = bwd_s = 0.0
     for shape in shapes:
         dims = (shape.batch, shape.heads, shape.seq, shape.head_dim)
@@ -192,8 +215,6 @@ def with_attention_rates(
             )
         fwd_flop, bwd_flop = fwd_flop + f, bwd_flop + b
         fwd_s, bwd_s = fwd_s + f / fwd_rate, bwd_s + b / bwd_rate
-    if not shapes:
-        return hardware
     return dataclasses.replace(
         hardware,
         attention_fwd_flop_per_s=fwd_flop / fwd_s,
@@ -561,19 +582,9 @@ def memory_optimize(
         )
     if measure_attention:
         shapes = attention_shapes(traced.graph_module)
-
-        def measure(shape: AttentionShape) -> tuple[float, float]:
-            return measure_attention_flop_per_s(
-                dev,
-                batch=shape.batch,
-                heads=shape.heads,
-                seq=shape.seq,
-                head_dim=shape.head_dim,
-                dtype=dtype,
-                dropout_p=shape.dropout_p,
-            )
-
-        hardware = with_attention_rates(hardware, shapes, measure)
+        hardware = with_attention_rates(
+            hardware, shapes, lambda shape: measure_attention_at(dev, shape, dtype=dtype)
+        )
         if shapes:
             say(
                 f"fused attention at {len(shapes)} shape(s) of the model: forward "
