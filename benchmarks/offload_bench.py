@@ -225,8 +225,8 @@ def interleaved_steps(
     a b, then b a, and so on, each step timed end to end (``sync`` after it). Two rows
     timed one after the other on a shared host are apart by minutes, over which the
     host's speed per operation drifts by more than a launch-bound row's difference from
-    its peer (W1 in session 35: full-GPU training at 29-31 ms in one call and 40-67 ms in
-    the next); steps taken in turn see the same host within a step or two. Each step
+    its peer (W1 in session 35: full-GPU training's steps at 28-36 ms in one call and
+    36-68 ms in the next); steps taken in turn see the same host within a step or two. Each step
     function runs ``warmup`` times first, in turn too."""
     if pairs < 1:
         raise ValueError(f"pairs={pairs} must be >= 1")
@@ -247,9 +247,9 @@ def interleaved_steps(
 
 
 def pair_summary(ours_s: list[float], peer_s: list[float]) -> dict[str, Any]:
-    """What :func:`interleaved_steps` measured: each side's steps (ms), their 5-fastest
-    and run means, the ratios of both, and the median of the per-pair ratios (the pair's
-    two steps ran within a step of each other)."""
+    """What :func:`interleaved_steps` measured: each side's steps and the mean of its 5
+    fastest (ms), the ratio of those means and of the run means, and the median of the
+    per-pair ratios (the pair's two steps ran within a step of each other)."""
     if len(ours_s) != len(peer_s) or not ours_s:
         raise ValueError(f"need equal, non-empty step lists, got {len(ours_s)} and {len(peer_s)}")
     ours_ms = [t * 1e3 for t in ours_s]
