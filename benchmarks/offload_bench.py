@@ -55,7 +55,9 @@ operators and keeps the device busy for a quarter to a third of it) takes as lon
 host takes to issue, which drifts by more than 5% from one minute to the next on a shared
 machine: judge it by the median ratio over alternating rounds (``gpu_session.sh w1x``, then
 ``pair_ratios.py``), and what each row issues by ``issue_compare.py`` on the traces
-``--profile-dir`` keeps.
+``--profile-dir`` keeps. ``ours`` and ``full_gpu`` rows record the per-operation issue cost
+read just before and just after their timed steps (``issue_cost_us_reads``, us), beside
+the profile's cached read that the plan priced with.
 fp16 overflow skips and the step after each are not timed. Set BENCH_COMMIT to name
 the commit when running from a copy of the tree that is not a git checkout. Set
 BENCH_HOST_THREADS to run the ``ours`` kinds with that many intra-op CPU threads (the host
@@ -441,6 +443,18 @@ class Calibrated:
     """``offload_optim.check_host_rate``'s ``loop_params_per_s``."""
 
 
+def issue_cost_us(device: str = "cuda") -> float:
+    """The per-operation issue cost read now on ``device`` (us): what the hardware profile
+    reads three times and caches (``offload_runtime.hardware.measure_op_overhead_s``).
+    Rows record a read before and after their timed steps (``issue_cost_us_reads``) so that
+    a launch-bound row's prediction can be set beside the host's cost of the moment
+    (``replay_bench.py --op-overhead-us reads``): W1's plans price about 2100 operations a
+    step with the profile's one cached read."""
+    from offload_runtime.hardware import measure_op_overhead_s
+
+    return measure_op_overhead_s(device) * 1e6
+
+
 def plan_inputs_from(path: str, workload: str, kind: str) -> PlanInputs:
     """The plan inputs of ``workload``'s ``kind`` row in an ``offload_bench.py --json``
     file, so that a run of another tree (or another way of running the same plan) plans
@@ -697,6 +711,7 @@ def _ours(
             module, opt = build(model, limit, Calibrated(first_hw, in_use, rate))
             del model
     setup_s = time.perf_counter() - t0
+    issue_before = issue_cost_us()
     # Hardware profiling inside memory_optimize used scratch memory once; the budget is
     # about training, so the peak counts from here (the module's buffers stay counted).
     torch.cuda.synchronize()
@@ -757,6 +772,7 @@ def _ours(
         * 1e3
     )
     out.update(_memory())
+    out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
     plan = module.plan
     out["pred_peak_gib"] = plan.predicted_peak_bytes / GiB
     out["pred_step_ms"] = plan.predicted_step_time_s * 1e3
@@ -1007,10 +1023,12 @@ def _full_gpu(
     import torch
 
     step, fwd_bwd, zero = _full_gpu_steps(workload)
+    issue_before = issue_cost_us()
     torch.cuda.reset_peak_memory_stats()
     times = _timed_steps(step, warmup, steps)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
+    out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
 
     def compute_only() -> None:
         fwd_bwd()

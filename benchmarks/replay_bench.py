@@ -206,6 +206,29 @@ def host_rate(row: dict[str, Any], recorded_gparam: float, how: str) -> float:
     return float((median * recorded_gparam) ** 0.5)
 
 
+def row_issue_cost_us(row: dict[str, Any], setting: float | str | None) -> float | None:
+    """The per-operation issue cost (us) to replay ``row`` with: ``setting`` when it is a
+    number; for ``"reads"`` the mean of the two reads the row took around its timed steps
+    (``issue_cost_us_reads``, recorded from session 36's code on), or None (the profile's
+    own) for a row without them; None: the profile's own."""
+    if setting != "reads":
+        return None if setting is None else float(setting)
+    reads = row.get("issue_cost_us_reads")
+    return float(statistics.mean(reads)) if reads else None
+
+
+def _issue_cost_arg(text: str) -> float | str:
+    if text == "reads":
+        return text
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes microseconds or 'reads', got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 microseconds, got {text!r}")
+    return value
+
+
 def _error(pred: float, measured: float) -> str:
     return f"{(pred - measured) / measured * 100:+.1f}%"
 
@@ -299,12 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--op-overhead-us",
-        type=float,
+        type=_issue_cost_arg,
         default=None,
-        metavar="US",
+        metavar="US|reads",
         help="replan every row with this per-operation issue cost (microseconds) instead "
         "of the one its profile read: how a launch-bound row's prediction (W1) follows the "
-        "probe",
+        "probe. reads: each row's own reads, taken just before and after its timed steps "
+        "(issue_cost_us_reads; rows without them keep their profile's)",
     )
     parser.add_argument(
         "--stream-up-fraction",
@@ -336,8 +360,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--stream-up-fraction must be in (0, 1], got {args.stream_up_fraction}")
     if args.stream_host_charge is not None and not 0 <= args.stream_host_charge <= 1:
         parser.error(f"--stream-host-charge must be in [0, 1], got {args.stream_host_charge}")
-    if args.op_overhead_us is not None and not args.op_overhead_us >= 0:
-        parser.error(f"--op-overhead-us must be >= 0, got {args.op_overhead_us}")
     if args.speculative_step_cost_all is not None and not args.speculative_step_cost_all >= 1:
         parser.error(
             f"--speculative-step-cost-all must be >= 1, got {args.speculative_step_cost_all}"
@@ -441,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                         )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw_args = {
-                    "op_overhead_us": args.op_overhead_us,
+                    "op_overhead_us": row_issue_cost_us(row, args.op_overhead_us),
                     "stream_up": args.stream_up_fraction,
                     "stream_charge": args.stream_host_charge,
                     "compute_model": args,

@@ -43,10 +43,14 @@ def test_op_calls_times_each_call_and_names_its_longest_child() -> None:
             ev("aten::embedding", 5000, 100),
             ev("aten::index_select", 5000, 60, tid=2),  # another thread's: not inside
             ev("kernel", 1000, 5, cat="kernel"),  # the device's: not a host event
+            # The profiler's own work, on its own thread: overlaps the first call only.
+            ev("Activity Buffer Request", 1200, 2000, tid=0, cat="overhead"),
         ]
     }
     calls = op_calls.op_calls(trace, "aten::embedding")
     assert [(c.start_ms, c.duration_us) for c in calls] == [(0.0, 2500.0), (4.0, 100.0)]
     assert (calls[0].longest_child, calls[0].longest_child_us) == ("aten::index_select", 2400.0)
     assert calls[1].longest_child == "-"
+    assert calls[0].profiler_overhead == (("Activity Buffer Request", 2000.0),)
+    assert calls[1].profiler_overhead == ()
     assert op_calls.op_calls({"traceEvents": []}, "aten::embedding") == []

@@ -1,0 +1,33 @@
+"""replay_bench.py's per-operation issue cost: a number, or each row's own reads."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from replay_bench import _issue_cost_arg, row_issue_cost_us
+
+
+def test_reads_replay_a_row_at_the_mean_of_its_own_two_reads() -> None:
+    row = {"issue_cost_us_reads": [20.0, 30.0], "profile": {"op_overhead_us": 21.6}}
+    assert row_issue_cost_us(row, "reads") == 25.0
+    # A row from before the reads were recorded keeps its profile's (None).
+    assert row_issue_cost_us({"profile": {"op_overhead_us": 21.6}}, "reads") is None
+    # A number replays every row at it; None leaves each row's profile alone.
+    assert row_issue_cost_us(row, 18.0) == 18.0
+    assert row_issue_cost_us(row, None) is None
+
+
+def test_the_option_takes_microseconds_or_reads_and_refuses_the_rest() -> None:
+    assert _issue_cost_arg("reads") == "reads"
+    assert _issue_cost_arg("19.5") == 19.5
+    for bad in ("-1", "nan", "fast"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _issue_cost_arg(bad)
+
+
+def test_the_bench_reads_the_issue_cost_in_microseconds() -> None:
+    from offload_bench import issue_cost_us
+
+    # On the CPU a tiny GPT-2-like graph's operation costs microseconds to tens of them.
+    assert 0.1 < issue_cost_us("cpu") < 1000.0
