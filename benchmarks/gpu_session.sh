@@ -13,6 +13,10 @@
 #   attnab  W3 ours_io_spec1_stream as by default and planned with fused attention measured
 #           at its own shape (BENCH_MEASURE_ATTENTION=1), alternating, ROUNDS rounds
 #           (default 2); then each row's run mean and plan (pin_rows.py)     ~1.2 min a row
+#   geluab  GPT-2's tanh GELU written out (as by default) and fused into one aten.gelu
+#           (BENCH_FUSE_GELU=1), alternating, ROUNDS rounds (default 1): W1 ours with
+#           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
+#           ours_io_spec1_stream; then pair_ratios.py and pin_rows.py    ~5 min a round
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
 #           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
 #           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
@@ -146,7 +150,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -200,6 +204,18 @@ case "$phase" in
     done
     python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_{default,attn}*.json \
       | tee "$out/attnab.txt" ;;
+  geluab)
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_plain$i"
+      BENCH_FUSE_GELU=1 BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_gelu$i"
+      bench W3 ours_io_spec1_stream 150 "W3_plain$i"
+      BENCH_FUSE_GELU=1 bench W3 ours_io_spec1_stream 150 "W3_gelu$i"
+    done
+    for v in plain gelu; do
+      python3 "$root/benchmarks/pair_ratios.py" W1 ours full_gpu "$out"/W1_$v*.json
+    done | tee "$out/w1_ratios.txt"
+    python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_{plain,gelu}*.json \
+      | tee "$out/geluab.txt" ;;
   w1p)
     for i in $(seq 1 "${ROUNDS:-2}"); do
       BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_$i"

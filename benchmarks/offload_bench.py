@@ -91,7 +91,10 @@ before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
 BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
 Set BENCH_MEASURE_ATTENTION=1 to plan the ``ours`` kinds with fused attention measured at
 the model's own shapes (``memory_optimize(measure_attention=True)``); rows record
-``measure_attention``, and their ``hardware`` the rates.
+``measure_attention``, and their ``hardware`` the rates. Set BENCH_FUSE_GELU=1 to trace
+the ``ours`` kinds with GPT-2's written-out tanh GELU fused into one ``aten.gelu``
+(``memory_optimize(fuse_gelu=True)``: fewer operations to issue and activations to keep;
+the peers run the model as written); rows record ``fuse_gelu``.
 Set BENCH_PAIR_FULL_GPU=1 to follow each ``ours`` row's measurement (where full-GPU
 training fits beside it: W1) with full-GPU training built in the same process and the two
 stepped in turn, ``--steps`` pairs after ``--warmup`` each (:func:`interleaved_steps`); rows
@@ -519,6 +522,7 @@ def _ours(
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     measure_attention = os.environ.get("BENCH_MEASURE_ATTENTION", "0") != "0"
+    fuse_gelu = os.environ.get("BENCH_FUSE_GELU", "0") != "0"
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
@@ -633,6 +637,7 @@ def _ours(
             stream_up_fraction=stream_up_fraction,
             stream_host_charge=stream_host_charge,
             measure_attention=measure_attention,
+            fuse_gelu=fuse_gelu,
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -753,6 +758,7 @@ def _ours(
     out["host_threads"] = torch.get_num_threads()
     out["polish_rounds"] = polish_rounds
     out["measure_attention"] = measure_attention
+    out["fuse_gelu"] = fuse_gelu
     out["issue_thread"] = issue_thread
     out["speculation_thread"] = speculation_thread
     out["paced_ring"] = paced_ring

@@ -8,7 +8,7 @@ holds the graph (for the runtime's rewrites) and converts to the solver's
 from offload_trace._costs import OpCost
 from offload_trace.errors import TraceError
 from offload_trace.traced import TracedModel, device_state_bytes_per_param
-from offload_trace.tracer import rewrite_causal_attention, trace
+from offload_trace.tracer import rewrite_causal_attention, rewrite_tanh_gelu, trace
 
 __all__ = [
     "OpCost",
@@ -16,5 +16,6 @@ __all__ = [
     "TracedModel",
     "device_state_bytes_per_param",
     "rewrite_causal_attention",
+    "rewrite_tanh_gelu",
     "trace",
 ]

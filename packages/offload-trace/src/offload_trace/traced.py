@@ -13,6 +13,7 @@ from torch import fx
 from offload_solver import ModelProfile, Operation, Parameter
 from offload_trace._causal import apply_causal_attention
 from offload_trace._costs import CALL_OPS, OpCost
+from offload_trace._gelu import apply_tanh_gelu
 from offload_trace._rewrite import move_device_constants, to_eval
 
 _aten = torch.ops.aten
@@ -91,6 +92,10 @@ class TracedModel:
     """Attention nodes whose constant causal mask was replaced by ``is_causal=True`` (see
     [Note: causal attention] in ``_causal.py``); :meth:`module_for` applies the same
     rewrite."""
+    fused_gelu: tuple[str, ...] = ()
+    """Output nodes (names before the rewrite) of written-out tanh GELUs replaced by one
+    ``aten.gelu(approximate="tanh")`` each (``trace(fuse_gelu=True)``, see [Note: fused
+    tanh GELU] in ``_gelu.py``); :meth:`module_for` applies the same rewrite."""
 
     @property
     def forward_peak_bytes(self) -> int:
@@ -155,13 +160,13 @@ class TracedModel:
         """A fresh graph module that runs on ``device``.
 
         Node names equal :attr:`operation_names` (plus placeholders, ``get_attr`` and
-        output nodes); attention listed in :attr:`causal_attention` is rewritten as in
-        :func:`~offload_trace.trace`. Device constants baked in at trace time
-        (``arange(device=meta)``, ``.to(meta)``, metadata asserts) point at ``device``;
-        lifted tensor constants are moved there. Parameters and buffers stay meta
-        placeholders: assign real tensors with ``setattr`` along the original names (both
-        names of a tied group). Call it with the same argument structure as the example
-        inputs.
+        output nodes); attention listed in :attr:`causal_attention` and GELUs listed in
+        :attr:`fused_gelu` are rewritten as in :func:`~offload_trace.trace`. Device
+        constants baked in at trace time (``arange(device=meta)``, ``.to(meta)``,
+        metadata asserts) point at ``device``; lifted tensor constants are moved there.
+        Parameters and buffers stay meta placeholders: assign real tensors with
+        ``setattr`` along the original names (both names of a tied group). Call it with
+        the same argument structure as the example inputs.
 
         Args:
             device: where the module will run.
@@ -193,6 +198,7 @@ class TracedModel:
             )
         gm = self.exported.module()
         apply_causal_attention(gm, self.causal_attention)
+        apply_tanh_gelu(gm, self.fused_gelu)
         names = tuple(n.name for n in gm.graph.nodes if n.op in CALL_OPS)
         if names != self.operation_names:
             raise RuntimeError(
