@@ -42,9 +42,9 @@ REPLAYED = tuple(
 also with the ``_stream`` suffix (streamed host steps, planned so)."""
 
 
-def workload_traced(workload: str) -> Any:
+def workload_traced(workload: str, *, fuse_gelu: bool = False) -> Any:
     """The workload's ``TracedModel``: its model traced on the meta device in fp16 for
-    CUDA (nothing allocated)."""
+    CUDA (nothing allocated); ``fuse_gelu`` as ``offload_trace.trace`` takes it."""
     import torch
 
     from offload_gpt_example.models import build_model, random_batch
@@ -53,12 +53,12 @@ def workload_traced(workload: str) -> Any:
     name, batch, seq, _ = WORKLOADS[workload]
     model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
     inputs = random_batch(batch, seq, device="meta")
-    return trace(model, inputs, dtype=torch.float16, target_device="cuda")
+    return trace(model, inputs, dtype=torch.float16, target_device="cuda", fuse_gelu=fuse_gelu)
 
 
-def workload_profile(workload: str) -> Any:
+def workload_profile(workload: str, *, fuse_gelu: bool = False) -> Any:
     """The workload's ``ModelProfile`` (``workload_traced``'s)."""
-    return workload_traced(workload).to_profile()
+    return workload_traced(workload, fuse_gelu=fuse_gelu).to_profile()
 
 
 def row_hardware(
@@ -350,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_compute_model_args(parser, "replan every row")
     parser.add_argument(
+        "--fuse-gelu",
+        action="store_true",
+        help="trace every workload with its written-out tanh GELU fused into one aten.gelu "
+        "(memory_optimize(fuse_gelu=True)): what the rows would predict with it. Rows that "
+        "ran with it (fuse_gelu in the row) are replayed so either way",
+    )
+    parser.add_argument(
         "--streamed-only",
         action="store_true",
         help="replay only the rows whose plan streamed (a _stream kind planned so, "
@@ -386,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ModelProfile, ParamPlacement, StreamedStepCosts, solve
 
-    traced: dict[str, ModelProfile] = {}
+    traced: dict[tuple[str, bool], ModelProfile] = {}
     print(
         "| file | workload | kind | measured step | predicted then | replayed now | "
         "measured peak | predicted then | replayed now | "
@@ -418,14 +425,15 @@ def main(argv: list[str] | None = None) -> int:
                 if f"{path.name}:{kind}" in args.exclude:
                     print(f"| {path.name} | {workload} | {kind} | excluded | | | | | | | | | | |")
                     continue
-                if workload not in traced:
-                    traced[workload] = workload_profile(workload)
+                fuse = args.fuse_gelu or bool(row.get("fuse_gelu"))
+                if (workload, fuse) not in traced:
+                    traced[workload, fuse] = workload_profile(workload, fuse_gelu=fuse)
                 p = row["profile"]
                 rate = args.fused_gparam / costs[kind] if kind in costs else p["host_adam_gparam"]
                 rate = host_rate(
                     row, rate, "recorded" if args.host_rate == "loop" else args.host_rate
                 )
-                base = traced[workload]
+                base = traced[workload, fuse]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = base_kind in SPECULATING
                 simulation: dict[str, Any] = {

@@ -664,3 +664,24 @@ def test_the_host_rate_the_loop_ran_at_plans_the_next_run(
     again = HOST_LINE.search(out)
     assert again is not None, out
     assert float(again.group(1)) == pytest.approx(float(loop), abs=1e-3)
+
+
+def test_fuse_gelu_keeps_fewer_activations_and_trains(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--fuse_gelu traces GPT-2's written-out GELU as one aten.gelu: the planned activation
+    peak drops (three fewer MLP-width activations a layer), and the tiny model trains to a
+    finite loss, planned or run."""
+    base = [*TINY, *FINE, "--batch_size", "2", "--steps", "2", "--log_dir", str(tmp_path)]
+    peaks = []
+    for extra in ([], ["--fuse_gelu"]):
+        code, out, err = _run([*base, *extra, "--plan_only"], capsys)
+        assert code == 0, err
+        match = SUMMARY_LINE.search(out)
+        assert match is not None, out
+        peaks.append(float(match.group(1)))
+    assert peaks[1] < peaks[0]
+    code, out, err = _run([*base, "--fuse_gelu"], capsys)
+    assert code == 0, err
+    loss = LOSS_LINE.search(out)
+    assert loss is not None and math.isfinite(float(loss.group(1))), out
