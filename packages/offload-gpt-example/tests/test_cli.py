@@ -671,7 +671,7 @@ def test_fuse_gelu_keeps_fewer_activations_and_trains(
 ) -> None:
     """--fuse_gelu traces GPT-2's written-out GELU as one aten.gelu: the planned activation
     peak drops (three fewer MLP-width activations a layer), and the tiny model trains to a
-    finite loss, planned or run."""
+    finite loss, planned or run; gpt2_tiny has 4 layers, so 4 GELUs fuse."""
     base = [*TINY, *FINE, "--batch_size", "2", "--steps", "2", "--log_dir", str(tmp_path)]
     peaks = []
     for extra in ([], ["--fuse_gelu"]):
@@ -680,6 +680,7 @@ def test_fuse_gelu_keeps_fewer_activations_and_trains(
         match = SUMMARY_LINE.search(out)
         assert match is not None, out
         peaks.append(float(match.group(1)))
+        assert ("fused 4 written-out tanh GELU(s)" in out) == bool(extra), out
     assert peaks[1] < peaks[0]
     code, out, err = _run([*base, "--fuse_gelu"], capsys)
     assert code == 0, err

@@ -701,6 +701,8 @@ def plan_only(
         inputs = random_batch(args.batch_size, args.seq_len, device="meta")
         traced = trace(model, inputs, dtype=dtype, target_device="cuda", fuse_gelu=args.fuse_gelu)
         profile = traced.to_profile(name=args.model_type)
+    if args.fuse_gelu:
+        print(f"fused {len(traced.fused_gelu)} written-out tanh GELU(s)", flush=True)
     hardware: HardwareProfile
     if torch.cuda.is_available():
         # profile_hardware reports its own phases (or loads the per-device cache).
