@@ -4,6 +4,7 @@ written-out GELU becomes one ``aten.gelu(approximate="tanh")``; anything else st
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -21,9 +22,8 @@ def _count(gm: fx.GraphModule, target: object) -> int:
 
 
 def _loss_and_grads(
-    run: object, model: nn.Module, ids: torch.Tensor
+    run: Callable[..., torch.Tensor], model: nn.Module, ids: torch.Tensor
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    assert callable(run)
     out = run(input_ids=ids)
     weights = torch.linspace(-1.0, 1.0, out.numel()).reshape(out.shape)
     (out * weights).sum().backward()

@@ -119,9 +119,9 @@ def _chain_at(tanh: fx.Node) -> _Chain | None:
     operands = _binary(out, _MUL)
     if out is None or operands is None:
         return None
-    half = operands[0] if operands[1] is one_plus else operands[1]
-    if operands[0] is not one_plus and operands[1] is not one_plus:
+    if one_plus not in operands:
         return None
+    half = operands[0] if operands[1] is one_plus else operands[1]
     if _split(_binary(half, _MUL), 0.5) is not x:
         return None
     assert isinstance(half, fx.Node) and isinstance(scaled, fx.Node)
@@ -132,16 +132,16 @@ def _chain_at(tanh: fx.Node) -> _Chain | None:
     return _Chain(x, out, inner)
 
 
+def _chains(gm: fx.GraphModule) -> list[_Chain]:
+    """Every written-out tanh GELU in ``gm``, in graph order."""
+    tanhs = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _TANH]
+    return [chain for chain in map(_chain_at, tanhs) if chain is not None]
+
+
 def find_tanh_gelu(gm: fx.GraphModule) -> tuple[str, ...]:
     """Names of the output nodes of every written-out tanh GELU in ``gm``, in graph order
     (see [Note: fused tanh GELU])."""
-    return tuple(
-        chain.out.name
-        for node in gm.graph.nodes
-        if node.op == "call_function" and node.target is _TANH
-        for chain in [_chain_at(node)]
-        if chain is not None
-    )
+    return tuple(chain.out.name for chain in _chains(gm))
 
 
 def apply_tanh_gelu(gm: fx.GraphModule, names: Iterable[str]) -> int:
@@ -154,13 +154,7 @@ def apply_tanh_gelu(gm: fx.GraphModule, names: Iterable[str]) -> int:
         ValueError: a name is not the output of a written-out tanh GELU in ``gm``.
     """
     wanted = set(names)
-    chains = [
-        chain
-        for node in list(gm.graph.nodes)
-        if node.op == "call_function" and node.target is _TANH
-        for chain in [_chain_at(node)]
-        if chain is not None and chain.out.name in wanted
-    ]
+    chains = [chain for chain in _chains(gm) if chain.out.name in wanted]
     missing = wanted - {c.out.name for c in chains}
     if missing:
         raise ValueError(f"nodes {sorted(missing)} are not written-out tanh GELUs in this graph")
