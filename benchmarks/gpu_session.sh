@@ -17,6 +17,9 @@
 #           (BENCH_FUSE_GELU=1), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
 #           ours_io_spec1_stream; then pair_ratios.py and pin_rows.py    ~5 min a round
+#   s37     W3 ours_io_spec1_stream with full GPU, FSDP2 and torchao; W4 ours_io_bf16m_spec1_stream
+#           with torchao; W4 ours_io_spec1_stream with FSDP2 (run with BENCH_FUSE_GELU=1:
+#           every kind with one fused tanh GELU)                            ~9 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
 #           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
 #           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
@@ -338,6 +341,10 @@ case "$phase" in
     bench W4 ours_io_stream,fsdp2,torchao,ours_io_bf16m_spec1_stream 250 W4_fs2 ;;
   w4fs3)
     bench W4 ours_io_stream,fsdp2 250 W4_fs3 ;;
+  s37)
+    bench W3 ours_io_spec1_stream,full_gpu,fsdp2,torchao 150 W3
+    bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m
+    bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
   w4fsp)
     bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
   s24)

@@ -93,8 +93,10 @@ Set BENCH_MEASURE_ATTENTION=1 to plan the ``ours`` kinds with fused attention me
 the model's own shapes (``memory_optimize(measure_attention=True)``); rows record
 ``measure_attention``, and their ``hardware`` the rates. Set BENCH_FUSE_GELU=1 to trace
 the ``ours`` kinds with GPT-2's written-out tanh GELU fused into one ``aten.gelu``
-(``memory_optimize(fuse_gelu=True)``: fewer operations to issue and activations to keep;
-the peers run the model as written); rows record ``fuse_gelu``.
+(``memory_optimize(fuse_gelu=True)``: fewer operations to issue and activations to keep),
+and build the peers' models (full GPU, FSDP2, torchao) with transformers'
+``gelu_pytorch_tanh``, the same function as one ``aten.gelu``, so that every kind runs
+the same operations; rows record ``fuse_gelu`` (ours) or ``activation`` (the peers).
 Set BENCH_PAIR_FULL_GPU=1 to follow each ``ours`` row's measurement (where full-GPU
 training fits beside it: W1) with full-GPU training built in the same process and the two
 stepped in turn, ``--steps`` pairs after ``--warmup`` each (:func:`interleaved_steps`); rows
@@ -995,6 +997,17 @@ def _force_streamed(module: Any, fraction: float) -> None:
             chosen += st.numel
 
 
+def peer_activation() -> str:
+    """The MLP activation the peers' models are built with: ``gelu_pytorch_tanh`` (one
+    ``aten.gelu``) under BENCH_FUSE_GELU=1, where ours fuses GPT-2's written-out GELU
+    into the same operation, else GPT-2's own (``models.DEFAULT_ACTIVATION``)."""
+    from offload_gpt_example.models import DEFAULT_ACTIVATION
+
+    if os.environ.get("BENCH_FUSE_GELU", "0") != "0":
+        return "gelu_pytorch_tanh"
+    return DEFAULT_ACTIVATION
+
+
 def _full_gpu_steps(
     workload: str,
 ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
@@ -1005,7 +1018,9 @@ def _full_gpu_steps(
     from offload_gpt_example.models import build_model, lm_loss, random_batch
 
     name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(name, device="cuda", dtype=torch.float16, seq_len=seq)
+    model = build_model(
+        name, device="cuda", dtype=torch.float16, seq_len=seq, activation=peer_activation()
+    )
     data = random_batch(batch, seq, device="cuda")
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
 
@@ -1067,7 +1082,14 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
     name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(name, device="cpu", dtype=torch.float32, seq_len=seq, init_device="cuda")
+    model = build_model(
+        name,
+        device="cpu",
+        dtype=torch.float32,
+        seq_len=seq,
+        init_device="cuda",
+        activation=peer_activation(),
+    )
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for block in model.model.transformer.h:
@@ -1096,7 +1118,9 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     from offload_gpt_example.models import build_model, lm_loss, random_batch
 
     name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(name, device="cuda", dtype=torch.bfloat16, seq_len=seq)
+    model = build_model(
+        name, device="cuda", dtype=torch.bfloat16, seq_len=seq, activation=peer_activation()
+    )
     data = random_batch(batch, seq, device="cuda")
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4)
 
@@ -1125,6 +1149,8 @@ def child_main(args: argparse.Namespace) -> None:
             result = _torchao(args.workload, args.warmup, args.steps)
         else:
             raise ValueError(f"unknown kind {args.child!r}; known: {', '.join(KINDS)}")
+        if args.child not in OURS_KINDS:
+            result["activation"] = peer_activation()
         result["ok"] = True
     except Exception as exc:  # reported as a row, never fatal
         traceback.print_exc()

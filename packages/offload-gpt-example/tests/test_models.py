@@ -118,6 +118,31 @@ def test_forward_returns_logits_for_every_position() -> None:
     assert torch.allclose(logits, model(batch["input_ids"], ones), rtol=1e-5, atol=1e-6)
 
 
+def test_the_fused_activation_is_gpt2s_gelu_and_the_operations_a_fused_trace_runs() -> None:
+    """``activation="gelu_pytorch_tanh"`` (what the benchmark's peers run under
+    BENCH_FUSE_GELU=1) computes GPT-2's tanh GELU to float32 rounding with the same seeded
+    weights, and traces to exactly the operations and saved bytes that GPT-2's own model
+    traces to with ``fuse_gelu=True``; a name transformers lacks is refused."""
+    from offload_trace import trace
+
+    plain = build_model("gpt2_tiny", dtype=torch.float32, dropout=0.0)
+    tanh = build_model(
+        "gpt2_tiny", dtype=torch.float32, dropout=0.0, activation="gelu_pytorch_tanh"
+    )
+    assert plain.model.config.activation_function == "gelu_new"
+    batch = random_batch(2, 8)
+    torch.testing.assert_close(tanh(**batch), plain(**batch), rtol=1e-5, atol=1e-5)
+
+    fused = trace(plain, batch, dtype=torch.float16, target_device="cpu", fuse_gelu=True)
+    peer = trace(tanh, batch, dtype=torch.float16, target_device="cpu")
+    assert len(fused.fused_gelu) == get_spec("gpt2_tiny").num_layers
+    assert peer.fused_gelu == ()
+    assert len(peer.operation_names) == len(fused.operation_names)
+    assert peer.saved_bytes == fused.saved_bytes
+    with pytest.raises(ValueError, match="gelu_pytorch_tanh"):
+        build_model("gpt2_tiny", device="meta", activation="gelu_tanh_typo")
+
+
 def test_random_batch_and_labels_follow_the_requested_shape() -> None:
     gen = torch.Generator().manual_seed(0)
     batch = random_batch(6, 11, generator=gen)

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.activations import ACT2FN
 
 VOCAB_SIZE = 1024
 """Tokens in the vocabulary of every model in the zoo (the reference's value)."""
@@ -28,6 +29,8 @@ DEFAULT_SEQ_LEN = 8
 DEFAULT_N_POSITIONS = 1024
 """Position-embedding rows when the sequence is shorter (GPT-2's value)."""
 HF_DEFAULT_DROPOUT = 0.1
+# GPT-2's own MLP activation: the tanh GELU written out (transformers' NewGELUActivation).
+DEFAULT_ACTIVATION = "gelu_new"
 """Hugging Face's ``resid_pdrop`` / ``embd_pdrop`` / ``attn_pdrop`` default."""
 
 
@@ -110,8 +113,17 @@ def gpt2_config(
     *,
     seq_len: int = DEFAULT_SEQ_LEN,
     dropout: float = HF_DEFAULT_DROPOUT,
+    activation: str = DEFAULT_ACTIVATION,
 ) -> GPT2Config:
-    """The ``GPT2Config`` of ``spec``; ``dropout`` sets all three HF dropout rates."""
+    """The ``GPT2Config`` of ``spec``; ``dropout`` sets all three HF dropout rates and
+    ``activation`` the MLP's (a key of transformers' ``ACT2FN``: GPT-2's ``"gelu_new"``,
+    its tanh GELU written out in eight operations, or ``"gelu_pytorch_tanh"``, the same
+    function as one ``aten.gelu``)."""
+    if activation not in ACT2FN:
+        raise ValueError(
+            f"activation {activation!r} is not one of transformers' activations; "
+            f"use {DEFAULT_ACTIVATION!r} or 'gelu_pytorch_tanh'"
+        )
     if seq_len <= 0:
         raise ValueError(f"seq_len is {seq_len}; it must be a positive number of tokens")
     if not 0.0 <= dropout < 1.0:
@@ -125,6 +137,7 @@ def gpt2_config(
         resid_pdrop=dropout,
         embd_pdrop=dropout,
         attn_pdrop=dropout,
+        activation_function=activation,
         use_cache=False,
         # GPT-2's 50256 lies outside the 1024-token vocabulary; these ids are never used.
         bos_token_id=None,
@@ -141,6 +154,7 @@ def build_model(
     dropout: float = HF_DEFAULT_DROPOUT,
     seed: int | None = 0,
     init_device: torch.device | str | None = None,
+    activation: str = DEFAULT_ACTIVATION,
 ) -> GPTLMModel:
     """Build zoo model ``name`` with parameters of ``dtype`` on ``device``.
 
@@ -151,14 +165,14 @@ def build_model(
     ``init_device`` draws the random weights there, one parameter at a time, and copies
     them to ``device``: torch's CPU ``normal_`` is single-threaded (about 25 M elements/s
     on the H200 host, a minute for gpt2_xl), a GPU draws them in milliseconds. Default:
-    ``device``.
+    ``device``. ``activation`` is the MLP's (:func:`gpt2_config`).
     """
     spec = get_spec(name)
     if not dtype.is_floating_point:
         raise ValueError(
             f"dtype {dtype} is not a floating-point type; use float16/bfloat16/float32"
         )
-    config = gpt2_config(spec, seq_len=seq_len, dropout=dropout)
+    config = gpt2_config(spec, seq_len=seq_len, dropout=dropout, activation=activation)
     with torch.device("meta"):
         model = GPTLMModel(config)
     model = model.to(dtype=dtype)
