@@ -928,6 +928,7 @@ def _ours(
         applied_before = opt.step_count
         ours_s, full_s = interleaved_steps(step, full_step, warmup, steps, torch.cuda.synchronize)
         out["paired_full_gpu"] = pair_summary(ours_s, full_s)
+        out["paired_full_gpu"]["activation"] = peer_activation()
         # fp16 overflow skips among ours' paired steps (short steps, so they flatter it).
         out["paired_full_gpu"]["ours_skipped_steps"] = (
             warmup + steps - (opt.step_count - applied_before)

@@ -9,7 +9,10 @@ peer's row in the same file (one ``offload_bench.py`` run, as ``pair_ratios.py``
 rounds), else in the same call. Files named ``sNNcM_*`` (``benchmarks/results``) belong
 to call M of session NN, and any other file to the call of its folder (one
 ``gpu_session.sh`` output folder). Where there is more than one row of a peer, the ratio
-is taken to the peer's median. Step times are the
+is taken to the peer's median. A peer's row counts only where it ran the same MLP
+activation as ours (:func:`same_model`: BENCH_FUSE_GELU fuses GPT-2's GELU in ours and
+the peers alike from session 37 on); rows whose peers ran the other one are listed, left
+out of the ratios. Step times are the
 issue's measure, the mean of the 5 fastest timed steps; the run mean's ratio follows in
 brackets.
 
@@ -42,6 +45,8 @@ from offload_bench import OURS_KINDS, WORKLOADS, issue_floor
 
 GiB = 2**30
 PEERS = ("full_gpu", "fsdp2", "torchao")
+AS_WRITTEN = "gelu_new"
+FUSED = "gelu_pytorch_tanh"
 PAIRED_W1 = "W1 <= 1.05x full GPU, stepped in turn in one process"
 _CALL = re.compile(r"^(s\d+c\d+)_")
 
@@ -55,8 +60,10 @@ class Row:
     kind: str
     result: dict[str, Any]
     peers: dict[str, list[dict[str, Any]]]
-    """Each peer kind's rows of the same workload: in the same file where it has them,
-    else in the same call."""
+    """Each peer kind's rows of the same workload that ran the same MLP activation
+    (:func:`same_model`): in the same file where it has them, else in the same call."""
+    other_model: tuple[str, ...] = ()
+    """The peer kinds of its call left out because they ran the other activation."""
 
     @property
     def label(self) -> str:
@@ -68,6 +75,25 @@ class Verdict:
     target: str
     cells: list[str]
     status: str
+
+
+def ours_activation(result: dict[str, Any]) -> str:
+    """The MLP activation a row of ours ran: GPT-2's tanh GELU as one ``aten.gelu``
+    (what transformers calls ``gelu_pytorch_tanh``) when it traced with ``fuse_gelu``, else
+    as written (``gelu_new``)."""
+    return FUSED if result.get("fuse_gelu") else AS_WRITTEN
+
+
+def peer_activation(result: dict[str, Any]) -> str:
+    """The activation a peer's row (or a row's ``paired_full_gpu``) ran: its record, and
+    GPT-2's own for rows from before the peers recorded it (session 37)."""
+    return str(result.get("activation", AS_WRITTEN))
+
+
+def same_model(ours: dict[str, Any], peer: dict[str, Any]) -> bool:
+    """Whether ``ours`` and ``peer`` ran the same operations: a ratio between a fused and a
+    written-out GELU would credit ours with a model change (BENCH_FUSE_GELU)."""
+    return ours_activation(ours) == peer_activation(peer)
 
 
 def call_of(path: Path) -> str:
@@ -98,9 +124,18 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                     ours.append((call, str(path.resolve()), workload, kind, result))
     rows = []
     for call, file, w, kind, result in ours:
-        peers = dict(in_call.get((call, w), {}))
-        peers.update(in_file.get((file, w), {}))  # the same run's peer, where there is one
-        rows.append(Row(Path(file).name, w, kind, result, peers))
+        by_call = in_call.get((call, w), {})
+        by_file = in_file.get((file, w), {})
+        peers = {}
+        for peer in by_call:
+            # The same run's peer where it ran the same model, else the call's.
+            for results in (by_file.get(peer, []), by_call[peer]):
+                same = [r for r in results if same_model(result, r)]
+                if same:
+                    peers[peer] = same
+                    break
+        other = tuple(sorted(set(by_call) - set(peers)))
+        rows.append(Row(Path(file).name, w, kind, result, peers, other))
     return rows
 
 
@@ -198,7 +233,9 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     paired = [
         (row, p["ratio"], p.get("run_ratio"))
         for row in w1
-        if isinstance(p := row.result.get("paired_full_gpu"), dict) and "ratio" in p
+        if isinstance(p := row.result.get("paired_full_gpu"), dict)
+        and "ratio" in p
+        and same_model(row.result, p)
     ]
     out.append(ratio_verdict(PAIRED_W1, 1.05, paired, False))
     for w in ("W2", "W3", "W4"):
@@ -230,6 +267,18 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     out.append(
         ratio_verdict("W4 bf16 moments faster than torchao", 1.0, against("torchao", w4m), True)
     )
+    unmatched = [
+        f"{row.label} ({ours_activation(row.result)}): {', '.join(row.other_model)}"
+        for row in rows
+        if row.other_model
+        or (
+            isinstance(p := row.result.get("paired_full_gpu"), dict)
+            and "ratio" in p
+            and not same_model(row.result, p)
+        )
+    ]
+    if unmatched:
+        out.append(Verdict("peers of another MLP activation", unmatched, "left out of the ratios"))
     return out
 
 
