@@ -13,13 +13,14 @@
 #   attnab  W3 ours_io_spec1_stream as by default and planned with fused attention measured
 #           at its own shape (BENCH_MEASURE_ATTENTION=1), alternating, ROUNDS rounds
 #           (default 2); then each row's run mean and plan (pin_rows.py)     ~1.2 min a row
-#   geluab  GPT-2's tanh GELU written out (as by default) and fused into one aten.gelu
-#           (BENCH_FUSE_GELU=1), alternating, ROUNDS rounds (default 1): W1 ours with
+#   geluab  GPT-2's tanh GELU written out (BENCH_FUSE_GELU=0) and fused into one aten.gelu
+#           (as by default from session 37 on), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
 #           ours_io_spec1_stream; then pair_ratios.py and pin_rows.py    ~5 min a round
-#   s37     W3 ours_io_spec1_stream with full GPU, FSDP2 and torchao; W4 ours_io_bf16m_spec1_stream
-#           with torchao; W4 ours_io_spec1_stream with FSDP2 (run with BENCH_FUSE_GELU=1:
-#           every kind with one fused tanh GELU)                            ~9 min
+#   s37     W3 ours_io_spec1_stream with full GPU, FSDP2 and torchao, then W4
+#           ours_io_bf16m_spec1_stream with torchao (every kind with one fused tanh GELU
+#           unless BENCH_FUSE_GELU=0); w4fsp, W4 beside FSDP2, needs a call of its own:
+#           ours took 163 s of it and FSDP2 had not finished 270 s in (session 37) ~6 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
 #           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
 #           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
@@ -209,9 +210,9 @@ case "$phase" in
       | tee "$out/attnab.txt" ;;
   geluab)
     for i in $(seq 1 "${ROUNDS:-1}"); do
-      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_plain$i"
+      BENCH_FUSE_GELU=0 BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_plain$i"
       BENCH_FUSE_GELU=1 BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_gelu$i"
-      bench W3 ours_io_spec1_stream 150 "W3_plain$i"
+      BENCH_FUSE_GELU=0 bench W3 ours_io_spec1_stream 150 "W3_plain$i"
       BENCH_FUSE_GELU=1 bench W3 ours_io_spec1_stream 150 "W3_gelu$i"
     done
     for v in plain gelu; do
@@ -343,8 +344,7 @@ case "$phase" in
     bench W4 ours_io_stream,fsdp2 250 W4_fs3 ;;
   s37)
     bench W3 ours_io_spec1_stream,full_gpu,fsdp2,torchao 150 W3
-    bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m
-    bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
+    bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m ;;
   w4fsp)
     bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
   s24)

@@ -91,12 +91,14 @@ before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
 BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
 Set BENCH_MEASURE_ATTENTION=1 to plan the ``ours`` kinds with fused attention measured at
 the model's own shapes (``memory_optimize(measure_attention=True)``); rows record
-``measure_attention``, and their ``hardware`` the rates. Set BENCH_FUSE_GELU=1 to trace
-the ``ours`` kinds with GPT-2's written-out tanh GELU fused into one ``aten.gelu``
-(``memory_optimize(fuse_gelu=True)``: fewer operations to issue and activations to keep),
-and build the peers' models (full GPU, FSDP2, torchao) with transformers'
-``gelu_pytorch_tanh``, the same function as one ``aten.gelu``, so that every kind runs
-the same operations; rows record ``fuse_gelu`` (ours) or ``activation`` (the peers).
+``measure_attention``, and their ``hardware`` the rates. By default (BENCH_FUSE_GELU=1,
+from session 37 on) the ``ours`` kinds trace GPT-2's written-out tanh GELU fused into one
+``aten.gelu`` (``memory_optimize(fuse_gelu=True)``, its default: fewer operations to
+issue and activations to keep), and the peers' models (full GPU, FSDP2, torchao) are
+built with transformers' ``gelu_pytorch_tanh``, the same function as one ``aten.gelu``,
+so that every kind runs the same operations; BENCH_FUSE_GELU=0 runs every kind with the
+GELU as written (as every row before session 37 did). Rows record ``fuse_gelu`` (ours)
+or ``activation`` (the peers).
 Set BENCH_PAIR_FULL_GPU=1 to follow each ``ours`` row's measurement (where full-GPU
 training fits beside it: W1) with full-GPU training built in the same process and the two
 stepped in turn, ``--steps`` pairs after ``--warmup`` each (:func:`interleaved_steps`); rows
@@ -524,7 +526,7 @@ def _ours(
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     measure_attention = os.environ.get("BENCH_MEASURE_ATTENTION", "0") != "0"
-    fuse_gelu = os.environ.get("BENCH_FUSE_GELU", "0") != "0"
+    fuse_gelu = os.environ.get("BENCH_FUSE_GELU", "1") != "0"
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
@@ -1000,11 +1002,11 @@ def _force_streamed(module: Any, fraction: float) -> None:
 
 def peer_activation() -> str:
     """The MLP activation the peers' models are built with: ``gelu_pytorch_tanh`` (one
-    ``aten.gelu``) under BENCH_FUSE_GELU=1, where ours fuses GPT-2's written-out GELU
-    into the same operation, else GPT-2's own (``models.DEFAULT_ACTIVATION``)."""
+    ``aten.gelu``) unless BENCH_FUSE_GELU=0, as ours fuses GPT-2's written-out GELU into
+    the same operation, else GPT-2's own (``models.DEFAULT_ACTIVATION``)."""
     from offload_gpt_example.models import DEFAULT_ACTIVATION
 
-    if os.environ.get("BENCH_FUSE_GELU", "0") != "0":
+    if os.environ.get("BENCH_FUSE_GELU", "1") != "0":
         return "gelu_pytorch_tanh"
     return DEFAULT_ACTIVATION
 

@@ -138,10 +138,13 @@ def least_budget(
     solver: str,
     dtype: torch.dtype,
     hardware: HardwareProfile,
+    *,
+    fuse_gelu: bool = False,
 ) -> int:
     """The smallest budget the solver accepts (finest regions): it offloads all it can."""
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    profile = trace(model, inp, dtype=dtype, target_device=target).to_profile()
+    traced = trace(model, inp, dtype=dtype, target_device=target, fuse_gelu=fuse_gelu)
+    profile = traced.to_profile()
     try:
         solve(profile, hardware, 1, solver=solver, block_search_range_bytes=0)
     except InfeasibleBudgetError as exc:
@@ -163,12 +166,16 @@ def forcing_budget(
     solver: str,
     dtype: torch.dtype,
     hardware: HardwareProfile,
+    *,
+    fuse_gelu: bool = False,
 ) -> int:
     """The least budget above the infeasible one at which the plan offloads half the
-    regions (with async prefetches for ``asyn``, which need a little room to coexist)."""
+    regions (with async prefetches for ``asyn``, which need a little room to coexist),
+    for the model traced as ``memory_optimize(fuse_gelu=fuse_gelu)`` traces it."""
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    profile = trace(model, inp, dtype=dtype, target_device=target).to_profile()
-    least = least_budget(model, inp, solver, dtype, hardware)
+    traced = trace(model, inp, dtype=dtype, target_device=target, fuse_gelu=fuse_gelu)
+    profile = traced.to_profile()
+    least = least_budget(model, inp, solver, dtype, hardware, fuse_gelu=fuse_gelu)
     for step in range(60):
         budget = int(least * (1 + 0.02 * step))
         plan = solve(profile, hardware, budget, solver=solver, block_search_range_bytes=0)

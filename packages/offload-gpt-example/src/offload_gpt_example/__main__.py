@@ -203,14 +203,23 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "up and back around a device step, while the host steps the others; pays when the "
         "host step bounds the training step and PCIe has time to spare",
     )
-    p.add_argument(
+    gelu = p.add_mutually_exclusive_group()
+    gelu.add_argument(
         "--fuse_gelu",
+        dest="fuse_gelu",
         action="store_true",
         help="trace GPT-2's tanh GELU, written out in eight element-wise operations, as one "
         "aten.gelu(approximate='tanh') (memory_optimize(fuse_gelu=True)): the same formula "
         "in one kernel, fewer operations to issue and three fewer MLP-width activations "
-        "kept per layer for backward; results differ by rounding",
+        "kept per layer for backward; results differ by rounding (the default)",
     )
+    gelu.add_argument(
+        "--no_fuse_gelu",
+        dest="fuse_gelu",
+        action="store_false",
+        help="trace the model's GELU as written (memory_optimize(fuse_gelu=False))",
+    )
+    p.set_defaults(fuse_gelu=True)
     p.add_argument(
         "--host_rate",
         type=float,
@@ -701,7 +710,7 @@ def plan_only(
         inputs = random_batch(args.batch_size, args.seq_len, device="meta")
         traced = trace(model, inputs, dtype=dtype, target_device="cuda", fuse_gelu=args.fuse_gelu)
         profile = traced.to_profile(name=args.model_type)
-    if args.fuse_gelu:
+    if traced.fused_gelu:
         print(f"fused {len(traced.fused_gelu)} written-out tanh GELU(s)", flush=True)
     hardware: HardwareProfile
     if torch.cuda.is_available():
