@@ -12,6 +12,8 @@ the compute stream (default: the stream that ran most kernels), with the time ea
 began. A prefetch that waits behind other copies shows as a long lag on the runtime's h2d
 stream beside a gap in compute ([Note: paced ring] in offload_optim/streamed.py). Stream
 numbers are the trace's own; the row's ``profile_streams`` says what each carried.
+``--window START:END`` (ms) also prints what every stream ran in that span and each copy
+that started in it: what a gap in compute waited behind.
 """
 
 from __future__ import annotations
@@ -86,6 +88,64 @@ def compute_gaps(
     return stream, gaps
 
 
+def window_activity(
+    events: list[dict[str, Any]], t0: float, lo: float, hi: float
+) -> dict[tuple[str, str], tuple[int, float, float, float]]:
+    """Per (stream, kind: ``gpu_memcpy``, ``kernel`` or ``gpu_memset``), what ran on the
+    device overlapping ``lo``-``hi`` ms from ``t0``: (how many, busy ms inside the window,
+    first start ms, last end ms)."""
+    out: dict[tuple[str, str], tuple[int, float, float, float]] = {}
+    for e in events:
+        cat = e.get("cat")
+        if e.get("ph") != "X" or cat not in ("gpu_memcpy", "kernel", "gpu_memset"):
+            continue
+        a = (float(e["ts"]) - t0) / 1e3
+        b = a + float(e["dur"]) / 1e3
+        if b <= lo or a >= hi:
+            continue
+        key = (str(e["tid"]), str(cat))
+        n, busy, first, last = out.get(key, (0, 0.0, a, b))
+        out[key] = (n + 1, busy + min(b, hi) - max(a, lo), min(first, a), max(last, b))
+    return out
+
+
+def window_copies(
+    events: list[dict[str, Any]], t0: float, lo: float, hi: float
+) -> list[tuple[str, float, float, float, int]]:
+    """Copies that started within ``lo``-``hi`` ms from ``t0``, in start order: (stream,
+    issued ms, started ms, ran ms, bytes); issued is NaN where the runtime call is not in
+    the trace."""
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    issued = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in spans
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    out = []
+    for e in spans:
+        if e.get("cat") != "gpu_memcpy":
+            continue
+        start = (float(e["ts"]) - t0) / 1e3
+        if not lo <= start < hi:
+            continue
+        at = issued.get(e.get("args", {}).get("correlation"))
+        when = float("nan") if at is None else (at - t0) / 1e3
+        moved = int(e.get("args", {}).get("bytes", 0))
+        out.append((str(e["tid"]), when, start, float(e["dur"]) / 1e3, moved))
+    return sorted(out, key=lambda c: c[2])
+
+
+def _window(text: str) -> tuple[float, float]:
+    lo, sep, hi = text.partition(":")
+    try:
+        a, b = float(lo), float(hi)
+    except ValueError:
+        a = b = float("nan")
+    if not sep or not a < b:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text!r}: give START:END in ms, START < END")
+    return a, b
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("trace", type=Path)
@@ -93,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compute", help="the compute stream (default: most kernels)")
     parser.add_argument("--gap-ms", type=float, default=5.0)
     parser.add_argument("--top", type=int, default=3, help="largest lags shown per stream")
+    parser.add_argument(
+        "--window",
+        type=_window,
+        metavar="START:END",
+        help="also print what each stream ran in this span (ms from the trace's first "
+        "span), and each copy that started in it, when it was issued and when it ran",
+    )
     args = parser.parse_args(argv)
     events = load(args.trace)
     t0 = start_us(events)
@@ -119,6 +186,23 @@ def main(argv: list[str] | None = None) -> int:
         f"compute stream {stream}: {len(gaps)} gaps over {args.gap_ms:g} ms, {total:.0f} ms in "
         f"all: {listed}"
     )
+    if args.window is not None:
+        lo, hi = args.window
+        print(f"{lo:g}-{hi:g} ms:")
+        for (sid, cat), (n, busy, first, last) in sorted(
+            window_activity(events, t0, lo, hi).items(), key=lambda kv: (int(kv[0][0]), kv[0][1])
+        ):
+            print(
+                f"  stream {sid} {cat}: {n}, {busy:.1f} ms busy in the window, "
+                f"{first:.1f}-{last:.1f} ms"
+            )
+        for sid, when, start, ran, moved in window_copies(events, t0, lo, hi):
+            if wanted and sid not in wanted:
+                continue
+            print(
+                f"  copy on {sid}: issued {when:.1f}, ran {start:.1f}-{start + ran:.1f} ms, "
+                f"{moved / 1e6:.1f} MB, lag {start - when:.1f} ms"
+            )
     return 0
 
 

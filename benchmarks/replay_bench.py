@@ -42,6 +42,14 @@ REPLAYED = tuple(
 also with the ``_stream`` suffix (streamed host steps, planned so)."""
 
 
+def replays_streamed(kind: str, *, streamed: bool, unstreamed: bool) -> bool:
+    """Whether a row of ``kind`` is replanned with streamed host steps: as its kind says
+    (the ``_stream`` suffix), unless ``--streamed`` or ``--unstreamed`` says otherwise."""
+    if unstreamed:
+        return False
+    return streamed or kind.endswith("_stream")
+
+
 def workload_traced(workload: str, *, fuse_gelu: bool = False) -> Any:
     """The workload's ``TracedModel``: its model traced on the meta device in fp16 for
     CUDA (nothing allocated); ``fuse_gelu`` as ``offload_trace.trace`` takes it."""
@@ -280,11 +288,18 @@ def main(argv: list[str] | None = None) -> int:
         "over the measured one), which is no prediction: what is left is the simulator's "
         "error with the host's speed known",
     )
-    parser.add_argument(
+    streaming = parser.add_mutually_exclusive_group()
+    streaming.add_argument(
         "--streamed",
         action="store_true",
         help="plan every row as if its kind had the _stream suffix: what streaming host "
         "steps through the GPU would predict on the row's measured profile",
+    )
+    streaming.add_argument(
+        "--unstreamed",
+        action="store_true",
+        help="plan every row as if its kind lacked the _stream suffix: every host-state "
+        "region stepped by the host, what the row's profile predicts without streaming",
     )
     parser.add_argument(
         "--stream-ring",
@@ -451,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
                         simulation["speculative_step_cost"] = args.speculative_step_cost
                 # Recorded from session 17 on; earlier rows were planned without it.
                 in_use = int(row.get("device_bytes_in_use", args.in_use_mib * 2**20))
-                if kind.endswith("_stream") or args.streamed:
+                if replays_streamed(kind, streamed=args.streamed, unstreamed=args.unstreamed):
                     # What the row's optimizer streams (a row forced by
                     # BENCH_STREAM_FRACTION was not planned so: replayed as planned).
                     # The costs the row's plan recorded; session 22's rows predate that

@@ -1,11 +1,13 @@
-"""replay_bench.py's per-operation issue cost: a number, or each row's own reads."""
+"""replay_bench.py's per-operation issue cost (a number, or each row's own reads) and which
+rows it replans with streamed host steps."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
-from replay_bench import _issue_cost_arg, row_issue_cost_us
+import replay_bench
+from replay_bench import _issue_cost_arg, replays_streamed, row_issue_cost_us
 
 
 def test_reads_replay_a_row_at_the_mean_of_its_own_two_reads() -> None:
@@ -31,3 +33,16 @@ def test_the_bench_reads_the_issue_cost_in_microseconds() -> None:
 
     # On the CPU a tiny GPT-2-like graph's operation costs microseconds to tens of them.
     assert 0.1 < issue_cost_us("cpu") < 1000.0
+
+
+def test_streamed_and_unstreamed_override_the_kind_and_exclude_each_other(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    stream, plain = "ours_io_spec1_stream", "ours_io_spec1"
+    assert replays_streamed(stream, streamed=False, unstreamed=False)
+    assert not replays_streamed(plain, streamed=False, unstreamed=False)
+    assert replays_streamed(plain, streamed=True, unstreamed=False)
+    assert not replays_streamed(stream, streamed=False, unstreamed=True)
+    with pytest.raises(SystemExit):
+        replay_bench.main(["--streamed", "--unstreamed", "x.json"])
+    assert "not allowed with argument" in capsys.readouterr().err
