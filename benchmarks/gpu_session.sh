@@ -21,6 +21,10 @@
 #           ours_io_bf16m_spec1_stream with torchao (every kind with one fused tanh GELU
 #           unless BENCH_FUSE_GELU=0); w4fsp, W4 beside FSDP2, needs a call of its own:
 #           ours took 163 s of it and FSDP2 had not finished 270 s in (session 37) ~6 min
+#   streamab W3 ours_io_spec1_stream and ours_io_spec1 (no streamed regions), alternating,
+#           ROUNDS rounds (default 2); then each kind's rows (pin_rows.py)  ~1.2 min a row
+#   w4gelu  W4 ours_io_spec1_stream with the GELU as written (BENCH_FUSE_GELU=0), then
+#           fused (the default)                                              ~6 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
 #           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
 #           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
@@ -347,6 +351,17 @@ case "$phase" in
     bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m ;;
   w4fsp)
     bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
+  streamab)
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      bench W3 ours_io_spec1_stream 150 "W3_stream$i"
+      bench W3 ours_io_spec1 150 "W3_nostream$i"
+    done
+    { python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_stream[0-9]*.json
+      python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1 "$out"/W3_nostream[0-9]*.json
+    } | tee "$out/streamab.txt" ;;
+  w4gelu)
+    BENCH_FUSE_GELU=0 bench W4 ours_io_spec1_stream 300 W4_plain
+    bench W4 ours_io_spec1_stream 300 W4_gelu ;;
   s24)
     BENCH_POLISH_ROUNDS=8 bench W3 ours_io_spec1_stream,full_gpu,fsdp2,torchao 150 W3_s24
     BENCH_POLISH_ROUNDS=0 bench W3 ours_io_spec1_stream 150 W3_greedy
