@@ -9,8 +9,9 @@ conversion rate and host Adam rate given here; defaults as measured on the H200,
 BENCHMARKS.md; ``--h2d-gbps`` / ``--d2h-gbps`` / ``--peak-tflops`` / ``--efficiency``
 replace the copy rates and compute rate with a measured profile's), and prints: how many
 attention nodes the causal rewrite turned into ``is_causal=True`` and the bytes saved for
-backward; the plan's placements and optimizer-state placements (one letter per region);
-its predicted step (the steady-state period) and peak, and the single cold step's span
+backward, and how many tanh GELUs were fused into one ``aten.gelu`` (``--no-fuse-gelu``
+traces them as written); the plan's placements and optimizer-state placements (one letter
+per region); its predicted step (the steady-state period) and peak, and the single cold step's span
 (what the plan's timeline shows) with the peak of the repeating step; and the pinned host
 memory the runtime will need. A budget below the least feasible one prints that least
 budget instead.
@@ -165,6 +166,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--with-mask", action="store_true", help="pass an all-ones mask")
     parser.add_argument(
+        "--no-fuse-gelu",
+        action="store_true",
+        help="trace GPT-2's tanh GELU as written (default: fused into one aten.gelu, as "
+        "memory_optimize does by default)",
+    )
+    parser.add_argument(
         "--speculate",
         action="store_true",
         help="host steps run as gradients land (bf16, or fp16 with speculate_fp16=True); "
@@ -192,11 +199,14 @@ def main(argv: list[str] | None = None) -> int:
     inputs = random_batch(args.batch, args.seq, device="meta")
     if args.with_mask:
         inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
-    traced = trace(model, inputs, dtype=torch.float16, target_device="cuda")
+    traced = trace(
+        model, inputs, dtype=torch.float16, target_device="cuda", fuse_gelu=not args.no_fuse_gelu
+    )
     profile = traced.to_profile()
     print(
         f"{args.model} {args.batch}x{args.seq}: {profile.total_param_numel / 1e9:.2f} G params, "
         f"{len(traced.causal_attention)} attention nodes rewritten to is_causal, "
+        f"{len(traced.fused_gelu)} GELUs fused, "
         f"saved for backward {traced.saved_bytes / GiB:.2f} GiB"
     )
     hw = replay_hardware(
