@@ -202,19 +202,25 @@ def op_kind(node_name: str) -> str:
 
 
 def simulated(
-    workload: str, profile: dict[str, Any], compute_model: argparse.Namespace | None = None
+    workload: str,
+    profile: dict[str, Any],
+    compute_model: argparse.Namespace | None = None,
+    *,
+    fuse_gelu: bool = False,
 ) -> Simulated:
     """``workload``'s forward and backward compute as the simulator prices it with the
     row's ``profile``: every traced operation back to back, with ``compute_model``'s
     options (``plan_predict.add_compute_model_args``). With ``issue_ahead`` each pass's
     total is the one ``HardwareProfile.issue_ahead`` gives (the host issuing ahead of the
-    device, ``issued_starts``), and the by-op figures stay the operations' prices."""
+    device, ``issued_starts``), and the by-op figures stay the operations' prices.
+    ``fuse_gelu``: the workload traced with GPT-2's GELU as one operation, as a row that
+    records ``fuse_gelu`` ran it."""
     from plan_predict import replay_hardware, with_compute_model
     from replay_bench import workload_profile
 
     from offload_solver.simulators._engine import issued_starts
 
-    ops = workload_profile(workload).operations
+    ops = workload_profile(workload, fuse_gelu=fuse_gelu).operations
     hw = replay_hardware(
         op_overhead_us=profile["op_overhead_us"],
         host_convert_gelem=profile.get("host_convert_gelem", 0.0),
@@ -294,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     if not steps:
         print(f"{args.trace}: no backward pass or no kernels in the trace", file=sys.stderr)
         return 1
-    sim = simulated(workload, row["profile"], args)
+    sim = simulated(workload, row["profile"], args, fuse_gelu=bool(row.get("fuse_gelu")))
     print(f"{args.row.name} ({workload}) against {args.trace.name}, {len(steps)} profiled steps")
     print(
         "| step | forward busy / span (kernels) | backward busy / span (kernels) "

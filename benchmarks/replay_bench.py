@@ -167,6 +167,49 @@ def simulated_host_cycle(
     return delay, tail, under
 
 
+def lane_window(steady: Any, until_s: float) -> list[tuple[str, str, int, float, float]]:
+    """The tasks of ``steady``'s repeating step (``SteadyState.last``) that start before
+    ``until_s`` on the copy lanes and the compute lane, in start order: (lane, kind,
+    region, start s, end s), times from the step's start. Consecutive forward or backward
+    tasks of the compute lane are merged into one span, so that its idle gaps show."""
+    from offload_solver.simulators._engine import KINDS, LANES
+
+    run = steady.last
+    out: list[tuple[str, str, int, float, float]] = []
+    order = sorted(range(len(run.lane)), key=lambda i: (run.start[i], i))
+    for i in order:
+        lane, kind = LANES[run.lane[i]].value, KINDS[run.kind[i]]
+        if run.start[i] >= until_s or lane == "host":
+            continue
+        merged = [t for t in out if t[0] == "compute"]
+        if (
+            lane == "compute"
+            and kind in ("fwd", "bwd")
+            and merged
+            and merged[-1][1] == kind
+            and run.start[i] - merged[-1][4] < 1e-6
+        ):
+            last = merged[-1]
+            out[out.index(last)] = (lane, kind, run.region[i], last[3], run.end[i])
+            continue
+        out.append((lane, kind, run.region[i], run.start[i], run.end[i]))
+    return out
+
+
+def lane_busy(steady: Any) -> dict[tuple[str, str], tuple[int, float]]:
+    """Per (lane, kind), how many tasks ``steady``'s repeating step runs and their busy
+    seconds: what the simulator has each lane do in a step, beside a trace's busy times."""
+    from offload_solver.simulators._engine import KINDS, LANES
+
+    run = steady.last
+    out: dict[tuple[str, str], tuple[int, float]] = {}
+    for i, lane in enumerate(run.lane):
+        key = (LANES[lane].value, KINDS[run.kind[i]])
+        n, busy = out.get(key, (0, 0.0))
+        out[key] = (n + 1, busy + run.end[i] - run.start[i])
+    return out
+
+
 def measured_host_cycle(row: dict[str, Any]) -> tuple[float, float] | None:
     """(delay from backward's call to the first host step, idle from the host's last step to
     the next backward's call), ms, as a row records them: ``host_cycle`` medians where
@@ -287,6 +330,16 @@ def main(argv: list[str] | None = None) -> int:
         "at in the row's own loop (the recorded rate scaled by the replayed host busy time "
         "over the measured one), which is no prediction: what is left is the simulator's "
         "error with the host's speed known",
+    )
+    parser.add_argument(
+        "--lanes",
+        type=float,
+        default=None,
+        metavar="MS",
+        help="after each row, the replayed plan's repeating step on the copy lanes and the "
+        "compute lane for its first MS ms (lane_window), and each lane's busy time by "
+        "kind over the step (lane_busy): what the simulator has the forward wait for, "
+        "beside copy_lag.py --window on the row's trace",
     )
     streaming = parser.add_mutually_exclusive_group()
     streaming.add_argument(
@@ -547,6 +600,21 @@ def main(argv: list[str] | None = None) -> int:
                     f"{under_cell} |",
                     flush=True,
                 )
+                if args.lanes is not None:
+                    steady = steady_run(variant, hw, plan, **simulation)
+                    for lane, what, region, a, b in lane_window(steady, args.lanes / 1e3):
+                        print(
+                            f"    {lane} {what} r{region}: {a * 1e3:.1f}-{b * 1e3:.1f} ms",
+                            flush=True,
+                        )
+                    busy_by = ", ".join(
+                        f"{lane} {what} {busy * 1e3:.1f} ms ({n})"
+                        for (lane, what), (n, busy) in sorted(lane_busy(steady).items())
+                    )
+                    print(
+                        f"    the repeating step ({steady.period_s * 1e3:.1f} ms) busy: {busy_by}",
+                        flush=True,
+                    )
     print(f"largest replayed step error: {worst * 100:.1f}%")
     print(f"largest replayed error against the mean step over the run: {worst_run * 100:.1f}%")
     if run_errors:

@@ -46,3 +46,29 @@ def test_streamed_and_unstreamed_override_the_kind_and_exclude_each_other(
     with pytest.raises(SystemExit):
         replay_bench.main(["--streamed", "--unstreamed", "x.json"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_lane_window_merges_back_to_back_passes_and_lane_busy_sums_each_kind() -> None:
+    from types import SimpleNamespace
+
+    from replay_bench import lane_busy, lane_window
+
+    # compute: fwd r0 0-1 ms, fwd r1 1-2 ms (back to back: one span), then, after a wait
+    # for a copy up on h2d (1-4 ms), fwd r2 4-5 ms; a host step; a task after the window.
+    run = SimpleNamespace(
+        lane=[0, 0, 1, 0, 3, 0],
+        kind=[0, 0, 10, 0, 5, 1],
+        region=[0, 1, 2, 2, 0, 2],
+        start=[0.0, 0.001, 0.001, 0.004, 0.0, 0.009],
+        end=[0.001, 0.002, 0.004, 0.005, 0.003, 0.010],
+    )
+    steady = SimpleNamespace(last=run, period_s=0.010)
+    assert lane_window(steady, 0.008) == [
+        ("compute", "fwd", 1, 0.0, 0.002),
+        ("h2d", "stream_up", 2, 0.001, 0.004),
+        ("compute", "fwd", 2, 0.004, 0.005),
+    ]
+    busy = lane_busy(steady)
+    assert busy[("compute", "fwd")] == (3, pytest.approx(0.003))
+    assert busy[("host", "host_step")] == (1, pytest.approx(0.003))
+    assert busy[("compute", "bwd")] == (1, pytest.approx(0.001))
