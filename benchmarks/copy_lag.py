@@ -41,15 +41,20 @@ def start_us(events: list[dict[str, Any]]) -> float:
     return min(float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e)
 
 
-def copy_lags(events: list[dict[str, Any]], t0: float) -> dict[str, list[tuple[float, float]]]:
-    """Per stream, (lag ms, device start ms from ``t0``) of every copy whose issuing
-    runtime call is in the trace."""
-    spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    issued = {
+def issued_at(spans: list[dict[str, Any]]) -> dict[Any, float]:
+    """Each CUDA runtime call's correlation id -> when it was made (us, trace time)."""
+    return {
         e["args"]["correlation"]: float(e["ts"])
         for e in spans
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
+
+
+def copy_lags(events: list[dict[str, Any]], t0: float) -> dict[str, list[tuple[float, float]]]:
+    """Per stream, (lag ms, device start ms from ``t0``) of every copy whose issuing
+    runtime call is in the trace."""
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    issued = issued_at(spans)
     out: dict[str, list[tuple[float, float]]] = collections.defaultdict(list)
     for e in spans:
         if e.get("cat") != "gpu_memcpy":
@@ -116,11 +121,7 @@ def window_copies(
     issued ms, started ms, ran ms, bytes); issued is NaN where the runtime call is not in
     the trace."""
     spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    issued = {
-        e["args"]["correlation"]: float(e["ts"])
-        for e in spans
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
-    }
+    issued = issued_at(spans)
     out = []
     for e in spans:
         if e.get("cat") != "gpu_memcpy":

@@ -526,7 +526,7 @@ def _ours(
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     measure_attention = os.environ.get("BENCH_MEASURE_ATTENTION", "0") != "0"
-    fuse_gelu = os.environ.get("BENCH_FUSE_GELU", "1") != "0"
+    fuse_gelu = bench_fuse_gelu()
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
@@ -1000,15 +1000,18 @@ def _force_streamed(module: Any, fraction: float) -> None:
             chosen += st.numel
 
 
+def bench_fuse_gelu() -> bool:
+    """Whether this run fuses GPT-2's GELU: unless BENCH_FUSE_GELU=0."""
+    return os.environ.get("BENCH_FUSE_GELU", "1") != "0"
+
+
 def peer_activation() -> str:
     """The MLP activation the peers' models are built with: ``gelu_pytorch_tanh`` (one
-    ``aten.gelu``) unless BENCH_FUSE_GELU=0, as ours fuses GPT-2's written-out GELU into
-    the same operation, else GPT-2's own (``models.DEFAULT_ACTIVATION``)."""
+    ``aten.gelu``) where ours fuses GPT-2's written-out GELU into the same operation
+    (:func:`bench_fuse_gelu`), else GPT-2's own (``models.DEFAULT_ACTIVATION``)."""
     from offload_gpt_example.models import DEFAULT_ACTIVATION
 
-    if os.environ.get("BENCH_FUSE_GELU", "1") != "0":
-        return "gelu_pytorch_tanh"
-    return DEFAULT_ACTIVATION
+    return "gelu_pytorch_tanh" if bench_fuse_gelu() else DEFAULT_ACTIVATION
 
 
 def _full_gpu_steps(

@@ -135,10 +135,9 @@ def steady_run(variant: Any, hardware: Any, plan: Any, **simulation: Any) -> Any
     return steady_state(ctx, assignment, get_simulator("async").run(ctx, assignment))
 
 
-def simulated_host_cycle(
-    variant: Any, hardware: Any, plan: Any, **simulation: Any
-) -> tuple[float, float, int]:
-    """Where the simulated host worker waits in ``plan``'s repeating step (seconds):
+def simulated_host_cycle(steady: Any) -> tuple[float, float, int]:
+    """Where the simulated host worker waits in a plan's repeating step (``steady``, from
+    :func:`steady_run`; seconds):
 
     - from the compute lane's backward start (or the host's last step of the step
       before, if that is later) to the host's first region step of this backward;
@@ -146,13 +145,10 @@ def simulated_host_cycle(
       the rest of the forward that nothing is left to step under;
     - how many regions step before the step's last gradient copy lands (under backward).
 
-    ``simulation``: the keyword arguments the plan was solved with that shape the step
-    (``host_step_after_backward``, ``speculative_step_cost``, ``speculative_params``).
     Comparable with a row's ``backward_to_first_host_step_ms``, ``host_cycle`` (or the
     run's period minus the delay and the span) and ``speculated_regions``."""
     from offload_solver.simulators._engine import KIND_HOST_STEP, LANE_HOST
 
-    steady = steady_run(variant, hardware, plan, **simulation)
     run = steady.last
     backward = min(run.reach_b)
     host = [i for i, lane in enumerate(run.lane) if lane == LANE_HOST]
@@ -176,22 +172,18 @@ def lane_window(steady: Any, until_s: float) -> list[tuple[str, str, int, float,
 
     run = steady.last
     out: list[tuple[str, str, int, float, float]] = []
-    order = sorted(range(len(run.lane)), key=lambda i: (run.start[i], i))
-    for i in order:
+    pass_at: int | None = None  # where in ``out`` the compute lane's last task is
+    for i in sorted(range(len(run.lane)), key=lambda i: (run.start[i], i)):
         lane, kind = LANES[run.lane[i]].value, KINDS[run.kind[i]]
         if run.start[i] >= until_s or lane == "host":
             continue
-        merged = [t for t in out if t[0] == "compute"]
-        if (
-            lane == "compute"
-            and kind in ("fwd", "bwd")
-            and merged
-            and merged[-1][1] == kind
-            and run.start[i] - merged[-1][4] < 1e-6
-        ):
-            last = merged[-1]
-            out[out.index(last)] = (lane, kind, run.region[i], last[3], run.end[i])
-            continue
+        if lane == "compute":
+            if pass_at is not None and kind in ("fwd", "bwd"):
+                last = out[pass_at]
+                if last[1] == kind and run.start[i] - last[4] < 1e-6:
+                    out[pass_at] = (lane, kind, run.region[i], last[3], run.end[i])
+                    continue
+            pass_at = len(out)
         out.append((lane, kind, run.region[i], run.start[i], run.end[i]))
     return out
 
@@ -578,9 +570,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 # Where the host waits: measured by the row, and in the replayed plan's
                 # repeating step (simulated_host_cycle).
-                sim_delay, sim_tail, sim_under = simulated_host_cycle(
-                    variant, hw, plan, **simulation
-                )
+                # ``simulation``: the keyword arguments the plan was solved with that shape
+                # the step (host_step_after_backward, speculative_step_cost, ...).
+                steady = steady_run(variant, hw, plan, **simulation)
+                sim_delay, sim_tail, sim_under = simulated_host_cycle(steady)
                 waits = measured_host_cycle(row)
                 waits_cell = (
                     "-" if waits is None else f"{waits[1]:.0f} / {waits[0]:.0f}"
@@ -601,7 +594,6 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
                 if args.lanes is not None:
-                    steady = steady_run(variant, hw, plan, **simulation)
                     for lane, what, region, a, b in lane_window(steady, args.lanes / 1e3):
                         print(
                             f"    {lane} {what} r{region}: {a * 1e3:.1f}-{b * 1e3:.1f} ms",

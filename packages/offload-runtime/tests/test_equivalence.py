@@ -145,22 +145,35 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+def assert_one_step_matches(
+    model: torch.nn.Module,
+    module: OffloadModule,
+    inp: dict[str, torch.Tensor],
+    *,
+    logits_tol: float,
+    grad_tol: float,
+) -> None:
+    """One forward and backward of ``module`` against plain training of ``model``: logits
+    and every parameter's gradient (each name of a tied group) within the relative
+    tolerances."""
+    ref_logits = model(**inp)
+    loss_of(ref_logits, inp["input_ids"]).backward()
+    logits = module(**inp)
+    module.backward(loss_of(logits, inp["input_ids"]))
+    assert rel_err(logits.detach(), ref_logits.detach()) <= logits_tol
+    grads = dict(module.named_gradients())
+    for pname, param in model.named_parameters(remove_duplicate=False):
+        assert param.grad is not None
+        assert rel_err(grads[pname], param.grad) <= grad_tol, pname
+
+
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_offloaded_gradients_match_plain_training(name: str, solver: str) -> None:
     model, module, inp = build(name, solver)
     assert offloaded_half(module.plan, solver)
 
-    ref_logits = model(**inp)
-    loss_of(ref_logits, inp["input_ids"]).backward()
-    logits = module(**inp)
-    module.backward(loss_of(logits, inp["input_ids"]))
-
-    assert rel_err(logits.detach(), ref_logits.detach()) <= 1e-6
-    grads = dict(module.named_gradients())
-    for pname, param in model.named_parameters(remove_duplicate=False):
-        assert param.grad is not None
-        assert rel_err(grads[pname], param.grad) <= 1e-6, pname
+    assert_one_step_matches(model, module, inp, logits_tol=1e-6, grad_tol=1e-6)
 
 
 @pytest.mark.parametrize("widen", [False, True])
@@ -520,13 +533,5 @@ def test_fused_gelu_trains_like_plain_training_with_less_saved(solver: str) -> N
     assert len(profiles[1].operations) == len(profiles[0].operations) - 7 * layers
     plain.close()
 
-    ref_logits = model(**inp)
-    loss_of(ref_logits, inp["input_ids"]).backward()
-    logits = module(**inp)
-    module.backward(loss_of(logits, inp["input_ids"]))
-    assert rel_err(logits.detach(), ref_logits.detach()) <= 1e-5
-    grads = dict(module.named_gradients())
-    for pname, param in model.named_parameters(remove_duplicate=False):
-        assert param.grad is not None
-        assert rel_err(grads[pname], param.grad) <= 2e-5, pname
+    assert_one_step_matches(model, module, inp, logits_tol=1e-5, grad_tol=2e-5)
     module.close()

@@ -29,9 +29,10 @@ DEFAULT_SEQ_LEN = 8
 DEFAULT_N_POSITIONS = 1024
 """Position-embedding rows when the sequence is shorter (GPT-2's value)."""
 HF_DEFAULT_DROPOUT = 0.1
-# GPT-2's own MLP activation: the tanh GELU written out (transformers' NewGELUActivation).
-DEFAULT_ACTIVATION = "gelu_new"
 """Hugging Face's ``resid_pdrop`` / ``embd_pdrop`` / ``attn_pdrop`` default."""
+DEFAULT_ACTIVATION = "gelu_new"
+"""GPT-2's own MLP activation: the tanh GELU written out (transformers'
+``NewGELUActivation``)."""
 
 
 @dataclass(frozen=True)

@@ -138,15 +138,9 @@ def _chains(gm: fx.GraphModule) -> list[_Chain]:
     return [chain for chain in map(_chain_at, tanhs) if chain is not None]
 
 
-def find_tanh_gelu(gm: fx.GraphModule) -> tuple[str, ...]:
-    """Names of the output nodes of every written-out tanh GELU in ``gm``, in graph order
-    (see [Note: fused tanh GELU])."""
-    return tuple(chain.out.name for chain in _chains(gm))
-
-
 def apply_tanh_gelu(gm: fx.GraphModule, names: Iterable[str]) -> int:
     """Replace each named written-out tanh GELU (by its output node's name, as
-    :func:`find_tanh_gelu` gives them) by one ``aten.gelu(x, approximate="tanh")`` node.
+    :func:`fuse_tanh_gelu` gives them) by one ``aten.gelu(x, approximate="tanh")`` node.
     Deterministic, so that every unlift of the same program gives the same nodes. Returns
     the nodes erased; the caller recompiles ``gm``.
 
@@ -154,10 +148,27 @@ def apply_tanh_gelu(gm: fx.GraphModule, names: Iterable[str]) -> int:
         ValueError: a name is not the output of a written-out tanh GELU in ``gm``.
     """
     wanted = set(names)
+    if not wanted:
+        return 0
     chains = [chain for chain in _chains(gm) if chain.out.name in wanted]
     missing = wanted - {c.out.name for c in chains}
     if missing:
         raise ValueError(f"nodes {sorted(missing)} are not written-out tanh GELUs in this graph")
+    return fuse_chains(gm, chains)
+
+
+def fuse_tanh_gelu(gm: fx.GraphModule) -> tuple[tuple[str, ...], int]:
+    """Replace every written-out tanh GELU in ``gm`` (see [Note: fused tanh GELU]; one walk
+    of the graph): the names of their output nodes, in graph order, and the nodes erased.
+    The caller recompiles ``gm``."""
+    chains = _chains(gm)
+    names = tuple(chain.out.name for chain in chains)
+    return names, fuse_chains(gm, chains)
+
+
+def fuse_chains(gm: fx.GraphModule, chains: Iterable[_Chain]) -> int:
+    """Replace each of ``chains`` by one ``aten.gelu(x, approximate="tanh")`` node; the
+    nodes erased."""
     erased = 0
     for chain in chains:
         with gm.graph.inserting_before(chain.out):

@@ -15,7 +15,7 @@ from offload_solver import Parameter
 from offload_trace._causal import apply_causal_attention, constant_lookup, find_causal_attention
 from offload_trace._costs import CALL_OPS, measure_costs
 from offload_trace._export import export_twin
-from offload_trace._gelu import apply_tanh_gelu, find_tanh_gelu
+from offload_trace._gelu import fuse_tanh_gelu
 from offload_trace._inputs import check_example_inputs
 from offload_trace._twin import MetaTwin, build_meta_twin
 from offload_trace.errors import TraceError
@@ -221,8 +221,7 @@ def rewrite_tanh_gelu(gm: fx.GraphModule) -> tuple[str, ...]:
     nodes. :func:`trace` applies this with ``fuse_gelu=True``; it is public for graphs
     exported by other means (see [Note: fused tanh GELU] in ``_gelu.py``).
     """
-    names = find_tanh_gelu(gm)
-    erased = apply_tanh_gelu(gm, names)
+    names, erased = fuse_tanh_gelu(gm)
     gm.recompile()
     logger.info(
         "tanh GELU pass: %d written-out GELUs fused, %d element-wise nodes removed",
