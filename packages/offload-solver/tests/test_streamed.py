@@ -39,6 +39,9 @@ A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
 HOST, DEVICE, STREAMED = StatePlacement.HOST, StatePlacement.DEVICE, StatePlacement.STREAMED
 W4_LIKE = StreamedStepCosts(up_bytes_per_param=10, down_bytes_per_param=10, slot_bytes=500)
 """10 bytes up and down per parameter, as W4's runtime moves; a 500-byte ring."""
+W4_WRITING = dataclasses.replace(W4_LIKE, resident_down_bytes_per_param=8)
+"""W4_LIKE, with a RESIDENT region's device step writing its fp16 parameters on the
+device: 8 bytes down (master and moments), none of them uploaded again."""
 
 
 def three_layers(saved_bytes: int = 10) -> ModelProfile:
@@ -156,6 +159,58 @@ def test_a_streamed_region_is_stepped_on_the_device_after_the_answer() -> None:
     assert cold.peak_bytes == 1100
     assert steady.last.carried_stream_window == pytest.approx((2.4, 4.5))
     assert res.peak_bytes == steady.last.stream_peak_bytes == 1110
+
+
+def test_a_resident_streamed_region_written_on_the_device_is_not_uploaded_again() -> None:
+    # test_a_streamed_region_is_stepped_on_the_device_after_the_answer, with the device
+    # step writing region 1's parameters in place (W4_WRITING): its copy down is 800 B,
+    # [12.5,13.3], and nothing of it goes up after; the cold step ends with region 2's
+    # upload, 13.4 against 13.7.
+    hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
+    ctx = SimulationContext.build(
+        three_layers(), hw, host_step_after_backward=True, streamed=W4_WRITING
+    )
+    asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
+    res = get_simulator("async").simulate(ctx, asg)
+    assert intervals(res.timeline)[-4:] == [
+        ("h2d", 1, "stream_up", pytest.approx((11.4, 12.4))),
+        ("compute", 1, "stream_step", pytest.approx((12.4, 12.5))),
+        ("d2h", 1, "stream_down", pytest.approx((12.5, 13.3))),
+        ("h2d", 2, "param_upload", pytest.approx((13.2, 13.4))),
+    ]
+    assert res.step_time_s == pytest.approx(13.4)
+    # The repeating step: F1 waits for region 1's device step [3.4,3.5] alone, its copy
+    # down [3.5,4.3] running beside it: F1 [3.5,4.5], F2 after region 2's upload [4.5,5.5],
+    # backward 6 s: a period of 11.5 against 12.7 with the copy down and upload between.
+    cold = get_simulator("async").run(ctx, asg)
+    steady = steady_state(ctx, asg, cold)
+    assert steady.converged and steady.periods_s == pytest.approx((9.0, 11.5))
+    assert tasks(steady.last)[:8] == [
+        ("h2d", 0, "param_upload", pytest.approx((2.2, 2.4))),
+        ("h2d", 1, "stream_up", pytest.approx((2.4, 3.4))),
+        ("compute", 0, "fwd", pytest.approx((2.4, 3.4))),
+        ("compute", 1, "stream_step", pytest.approx((3.4, 3.5))),
+        ("d2h", 1, "stream_down", pytest.approx((3.5, 4.3))),
+        ("compute", 1, "fwd", pytest.approx((3.5, 4.5))),
+        ("h2d", 2, "param_upload", pytest.approx((4.2, 4.4))),
+        ("compute", 2, "fwd", pytest.approx((4.5, 5.5))),
+    ]
+    assert res.steady_step_time_s == pytest.approx(11.5)
+    # The ring is held until the copy down lands, as before.
+    assert steady.last.carried_stream_window == pytest.approx((2.4, 4.3))
+    # Offloaded regions are not written on the device: their copy down is unchanged.
+    asg_a = [RegionAssignment(R, HOST), RegionAssignment(S, STREAMED), RegionAssignment(R, HOST)]
+    for costs in (W4_LIKE, W4_WRITING):
+        ctx = SimulationContext.build(
+            three_layers(), hw, host_step_after_backward=True, streamed=costs
+        )
+        got = {
+            (ln, r, k): span
+            for ln, r, k, span in intervals(get_simulator("async").simulate(ctx, asg_a).timeline)
+        }
+        assert got["d2h", 1, "stream_down"][1] - got["d2h", 1, "stream_down"][0] == (
+            pytest.approx(1.0)
+        )
 
 
 def test_streamed_copies_up_run_at_the_profiles_fraction_of_h2d() -> None:
@@ -459,7 +514,9 @@ def test_a_ring_that_does_not_fit_is_not_chosen() -> None:
 @engine_cases(
     max_examples=150,
     flips=st.lists(st.booleans(), min_size=20, max_size=20),
-    costs=st.sampled_from([StreamedStepCosts(10, 10, 64), StreamedStepCosts(0.5, 2.0, 1), W4_LIKE]),
+    costs=st.sampled_from(
+        [StreamedStepCosts(10, 10, 64), StreamedStepCosts(0.5, 2.0, 1), W4_LIKE, W4_WRITING]
+    ),
     contention=st.sampled_from([1.0, 0.5]),
 )
 def test_streamed_steps_keep_lanes_ordered_and_forwards_waiting(
@@ -486,6 +543,7 @@ def test_streamed_steps_keep_lanes_ordered_and_forwards_waiting(
     cold = sim.run(ctx, asg)
     steady = steady_state(ctx, asg, cold)
     chains = [r for r, a in enumerate(asg) if a.state is STREAMED and ctx.numel[r] > 0]
+    writes = costs.resident_down_bytes_per_param is not None
     for out in (cold, steady.last):
         # Every lane runs one task at a time.
         for ln in range(len(LANES)):
@@ -502,22 +560,29 @@ def test_streamed_steps_keep_lanes_ordered_and_forwards_waiting(
             u, p, d = (spans[r, kind][-1] for kind in ("stream_up", "stream_step", "stream_down"))
             landed = spans[r, "grad_offload"][-1][1]
             assert landed - 1e-9 <= u[0] and u[1] <= p[0] + 1e-9 and p[1] <= d[0] + 1e-9
-            if asg[r].placement is R:
+            if asg[r].placement is R and not writes:
                 assert spans[r, "param_upload"][-1][0] >= d[1] - 1e-9
+            elif asg[r].placement is R:
+                # The device step wrote its parameters: nothing goes up after it.
+                assert (r, "param_upload") not in spans
         assert not any(
             KINDS[k] == "host_step" and asg[r].state is STREAMED
             for r, k in zip(out.region, out.kind, strict=True)
         )
     # The repeating step: each streamed region's parameters are used only once its
-    # previous step is back down (and, resident, uploaded again).
+    # previous step is back down (and, resident, uploaded again), or, written on the
+    # device, once its device step is done.
     last = steady.last
     for r in chains:
-        downs = [
-            e
-            for x, k, e in zip(last.region, last.kind, last.end, strict=True)
-            if x == r and KINDS[k] == "stream_down"
-        ]
-        down = downs[0]
+        ends = {
+            KINDS[k]: e
+            for x, k, e in reversed(list(zip(last.region, last.kind, last.end, strict=True)))
+            if x == r
+        }  # each kind's first end in the step
+        down = ends["stream_down"]
+        if asg[r].placement is R and writes:
+            assert last.cs_f[r] >= ends["stream_step"] - 1e-9
+            continue
         if asg[r].placement is R:
             used = last.cs_f[r]
             up = [
@@ -575,6 +640,15 @@ def test_costs_without_streamed_regions_change_nothing(
         (dict(up_bytes_per_param=True, down_bytes_per_param=1, slot_bytes=1), "up_bytes_per_param"),
         (dict(up_bytes_per_param=10, down_bytes_per_param=10, slot_bytes=0), "slot_bytes is 0"),
         (dict(up_bytes_per_param=10, down_bytes_per_param=10, slot_bytes=1.5), "must be an int"),
+        (
+            dict(
+                up_bytes_per_param=10,
+                down_bytes_per_param=10,
+                slot_bytes=1,
+                resident_down_bytes_per_param=math.inf,
+            ),
+            "resident_down_bytes_per_param is inf",
+        ),
     ],
 )
 def test_bad_streamed_costs_are_named(kwargs: dict[str, Any], message: str) -> None:
@@ -637,6 +711,10 @@ def test_plans_with_streamed_regions_round_trip() -> None:
     plain = dataclasses.replace(plan, streamed=None)
     assert "streamed" not in json.loads(plain.to_json())
     assert Plan.from_json(plain.to_json()) == plain
+    # Written on the device: the key is there, and reads back.
+    writing = dataclasses.replace(plan, streamed=W4_WRITING)
+    assert json.loads(writing.to_json())["streamed"]["resident_down_bytes_per_param"] == 8
+    assert Plan.from_json(writing.to_json()) == writing
     data["streamed"]["slot_bytes"] = 0
     with pytest.raises(ValueError, match="slot_bytes is 0"):
         Plan.from_json(json.dumps(data))
@@ -674,10 +752,16 @@ def test_cli_streams_and_prints_streamed_regions(
     assert "streamed" in states and set(states) <= {"host", "streamed", "device"}
     assert f"{states.count('streamed')} streamed;" in text
     assert Plan.from_json(out.read_text()).streamed == W4_LIKE
+    assert main([*base_args, "--streamed", "10,10,500,8"]) == 0
+    capsys.readouterr()
+    assert Plan.from_json(out.read_text()).streamed == W4_WRITING
     for bad, message in (
         ("10,10", "UP,DOWN,SLOT"),
+        ("10,10,500,8,1", "UP,DOWN,SLOT"),
         ("a,10,1MiB", "numbers"),
+        ("10,10,500,b", "numbers"),
         ("10,10,0", "slot_bytes"),
+        ("10,10,500,0", "resident_down_bytes_per_param is 0"),
     ):
         assert main([*base_args, "--streamed", bad]) == 2
         assert message in capsys.readouterr().err

@@ -97,11 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--streamed",
         default=None,
-        metavar="UP,DOWN,SLOT",
+        metavar="UP,DOWN,SLOT[,RESIDENT_DOWN]",
         help="let host-state regions that do not step speculatively be stepped on the "
         "device instead (state 'streamed') where that shortens the step: bytes per "
         "parameter copied up and down for such a step and the device ring's size, e.g. "
-        "10,10,2GiB (default: none streamed)",
+        "10,10,2GiB; RESIDENT_DOWN: the device step writes a resident region's "
+        "parameters on the device and copies this many bytes per parameter down, e.g. "
+        "10,10,2GiB,8 (default: none streamed)",
     )
     p.add_argument(
         "--polish-rounds",
@@ -116,21 +118,26 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def parse_streamed(text: str) -> StreamedStepCosts:
-    """``UP,DOWN,SLOT`` (bytes per parameter up and down, the ring's size, e.g.
-    ``10,10,2GiB``) as :class:`StreamedStepCosts`; ``ValueError`` naming the format."""
+    """``UP,DOWN,SLOT[,RESIDENT_DOWN]`` (bytes per parameter up and down, the ring's size,
+    and optionally the bytes per parameter down when the device step writes a resident
+    region's parameters on the device, e.g. ``10,10,2GiB`` or ``10,10,2GiB,8``) as
+    :class:`StreamedStepCosts`; ``ValueError`` naming the format."""
     parts = [x.strip() for x in text.split(",")]
-    if len(parts) != 3:
+    if len(parts) not in (3, 4):
         raise ValueError(
-            f"--streamed {text!r}: write UP,DOWN,SLOT, the bytes per parameter copied up "
-            "and down and the device ring's size, e.g. 10,10,2GiB"
+            f"--streamed {text!r}: write UP,DOWN,SLOT[,RESIDENT_DOWN], the bytes per "
+            "parameter copied up and down, the device ring's size and optionally the "
+            "bytes down of a resident region written on the device, e.g. 10,10,2GiB"
         )
     try:
         up, down = float(parts[0]), float(parts[1])
+        resident = float(parts[3]) if len(parts) == 4 else None
     except ValueError:
         raise ValueError(
-            f"--streamed {text!r}: UP and DOWN must be numbers of bytes per parameter"
+            f"--streamed {text!r}: UP, DOWN and RESIDENT_DOWN must be numbers of bytes "
+            "per parameter"
         ) from None
-    return StreamedStepCosts(up, down, parse_bytes(parts[2]))
+    return StreamedStepCosts(up, down, parse_bytes(parts[2]), resident)
 
 
 def _read(path: Path, what: str) -> str:

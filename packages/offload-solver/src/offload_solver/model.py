@@ -586,9 +586,19 @@ class StreamedStepCosts:
     slot_bytes: int
     """Device bytes of the ring of buffers the runtime holds while a step's streamed
     regions are in flight (every slot together)."""
+    resident_down_bytes_per_param: float | None = None
+    """``None``: a RESIDENT streamed region's new parameters come down with its state
+    (``down_bytes_per_param``) and go up again after it (its post-step upload). A number:
+    the device step writes them in place on the device, its copy down is this many bytes
+    per parameter element (the state only), it has no post-step upload, and its next
+    forward waits on the device for the device step alone, not for the copy down (fp32
+    state and fp16 parameters: 12 bytes down instead of 14, and 2 fewer up)."""
 
     def __post_init__(self) -> None:
-        for name in ("up_bytes_per_param", "down_bytes_per_param"):
+        names = ["up_bytes_per_param", "down_bytes_per_param"]
+        if self.resident_down_bytes_per_param is not None:
+            names.append("resident_down_bytes_per_param")
+        for name in names:
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
@@ -713,6 +723,8 @@ class Plan:
         data = _to_jsonable(self)
         if self.streamed is None:
             del data["streamed"]
+        elif self.streamed.resident_down_bytes_per_param is None:
+            del data["streamed"]["resident_down_bytes_per_param"]  # as before it existed
         return json.dumps(data, indent=1)
 
     @classmethod

@@ -174,7 +174,11 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   region's post-step ``param_upload`` is issued when the copy down ends, and its next
   forward waits for that upload; an offloaded region's next upload or prefetch waits for
   the copy down. Nothing else serializes them (a ring of 2-3 slots keeps up with equal
-  copy rates up and down).
+  copy rates up and down). With ``StreamedStepCosts.resident_down_bytes_per_param`` set,
+  a RESIDENT region's device step writes its parameters on the device: its copy down is
+  ``numel * resident_down_bytes_per_param`` bytes, it has no ``param_upload``, and its
+  next forward waits (on the device) for the ``stream_step`` alone, the copy down running
+  beside the forward.
 - Memory: the runtime holds a ring of ``slot_bytes`` device bytes from the first copy
   up's start to the last copy down's end of a step's streamed regions. The cold step
   places its streamed work after its device-state steps, where the ring shows in its
@@ -461,6 +465,17 @@ class SimulationContext:
         ``stream_up_fraction`` of the H2D rate."""
         self.stream_down_s = [hw.d2h_time_s(math.ceil(n * down_pp)) for n in self.numel]
         """Per region, seconds of a STREAMED step's state copy down (0 without costs)."""
+        resident_pp = streamed.resident_down_bytes_per_param if streamed is not None else None
+        self.stream_writes_resident = resident_pp is not None
+        """Whether a RESIDENT streamed region's device step writes its parameters in place
+        (``StreamedStepCosts.resident_down_bytes_per_param``): no post-step upload, and its
+        forward waits for the device step only."""
+        self.stream_down_resident_s = (
+            self.stream_down_s
+            if resident_pp is None
+            else [hw.d2h_time_s(math.ceil(n * resident_pp)) for n in self.numel]
+        )
+        """Per region, seconds of a RESIDENT streamed region's copy down."""
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
         """Device bytes of the ring of buffers held while streamed steps are in flight."""
 
@@ -796,6 +811,11 @@ def run(
     s_steps: deque[tuple[float, int, int]] = deque()
     s_pub: deque[tuple[float, int, int]] = deque()
     s_gate = [math.inf] * n_reg
+    # With ``stream_writes_resident``: when a RESIDENT streamed region's device step, which
+    # wrote its parameters, ends (inf until placed); its forward waits for that instead.
+    s_ready = [math.inf] * n_reg
+    writes_resident = ctx.stream_writes_resident
+    sdown_res = ctx.stream_down_resident_s
     s_pred = [-1] * n_reg  # the task each state copy up waits for (its region's hook)
     s_late: list[tuple[float, int]] = []  # (issue, region) of those issued in their hooks
     s_win = [math.inf, _NEVER]  # (first copy up's start, last copy down's end)
@@ -812,13 +832,16 @@ def run(
         last_c = add(LANE_COMPUTE, pr, KIND_STREAM_STEP, s, e, last_c, ut)
         if e > t:
             t = e
+        resident = codes[pr] == RESIDENT
+        if resident and writes_resident:
+            s_ready[pr] = e
         s = e if e > d2h_free else d2h_free
-        e = s + sdown[pr]
+        e = s + (sdown_res if resident else sdown)[pr]
         last_d = add(LANE_D2H, pr, KIND_STREAM_DOWN, s, e, last_d, last_c)
         d2h_free = s_gate[pr] = e
         if e > s_win[1]:
             s_win[1] = e
-        if codes[pr] == RESIDENT:
+        if resident and not writes_resident:
             s_pub.append((e, pr, last_d))
 
     def stream_drain(until: float) -> None:
@@ -860,15 +883,18 @@ def run(
 
     def settle(r: int) -> None:
         """The host blocks until region r's streamed step, carried from the previous step,
-        is back down; meanwhile the lanes run the streamed work queued before it."""
+        is back down; meanwhile the lanes run the streamed work queued before it. A
+        RESIDENT region whose device step wrote its parameters (``writes_resident``) waits,
+        on the device, for that step only."""
         nonlocal t
-        while s_gate[r] == math.inf and (s_steps or s_ups):
+        until = s_ready if writes_resident and codes[r] == RESIDENT else s_gate
+        while until[r] == math.inf and (s_steps or s_ups):
             if s_steps:
                 stream_step()
             else:
                 stream_drain(s_ups[0][0])
-        if s_gate[r] > t:
-            t = s_gate[r]
+        if until[r] > t:
+            t = until[r]
 
     def drain(until: float) -> None:
         """Put the pending uploads issued at or before ``until`` on the H2D lane."""
@@ -1078,7 +1104,12 @@ def run(
         if not stream_contention:
             return
         s = ready_s if ready_s > host_free else host_free
-        copies = gd[r] + (1 if codes[r] == RESIDENT else 2) * up[r] + sup[r] + sdown[r]
+        if codes[r] != RESIDENT:
+            copies = gd[r] + 2 * up[r] + sup[r] + sdown[r]
+        elif writes_resident:
+            copies = gd[r] + sup[r] + sdown_res[r]
+        else:
+            copies = gd[r] + up[r] + sup[r] + sdown[r]
         e = s + stream_contention * copies
         last_o = host_task[r] = add(LANE_HOST, r, KIND_STREAM_CONTENTION, s, e, last_o, pred)
         host_free = e
