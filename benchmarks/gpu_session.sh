@@ -23,6 +23,11 @@
 #           ours took 163 s of it and FSDP2 had not finished 270 s in (session 37) ~6 min
 #   streamab W3 ours_io_spec1_stream and ours_io_spec1 (no streamed regions), alternating,
 #           ROUNDS rounds (default 2); then each kind's rows (pin_rows.py)  ~1.2 min a row
+#   writeab W3 ours_io_spec1_stream with resident streamed regions' parameters uploaded
+#           after their downloads (BENCH_STREAM_WRITE=0), written on the device (the
+#           default from session 38 on; the first round with full GPU beside it, for the
+#           floor), and written with the ring yielding to the h2d stream (BENCH_RING_YIELD=1),
+#           ROUNDS rounds (default 1); then pin_rows.py                   ~1.3 min a row
 #   w4gelu  W4 ours_io_spec1_stream with the GELU as written (BENCH_FUSE_GELU=0), then
 #           fused (the default)                                              ~6 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
@@ -359,6 +364,18 @@ case "$phase" in
     { python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_stream[0-9]*.json
       python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1 "$out"/W3_nostream[0-9]*.json
     } | tee "$out/streamab.txt" ;;
+  writeab)
+    peer=,full_gpu
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      BENCH_STREAM_WRITE=0 bench W3 ours_io_spec1_stream 150 "W3_upload$i"
+      bench W3 "ours_io_spec1_stream$peer" 200 "W3_write$i"
+      BENCH_RING_YIELD=1 bench W3 ours_io_spec1_stream 150 "W3_yield$i"
+      peer=""
+    done
+    { for arm in upload write yield; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
+      done
+    } | tee "$out/writeab.txt" ;;
   w4gelu)
     BENCH_FUSE_GELU=0 bench W4 ours_io_spec1_stream 300 W4_plain
     bench W4 ours_io_spec1_stream 300 W4_gelu ;;

@@ -82,7 +82,9 @@ build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (speculati
 steps on a thread of their own); rows record ``speculation_thread``. Set
 BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unset: the
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
-rows record ``paced_ring``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
+rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yields=True``
+(each ring chunk's copies up after what the h2d stream had queued); rows record
+``ring_yields``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
 copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's defaults
@@ -99,6 +101,11 @@ built with transformers' ``gelu_pytorch_tanh``, the same function as one ``aten.
 so that every kind runs the same operations; BENCH_FUSE_GELU=0 runs every kind with the
 GELU as written (as every row before session 37 did). Rows record ``fuse_gelu`` (ours)
 or ``activation`` (the peers).
+By default (BENCH_STREAM_WRITE=1, from session 38 on) a resident streamed region's device
+step writes its parameters on the device (``streamed_step_costs(write_resident=True)``,
+[Note: writing resident parameters] in offload_optim/streamed.py); BENCH_STREAM_WRITE=0
+brings them down and uploads them again, as before. Rows' ``plan_streamed`` records it
+(``resident_down_bytes_per_param``, absent or None: uploaded).
 Set BENCH_PAIR_FULL_GPU=1 to follow each ``ours`` row's measurement (where full-GPU
 training fits beside it: W1) with full-GPU training built in the same process and the two
 stepped in turn, ``--steps`` pairs after ``--warmup`` each (:func:`interleaved_steps`); rows
@@ -530,6 +537,7 @@ def _ours(
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
+    ring_yields = os.environ.get("BENCH_RING_YIELD", "0") != "0"
     paced_env = os.environ.get("BENCH_STREAM_PACED")
     paced_ring: bool = (
         inspect.signature(HybridAdam).parameters["paced_ring"].default
@@ -633,7 +641,9 @@ def _ours(
             # The ring sized to a tenth of the budget at most (from f68ff1a's successor on;
             # session 22's rows had 16 M-element chunks whatever the budget).
             streamed=(
-                streamed_step_costs(moments, fp16_io, budget_bytes=budget)
+                streamed_step_costs(
+                    moments, fp16_io, budget_bytes=budget, write_resident=bench_stream_write()
+                )
                 if stream and stream_fraction is None
                 else None
             ),
@@ -655,6 +665,7 @@ def _ours(
                 issue_thread=issue_thread,
                 speculation_thread=speculation_thread,
                 paced_ring=paced_ring,
+                ring_yields=ring_yields,
             ),
             module,
             overlap=not ablation,
@@ -766,6 +777,7 @@ def _ours(
     out["issue_thread"] = issue_thread
     out["speculation_thread"] = speculation_thread
     out["paced_ring"] = paced_ring
+    out["ring_yields"] = ring_yields
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {
@@ -998,6 +1010,12 @@ def _force_streamed(module: Any, fraction: float) -> None:
         if chosen + st.numel / 2 <= fraction * total:
             st.streamed = True
             chosen += st.numel
+
+
+def bench_stream_write() -> bool:
+    """Whether resident streamed regions are written on the device: unless
+    BENCH_STREAM_WRITE=0."""
+    return os.environ.get("BENCH_STREAM_WRITE", "1") != "0"
 
 
 def bench_fuse_gelu() -> bool:

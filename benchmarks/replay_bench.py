@@ -347,6 +347,14 @@ def main(argv: list[str] | None = None) -> int:
         "region stepped by the host, what the row's profile predicts without streaming",
     )
     parser.add_argument(
+        "--write-resident",
+        choices=("recorded", "yes", "no"),
+        default="recorded",
+        help="streamed rows' resident regions: as the row's optimizer did (written on the "
+        "device from session 38 on unless BENCH_STREAM_WRITE=0, uploaded after their "
+        "downloads before), or replanned written on the device (yes) or uploaded (no)",
+    )
+    parser.add_argument(
         "--stream-ring",
         choices=("recorded", "budget"),
         default="recorded",
@@ -450,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from offload_optim import planned_host_busy_s, streamed_step_costs
+    from offload_optim.streamed import resident_down_bytes
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ModelProfile, ParamPlacement, StreamedStepCosts, solve
 
@@ -519,15 +528,31 @@ def main(argv: list[str] | None = None) -> int:
                     # --stream-ring budget: the ring sized as the bench sizes it now.
                     recorded = row.get("plan_streamed")
                     moments = torch.bfloat16 if "bf16m" in base_kind else torch.float32
+                    # Written on the device as the row's optimizer did (from session 38
+                    # on, unless BENCH_STREAM_WRITE=0), uploaded again before.
+                    write = bool(recorded and recorded.get("resident_down_bytes_per_param"))
+                    if args.write_resident != "recorded":
+                        write = args.write_resident == "yes"
                     if args.stream_ring == "budget":
                         simulation["streamed"] = streamed_step_costs(
-                            moments, base_kind in FP16_IO, budget_bytes=budget_gib * GiB
+                            moments,
+                            base_kind in FP16_IO,
+                            budget_bytes=budget_gib * GiB,
+                            write_resident=write,
                         )
                     elif recorded:
-                        simulation["streamed"] = StreamedStepCosts(**recorded)
+                        simulation["streamed"] = dataclasses.replace(
+                            StreamedStepCosts(**recorded),
+                            resident_down_bytes_per_param=(
+                                resident_down_bytes(moments) if write else None
+                            ),
+                        )
                     else:
                         simulation["streamed"] = streamed_step_costs(
-                            moments, base_kind in FP16_IO, chunk_numel=16 << 20
+                            moments,
+                            base_kind in FP16_IO,
+                            chunk_numel=16 << 20,
+                            write_resident=False,
                         )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw_args = {

@@ -69,6 +69,7 @@ class Trainer:
         issue_thread: bool = False,
         speculation_thread: bool = False,
         paced_ring: bool = True,
+        ring_yields: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -97,6 +98,7 @@ class Trainer:
                 issue_thread=issue_thread,
                 speculation_thread=speculation_thread,
                 paced_ring=paced_ring,
+                ring_yields=ring_yields,
             ),
             self.module,
             clipping_norm=clipping,

@@ -39,6 +39,8 @@ from offload_optim.streamed import (
     stream_slot_bytes,
     streamed_step_costs,
 )
+from offload_runtime.controller import OffloadController
+from offload_runtime.streams import Stream
 
 
 @pytest.fixture
@@ -89,6 +91,7 @@ CASES: dict[str, dict[str, Any]] = {
     "unpaced_ring": {"issue_thread": True, "paced_ring": False},
     "unpaced_ring_no_overlap": {"issue_thread": True, "paced_ring": False, "overlap": False},
     "paced_ring_on_the_worker": {"paced_ring": True},
+    "ring_yields": {"issue_thread": True, "ring_yields": True},
 }
 
 
@@ -426,13 +429,18 @@ def test_streamed_regions_landing_after_the_answer_do_not_hold_the_worker(
     host_stepped = next(st.index for st in trainer.module.storages if st.host_state)
     controller = trainer.module.controller
     published: list[int] = []
-    publish = controller.publish
+    publish, publish_written = controller.publish, controller.publish_written
 
     def recording(r: int) -> None:
         publish(r)
         published.append(r)
 
+    def recording_written(r: int, event: Any) -> None:  # resident regions written on device
+        publish_written(r, event)
+        published.append(r)
+
     controller.publish = recording  # type: ignore[method-assign]
+    controller.publish_written = recording_written  # type: ignore[method-assign]
     issued: list[int] = []
     issue_region = HybridAdam.issue_region
 
@@ -496,6 +504,55 @@ class _SlotGate(_Gate):
         """The device-side wait, which on the CPU has nothing to order (as ``Event``'s)."""
 
 
+def test_a_yielding_ring_orders_each_chunks_copies_up_after_the_h2d_stream() -> None:
+    """[Note: yielding the link]: with ``after``, each chunk's copies up wait for an event
+    recorded on that stream when the chunk is issued (one per chunk), and the values are
+    the ring's without it."""
+    events: list[int] = []
+    waited: list[object] = []
+
+    class Recording(Stream):
+        def record(self) -> Any:
+            events.append(len(events))
+            return ("h2d", events[-1])
+
+    class UpStream(Stream):
+        def wait(self, event: Any) -> None:
+            waited.append(event)
+
+    def stepped(after: Stream | None) -> torch.Tensor:
+        up, step, down = (Stream(None) for _ in range(3))
+        up = UpStream(None)
+        ring = StreamRing(
+            torch.device("cpu"),
+            torch.float32,
+            False,
+            chunk_numel=4,
+            slots=2,
+            streams=(up, step, down),
+            after=after,
+        )
+        master = torch.arange(10, dtype=torch.float32)
+        piece = StreamPiece(
+            master,
+            torch.zeros(10),
+            torch.zeros(10),
+            torch.ones(10),
+            1.0,
+            AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, True),
+        )
+        ring.issue([piece], None)
+        return master
+
+    plain = stepped(None)
+    assert events == [] and ("h2d", 0) not in waited
+    waited.clear()
+    yielded = stepped(Recording(None))
+    assert events == [0, 1, 2], "one event per chunk (4 + 4 + 2 elements)"
+    assert [w for w in waited if isinstance(w, tuple)] == [("h2d", 0), ("h2d", 1), ("h2d", 2)]
+    assert torch.equal(yielded, plain)
+
+
 @pytest.mark.parametrize("paced", [True, False])
 def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> None:
     """[Note: paced ring]: paced, the issuing thread polls the slot's event (sleeping, not
@@ -553,19 +610,24 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     def gated(self: HybridAdam, ring: StreamRing, r: int, *args: Any) -> Any:
         if r == second:
             assert release.wait(timeout=20.0), "the test never let the issuing go on"
-        issue_streamed(self, ring, r, *args)  # on the CPU its copies are done here
-        return _Gate(landed) if r == first else None
+        _, written = issue_streamed(self, ring, r, *args)  # on the CPU: done here
+        return (_Gate(landed) if r == first else None), written
 
     monkeypatch.setattr(HybridAdam, "_issue_streamed", gated)
     published: list[int] = []
     controller = module.controller
-    publish = controller.publish
+    publish, publish_written = controller.publish, controller.publish_written
 
     def recording(r: int) -> None:
         publish(r)
         published.append(r)
 
+    def recording_written(r: int, event: Any) -> None:  # resident regions written on device
+        publish_written(r, event)
+        published.append(r)
+
     controller.publish = recording  # type: ignore[method-assign]
+    controller.publish_written = recording_written  # type: ignore[method-assign]
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=True), module)
     amp.zero_grad()
     b = batch(0)
@@ -694,3 +756,113 @@ def test_the_queue_publishes_in_issue_order_while_another_thread_adds() -> None:
             assert published == list(range(n))
     finally:
         sys.setswitchinterval(interval)
+
+
+# --------------------------------------------------------------------------------------
+# [Note: writing resident parameters]
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("write", [True, False], ids=["written", "uploaded"])
+def test_resident_streamed_regions_are_written_on_the_device(
+    write: bool, streaming: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """By default a resident streamed region's device step writes its parameters in place
+    and the region is published without an upload (``publish_written``); with
+    ``WRITE_RESIDENT`` off (a plan whose costs say so) it is uploaded after its downloads,
+    as before. Offloaded ones always are. Both runs equal the host-stepped one bit for
+    bit, overflow skip included."""
+    monkeypatch.setattr(streamed_module, "WRITE_RESIDENT", write)
+    how: dict[int, set[str]] = {}
+    publish, publish_written = OffloadController.publish, OffloadController.publish_written
+
+    def recording(self: OffloadController, r: int) -> None:
+        how.setdefault(r, set()).add("publish")
+        publish(self, r)
+
+    def recording_written(self: OffloadController, r: int, event: Any) -> None:
+        how.setdefault(r, set()).add("written")
+        publish_written(self, r, event)
+
+    monkeypatch.setattr(OffloadController, "publish", recording)
+    monkeypatch.setattr(OffloadController, "publish_written", recording_written)
+    growth: dict[str, Any] = {"growth_interval": 3, "initial_scale": 2.0**8}
+    out = run(False, 4, poison=(2,), **growth)
+    module = test_speculate.offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
+    resident = {st.index for st in module.storages if not st.offloaded}
+    module.close()
+    streamed_resident = set(streaming["streamed"]) & resident
+    assert streamed_resident, "the mixed plan streams a resident region"
+    for r in streaming["streamed"]:
+        written = write and r in streamed_resident
+        assert how[r] == ({"written"} if written else {"publish"}), r
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(test_speculate, "offload_module", offload_module)
+        plain = run(False, 4, poison=(2,), **growth)
+    assert_same(out, plain)
+    assert out.skipped[2]
+
+
+def test_a_written_regions_next_forward_does_not_wait_for_its_downloads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The next forward reads a written region's parameters once the device step wrote
+    them (the compute stream waits for ``ready_early``'s event), not once its downloads
+    landed and it was published: here they land only after that forward has run."""
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True)
+    host = [st for st in module.storages if st.host_state]
+    target = next(st for st in host[1:] if not st.offloaded)
+    target.streamed = True
+    r = target.index
+    landed = threading.Event()
+    issue_streamed = HybridAdam._issue_streamed
+
+    def gated(self: HybridAdam, ring: StreamRing, q: int, *args: Any) -> Any:
+        got, written = issue_streamed(self, ring, q, *args)  # on the CPU: done here
+        return (_Gate(landed) if q == r else got), written
+
+    monkeypatch.setattr(HybridAdam, "_issue_streamed", gated)
+    controller = module.controller
+    published: list[int] = []
+    publish_written = controller.publish_written
+
+    def recording_written(q: int, event: Any) -> None:
+        publish_written(q, event)
+        published.append(q)
+
+    controller.publish_written = recording_written  # type: ignore[method-assign]
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=True), module)
+    forwarded = threading.Event()
+    errors: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            b = batch(1)
+            with torch.no_grad():
+                loss_of(module(**b), b["input_ids"])
+            forwarded.set()
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        amp.zero_grad()
+        b = batch(0)
+        amp.backward(loss_of(module(**b), b["input_ids"]))
+        before = target.device_params.clone()
+        amp.step()
+        assert _wait_until(lambda: r in controller._early), "the region was issued"
+        running = threading.Thread(target=forward)
+        running.start()
+        assert forwarded.wait(timeout=20.0), "the forward waited for the downloads"
+        assert not errors
+        assert r not in published, "published before its downloads landed"
+        # What the forward read: the stepped master, narrowed on the device.
+        assert not torch.equal(target.device_params, before)
+        assert torch.equal(target.device_params, target.master.half())
+        landed.set()
+        controller.wait_host()
+        running.join(timeout=20.0)
+        assert published == [r]
+    finally:
+        landed.set()
+        module.close()

@@ -237,14 +237,20 @@ def _publish_streamed_step(
     end: float,
     issue_s: float = 0.0,
     paced_wait_s: float = 0.0,
+    written: Event | None = None,
 ) -> None:
     """Publish streamed region ``r`` once its downloads landed: mark it published on
-    ``controller``, record its :class:`RegionStepTiming` in ``sink`` (``start``/``end`` in
+    ``controller`` (``written``: its device parameters were written by the device step,
+    ready at that event, and nothing goes up; see [Note: writing resident parameters] in
+    streamed.py), record its :class:`RegionStepTiming` in ``sink`` (``start``/``end`` in
     seconds of ``time.perf_counter``, ``issue_s`` and ``paced_wait_s`` in seconds), then
     call ``then`` (step()'s task completes the region's future; a hook's
     :meth:`HybridAdam.issue_region` calls its ``published``)."""
     with torch.profiler.record_function(f"streamed step {r} (publish)"):
-        controller.publish(r)
+        if written is None:
+            controller.publish(r)
+        else:
+            controller.publish_written(r, written)
         sink.append(RegionStepTiming(r, start, end, True, True, issue_s, paced_wait_s))
         then()
 
@@ -339,6 +345,11 @@ class HybridAdam(torch.optim.Optimizer):
             from 465 to 439 ms and W2's from 393 to 380, their steps no longer
             alternating long and short; the prefetches W2's forward waited on ran at most
             17 ms after they were issued instead of 186.
+        ring_yields: each ring chunk's copies up wait, on the device, for what the
+            runtime's h2d stream had queued when the chunk was issued (the next
+            forward's prefetches and uploads), so that those go up first (see [Note:
+            yielding the link] in streamed.py). Values are the same either way. Off by
+            default until measured; the planner does not model it.
         speculation_thread: run the speculative steps that grad-ready hooks submit
             (:meth:`submit_speculation`, ``AMPOptimizer(speculate_fp16=True)``) on a
             thread of their own instead of in the hook. The host worker then keeps taking
@@ -370,6 +381,7 @@ class HybridAdam(torch.optim.Optimizer):
         issue_thread: bool = True,
         speculation_thread: bool = False,
         paced_ring: bool = True,
+        ring_yields: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -415,6 +427,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._issuing = 0
         """Issuing tasks running on that thread: the ring stays open while one runs."""
         self.paced_ring = paced_ring
+        self.ring_yields = ring_yields
         self.speculation_thread = speculation_thread
         self._speculator: ThreadPoolExecutor | None = None
         """The thread speculative steps run on with ``speculation_thread`` (made at the
@@ -784,6 +797,7 @@ class HybridAdam(torch.optim.Optimizer):
             chunk_numel=chunk,
             slots=streamed.STREAM_SLOTS,
             streams=self._ring_streams,
+            after=self._require_controller().streams.h2d if self.ring_yields else None,
         )
 
     def _issue_streamed(
@@ -794,13 +808,17 @@ class HybridAdam(torch.optim.Optimizer):
         grad_scale: float | None,
         hypers: dict[int, AdamHyper] | None,
         paced: bool = False,
-    ) -> Event | None:
+    ) -> tuple[Event | None, Event | None]:
         """Queue streamed region ``r``'s device step on ``ring`` (counting the step);
-        returns the event after its downloads. Its fp16-I/O flags are set as the host
-        step sets them; nothing may read its buffers before the event. ``paced``: see
-        [Note: paced ring] in streamed.py (the issuing thread only)."""
+        returns the events after its downloads and, when the step writes the region's
+        device parameters (:meth:`writes_on_device`), after that write (else None). Its
+        fp16-I/O flags are set as the host step sets them; nothing may read its buffers
+        before the first event. ``paced``: see [Note: paced ring] in streamed.py (the
+        issuing thread only)."""
         rs = self._regions[r]
+        st = rs.storage
         io = self._staged_io(rs, segments)
+        write = self.writes_on_device(r)
         pieces = []
         for seg in segments:
             hyper = _hyper_of(seg, hypers)
@@ -815,20 +833,36 @@ class HybridAdam(torch.optim.Optimizer):
                     seg.grad if io is None else io[0][a:b],
                     float(seg.step),
                     hyper,
-                    None if io is None else io[1][a:b],
+                    None if io is None or write else io[1][a:b],
+                    st.device_params[a:b] if write else None,
                 )
             )
         landed = ring.issue(pieces, grad_scale, paced=paced)
         if io is not None:
-            self._consumed(rs.storage)
-        return landed
+            self._consumed(st, upload_copy_written=not write)
+        return landed, ring.written() if write else None
+
+    def writes_on_device(self, r: int) -> bool:
+        """Whether streamed region ``r``'s device step writes its parameters in place on
+        the device ([Note: writing resident parameters] in streamed.py): a resident region,
+        with a plan whose streaming costs say so (``StreamedStepCosts.
+        resident_down_bytes_per_param``), or ``streamed.WRITE_RESIDENT`` without costs."""
+        st = self._regions[r].storage
+        if not st.streamed or st.offloaded:
+            return False
+        costs = self._planned_streaming
+        if costs is None:
+            return streamed.WRITE_RESIDENT
+        return costs.resident_down_bytes_per_param is not None
 
     @staticmethod
-    def _consumed(st: RegionStorage) -> None:
-        """After an fp16-I/O step of ``st``: its upload copy is written. A resident
-        region's gradient was overwritten by it (logically zero now); an offloaded one's
-        stays readable in the staging buffer."""
-        st.upload_copy_fresh = True
+    def _consumed(st: RegionStorage, upload_copy_written: bool = True) -> None:
+        """After an fp16-I/O step of ``st``: its upload copy is written (unless a streamed
+        step wrote the device parameters instead). A resident region's gradient is
+        logically zero now (overwritten by the upload copy, which is the staging buffer);
+        an offloaded one's stays readable in the staging buffer."""
+        if upload_copy_written:
+            st.upload_copy_fresh = True
         if not st.offloaded:
             st.grad_in_staging = False
             st.grad_stale = True
@@ -1361,6 +1395,13 @@ class HybridAdam(torch.optim.Optimizer):
                         )
                         for r, _ in streamed_jobs
                     },
+                    # A region written on the device: its next forward may go on once
+                    # the device has done the write ([Note: writing resident parameters]).
+                    early={
+                        r: partial(controller.ready_early, r, futures[r])
+                        for r, _ in streamed_jobs
+                        if self.writes_on_device(r)
+                    },
                 )
                 if self.issue_thread:
                     issuing = self._issue_elsewhere(partial(issue, paced=self.paced_ring))
@@ -1425,21 +1466,31 @@ class HybridAdam(torch.optim.Optimizer):
         hypers: dict[int, AdamHyper] | None,
         publish: dict[int, Callable[..., None]],
         paced: bool = False,
+        early: dict[int, Callable[[Event], None]] | None = None,
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
         order (the host worker: step()'s task or a hook's :meth:`issue_region`; or the
         issuing thread with ``issue_thread``); ``publish[r](start_s, end_s, issue_s=,
-        paced_wait_s=)`` publishes region ``r`` once landed."""
+        paced_wait_s=, written=)`` publishes region ``r`` once landed. ``early[r](event)``
+        is called as soon as region ``r`` is issued when its step writes its device
+        parameters, with the event after that write."""
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
                     start = time.perf_counter()
                     waited = ring.paced_wait_s
-                    landed = self._issue_streamed(ring, r, segments, grad_scale, hypers, paced)
+                    landed, written = self._issue_streamed(
+                        ring, r, segments, grad_scale, hypers, paced
+                    )
                     waited = ring.paced_wait_s - waited
                     issued = time.perf_counter() - start - waited
+                if written is not None and early is not None and r in early:
+                    early[r](written)
                 queue.add(
-                    r, landed, start, partial(publish[r], issue_s=issued, paced_wait_s=waited)
+                    r,
+                    landed,
+                    start,
+                    partial(publish[r], issue_s=issued, paced_wait_s=waited, written=written),
                 )
 
     def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:

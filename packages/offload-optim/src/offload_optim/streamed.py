@@ -68,6 +68,39 @@ host steps done, keeps publishing what has landed, checking every ``PUBLISH_POLL
 until the issuing thread is done. That is what the planner already assumed: a streamed
 region is published when its downloads land.
 
+[Note: yielding the link]
+Paced, the ring still has a chunk or two of copies up queued when a prefetch of the next
+forward's parameters is issued, and on an H200 the copy engine does not take them in
+issue order: in session 37's W3 trace the first prefetch of the forward, issued at
+248.3 ms on the runtime's h2d stream, ran at 264.5, after ring chunks issued at 252.9-260.3
+ms had gone up (``copy_lag.py benchmarks/results/s37c3_trace_W3.json.gz --window 236:275
+--streams 57,65,73``). With ``HybridAdam(ring_yields=True)`` (a ring built with
+``after=`` the h2d stream) each chunk's copies up wait on the device for what the h2d
+stream had queued when the chunk was issued, so a prefetch or upload issued before a chunk
+goes up before it. No cycle: the h2d stream's work waits only for the compute stream's
+release of a slot, and the compute stream waits for a streamed region only once its
+chunks were issued. The planner's H2D lane is FIFO by issue, as before.
+
+[Note: writing resident parameters]
+A resident streamed region's parameters live on the device, and its device step has the
+new master there. It used to narrow it into the slot's fp16 copy, copy that down into the
+region's upload copy and, once the downloads landed and the region was published, upload
+it again: 2 bytes per parameter each way, and the next forward waiting for the copy down
+and the upload behind whatever else was going up (W3 in session 37:
+``benchmarks/results/s37c3_trace_W3.json.gz``, the forward idle 33 ms for two streamed
+regions). Now (``StreamedStepCosts.resident_down_bytes_per_param`` set, the default of
+:func:`streamed_step_costs`) the step writes the region's device parameters in place
+(``StreamPiece.device_out``, cast from the fp32 master on the step stream, as the upload
+copy's narrowing rounds), nothing of them comes down, and the region is not uploaded
+again. When step()'s host task issues it, the task hands the runtime the step stream's
+event after it (``OffloadController.ready_early``): the region's next forward waits for
+that on the device instead of for its downloads and publish on the host. The copies down
+of master and moments still land, and the region is published (its host state complete)
+as before; the next step's work on it waits for that. The device parameters are free to
+overwrite then: the region's backward ran before its gradients came down, which the
+host saw before issuing. Offloaded regions keep their fp16 copy coming down (their
+parameters live on the host).
+
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
 do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
 computes, and within rounding (about 1e-7 of an update) of ``"single_pass"``. A streamed
@@ -140,13 +173,18 @@ def streamed_step_costs(
     *,
     budget_bytes: int | None = None,
     chunk_numel: int | None = None,
+    write_resident: bool = True,
 ) -> StreamedStepCosts:
     """What :class:`StreamRing` moves per parameter and holds on the device, for the
     planner (``memory_optimize(streamed=...)``): pass the ``HybridAdam``'s moments dtype
     and ``fp16_io``, and the device budget in bytes so that the ring takes at most
     ``RING_BUDGET_SHARE`` of it (chunks of ``STREAM_CHUNK_NUMEL`` elements at most,
     ``MIN_CHUNK_NUMEL`` at least). ``chunk_numel`` sets the chunk instead. The optimizer
-    builds its rings to the plan's ``slot_bytes`` (:func:`chunk_numel_for`)."""
+    builds its rings to the plan's ``slot_bytes`` (:func:`chunk_numel_for`).
+    ``write_resident`` (default True): a resident region's device step writes its new
+    parameters on the device ([Note: writing resident parameters]); False: they come
+    down with its state and go up again after it, as before session 38. The optimizer
+    follows the plan's choice."""
     if chunk_numel is None:
         chunk_numel = STREAM_CHUNK_NUMEL
         if budget_bytes is not None:
@@ -157,7 +195,14 @@ def streamed_step_costs(
             chunk_numel = max(MIN_CHUNK_NUMEL, min(chunk_numel, cap))
     up, down = stream_copy_bytes(moments_dtype, fp16_io)
     slot = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=chunk_numel)
-    return StreamedStepCosts(up_bytes_per_param=up, down_bytes_per_param=down, slot_bytes=slot)
+    return StreamedStepCosts(
+        up_bytes_per_param=up,
+        down_bytes_per_param=down,
+        slot_bytes=slot,
+        resident_down_bytes_per_param=resident_down_bytes(moments_dtype)
+        if write_resident
+        else None,
+    )
 
 
 def chunk_numel_for(
@@ -181,6 +226,17 @@ def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, i
     state = MASTER_BYTES + 2 * moment
     return state + grad, state + (2 if fp16_io else 0)
 
+
+def resident_down_bytes(moments_dtype: torch.dtype) -> int:
+    """Bytes down per parameter of a resident streamed region whose device step writes
+    its parameters on the device: master and moments only."""
+    return MASTER_BYTES + 2 * moments_dtype.itemsize
+
+
+WRITE_RESIDENT = True
+"""Whether a ``HybridAdam`` whose plan recorded no streaming costs (streamed regions set
+by hand, as tests do) writes resident streamed regions' parameters on the device; with
+costs it does what they say (``StreamedStepCosts.resident_down_bytes_per_param``)."""
 
 PACE_POLL_S = 1e-4
 """Seconds a paced ring's issuing thread sleeps between checks that a slot is free."""
@@ -223,6 +279,10 @@ class StreamPiece:
     hyper: AdamHyper
     half_out: torch.Tensor | None = None
     """fp16 I/O: where the new master's fp16 copy goes (the region's upload copy)."""
+    device_out: torch.Tensor | None = None
+    """Where the new master goes in the training dtype on the device, written on the
+    step stream (a resident region's device parameters; see [Note: writing resident
+    parameters]). With it, ``half_out`` is None: nothing of the parameters comes down."""
 
 
 RingStreams = tuple[Stream, Stream, Stream]
@@ -259,12 +319,16 @@ class StreamRing:
         chunk_numel: int = STREAM_CHUNK_NUMEL,
         slots: int = STREAM_SLOTS,
         streams: RingStreams | None = None,
+        after: Stream | None = None,
     ) -> None:
         if chunk_numel < 1 or slots < 1:
             raise ValueError(f"chunk_numel={chunk_numel} and slots={slots} must be >= 1")
         self.device = device
         self.chunk = chunk_numel
         self.up, self.step, self.down = ring_streams(device) if streams is None else streams
+        self.after = after
+        """With a stream: each chunk's copies up wait for what it had queued when the chunk
+        was issued ([Note: yielding the link])."""
         n = chunk_numel
         with self.step.context():  # allocated (and later freed) in the step stream's pool
             self.slots = [
@@ -312,6 +376,11 @@ class StreamRing:
                 self._chunk(piece, a, b, step, scale, paced)
         return self._last
 
+    def written(self) -> Event:
+        """The event after every device step issued so far (and so after every
+        ``device_out`` write): what a forward reading those parameters waits for."""
+        return self.step.record()
+
     def _chunk(
         self,
         piece: StreamPiece,
@@ -331,6 +400,8 @@ class StreamRing:
         sp, sm, sv = slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]
         sg = self._grad_buffer(slot, piece.grad.dtype)[:n]
         self.up.wait(slot.free)
+        if self.after is not None:
+            self.up.wait(self.after.record())
         with self.up.context():
             for dst, src in ((sp, piece.master), (sm, piece.exp_avg), (sv, piece.exp_avg_sq)):
                 dst.copy_(src[a:b], non_blocking=True)
@@ -352,7 +423,9 @@ class StreamRing:
                 sm.copy_(m)
                 sv.copy_(v)
             half = None
-            if piece.half_out is not None:
+            if piece.device_out is not None:
+                piece.device_out[a:b].copy_(sp)
+            elif piece.half_out is not None:
                 assert slot.half is not None, "ring built without fp16 I/O"
                 half = slot.half[:n].copy_(sp)
             stepped = self.step.record()

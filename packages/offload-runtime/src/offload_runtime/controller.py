@@ -223,6 +223,10 @@ class OffloadController:
         # Optimizer steps queued on the host worker that will change a region's parameters
         # (see expect_updates): the region's next use waits for its future.
         self._updates: dict[int, Future[None]] = {}
+        self._early: dict[int, tuple[Future[None], Event]] = {}
+        """Per region, an announced update whose new parameters are written on the device
+        at the event, before the update completes (see :meth:`ready_early`)."""
+        self._early_lock = threading.Lock()
         self.update_wait_s = 0.0
         """Seconds this process blocked in :meth:`wait_update` for steps still running
         (cumulative): the part of the host optimizer steps that the next forward did not
@@ -655,6 +659,8 @@ class OffloadController:
             except BaseException as exc:  # re-raised below, after the rest are waited for
                 if error is None:
                     error = exc
+        with self._early_lock:
+            self._early.clear()  # every update waited for is done: nothing is early now
         if error is not None:
             raise error
 
@@ -697,6 +703,13 @@ class OffloadController:
         fut = self._updates.pop(r, None)
         if fut is None:
             return
+        with self._early_lock:
+            early = self._early.pop(r, None)
+        if early is not None and early[0] is fut and not fut.done():
+            # Written on the device: the compute stream waits for the write, not the host
+            # for the update's end (begin_forward waits on ready_event).
+            self.ready_event[r] = early[1]
+            return
         if not fut.done():
             start = time.perf_counter()
             try:
@@ -704,6 +717,27 @@ class OffloadController:
             finally:
                 self.update_wait_s += time.perf_counter() - start
         fut.result()
+
+    def ready_early(self, r: int, update: Future[None], event: Event) -> None:
+        """Any thread: announced ``update`` of resident region ``r`` has written its new
+        device parameters, done on the device at ``event``, and goes on (its host state
+        still landing). Its next forward, if that comes first, waits for ``event`` on the
+        compute stream instead of for ``update`` on the host. The update must still
+        complete its future and publish the region (:meth:`publish_written`)."""
+        with self._early_lock:
+            self._early[r] = (update, event)
+
+    def publish_written(self, r: int, event: Event) -> None:
+        """Host worker: region ``r``'s update, whose device step wrote its device
+        parameters (ready at ``event``), is done: nothing to upload; the next forward
+        waits for ``event`` on the compute stream."""
+        st = self.storages[r]
+        if st.offloaded:
+            raise ValueError(
+                f"publish_written: region {r} is offloaded; its parameters live on the host"
+            )
+        st.upload_copy_fresh = False
+        self.ready_event[r] = event
 
     def publish(self, r: int) -> None:
         """Propagate region ``r``'s updated master into its training-dtype copies.
