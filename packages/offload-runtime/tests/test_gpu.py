@@ -141,13 +141,16 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     torch.manual_seed(0)
     model = gpt2(1024, 24, 16)  # gpt2_medium shape
     inp = batch(64, 8)
-    # Parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB. At 1.5 GiB the sync
-    # solver keeps every region resident (state on the host); 1.25 GiB makes both offload.
+    # Parameters alone are 0.7 GiB fp16, optimizer state 4.9 GiB. With GPT-2's GELU fused
+    # (memory_optimize's default from session 38 on) the sync solver keeps every region
+    # resident at 1.25 GiB (state on the host); 1.0 GiB makes both offload (planned on the
+    # CPU with an H200 profile of session 38: 20 and 61 of 74 regions; as written, 1.25
+    # GiB did, and 1.25 GiB failed this test on an H200 in session 38).
     # The budget caps everything allocated on the device while training, so whatever this
     # process still holds (``base``) is added to it; memory_optimize measures what is in use
     # (that, the inputs and the BLAS workspaces) and plans the module in the rest.
     base = torch.cuda.memory_allocated()
-    budget = budget_beside(base, int(1.25 * GiB))
+    budget = budget_beside(base, int(1.0 * GiB))
     module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
     # Training is what the budget is for: hardware profiling inside memory_optimize uses
@@ -165,8 +168,11 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
 
 
 def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
-    """At 4 x 1024 tokens both plans offload most of gpt2_xl under 19 GiB, and the step has
-    enough GPU work for prefetches to hide under. (At 64 x 8 the GPU computes for only
+    """At 4 x 1024 tokens both plans offload most of gpt2_xl under 11 GiB, and the step has
+    enough GPU work for prefetches to hide under. (19 GiB until session 38: with GPT-2's
+    GELU fused, memory_optimize's default since, the sync plan offloaded 6 of 30 regions
+    there; planned on the CPU with an H200 profile of session 38, 11 GiB offloads 21 and
+    22.) (At 64 x 8 the GPU computes for only
     ~25 ms of a step bound by the host: measured 273 ms sync vs 268 ms async, noise.)
 
     Both convert on the host, so both upload fp16 and the plans differ only in when the
@@ -176,7 +182,7 @@ def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
     torch.manual_seed(0)
     model = gpt2(1600, 48, 32)  # gpt2_xl shape
     inp = batch(4, 1024, mask=False)
-    budget = budget_beside(torch.cuda.memory_allocated(), 19 * GiB)
+    budget = budget_beside(torch.cuda.memory_allocated(), 11 * GiB)
     medians = {}
     for solver in ("syn", "asyn"):
         module = memory_optimize(
@@ -204,7 +210,7 @@ def test_async_plan_is_faster_than_sync_on_gpt2_xl() -> None:
         del module
         torch.cuda.empty_cache()
     print(
-        f"gpt2_xl 4 x 1024 fwd+bwd at 19 GiB: sync {medians['syn'] * 1e3:.1f} ms, "
+        f"gpt2_xl 4 x 1024 fwd+bwd at 11 GiB: sync {medians['syn'] * 1e3:.1f} ms, "
         f"async {medians['asyn'] * 1e3:.1f} ms"
     )
     assert medians["asyn"] < medians["syn"]
