@@ -29,7 +29,8 @@
 #           floor), and written with the ring yielding to the h2d stream (BENCH_RING_YIELD=1),
 #           ROUNDS rounds (default 1); then pin_rows.py                   ~1.3 min a row
 #   write2  writeab's first two arms once more for W3 (no full GPU), then the same two for
-#           W4 ours_io_spec1_stream (fp32 state)                             ~9 min
+#           W4 ours_io_spec1_stream (fp32 state); WRITE2_WORKLOADS (default "W3 W4")
+#           picks                                                            ~9 min
 #   w4gelu  W4 ours_io_spec1_stream with the GELU as written (BENCH_FUSE_GELU=0), then
 #           fused (the default)                                              ~6 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
@@ -379,14 +380,14 @@ case "$phase" in
       done
     } | tee "$out/writeab.txt" ;;
   write2)
-    BENCH_STREAM_WRITE=0 bench W3 ours_io_spec1_stream 150 W3_upload2
-    bench W3 ours_io_spec1_stream 150 W3_write2
-    BENCH_STREAM_WRITE=0 bench W4 ours_io_spec1_stream 240 W4_upload1
-    bench W4 ours_io_spec1_stream 240 W4_write1
-    { for arm in W3_upload W3_write W4_upload W4_write; do
-        python3 "$root/benchmarks/pin_rows.py" --all "${arm%%_*}" ours_io_spec1_stream "$out"/"$arm"[0-9]*.json
-      done
-    } | tee "$out/write2.txt" ;;
+    for w in ${WRITE2_WORKLOADS:-W3 W4}; do
+      if [ "$w" = W3 ]; then n=2 limit=150; else n=1 limit=240; fi
+      BENCH_STREAM_WRITE=0 bench "$w" ours_io_spec1_stream "$limit" "${w}_upload$n"
+      bench "$w" ours_io_spec1_stream "$limit" "${w}_write$n"
+      for arm in upload write; do
+        python3 "$root/benchmarks/pin_rows.py" --all "$w" ours_io_spec1_stream "$out"/"${w}_$arm"[0-9]*.json
+      done | tee -a "$out/write2.txt"
+    done ;;
   w4gelu)
     BENCH_FUSE_GELU=0 bench W4 ours_io_spec1_stream 300 W4_plain
     bench W4 ours_io_spec1_stream 300 W4_gelu ;;
