@@ -8,7 +8,9 @@ end of the first ``Optimizer.step`` span to the end of the second (zero_grad, fo
 backward and the optimizer step). For each thread that ran operators in the window it
 prints the top-level operators' count and busy time (ms) and the CUDA runtime and driver
 calls; then the device's busy time; then the operators whose top-level time differs most
-between the two traces (ms, count).
+between the two traces (ms, count); with ``--kernels``, the kernels launched in the window
+whose device time differs most (ms, each trace's ms, count), matched to their launch by
+correlation id, as the device runs behind the host.
 
 Launch-bound workloads (W1) take as long as their host takes to issue, and how long one
 operator takes to issue changes by up to 1.7x between runs on a shared machine (session
@@ -53,6 +55,10 @@ class StepIssue:
     device_busy_ms: float
     kernels: int
     threads: dict[int, ThreadIssue]
+    kernel_ms: Counter[str] = field(default_factory=Counter)
+    """Device time per kernel name (every stream), ms, of the kernels launched in the
+    window (matched to their launch by the trace's correlation ids)."""
+    kernel_count: Counter[str] = field(default_factory=Counter)
 
     @property
     def total(self) -> ThreadIssue:
@@ -108,12 +114,39 @@ def second_step(trace: dict[str, Any]) -> StepIssue:
             th.by_name_count[e["name"]] += 1
         threads[tid] = th
     device = [(e["ts"], e["ts"] + e["dur"]) for e in inside if e.get("cat") in DEVICE_WORK]
-    return StepIssue(
+    step = StepIssue(
         window_ms=(t1 - t0) / 1e3,
         device_busy_ms=union_us(device) / 1e3,
         kernels=len(device),
         threads=threads,
     )
+    # Kernels by when they were launched, not when they ran: the device runs behind.
+    launched = {
+        e["args"]["correlation"]
+        for e in inside
+        if e.get("cat") in HOST_CATS and "correlation" in e.get("args", {})
+    }
+    for e in events:
+        if e.get("cat") == "kernel" and e.get("args", {}).get("correlation") in launched:
+            step.kernel_ms[e["name"]] += e["dur"] / 1e3
+            step.kernel_count[e["name"]] += 1
+    return step
+
+
+def compare_kernels(a: StepIssue, b: StepIssue, names: tuple[str, str], top: int) -> list[str]:
+    """The kernels whose device time differs most between ``a`` and ``b`` (``--kernels``)."""
+    ka, kb = sum(a.kernel_ms.values()), sum(b.kernel_ms.values())
+    lines = [
+        f"kernels: {names[0]} {ka:.1f} ms ({a.kernels} device tasks), {names[1]} {kb:.1f} ms; "
+        f"{names[0]} minus {names[1]} (ms, count):"
+    ]
+    diff = {n: a.kernel_ms[n] - b.kernel_ms[n] for n in a.kernel_ms | b.kernel_ms}
+    for n in sorted(diff, key=lambda n: -abs(diff[n]))[:top]:
+        lines.append(
+            f"  {diff[n]:+7.2f} ms ({a.kernel_ms[n]:6.2f} / {b.kernel_ms[n]:6.2f})  "
+            f"{a.kernel_count[n]:5d} / {b.kernel_count[n]:<5d} {n[:90]}"
+        )
+    return lines
 
 
 def compare(a: StepIssue, b: StepIssue, names: tuple[str, str], top: int) -> list[str]:
@@ -150,6 +183,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("trace_a", type=Path, help="e.g. trace_W1_ours.json.gz")
     parser.add_argument("trace_b", type=Path, help="e.g. trace_W1_full_gpu.json.gz")
     parser.add_argument("--top", type=int, default=12, help="operators to list")
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="also list the kernels whose device time differs most (every stream)",
+    )
     args = parser.parse_args(argv)
     names = (
         f"{args.trace_a.parent.name}/{args.trace_a.name}",
@@ -157,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     a, b = (second_step(load_trace(p)) for p in (args.trace_a, args.trace_b))
     print("\n".join(compare(a, b, names, args.top)))
+    if args.kernels:
+        print("\n".join(compare_kernels(a, b, names, args.top)))
     return 0
 
 
