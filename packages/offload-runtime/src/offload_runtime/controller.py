@@ -698,7 +698,10 @@ class OffloadController:
         """Block until region ``r``'s announced update (if any) is done; re-raise its error.
 
         A host sync point only while that step still runs; the blocked time is added to
-        :attr:`update_wait_s`.
+        :attr:`update_wait_s`. An update that has written the region's device parameters
+        already (:meth:`ready_early`) is not waited for: its event becomes the region's
+        ``ready_event``, which the compute stream waits on; its error, if any, reaches
+        :meth:`wait_host` through the host task that runs it.
         """
         fut = self._updates.pop(r, None)
         if fut is None:
