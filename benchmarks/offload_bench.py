@@ -101,6 +101,8 @@ built with transformers' ``gelu_pytorch_tanh``, the same function as one ``aten.
 so that every kind runs the same operations; BENCH_FUSE_GELU=0 runs every kind with the
 GELU as written (as every row before session 37 did). Rows record ``fuse_gelu`` (ours)
 or ``activation`` (the peers).
+Every kind's row records ``gpu_clocks``: the SM and memory clocks, power, temperature and
+NVML's clock event reasons over its timed steps (``gpu_clocks.py``; from session 38 on).
 By default (BENCH_STREAM_WRITE=1, from session 38 on) a resident streamed region's device
 step writes its parameters on the device (``streamed_step_costs(write_resident=True)``,
 [Note: writing resident parameters] in offload_optim/streamed.py); BENCH_STREAM_WRITE=0
@@ -121,6 +123,7 @@ times and rates, the first plan's prediction and streamed regions) and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -138,6 +141,8 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from gpu_clocks import ClockSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
@@ -185,6 +190,7 @@ def _timed_steps(
     skipped: Callable[[], bool] | None = None,
     untimed: list[float] | None = None,
     before_timing: Callable[[], None] | None = None,
+    clocks: dict[str, Any] | None = None,
 ) -> list[float]:
     """Times of ``steps`` steps after ``warmup``. With ``skipped`` (a callable: did the last
     step skip its update, an fp16 overflow?), skipped steps are not counted: they do no
@@ -194,7 +200,8 @@ def _timed_steps(
     short for that reason (W2 ``ours_io_spec1``: 165 ms among 450-525, session 18). Their
     times go to ``untimed``; at most ``2 * steps`` more steps are taken to replace them.
     ``before_timing`` runs once, after the warm-up's last sync, before the first timed
-    step."""
+    step. ``clocks``: filled with what the GPU's clocks, power and temperature did over
+    the timed steps (:class:`gpu_clocks.ClockSampler`)."""
     import torch
 
     after_skip = False
@@ -206,6 +213,25 @@ def _timed_steps(
     if before_timing is not None:
         before_timing()
     times: list[float] = []
+    sampler = ClockSampler(torch.cuda.current_device()) if clocks is not None else None
+    with sampler if sampler is not None else contextlib.nullcontext():
+        _timed_loop(step, steps, skipped, untimed, times, after_skip)
+    if sampler is not None and clocks is not None:
+        clocks.update(sampler.summary())
+    return times
+
+
+def _timed_loop(
+    step: Callable[[], None],
+    steps: int,
+    skipped: Callable[[], bool] | None,
+    untimed: list[float] | None,
+    times: list[float],
+    after_skip: bool,
+) -> None:
+    """:func:`_timed_steps`' timed steps, appended to ``times``."""
+    import torch
+
     for _ in range(3 * steps if skipped is not None else steps):
         t0 = time.perf_counter()
         step()
@@ -220,7 +246,6 @@ def _timed_steps(
         times.append(took)
         if len(times) == steps:
             break
-    return times
 
 
 def _fastest5_mean_s(times: list[float]) -> float:
@@ -748,6 +773,7 @@ def _ours(
     waited_before = module.controller.update_wait_s
     skipped_ms: list[float] = []
     allocator_before: list[dict[str, int]] = []
+    clocks: dict[str, Any] = {}
     times = _timed_steps(
         step,
         warmup,
@@ -755,6 +781,7 @@ def _ours(
         last_skipped,
         skipped_ms,
         before_timing=lambda: allocator_before.append(_allocator_counts()),
+        clocks=clocks,
     )
     allocator_after = _allocator_counts()
     out: dict[str, Any] = {
@@ -766,6 +793,7 @@ def _ours(
     # timing (see _timed_steps).
     out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
     out["timed_steps"] = len(times)
+    out["gpu_clocks"] = clocks
     # What the caching allocator did over the timed steps (ALLOCATOR_EVENTS).
     out["allocator_events"] = {
         k: allocator_after[k] - allocator_before[0][k] for k in ALLOCATOR_EVENTS
@@ -1070,9 +1098,11 @@ def _full_gpu(
     step, fwd_bwd, zero = _full_gpu_steps(workload)
     issue_before = issue_cost_us()
     torch.cuda.reset_peak_memory_stats()
-    times = _timed_steps(step, warmup, steps)
+    clocks: dict[str, Any] = {}
+    times = _timed_steps(step, warmup, steps, clocks=clocks)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
+    out["gpu_clocks"] = clocks
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
 
     def compute_only() -> None:
@@ -1128,9 +1158,11 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
 
     torch.cuda.reset_peak_memory_stats()
-    times = _timed_steps(step, warmup, steps)
+    clocks: dict[str, Any] = {}
+    times = _timed_steps(step, warmup, steps, clocks=clocks)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
+    out["gpu_clocks"] = clocks
     dist.destroy_process_group()
     return out
 
@@ -1154,9 +1186,11 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         opt.zero_grad()
 
     torch.cuda.reset_peak_memory_stats()
-    times = _timed_steps(step, warmup, steps)
+    clocks: dict[str, Any] = {}
+    times = _timed_steps(step, warmup, steps, clocks=clocks)
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
+    out["gpu_clocks"] = clocks
     return out
 
 
