@@ -102,7 +102,9 @@ so that every kind runs the same operations; BENCH_FUSE_GELU=0 runs every kind w
 GELU as written (as every row before session 37 did). Rows record ``fuse_gelu`` (ours)
 or ``activation`` (the peers).
 Every kind's row records ``gpu_clocks``: the SM and memory clocks, power, temperature and
-NVML's clock event reasons over its timed steps (``gpu_clocks.py``; from session 38 on).
+NVML's clock event reasons over its timed steps (``gpu_clocks.py``; from session 38 on),
+read every 20 ms by a thread of its own (five NVML calls a sample, outside the GIL);
+BENCH_GPU_CLOCKS=0 turns it off.
 By default (BENCH_STREAM_WRITE=1, from session 38 on) a resident streamed region's device
 step writes its parameters on the device (``streamed_step_costs(write_resident=True)``,
 [Note: writing resident parameters] in offload_optim/streamed.py); BENCH_STREAM_WRITE=0
@@ -213,7 +215,8 @@ def _timed_steps(
     if before_timing is not None:
         before_timing()
     times: list[float] = []
-    sampler = ClockSampler(torch.cuda.current_device()) if clocks is not None else None
+    sample = clocks is not None and os.environ.get("BENCH_GPU_CLOCKS", "1") != "0"
+    sampler = ClockSampler(torch.cuda.current_device()) if sample else None
     with sampler if sampler is not None else contextlib.nullcontext():
         _timed_loop(step, steps, skipped, untimed, times, after_skip)
     if sampler is not None and clocks is not None:
