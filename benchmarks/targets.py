@@ -25,9 +25,9 @@ faster than torchao's CPU offload, whose peak fits the 40 GiB budget; W4 with bf
 moments (``bf16m`` kinds) faster than torchao. The floor is
 :func:`offload_bench.issue_floor`'s; where some rows of a workload had full-GPU training
 in their call and others did not, the others' floors lack its compute part (a lower
-bound) and they are listed as left out (from session 38 on). A ratio target reads "met" when every row meets it,
-"met by the median" when the median row does, else "missed" with the median's distance
-from the target. Nothing is allocated; no GPU is needed.
+bound) and they are listed as left out (from session 38 on). A ratio target reads "met"
+when every row meets it, "met by the median" when the median row does, else "missed" with
+the median's distance from the target. Nothing is allocated; no GPU is needed.
 """
 
 from __future__ import annotations
