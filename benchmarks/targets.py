@@ -242,7 +242,8 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     out.append(ratio_verdict(PAIRED_W1, 1.05, paired, False))
     for w in ("W2", "W3", "W4"):
         fp32 = [r for r in rows if r.workload == w and _fp32_state(r)]
-        floors, partial = [], []
+        floors: list[tuple[Row, float, float | None]] = []
+        partial: list[tuple[Row, float, float | None]] = []
         for row in fp32:
             full = _peer_row(row, "full_gpu")
             floor = issue_floor(row.result, full)
