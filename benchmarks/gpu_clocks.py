@@ -127,15 +127,14 @@ def summarise(
 
 
 def _handle_for(pynvml: Any, device: int) -> Any:
-    """NVML's handle of torch's CUDA device ``device``: by UUID (NVML numbers every GPU of
-    the machine, torch only the visible ones), by index when torch has no UUID."""
-    import torch
+    """NVML's handle of torch's CUDA device ``device`` (``offload_runtime.hardware``'s
+    lookup, by UUID then PCI bus id); LookupError when NVML does not know it."""
+    from offload_runtime.hardware import nvml_handle
 
-    uuid = str(getattr(torch.cuda.get_device_properties(device), "uuid", "") or "")
-    if not uuid:
-        return pynvml.nvmlDeviceGetHandleByIndex(device)
-    key = uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
-    return pynvml.nvmlDeviceGetHandleByUUID(key)
+    handle = nvml_handle(pynvml, device)
+    if handle is None:
+        raise LookupError(f"NVML has no device matching torch's cuda:{device}")
+    return handle
 
 
 def timed(seconds: float) -> dict[str, Any]:

@@ -62,7 +62,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -278,21 +278,7 @@ def _nvml_identity(
     except (pynvml.NVMLError, OSError, AttributeError):
         return None
     try:
-        handle = None
-        candidates: list[tuple[Callable[[str], object], str]] = []
-        if torch_uuid:
-            prefixed = (
-                torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{torch_uuid}"
-            )
-            candidates += [(pynvml.nvmlDeviceGetHandleByUUID, prefixed)]
-        if torch_pci:
-            candidates += [(pynvml.nvmlDeviceGetHandleByPciBusId, torch_pci)]
-        for lookup, key in candidates:
-            try:
-                handle = lookup(key)
-                break
-            except pynvml.NVMLError:
-                continue
+        handle = _nvml_handle(pynvml, torch_uuid, torch_pci)
         if handle is None:
             return None
         name = _text(pynvml.nvmlDeviceGetName(handle))
@@ -312,6 +298,31 @@ def _nvml_identity(
     finally:
         with contextlib.suppress(pynvml.NVMLError):
             pynvml.nvmlShutdown()
+
+
+def _nvml_handle(pynvml: Any, torch_uuid: str | None, torch_pci: str | None) -> object | None:
+    """NVML's handle of the device torch calls ``torch_uuid`` (then ``torch_pci``), or
+    ``None``; NVML must be initialised."""
+    candidates: list[tuple[Callable[[str], object], str]] = []
+    if torch_uuid:
+        prefixed = torch_uuid if torch_uuid.startswith(("GPU-", "MIG-")) else f"GPU-{torch_uuid}"
+        candidates += [(pynvml.nvmlDeviceGetHandleByUUID, prefixed)]
+    if torch_pci:
+        candidates += [(pynvml.nvmlDeviceGetHandleByPciBusId, torch_pci)]
+    for lookup, key in candidates:
+        try:
+            return lookup(key)
+        except pynvml.NVMLError:
+            continue
+    return None
+
+
+def nvml_handle(pynvml: Any, device: int) -> object | None:
+    """NVML's handle of torch's CUDA device ``device`` (NVML initialised by the caller),
+    found by UUID, then PCI bus id, never by index: NVML numbers every GPU of the machine
+    while torch numbers only the visible ones. ``None`` when NVML does not know it."""
+    props = torch.cuda.get_device_properties(device)
+    return _nvml_handle(pynvml, _torch_uuid(props), _torch_pci_bus_id(props))
 
 
 def _text(value: object) -> str:
