@@ -222,14 +222,15 @@ def chunk_numel_for(
 def stream_copy_bytes(moments_dtype: torch.dtype, fp16_io: bool) -> tuple[int, int]:
     """(bytes up, bytes down) per streamed parameter and step: master, moments and
     gradient up; master, moments (and the fp16 copy with ``fp16_io``) down."""
-    moment, grad = _sizes(moments_dtype, fp16_io)
-    state = MASTER_BYTES + 2 * moment
+    _, grad = _sizes(moments_dtype, fp16_io)
+    state = resident_down_bytes(moments_dtype)
     return state + grad, state + (2 if fp16_io else 0)
 
 
 def resident_down_bytes(moments_dtype: torch.dtype) -> int:
     """Bytes down per parameter of a resident streamed region whose device step writes
-    its parameters on the device: master and moments only."""
+    its parameters on the device: master and moments only (the state every streamed
+    region moves each way, :func:`stream_copy_bytes`)."""
     return MASTER_BYTES + 2 * moments_dtype.itemsize
 
 

@@ -1104,12 +1104,9 @@ def run(
         if not stream_contention:
             return
         s = ready_s if ready_s > host_free else host_free
-        if codes[r] != RESIDENT:
-            copies = gd[r] + 2 * up[r] + sup[r] + sdown[r]
-        elif writes_resident:
-            copies = gd[r] + sup[r] + sdown_res[r]
-        else:
-            copies = gd[r] + up[r] + sup[r] + sdown[r]
+        resident = codes[r] == RESIDENT
+        uploads = (0 if writes_resident else 1) if resident else 2
+        copies = gd[r] + uploads * up[r] + sup[r] + (sdown_res if resident else sdown)[r]
         e = s + stream_contention * copies
         last_o = host_task[r] = add(LANE_HOST, r, KIND_STREAM_CONTENTION, s, e, last_o, pred)
         host_free = e
