@@ -10,9 +10,10 @@
 #   w1x     W1 ours and full GPU, ROUNDS rounds (default 4), the order swapped each round;
 #           then pair_ratios.py (the median ratio) and issue_compare.py on each round's
 #           two traces (what ours issues more per step)                        ~4 min
-#   attnab  W3 ours_io_spec1_stream as by default and planned with fused attention measured
-#           at its own shape (BENCH_MEASURE_ATTENTION=1), alternating, ROUNDS rounds
-#           (default 2); then each row's run mean and plan (pin_rows.py)     ~1.2 min a row
+#   attnab  W3 ours_io_spec1_stream as by default, planned with fused attention measured
+#           at its own shape (BENCH_MEASURE_ATTENTION=1), and with that and operations
+#           issued ahead (BENCH_ISSUE_AHEAD=1: the replay's model), alternating, ROUNDS
+#           rounds (default 2); then each arm's run means and plans (pin_rows.py) ~1.2 min a row
 #   geluab  GPT-2's tanh GELU written out (BENCH_FUSE_GELU=0) and fused into one aten.gelu
 #           (as by default from session 37 on), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
@@ -28,6 +29,11 @@
 #           default from session 38 on; the first round with full GPU beside it, for the
 #           floor), and written with the ring yielding to the h2d stream (BENCH_RING_YIELD=1),
 #           ROUNDS rounds (default 1); then pin_rows.py                   ~1.3 min a row
+#   w3res   W3 ours_io_spec1_stream planned under RES_BUDGET_GIB (default 120; BENCH_BUDGET_GIB),
+#           where nothing leaves the device, beside full GPU; then issue_compare.py --kernels
+#           and kernel_overlap.py --against on the two traces: whether our runtime's own
+#           kernels run longer than full-GPU training's with no copy or host step beside
+#           them (w3res.txt; targets.py leaves the row out)                    ~3 min
 #   write2  writeab's first two arms once more for W3 (no full GPU), then the same two for
 #           W4 ours_io_spec1_stream (fp32 state); WRITE2_WORKLOADS (default "W3 W4")
 #           picks                                                            ~9 min
@@ -166,7 +172,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -217,9 +223,11 @@ case "$phase" in
     for i in $(seq 1 "${ROUNDS:-2}"); do
       bench W3 ours_io_spec1_stream 150 "W3_default$i"
       BENCH_MEASURE_ATTENTION=1 bench W3 ours_io_spec1_stream 150 "W3_attn$i"
+      BENCH_MEASURE_ATTENTION=1 BENCH_ISSUE_AHEAD=1 bench W3 ours_io_spec1_stream 150 "W3_ahead$i"
     done
-    python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_{default,attn}*.json \
-      | tee "$out/attnab.txt" ;;
+    for arm in default attn ahead; do
+      python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
+    done | tee "$out/attnab.txt" ;;
   geluab)
     for i in $(seq 1 "${ROUNDS:-1}"); do
       BENCH_FUSE_GELU=0 BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_plain$i"
@@ -379,6 +387,14 @@ case "$phase" in
         python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
       done
     } | tee "$out/writeab.txt" ;;
+  w3res)
+    BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_spec1_stream,full_gpu 200 W3_res
+    d="$out/prof_W3_res"
+    { python3 "$root/benchmarks/issue_compare.py" --kernels \
+        "$d/trace_W3_ours_io_spec1_stream.json.gz" "$d/trace_W3_full_gpu.json.gz"
+      python3 "$root/benchmarks/kernel_overlap.py" "$d/trace_W3_ours_io_spec1_stream.json.gz" \
+        --against "$d/trace_W3_full_gpu.json.gz"
+    } 2>&1 | tee "$out/w3res.txt" || true ;;
   write2)
     for w in ${WRITE2_WORKLOADS:-W3 W4}; do
       if [ "$w" = W3 ]; then n=2 limit=150; else n=1 limit=240; fi

@@ -120,6 +120,13 @@ regions for 2 + N steps first, then plan again with the host Adam rate its last 
 (``offload_optim.check_host_rate``) and time that plan; rows record ``calibration`` (both host busy
 times and rates, the first plan's prediction and streamed regions) and
 ``host_rate_planned_from: "calibrated"``.
+Set BENCH_ISSUE_AHEAD=1 to plan the ``ours`` kinds with operations issued ahead of the
+device (``memory_optimize(issue_ahead=True)``; =0 or unset: the profile's own, False);
+rows record ``issue_ahead`` (from session 39 on).
+Set BENCH_BUDGET_GIB to plan the ``ours`` kinds under another budget than the workload's
+(GiB; e.g. W3 at 120, where nothing needs to leave the device, to set our runtime's own
+kernels beside full-GPU training's); rows record ``budget_gib`` (from session 39 on), and
+``targets.py`` leaves rows under another budget out of every target.
 """
 
 from __future__ import annotations
@@ -543,8 +550,9 @@ def _ours(
     from offload_solver import HardwareProfile, ParamPlacement, StatePlacement
     from offload_solver.solve import POLISH_ROUNDS
 
-    name, batch, seq, budget_gib = WORKLOADS[workload]
-    budget = budget_gib * GiB
+    name, batch, seq, _ = WORKLOADS[workload]
+    budget_gib = bench_budget_gib(workload)
+    budget = int(budget_gib * GiB)
     if os.environ.get("BENCH_HOST_THREADS"):
         torch.set_num_threads(int(os.environ["BENCH_HOST_THREADS"]))
     if os.environ.get("BENCH_SWITCH_INTERVAL_S"):
@@ -561,6 +569,8 @@ def _ours(
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
     measure_attention = os.environ.get("BENCH_MEASURE_ATTENTION", "0") != "0"
+    ahead_env = os.environ.get("BENCH_ISSUE_AHEAD")
+    issue_ahead = None if ahead_env is None else ahead_env != "0"
     fuse_gelu = bench_fuse_gelu()
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
@@ -680,6 +690,7 @@ def _ours(
             stream_host_charge=stream_host_charge,
             measure_attention=measure_attention,
             fuse_gelu=fuse_gelu,
+            issue_ahead=issue_ahead,
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -802,8 +813,10 @@ def _ours(
         k: allocator_after[k] - allocator_before[0][k] for k in ALLOCATOR_EVENTS
     }
     out["host_threads"] = torch.get_num_threads()
+    out["budget_gib"] = budget_gib
     out["polish_rounds"] = polish_rounds
     out["measure_attention"] = measure_attention
+    out["issue_ahead"] = module.hardware.issue_ahead
     out["fuse_gelu"] = fuse_gelu
     out["issue_thread"] = issue_thread
     out["speculation_thread"] = speculation_thread
@@ -1047,6 +1060,22 @@ def bench_stream_write() -> bool:
     """Whether resident streamed regions are written on the device: unless
     BENCH_STREAM_WRITE=0."""
     return os.environ.get("BENCH_STREAM_WRITE", "1") != "0"
+
+
+def bench_budget_gib(workload: str) -> float:
+    """The budget (GiB) our kinds plan ``workload`` under: BENCH_BUDGET_GIB where set (a
+    diagnostic row, e.g. W3 with room for everything to stay on the device, which
+    ``targets.py`` leaves out of every target), else the workload's own."""
+    env = os.environ.get("BENCH_BUDGET_GIB")
+    if not env:
+        return float(WORKLOADS[workload][3])
+    try:
+        gib = float(env)
+    except ValueError:
+        gib = math.nan
+    if not math.isfinite(gib) or gib <= 0:
+        raise ValueError(f"BENCH_BUDGET_GIB must be a positive number of GiB, got {env!r}")
+    return gib
 
 
 def bench_fuse_gelu() -> bool:

@@ -104,9 +104,16 @@ def call_of(path: Path) -> str:
     return m.group(1) if m else str(path.resolve().parent)
 
 
+def own_budget(workload: str, result: dict[str, Any]) -> bool:
+    """Whether a row of ours planned under ``workload``'s own budget: rows under another
+    (BENCH_BUDGET_GIB, a diagnostic) answer no target. Rows before session 39 record none."""
+    budget = result.get("budget_gib")
+    return budget is None or float(budget) == float(WORKLOADS[workload][3])
+
+
 def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
-    """Our successful rows in ``paths`` (of ``kinds`` when given; never the ablation),
-    each with its call's peer rows of the same workload."""
+    """Our successful rows in ``paths`` under their workload's own budget (of ``kinds``
+    when given; never the ablation), each with its call's peer rows of the same workload."""
     in_call: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     in_file: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     ours: list[tuple[str, str, str, str, dict[str, Any]]] = []
@@ -122,7 +129,12 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                 if kind in PEERS:
                     for table, key in ((in_call, call), (in_file, str(path.resolve()))):
                         table.setdefault((key, workload), {}).setdefault(kind, []).append(result)
-                elif kind in OURS_KINDS and kind != "ablation" and (kinds is None or kind in kinds):
+                elif (
+                    kind in OURS_KINDS
+                    and kind != "ablation"
+                    and (kinds is None or kind in kinds)
+                    and own_budget(workload, result)
+                ):
                     ours.append((call, str(path.resolve()), workload, kind, result))
     rows = []
     for call, file, w, kind, result in ours:

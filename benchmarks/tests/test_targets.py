@@ -96,8 +96,9 @@ def _row(step: float, mean: float, **extra: Any) -> dict[str, Any]:
     return {"ok": True, "step_ms": step, "step_mean_ms": mean, **extra}
 
 
-def _ours(step: float, mean: float) -> dict[str, Any]:
-    return _row(step, mean, peak_alloc_gib=2.5, pred_peak_gib=2.5, pred_step_ms=mean)
+def _ours(step: float, mean: float, **extra: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {"peak_alloc_gib": 2.5, "pred_peak_gib": 2.5, "pred_step_ms": mean}
+    return _row(step, mean, **{**fields, **extra})
 
 
 def _write(path: Path, results: dict[str, dict[str, dict[str, Any]]]) -> Path:
@@ -164,6 +165,22 @@ def test_failed_rows_and_the_ablation_are_left_out(tmp_path: Path) -> None:
         },
     )
     assert targets.load_rows([a]) == []
+
+
+def test_rows_under_another_budget_answer_no_target(tmp_path: Path) -> None:
+    # W3 planned at 120 GiB (BENCH_BUDGET_GIB) peaks over W3's 40: a diagnostic row, not
+    # a missed budget; the row under W3's own budget (or recording none) still counts.
+    roomy = _ours(200, 210, budget_gib=120.0, peak_alloc_gib=45.0)
+    own = _ours(250, 260, budget_gib=40.0)
+    older = _ours(255, 265)
+    a = _write(tmp_path / "s99c1_a.json", {"W3": {"ours_io_spec1_stream": roomy}})
+    b = _write(tmp_path / "s99c1_b.json", {"W3": {"ours_io_spec1_stream": own}})
+    c = _write(tmp_path / "s99c1_c.json", {"W3": {"ours_io_spec1_stream": older}})
+    rows = targets.load_rows([a, b, c])
+    assert [r.result["step_ms"] for r in rows] == [250, 255]
+    assert _status(targets.verdicts(rows), "peak allocated <= budget") == "met"
+    assert targets.own_budget("W3", {"budget_gib": 40})
+    assert not targets.own_budget("W3", {"budget_gib": 120.0})
 
 
 def test_faster_than_is_strict_and_at_most_is_not() -> None:

@@ -385,6 +385,7 @@ def planning_hardware(
     fp16_io: bool = False,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
+    issue_ahead: bool | None = None,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
@@ -393,10 +394,12 @@ def planning_hardware(
     passes charged with ``fp16_io`` (they happen inside the host step), and
     ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
     :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
-    streamed regions are simulated). For planning without building, e.g. the example's
-    ``--plan_only``."""
+    streamed regions are simulated), and ``issue_ahead`` unless None (the profile's own).
+    For planning without building, e.g. the example's ``--plan_only``."""
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
+    if issue_ahead is not None:
+        hardware = dataclasses.replace(hardware, issue_ahead=bool(issue_ahead))
     if stream_up_fraction is not None:
         hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
     if stream_host_charge is not None:
@@ -443,6 +446,7 @@ def memory_optimize(
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     measure_attention: bool = False,
     fuse_gelu: bool = True,
+    issue_ahead: bool | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -558,6 +562,15 @@ def memory_optimize(
             Default True: measured in one call on an H200 (BENCHMARKS.md, session 37),
             W3's step went from 395 to 257 ms and W1's from 43.1 to 28.7 ms. A model
             without that chain is traced unchanged; False traces every model as written.
+        issue_ahead: how the simulator combines each operation's issue cost (the
+            profile's ``op_overhead_s``, seconds) with its device time
+            (``HardwareProfile.issue_ahead``). True: the host issues ahead of the device,
+            so an operation costs the device its compute or traffic once issued, and
+            views cost nothing where the device is behind; False: each operation takes at
+            least its issue cost, one after another. None (default): the profile's own,
+            False for a measured one. Replayed over session 38's seven W3 rows with
+            attention at its measured rates, True put every prediction within 15% of
+            the run mean (BENCHMARKS.md, session 38); not yet the default.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -611,6 +624,7 @@ def memory_optimize(
         fp16_io=fp16_io,
         stream_up_fraction=stream_up_fraction,
         stream_host_charge=stream_host_charge,
+        issue_ahead=issue_ahead,
     )
     if fp16_io:
         convert_on_device = False
