@@ -40,8 +40,10 @@ Kinds:
                 other region or so in forward order, is streamed (the plan not told)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
-    full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam (speed ceiling);
-                also times forward+backward alone (the compute floor)
+    full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam, the loss
+                scaled by torch.amp.GradScaler (speed ceiling; BENCH_FULL_GPU_SCALER=0:
+                unscaled, as before session 39); also times forward+backward alone (the
+                compute floor)
     fsdp2       fully_shard per block + root, CPUOffloadPolicy, fp16 MixedPrecisionPolicy,
                 fused Adam on the host, world size 1
     torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
@@ -123,6 +125,11 @@ times and rates, the first plan's prediction and streamed regions) and
 Set BENCH_ISSUE_AHEAD=1 to plan the ``ours`` kinds with operations issued ahead of the
 device (``memory_optimize(issue_ahead=True)``; =0 or unset: the profile's own, False);
 rows record ``issue_ahead`` (from session 39 on).
+Full-GPU training scales its loss with ``torch.amp.GradScaler`` (from session 39 on; rows
+and ``paired_full_gpu`` record ``grad_scaler``): unscaled, its fp16 gradients underflow to
+subnormals and zeros, which no user's fp16 training would train on; in session 39's
+first W3 call it drew 495 W at 1980 MHz against ours' 689 W at 1830 MHz with nothing
+offloaded (``gpu_clocks``). BENCH_FULL_GPU_SCALER=0 runs it unscaled.
 Set BENCH_BUDGET_GIB to plan the ``ours`` kinds under another budget than the workload's
 (GiB; e.g. W3 at 120, where nothing needs to leave the device, to set our runtime's own
 kernels beside full-GPU training's); rows record ``budget_gib`` (from session 39 on), and
@@ -987,6 +994,7 @@ def _ours(
         ours_s, full_s = interleaved_steps(step, full_step, warmup, steps, torch.cuda.synchronize)
         out["paired_full_gpu"] = pair_summary(ours_s, full_s)
         out["paired_full_gpu"]["activation"] = peer_activation()
+        out["paired_full_gpu"]["grad_scaler"] = bench_full_gpu_scaler()
         # fp16 overflow skips among ours' paired steps (short steps, so they flatter it).
         out["paired_full_gpu"]["ours_skipped_steps"] = (
             warmup + steps - (opt.step_count - applied_before)
@@ -1078,6 +1086,12 @@ def bench_budget_gib(workload: str) -> float:
     return gib
 
 
+def bench_full_gpu_scaler() -> bool:
+    """Whether full-GPU training scales its loss (``torch.amp.GradScaler``): unless
+    BENCH_FULL_GPU_SCALER=0 (as every full-GPU row before session 39 ran)."""
+    return os.environ.get("BENCH_FULL_GPU_SCALER", "1") != "0"
+
+
 def bench_fuse_gelu() -> bool:
     """Whether this run fuses GPT-2's GELU: unless BENCH_FUSE_GELU=0."""
     return os.environ.get("BENCH_FUSE_GELU", "1") != "0"
@@ -1107,16 +1121,27 @@ def _full_gpu_steps(
     )
     data = random_batch(batch, seq, device="cuda")
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    # fp16 gradients without a loss scale underflow: in a 4-layer GPT-2 XL-wide model at
+    # W3's 8 x 1024 tokens, 87-95% of the blocks' output gradients came out subnormal and
+    # 5-60% zero (session 39, on the CPU). A GradScaler (torch's fp16 recipe, 2**16 to
+    # start, fused into the Adam step, no host sync) trains on gradients of full range,
+    # as ours' dynamic loss scale does.
+    scaler = torch.amp.GradScaler("cuda") if bench_full_gpu_scaler() else None
 
     def fwd_bwd() -> None:
-        torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
+        loss = lm_loss(model(**data), data["input_ids"])
+        torch.autograd.backward(loss if scaler is None else scaler.scale(loss))
 
     def zero() -> None:
         opt.zero_grad(set_to_none=True)
 
     def step() -> None:
         fwd_bwd()
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         zero()
 
     return step, fwd_bwd, zero
@@ -1135,6 +1160,7 @@ def _full_gpu(
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
     out["gpu_clocks"] = clocks
+    out["grad_scaler"] = bench_full_gpu_scaler()
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
 
     def compute_only() -> None:

@@ -98,6 +98,15 @@ def same_model(ours: dict[str, Any], peer: dict[str, Any]) -> bool:
     return ours_activation(ours) == peer_activation(peer)
 
 
+def prefer_scaled(peers: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of a peer kind's rows, those that scaled their loss (``grad_scaler``: full-GPU
+    training from session 39 on) where any did: ours scales its loss, and unscaled fp16
+    gradients underflow (offload_bench.py's ``full_gpu``). Else all of them: before session
+    39 no full-GPU row scaled, and the recorded verdicts are against those."""
+    scaled = [r for r in peers if r.get("grad_scaler")]
+    return scaled or peers
+
+
 def call_of(path: Path) -> str:
     """The call a results file belongs to: ``sNNcM`` from its name, else its folder."""
     m = _CALL.match(path.name)
@@ -144,7 +153,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
         for peer in by_call:
             # The same run's peer where it ran the same model, else the call's.
             for results in (by_file.get(peer, []), by_call[peer]):
-                same = [r for r in results if same_model(result, r)]
+                same = prefer_scaled([r for r in results if same_model(result, r)])
                 if same:
                     peers[peer] = same
                     break

@@ -183,6 +183,26 @@ def test_rows_under_another_budget_answer_no_target(tmp_path: Path) -> None:
     assert not targets.own_budget("W3", {"budget_gib": 120.0})
 
 
+def test_a_full_gpu_row_that_scaled_its_loss_is_preferred_to_one_that_did_not(
+    tmp_path: Path,
+) -> None:
+    # One call: full GPU unscaled (190 ms) in its own file, then ours beside full GPU scaled
+    # (200 ms) in another; and an older call whose only full-GPU row records no scaler.
+    unscaled = _row(190, 190, fwd_bwd_ms=180, grad_scaler=False)
+    scaled = _row(200, 200, fwd_bwd_ms=190, grad_scaler=True)
+    a = _write(tmp_path / "s99c1_a.json", {"W1": {"full_gpu": unscaled}})
+    b = _write(tmp_path / "s99c1_b.json", {"W1": {"ours": _ours(205, 205), "full_gpu": scaled}})
+    c = _write(tmp_path / "s99c1_c.json", {"W1": {"ours": _ours(195, 195)}})
+    old = _write(
+        tmp_path / "s98c1_a.json", {"W1": {"ours": _ours(195, 195), "full_gpu": _row(190, 190)}}
+    )
+    rows = {r.file: r for r in targets.load_rows([a, b, c, old])}
+    assert rows["s99c1_b.json"].peers["full_gpu"] == [scaled]
+    assert rows["s99c1_c.json"].peers["full_gpu"] == [scaled]  # the call's scaled row
+    assert rows["s98c1_a.json"].peers["full_gpu"][0]["step_ms"] == 190
+    assert targets.prefer_scaled([unscaled]) == [unscaled]
+
+
 def test_faster_than_is_strict_and_at_most_is_not() -> None:
     row = targets.Row("f.json", "W3", "ours", {}, {})
     assert targets.ratio_verdict("t", 1.0, [(row, 1.0, None)], strict=True).status.startswith(
