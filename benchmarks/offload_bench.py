@@ -127,9 +127,10 @@ device (``memory_optimize(issue_ahead=True)``; =0 or unset: the profile's own, F
 rows record ``issue_ahead`` (from session 39 on).
 Full-GPU training scales its loss with ``torch.amp.GradScaler`` (from session 39 on; rows
 and ``paired_full_gpu`` record ``grad_scaler``): unscaled, its fp16 gradients underflow to
-subnormals and zeros, which no user's fp16 training would train on; in session 39's
-first W3 call it drew 495 W at 1980 MHz against ours' 689 W at 1830 MHz with nothing
-offloaded (``gpu_clocks``). BENCH_FULL_GPU_SCALER=0 runs it unscaled.
+subnormals and zeros, which no user's fp16 training would train on. In one call of
+session 39 (W3), scaled it drew 589 W to unscaled 491 W at the same 1980 MHz median SM
+clock and stepped 207.0 ms to 205.8 (forward and backward 195.8 ms both): the scale
+changes what it trains on, not its time. BENCH_FULL_GPU_SCALER=0 runs it unscaled.
 Set BENCH_BUDGET_GIB to plan the ``ours`` kinds under another budget than the workload's
 (GiB; e.g. W3 at 120, where nothing needs to leave the device, to set our runtime's own
 kernels beside full-GPU training's); rows record ``budget_gib`` (from session 39 on), and
@@ -1123,9 +1124,10 @@ def _full_gpu_steps(
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     # fp16 gradients without a loss scale underflow: in a 4-layer GPT-2 XL-wide model at
     # W3's 8 x 1024 tokens, 87-95% of the blocks' output gradients came out subnormal and
-    # 5-60% zero (session 39, on the CPU). A GradScaler (torch's fp16 recipe, 2**16 to
-    # start, fused into the Adam step, no host sync) trains on gradients of full range,
-    # as ours' dynamic loss scale does.
+    # 5-60% zero (session 39, on the CPU; none of either at a scale of 2**16). A
+    # GradScaler (torch's fp16 recipe, 2**16 to start, its inf check fused into the Adam
+    # step, no host sync) trains on gradients of full range, as ours' dynamic loss scale
+    # (also 2**16 to start) does.
     scaler = torch.amp.GradScaler("cuda") if bench_full_gpu_scaler() else None
 
     def fwd_bwd() -> None:
