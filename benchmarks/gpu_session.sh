@@ -37,6 +37,11 @@
 #   scaleab W3 full GPU with its loss unscaled (BENCH_FULL_GPU_SCALER=0, as before session 39),
 #           then ours_io_spec1_stream beside full GPU scaled (the default since): step,
 #           forward+backward, SM clock and power of each (scaleab.txt)          ~3 min
+#   powerab W3 planned under RES_BUDGET_GIB (default 120: nothing offloaded) with fp32 state
+#           beside full GPU (fp16 weights and state), then with bf16 moments beside full GPU
+#           by torch's mixed-precision recipe (full_gpu_amp: fp32 masters and state under
+#           fp16 autocast); each row's step, clock and power (clock_rows.py): does the
+#           optimizer state's precision set the draw that lowers ours' clock? ~5 min
 #   write2  writeab's first two arms once more for W3 (no full GPU), then the same two for
 #           W4 ours_io_spec1_stream (fp32 state); WRITE2_WORKLOADS (default "W3 W4")
 #           picks                                                            ~9 min
@@ -175,7 +180,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -401,17 +406,13 @@ case "$phase" in
   scaleab)
     BENCH_FULL_GPU_SCALER=0 bench W3 full_gpu 120 W3_unscaled
     bench W3 ours_io_spec1_stream,full_gpu 200 W3_scaled
-    python3 - "$out"/W3_unscaled.json "$out"/W3_scaled.json <<'PY' | tee "$out/scaleab.txt"
-import json, sys
-for path in sys.argv[1:]:
-    for kind, r in json.load(open(path))["results"]["W3"].items():
-        c = r.get("gpu_clocks", {})
-        print(f"{path.rsplit('/', 1)[-1]} {kind}: {r.get('step_ms', 0):.1f} ms (run "
-              f"{r.get('step_mean_ms', 0):.1f}), fwd+bwd {r.get('fwd_bwd_ms', 0):.1f} ms, "
-              f"grad_scaler {r.get('grad_scaler')}, SM {c.get('sm_mhz_median')} MHz "
-              f"(min {c.get('sm_mhz_min')}), {c.get('power_w_median')} W")
-PY
-    ;;
+    python3 "$root/benchmarks/clock_rows.py" "$out"/W3_unscaled.json "$out"/W3_scaled.json \
+      | tee "$out/scaleab.txt" ;;
+  powerab)
+    BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_spec1_stream,full_gpu 200 W3_res32
+    BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_bf16m_spec1_stream,full_gpu_amp 200 W3_res16
+    python3 "$root/benchmarks/clock_rows.py" "$out"/W3_res32.json "$out"/W3_res16.json \
+      | tee "$out/powerab.txt" ;;
   write2)
     for w in ${WRITE2_WORKLOADS:-W3 W4}; do
       if [ "$w" = W3 ]; then n=2 limit=150; else n=1 limit=240; fi

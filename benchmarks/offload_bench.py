@@ -44,6 +44,9 @@ Kinds:
                 scaled by torch.amp.GradScaler (speed ceiling; BENCH_FULL_GPU_SCALER=0:
                 unscaled, as before session 39); also times forward+backward alone (the
                 compute floor)
+    full_gpu_amp  full-GPU training by torch's mixed-precision recipe: an fp32 model
+                (fp32 masters and Adam state, as ours keeps) under fp16 autocast, loss
+                scaled, fused Adam; a diagnostic beside full_gpu (no target reads it)
     fsdp2       fully_shard per block + root, CPUOffloadPolicy, fp16 MixedPrecisionPolicy,
                 fused Adam on the host, world size 1
     torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
@@ -191,7 +194,7 @@ OURS_KINDS = (
     "ablation",
 )
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
-KINDS = (*OURS_KINDS, "full_gpu", "fsdp2", "torchao")
+KINDS = (*OURS_KINDS, "full_gpu", "full_gpu_amp", "fsdp2", "torchao")
 RESULT_TAG = "BENCH_RESULT "
 
 
@@ -1108,19 +1111,34 @@ def peer_activation() -> str:
 
 
 def _full_gpu_steps(
-    workload: str,
+    workload: str, amp: bool = False, device: str = "cuda"
 ) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
     """Full-GPU training of ``workload`` built on the GPU: (training step, forward and
-    backward alone, zero the gradients)."""
+    backward alone, zero the gradients). ``amp``: torch's mixed-precision recipe instead
+    of fp16 weights and state: an fp32 model (fp32 masters, gradients and Adam state, as
+    ours keeps) run under fp16 autocast, with the loss scaled. ``device``: "cuda"; "cpu"
+    for tests."""
+    import contextlib
+
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
 
     name, batch, seq, _ = WORKLOADS[workload]
     model = build_model(
-        name, device="cuda", dtype=torch.float16, seq_len=seq, activation=peer_activation()
+        name,
+        device=device,
+        dtype=torch.float32 if amp else torch.float16,
+        seq_len=seq,
+        activation=peer_activation(),
     )
-    data = random_batch(batch, seq, device="cuda")
+    data = random_batch(batch, seq, device=device)
+
+    def autocast() -> contextlib.AbstractContextManager[Any]:
+        if amp:
+            return torch.autocast(device, dtype=torch.float16)
+        return contextlib.nullcontext()
+
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
     # fp16 gradients without a loss scale underflow: in a 4-layer GPT-2 XL-wide model at
     # W3's 8 x 1024 tokens, every element of the blocks' output gradients came out zero or
@@ -1129,10 +1147,12 @@ def _full_gpu_steps(
     # GradScaler (torch's fp16 recipe, 2**16 to start, its inf check fused into the Adam
     # step, no host sync) trains on gradients of full range, as ours' dynamic loss scale
     # (also 2**16 to start) does.
-    scaler = torch.amp.GradScaler("cuda") if bench_full_gpu_scaler() else None
+    scaler = torch.amp.GradScaler(device) if amp or bench_full_gpu_scaler() else None
 
     def fwd_bwd() -> None:
-        loss = lm_loss(model(**data), data["input_ids"])
+        with autocast():
+            logits = model(**data)
+        loss = lm_loss(logits, data["input_ids"])
         torch.autograd.backward(loss if scaler is None else scaler.scale(loss))
 
     def zero() -> None:
@@ -1151,11 +1171,15 @@ def _full_gpu_steps(
 
 
 def _full_gpu(
-    workload: str, warmup: int, steps: int, profile_dir: Path | None = None
+    workload: str,
+    warmup: int,
+    steps: int,
+    profile_dir: Path | None = None,
+    amp: bool = False,
 ) -> dict[str, Any]:
     import torch
 
-    step, fwd_bwd, zero = _full_gpu_steps(workload)
+    step, fwd_bwd, zero = _full_gpu_steps(workload, amp)
     issue_before = issue_cost_us()
     torch.cuda.reset_peak_memory_stats()
     clocks: dict[str, Any] = {}
@@ -1163,7 +1187,8 @@ def _full_gpu(
     out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
     out.update(_memory())
     out["gpu_clocks"] = clocks
-    out["grad_scaler"] = bench_full_gpu_scaler()
+    out["grad_scaler"] = amp or bench_full_gpu_scaler()
+    out["recipe"] = "amp" if amp else "fp16"
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
 
     def compute_only() -> None:
@@ -1178,7 +1203,7 @@ def _full_gpu(
             step()
 
         # Beside ours' trace of the same run: what each issues per step (issue_compare.py).
-        _profile_steps(out, two_steps, profile_dir / f"{workload}_full_gpu")
+        _profile_steps(out, two_steps, profile_dir / f"{workload}_full_gpu{'_amp' if amp else ''}")
     return out
 
 
@@ -1260,8 +1285,9 @@ def child_main(args: argparse.Namespace) -> None:
     try:
         if args.child in OURS_KINDS:
             result = _ours(args.workload, args.child, args.warmup, args.steps, profile_dir)
-        elif args.child == "full_gpu":
-            result = _full_gpu(args.workload, args.warmup, args.steps, profile_dir)
+        elif args.child in ("full_gpu", "full_gpu_amp"):
+            amp = args.child == "full_gpu_amp"
+            result = _full_gpu(args.workload, args.warmup, args.steps, profile_dir, amp)
         elif args.child == "fsdp2":
             result = _fsdp2(args.workload, args.warmup, args.steps)
         elif args.child == "torchao":
