@@ -570,7 +570,9 @@ def memory_optimize(
             least its issue cost, one after another. None (default): the profile's own,
             False for a measured one. Replayed over session 38's seven W3 rows with
             attention at its measured rates, True put every prediction within 15% of
-            the run mean (BENCHMARKS.md, session 38); not yet the default.
+            the run mean (BENCHMARKS.md, session 38); W3 planned so in session 39, one
+            row, ran within the spread of the default's rows (253.9 ms by the 5 fastest
+            steps against 241-264), predicted 8.9% under its run mean. Not the default.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
