@@ -28,6 +28,10 @@ def describe(name: str, workload: str, kind: str, r: dict[str, Any]) -> str:
         parts.append(f"loss scaled {bool(r['grad_scaler'])}")
     if "recipe" in r:
         parts.append(f"recipe {r['recipe']}")
+    if "loss_before" in r:
+        parts.append(f"loss {r['loss_before']:.3f} -> {r['loss_after']:.3f}")
+    if r.get("loss_scale_after") is not None:
+        parts.append(f"scale after {r['loss_scale_after']:g}")
     if "budget_gib" in r:
         parts.append(f"budget {r['budget_gib']:g} GiB")
     c = r.get("gpu_clocks") or {}

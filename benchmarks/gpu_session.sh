@@ -42,6 +42,11 @@
 #           by torch's mixed-precision recipe (full_gpu_amp: fp32 masters and state under
 #           fp16 autocast); each row's step, clock and power (clock_rows.py): does the
 #           optimizer state's precision set the draw that lowers ours' clock? ~5 min
+#   ampab   W1 ours and W3 ours_io_spec1_stream beside both full-GPU recipes: fp16 weights
+#           and state (full_gpu; its weights diverge in a few steps, peer_training.py)
+#           and torch's mixed-precision recipe (full_gpu_amp), ROUNDS rounds (default 1);
+#           rows record the loss before and after and the scale the scaler ended at;
+#           then each row's step, clock and power (clock_rows.py)             ~4 min a round
 #   write2  writeab's first two arms once more for W3 (no full GPU), then the same two for
 #           W4 ours_io_spec1_stream (fp32 state); WRITE2_WORKLOADS (default "W3 W4")
 #           picks                                                            ~9 min
@@ -180,7 +185,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -413,6 +418,17 @@ case "$phase" in
     BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_bf16m_spec1_stream,full_gpu_amp 200 W3_res16
     python3 "$root/benchmarks/clock_rows.py" "$out"/W3_res32.json "$out"/W3_res16.json \
       | tee "$out/powerab.txt" ;;
+  ampab)
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      bench W1 ours,full_gpu,full_gpu_amp 150 "W1_amp$i"
+      bench W3 ours_io_spec1_stream,full_gpu,full_gpu_amp 240 "W3_amp$i"
+    done
+    { python3 "$root/benchmarks/clock_rows.py" "$out"/W1_amp[0-9]*.json "$out"/W3_amp[0-9]*.json
+      for peer in full_gpu full_gpu_amp; do
+        python3 "$root/benchmarks/pair_ratios.py" W1 ours "$peer" "$out"/W1_amp[0-9]*.json
+        python3 "$root/benchmarks/pair_ratios.py" W3 ours_io_spec1_stream "$peer" "$out"/W3_amp[0-9]*.json
+      done
+    } | tee "$out/ampab.txt" ;;
   write2)
     for w in ${WRITE2_WORKLOADS:-W3 W4}; do
       if [ "$w" = W3 ]; then n=2 limit=150; else n=1 limit=240; fi

@@ -160,7 +160,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpu_clocks import ClockSampler
 
@@ -993,7 +993,7 @@ def _ours(
     elif pair_full_gpu:
         # After the row's own measurement (its peak is its own): full-GPU training built
         # beside it and the two stepped in turn (interleaved_steps).
-        full_step = _full_gpu_steps(workload)[0]  # its closures hold the model
+        full_step = _full_gpu_steps(workload).step  # its closures hold the model
         applied_before = opt.step_count
         ours_s, full_s = interleaved_steps(step, full_step, warmup, steps, torch.cuda.synchronize)
         out["paired_full_gpu"] = pair_summary(ours_s, full_s)
@@ -1110,14 +1110,31 @@ def peer_activation() -> str:
     return "gelu_pytorch_tanh" if bench_fuse_gelu() else DEFAULT_ACTIVATION
 
 
-def _full_gpu_steps(
-    workload: str, amp: bool = False, device: str = "cuda"
-) -> tuple[Callable[[], None], Callable[[], None], Callable[[], None]]:
-    """Full-GPU training of ``workload`` built on the GPU: (training step, forward and
-    backward alone, zero the gradients). ``amp``: torch's mixed-precision recipe instead
-    of fp16 weights and state: an fp32 model (fp32 masters, gradients and Adam state, as
-    ours keeps) run under fp16 autocast, with the loss scaled. ``device``: "cuda"; "cpu"
-    for tests."""
+class FullGpuSteps(NamedTuple):
+    """Full-GPU training's step functions (:func:`_full_gpu_steps`)."""
+
+    step: Callable[[], None]
+    """A training step: forward, backward, the optimizer (through the scaler, if any)."""
+    fwd_bwd: Callable[[], None]
+    """Forward and backward alone."""
+    zero: Callable[[], None]
+    """Drop the gradients."""
+    loss: Callable[[], float]
+    """The loss at the current weights (no gradients; a host sync)."""
+    loss_scale: Callable[[], float | None]
+    """The scaler's loss scale (None unscaled): it halves on each step it skips."""
+    parameters: Callable[[], list[Any]]
+    """The model's parameters (the optimizer's)."""
+    optimizer: Any
+    """The fused Adam (its state, for tests)."""
+
+
+def _full_gpu_steps(workload: str, amp: bool = False, device: str = "cuda") -> FullGpuSteps:
+    """Full-GPU training of ``workload`` built on the GPU: fp16 weights and fp16 Adam
+    state, the loss scaled unless BENCH_FULL_GPU_SCALER=0. ``amp``: torch's
+    mixed-precision recipe instead: an fp32 model (fp32 masters, gradients and Adam state,
+    as ours keeps) run under fp16 autocast, with the loss scaled. ``device``: "cuda";
+    "cpu" for tests."""
     import contextlib
 
     import torch
@@ -1143,10 +1160,11 @@ def _full_gpu_steps(
     # fp16 gradients without a loss scale underflow: in a 4-layer GPT-2 XL-wide model at
     # W3's 8 x 1024 tokens, every element of the blocks' output gradients came out zero or
     # subnormal (benchmarks/grad_underflow.py, session 39; at 2**16, 0.1% zero and at
-    # most 3.3% subnormal). A
-    # GradScaler (torch's fp16 recipe, 2**16 to start, its inf check fused into the Adam
-    # step, no host sync) trains on gradients of full range, as ours' dynamic loss scale
-    # (also 2**16 to start) does.
+    # most 3.3% subnormal). A GradScaler (torch's fp16 recipe, 2**16 to start, its inf
+    # check fused into the Adam step, no host sync) gives gradients of full range, as
+    # ours' dynamic loss scale (also 2**16 to start) does. fp16 Adam state still rounds
+    # most second moments to zero, and the weights diverge in a few steps
+    # (benchmarks/peer_training.py): ``amp`` keeps the state in fp32 as ours does.
     scaler = torch.amp.GradScaler(device) if amp or bench_full_gpu_scaler() else None
 
     def fwd_bwd() -> None:
@@ -1167,7 +1185,14 @@ def _full_gpu_steps(
             scaler.update()
         zero()
 
-    return step, fwd_bwd, zero
+    def loss_now() -> float:
+        with torch.no_grad(), autocast():
+            return float(lm_loss(model(**data), data["input_ids"]))
+
+    def scale() -> float | None:
+        return None if scaler is None else float(scaler.get_scale())
+
+    return FullGpuSteps(step, fwd_bwd, zero, loss_now, scale, lambda: list(model.parameters()), opt)
 
 
 def _full_gpu(
@@ -1179,7 +1204,18 @@ def _full_gpu(
 ) -> dict[str, Any]:
     import torch
 
-    step, fwd_bwd, zero = _full_gpu_steps(workload, amp)
+    full = _full_gpu_steps(workload, amp)
+    step, fwd_bwd, zero = full.step, full.fwd_bwd, full.zero
+
+    def compute_only() -> None:
+        fwd_bwd()
+        zero()
+
+    # Forward and backward at the initial weights too, before any step: with fp16 Adam
+    # state the weights diverge within a few steps (benchmarks/peer_training.py), and
+    # the kernels then run on overflowing data.
+    loss_before = full.loss()
+    first = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     issue_before = issue_cost_us()
     torch.cuda.reset_peak_memory_stats()
     clocks: dict[str, Any] = {}
@@ -1190,11 +1226,12 @@ def _full_gpu(
     out["grad_scaler"] = amp or bench_full_gpu_scaler()
     out["recipe"] = "amp" if amp else "fp16"
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
-
-    def compute_only() -> None:
-        fwd_bwd()
-        zero()
-
+    # Whether it trained: the loss before the first step and after the last, the scale
+    # the scaler ended at (2**16 to start; halved on each step it skipped).
+    out["loss_before"] = loss_before
+    out["loss_after"] = full.loss()
+    out["loss_scale_after"] = full.loss_scale()
+    out["fwd_bwd_first_ms"] = first
     out["fwd_bwd_ms"] = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     if profile_dir is not None:
 

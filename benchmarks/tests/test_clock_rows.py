@@ -26,11 +26,21 @@ def test_rows_without_clocks_and_failed_rows(tmp_path: Path) -> None:
         "ours": {"ok": True, "step_ms": 10.0},
         "fsdp2": {"ok": False, "error": "host out of memory"},
         "full_gpu": {"ok": True, "step_ms": 9.0, "gpu_clocks": {"error": "no pynvml"}},
+        "full_gpu_amp": {
+            "ok": True,
+            "step_ms": 11.0,
+            "loss_before": 6.93,
+            "loss_after": 6.5,
+            "loss_scale_after": 65536.0,
+            "recipe": "amp",
+        },
     }
     path.write_text(json.dumps({"meta": {}, "results": {"W1": rows}}))
     assert clock_rows.lines([path]) == [
         "a.json W1 ours: 10.0 ms, no clocks (not recorded)",
         "a.json W1 full_gpu: 9.0 ms, no clocks (no pynvml)",
+        "a.json W1 full_gpu_amp: 11.0 ms, recipe amp, loss 6.930 -> 6.500, scale after 65536, "
+        "no clocks (not recorded)",
     ]
     assert clock_rows.main([str(path)]) == 0
     empty = tmp_path / "b.json"

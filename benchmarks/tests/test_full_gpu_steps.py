@@ -16,13 +16,6 @@ def tiny(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     yield "T"
 
 
-def _params_of(step: object) -> list[torch.nn.Parameter]:
-    # The closures hold the model: its parameters are the fused Adam's.
-    cells = [c.cell_contents for c in getattr(step, "__closure__", None) or ()]
-    (opt,) = [c for c in cells if isinstance(c, torch.optim.Optimizer)]
-    return [p for group in opt.param_groups for p in group["params"]]
-
-
 @pytest.mark.parametrize(
     ("amp", "scaler", "dtype"),
     [(False, "1", torch.float16), (False, "0", torch.float16), (True, "0", torch.float32)],
@@ -33,8 +26,11 @@ def test_each_recipe_trains_its_own_dtype_and_scales_as_told(
 ) -> None:
     monkeypatch.setenv("BENCH_FULL_GPU_SCALER", scaler)
     torch.manual_seed(0)
-    step, fwd_bwd, zero = offload_bench._full_gpu_steps(tiny, amp, device="cpu")
-    params = _params_of(step)
+    full = offload_bench._full_gpu_steps(tiny, amp, device="cpu")
+    step, fwd_bwd, zero = full.step, full.fwd_bwd, full.zero
+    params = full.parameters()
+    assert full.loss_scale() == (65536.0 if amp or scaler == "1" else None)
+    assert 6.0 < full.loss() < 8.0  # about log(1024) at initialisation
     assert {p.dtype for p in params} == {dtype}
     before = [p.detach().clone() for p in params]
     fwd_bwd()
