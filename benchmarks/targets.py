@@ -46,7 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_bench import OURS_KINDS, WORKLOADS, issue_floor
 
 GiB = 2**30
-PEERS = ("full_gpu", "fsdp2", "torchao")
+PEERS = ("full_gpu", "full_gpu_amp", "fsdp2", "torchao")
+AMP = "full_gpu_amp"
+"""Full-GPU training by torch's mixed-precision recipe (session 39 on): judged in lines of
+its own, only where a call ran it, until the GPU rows settle which recipe the targets
+take (BENCHMARKS.md, session 39)."""
 AS_WRITTEN = "gelu_new"
 FUSED = "gelu_pytorch_tanh"
 PAIRED_W1 = "W1 <= 1.05x full GPU, stepped in turn in one process"
@@ -261,6 +265,10 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         and same_model(row.result, p)
     ]
     out.append(ratio_verdict(PAIRED_W1, 1.05, paired, False))
+    if any(AMP in row.peers for row in w1):
+        out.append(
+            ratio_verdict("W1 <= 1.05x full GPU by torch amp", 1.05, against(AMP, w1), False)
+        )
     for w in ("W2", "W3", "W4"):
         fp32 = [r for r in rows if r.workload == w and _fp32_state(r)]
         floors: list[tuple[Row, float, float | None]] = []
@@ -282,6 +290,18 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
                 + ", ".join(f"{row.label} {r:.3f}x" for row, r, _ in partial)
             )
         out.append(verdict)
+        amp_floors: list[tuple[Row, float, float | None]] = [
+            (row, row.result["step_ms"] / f[0], None)
+            for row in fp32
+            if (amp := _peer_row(row, AMP)) is not None
+            and (f := issue_floor(row.result, amp)) is not None
+        ]
+        if amp_floors:
+            out.append(
+                ratio_verdict(
+                    f"{w} fp32 state <= 1.15x floor by torch amp", 1.15, amp_floors, False
+                )
+            )
         out.append(
             ratio_verdict(f"{w} fp32 state <= 0.55x FSDP2", 0.55, against("fsdp2", fp32), False)
         )

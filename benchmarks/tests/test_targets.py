@@ -223,6 +223,36 @@ def test_a_full_gpu_row_that_scaled_its_loss_is_preferred_to_one_that_did_not(
     assert targets.prefer_scaled([unscaled]) == [unscaled]
 
 
+def test_full_gpu_by_torch_amp_gets_lines_of_its_own_where_a_call_ran_it(
+    tmp_path: Path,
+) -> None:
+    fp16 = _row(40, 40, fwd_bwd_ms=35, grad_scaler=True)
+    amp = _row(50, 50, fwd_bwd_ms=44, grad_scaler=True, recipe="amp")
+    ours = _ours(42, 42, floor_parts_ms={"h2d": 0.0})
+    a = _write(
+        tmp_path / "s99c1_a.json", {"W1": {"ours": ours, "full_gpu": fp16, "full_gpu_amp": amp}}
+    )
+    w3 = _ours(230, 230, floor_parts_ms={"h2d": 50.0})
+    b = _write(
+        tmp_path / "s99c1_b.json",
+        {
+            "W3": {
+                "ours": w3,
+                "full_gpu": _row(205, 205, fwd_bwd_ms=195),
+                "full_gpu_amp": amp | {"fwd_bwd_ms": 210},
+            }
+        },
+    )
+    verdicts = targets.verdicts(targets.load_rows([a, b]))
+    assert _status(verdicts, "W1 <= 1.05x full GPU") == "met"  # 42 / 40
+    assert _status(verdicts, "W1 <= 1.05x full GPU by torch amp") == "met"
+    assert _status(verdicts, "W3 fp32 state <= 1.15x floor").startswith("missed")  # 230 / 195
+    assert _status(verdicts, "W3 fp32 state <= 1.15x floor by torch amp") == "met"  # 230 / 210
+    # Without an amp row in the call, no such line.
+    c = _write(tmp_path / "s98c1_a.json", {"W1": {"ours": ours, "full_gpu": fp16}})
+    assert not any("torch amp" in v.target for v in targets.verdicts(targets.load_rows([c])))
+
+
 def test_faster_than_is_strict_and_at_most_is_not() -> None:
     row = targets.Row("f.json", "W3", "ours", {}, {})
     assert targets.ratio_verdict("t", 1.0, [(row, 1.0, None)], strict=True).status.startswith(
