@@ -46,7 +46,7 @@ Kinds:
                 compute floor)
     full_gpu_amp  full-GPU training by torch's mixed-precision recipe: an fp32 model
                 (fp32 masters and Adam state, as ours keeps) under fp16 autocast, loss
-                scaled, fused Adam; a diagnostic beside full_gpu (no target reads it)
+                scaled, fused Adam (targets.py judges it in lines of its own)
     fsdp2       fully_shard per block + root, CPUOffloadPolicy, fp16 MixedPrecisionPolicy,
                 fused Adam on the host, world size 1
     torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
@@ -134,6 +134,11 @@ subnormals and zeros, which no user's fp16 training would train on. In one call 
 session 39 (W3), scaled it drew 589 W to unscaled 491 W at the same 1980 MHz median SM
 clock and stepped 207.0 ms to 205.8 (forward and backward 195.8 ms both): the scale
 changes what it trains on, not its time. BENCH_FULL_GPU_SCALER=0 runs it unscaled.
+Full-GPU rows record whether they trained (from session 39 on): ``loss_before`` and
+``loss_after`` (before the first measured step and after the last), ``loss_scale_after``,
+and ``fwd_bwd_first_ms`` (forward and backward at the initial weights, before any step;
+``fwd_bwd_ms`` is timed after the steps). With fp16 Adam state the weights diverge within
+a few steps (``peer_training.py``, on the CPU).
 Set BENCH_BUDGET_GIB to plan the ``ours`` kinds under another budget than the workload's
 (GiB; e.g. W3 at 120, where nothing needs to leave the device, to set our runtime's own
 kernels beside full-GPU training's); rows record ``budget_gib`` (from session 39 on), and
