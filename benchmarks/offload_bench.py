@@ -1115,6 +1115,20 @@ def peer_activation() -> str:
     return "gelu_pytorch_tanh" if bench_fuse_gelu() else DEFAULT_ACTIVATION
 
 
+def _measure_peer(step: Callable[[], None], warmup: int, steps: int) -> dict[str, Any]:
+    """A peer kind's measurement of ``step``: the peak counted from here, the step times
+    (:func:`_timed_steps`), the memory peaks and ``gpu_clocks`` over the timed steps."""
+    import torch
+
+    torch.cuda.reset_peak_memory_stats()
+    clocks: dict[str, Any] = {}
+    times = _timed_steps(step, warmup, steps, clocks=clocks)
+    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
+    out.update(_memory())
+    out["gpu_clocks"] = clocks
+    return out
+
+
 class FullGpuSteps(NamedTuple):
     """Full-GPU training's step functions (:func:`_full_gpu_steps`)."""
 
@@ -1134,9 +1148,12 @@ class FullGpuSteps(NamedTuple):
     """The fused Adam (its state, for tests)."""
 
 
-def _full_gpu_steps(workload: str, amp: bool = False, device: str = "cuda") -> FullGpuSteps:
+def _full_gpu_steps(
+    workload: str, amp: bool = False, device: str = "cuda", scaled: bool | None = None
+) -> FullGpuSteps:
     """Full-GPU training of ``workload`` built on the GPU: fp16 weights and fp16 Adam
-    state, the loss scaled unless BENCH_FULL_GPU_SCALER=0. ``amp``: torch's
+    state, the loss scaled as ``scaled`` says (None: unless BENCH_FULL_GPU_SCALER=0).
+    ``amp``: torch's
     mixed-precision recipe instead: an fp32 model (fp32 masters, gradients and Adam state,
     as ours keeps) run under fp16 autocast, with the loss scaled. ``device``: "cuda";
     "cpu" for tests."""
@@ -1170,7 +1187,9 @@ def _full_gpu_steps(workload: str, amp: bool = False, device: str = "cuda") -> F
     # ours' dynamic loss scale (also 2**16 to start) does. fp16 Adam state still rounds
     # most second moments to zero, and the weights diverge in a few steps
     # (benchmarks/peer_training.py): ``amp`` keeps the state in fp32 as ours does.
-    scaler = torch.amp.GradScaler(device) if amp or bench_full_gpu_scaler() else None
+    if scaled is None:
+        scaled = bench_full_gpu_scaler()
+    scaler = torch.amp.GradScaler(device) if amp or scaled else None
 
     def fwd_bwd() -> None:
         with autocast():
@@ -1207,7 +1226,6 @@ def _full_gpu(
     profile_dir: Path | None = None,
     amp: bool = False,
 ) -> dict[str, Any]:
-    import torch
 
     full = _full_gpu_steps(workload, amp)
     step, fwd_bwd, zero = full.step, full.fwd_bwd, full.zero
@@ -1222,12 +1240,7 @@ def _full_gpu(
     loss_before = full.loss()
     first = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     issue_before = issue_cost_us()
-    torch.cuda.reset_peak_memory_stats()
-    clocks: dict[str, Any] = {}
-    times = _timed_steps(step, warmup, steps, clocks=clocks)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
-    out.update(_memory())
-    out["gpu_clocks"] = clocks
+    out = _measure_peer(step, warmup, steps)
     out["grad_scaler"] = amp or bench_full_gpu_scaler()
     out["recipe"] = "amp" if amp else "fp16"
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
@@ -1285,12 +1298,7 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    torch.cuda.reset_peak_memory_stats()
-    clocks: dict[str, Any] = {}
-    times = _timed_steps(step, warmup, steps, clocks=clocks)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
-    out.update(_memory())
-    out["gpu_clocks"] = clocks
+    out = _measure_peer(step, warmup, steps)
     dist.destroy_process_group()
     return out
 
@@ -1313,12 +1321,7 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
 
-    torch.cuda.reset_peak_memory_stats()
-    clocks: dict[str, Any] = {}
-    times = _timed_steps(step, warmup, steps, clocks=clocks)
-    out: dict[str, Any] = {"step_ms": _fastest5_mean_s(times) * 1e3, **_step_times(times)}
-    out.update(_memory())
-    out["gpu_clocks"] = clocks
+    out = _measure_peer(step, warmup, steps)
     return out
 
 

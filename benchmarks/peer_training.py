@@ -48,8 +48,6 @@ class Before:
 def run(recipe: str, steps: int, batch: int, seq: int) -> tuple[list[Before], int]:
     """``steps`` steps of ``recipe`` on gpt2_tiny: the state before each, and how many
     steps the scaler skipped (0 unscaled)."""
-    import os
-
     import offload_bench
     import torch
 
@@ -57,17 +55,13 @@ def run(recipe: str, steps: int, batch: int, seq: int) -> tuple[list[Before], in
         raise ValueError(f"recipe {recipe!r}; known: {', '.join(RECIPES)}")
     amp = recipe == "amp"
     offload_bench.WORKLOADS["_peer_training"] = ("gpt2_tiny", batch, seq, 1)
-    saved = os.environ.get("BENCH_FULL_GPU_SCALER")
-    os.environ["BENCH_FULL_GPU_SCALER"] = "0" if recipe == "fp16_unscaled" else "1"
     try:
         torch.manual_seed(0)
-        full = offload_bench._full_gpu_steps("_peer_training", amp, device="cpu")
+        full = offload_bench._full_gpu_steps(
+            "_peer_training", amp, device="cpu", scaled=recipe != "fp16_unscaled"
+        )
     finally:
         del offload_bench.WORKLOADS["_peer_training"]
-        if saved is None:
-            os.environ.pop("BENCH_FULL_GPU_SCALER", None)
-        else:
-            os.environ["BENCH_FULL_GPU_SCALER"] = saved
     params = full.parameters()
     out = []
     skipped = 0

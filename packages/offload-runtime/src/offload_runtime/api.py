@@ -399,7 +399,7 @@ def planning_hardware(
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
     if issue_ahead is not None:
-        hardware = dataclasses.replace(hardware, issue_ahead=bool(issue_ahead))
+        hardware = dataclasses.replace(hardware, issue_ahead=issue_ahead)
     if stream_up_fraction is not None:
         hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
     if stream_host_charge is not None:
