@@ -47,14 +47,23 @@
 #           and torch's mixed-precision recipe (full_gpu_amp), ROUNDS rounds (default 1);
 #           rows record the loss before and after and the scale the scaler ended at;
 #           then each row's step, clock and power (clock_rows.py)             ~4 min a round
+#   mastab  full-GPU training with fp32 master weights and Adam state (full_gpu_master:
+#           fp16 weights, the precision ours keeps; it trains, where full_gpu's fp16 state
+#           diverged on the H200 in session 40): W1 ours beside it and full_gpu_amp, W3
+#           ours_io_spec1_stream beside it, then W3 planned under RES_BUDGET_GIB (default
+#           120: nothing offloaded) beside it; each row's clock and loss (clock_rows.py),
+#           and the two resident rows' kernels side by side (issue_compare.py --kernels,
+#           kernel_overlap.py --against)                                       ~5.5 min
 #   write2  writeab's first two arms once more for W3 (no full GPU), then the same two for
 #           W4 ours_io_spec1_stream (fp32 state); WRITE2_WORKLOADS (default "W3 W4")
 #           picks                                                            ~9 min
 #   w4gelu  W4 ours_io_spec1_stream with the GELU as written (BENCH_FUSE_GELU=0), then
 #           fused (the default)                                              ~6 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
-#           (BENCH_PAIR_FULL_GPU=1; 30 timed steps unless BENCH_STEPS), then the full-GPU
-#           row on its own, ROUNDS rounds (default 2); targets.md judges W1 both ways ~1.5 min a round
+#           (BENCH_PAIR_FULL_GPU=1, by BENCH_PAIR_RECIPE: default fp32 masters; 30 timed
+#           steps unless BENCH_STEPS), then the full-GPU row of W1P_PEER (default
+#           full_gpu_master; before session 40, full_gpu) on its own, ROUNDS rounds
+#           (default 2); targets.md judges W1 both ways                   ~1.5 min a round
 #   w2x     W2 FSDP2 and ours_io_spec1_stream, 20 timed steps, ROUNDS rounds (default 2),
 #           the order swapped each round; then pair_ratios.py (the median ratio)  ~2 min a round
 #   w2t     W2 FSDP2, then the default (streamed regions issued from their own thread)
@@ -185,7 +194,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -255,9 +264,10 @@ case "$phase" in
       | tee "$out/geluab.txt" ;;
   w1p)
     for i in $(seq 1 "${ROUNDS:-2}"); do
-      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_$i"
+      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 "ours,${W1P_PEER:-full_gpu_master}" 150 "W1_$i"
     done
-    python3 "$root/benchmarks/pair_ratios.py" W1 ours full_gpu "$out"/W1_*.json | tee "$out/w1_ratios.txt" ;;
+    python3 "$root/benchmarks/pair_ratios.py" W1 ours "${W1P_PEER:-full_gpu_master}" "$out"/W1_*.json \
+      | tee "$out/w1_ratios.txt" ;;
   w2x)
     for i in $(seq 1 "${ROUNDS:-2}"); do
       if ((i % 2)); then kinds=fsdp2,ours_io_spec1_stream; else kinds=ours_io_spec1_stream,fsdp2; fi
@@ -418,6 +428,20 @@ case "$phase" in
     BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_bf16m_spec1_stream,full_gpu_amp 200 W3_res16
     python3 "$root/benchmarks/clock_rows.py" "$out"/W3_res32.json "$out"/W3_res16.json \
       | tee "$out/powerab.txt" ;;
+  mastab)
+    bench W1 ours,full_gpu_master,full_gpu_amp 150 W1_mast
+    bench W3 ours_io_spec1_stream,full_gpu_master 200 W3_mast
+    BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_spec1_stream,full_gpu_master 200 W3_mastres
+    d="$out/prof_W3_mastres"
+    { python3 "$root/benchmarks/clock_rows.py" "$out"/W1_mast.json "$out"/W3_mast.json "$out"/W3_mastres.json
+      for peer in full_gpu_master full_gpu_amp; do
+        python3 "$root/benchmarks/pair_ratios.py" W1 ours "$peer" "$out"/W1_mast.json
+      done
+      python3 "$root/benchmarks/issue_compare.py" --kernels \
+        "$d/trace_W3_ours_io_spec1_stream.json.gz" "$d/trace_W3_full_gpu_master.json.gz"
+      python3 "$root/benchmarks/kernel_overlap.py" "$d/trace_W3_ours_io_spec1_stream.json.gz" \
+        --against "$d/trace_W3_full_gpu_master.json.gz"
+    } 2>&1 | tee "$out/mastab.txt" || true ;;
   ampab)
     for i in $(seq 1 "${ROUNDS:-1}"); do
       bench W1 ours,full_gpu,full_gpu_amp 150 "W1_amp$i"

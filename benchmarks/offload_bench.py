@@ -47,6 +47,10 @@ Kinds:
     full_gpu_amp  full-GPU training by torch's mixed-precision recipe: an fp32 model
                 (fp32 masters and Adam state, as ours keeps) under fp16 autocast, loss
                 scaled, fused Adam (targets.py judges it in lines of its own)
+    full_gpu_master  fp16 weights with fp32 master weights and Adam state on the GPU, as
+                ours keeps them: fp16 forward and backward (no autocast casts), gradients
+                widened, fused Adam on the masters, loss scaled; the same precision as
+                ours with nothing moved (targets.py judges it in lines of its own)
     fsdp2       fully_shard per block + root, CPUOffloadPolicy, fp16 MixedPrecisionPolicy,
                 fused Adam on the host, world size 1
     torchao     torchao CPUOffloadOptimizer(AdamW, fused=True) on a bf16 model
@@ -119,7 +123,9 @@ Set BENCH_PAIR_FULL_GPU=1 to follow each ``ours`` row's measurement (where full-
 training fits beside it: W1) with full-GPU training built in the same process and the two
 stepped in turn, ``--steps`` pairs after ``--warmup`` each (:func:`interleaved_steps`); rows
 record ``paired_full_gpu`` (:func:`pair_summary`: both sides' steps and the median ratio of
-the pairs), which ``targets.py`` judges W1 by where present.
+the pairs), which ``targets.py`` judges W1 by where present. The paired training's recipe is
+BENCH_PAIR_RECIPE's (default ``master``, from session 40 on; before, ``fp16``), which
+``paired_full_gpu`` records as ``recipe``.
 Set BENCH_CALIBRATE=N (not with BENCH_PLAN_FROM) to run each ``ours`` plan with host-state
 regions for 2 + N steps first, then plan again with the host Adam rate its last N ran at
 (``offload_optim.check_host_rate``) and time that plan; rows record ``calibration`` (both host busy
@@ -138,7 +144,10 @@ Full-GPU rows record whether they trained (from session 39 on): ``loss_before`` 
 ``loss_after`` (before the first measured step and after the last), ``loss_scale_after``,
 and ``fwd_bwd_first_ms`` (forward and backward at the initial weights, before any step;
 ``fwd_bwd_ms`` is timed after the steps). With fp16 Adam state the weights diverge within
-a few steps (``peer_training.py``, on the CPU).
+a few steps (``peer_training.py``, on the CPU; on the H200 in session 40, W1's loss rose
+from 7.13 to 21.76 over its steps and W3's went to nan). ``full_gpu_master`` (session 40 on)
+keeps fp32 masters and state and trains; the issue's ratios and the floor take it where a
+run has it (:data:`REFERENCE_FULL_GPU`).
 Set BENCH_BUDGET_GIB to plan the ``ours`` kinds under another budget than the workload's
 (GiB; e.g. W3 at 120, where nothing needs to leave the device, to set our runtime's own
 kernels beside full-GPU training's); rows record ``budget_gib`` (from session 39 on), and
@@ -199,7 +208,11 @@ OURS_KINDS = (
     "ablation",
 )
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
-KINDS = (*OURS_KINDS, "full_gpu", "full_gpu_amp", "fsdp2", "torchao")
+RECIPES = ("fp16", "amp", "master")
+"""Full-GPU training's recipes (:func:`_full_gpu_steps`); each kind's: FULL_GPU_KINDS."""
+FULL_GPU_KINDS = {"full_gpu": "fp16", "full_gpu_amp": "amp", "full_gpu_master": "master"}
+"""Full-GPU training's kinds, each with its recipe (:func:`_full_gpu_steps`)."""
+KINDS = (*OURS_KINDS, *FULL_GPU_KINDS, "fsdp2", "torchao")
 RESULT_TAG = "BENCH_RESULT "
 
 
@@ -998,12 +1011,14 @@ def _ours(
     elif pair_full_gpu:
         # After the row's own measurement (its peak is its own): full-GPU training built
         # beside it and the two stepped in turn (interleaved_steps).
-        full_step = _full_gpu_steps(workload).step  # its closures hold the model
+        recipe = bench_pair_recipe()
+        full_step = _full_gpu_steps(workload, recipe).step  # its closures hold the model
         applied_before = opt.step_count
         ours_s, full_s = interleaved_steps(step, full_step, warmup, steps, torch.cuda.synchronize)
         out["paired_full_gpu"] = pair_summary(ours_s, full_s)
         out["paired_full_gpu"]["activation"] = peer_activation()
-        out["paired_full_gpu"]["grad_scaler"] = bench_full_gpu_scaler()
+        out["paired_full_gpu"]["grad_scaler"] = recipe != "fp16" or bench_full_gpu_scaler()
+        out["paired_full_gpu"]["recipe"] = recipe
         # fp16 overflow skips among ours' paired steps (short steps, so they flatter it).
         out["paired_full_gpu"]["ours_skipped_steps"] = (
             warmup + steps - (opt.step_count - applied_before)
@@ -1095,6 +1110,15 @@ def bench_budget_gib(workload: str) -> float:
     return gib
 
 
+def bench_pair_recipe() -> str:
+    """The recipe of the full-GPU training paired with ours (BENCH_PAIR_FULL_GPU):
+    BENCH_PAIR_RECIPE's, else "master" (:func:`_full_gpu_steps`)."""
+    recipe = os.environ.get("BENCH_PAIR_RECIPE", "master")
+    if recipe not in RECIPES:
+        raise ValueError(f"BENCH_PAIR_RECIPE={recipe!r}; known: {', '.join(RECIPES)}")
+    return recipe
+
+
 def bench_full_gpu_scaler() -> bool:
     """Whether full-GPU training scales its loss (``torch.amp.GradScaler``): unless
     BENCH_FULL_GPU_SCALER=0 (as every full-GPU row before session 39 ran)."""
@@ -1148,21 +1172,42 @@ class FullGpuSteps(NamedTuple):
     """The fused Adam (its state, for tests)."""
 
 
+def _grads(tensors: list[Any]) -> list[Any]:
+    """The gradients of ``tensors``, each of which must have one."""
+    out = []
+    for t in tensors:
+        if t.grad is None:
+            raise RuntimeError("a parameter has no gradient after backward")
+        out.append(t.grad)
+    return out
+
+
 def _full_gpu_steps(
-    workload: str, amp: bool = False, device: str = "cuda", scaled: bool | None = None
+    workload: str, recipe: str = "fp16", device: str = "cuda", scaled: bool | None = None
 ) -> FullGpuSteps:
-    """Full-GPU training of ``workload`` built on the GPU: fp16 weights and fp16 Adam
-    state, the loss scaled as ``scaled`` says (None: unless BENCH_FULL_GPU_SCALER=0).
-    ``amp``: torch's
-    mixed-precision recipe instead: an fp32 model (fp32 masters, gradients and Adam state,
-    as ours keeps) run under fp16 autocast, with the loss scaled. ``device``: "cuda";
-    "cpu" for tests."""
+    """Full-GPU training of ``workload`` built on ``device`` ("cuda"; "cpu" for tests) by
+    ``recipe``:
+
+    - "fp16": fp16 weights and fp16 Adam state, the loss scaled as ``scaled`` says (None:
+      unless BENCH_FULL_GPU_SCALER=0). Its weights diverge in a few steps
+      (benchmarks/peer_training.py; on the H200 in session 40 its W3 loss went to nan).
+    - "amp": torch's mixed-precision recipe: an fp32 model (fp32 weights, gradients and
+      Adam state) run under fp16 autocast, which casts each weight to fp16 as an
+      operation uses it; the loss scaled.
+    - "master": fp16 weights with fp32 master copies and fp32 Adam state (what ours keeps,
+      all on the device): forward and backward in fp16 as ours runs them, the gradients
+      widened into fp32 buffers, fused Adam on the masters through a GradScaler, the
+      masters narrowed back into the weights; the loss scaled.
+    """
     import contextlib
 
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
 
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe {recipe!r}; known: {', '.join(RECIPES)}")
+    amp = recipe == "amp"
     name, batch, seq, _ = WORKLOADS[workload]
     model = build_model(
         name,
@@ -1172,13 +1217,19 @@ def _full_gpu_steps(
         activation=peer_activation(),
     )
     data = random_batch(batch, seq, device=device)
+    params: list[torch.Tensor] = list(model.parameters())
 
     def autocast() -> contextlib.AbstractContextManager[Any]:
         if amp:
             return torch.autocast(device, dtype=torch.float16)
         return contextlib.nullcontext()
 
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    masters: list[torch.Tensor] = []
+    if recipe == "master":
+        masters = [torch.nn.Parameter(p.detach().float()) for p in params]
+        for m in masters:
+            m.grad = torch.zeros_like(m)  # kept: each step's widened gradients
+    opt = torch.optim.Adam(masters or params, lr=1e-4, fused=True)
     # fp16 gradients without a loss scale underflow: in a 4-layer GPT-2 XL-wide model at
     # W3's 8 x 1024 tokens, every element of the blocks' output gradients came out zero or
     # subnormal (benchmarks/grad_underflow.py, session 39; at 2**16, 0.1% zero and at
@@ -1186,10 +1237,10 @@ def _full_gpu_steps(
     # check fused into the Adam step, no host sync) gives gradients of full range, as
     # ours' dynamic loss scale (also 2**16 to start) does. fp16 Adam state still rounds
     # most second moments to zero, and the weights diverge in a few steps
-    # (benchmarks/peer_training.py): ``amp`` keeps the state in fp32 as ours does.
+    # (benchmarks/peer_training.py): "amp" and "master" keep the state in fp32 as ours does.
     if scaled is None:
         scaled = bench_full_gpu_scaler()
-    scaler = torch.amp.GradScaler(device) if amp or scaled else None
+    scaler = torch.amp.GradScaler(device) if recipe != "fp16" or scaled else None
 
     def fwd_bwd() -> None:
         with autocast():
@@ -1198,15 +1249,21 @@ def _full_gpu_steps(
         torch.autograd.backward(loss if scaler is None else scaler.scale(loss))
 
     def zero() -> None:
-        opt.zero_grad(set_to_none=True)
+        for p in params:
+            p.grad = None
 
     def step() -> None:
         fwd_bwd()
+        if masters:
+            torch._foreach_copy_(_grads(masters), _grads(params))
         if scaler is None:
             opt.step()
         else:
             scaler.step(opt)
             scaler.update()
+        if masters:
+            with torch.no_grad():
+                torch._foreach_copy_(params, masters)
         zero()
 
     def loss_now() -> float:
@@ -1216,7 +1273,7 @@ def _full_gpu_steps(
     def scale() -> float | None:
         return None if scaler is None else float(scaler.get_scale())
 
-    return FullGpuSteps(step, fwd_bwd, zero, loss_now, scale, lambda: list(model.parameters()), opt)
+    return FullGpuSteps(step, fwd_bwd, zero, loss_now, scale, lambda: list(params), opt)
 
 
 def _full_gpu(
@@ -1224,10 +1281,10 @@ def _full_gpu(
     warmup: int,
     steps: int,
     profile_dir: Path | None = None,
-    amp: bool = False,
+    recipe: str = "fp16",
 ) -> dict[str, Any]:
 
-    full = _full_gpu_steps(workload, amp)
+    full = _full_gpu_steps(workload, recipe)
     step, fwd_bwd, zero = full.step, full.fwd_bwd, full.zero
 
     def compute_only() -> None:
@@ -1241,8 +1298,8 @@ def _full_gpu(
     first = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     issue_before = issue_cost_us()
     out = _measure_peer(step, warmup, steps)
-    out["grad_scaler"] = amp or bench_full_gpu_scaler()
-    out["recipe"] = "amp" if amp else "fp16"
+    out["grad_scaler"] = recipe != "fp16" or bench_full_gpu_scaler()
+    out["recipe"] = recipe
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
     # Whether it trained: the loss before the first step and after the last, the scale
     # the scaler ended at (2**16 to start; halved on each step it skipped).
@@ -1258,7 +1315,8 @@ def _full_gpu(
             step()
 
         # Beside ours' trace of the same run: what each issues per step (issue_compare.py).
-        _profile_steps(out, two_steps, profile_dir / f"{workload}_full_gpu{'_amp' if amp else ''}")
+        suffix = "" if recipe == "fp16" else f"_{recipe}"
+        _profile_steps(out, two_steps, profile_dir / f"{workload}_full_gpu{suffix}")
     return out
 
 
@@ -1330,9 +1388,9 @@ def child_main(args: argparse.Namespace) -> None:
     try:
         if args.child in OURS_KINDS:
             result = _ours(args.workload, args.child, args.warmup, args.steps, profile_dir)
-        elif args.child in ("full_gpu", "full_gpu_amp"):
-            amp = args.child == "full_gpu_amp"
-            result = _full_gpu(args.workload, args.warmup, args.steps, profile_dir, amp)
+        elif args.child in FULL_GPU_KINDS:
+            recipe = FULL_GPU_KINDS[args.child]
+            result = _full_gpu(args.workload, args.warmup, args.steps, profile_dir, recipe)
         elif args.child == "fsdp2":
             result = _fsdp2(args.workload, args.warmup, args.steps)
         elif args.child == "torchao":
@@ -1424,6 +1482,21 @@ def issue_floor(r: dict[str, Any], full: dict[str, Any] | None) -> tuple[float, 
     return parts[key], key
 
 
+REFERENCE_FULL_GPU = ("full_gpu_master", "full_gpu")
+"""The full-GPU kinds the issue's ratios take, in order of preference: fp32 masters where
+a run has them (the same precision as ours; it trains), else fp16 weights and state (every
+run before session 40; its weights diverge, benchmarks/peer_training.py)."""
+
+
+def reference_full_gpu(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Of one workload's rows by kind, the full-GPU row the ratios and the floor take
+    (:data:`REFERENCE_FULL_GPU`): the first of those kinds that ran, ok or not."""
+    for kind in REFERENCE_FULL_GPU:
+        if kind in by_kind:
+            return by_kind[kind]
+    return None
+
+
 def _ratio(r: dict[str, Any], peer: dict[str, Any] | None) -> str:
     """``r``'s step over ``peer``'s, by the 5 fastest and (in brackets) over the run."""
     if peer is None or not peer.get("ok"):
@@ -1448,7 +1521,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
     for w, by_kind in results.items():
         name, batch, seq, budget = WORKLOADS[w]
         ours = by_kind.get("ours")
-        full = by_kind.get("full_gpu")
+        full = reference_full_gpu(by_kind)
         pred = floor = ratio_floor = ratio_fsdp = "-"
         if ours and ours.get("ok"):
             pred = f"{ours['pred_step_ms']:.0f} ms / {ours['pred_peak_gib']:.2f} GiB"
@@ -1488,7 +1561,8 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
         for w, kind, r in variants:
             # The issue's ratios, each against a peer measured in the same call.
             peers = results[w]
-            found = issue_floor(r, peers.get("full_gpu"))
+            full = reference_full_gpu(peers)
+            found = issue_floor(r, full)
             floor_cell = ratio_floor = "-"
             if found:
                 floor_ms, key = found
@@ -1498,7 +1572,7 @@ def markdown(results: dict[str, dict[str, dict[str, Any]]], meta: dict[str, str]
                     ratio_floor += f" ({r['step_mean_ms'] / floor_ms:.3f})"
             ratios = (
                 f"| {floor_cell} | {ratio_floor} | {_ratio(r, peers.get('fsdp2'))} "
-                f"| {_ratio(r, peers.get('torchao'))} | {_ratio(r, peers.get('full_gpu'))} "
+                f"| {_ratio(r, peers.get('torchao'))} | {_ratio(r, full)} "
             )
             pred = f"{r['pred_step_ms']:.0f} ms / {r['pred_peak_gib']:.2f} GiB"
             host = r.get("host_step_ms_in_loop")

@@ -16,8 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from offload_bench import FULL_GPU_KINDS
 
 
 def round_ratio(
@@ -38,7 +43,9 @@ def report(paths: list[Path], workload: str, a: str, b: str) -> list[str]:
     for path in paths:
         data = json.loads(path.read_text())
         paired = data["results"].get(workload, {}).get(a, {}).get("paired_full_gpu")
-        if b == "full_gpu" and isinstance(paired, dict) and "ratio" in paired:
+        # The paired training's recipe: "fp16" (full_gpu) before session 40 recorded one.
+        recipe = paired.get("recipe", "fp16") if isinstance(paired, dict) else None
+        if recipe is not None and FULL_GPU_KINDS.get(b) == recipe and "ratio" in paired:
             # BENCH_PAIR_FULL_GPU: the two stepped in turn in a's process.
             in_turn.append(paired["ratio"])
             lines.append(

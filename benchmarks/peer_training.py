@@ -7,7 +7,8 @@ Runs ``offload_bench._full_gpu_steps`` on the CPU with the zoo's ``gpt2_tiny`` f
 recipe: fp16 weights and fp16 Adam state with the loss unscaled (every full-GPU row before
 session 39), the same with ``torch.amp.GradScaler`` (session 39's default), and torch's
 mixed-precision recipe (``full_gpu_amp``: an fp32 model under fp16 autocast, fp32 Adam
-state, loss scaled). Before each step it prints the loss, the largest weight, the share of
+state, loss scaled), and fp16 weights with fp32 masters and state (``full_gpu_master``).
+Before each step it prints the loss, the largest weight, the share of
 Adam's second moments that are zero (fp16 cannot hold ``(1 - 0.999) * g**2`` for the
 gradients of a model this size: below 2**-24 it rounds to zero, and Adam then divides
 the first moment by ``eps`` alone), the loss scale, and at the end how many steps the
@@ -31,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RECIPES = ("fp16_unscaled", "fp16_scaled", "amp")
+RECIPES = ("fp16_unscaled", "fp16_scaled", "amp", "master")
 
 
 @dataclass(frozen=True)
@@ -53,20 +54,23 @@ def run(recipe: str, steps: int, batch: int, seq: int) -> tuple[list[Before], in
 
     if recipe not in RECIPES:
         raise ValueError(f"recipe {recipe!r}; known: {', '.join(RECIPES)}")
-    amp = recipe == "amp"
     offload_bench.WORKLOADS["_peer_training"] = ("gpt2_tiny", batch, seq, 1)
     try:
         torch.manual_seed(0)
         full = offload_bench._full_gpu_steps(
-            "_peer_training", amp, device="cpu", scaled=recipe != "fp16_unscaled"
+            "_peer_training",
+            recipe.removesuffix("_scaled").removesuffix("_unscaled"),
+            device="cpu",
+            scaled=recipe != "fp16_unscaled",
         )
     finally:
         del offload_bench.WORKLOADS["_peer_training"]
     params = full.parameters()
+    stepped = full.optimizer.param_groups[0]["params"][0]  # "master": its fp32 copy
     out = []
     skipped = 0
     for _ in range(steps):
-        state = full.optimizer.state.get(params[0], {})
+        state = full.optimizer.state.get(stepped, {})
         v = state.get("exp_avg_sq")
         scale = full.loss_scale()
         out.append(

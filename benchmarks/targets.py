@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import statistics
 import sys
@@ -43,14 +44,18 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import OURS_KINDS, WORKLOADS, issue_floor
+from offload_bench import OURS_KINDS, REFERENCE_FULL_GPU, WORKLOADS, issue_floor
 
 GiB = 2**30
-PEERS = ("full_gpu", "full_gpu_amp", "fsdp2", "torchao")
+PEERS = ("full_gpu", "full_gpu_amp", "full_gpu_master", "fsdp2", "torchao")
 AMP = "full_gpu_amp"
 """Full-GPU training by torch's mixed-precision recipe (session 39 on): judged in lines of
-its own, only where a call ran it, until the GPU rows settle which recipe the targets
-take (BENCHMARKS.md, session 39)."""
+its own, only where a call ran it."""
+FP16 = "full_gpu"
+"""Full-GPU training with fp16 weights and state: the targets' full GPU until session 40,
+where a call has no ``full_gpu_master``; its weights diverge (peer_training.py), so where
+a call has both it is judged in lines of its own."""
+EXTRA_FULL_GPU = {AMP: "by torch amp", FP16: "by fp16 weights and state"}
 AS_WRITTEN = "gelu_new"
 FUSED = "gelu_pytorch_tanh"
 PAIRED_W1 = "W1 <= 1.05x full GPU, stepped in turn in one process"
@@ -241,10 +246,12 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     out.append(bound_verdict("predicted peak within 5%", pred_peak))
     out.append(bound_verdict("predicted step within 15% of the run mean", pred_step))
 
-    def against(kind: str, which: list[Row]) -> list[tuple[Row, float, float | None]]:
+    def against(kind: str | None, which: list[Row]) -> list[tuple[Row, float, float | None]]:
+        """Each row's ratios to ``kind`` (None: its full-GPU kind, :func:`full_gpu_kind`)."""
         ratios = []
         for row in which:
-            peer = _peer(row, kind)
+            k = full_gpu_kind(row) if kind is None else kind
+            peer = None if k is None else _peer(row, k)
             if peer is None:
                 continue
             step, mean = peer
@@ -254,7 +261,7 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         return ratios
 
     w1 = [r for r in rows if r.workload == "W1"]
-    out.append(ratio_verdict("W1 <= 1.05x full GPU", 1.05, against("full_gpu", w1), False))
+    out.append(ratio_verdict("W1 <= 1.05x full GPU", 1.05, against(None, w1), False))
     # Rows measured with BENCH_PAIR_FULL_GPU: full-GPU training stepped in turn with ours
     # in one process (offload_bench.interleaved_steps), so both saw the same host.
     paired = [
@@ -265,16 +272,20 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         and same_model(row.result, p)
     ]
     out.append(ratio_verdict(PAIRED_W1, 1.05, paired, False))
-    if any(AMP in row.peers for row in w1):
-        out.append(
-            ratio_verdict("W1 <= 1.05x full GPU by torch amp", 1.05, against(AMP, w1), False)
-        )
+    for kind, how in EXTRA_FULL_GPU.items():
+        # Only rows whose own full GPU is another kind (FP16 is, without a master row).
+        extra = [r for r in w1 if kind in r.peers and full_gpu_kind(r) != kind]
+        if extra:
+            out.append(
+                ratio_verdict(f"W1 <= 1.05x full GPU {how}", 1.05, against(kind, extra), False)
+            )
     for w in ("W2", "W3", "W4"):
         fp32 = [r for r in rows if r.workload == w and _fp32_state(r)]
         floors: list[tuple[Row, float, float | None]] = []
         partial: list[tuple[Row, float, float | None]] = []
         for row in fp32:
-            full = _peer_row(row, "full_gpu")
+            ref = full_gpu_kind(row)
+            full = None if ref is None else _peer_row(row, ref)
             floor = issue_floor(row.result, full)
             if floor is not None:
                 mean = row.result.get("step_mean_ms")
@@ -290,18 +301,18 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
                 + ", ".join(f"{row.label} {r:.3f}x" for row, r, _ in partial)
             )
         out.append(verdict)
-        amp_floors: list[tuple[Row, float, float | None]] = [
-            (row, row.result["step_ms"] / f[0], None)
-            for row in fp32
-            if (amp := _peer_row(row, AMP)) is not None
-            and (f := issue_floor(row.result, amp)) is not None
-        ]
-        if amp_floors:
-            out.append(
-                ratio_verdict(
-                    f"{w} fp32 state <= 1.15x floor by torch amp", 1.15, amp_floors, False
+        for kind, how in EXTRA_FULL_GPU.items():
+            extra_floors: list[tuple[Row, float, float | None]] = [
+                (row, row.result["step_ms"] / f[0], None)
+                for row in fp32
+                if full_gpu_kind(row) != kind
+                and (peer := _peer_row(row, kind)) is not None
+                and (f := issue_floor(row.result, peer)) is not None
+            ]
+            if extra_floors:
+                out.append(
+                    ratio_verdict(f"{w} fp32 state <= 1.15x floor {how}", 1.15, extra_floors, False)
                 )
-            )
         out.append(
             ratio_verdict(f"{w} fp32 state <= 0.55x FSDP2", 0.55, against("fsdp2", fp32), False)
         )
@@ -320,6 +331,20 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     out.append(
         ratio_verdict("W4 bf16 moments faster than torchao", 1.0, against("torchao", w4m), True)
     )
+    # Whether each full-GPU row its call timed trained (each row once).
+    full_rows = {
+        id(p): (f"{row.file.removesuffix('.json')} {row.workload} {kind}", p)
+        for row in rows
+        for kind in (*REFERENCE_FULL_GPU, AMP)
+        for p in row.peers.get(kind, [])
+    }
+    checks = [
+        (label, f"loss {p['loss_before']:.3f} -> {p['loss_after']:.3f}", ok)
+        for label, p in full_rows.values()
+        if (ok := trained(p)) is not None
+    ]
+    if checks:
+        out.append(bound_verdict("full-GPU rows trained (loss fell, finite)", checks))
     unmatched = [
         f"{row.label} ({ours_activation(row.result)}): {', '.join(row.other_model)}"
         for row in rows
@@ -333,6 +358,22 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     if unmatched:
         out.append(Verdict("peers of another MLP activation", unmatched, "left out of the ratios"))
     return out
+
+
+def full_gpu_kind(row: Row) -> str | None:
+    """The full-GPU kind ``row``'s W1 ratio and floor take: the first of
+    ``offload_bench.REFERENCE_FULL_GPU`` its call ran (fp32 masters, from session 40 on;
+    else fp16 weights and state)."""
+    return next((k for k in REFERENCE_FULL_GPU if k in row.peers), None)
+
+
+def trained(result: dict[str, Any]) -> bool | None:
+    """Whether a full-GPU row's training trained: its loss after the timed steps finite
+    and below the loss before them (None: rows before session 39 record neither)."""
+    before, after = result.get("loss_before"), result.get("loss_after")
+    if before is None or after is None:
+        return None
+    return math.isfinite(after) and after < before
 
 
 def _peer_row(row: Row, kind: str) -> dict[str, Any] | None:

@@ -4,6 +4,7 @@ results (BENCHMARKS.md, sessions 32-35) and on small made-up files whose verdict
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -251,6 +252,54 @@ def test_full_gpu_by_torch_amp_gets_lines_of_its_own_where_a_call_ran_it(
     # Without an amp row in the call, no such line.
     c = _write(tmp_path / "s98c1_a.json", {"W1": {"ours": ours, "full_gpu": fp16}})
     assert not any("torch amp" in v.target for v in targets.verdicts(targets.load_rows([c])))
+
+
+def test_fp32_masters_are_the_full_gpu_where_a_call_ran_them_and_fp16_gets_its_own_lines(
+    tmp_path: Path,
+) -> None:
+    fp16 = _row(40, 40, fwd_bwd_ms=35, grad_scaler=True, loss_before=7.1, loss_after=21.8)
+    master = _row(44, 44, fwd_bwd_ms=37, recipe="master", loss_before=7.1, loss_after=1.9)
+    ours = _ours(45, 45, floor_parts_ms={"h2d": 0.0})
+    a = _write(
+        tmp_path / "s99c1_a.json",
+        {"W1": {"ours": ours, "full_gpu": fp16, "full_gpu_master": master}},
+    )
+    w3 = _ours(230, 230, floor_parts_ms={"h2d": 50.0})
+    b = _write(
+        tmp_path / "s99c1_b.json",
+        {
+            "W3": {
+                "ours": w3,
+                "full_gpu": _row(205, 205, fwd_bwd_ms=195, loss_before=7.2, loss_after=math.nan),
+                "full_gpu_master": _row(215, 215, fwd_bwd_ms=205),
+            }
+        },
+    )
+    rows = targets.load_rows([a, b])
+    assert {targets.full_gpu_kind(r) for r in rows} == {"full_gpu_master"}
+    verdicts = targets.verdicts(rows)
+    assert _status(verdicts, "W1 <= 1.05x full GPU") == "met"  # 45 / 44, not 45 / 40
+    assert _status(verdicts, "W1 <= 1.05x full GPU by fp16 weights and state").startswith("missed")
+    assert _status(verdicts, "W3 fp32 state <= 1.15x floor") == "met"  # 230 / 205
+    assert _status(verdicts, "W3 fp32 state <= 1.15x floor by fp16 weights and state").startswith(
+        "missed"
+    )  # 230 / 195
+    (trained,) = [v for v in verdicts if v.target.startswith("full-GPU rows trained")]
+    # The W3 master row records no loss; the fp16 rows rose or went to nan.
+    assert len(trained.cells) == 3 and trained.status == "missed by 2 of 3 rows"
+    assert any("nan" in c for c in trained.cells)
+    # A call without a master row keeps fp16 as its full GPU and no fp16 line of its own.
+    c = _write(tmp_path / "s98c1_a.json", {"W1": {"ours": ours, "full_gpu": fp16}})
+    (row,) = targets.load_rows([c])
+    assert targets.full_gpu_kind(row) == "full_gpu"
+    assert not any("fp16 weights" in v.target for v in targets.verdicts([row]))
+
+
+def test_trained_needs_a_finite_loss_that_fell() -> None:
+    assert targets.trained({"loss_before": 7.0, "loss_after": 6.0}) is True
+    assert targets.trained({"loss_before": 7.0, "loss_after": 7.5}) is False
+    assert targets.trained({"loss_before": 7.0, "loss_after": math.nan}) is False
+    assert targets.trained({}) is None
 
 
 def test_faster_than_is_strict_and_at_most_is_not() -> None:
