@@ -1485,14 +1485,26 @@ def issue_floor(r: dict[str, Any], full: dict[str, Any] | None) -> tuple[float, 
 REFERENCE_FULL_GPU = ("full_gpu_master", "full_gpu")
 """The full-GPU kinds the issue's ratios take, in order of preference: fp32 masters where
 a run has them (the same precision as ours; it trains), else fp16 weights and state (every
-run before session 40; its weights diverge, benchmarks/peer_training.py)."""
+run before session 40; its weights diverge, benchmarks/peer_training.py), each only where
+its row did not diverge (:func:`reference_full_gpu`)."""
+
+
+def trained(result: dict[str, Any]) -> bool | None:
+    """Whether a full-GPU row's training trained: its loss after the timed steps finite
+    and below the loss before them (None: rows before session 39 record neither)."""
+    before, after = result.get("loss_before"), result.get("loss_after")
+    if before is None or after is None:
+        return None
+    return math.isfinite(after) and after < before
 
 
 def reference_full_gpu(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
     """Of one workload's rows by kind, the full-GPU row the ratios and the floor take
-    (:data:`REFERENCE_FULL_GPU`): the first of those kinds that ran, ok or not."""
+    (:data:`REFERENCE_FULL_GPU`): the first of those kinds that ran, ok or not, and did
+    not diverge (:func:`trained` not False: a diverged row times its kernels on
+    overflowing data, at a higher clock than training's)."""
     for kind in REFERENCE_FULL_GPU:
-        if kind in by_kind:
+        if kind in by_kind and trained(by_kind[kind]) is not False:
             return by_kind[kind]
     return None
 

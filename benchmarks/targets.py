@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import statistics
 import sys
@@ -44,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import OURS_KINDS, REFERENCE_FULL_GPU, WORKLOADS, issue_floor
+from offload_bench import OURS_KINDS, REFERENCE_FULL_GPU, WORKLOADS, issue_floor, trained
 
 GiB = 2**30
 PEERS = ("full_gpu", "full_gpu_amp", "full_gpu_master", "fsdp2", "torchao")
@@ -172,8 +171,9 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
 
 
 def _peer(row: Row, kind: str) -> tuple[float, float | None] | None:
-    """The median step of ``kind``'s rows in ``row``'s call, and of their run means."""
-    rows = row.peers.get(kind)
+    """The median step of ``kind``'s rows in ``row``'s call, and of their run means
+    (those that did not diverge, where ``kind`` is its full GPU: :func:`_trained_peers`)."""
+    rows = _trained_peers(row, kind)
     if not rows:
         return None
     means = [r["step_mean_ms"] for r in rows if "step_mean_ms" in r]
@@ -297,7 +297,7 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         verdict = ratio_verdict(f"{w} fp32 state <= 1.15x floor", 1.15, floors or partial, False)
         if floors and partial:
             verdict.cells.append(
-                "left out, no full GPU in their call: "
+                "left out, no full GPU that trained in their call: "
                 + ", ".join(f"{row.label} {r:.3f}x" for row, r, _ in partial)
             )
         out.append(verdict)
@@ -363,23 +363,27 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
 def full_gpu_kind(row: Row) -> str | None:
     """The full-GPU kind ``row``'s W1 ratio and floor take: the first of
     ``offload_bench.REFERENCE_FULL_GPU`` its call ran (fp32 masters, from session 40 on;
-    else fp16 weights and state)."""
-    return next((k for k in REFERENCE_FULL_GPU if k in row.peers), None)
+    else fp16 weights and state) with a row that did not diverge (``trained`` not False;
+    rows before session 39 record no loss and count)."""
+    for kind in REFERENCE_FULL_GPU:
+        if any(trained(p) is not False for p in row.peers.get(kind, [])):
+            return kind
+    return None
 
 
-def trained(result: dict[str, Any]) -> bool | None:
-    """Whether a full-GPU row's training trained: its loss after the timed steps finite
-    and below the loss before them (None: rows before session 39 record neither)."""
-    before, after = result.get("loss_before"), result.get("loss_after")
-    if before is None or after is None:
-        return None
-    return math.isfinite(after) and after < before
+def _trained_peers(row: Row, kind: str) -> list[dict[str, Any]]:
+    """``kind``'s rows in ``row``'s call that did not diverge where ``kind`` is its full
+    GPU (:func:`full_gpu_kind`); all of them otherwise."""
+    rows = row.peers.get(kind, [])
+    if kind != full_gpu_kind(row):
+        return rows
+    return [p for p in rows if trained(p) is not False]
 
 
 def _peer_row(row: Row, kind: str) -> dict[str, Any] | None:
     """The first of ``kind``'s rows in ``row``'s call (full-GPU training's forward and
-    backward time sets the floor's compute part)."""
-    rows = row.peers.get(kind)
+    backward time sets the floor's compute part; :func:`_trained_peers`)."""
+    rows = _trained_peers(row, kind)
     return rows[0] if rows else None
 
 
