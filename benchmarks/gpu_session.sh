@@ -7,7 +7,7 @@
 #   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~7 min
 #   w1w3    W1 ours beside full GPU twice (the parameter reads and the probe of e9103c3),
 #           then W3 ours_io_spec1_stream (the issue thread) beside FSDP2 and torchao ~7 min
-#   w1x     W1 ours and full GPU, ROUNDS rounds (default 4), the order swapped each round;
+#   w1x     W1 ours and full GPU (fp32 masters), ROUNDS rounds (default 4), the order swapped each round;
 #           then pair_ratios.py (the median ratio) and issue_compare.py on each round's
 #           two traces (what ours issues more per step)                        ~4 min
 #   attnab  W3 ours_io_spec1_stream as by default, planned with fused attention measured
@@ -18,19 +18,21 @@
 #           (as by default from session 37 on), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
 #           ours_io_spec1_stream; then pair_ratios.py and pin_rows.py    ~5 min a round
-#   s37     W3 ours_io_spec1_stream with full GPU, FSDP2 and torchao, then W4
+#   s37     W3 ours_io_spec1_stream with full GPU (fp32 masters), FSDP2 and torchao, then W4
 #           ours_io_bf16m_spec1_stream with torchao (every kind with one fused tanh GELU
 #           unless BENCH_FUSE_GELU=0); w4fsp, W4 beside FSDP2, needs a call of its own:
 #           ours took 163 s of it and FSDP2 had not finished 270 s in (session 37) ~6 min
 #   streamab W3 ours_io_spec1_stream and ours_io_spec1 (no streamed regions), alternating,
-#           ROUNDS rounds (default 2); then each kind's rows (pin_rows.py)  ~1.2 min a row
+#           ROUNDS rounds (default 2; the first with full GPU by fp32 masters beside it, for
+#           the floor); then each kind's rows (pin_rows.py)                  ~1.2 min a row
 #   writeab W3 ours_io_spec1_stream with resident streamed regions' parameters uploaded
 #           after their downloads (BENCH_STREAM_WRITE=0), written on the device (the
-#           default from session 38 on; the first round with full GPU beside it, for the
-#           floor), and written with the ring yielding to the h2d stream (BENCH_RING_YIELD=1),
+#           default from session 38 on; the first round with full GPU by fp32 masters
+#           beside it, for the floor), and written with the ring yielding to the h2d stream (BENCH_RING_YIELD=1),
 #           ROUNDS rounds (default 1); then pin_rows.py                   ~1.3 min a row
 #   w3res   W3 ours_io_spec1_stream planned under RES_BUDGET_GIB (default 120; BENCH_BUDGET_GIB),
-#           where nothing leaves the device, beside full GPU; then issue_compare.py --kernels
+#           where nothing leaves the device, beside full GPU by fp32 masters (the
+#           kind's trace is trace_W3_full_gpu_master); then issue_compare.py --kernels
 #           and kernel_overlap.py --against on the two traces: whether our runtime's own
 #           kernels run longer than full-GPU training's with no copy or host step beside
 #           them (w3res.txt; targets.py leaves the row out)                    ~3 min
@@ -115,7 +117,7 @@
 #           parameters streamed through the GPU, not planned (no profile)     ~5 min
 #   stream  W4 ours_io_bf16m_spec1_stream as planned (the planner picks the streamed
 #           regions) and torchao, then W3 and W2 ours_io_spec1_stream         ~8 min
-#   streamab the same machine with and without streaming: W4 ours_io_bf16m_spec1, its
+#   streamw4 the same machine with and without streaming: W4 ours_io_bf16m_spec1, its
 #           _stream kind and torchao; W2 ours_io_spec1 and its _stream kind    ~9 min
 #   w4fs    W4 with fp32 state: ours_io, ours_io_stream and FSDP2 (the fp32 W4 targets
 #           with streaming)                                                   ~9 min
@@ -194,7 +196,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -233,13 +235,13 @@ case "$phase" in
     bench W3 ours_io_spec1_stream,fsdp2,torchao 150 W3 ;;
   w1x)
     for i in $(seq 1 "${ROUNDS:-4}"); do
-      if ((i % 2)); then kinds=ours,full_gpu; else kinds=full_gpu,ours; fi
+      if ((i % 2)); then kinds=ours,full_gpu_master; else kinds=full_gpu_master,ours; fi
       bench W1 "$kinds" 120 "W1_$i"
     done
-    python3 "$root/benchmarks/pair_ratios.py" W1 ours full_gpu "$out"/W1_*.json | tee "$out/w1_ratios.txt"
+    python3 "$root/benchmarks/pair_ratios.py" W1 ours full_gpu_master "$out"/W1_*.json | tee "$out/w1_ratios.txt"
     for d in "$out"/prof_W1_*; do
       python3 "$root/benchmarks/issue_compare.py" "$d/trace_W1_ours.json.gz" \
-        "$d/trace_W1_full_gpu.json.gz" | tee -a "$out/w1_issue.txt" || true
+        "$d/trace_W1_full_gpu_master.json.gz" | tee -a "$out/w1_issue.txt" || true
     done ;;
   attnab)
     for i in $(seq 1 "${ROUNDS:-2}"); do
@@ -289,9 +291,9 @@ case "$phase" in
   trace)
     python3 -m pytest -q -s -rA -p no:cacheprovider -m gpu "$root/packages/offload-trace/tests" \
       2>&1 | tee "$out/trace_gpu_tests.log" | tail -30 ;;
-  w1) bench W1 ours,full_gpu,ablation,fsdp2,torchao 120 ;;
-  w2) bench W2 ours,ours_spec,ours_bf16,full_gpu,fsdp2,torchao 120 ;;
-  w3) bench W3 ours,ours_spec,ours_bf16,full_gpu,fsdp2,torchao 150 ;;
+  w1) bench W1 ours,full_gpu_master,ablation,fsdp2,torchao 120 ;;
+  w2) bench W2 ours,ours_spec,ours_bf16,full_gpu_master,fsdp2,torchao 120 ;;
+  w3) bench W3 ours,ours_spec,ours_bf16,full_gpu_master,fsdp2,torchao 150 ;;
   w4) bench W4 ours,ours_bf16m,ours_bf16,torchao 280 ;;
   diag)
     python3 "$root/benchmarks/step_trace.py" --model gpt2_xl --batch 64 --seq 8 \
@@ -386,20 +388,22 @@ case "$phase" in
   w4fs3)
     bench W4 ours_io_stream,fsdp2 250 W4_fs3 ;;
   s37)
-    bench W3 ours_io_spec1_stream,full_gpu,fsdp2,torchao 150 W3
+    bench W3 ours_io_spec1_stream,full_gpu_master,fsdp2,torchao 150 W3
     bench W4 ours_io_bf16m_spec1_stream,torchao 280 W4_m ;;
   w4fsp)
     bench W4 ours_io_spec1_stream,fsdp2 300 W4_fsp ;;
   streamab)
+    peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-2}"); do
-      bench W3 ours_io_spec1_stream 150 "W3_stream$i"
+      bench W3 "ours_io_spec1_stream$peer" 200 "W3_stream$i"
       bench W3 ours_io_spec1 150 "W3_nostream$i"
+      peer=""
     done
     { python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_stream[0-9]*.json
       python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1 "$out"/W3_nostream[0-9]*.json
     } | tee "$out/streamab.txt" ;;
   writeab)
-    peer=,full_gpu
+    peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-1}"); do
       BENCH_STREAM_WRITE=0 bench W3 ours_io_spec1_stream 150 "W3_upload$i"
       bench W3 "ours_io_spec1_stream$peer" 200 "W3_write$i"
@@ -411,12 +415,12 @@ case "$phase" in
       done
     } | tee "$out/writeab.txt" ;;
   w3res)
-    BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_spec1_stream,full_gpu 200 W3_res
+    BENCH_BUDGET_GIB=${RES_BUDGET_GIB:-120} bench W3 ours_io_spec1_stream,full_gpu_master 200 W3_res
     d="$out/prof_W3_res"
     { python3 "$root/benchmarks/issue_compare.py" --kernels \
-        "$d/trace_W3_ours_io_spec1_stream.json.gz" "$d/trace_W3_full_gpu.json.gz"
+        "$d/trace_W3_ours_io_spec1_stream.json.gz" "$d/trace_W3_full_gpu_master.json.gz"
       python3 "$root/benchmarks/kernel_overlap.py" "$d/trace_W3_ours_io_spec1_stream.json.gz" \
-        --against "$d/trace_W3_full_gpu.json.gz"
+        --against "$d/trace_W3_full_gpu_master.json.gz"
     } 2>&1 | tee "$out/w3res.txt" || true ;;
   scaleab)
     BENCH_FULL_GPU_SCALER=0 bench W3 full_gpu 120 W3_unscaled
@@ -577,7 +581,7 @@ case "$phase" in
     unset BENCH_PLAN_FROM
     python3 "$root/benchmarks/pin_rows.py" W2 ours_io_spec1_stream "$out"/W2_pin_*.json | tee "$out/W2_specthr.txt"
     ;;
-  streamab)
+  streamw4)
     bench W4 ours_io_bf16m_spec1,ours_io_bf16m_spec1_stream,torchao 260 W4_streamab
     bench W2 ours_io_spec1,ours_io_spec1_stream 100 W2_streamab ;;
   stream)

@@ -4,7 +4,7 @@ Run on a CUDA machine (each measurement in its own subprocess, so one that fails
 out of memory, say - is a row in the table rather than the end of the run):
 
     python benchmarks/offload_bench.py                       # all workloads, all kinds
-    python benchmarks/offload_bench.py --workloads W1,W2 --kinds ours,full_gpu
+    python benchmarks/offload_bench.py --workloads W1,W2 --kinds ours,full_gpu_master
     python benchmarks/offload_bench.py --append BENCHMARKS.md --json bench.json
 
 Workloads (fp16, vocab 1024; budgets in GiB = 2**30 bytes):
