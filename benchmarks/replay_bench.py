@@ -272,6 +272,43 @@ def _issue_cost_arg(text: str) -> float | str:
     return value
 
 
+def _restate_arg(text: str) -> dict[int, str]:
+    """``--restate``'s ``R=STATE,...``: region index -> state name."""
+    out: dict[int, str] = {}
+    for item in text.split(","):
+        r, sep, state = item.partition("=")
+        if not sep or not r.strip().isdigit() or state not in ("device", "host", "streamed"):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: give R=STATE, R a region index, STATE device, host or streamed"
+            )
+        out[int(r)] = state
+    return out
+
+
+def restate_line(
+    variant: Any, hardware: Any, plan: Any, changes: dict[int, str], **simulation: Any
+) -> str:
+    """``plan`` with the regions in ``changes`` given those optimizer states, simulated
+    as :func:`steady_run` does: its repeating step, or why it cannot run."""
+    from offload_solver.model import StatePlacement
+
+    label = ", ".join(f"r{r} {state}" for r, state in sorted(changes.items()))
+    bad = [r for r in changes if not 0 <= r < len(plan.regions)]
+    if bad:
+        return f"restated ({label}): no region {bad[0]} (the plan has {len(plan.regions)})"
+    regions = [
+        dataclasses.replace(rp, state=StatePlacement(changes[i])) if i in changes else rp
+        for i, rp in enumerate(plan.regions)
+    ]
+    try:
+        steady = steady_run(
+            variant, hardware, dataclasses.replace(plan, regions=regions), **simulation
+        )
+    except ValueError as exc:
+        return f"restated ({label}): {exc}"
+    return f"restated ({label}): repeating step {steady.period_s * 1e3:.1f} ms"
+
+
 def _error(pred: float, measured: float) -> str:
     return f"{(pred - measured) / measured * 100:+.1f}%"
 
@@ -429,6 +466,16 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="replay only the rows whose plan streamed (a _stream kind planned so, "
         "stream_from 'plan')",
+    )
+    parser.add_argument(
+        "--restate",
+        action="append",
+        default=[],
+        type=_restate_arg,
+        metavar="R=STATE[,R=STATE...]",
+        help="also simulate each replayed plan with these regions' optimizer state changed "
+        "(STATE: device, host or streamed; R: the region's index in forward order) and "
+        "print its repeating step; may be repeated",
     )
     args = parser.parse_args(argv)
     if args.stream_up_fraction is not None and not 0 < args.stream_up_fraction <= 1:
@@ -618,6 +665,10 @@ def main(argv: list[str] | None = None) -> int:
                     f"{under_cell} |",
                     flush=True,
                 )
+                for changes in args.restate:
+                    print(
+                        f"    {restate_line(variant, hw, plan, changes, **simulation)}", flush=True
+                    )
                 if args.lanes is not None:
                     for lane, what, region, a, b in lane_window(steady, args.lanes / 1e3):
                         print(

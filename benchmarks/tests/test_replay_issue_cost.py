@@ -72,3 +72,29 @@ def test_lane_window_merges_back_to_back_passes_and_lane_busy_sums_each_kind() -
     assert busy[("compute", "fwd")] == (3, pytest.approx(0.003))
     assert busy[("host", "host_step")] == (1, pytest.approx(0.003))
     assert busy[("compute", "bwd")] == (1, pytest.approx(0.001))
+
+
+def test_restate_parses_regions_and_states_and_refuses_the_rest() -> None:
+    from replay_bench import _restate_arg
+
+    assert _restate_arg("1=host,2=streamed") == {1: "host", 2: "streamed"}
+    for bad in ("1:host", "x=host", "1=gpu", "1=host,"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _restate_arg(bad)
+
+
+def test_restated_w3_plan_is_slower_with_region_1_on_the_host(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from pathlib import Path
+
+    row = Path(__file__).resolve().parent.parent / "results" / "s40c2_W3_mast.json"
+    replay_bench.main([str(row), "--restate", "1=host", "--restate", "1=host,11=host"])
+    out = capsys.readouterr().out
+    lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("restated")]
+    assert len(lines) == 2
+    replayed = float(out.split("| ours_io_spec1_stream | 255 ms | 228 (-10.7%) | ")[1].split()[0])
+    first, both = (float(ln.split("repeating step ")[1].split()[0]) for ln in lines)
+    # Session 40's replay: the plan 229, region 1 on the host 237.2, neither streamed 247.3.
+    assert replayed < first < both
+    assert first == pytest.approx(237.2, abs=1.0) and both == pytest.approx(247.3, abs=1.0)
