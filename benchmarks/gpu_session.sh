@@ -25,6 +25,14 @@
 #   streamab W3 ours_io_spec1_stream and ours_io_spec1 (no streamed regions), alternating,
 #           ROUNDS rounds (default 2; the first with full GPU by fp32 masters beside it, for
 #           the floor); then each kind's rows (pin_rows.py)                  ~1.2 min a row
+#   streamsel W3 ours_io_spec1_stream as planned (the first round beside full GPU by fp32
+#           masters, for the floor), with the plan's first streamed region stepped on the
+#           host and the next host-state region streamed instead (BENCH_STREAM_NOT_FIRST=1:
+#           session 40's W3 plan streamed the embeddings' region, whose state's trip is
+#           on the critical path), and ours_io_spec1 (nothing streamed), alternating,
+#           ROUNDS rounds (default 2); then each arm's rows (pin_rows.py) and its compute
+#           stream's gaps over 0.3 ms in the profiled steps (copy_lag.py; streamsel.txt)
+#                                                                            ~1.3 min a row
 #   writeab W3 ours_io_spec1_stream with resident streamed regions' parameters uploaded
 #           after their downloads (BENCH_STREAM_WRITE=0), written on the device (the
 #           default from session 38 on; the first round with full GPU by fp32 masters
@@ -196,7 +204,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -402,6 +410,22 @@ case "$phase" in
     { python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_stream[0-9]*.json
       python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1 "$out"/W3_nostream[0-9]*.json
     } | tee "$out/streamab.txt" ;;
+  streamsel)
+    peer=,full_gpu_master
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      bench W3 "ours_io_spec1_stream$peer" 200 "W3_plan$i"
+      BENCH_STREAM_NOT_FIRST=1 bench W3 ours_io_spec1_stream 150 "W3_notfirst$i"
+      bench W3 ours_io_spec1 150 "W3_nostream$i"
+      peer=""
+    done
+    { for arm in plan notfirst; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
+      done
+      python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1 "$out"/W3_nostream[0-9]*.json
+      for t in "$out"/prof_W3_*/trace_W3_ours_io_spec1*.json.gz; do
+        echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
+      done
+    } 2>&1 | tee "$out/streamsel.txt" || true ;;
   writeab)
     peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-1}"); do

@@ -37,7 +37,10 @@ Kinds:
                 the GPU while the host steps the others (memory_optimize(streamed=...);
                 [Note: streamed steps] in offload_optim/streamed.py). BENCH_STREAM_FRACTION
                 overrides the planner: that share of those regions' parameters, every
-                other region or so in forward order, is streamed (the plan not told)
+                other region or so in forward order, is streamed (the plan not told);
+                BENCH_STREAM_NOT_FIRST=1 moves the plan's first streamed region's device
+                step to the next host-state region (the plan not told; rows record
+                ``streamed_region_indices`` and ``stream_from``)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
     full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam, the loss
@@ -172,7 +175,7 @@ import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -619,6 +622,8 @@ def _ours(
     stream_host_charge = float(charge_env) if charge_env else None
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
+    not_first = stream and stream_fraction is None and bench_stream_not_first()
+    moved: list[tuple[int, int]] = []  # build()'s last move (BENCH_STREAM_NOT_FIRST)
     host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam
@@ -723,6 +728,9 @@ def _ours(
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
+        elif not_first:
+            pair = _stream_not_first(module.storages)
+            moved[:] = [] if pair is None else [pair]
         opt = AMPOptimizer(
             HybridAdam(
                 module.parameters(),
@@ -914,7 +922,15 @@ def _ours(
             out["plan_streamed"] = dataclasses.asdict(plan.streamed)
         out["streamed_regions"] = len(streamed)
         out["streamed_params"] = streamed_params
+        out["streamed_region_indices"] = sorted(streamed)
         out["stream_from"] = "plan" if stream_fraction is None else f"fraction {stream_fraction}"
+        if not_first:
+            out["stream_from"] = (
+                "plan, its first streamed region kept"
+                if not moved
+                else f"plan, region {moved[-1][0]} stepped on the host and region "
+                f"{moved[-1][1]} streamed"
+            )
     # Bytes moved per step, for the floor: offloaded regions come up twice (forward and
     # backward); resident host-state regions once after their host step; host-state
     # gradients go down once; streamed regions' state goes up and down
@@ -1086,6 +1102,42 @@ def _force_streamed(module: Any, fraction: float) -> None:
         if chosen + st.numel / 2 <= fraction * total:
             st.streamed = True
             chosen += st.numel
+
+
+def bench_stream_not_first() -> bool:
+    """BENCH_STREAM_NOT_FIRST=1: step the plan's first streamed region (in forward order)
+    on the host and stream the next host-state region after it instead (the plan not
+    told; :func:`_stream_not_first`)."""
+    return os.environ.get("BENCH_STREAM_NOT_FIRST", "0") != "0"
+
+
+def _stream_not_first(storages: Sequence[Any]) -> tuple[int, int] | None:
+    """BENCH_STREAM_NOT_FIRST: the first streamed storage (forward order) goes back to a
+    host step, and the first host-state storage after it that is not streamed and holds
+    parameters is streamed in its place. Returns (the region now stepped on the host, the
+    region now streamed), or None where there is no such pair (nothing changed).
+
+    In session 40's W3 plan the first streamed region held the embeddings and the first
+    blocks: the last gradients of backward and the first parameters of the forward, so
+    its state's trip up and back is on the step's critical path; the replay put the plan
+    with it moved one host-state region on at 229.8 ms against 228.6
+    (``replay_bench.py --restate``), so only a GPU can say which is faster."""
+    first = next((i for i, st in enumerate(storages) if st.streamed), None)
+    if first is None:
+        return None
+    after = next(
+        (
+            i
+            for i in range(first + 1, len(storages))
+            if storages[i].host_state and not storages[i].streamed and storages[i].numel > 0
+        ),
+        None,
+    )
+    if after is None:
+        return None
+    storages[first].streamed = False
+    storages[after].streamed = True
+    return storages[first].index, storages[after].index
 
 
 def bench_stream_write() -> bool:

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.files:
         rows = json.loads(path.read_text())["results"][args.workload]
         # A peer run in the same call (chargeab runs one beside its first row).
-        for peer in ("full_gpu", "fsdp2", "torchao"):
+        for peer in ("full_gpu", "full_gpu_master", "full_gpu_amp", "fsdp2", "torchao"):
             other = rows.get(peer)
             if other and other.get("ok"):
                 print(

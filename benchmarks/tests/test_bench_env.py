@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import offload_bench
 import pytest
 from offload_bench import WORKLOADS, bench_budget_gib
 
@@ -26,3 +27,31 @@ def test_a_budget_that_is_not_a_positive_number_of_gib_is_refused(
     monkeypatch.setenv("BENCH_BUDGET_GIB", bad)
     with pytest.raises(ValueError, match="BENCH_BUDGET_GIB must be a positive number"):
         bench_budget_gib("W3")
+
+
+def test_stream_not_first_moves_the_first_streamed_region_to_the_next_host_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    def storages(flags: str) -> list[SimpleNamespace]:
+        # d: device state, h: host state, s: streamed, e: host state without parameters
+        return [
+            SimpleNamespace(
+                index=i, host_state=f != "d", streamed=f == "s", numel=0 if f == "e" else 10
+            )
+            for i, f in enumerate(flags)
+        ]
+
+    st = storages("dsdehhs")
+    assert offload_bench._stream_not_first(st) == (1, 4)
+    assert [x.streamed for x in st] == [False, False, False, False, True, False, True]
+    # Nothing streamed, or no host-state region after the first streamed one: unchanged.
+    for flags in ("dhh", "dhsd"):
+        st = storages(flags)
+        assert offload_bench._stream_not_first(st) is None
+        assert [x.streamed for x in st] == [f == "s" for f in flags]
+    monkeypatch.delenv("BENCH_STREAM_NOT_FIRST", raising=False)
+    assert not offload_bench.bench_stream_not_first()
+    monkeypatch.setenv("BENCH_STREAM_NOT_FIRST", "1")
+    assert offload_bench.bench_stream_not_first()
