@@ -28,6 +28,14 @@ in their call and others did not, the others' floors lack its compute part (a lo
 bound) and they are listed as left out (from session 38 on). A ratio target reads "met"
 when every row meets it, "met by the median" when the median row does, else "missed" with
 the median's distance from the target. Nothing is allocated; no GPU is needed.
+
+Full-GPU training, for the W1 ratio and the floor's compute part, is a call's
+``full_gpu_master`` rows (fp32 master weights and Adam state, from session 40 on), else its
+``full_gpu`` rows (fp16 state), in each case only rows that did not diverge
+(``offload_bench.trained``: their loss rose or went to nan). Where a call ran torch amp
+(``full_gpu_amp``), or fp16 state beside fp32 masters or diverged, those are judged in
+lines of their own ("by torch amp", "by fp16 weights and state"), and a last line says
+whether each full-GPU row trained.
 """
 
 from __future__ import annotations
