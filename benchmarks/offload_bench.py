@@ -623,7 +623,6 @@ def _ours(
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     not_first = stream and stream_fraction is None and bench_stream_not_first()
-    moved: list[tuple[int, int]] = []  # build()'s last move (BENCH_STREAM_NOT_FIRST)
     host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam
@@ -729,8 +728,7 @@ def _ours(
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
         elif not_first:
-            pair = _stream_not_first(module.storages)
-            moved[:] = [] if pair is None else [pair]
+            _stream_not_first(module.storages)
         opt = AMPOptimizer(
             HybridAdam(
                 module.parameters(),
@@ -924,12 +922,15 @@ def _ours(
         out["streamed_params"] = streamed_params
         out["streamed_region_indices"] = sorted(streamed)
         out["stream_from"] = "plan" if stream_fraction is None else f"fraction {stream_fraction}"
-        if not_first:
+        if not_first:  # what _stream_not_first changed: the plan's streamed set against ours
+            planned = {
+                rp.region.index for rp in plan.regions if rp.state is StatePlacement.STREAMED
+            }
+            off, on = sorted(planned - streamed), sorted(streamed - planned)
             out["stream_from"] = (
-                "plan, its first streamed region kept"
-                if not moved
-                else f"plan, region {moved[-1][0]} stepped on the host and region "
-                f"{moved[-1][1]} streamed"
+                f"plan, region {off[0]} stepped on the host and region {on[0]} streamed"
+                if off and on
+                else "plan, its first streamed region kept"
             )
     # Bytes moved per step, for the floor: offloaded regions come up twice (forward and
     # backward); resident host-state regions once after their host step; host-state
@@ -1028,18 +1029,18 @@ def _ours(
         # After the row's own measurement (its peak is its own): full-GPU training built
         # beside it and the two stepped in turn (interleaved_steps).
         recipe = bench_pair_recipe()
-        full_step = _full_gpu_steps(workload, recipe).step  # its closures hold the model
+        full = _full_gpu_steps(workload, recipe)  # its closures hold the model
         applied_before = opt.step_count
-        ours_s, full_s = interleaved_steps(step, full_step, warmup, steps, torch.cuda.synchronize)
+        ours_s, full_s = interleaved_steps(step, full.step, warmup, steps, torch.cuda.synchronize)
         out["paired_full_gpu"] = pair_summary(ours_s, full_s)
         out["paired_full_gpu"]["activation"] = peer_activation()
-        out["paired_full_gpu"]["grad_scaler"] = recipe != "fp16" or bench_full_gpu_scaler()
+        out["paired_full_gpu"]["grad_scaler"] = full.loss_scale() is not None
         out["paired_full_gpu"]["recipe"] = recipe
         # fp16 overflow skips among ours' paired steps (short steps, so they flatter it).
         out["paired_full_gpu"]["ours_skipped_steps"] = (
             warmup + steps - (opt.step_count - applied_before)
         )
-        del full_step  # free the full-GPU model before the profiled steps
+        del full  # free the full-GPU model before the profiled steps
         gc.collect()
     if profile_dir is not None:
 
@@ -1115,7 +1116,8 @@ def _stream_not_first(storages: Sequence[Any]) -> tuple[int, int] | None:
     """BENCH_STREAM_NOT_FIRST: the first streamed storage (forward order) goes back to a
     host step, and the first host-state storage after it that is not streamed and holds
     parameters is streamed in its place. Returns (the region now stepped on the host, the
-    region now streamed), or None where there is no such pair (nothing changed).
+    region now streamed), or None where there is no such pair (nothing changed); rows
+    read the move back from the plan's streamed regions and the storages'.
 
     In session 40's W3 plan the first streamed region held the embeddings and the first
     blocks: the last gradients of backward and the first parameters of the forward, so
@@ -1281,6 +1283,7 @@ def _full_gpu_steps(
         masters = [torch.nn.Parameter(p.detach().float()) for p in params]
         for m in masters:
             m.grad = torch.zeros_like(m)  # kept: each step's widened gradients
+    master_grads = _grads(masters)
     opt = torch.optim.Adam(masters or params, lr=1e-4, fused=True)
     # fp16 gradients without a loss scale underflow: in a 4-layer GPT-2 XL-wide model at
     # W3's 8 x 1024 tokens, every element of the blocks' output gradients came out zero or
@@ -1307,7 +1310,7 @@ def _full_gpu_steps(
     def step() -> None:
         fwd_bwd()
         if masters:
-            torch._foreach_copy_(_grads(masters), _grads(params))
+            torch._foreach_copy_(master_grads, _grads(params))
         if scaler is None:
             opt.step()
         else:
@@ -1350,7 +1353,7 @@ def _full_gpu(
     first = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     issue_before = issue_cost_us()
     out = _measure_peer(step, warmup, steps)
-    out["grad_scaler"] = recipe != "fp16" or bench_full_gpu_scaler()
+    out["grad_scaler"] = full.loss_scale() is not None
     out["recipe"] = recipe
     out["issue_cost_us_reads"] = [issue_before, issue_cost_us()]
     # Whether it trained: the loss before the first step and after the last, the scale
@@ -1550,15 +1553,22 @@ def trained(result: dict[str, Any]) -> bool | None:
     return math.isfinite(after) and after < before
 
 
-def reference_full_gpu(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """Of one workload's rows by kind, the full-GPU row the ratios and the floor take
-    (:data:`REFERENCE_FULL_GPU`): the first of those kinds that ran, ok or not, and did
-    not diverge (:func:`trained` not False: a diverged row times its kernels on
-    overflowing data, at a higher clock than training's)."""
+def reference_full_gpu_kind(rows_by_kind: dict[str, list[dict[str, Any]]]) -> str | None:
+    """Of one workload's rows of each kind, the full-GPU kind the ratios and the floor
+    take (:data:`REFERENCE_FULL_GPU`): the first of those kinds with a row that did not
+    diverge (:func:`trained` not False: a diverged row times its kernels on overflowing
+    data, at a higher clock than training's; rows before session 39 record no loss)."""
     for kind in REFERENCE_FULL_GPU:
-        if kind in by_kind and trained(by_kind[kind]) is not False:
-            return by_kind[kind]
+        if any(trained(r) is not False for r in rows_by_kind.get(kind, [])):
+            return kind
     return None
+
+
+def reference_full_gpu(by_kind: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """Of one workload's rows by kind (one run), the full-GPU row the ratios and the floor
+    take (:func:`reference_full_gpu_kind`), ok or not."""
+    kind = reference_full_gpu_kind({k: [r] for k, r in by_kind.items()})
+    return None if kind is None else by_kind[kind]
 
 
 def _ratio(r: dict[str, Any], peer: dict[str, Any] | None) -> str:

@@ -51,7 +51,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import OURS_KINDS, REFERENCE_FULL_GPU, WORKLOADS, issue_floor, trained
+from offload_bench import (
+    OURS_KINDS,
+    REFERENCE_FULL_GPU,
+    WORKLOADS,
+    issue_floor,
+    reference_full_gpu_kind,
+    trained,
+)
 
 GiB = 2**30
 PEERS = ("full_gpu", "full_gpu_amp", "full_gpu_master", "fsdp2", "torchao")
@@ -373,10 +380,7 @@ def full_gpu_kind(row: Row) -> str | None:
     ``offload_bench.REFERENCE_FULL_GPU`` its call ran (fp32 masters, from session 40 on;
     else fp16 weights and state) with a row that did not diverge (``trained`` not False;
     rows before session 39 record no loss and count)."""
-    for kind in REFERENCE_FULL_GPU:
-        if any(trained(p) is not False for p in row.peers.get(kind, [])):
-            return kind
-    return None
+    return reference_full_gpu_kind(row.peers)
 
 
 def _trained_peers(row: Row, kind: str) -> list[dict[str, Any]]:
