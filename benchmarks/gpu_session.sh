@@ -151,10 +151,12 @@
 #           OTHER_TREE (a copy of another commit, at or after the one that added
 #           BENCH_PLAN_FROM) and here, alternating, ROUNDS rounds (default 2); then each
 #           row's run mean. BENCH_STEPS as for every phase; W2 with BENCH_STEPS=20 ~9 min
-#   specthr W2 planned and run once, then that plan with speculative steps on their own
-#           thread (BENCH_SPECULATION_THREAD=1) and without, alternating, ROUNDS rounds
-#           (default 2), each planned from the first row (BENCH_PLAN_FROM); then each
-#           row's run mean. W2 with BENCH_STEPS=20                               ~9 min
+#   specthr SPECTHR_WORKLOAD (default W2; W3 with full GPU by fp32 masters beside its
+#           first row, for the floor) planned and run once, then that plan with speculative
+#           steps on their own thread (BENCH_SPECULATION_THREAD=1) and without, alternating,
+#           ROUNDS rounds (default 2), each planned from the first row (BENCH_PLAN_FROM);
+#           then each arm's rows (pin_rows.py) and each trace's compute-stream gaps over
+#           0.3 ms (copy_lag.py; specthr.txt). W2 with BENCH_STEPS=20 ~9 min; W3 ~6 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -596,15 +598,23 @@ case "$phase" in
     unset BENCH_PLAN_FROM
     python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_pin_*.json | tee "$out/${w}_pinab.txt" ;;
   specthr)
-    bench W2 ours_io_spec1_stream 150 W2_pin_source
-    export BENCH_PLAN_FROM="$out/W2_pin_source.json"
+    w=${SPECTHR_WORKLOAD:-W2} k=ours_io_spec1_stream peer=""
+    if [ "$w" = W3 ]; then peer=,full_gpu_master; fi
+    bench "$w" "$k$peer" 200 "${w}_pin_source"
+    export BENCH_PLAN_FROM="$out/${w}_pin_source.json"
     for i in $(seq 1 "${ROUNDS:-2}"); do
-      BENCH_SPECULATION_THREAD=1 bench W2 ours_io_spec1_stream 150 "W2_pin_thread$i"
-      BENCH_SPECULATION_THREAD=0 bench W2 ours_io_spec1_stream 150 "W2_pin_hook$i"
+      BENCH_SPECULATION_THREAD=1 bench "$w" "$k" 150 "${w}_pin_thread$i"
+      BENCH_SPECULATION_THREAD=0 bench "$w" "$k" 150 "${w}_pin_hook$i"
     done
     unset BENCH_PLAN_FROM
-    python3 "$root/benchmarks/pin_rows.py" W2 ours_io_spec1_stream "$out"/W2_pin_*.json | tee "$out/W2_specthr.txt"
-    ;;
+    { python3 "$root/benchmarks/pin_rows.py" "$w" "$k" "$out"/"${w}"_pin_*.json
+      for arm in thread hook; do
+        python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}_pin_$arm"[0-9]*.json
+      done
+      for t in "$out"/prof_"${w}"_pin_*/trace_"${w}_$k".json.gz; do
+        echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
+      done
+    } 2>&1 | tee "$out/${w}_specthr.txt" || true ;;
   streamw4)
     bench W4 ours_io_bf16m_spec1,ours_io_bf16m_spec1_stream,torchao 260 W4_streamab
     bench W2 ours_io_spec1,ours_io_spec1_stream 100 W2_streamab ;;
