@@ -157,6 +157,14 @@
 #           ROUNDS rounds (default 2), each planned from the first row (BENCH_PLAN_FROM);
 #           then each arm's rows (pin_rows.py) and each trace's compute-stream gaps over
 #           0.3 ms (copy_lag.py; specthr.txt). W2 with BENCH_STEPS=20 ~9 min; W3 ~6 min
+#   yieldab W3 ours_io_spec1_stream with speculative steps on their own thread
+#           (BENCH_SPECULATION_THREAD=1; session 41: the hook mode's step() waited for the
+#           speculative steps in flight, 12-19 ms of compute idle), planned and run once
+#           beside full GPU by fp32 masters (the floor); then that plan (BENCH_PLAN_FROM)
+#           as is and with the ring yielding to the h2d stream (BENCH_RING_YIELD=1: the
+#           forward's first prefetch ran 22 ms after its issue, behind ring chunks issued
+#           after it), alternating, ROUNDS rounds (default 3); then each arm's rows and
+#           each trace's compute gaps (yieldab.txt)                          ~1.2 min a row
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -206,7 +214,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -615,6 +623,23 @@ case "$phase" in
         echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
       done
     } 2>&1 | tee "$out/${w}_specthr.txt" || true ;;
+  yieldab)
+    k=ours_io_spec1_stream
+    export BENCH_SPECULATION_THREAD=1
+    bench W3 "$k,full_gpu_master" 200 W3_yab_source
+    export BENCH_PLAN_FROM="$out/W3_yab_source.json"
+    for i in $(seq 1 "${ROUNDS:-3}"); do
+      BENCH_RING_YIELD=1 bench W3 "$k" 150 "W3_yab_yield$i"
+      bench W3 "$k" 150 "W3_yab_plain$i"
+    done
+    unset BENCH_PLAN_FROM BENCH_SPECULATION_THREAD
+    { for arm in yield plain; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_yab_"$arm"[0-9]*.json
+      done
+      for t in "$out"/prof_W3_yab_*/trace_W3_"$k".json.gz; do
+        echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
+      done
+    } 2>&1 | tee "$out/yieldab.txt" || true ;;
   streamw4)
     bench W4 ours_io_bf16m_spec1,ours_io_bf16m_spec1_stream,torchao 260 W4_streamab
     bench W2 ours_io_spec1,ours_io_spec1_stream 100 W2_streamab ;;
