@@ -89,9 +89,12 @@ in use and speculation limit, instead of measuring them again. Rows plan from th
 samples otherwise, and on a shared host those move enough to change the plan (W2 streamed
 10 to 15 regions across five rows of one machine, session 27), so two trees or two ways of
 running compare only on one plan; rows record ``plan_from`` and ``plan_matches_source``
-(the same predicted step and peak as the source row). Set BENCH_SPECULATION_THREAD=1 to
-build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (speculative host
-steps on a thread of their own); rows record ``speculation_thread``. Set
+(the same predicted step and peak as the source row). Set BENCH_SPECULATION_THREAD=1 (or
+0) to build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (or False;
+unset: the optimizer's default, True since session 41): speculative host steps on a
+thread of their own. Speculating kinds plan for the same (``memory_optimize(
+speculation_thread=)``), or with BENCH_PLAN_FROM for what the source row planned; rows
+record ``speculation_thread`` and ``plan_speculation_thread``. Set
 BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unset: the
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
 rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yields=True``
@@ -507,6 +510,9 @@ class PlanInputs:
     speculative_step_cost: float
     device_bytes_in_use: int | None
     speculative_params: int | None
+    speculation_thread: bool
+    """Whether the row planned for speculative steps on their own thread (rows before
+    session 41 planned for the hooks' way)."""
     pred_step_ms: float
     pred_peak_gib: float
     """The row's predictions: a plan made from the same inputs predicts the same."""
@@ -555,6 +561,7 @@ def plan_inputs_from(path: str, workload: str, kind: str) -> PlanInputs:
         speculative_step_cost=float(row.get("speculative_step_cost", 1.0)),
         device_bytes_in_use=None if in_use is None else int(in_use),
         speculative_params=None if limit is None else int(limit),
+        speculation_thread=bool(row.get("plan_speculation_thread", False)),
         pred_step_ms=float(row["pred_step_ms"]),
         pred_peak_gib=float(row["pred_peak_gib"]),
     )
@@ -606,7 +613,12 @@ def _ours(
     fuse_gelu = bench_fuse_gelu()
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
-    speculation_thread = os.environ.get("BENCH_SPECULATION_THREAD", "0") != "0"
+    thread_env = os.environ.get("BENCH_SPECULATION_THREAD")
+    speculation_thread: bool = (
+        inspect.signature(HybridAdam).parameters["speculation_thread"].default
+        if thread_env is None
+        else thread_env != "0"
+    )
     ring_yields = os.environ.get("BENCH_RING_YIELD", "0") != "0"
     paced_env = os.environ.get("BENCH_STREAM_PACED")
     paced_ring: bool = (
@@ -671,6 +683,11 @@ def _ours(
         else 1.0
     )
 
+    # What the planner models: the optimizer's way, or a pinned row's (one plan).
+    plan_thread = speculate and (
+        pinned.speculation_thread if pinned is not None else speculation_thread
+    )
+
     def build(
         model: Any, limit: int | None, calibrated: Calibrated | None = None
     ) -> tuple[Any, AMPOptimizer]:
@@ -697,6 +714,7 @@ def _ours(
             host_step_after_backward=False if speculate else None,
             speculative_step_cost=spec_cost,
             speculative_params=limit,
+            speculation_thread=plan_thread,
             host_step_cost=None if calibrated is not None else host_cost,
             # Both ways: the planner takes the geometric mean of the two rates.
             host_step_params_per_s=(
@@ -855,6 +873,7 @@ def _ours(
     out["fuse_gelu"] = fuse_gelu
     out["issue_thread"] = issue_thread
     out["speculation_thread"] = speculation_thread
+    out["plan_speculation_thread"] = plan_thread
     out["paced_ring"] = paced_ring
     out["ring_yields"] = ring_yields
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to

@@ -38,7 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from offload_bench import WORKLOADS
-from replay_bench import SPECULATING, row_hardware, workload_profile
+from replay_bench import SPECULATING, row_hardware, row_simulation, workload_profile
 
 GiB = 2**30
 
@@ -80,11 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     profile = device_conversion_profile(base) if row["convert_on_device"] else base
     hardware = row_hardware(row, row["profile"]["host_adam_gparam"])
     speculate = base_kind in SPECULATING
-    planning: dict[str, Any] = {
-        "host_step_after_backward": not speculate,
-        "speculative_step_cost": row.get("speculative_step_cost", 1.0),
-        "speculative_params": row.get("speculative_params"),
-    }
+    planning = row_simulation(row, speculate)
     if args.kind.endswith("_stream"):
         planning["streamed"] = StreamedStepCosts(**row["plan_streamed"])
     budget = WORKLOADS[workload][3] * GiB

@@ -69,6 +69,20 @@ def workload_profile(workload: str, *, fuse_gelu: bool = False) -> Any:
     return workload_traced(workload, fuse_gelu=fuse_gelu).to_profile()
 
 
+def row_simulation(row: dict[str, Any], speculate: bool) -> dict[str, Any]:
+    """The step-shaping arguments of ``offload_solver.solve`` a row ran with, from its JSON:
+    whether its host steps waited for backward's end (not when ``speculate``), what a
+    speculative step cost, how many parameters could speculate, and whether the
+    speculative steps ran on their own thread (rows before session 41: in the hooks)."""
+    return {
+        "host_step_after_backward": not speculate,
+        "speculative_step_cost": row.get("speculative_step_cost", 1.0),
+        # A speculating row planned for fewer undo buffers records the limit.
+        "speculative_params": row.get("speculative_params"),
+        "speculation_thread": speculate and bool(row.get("speculation_thread", False)),
+    }
+
+
 def row_hardware(
     row: dict[str, Any],
     host_adam_gparam: float,
@@ -552,12 +566,7 @@ def main(argv: list[str] | None = None) -> int:
                 base = traced[workload, fuse]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = base_kind in SPECULATING
-                simulation: dict[str, Any] = {
-                    "host_step_after_backward": not speculate,
-                    "speculative_step_cost": row.get("speculative_step_cost", 1.0),
-                    # A speculating row planned for fewer undo buffers records the limit.
-                    "speculative_params": row.get("speculative_params"),
-                }
+                simulation = row_simulation(row, speculate)
                 if speculate and args.speculative_step_cost_all is not None:
                     simulation["speculative_step_cost"] = args.speculative_step_cost_all
                 if args.speculate is not None:

@@ -40,6 +40,7 @@ from replay_bench import (
     host_rate,
     loop_busy_ms,
     row_hardware,
+    row_simulation,
     steady_run,
     workload_profile,
 )
@@ -103,12 +104,8 @@ def streamed_rows(paths: list[Path], kinds: list[str] | None = None) -> tuple[li
                 rate = host_rate(row, row["profile"]["host_adam_gparam"], "recorded")
                 hardware = row_hardware(row, rate)
                 speculate = kind.removesuffix("_stream") in SPECULATING
-                simulation: dict[str, Any] = {
-                    "host_step_after_backward": not speculate,
-                    "speculative_step_cost": row.get("speculative_step_cost", 1.0),
-                    "speculative_params": row.get("speculative_params"),
-                    "streamed": StreamedStepCosts(**row["plan_streamed"]),
-                }
+                simulation = row_simulation(row, speculate)
+                simulation["streamed"] = StreamedStepCosts(**row["plan_streamed"])
                 plan = solve(
                     variant,
                     hardware,

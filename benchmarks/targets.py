@@ -45,7 +45,7 @@ import json
 import re
 import statistics
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,8 @@ class Row:
     (:func:`same_model`): in the same file where it has them, else in the same call."""
     other_model: tuple[str, ...] = ()
     """The peer kinds of its call left out because they ran the other activation."""
+    peer_files: dict[int, str] = field(default_factory=dict)
+    """The file each peer row (by ``id``) came from."""
 
     @property
     def label(self) -> str:
@@ -149,6 +151,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
     in_call: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     in_file: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     ours: list[tuple[str, str, str, str, dict[str, Any]]] = []
+    peer_files: dict[int, str] = {}
     for path in paths:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):  # not an offload_bench.py file (ring_rate.py's, say)
@@ -159,6 +162,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                 if not result.get("ok"):
                     continue
                 if kind in PEERS:
+                    peer_files[id(result)] = path.name
                     for table, key in ((in_call, call), (in_file, str(path.resolve()))):
                         table.setdefault((key, workload), {}).setdefault(kind, []).append(result)
                 elif (
@@ -181,7 +185,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                     peers[peer] = same
                     break
         other = tuple(sorted(set(by_call) - set(peers)))
-        rows.append(Row(Path(file).name, w, kind, result, peers, other))
+        rows.append(Row(Path(file).name, w, kind, result, peers, other, peer_files))
     return rows
 
 
@@ -348,7 +352,10 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
     )
     # Whether each full-GPU row its call timed trained (each row once).
     full_rows = {
-        id(p): (f"{row.file.removesuffix('.json')} {row.workload} {kind}", p)
+        id(p): (
+            f"{row.peer_files.get(id(p), row.file).removesuffix('.json')} {row.workload} {kind}",
+            p,
+        )
         for row in rows
         for kind in (*REFERENCE_FULL_GPU, AMP)
         for p in row.peers.get(kind, [])

@@ -542,6 +542,43 @@ def test_speculative_steps_cost_more_only_before_backward_ends() -> None:
             SimulationContext.build(three_layers(), flat_hardware(), speculative_step_cost=bad)
 
 
+def test_speculation_thread_lets_step_return_before_the_speculative_step_ends() -> None:
+    # Region 0 keeps its state on the device, regions 1 and 2 on the host; host Adam at
+    # 20 params/s: 5 s a region. B2 [3,5], B1 [5,7], B0 [7,9]; copies land at 5.2 and 7.2.
+    # Region 2 steps in its hook [5.2, 10.2]. Region 1's copy is the last: step() leaves
+    # it for after every hook. In the hooks' way region 1's hook queues behind region 2's
+    # step, so step() returns, and the device step of region 0 starts, at 10.2. On a
+    # thread of their own, the hook runs as the copy lands, and step() returns when
+    # backward ends, 9.0. The host steps keep their times (the same cores).
+    hw = flat_hardware(host_adam_params_per_s=20.0)
+    asg = [RegionAssignment(R, DEVICE), RegionAssignment(R, HOST), RegionAssignment(R, HOST)]
+    runs = {
+        thread: get_simulator("async").simulate(
+            SimulationContext.build(three_layers(), hw, speculation_thread=thread), asg
+        )
+        for thread in (False, True)
+    }
+    for thread, start in ((False, 10.2), (True, 9.0)):
+        (device_step,) = [iv for iv in runs[thread].timeline if iv.kind == "device_step"]
+        assert device_step.start_s == pytest.approx(start)
+        assert _host_spans(runs[thread]) == _approx_spans(
+            [(2, "host_step", 5.2, 10.2), (1, "host_step", 10.2, 15.2)]
+        )
+    # Waiting for backward's end, nothing steps early: the thread changes nothing.
+    waiting = [
+        get_simulator("async").simulate(
+            SimulationContext.build(
+                three_layers(), hw, host_step_after_backward=True, speculation_thread=thread
+            ),
+            asg,
+        )
+        for thread in (False, True)
+    ]
+    assert waiting[0].timeline == waiting[1].timeline
+    with pytest.raises(ValueError, match="speculation_thread"):
+        SimulationContext.build(three_layers(), hw, speculation_thread=1)  # type: ignore[arg-type]
+
+
 def test_speculative_params_leave_the_regions_past_the_limit_to_step() -> None:
     # The first case above with undo buffers for region 2 only: region 1's hook runs
     # while copies are still to come but it may not step there. step() then steps it

@@ -78,7 +78,8 @@ speculative steps to a thread of their own (``HybridAdam.submit_speculation``), 
 host worker keeps taking landed gradients meanwhile: :meth:`step` then waits for the
 gradients, not for the speculative step in flight when backward ends, and its task waits
 for that step (``HybridAdam.wait_speculation``) only after issuing the streamed regions.
-Off by default until a GPU measures it (BENCHMARKS.md, session 27). Overflow: every
+On by default since session 41 (BENCHMARKS.md: on W3, the hooks' way idled the compute
+stream 12-19 ms a step while step() waited for the speculative step in flight). Overflow: every
 speculative step is undone, once it has ended (master from its backup, step counts
 restored; moments never written), the step is skipped and the scale backs off:
 :attr:`StepReport.undone_regions` and :attr:`AMPOptimizer.undone_steps` count it. The

@@ -356,10 +356,14 @@ class HybridAdam(torch.optim.Optimizer):
             landed gradients while one runs, so ``AMPOptimizer.step()`` has its answer
             and queues its task without waiting for the speculative step in flight when
             backward ends, and that task issues the streamed regions before it waits for
-            the speculative steps and commits them. Values are the same either way. Off
-            by default: not yet measured on a GPU (BENCHMARKS.md, session 27: in W2's
-            profiled steps the streamed regions were issued 38-56 ms after backward's
-            call returned, behind the speculative step in flight).
+            the speculative steps and commits them. Values are the same either way. On
+            by default: on an H200 (BENCHMARKS.md, session 41), W3 on one plan in the
+            hooks' way had its compute stream idle 12-19 ms a step at the end of
+            backward while ``step()`` waited for the speculative steps in flight; on its
+            own thread the gap went, and the 5 fastest steps' median over seven rows
+            was 253 ms against 257.5 over four (W2 in session 28: 372 against 382 ms).
+            Pass the same to ``memory_optimize(speculation_thread=)``, whose default
+            follows this one.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -379,7 +383,7 @@ class HybridAdam(torch.optim.Optimizer):
         fp16_io: bool = False,
         module: OffloadModule | None = None,
         issue_thread: bool = True,
-        speculation_thread: bool = False,
+        speculation_thread: bool = True,
         paced_ring: bool = True,
         ring_yields: bool = False,
     ) -> None:

@@ -298,6 +298,7 @@ def choose_plan(
     state_on_device: bool = True,
     speculative_step_cost: float = 1.0,
     speculative_params: int | None = None,
+    speculation_thread: bool = False,
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
@@ -329,6 +330,7 @@ def choose_plan(
                 state_on_device=state_on_device,
                 speculative_step_cost=speculative_step_cost,
                 speculative_params=speculative_params,
+                speculation_thread=speculation_thread,
                 device_bytes_in_use=device_bytes_in_use,
                 micro_batches=micro_batches,
                 streamed=streamed,
@@ -437,6 +439,7 @@ def memory_optimize(
     host_step_cost: float | None = None,
     speculative_step_cost: float = 1.0,
     speculative_params: int | None = None,
+    speculation_thread: bool | None = None,
     fp16_io: bool = False,
     device_bytes_in_use: int | None = None,
     micro_batches: int = 1,
@@ -503,6 +506,11 @@ def memory_optimize(
             parameters may step under backward (None: all); pass the optimizer's
             ``AMPOptimizer(speculative_params=)`` when host memory cannot hold undo
             buffers for all of them (see ``offload_solver.solve``).
+        speculation_thread: with ``host_step_after_backward=False``, whether the optimizer
+            runs the steps taken under backward on a thread of their own, so that its
+            ``step()`` does not wait for them (``HybridAdam(speculation_thread=)``). None
+            (default): as ``HybridAdam`` does by default, True in fp16 (its speculative
+            steps) and False otherwise (bf16 and fp32 hooks step their regions in place).
         fp16_io: the optimizer steps host-state regions by fp16 I/O
             (``HybridAdam(fp16_io=True)``): fp16 training with host conversion, whose
             widening and narrowing happen inside the host step. The plan then converts on
@@ -647,6 +655,11 @@ def memory_optimize(
             f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
             f"{polish_rounds} rounds of local search"
         )
+    spec_thread = (
+        not after_backward and dtype == torch.float16
+        if speculation_thread is None
+        else speculation_thread and not after_backward
+    )
     on_device, profile, plan, times = choose_plan(
         base_profile,
         hardware,
@@ -658,6 +671,7 @@ def memory_optimize(
         state_on_device=state_on_device,
         speculative_step_cost=speculative_step_cost,
         speculative_params=speculative_params,
+        speculation_thread=spec_thread,
         device_bytes_in_use=device_bytes_in_use,
         micro_batches=micro_batches,
         streamed=streamed,

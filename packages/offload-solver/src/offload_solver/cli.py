@@ -3,7 +3,8 @@
     offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json] [-o PLAN.json]
                   [--block-search-range 128MiB] [--in-use 64MiB] [--micro-batches K]
                   [--host-step-after-backward | --speculative-step-cost X
-                   [--speculative-params N]] [--streamed UP,DOWN,SLOT]
+                   [--speculative-params N] [--speculation-thread]]
+                  [--streamed UP,DOWN,SLOT]
     python -m offload_solver PROFILE.json --budget 16GiB
 
 Prints one line per region (operations, MiB, placement, optimizer state: ``device``,
@@ -93,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="how many host-state parameters may step under backward, the regions whose "
         "gradients land first (undo buffers for the rest do not fit; default: all)",
+    )
+    p.add_argument(
+        "--speculation-thread",
+        action="store_true",
+        help="the steps taken under backward run on a thread of their own, so that "
+        "step() does not wait for them (offload_optim's fp16 speculation by default)",
     )
     p.add_argument(
         "--streamed",
@@ -206,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_step_after_backward=args.host_step_after_backward,
             speculative_step_cost=args.speculative_step_cost,
             speculative_params=args.speculative_params,
+            speculation_thread=args.speculation_thread,
             streamed=None if args.streamed is None else parse_streamed(args.streamed),
             polish_rounds=args.polish_rounds,
         )

@@ -110,6 +110,7 @@ def solve(
     state_on_device: bool = True,
     speculative_step_cost: float = 1.0,
     speculative_params: int | None = None,
+    speculation_thread: bool = False,
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
@@ -143,6 +144,10 @@ def solve(
     moments); when host memory holds fewer, the regions whose gradients land first take
     them, up to the first that does not fit, and the rest step after the last hook.
     ``offload_optim.AMPOptimizer(speculative_params=)`` follows the same rule.
+    ``speculation_thread``: without ``host_step_after_backward``, the steps taken in
+    gradient hooks run on a thread of their own, so that ``step()`` does not wait for the
+    one in flight when backward ends (``offload_optim``'s fp16 speculation, by default:
+    ``HybridAdam(speculation_thread=True)``). False (default): the hooks run them.
     ``device_bytes_in_use``: device bytes allocated outside the plan for the whole step,
     as a runtime measures them before training (libraries' workspaces, the inputs, the
     caller's tensors). They are exact, so they come off the planning share of the budget
@@ -188,6 +193,7 @@ def solve(
         host_step_after_backward=host_step_after_backward,
         speculative_step_cost=speculative_step_cost,
         speculative_params=speculative_params,
+        speculation_thread=speculation_thread,
         micro_batches=micro_batches,
         streamed=streamed,
     )

@@ -61,7 +61,13 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
     hook after it even while backward still computes (regions below it keep their state
     on the device): the runtime's backward-done event is recorded on the D2H stream, so
     it completes when the last copy lands. ``step()`` returns when backward has ended
-    and every hook has run.
+    and every hook has run. With ``speculation_thread`` (fp16 speculating, the
+    optimizer's default) the hooks hand their steps to a thread of their own: hooks then
+    run as their gradient work ends, whatever steps are in flight, ``step()`` returns
+    without waiting for those steps, and its job issues the streamed regions then,
+    before waiting for them (W3 on an H200, session 41: the hooks' way idled the
+    compute stream 12-19 ms a step while ``step()`` waited). The steps still take the
+    host lane in turn: they share its cores.
   A RESIDENT region's updated parameters go back on H2D after its publish, or after its
   Adam step when there is none (offloaded regions are uploaded by the next forward
   anyway), at the compute lane's next issue point (a region's start). H2D tasks issued
@@ -358,6 +364,7 @@ class SimulationContext:
         micro_batches: int = 1,
         speculative_params: int | None = None,
         streamed: StreamedStepCosts | None = None,
+        speculation_thread: bool = False,
     ):
         if not 1.0 <= speculative_step_cost < math.inf:
             raise ValueError(
@@ -392,6 +399,13 @@ class SimulationContext:
         gradients land (the last in forward order first) until the first that would pass
         the limit; the others step after the last hook, as the runtime does for regions
         without speculative buffers (``AMPOptimizer(speculative_params=)``)."""
+        if not isinstance(speculation_thread, bool):
+            raise ValueError(f"speculation_thread must be a bool, got {speculation_thread!r}")
+        self.speculation_thread = speculation_thread
+        """Without ``host_step_after_backward``: the runtime runs the steps its gradient
+        hooks take early on a thread of their own (``offload_optim``'s
+        ``HybridAdam(speculation_thread=True)``, its default), so the hooks, and
+        ``step()`` after them, do not wait for them. See [Note: step model]."""
         self.hardware = hardware
         self.layout = layout
         self.regions: tuple[Region, ...] = layout.regions
@@ -557,6 +571,7 @@ class SimulationContext:
         micro_batches: int = 1,
         speculative_params: int | None = None,
         streamed: StreamedStepCosts | None = None,
+        speculation_thread: bool = False,
     ) -> SimulationContext:
         """Linearise ``profile`` into regions (see ``offload_solver.regions``) and cost them."""
         layout = build_regions(
@@ -571,6 +586,7 @@ class SimulationContext:
             micro_batches=micro_batches,
             speculative_params=speculative_params,
             streamed=streamed,
+            speculation_thread=speculation_thread,
         )
 
     def act_bwd_max(self, lo: int, hi: int) -> int:
@@ -1040,16 +1056,25 @@ def run(
     # as when only device-state regions remain.
     last_copier = next((r for r in range(n_reg) if not device[r] and numel[r] > 0), -1)
 
+    # With the speculation thread, the host worker's own timeline: its gradient work and
+    # hooks, not the speculative steps those hand over (which stay on the host lane,
+    # whose cores they share). It decides when hooks run and when step() returns.
+    spec_thread = ctx.speculation_thread and optimizer_step and not after_backward
+    worker_free = host_free
+
     def grad_work_of(r: int, land: float, ready: int) -> tuple[float, int]:
         """Place region r's gradient work on the host worker; returns (when its
         gradient-ready hook runs: that work's end, the task its step waits for). The worker
         takes regions in copy order and waits for each copy, even with no work to do."""
-        nonlocal host_free, last_o
+        nonlocal host_free, last_o, worker_free
         e = land if land > host_free else host_free
+        w_end = land if land > worker_free else worker_free
         for task_kind, w in (grad_work if optimizer_step else accumulate_work)[r]:
             s, e = e, e + w
+            w_end += w
             last_o = ready = add(LANE_HOST, r, task_kind, s, e, last_o, ready)
         host_free = e
+        worker_free = w_end
         return e, ready
 
     early_cost = ctx.speculative_step_cost / ctx.hardware.host_copy_contention
@@ -1121,6 +1146,9 @@ def run(
         than the last copy's landing)."""
         while landed:
             r, land, ready = landed[0]
+            # When the step would start: with the speculation thread too, the thread
+            # skips a step that would start after the last copy has landed (the region
+            # then steps after the answer), and the steps take the host lane in turn.
             h = land if land > host_free else host_free
             for _, w in grad_work[r]:
                 h += w
@@ -1262,14 +1290,17 @@ def run(
     # the deferred host steps: at the end of backward, whose overflow answer it syncs on;
     # without after_backward, once every gradient-ready hook of this step has run.
     released = t
-    if optimizer_step and not after_backward and hooks_ran and host_free > t:
-        released = host_free
+    hooks_end = worker_free if spec_thread else host_free
+    if optimizer_step and not after_backward and hooks_ran and hooks_end > t:
+        released = hooks_end
     # The deferred regions' job starts on the host worker once it is free: it issues the
-    # streamed ones first, in forward order, then steps the others (see the note).
-    job_s = first_s if first_s > host_free else host_free
+    # streamed ones first, in forward order, then steps the others (see the note). With
+    # the speculation thread it starts when step() returns, and waits for the
+    # speculative steps only after issuing the streamed regions.
+    job_s = released if spec_thread else (first_s if first_s > host_free else host_free)
     for r in sorted(deferred):
         if stream_any and streamed[r]:
-            stream_host(r, first_s, first_pred)
+            stream_host(r, job_s if spec_thread else first_s, first_pred)
         else:
             update(r, first_s, first_pred)
     own = s_late + [(job_s, r) for r in sorted(deferred) if stream_any and streamed[r]]
