@@ -21,6 +21,19 @@ def _status(verdicts: list[targets.Verdict], target: str) -> str:
     return found.status
 
 
+W3_PEERS_AND_W4_NOT_RUN = {
+    target: "not measured"
+    for target in (
+        "W3 fp32 state <= 0.55x FSDP2",
+        "W4 fp32 state <= 1.15x floor",
+        "W4 fp32 state <= 0.55x FSDP2",
+        "W3 faster than torchao",
+        "torchao's W3 peak fits 40 GiB",
+        "W4 bf16 moments faster than torchao",
+    )
+}
+"""The verdicts of a session that ran W3 beside neither FSDP2 nor torchao, and no W4."""
+
 RECORDED = {
     "s32": {
         "predicted step within 15% of the run mean": "missed by 1 of 11 rows",
@@ -96,12 +109,7 @@ RECORDED = {
         "W3 fp32 state <= 1.15x floor by fp16 weights and state": (
             "missed: median 1.311x, 14.0% over 1.15x"
         ),
-        "W3 fp32 state <= 0.55x FSDP2": "not measured",
-        "W4 fp32 state <= 1.15x floor": "not measured",
-        "W4 fp32 state <= 0.55x FSDP2": "not measured",
-        "W3 faster than torchao": "not measured",
-        "torchao's W3 peak fits 40 GiB": "not measured",
-        "W4 bf16 moments faster than torchao": "not measured",
+        **W3_PEERS_AND_W4_NOT_RUN,
         # Call 1's fp16 rows: W1's loss rose to 21.8, W3's went to nan.
         "full-GPU rows trained (loss fell, finite)": "missed by 2 of 11 rows",
     },
@@ -112,12 +120,7 @@ RECORDED = {
         "W2 fp32 state <= 1.15x floor": "not measured",
         "W2 fp32 state <= 0.55x FSDP2": "not measured",
         "W3 fp32 state <= 1.15x floor": "missed: median 1.218x, 5.9% over 1.15x",
-        "W3 fp32 state <= 0.55x FSDP2": "not measured",
-        "W4 fp32 state <= 1.15x floor": "not measured",
-        "W4 fp32 state <= 0.55x FSDP2": "not measured",
-        "W3 faster than torchao": "not measured",
-        "torchao's W3 peak fits 40 GiB": "not measured",
-        "W4 bf16 moments faster than torchao": "not measured",
+        **W3_PEERS_AND_W4_NOT_RUN,
         "full-GPU rows trained (loss fell, finite)": "met",
     },
 }
@@ -385,10 +388,10 @@ def test_a_full_gpu_row_is_named_by_the_file_that_holds_it(tmp_path: Path) -> No
 
 
 def test_trained_needs_a_finite_loss_that_fell() -> None:
-    assert targets.trained({"loss_before": 7.0, "loss_after": 6.0}) is True
-    assert targets.trained({"loss_before": 7.0, "loss_after": 7.5}) is False
-    assert targets.trained({"loss_before": 7.0, "loss_after": math.nan}) is False
-    assert targets.trained({}) is None
+    assert offload_bench.trained({"loss_before": 7.0, "loss_after": 6.0}) is True
+    assert offload_bench.trained({"loss_before": 7.0, "loss_after": 7.5}) is False
+    assert offload_bench.trained({"loss_before": 7.0, "loss_after": math.nan}) is False
+    assert offload_bench.trained({}) is None
 
 
 def test_faster_than_is_strict_and_at_most_is_not() -> None:
