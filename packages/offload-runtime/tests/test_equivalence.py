@@ -472,6 +472,50 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
     unspeculated.close()
 
 
+@pytest.mark.parametrize(
+    ("dtype", "after_backward", "told", "planned"),
+    [
+        (torch.float16, False, None, True),  # fp16 speculating: HybridAdam's default
+        (torch.float16, False, False, False),
+        (torch.float16, None, None, False),  # fp16 waits for the answer: nothing early
+        (torch.float16, True, True, False),
+        (torch.bfloat16, None, None, False),  # bf16 hooks step in place
+        (torch.bfloat16, None, True, True),
+    ],
+)
+def test_the_planner_is_told_whether_speculative_steps_have_their_own_thread(
+    monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype,
+    after_backward: bool | None,
+    told: bool | None,
+    planned: bool,
+) -> None:
+    import offload_runtime.api as api
+
+    seen: list[bool] = []
+    real = api.choose_plan
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["speculation_thread"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "choose_plan", spy)
+    module = memory_optimize(
+        tiny_gpt2(),
+        inputs(),
+        2**30,
+        "asyn",
+        dtype=dtype,
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        host_step_after_backward=after_backward,
+        speculation_thread=told,
+    )
+    module.close()
+    assert seen == [planned]
+
+
 def test_device_bytes_in_use_come_off_the_budget() -> None:
     # On the CPU nothing is measured in use; bytes given are planned around and counted in
     # the predicted peak, and a budget they leave too little of names the least one.

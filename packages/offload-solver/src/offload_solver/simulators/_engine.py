@@ -67,7 +67,8 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
     without waiting for those steps, and its job issues the streamed regions then,
     before waiting for them (W3 on an H200, session 41: the hooks' way idled the
     compute stream 12-19 ms a step while ``step()`` waited). The steps still take the
-    host lane in turn: they share its cores.
+    host lane in turn (they share its cores), and one that would start only after the
+    last copy has landed is left to the answer, as the thread skips it then.
   A RESIDENT region's updated parameters go back on H2D after its publish, or after its
   Adam step when there is none (offloaded regions are uploaded by the next forward
   anyway), at the compute lane's next issue point (a region's start). H2D tasks issued
