@@ -165,6 +165,13 @@
 #           forward's first prefetch ran 22 ms after its issue, behind ring chunks issued
 #           after it), alternating, ROUNDS rounds (default 3); then each arm's rows and
 #           each trace's compute gaps (yieldab.txt)                          ~1.2 min a row
+#   planthr W3 ours_io_spec1_stream with speculative steps on their own thread (the
+#           default from session 41 on), planned for that thread (the default) and for
+#           the hooks' way (BENCH_PLAN_SPECULATION_THREAD=0), each row planning anew,
+#           alternating, ROUNDS rounds (default 3; the first beside full GPU by fp32
+#           masters, for the floor): session 41's replays plan 3 streamed regions for the
+#           thread where the hooks' model chose 2; then each arm's rows (planthr.txt)
+#                                                                            ~1.2 min a row
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -214,7 +221,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -623,6 +630,17 @@ case "$phase" in
         echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
       done
     } 2>&1 | tee "$out/${w}_specthr.txt" || true ;;
+  planthr)
+    k=ours_io_spec1_stream peer=,full_gpu_master
+    for i in $(seq 1 "${ROUNDS:-3}"); do
+      bench W3 "$k$peer" 200 "W3_pthread$i"
+      BENCH_PLAN_SPECULATION_THREAD=0 bench W3 "$k" 150 "W3_phook$i"
+      peer=""
+    done
+    { for arm in pthread phook; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_"$arm"[0-9]*.json
+      done
+    } 2>&1 | tee "$out/planthr.txt" || true ;;
   yieldab)
     k=ours_io_spec1_stream
     export BENCH_SPECULATION_THREAD=1

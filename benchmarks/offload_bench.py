@@ -93,8 +93,9 @@ running compare only on one plan; rows record ``plan_from`` and ``plan_matches_s
 0) to build the ``ours`` kinds' HybridAdam with ``speculation_thread=True`` (or False;
 unset: the optimizer's default, True since session 41): speculative host steps on a
 thread of their own. Speculating kinds plan for the same (``memory_optimize(
-speculation_thread=)``), or with BENCH_PLAN_FROM for what the source row planned; rows
-record ``speculation_thread`` and ``plan_speculation_thread``. Set
+speculation_thread=)``), or with BENCH_PLAN_FROM for what the source row planned, or as
+BENCH_PLAN_SPECULATION_THREAD=1 (or 0) says; rows record ``speculation_thread`` and
+``plan_speculation_thread``. Set
 BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unset: the
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
 rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yields=True``
@@ -683,9 +684,15 @@ def _ours(
         else 1.0
     )
 
-    # What the planner models: the optimizer's way, or a pinned row's (one plan).
+    # What the planner models: the optimizer's way, or a pinned row's (one plan), unless
+    # BENCH_PLAN_SPECULATION_THREAD says.
+    plan_env = os.environ.get("BENCH_PLAN_SPECULATION_THREAD")
     plan_thread = speculate and (
-        pinned.speculation_thread if pinned is not None else speculation_thread
+        plan_env != "0"
+        if plan_env is not None
+        else pinned.speculation_thread
+        if pinned is not None
+        else speculation_thread
     )
 
     def build(

@@ -3,7 +3,8 @@
     python benchmarks/pin_rows.py W2 ours_io_spec1_stream OUT/W2_pin_*.json
 
 For each ``offload_bench.py --json`` file: the row's run mean and mean of the 5 fastest
-steps (ms), what it ran with (``speculation_thread``, ``issue_thread``, ``paced_ring``),
+steps (ms), what it ran with (``speculation_thread``, and what it was planned for;
+``issue_thread``, ``paced_ring``),
 and whether its plan was the source row's (``plan_matches_source``; ``source`` for the row
 the others planned from). Then the median run mean of each group of rows named alike (the file name
 without its trailing round number), for comparing ways of running one plan; with ``--all``,
@@ -53,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.get('streamed_regions', 0)} streamed, "
             f"stream_up_fraction {row.get('profile', {}).get('stream_up_fraction', 1.0)}, "
             f"stream_host_charge {row.get('profile', {}).get('stream_host_charge', 1.0)}, "
-            f"speculation_thread {row.get('speculation_thread')}, "
+            f"speculation_thread {row.get('speculation_thread')} "
+            f"(planned for {row.get('plan_speculation_thread', False)}), "
             f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
             f"plan matches the source: {matches}"
         )
