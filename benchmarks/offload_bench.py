@@ -215,10 +215,10 @@ OURS_KINDS = (
     "ablation",
 )
 """Kinds measured by :func:`_ours` (memory_optimize + AMPOptimizer, in variants)."""
-RECIPES = ("fp16", "amp", "master")
-"""Full-GPU training's recipes (:func:`_full_gpu_steps`); each kind's: FULL_GPU_KINDS."""
 FULL_GPU_KINDS = {"full_gpu": "fp16", "full_gpu_amp": "amp", "full_gpu_master": "master"}
 """Full-GPU training's kinds, each with its recipe (:func:`_full_gpu_steps`)."""
+RECIPES = tuple(FULL_GPU_KINDS.values())
+"""Full-GPU training's recipes (:func:`_full_gpu_steps`)."""
 KINDS = (*OURS_KINDS, *FULL_GPU_KINDS, "fsdp2", "torchao")
 RESULT_TAG = "BENCH_RESULT "
 
@@ -614,19 +614,9 @@ def _ours(
     fuse_gelu = bench_fuse_gelu()
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
-    thread_env = os.environ.get("BENCH_SPECULATION_THREAD")
-    speculation_thread: bool = (
-        inspect.signature(HybridAdam).parameters["speculation_thread"].default
-        if thread_env is None
-        else thread_env != "0"
-    )
+    speculation_thread = _hybrid_adam_flag("BENCH_SPECULATION_THREAD", "speculation_thread")
     ring_yields = os.environ.get("BENCH_RING_YIELD", "0") != "0"
-    paced_env = os.environ.get("BENCH_STREAM_PACED")
-    paced_ring: bool = (
-        inspect.signature(HybridAdam).parameters["paced_ring"].default
-        if paced_env is None
-        else paced_env != "0"
-    )
+    paced_ring = _hybrid_adam_flag("BENCH_STREAM_PACED", "paced_ring")
     # The streamed copies' contention as set; else, below, the pinned row's or
     # memory_optimize's defaults.
     up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")
@@ -684,16 +674,16 @@ def _ours(
         else 1.0
     )
 
-    # What the planner models: the optimizer's way, or a pinned row's (one plan), unless
-    # BENCH_PLAN_SPECULATION_THREAD says.
+    # What the planner models: BENCH_PLAN_SPECULATION_THREAD's way, else a pinned row's
+    # (one plan), else the optimizer's.
     plan_env = os.environ.get("BENCH_PLAN_SPECULATION_THREAD")
-    plan_thread = speculate and (
-        plan_env != "0"
-        if plan_env is not None
-        else pinned.speculation_thread
-        if pinned is not None
-        else speculation_thread
-    )
+    if plan_env is not None:
+        plan_thread = plan_env != "0"
+    elif pinned is not None:
+        plan_thread = pinned.speculation_thread
+    else:
+        plan_thread = speculation_thread
+    plan_thread = speculate and plan_thread
 
     def build(
         model: Any, limit: int | None, calibrated: Calibrated | None = None
@@ -1129,6 +1119,17 @@ def _force_streamed(module: Any, fraction: float) -> None:
         if chosen + st.numel / 2 <= fraction * total:
             st.streamed = True
             chosen += st.numel
+
+
+def _hybrid_adam_flag(env: str, parameter: str) -> bool:
+    """A ``HybridAdam`` flag set by ``env``: "0" False, anything else True, unset the
+    optimizer's own default for ``parameter``."""
+    value = os.environ.get(env)
+    if value is None:
+        from offload_optim import HybridAdam
+
+        return bool(inspect.signature(HybridAdam).parameters[parameter].default)
+    return value != "0"
 
 
 def bench_stream_not_first() -> bool:

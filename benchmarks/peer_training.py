@@ -32,7 +32,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-RECIPES = ("fp16_unscaled", "fp16_scaled", "amp", "master")
+RECIPES = {
+    "fp16_unscaled": ("fp16", False),
+    "fp16_scaled": ("fp16", True),
+    "amp": ("amp", True),
+    "master": ("master", True),
+}
+"""Each recipe run here: ``offload_bench._full_gpu_steps``'s recipe, and whether the loss
+is scaled (the fp16 recipe either way; the others always)."""
 
 
 @dataclass(frozen=True)
@@ -57,11 +64,9 @@ def run(recipe: str, steps: int, batch: int, seq: int) -> tuple[list[Before], in
     offload_bench.WORKLOADS["_peer_training"] = ("gpt2_tiny", batch, seq, 1)
     try:
         torch.manual_seed(0)
+        bench_recipe, scaled = RECIPES[recipe]
         full = offload_bench._full_gpu_steps(
-            "_peer_training",
-            recipe.removesuffix("_scaled").removesuffix("_unscaled"),
-            device="cpu",
-            scaled=recipe != "fp16_unscaled",
+            "_peer_training", bench_recipe, device="cpu", scaled=scaled
         )
     finally:
         del offload_bench.WORKLOADS["_peer_training"]

@@ -55,3 +55,21 @@ def test_stream_not_first_moves_the_first_streamed_region_to_the_next_host_one(
     assert not offload_bench.bench_stream_not_first()
     monkeypatch.setenv("BENCH_STREAM_NOT_FIRST", "1")
     assert offload_bench.bench_stream_not_first()
+
+
+@pytest.mark.parametrize(
+    ("env", "parameter", "default"),
+    [
+        ("BENCH_SPECULATION_THREAD", "speculation_thread", True),
+        ("BENCH_STREAM_PACED", "paced_ring", True),
+    ],
+)
+def test_optimizer_flags_follow_hybrid_adams_defaults_unless_set(
+    monkeypatch: pytest.MonkeyPatch, env: str, parameter: str, default: bool
+) -> None:
+    monkeypatch.delenv(env, raising=False)
+    assert offload_bench._hybrid_adam_flag(env, parameter) is default
+    monkeypatch.setenv(env, "0")
+    assert offload_bench._hybrid_adam_flag(env, parameter) is False
+    monkeypatch.setenv(env, "1")
+    assert offload_bench._hybrid_adam_flag(env, parameter) is True

@@ -655,10 +655,8 @@ def memory_optimize(
             f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
             f"{polish_rounds} rounds of local search"
         )
-    spec_thread = (
-        not after_backward and dtype == torch.float16
-        if speculation_thread is None
-        else speculation_thread and not after_backward
+    spec_thread = not after_backward and (
+        dtype == torch.float16 if speculation_thread is None else speculation_thread
     )
     on_device, profile, plan, times = choose_plan(
         base_profile,
