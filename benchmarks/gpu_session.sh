@@ -235,6 +235,14 @@ bench() {
     --timeout-s "${3:-240}" --json "$out/$name.json" --append "$out/BENCHMARKS.part.md" \
     --profile-dir "$out/prof_$name" 2>&1 | tee "$out/$name.log" | grep -E '^\[bench\]|^\|' || true
 }
+# gaps TRACE...: each profiled trace's compute-stream gaps over 0.3 ms (copy_lag.py's
+# summary line).
+gaps() {
+  local t
+  for t in "$@"; do
+    echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
+  done
+}
 # target_row WORKLOAD: sets k (our kind), steps, limit (seconds a row may take) and peer
 # (",PEER": the peer of the target the workload misses, to run beside its first row).
 target_row() {
@@ -439,9 +447,7 @@ case "$phase" in
         python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
       done
       python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1 "$out"/W3_nostream[0-9]*.json
-      for t in "$out"/prof_W3_*/trace_W3_ours_io_spec1*.json.gz; do
-        echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
-      done
+      gaps "$out"/prof_W3_*/trace_W3_ours_io_spec1*.json.gz
     } 2>&1 | tee "$out/streamsel.txt" || true ;;
   writeab)
     peer=,full_gpu_master
@@ -626,9 +632,7 @@ case "$phase" in
       for arm in thread hook; do
         python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}_pin_$arm"[0-9]*.json
       done
-      for t in "$out"/prof_"${w}"_pin_*/trace_"${w}_$k".json.gz; do
-        echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
-      done
+      gaps "$out"/prof_"${w}"_pin_*/trace_"${w}_$k".json.gz
     } 2>&1 | tee "$out/${w}_specthr.txt" || true ;;
   planthr)
     k=ours_io_spec1_stream peer=,full_gpu_master
@@ -654,9 +658,7 @@ case "$phase" in
     { for arm in yield plain; do
         python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_yab_"$arm"[0-9]*.json
       done
-      for t in "$out"/prof_W3_yab_*/trace_W3_"$k".json.gz; do
-        echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
-      done
+      gaps "$out"/prof_W3_yab_*/trace_W3_"$k".json.gz
     } 2>&1 | tee "$out/yieldab.txt" || true ;;
   streamw4)
     bench W4 ours_io_bf16m_spec1,ours_io_bf16m_spec1_stream,torchao 260 W4_streamab
