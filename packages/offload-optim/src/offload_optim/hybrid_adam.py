@@ -360,8 +360,9 @@ class HybridAdam(torch.optim.Optimizer):
             by default: on an H200 (BENCHMARKS.md, session 41), W3 on one plan in the
             hooks' way had its compute stream idle 12-19 ms a step at the end of
             backward while ``step()`` waited for the speculative steps in flight; on its
-            own thread the gap went, and the 5 fastest steps' median over seven rows
-            was 253 ms against 257.5 over four (W2 in session 28: 372 against 382 ms).
+            own thread the gap went, and, alternating three rows each way in one call,
+            the 5 fastest steps' median was 252.1 ms against 256.9 (W2 in session 28:
+            372 against 382 ms by run means).
             Pass the same to ``memory_optimize(speculation_thread=)``, whose default
             follows this one.
 
