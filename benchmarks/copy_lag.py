@@ -13,7 +13,9 @@ began. A prefetch that waits behind other copies shows as a long lag on the runt
 stream beside a gap in compute ([Note: paced ring] in offload_optim/streamed.py). Stream
 numbers are the trace's own; the row's ``profile_streams`` says what each carried.
 ``--window START:END`` (ms) also prints what every stream ran in that span and each copy
-that started in it: what a gap in compute waited behind.
+that started in it: what a gap in compute waited behind. ``--publishes`` also prints,
+for each streamed region issued in the trace, when its copies down landed and when it was
+published (the runtime's next use of the region waits for the publish).
 """
 
 from __future__ import annotations
@@ -136,6 +138,57 @@ def window_copies(
     return sorted(out, key=lambda c: c[2])
 
 
+def publish_lags(
+    events: list[dict[str, Any]], t0: float
+) -> list[tuple[int, float, float, float, float]]:
+    """Each streamed region's issue (a ``streamed step R (issue)`` span) in time order:
+    (region, issue start ms, issue end ms, landed ms: the end of the last copy down issued
+    by that thread inside the span, published ms: the start of the region's next
+    ``streamed step R (publish)`` span), all from ``t0``. Issues without a traced copy
+    down or a later publish are left out."""
+    spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
+    calls = {
+        e["args"]["correlation"]: (float(e["ts"]), e.get("tid"))
+        for e in spans
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
+    downs = []  # (issued us, issuing thread, device end us)
+    for e in spans:
+        if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name", "")):
+            call = calls.get(e.get("args", {}).get("correlation"))
+            if call is not None:
+                downs.append((call[0], call[1], float(e["ts"]) + float(e["dur"])))
+    marks: dict[str, list[dict[str, Any]]] = {"issue": [], "publish": []}
+    for e in spans:
+        name = str(e.get("name", ""))
+        if e.get("cat") == "user_annotation" and name.startswith("streamed step "):
+            kind = name.rsplit("(", 1)[-1].rstrip(")")
+            if kind in marks:
+                marks[kind].append(e)
+    out = []
+    for issue in sorted(marks["issue"], key=lambda e: float(e["ts"])):
+        region = issue["name"].split()[2]
+        a = float(issue["ts"])
+        b = a + float(issue["dur"])
+        ends = [end for at, tid, end in downs if a <= at <= b and tid == issue.get("tid")]
+        later = [
+            float(p["ts"])
+            for p in marks["publish"]
+            if p["name"].split()[2] == region and float(p["ts"]) >= a
+        ]
+        if ends and later:
+            out.append(
+                (
+                    int(region),
+                    (a - t0) / 1e3,
+                    (b - t0) / 1e3,
+                    (max(ends) - t0) / 1e3,
+                    (min(later) - t0) / 1e3,
+                )
+            )
+    return out
+
+
 def _window(text: str) -> tuple[float, float]:
     lo, sep, hi = text.partition(":")
     try:
@@ -160,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         metavar="START:END",
         help="also print what each stream ran in this span (ms from the trace's first "
         "span), and each copy that started in it, when it was issued and when it ran",
+    )
+    parser.add_argument(
+        "--publishes",
+        action="store_true",
+        help="also print each streamed region's landing and publish, and how long it "
+        "waited between them",
     )
     args = parser.parse_args(argv)
     events = load(args.trace)
@@ -204,6 +263,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"  copy on {sid}: issued {when:.1f}, ran {start:.1f}-{start + ran:.1f} ms, "
                 f"{moved / 1e6:.1f} MB, lag {start - when:.1f} ms"
             )
+    if args.publishes:
+        waits = []
+        for region, a, b, landed, published in publish_lags(events, t0):
+            waits.append(published - landed)
+            print(
+                f"  streamed region {region}: issued {a:.1f}-{b:.1f}, landed {landed:.1f}, "
+                f"published {published:.1f} ms (+{published - landed:.1f})"
+            )
+        if waits:
+            print(
+                f"publishes: {len(waits)}, {statistics.median(waits):.1f} ms after landing "
+                f"by the median, {max(waits):.1f} at most, {sum(waits):.0f} ms in all"
+            )
+        else:
+            print("publishes: no streamed region issued and published in the trace")
     return 0
 
 

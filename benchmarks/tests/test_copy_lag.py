@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 import pytest
-from copy_lag import _window, window_activity, window_copies
+from copy_lag import _window, publish_lags, window_activity, window_copies
 
 
 def _span(cat: str, tid: int, ts: float, dur: float, **args: Any) -> dict[str, Any]:
@@ -48,3 +48,29 @@ def test_the_window_option_takes_start_and_end_in_order() -> None:
     for bad in ("275:236", "236", "a:b", "nan:5", "5:5"):
         with pytest.raises(argparse.ArgumentTypeError):
             _window(bad)
+
+
+def _mark(name: str, tid: int, ts: float, dur: float) -> dict[str, Any]:
+    return {"ph": "X", "cat": "user_annotation", "name": name, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_a_streamed_region_lands_with_its_last_copy_down_and_waits_for_its_publish() -> None:
+    # Region 5 is issued by thread 3 at 1-2 ms: two copies down, of which the one issued
+    # last lands at 6 ms; it is published at 9 ms. A copy down of another thread inside
+    # the span, a copy up and a later issue of region 5 change nothing; region 7's issue
+    # has no publish after it and is left out.
+    events = [
+        _mark("streamed step 5 (issue)", 3, 1000.0, 1000.0),
+        _span("cuda_runtime", 3, 1100.0, 5.0, correlation=1),
+        _span("cuda_runtime", 3, 1900.0, 5.0, correlation=2),
+        _span("cuda_runtime", 4, 1500.0, 5.0, correlation=3),
+        _span("cuda_runtime", 3, 1950.0, 5.0, correlation=4),
+        {**_span("gpu_memcpy", 29, 3000.0, 1000.0, correlation=1), "name": "Memcpy DtoH"},
+        {**_span("gpu_memcpy", 29, 5000.0, 1000.0, correlation=2), "name": "Memcpy DtoH"},
+        {**_span("gpu_memcpy", 17, 5000.0, 4000.0, correlation=3), "name": "Memcpy DtoH"},
+        {**_span("gpu_memcpy", 21, 5000.0, 6000.0, correlation=4), "name": "Memcpy HtoD"},
+        _mark("streamed step 5 (publish)", 9, 9000.0, 100.0),
+        _mark("streamed step 5 (publish)", 9, 20000.0, 100.0),
+        _mark("streamed step 7 (issue)", 3, 2000.0, 500.0),
+    ]
+    assert publish_lags(events, 0.0) == [(5, 1.0, 2.0, 6.0, 9.0)]
