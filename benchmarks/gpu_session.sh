@@ -172,6 +172,13 @@
 #           masters, for the floor): session 41's replays plan 3 streamed regions for the
 #           thread where the hooks' model chose 2; then each arm's rows (planthr.txt)
 #                                                                            ~1.2 min a row
+#   pubab   each of PUBAB_WORKLOADS (default "W4 W2"; W4 with bf16 moments and torchao
+#           beside its first row, W2 with 20 timed steps and FSDP2 likewise) planned and
+#           run once with the issuing thread publishing streamed regions as they land (the
+#           default from session 42 on), then on that plan (BENCH_PLAN_FROM) without it
+#           (BENCH_ISSUER_PUBLISHES=0) and with it, alternating, ROUNDS rounds (default 1);
+#           then each arm's rows (pin_rows.py) and each profiled trace's publishes
+#           (copy_lag.py --publishes; pubab.txt). W4 ~7.5 min, W2 ~4 min, W3 ~4 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -221,7 +228,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -634,6 +641,24 @@ case "$phase" in
       done
       gaps "$out"/prof_"${w}"_pin_*/trace_"${w}_$k".json.gz
     } 2>&1 | tee "$out/${w}_specthr.txt" || true ;;
+  pubab)
+    for w in ${PUBAB_WORKLOADS:-W4 W2}; do
+      target_row "$w"
+      BENCH_ISSUER_PUBLISHES=1 BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_pub_on1"
+      export BENCH_PLAN_FROM="$out/${w}_pub_on1.json"
+      for i in $(seq 1 "${ROUNDS:-1}"); do
+        BENCH_ISSUER_PUBLISHES=0 BENCH_STEPS=$steps bench "$w" "$k" "$limit" "${w}_pub_off$i"
+        BENCH_ISSUER_PUBLISHES=1 BENCH_STEPS=$steps bench "$w" "$k" "$limit" "${w}_pub_on$((i + 1))"
+      done
+      unset BENCH_PLAN_FROM
+      { for arm in on off; do
+          python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}_pub_$arm"[0-9]*.json
+        done
+        for t in "$out"/prof_"${w}"_pub_*/trace_"${w}_$k".json.gz; do
+          echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --publishes | tail -1)"
+        done
+      } 2>&1 | tee -a "$out/pubab.txt" || true
+    done ;;
   planthr)
     k=ours_io_spec1_stream peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-3}"); do

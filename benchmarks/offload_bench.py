@@ -100,7 +100,10 @@ BENCH_STREAM_PACED=1 (or 0) to build it with ``paced_ring=True`` (or False; unse
 optimizer's default): the issuing thread issues each ring chunk once its slot is free;
 rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yields=True``
 (each ring chunk's copies up after what the h2d stream had queued); rows record
-``ring_yields``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
+``ring_yields``. Set BENCH_ISSUER_PUBLISHES=0 (or 1) to build it with
+``issuer_publishes=False`` (or True; unset: the optimizer's default, True since session
+42): the issuing thread publishes streamed regions as they land; rows record
+``issuer_publishes``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
 copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's defaults
@@ -616,6 +619,7 @@ def _ours(
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
     speculation_thread = _hybrid_adam_flag("BENCH_SPECULATION_THREAD", "speculation_thread")
     ring_yields = os.environ.get("BENCH_RING_YIELD", "0") != "0"
+    issuer_publishes = _hybrid_adam_flag("BENCH_ISSUER_PUBLISHES", "issuer_publishes")
     paced_ring = _hybrid_adam_flag("BENCH_STREAM_PACED", "paced_ring")
     # The streamed copies' contention as set; else, below, the pinned row's or
     # memory_optimize's defaults.
@@ -755,6 +759,7 @@ def _ours(
                 speculation_thread=speculation_thread,
                 paced_ring=paced_ring,
                 ring_yields=ring_yields,
+                issuer_publishes=issuer_publishes,
             ),
             module,
             overlap=not ablation,
@@ -873,6 +878,7 @@ def _ours(
     out["plan_speculation_thread"] = plan_thread
     out["paced_ring"] = paced_ring
     out["ring_yields"] = ring_yields
+    out["issuer_publishes"] = issuer_publishes
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {

@@ -70,6 +70,7 @@ class Trainer:
         speculation_thread: bool = False,
         paced_ring: bool = True,
         ring_yields: bool = False,
+        issuer_publishes: bool = True,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -99,6 +100,7 @@ class Trainer:
                 speculation_thread=speculation_thread,
                 paced_ring=paced_ring,
                 ring_yields=ring_yields,
+                issuer_publishes=issuer_publishes,
             ),
             self.module,
             clipping_norm=clipping,

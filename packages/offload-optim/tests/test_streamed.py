@@ -92,6 +92,12 @@ CASES: dict[str, dict[str, Any]] = {
     "unpaced_ring_no_overlap": {"issue_thread": True, "paced_ring": False, "overlap": False},
     "paced_ring_on_the_worker": {"paced_ring": True},
     "ring_yields": {"issue_thread": True, "ring_yields": True},
+    "issuer_does_not_publish": {"issue_thread": True, "issuer_publishes": False},
+    "issuer_does_not_publish_no_overlap": {
+        "issue_thread": True,
+        "issuer_publishes": False,
+        "overlap": False,
+    },
 }
 
 
@@ -656,6 +662,82 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     assert not errors and not stepping.is_alive()
     assert published_while_issuing, "the landed region waited for the issuing thread"
     assert published.index(first) < published.index(second)
+
+
+@pytest.mark.parametrize("issuer_publishes", [True, False], ids=["issuer", "worker"])
+def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
+    issuer_publishes: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """[Note: the issuing thread publishes]: a streamed region that lands while the host
+    worker is inside a host step is published by the issuing thread then, not after that
+    step (``issuer_publishes=False``: the host worker publishes it once the step ends).
+    Here the first host-state region's host step is held until the test has seen the
+    streamed one published (or given up); on the CPU its downloads land as it is issued."""
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
+    host = [st for st in module.storages if st.host_state]
+    assert len(host) >= 2, "the mixed plan has two host-state regions"
+    held, streamed_r = host[0].index, host[1].index
+    host[1].streamed = True
+    entered, release = threading.Event(), threading.Event()
+    step_segments = HybridAdam._step_segments
+
+    def holding(self: HybridAdam, r: int, *args: Any, **kwargs: Any) -> Any:
+        if r == held:
+            entered.set()
+            assert release.wait(timeout=20.0), "the test never let the host step go on"
+        return step_segments(self, r, *args, **kwargs)
+
+    monkeypatch.setattr(HybridAdam, "_step_segments", holding)
+    published: list[tuple[int, str]] = []
+    controller = module.controller
+    publish, publish_written = controller.publish, controller.publish_written
+
+    def recording(r: int) -> None:
+        publish(r)
+        published.append((r, threading.current_thread().name))
+
+    def recording_written(r: int, event: Any) -> None:  # resident regions written on device
+        publish_written(r, event)
+        published.append((r, threading.current_thread().name))
+
+    controller.publish = recording  # type: ignore[method-assign]
+    controller.publish_written = recording_written  # type: ignore[method-assign]
+    amp = AMPOptimizer(
+        HybridAdam(
+            module.parameters(), lr=1e-2, issue_thread=True, issuer_publishes=issuer_publishes
+        ),
+        module,
+        overlap=False,  # every host-state region steps in step()'s task
+    )
+    amp.zero_grad()
+    b = batch(0)
+    amp.backward(loss_of(module(**b), b["input_ids"]))
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            amp.step()
+        except BaseException as exc:
+            errors.append(exc)
+
+    stepping = threading.Thread(target=step, name="stepping")  # inline: step() runs the task
+    stepping.start()
+    try:
+        assert entered.wait(timeout=20.0), "the held host step began"
+        during = _wait_until(
+            lambda: streamed_r in {r for r, _ in published},
+            timeout_s=5.0 if issuer_publishes else 0.5,
+        )
+        assert held not in {r for r, _ in published}
+    finally:
+        release.set()
+        stepping.join(timeout=20.0)
+    module.close()
+    assert not errors and not stepping.is_alive()
+    by = dict(published)
+    assert during == issuer_publishes, "published during the host step only by the issuer"
+    assert by[streamed_r].startswith("offload-stream-issue") == issuer_publishes
+    assert held in by, "the held region was published after its step"
 
 
 def test_the_queue_publishes_in_issue_order_once_landed() -> None:

@@ -365,6 +365,15 @@ class HybridAdam(torch.optim.Optimizer):
             372 against 382 ms by run means).
             Pass the same to ``memory_optimize(speculation_thread=)``, whose default
             follows this one.
+        issuer_publishes: with ``issue_thread``, the issuing thread also publishes each
+            streamed region once its downloads land (while it waits for free slots, after
+            each region it issues, and then until every region is published), instead of
+            leaving that to the host worker between its host steps (see [Note: the
+            issuing thread publishes] in streamed.py). Values are the same either way. On
+            by default: the planner models a streamed region published as it lands, and
+            in session 42's profiled H200 steps the host worker, in a host step, published
+            W4's streamed regions a median 8 ms after they landed and W2's 11 ms
+            (BENCHMARKS.md). Not yet measured on a GPU with it.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -387,6 +396,7 @@ class HybridAdam(torch.optim.Optimizer):
         speculation_thread: bool = True,
         paced_ring: bool = True,
         ring_yields: bool = False,
+        issuer_publishes: bool = True,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -433,6 +443,7 @@ class HybridAdam(torch.optim.Optimizer):
         """Issuing tasks running on that thread: the ring stays open while one runs."""
         self.paced_ring = paced_ring
         self.ring_yields = ring_yields
+        self.issuer_publishes = issuer_publishes
         self.speculation_thread = speculation_thread
         self._speculator: ThreadPoolExecutor | None = None
         """The thread speculative steps run on with ``speculation_thread`` (made at the
@@ -813,13 +824,15 @@ class HybridAdam(torch.optim.Optimizer):
         grad_scale: float | None,
         hypers: dict[int, AdamHyper] | None,
         paced: bool = False,
+        between: Callable[[], None] | None = None,
     ) -> tuple[Event | None, Event | None]:
         """Queue streamed region ``r``'s device step on ``ring`` (counting the step);
         returns the events after its downloads and, when the step writes the region's
         device parameters (:meth:`writes_on_device`), after that write (else None). Its
         fp16-I/O flags are set as the host step sets them; nothing may read its buffers
         before the first event. ``paced``: see [Note: paced ring] in streamed.py (the
-        issuing thread only)."""
+        issuing thread only), ``between()`` running while a paced issue waits for a
+        slot."""
         rs = self._regions[r]
         st = rs.storage
         io = self._staged_io(rs, segments)
@@ -842,7 +855,7 @@ class HybridAdam(torch.optim.Optimizer):
                     st.device_params[a:b] if write else None,
                 )
             )
-        landed = ring.issue(pieces, grad_scale, paced=paced)
+        landed = ring.issue(pieces, grad_scale, paced=paced, between=between)
         if io is not None:
             self._consumed(st, upload_copy_written=not write)
         return landed, ring.written() if write else None
@@ -1409,7 +1422,9 @@ class HybridAdam(torch.optim.Optimizer):
                     },
                 )
                 if self.issue_thread:
-                    issuing = self._issue_elsewhere(partial(issue, paced=self.paced_ring))
+                    issuing = self._issue_elsewhere(
+                        partial(issue, paced=self.paced_ring, publishes=self.issuer_publishes)
+                    )
                 else:
                     issue()
             if commit is not None:
@@ -1472,20 +1487,25 @@ class HybridAdam(torch.optim.Optimizer):
         publish: dict[int, Callable[..., None]],
         paced: bool = False,
         early: dict[int, Callable[[Event], None]] | None = None,
+        publishes: bool = False,
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
         order (the host worker: step()'s task or a hook's :meth:`issue_region`; or the
         issuing thread with ``issue_thread``); ``publish[r](start_s, end_s, issue_s=,
         paced_wait_s=, written=)`` publishes region ``r`` once landed. ``early[r](event)``
         is called as soon as region ``r`` is issued when its step writes its device
-        parameters, with the event after that write."""
+        parameters, with the event after that write. ``publishes`` (the issuing thread,
+        with ``issuer_publishes``): publish what has landed while waiting for slots and
+        after each region, then every region as it lands until none is left ([Note: the
+        issuing thread publishes] in streamed.py)."""
+        between = partial(queue.publish_landed, block=False) if publishes else None
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
                     start = time.perf_counter()
                     waited = ring.paced_wait_s
                     landed, written = self._issue_streamed(
-                        ring, r, segments, grad_scale, hypers, paced
+                        ring, r, segments, grad_scale, hypers, paced, between
                     )
                     waited = ring.paced_wait_s - waited
                     issued = time.perf_counter() - start - waited
@@ -1497,6 +1517,10 @@ class HybridAdam(torch.optim.Optimizer):
                     start,
                     partial(publish[r], issue_s=issued, paced_wait_s=waited, written=written),
                 )
+                if between is not None:
+                    between()
+            if publishes:
+                queue.publish_until_empty(streamed.PUBLISH_POLL_S)
 
     def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:
         """Host worker: run ``issue`` on the issuing thread; the ring stays open until

@@ -68,6 +68,20 @@ host steps done, keeps publishing what has landed, checking every ``PUBLISH_POLL
 until the issuing thread is done. That is what the planner already assumed: a streamed
 region is published when its downloads land.
 
+[Note: the issuing thread publishes]
+Between host steps is still late when the host worker is in one: in session 42's
+profiled steps on an H200 (``copy_lag.py TRACE --publishes``), W4's 25 streamed regions
+were published a median 8 ms after their downloads landed (at most 25 ms;
+``benchmarks/results/s42c3_trace_W4_sp_thread.json.gz``) and W2's 11 ms (at most 22;
+``s42c4_trace_W2_s.json.gz``), each waiting for the host step in progress to end, and
+the next forward waits for each publish. With ``HybridAdam(issuer_publishes=True)``, the
+default, the issuing thread publishes too: whatever has landed while it waits for a free
+slot, after each region it issues, and then each region as it lands until none is left
+(:meth:`StreamedQueue.publish_until_empty`), before it reports itself done. The queue
+takes each entry once and in order whichever thread publishes (one publishes at a time;
+the issuing thread skips a round rather than wait for the host worker). The ring is
+still closed by the host worker, at its first check after the issuing thread is done.
+
 [Note: yielding the link]
 Paced, the ring still has a chunk or two of copies up queued when a prefetch of the next
 forward's parameters is issued, and on an H200 the copy engine does not take them in
@@ -247,11 +261,16 @@ PUBLISH_POLL_S = 5e-4
 streamed regions, once its host steps are done ([Note: publishing while issuing])."""
 
 
-def wait_polling(event: Event, poll_s: float = PACE_POLL_S) -> None:
+def wait_polling(
+    event: Event, poll_s: float = PACE_POLL_S, between: Callable[[], None] | None = None
+) -> None:
     """Block until ``event`` has happened, sleeping ``poll_s`` between queries: the thread
     gives up its core (``Event.synchronize`` may spin on one that the host Adam uses) and
-    the GIL."""
+    the GIL. ``between()``, if given, runs before each sleep (the issuing thread
+    publishing landed regions while it waits for a slot)."""
     while not event.query():
+        if between is not None:
+            between()
         time.sleep(poll_s)
 
 
@@ -358,12 +377,18 @@ class StreamRing:
         """Seconds the issuing thread has waited for free slots (``issue(paced=True)``)."""
 
     def issue(
-        self, pieces: list[StreamPiece], grad_scale: float | None, *, paced: bool = False
+        self,
+        pieces: list[StreamPiece],
+        grad_scale: float | None,
+        *,
+        paced: bool = False,
+        between: Callable[[], None] | None = None,
     ) -> Event | None:
         """Queue the device step of ``pieces``; returns the event after their last download
         (None on the CPU, where everything ran already). Blocks on nothing on CUDA unless
         ``paced``: then each chunk is issued only once its slot is free, the calling
-        thread polling for it (see [Note: paced ring])."""
+        thread polling for it (see [Note: paced ring]) and calling ``between()``, if
+        given, while it waits."""
         # Made on the step stream, the only one that reads them (so that their memory is
         # reused in that stream's order).
         with self.step.context():
@@ -374,7 +399,7 @@ class StreamRing:
             total = piece.master.numel()
             for a in range(0, total, self.chunk):
                 b = min(total, a + self.chunk)
-                self._chunk(piece, a, b, step, scale, paced)
+                self._chunk(piece, a, b, step, scale, paced, between)
         return self._last
 
     def written(self) -> Event:
@@ -390,12 +415,13 @@ class StreamRing:
         step: torch.Tensor,
         scale: torch.Tensor | None,
         paced: bool = False,
+        between: Callable[[], None] | None = None,
     ) -> None:
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
         if paced and slot.free is not None and not slot.free.query():
             waited = time.perf_counter()
-            wait_polling(slot.free)
+            wait_polling(slot.free, between=between)
             self.paced_wait_s += time.perf_counter() - waited
         n = b - a
         sp, sm, sv = slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]
@@ -467,6 +493,10 @@ class StreamedQueue:
         self._pending: deque[tuple[int, Event | None, float, Callable[[float, float], None]]]
         self._pending = deque()
         self._lock = threading.Lock()
+        self._publishing = threading.RLock()
+        """Held while a thread publishes, so that two publishing threads (the host worker
+        and, with ``HybridAdam(issuer_publishes=True)``, the issuing thread) take each
+        entry once and in order."""
 
     def add(
         self,
@@ -480,9 +510,27 @@ class StreamedQueue:
         with self._lock:
             self._pending.append((r, landed, start_s, publish))
 
-    def publish_landed(self, wait: bool = False) -> None:
+    def publish_landed(self, wait: bool = False, *, block: bool = True) -> None:
         """Publish the regions whose downloads have landed, in issue order; with ``wait``,
-        all of them, blocking for each (a host sync point)."""
+        all of them, blocking for each (a host sync point). ``block=False``: return at
+        once if another thread is publishing."""
+        if not self._publishing.acquire(blocking=block):
+            return
+        try:
+            self._publish_landed(wait)
+        finally:
+            self._publishing.release()
+
+    def publish_until_empty(self, poll_s: float = PUBLISH_POLL_S) -> None:
+        """Publish each region as it lands, polling every ``poll_s`` seconds, until none
+        is left (entries added meanwhile included): the issuing thread, once it has issued
+        everything ([Note: the issuing thread publishes])."""
+        while self.regions():
+            self.publish_landed(block=False)
+            if self.regions():
+                time.sleep(poll_s)
+
+    def _publish_landed(self, wait: bool) -> None:
         while True:
             with self._lock:
                 if not self._pending:
