@@ -595,6 +595,44 @@ def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> 
     assert (ring.paced_wait_s > 0) == paced, "the waits are counted"
 
 
+def _record_publishes(controller: OffloadController) -> list[tuple[int, str]]:
+    """Wrap ``controller``'s publishes (both kinds: a resident streamed region may be
+    written on the device) to record each as (region, the publishing thread's name)."""
+    published: list[tuple[int, str]] = []
+    publish, publish_written = controller.publish, controller.publish_written
+
+    def recording(r: int) -> None:
+        publish(r)
+        published.append((r, threading.current_thread().name))
+
+    def recording_written(r: int, event: Any) -> None:
+        publish_written(r, event)
+        published.append((r, threading.current_thread().name))
+
+    controller.publish = recording  # type: ignore[method-assign]
+    controller.publish_written = recording_written  # type: ignore[method-assign]
+    return published
+
+
+def _step_on_a_thread(amp: AMPOptimizer) -> tuple[threading.Thread, list[BaseException]]:
+    """One backward, then ``amp.step()`` on a thread of its own (started; with inline host
+    work it runs the host task there), and the list that collects what it raised."""
+    amp.zero_grad()
+    b = batch(0)
+    amp.backward(loss_of(amp.module(**b), b["input_ids"]))
+    errors: list[BaseException] = []
+
+    def step() -> None:
+        try:
+            amp.step()
+        except BaseException as exc:
+            errors.append(exc)
+
+    stepping = threading.Thread(target=step, name="stepping")
+    stepping.start()
+    return stepping, errors
+
+
 def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -620,40 +658,19 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
         return (_Gate(landed) if r == first else None), written
 
     monkeypatch.setattr(HybridAdam, "_issue_streamed", gated)
-    published: list[int] = []
-    controller = module.controller
-    publish, publish_written = controller.publish, controller.publish_written
+    records = _record_publishes(module.controller)
 
-    def recording(r: int) -> None:
-        publish(r)
-        published.append(r)
+    def published() -> list[int]:
+        return [r for r, _ in records]
 
-    def recording_written(r: int, event: Any) -> None:  # resident regions written on device
-        publish_written(r, event)
-        published.append(r)
-
-    controller.publish = recording  # type: ignore[method-assign]
-    controller.publish_written = recording_written  # type: ignore[method-assign]
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=True), module)
-    amp.zero_grad()
-    b = batch(0)
-    amp.backward(loss_of(module(**b), b["input_ids"]))
-    errors: list[BaseException] = []
-
-    def step() -> None:
-        try:
-            amp.step()
-        except BaseException as exc:
-            errors.append(exc)
-
-    stepping = threading.Thread(target=step)  # inline host work: step() runs the task
-    stepping.start()
+    stepping, errors = _step_on_a_thread(amp)
     try:
-        assert _wait_until(lambda: host_stepped <= set(published)), "host steps ran"
-        assert first not in published, "published before its downloads landed"
+        assert _wait_until(lambda: host_stepped <= set(published())), "host steps ran"
+        assert first not in published(), "published before its downloads landed"
         landed.set()
-        published_while_issuing = _wait_until(lambda: first in published, timeout_s=5.0)
-        assert second not in published
+        published_while_issuing = _wait_until(lambda: first in published(), timeout_s=5.0)
+        assert second not in published()
     finally:
         landed.set()
         release.set()
@@ -661,7 +678,7 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     module.close()
     assert not errors and not stepping.is_alive()
     assert published_while_issuing, "the landed region waited for the issuing thread"
-    assert published.index(first) < published.index(second)
+    assert published().index(first) < published().index(second)
 
 
 @pytest.mark.parametrize("issuer_publishes", [True, False], ids=["issuer", "worker"])
@@ -688,20 +705,7 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
         return step_segments(self, r, *args, **kwargs)
 
     monkeypatch.setattr(HybridAdam, "_step_segments", holding)
-    published: list[tuple[int, str]] = []
-    controller = module.controller
-    publish, publish_written = controller.publish, controller.publish_written
-
-    def recording(r: int) -> None:
-        publish(r)
-        published.append((r, threading.current_thread().name))
-
-    def recording_written(r: int, event: Any) -> None:  # resident regions written on device
-        publish_written(r, event)
-        published.append((r, threading.current_thread().name))
-
-    controller.publish = recording  # type: ignore[method-assign]
-    controller.publish_written = recording_written  # type: ignore[method-assign]
+    published = _record_publishes(module.controller)
     amp = AMPOptimizer(
         HybridAdam(
             module.parameters(), lr=1e-2, issue_thread=True, issuer_publishes=issuer_publishes
@@ -709,19 +713,7 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
         module,
         overlap=False,  # every host-state region steps in step()'s task
     )
-    amp.zero_grad()
-    b = batch(0)
-    amp.backward(loss_of(module(**b), b["input_ids"]))
-    errors: list[BaseException] = []
-
-    def step() -> None:
-        try:
-            amp.step()
-        except BaseException as exc:
-            errors.append(exc)
-
-    stepping = threading.Thread(target=step, name="stepping")  # inline: step() runs the task
-    stepping.start()
+    stepping, errors = _step_on_a_thread(amp)
     try:
         assert entered.wait(timeout=20.0), "the held host step began"
         during = _wait_until(
