@@ -218,11 +218,20 @@ def test_speculate_trains_fp16_with_host_steps_under_backward(
         loss = LOSS_LINE.search(out)
         assert loss is not None, out
         losses[speculate] = float(loss.group(1))
-    # Every host-resident region stepped in its gradient hook, and no step was undone.
+    # Host-resident regions stepped speculatively under backward, and no step was undone.
+    # Their steps run on the speculation thread (HybridAdam's default since session 41),
+    # which skips a step that would start after backward has ended (that region steps
+    # after the answer instead): how many make it depends on the machine's load (a
+    # fresh-clone CI run in session 42, beside another test run, had fewer than all 11),
+    # so not all are required.
     plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
     host = sum(rp.state.value == "host" for rp in plan.regions)
     assert host > 0
-    assert f"speculation: {host} regions stepped under the last backward; 0 steps" in out
+    spec = re.search(
+        r"^speculation: (\d+) regions stepped under the last backward; 0 steps", out, re.M
+    )
+    assert spec is not None, out
+    assert 1 <= int(spec.group(1)) <= host
     assert re.search(r"^speculate: host kernel \w+, a speculative step costs", out, re.M)
     # The same training up to the host kernel's rounding (the single-pass kernel, when
     # numba is there, rounds differently from torch's; exactness is tested in

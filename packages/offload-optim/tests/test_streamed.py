@@ -92,12 +92,6 @@ CASES: dict[str, dict[str, Any]] = {
     "unpaced_ring_no_overlap": {"issue_thread": True, "paced_ring": False, "overlap": False},
     "paced_ring_on_the_worker": {"paced_ring": True},
     "ring_yields": {"issue_thread": True, "ring_yields": True},
-    "issuer_does_not_publish": {"issue_thread": True, "issuer_publishes": False},
-    "issuer_does_not_publish_no_overlap": {
-        "issue_thread": True,
-        "issuer_publishes": False,
-        "overlap": False,
-    },
 }
 
 
@@ -681,18 +675,27 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     assert published().index(first) < published().index(second)
 
 
-@pytest.mark.parametrize("issuer_publishes", [True, False], ids=["issuer", "worker"])
+@pytest.mark.skipif(
+    not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
+)
+@pytest.mark.parametrize(
+    ("issuer_publishes", "fp16_io"),
+    [(True, True), (False, True), (True, False)],
+    ids=["issuer", "worker", "casting"],
+)
 def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
-    issuer_publishes: bool, monkeypatch: pytest.MonkeyPatch
+    issuer_publishes: bool, fp16_io: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """[Note: the issuing thread publishes]: a streamed region that lands while the host
-    worker is inside a host step is published by the issuing thread then, not after that
-    step (``issuer_publishes=False``: the host worker publishes it once the step ends).
-    Here the first host-state region's host step is held until the test has seen the
-    streamed one published (or given up); on the CPU its downloads land as it is issued."""
+    """[Note: the issuing thread publishes]: an offloaded streamed region that lands while
+    the host worker is inside a host step is published by the issuing thread then, not
+    after that step. The host worker publishes it once the step ends with
+    ``issuer_publishes=False``, and without fp16 I/O, where its publish casts the new
+    master on the host. Here the first host-state region's host step is held until the
+    test has seen the streamed one published (or given up); on the CPU its downloads land
+    as it is issued."""
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
     host = [st for st in module.storages if st.host_state]
-    assert len(host) >= 2, "the mixed plan has two host-state regions"
+    assert len(host) >= 2 and host[1].offloaded, "the mixed plan offloads region 1"
     held, streamed_r = host[0].index, host[1].index
     host[1].streamed = True
     entered, release = threading.Event(), threading.Event()
@@ -706,19 +709,25 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
 
     monkeypatch.setattr(HybridAdam, "_step_segments", holding)
     published = _record_publishes(module.controller)
+    io: dict[str, Any] = {"host_kernel": "single_pass", "fp16_io": True} if fp16_io else {}
     amp = AMPOptimizer(
         HybridAdam(
-            module.parameters(), lr=1e-2, issue_thread=True, issuer_publishes=issuer_publishes
+            module.parameters(),
+            lr=1e-2,
+            issue_thread=True,
+            issuer_publishes=issuer_publishes,
+            **io,
         ),
         module,
         overlap=False,  # every host-state region steps in step()'s task
     )
     stepping, errors = _step_on_a_thread(amp)
+    by_issuer = issuer_publishes and fp16_io
     try:
         assert entered.wait(timeout=20.0), "the held host step began"
         during = _wait_until(
             lambda: streamed_r in {r for r, _ in published},
-            timeout_s=5.0 if issuer_publishes else 0.5,
+            timeout_s=5.0 if by_issuer else 0.5,
         )
         assert held not in {r for r, _ in published}
     finally:
@@ -727,9 +736,45 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
     module.close()
     assert not errors and not stepping.is_alive()
     by = dict(published)
-    assert during == issuer_publishes, "published during the host step only by the issuer"
-    assert by[streamed_r].startswith("offload-stream-issue") == issuer_publishes
+    assert during == by_issuer, "published during the host step only by the issuer"
+    assert by[streamed_r].startswith("offload-stream-issue") == by_issuer
     assert held in by, "the held region was published after its step"
+
+
+@pytest.mark.skipif(
+    not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
+)
+def test_publishing_from_the_issuing_thread_changes_no_value(streaming: dict[str, Any]) -> None:
+    """fp16 I/O, where the issuing thread publishes every streamed region: the run equals
+    the one where the host worker publishes them, bit for bit, overflow skip included."""
+    common: dict[str, Any] = {
+        "host_kernel": "single_pass",
+        "fp16_io": True,
+        "issue_thread": True,
+        "growth_interval": 3,
+        "initial_scale": 2.0**8,
+    }
+    out = run(False, 5, poison=(2,), issuer_publishes=True, **common)
+    assert streaming["pieces"] > 0
+    plain = run(False, 5, poison=(2,), issuer_publishes=False, **common)
+    assert_same(out, plain)
+    assert out.skipped[2] and not any(out.skipped[3:])
+
+
+def test_the_issuing_threads_publishing_stops_at_an_entry_that_casts() -> None:
+    """``casting=False`` (the issuing thread) publishes landed entries up to the first
+    whose publish casts on the host, and :meth:`publish_until_empty` returns there,
+    leaving it and what follows to the host worker's ``publish_landed``."""
+    published: list[int] = []
+    queue = streamed_module.StreamedQueue()
+    for r, casts in enumerate([False, True, False]):
+        queue.add(r, None, 0.0, lambda s, e, r=r: published.append(r), casts=casts)
+    queue.publish_until_empty(poll_s=1e-4)
+    assert published == [0] and queue.regions() == [1, 2]
+    queue.publish_landed(casting=False)
+    assert published == [0]
+    queue.publish_landed()
+    assert published == [0, 1, 2] and queue.regions() == []
 
 
 def test_the_queue_publishes_in_issue_order_once_landed() -> None:

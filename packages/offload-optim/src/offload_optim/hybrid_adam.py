@@ -369,11 +369,14 @@ class HybridAdam(torch.optim.Optimizer):
             streamed region once its downloads land (while it waits for free slots, after
             each region it issues, and then until every region is published), instead of
             leaving that to the host worker between its host steps (see [Note: the
-            issuing thread publishes] in streamed.py). Values are the same either way. On
-            by default: the planner models a streamed region published as it lands, and
-            in session 42's profiled H200 steps the host worker, in a host step, published
-            W4's streamed regions a median 8 ms after they landed and W2's 11 ms
-            (BENCHMARKS.md). Not yet measured on a GPU with it.
+            issuing thread publishes] in streamed.py). Only regions whose publish casts
+            nothing on the host: the ring wrote their device parameters or, with
+            ``fp16_io``, their upload copy; the host worker publishes the others, as the
+            cast would hold up the issuing. Values are the same either way. On by default: the
+            planner models a streamed region published as it lands, and in session 42's
+            profiled H200 steps the host worker, in a host step, published W4's streamed
+            regions a median 8 ms after they landed and W2's 11 ms (BENCHMARKS.md). Not
+            yet measured on a GPU with it.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -444,6 +447,7 @@ class HybridAdam(torch.optim.Optimizer):
         self.paced_ring = paced_ring
         self.ring_yields = ring_yields
         self.issuer_publishes = issuer_publishes
+        """Whether the issuing thread publishes too (see above)."""
         self.speculation_thread = speculation_thread
         self._speculator: ThreadPoolExecutor | None = None
         """The thread speculative steps run on with ``speculation_thread`` (made at the
@@ -1498,7 +1502,7 @@ class HybridAdam(torch.optim.Optimizer):
         with ``issuer_publishes``): publish what has landed while waiting for slots and
         after each region, then every region as it lands until none is left ([Note: the
         issuing thread publishes] in streamed.py)."""
-        between = partial(queue.publish_landed, block=False) if publishes else None
+        between = partial(queue.publish_landed, block=False, casting=False) if publishes else None
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
@@ -1511,11 +1515,15 @@ class HybridAdam(torch.optim.Optimizer):
                     issued = time.perf_counter() - start - waited
                 if written is not None and early is not None and r in early:
                     early[r](written)
+                # Its publish casts the new master on the host unless the ring wrote the
+                # device parameters or the upload copy (fp16 I/O; the publish reads the flag).
+                casts = written is None and not self._regions[r].storage.upload_copy_fresh
                 queue.add(
                     r,
                     landed,
                     start,
                     partial(publish[r], issue_s=issued, paced_wait_s=waited, written=written),
+                    casts=casts,
                 )
                 if between is not None:
                     between()

@@ -77,7 +77,11 @@ were published a median 8 ms after their downloads landed (at most 25 ms;
 the next forward waits for each publish. With ``HybridAdam(issuer_publishes=True)``, the
 default, the issuing thread publishes too: whatever has landed while it waits for a free
 slot, after each region it issues, and then each region as it lands until none is left
-(:meth:`StreamedQueue.publish_until_empty`), before it reports itself done. The queue
+(:meth:`StreamedQueue.publish_until_empty`), before it reports itself done. It publishes
+only regions whose publish casts nothing on the host: those whose device step wrote
+their device parameters, or (fp16 I/O) their upload copy. Any other publish casts the new
+master on the host, which would hold up the issuing, so the issuing thread stops at the
+first such entry and leaves it, and the entries after it, to the host worker. The queue
 takes each entry once and in order whichever thread publishes (one publishes at a time;
 the issuing thread skips a round rather than wait for the host worker). The ring is
 still closed by the host worker, at its first check after the issuing thread is done.
@@ -487,11 +491,13 @@ class StreamedQueue:
     Each entry carries its own ``publish(start_s, end_s)``: a step's host task and the
     hooks of regions landing after the step's answer share one queue (and one ring).
     :meth:`add` may run on another thread (``HybridAdam(issue_thread=True)``) while the
-    host worker publishes; publishing stays on the host worker."""
+    host worker publishes; so may publishing, of entries that cast nothing on the host
+    ([Note: the issuing thread publishes])."""
 
     def __init__(self) -> None:
-        self._pending: deque[tuple[int, Event | None, float, Callable[[float, float], None]]]
-        self._pending = deque()
+        self._pending: deque[
+            tuple[int, Event | None, float, Callable[[float, float], None], bool]
+        ] = deque()
         self._lock = threading.Lock()
         self._publishing = threading.RLock()
         """Held while a thread publishes, so that two publishing threads (the host worker
@@ -504,45 +510,57 @@ class StreamedQueue:
         landed: Event | None,
         start_s: float,
         publish: Callable[[float, float], None],
+        *,
+        casts: bool = False,
     ) -> None:
         """Queue region ``r``, issued at ``start_s`` (``time.perf_counter()``), whose
-        downloads are done at ``landed``; ``publish(start_s, end_s)`` runs once they are."""
+        downloads are done at ``landed``; ``publish(start_s, end_s)`` runs once they are.
+        ``casts``: the publish casts the new master on the host (the host worker's work,
+        not the issuing thread's)."""
         with self._lock:
-            self._pending.append((r, landed, start_s, publish))
+            self._pending.append((r, landed, start_s, publish, casts))
 
-    def publish_landed(self, wait: bool = False, *, block: bool = True) -> None:
+    def publish_landed(
+        self, wait: bool = False, *, block: bool = True, casting: bool = True
+    ) -> None:
         """Publish the regions whose downloads have landed, in issue order; with ``wait``,
         all of them, blocking for each (a host sync point). ``block=False``: return at
-        once if another thread is publishing."""
+        once if another thread is publishing; ``casting=False``: stop at the first entry
+        whose publish casts on the host (the issuing thread)."""
         if not self._publishing.acquire(blocking=block):
             return
         try:
-            self._publish_landed(wait)
+            while True:
+                with self._lock:
+                    if not self._pending:
+                        return
+                    _, landed, start, publish, casts = self._pending[0]
+                if casts and not casting:
+                    return
+                if landed is not None and not landed.query():
+                    if not wait:
+                        return
+                    landed.synchronize()
+                with self._lock:
+                    self._pending.popleft()
+                publish(start, time.perf_counter())
         finally:
             self._publishing.release()
 
     def publish_until_empty(self, poll_s: float = PUBLISH_POLL_S) -> None:
         """Publish each region as it lands, polling every ``poll_s`` seconds, until none
-        is left (entries added meanwhile included): the issuing thread, once it has issued
-        everything ([Note: the issuing thread publishes])."""
-        while self.regions():
-            self.publish_landed(block=False)
-            if self.regions():
+        is left (entries added meanwhile included) or the first left casts on the host:
+        the issuing thread, once it has issued everything ([Note: the issuing thread
+        publishes])."""
+        while self._castless_head():
+            self.publish_landed(block=False, casting=False)
+            if self._castless_head():
                 time.sleep(poll_s)
 
-    def _publish_landed(self, wait: bool) -> None:
-        while True:
-            with self._lock:
-                if not self._pending:
-                    return
-                _, landed, start, publish = self._pending[0]
-            if landed is not None and not landed.query():
-                if not wait:
-                    return
-                landed.synchronize()
-            with self._lock:
-                self._pending.popleft()
-            publish(start, time.perf_counter())
+    def _castless_head(self) -> bool:
+        """Whether an entry is queued and the first one's publish casts nothing."""
+        with self._lock:
+            return bool(self._pending) and not self._pending[0][4]
 
     def regions(self) -> list[int]:
         """The regions queued and not yet published, in issue order."""
