@@ -372,11 +372,11 @@ class HybridAdam(torch.optim.Optimizer):
             issuing thread publishes] in streamed.py). Only regions whose publish casts
             nothing on the host: the ring wrote their device parameters or, with
             ``fp16_io``, their upload copy; the host worker publishes the others, as the
-            cast would hold up the issuing. Values are the same either way. On by default: the
-            planner models a streamed region published as it lands, and in session 42's
-            profiled H200 steps the host worker, in a host step, published W4's streamed
-            regions a median 8 ms after they landed and W2's 11 ms (BENCHMARKS.md). Not
-            yet measured on a GPU with it.
+            cast would hold up the issuing. Values are the same either way. On by
+            default: the planner models a streamed region published as it lands, and in
+            session 42's profiled H200 steps the host worker, in a host step, published
+            W4's streamed regions a median 8 ms after they landed and W2's 11 ms
+            (BENCHMARKS.md). Not yet measured on a GPU with it.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
