@@ -69,7 +69,8 @@ machine: judge it by the median ratio over alternating rounds (``gpu_session.sh 
 ``pair_ratios.py``), and what each row issues by ``issue_compare.py`` on the traces
 ``--profile-dir`` keeps. ``ours`` and ``full_gpu`` rows record the per-operation issue cost
 read just before and just after their timed steps (``issue_cost_us_reads``, us), beside
-the profile's cached read that the plan priced with.
+the profile's cached read that the plan priced with. ``--profile-dir`` profiles 2 steps
+after the measurement, or BENCH_PROFILE_STEPS (rows record ``profile_steps``).
 fp16 overflow skips and the step after each are not timed. Set BENCH_COMMIT to name
 the commit when running from a copy of the tree that is not a git checkout. Set
 BENCH_HOST_THREADS to run the ``ours`` kinds with that many intra-op CPU threads (the host
@@ -1065,21 +1066,24 @@ def _ours(
         del full  # free the full-GPU model before the profiled steps
         gc.collect()
     if profile_dir is not None:
+        profiled = bench_profile_steps()
 
-        def two_steps() -> None:
+        def some_steps() -> None:
             # Then the host steps still queued: the second forward waiting on the first
             # step's host steps is in the window, and so are the host worker's region steps.
-            step()
-            step()
+            for _ in range(profiled):
+                step()
             opt.synchronize()
 
-        _profile_steps(out, two_steps, profile_dir / f"{workload}_{kind}")
+        _profile_steps(out, some_steps, profiled, profile_dir / f"{workload}_{kind}")
     module.close()
     return out
 
 
-def _profile_steps(out: dict[str, Any], two_steps: Callable[[], None], stem: Path) -> None:
-    """Profile ``two_steps`` (two training steps) on every thread, after the row's
+def _profile_steps(
+    out: dict[str, Any], some_steps: Callable[[], None], count: int, stem: Path
+) -> None:
+    """Profile ``some_steps`` (``count`` training steps) on every thread, after the row's
     measurement: ``stem``'s ``profile_*.txt`` (the top operators) and ``trace_*.json.gz``
     (``step_trace.py``, ``step_tail.py``, ``issue_compare.py`` read it); ``out`` gets
     ``profile_streams`` and ``profile_steps``, or ``profile_error``.
@@ -1099,13 +1103,13 @@ def _profile_steps(out: dict[str, Any], two_steps: Callable[[], None], stem: Pat
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
             experimental_config=all_threads_config(),
         ) as prof:
-            two_steps()
+            some_steps()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
         stem.parent.mkdir(parents=True, exist_ok=True)
         (stem.parent / f"profile_{stem.name}.txt").write_text(table)
         out["profile_streams"] = _save_trace(prof, stem.parent / f"trace_{stem.name}.json.gz")
-        out["profile_steps"] = 2  # profile_streams covers two steps (and their host steps)
+        out["profile_steps"] = count  # profile_streams covers them (and their host steps)
     except Exception as exc:  # keep the measurement, say what broke
         out["profile_error"] = f"{type(exc).__name__}: {exc}"
 
@@ -1136,6 +1140,22 @@ def _hybrid_adam_flag(env: str, parameter: str) -> bool:
 
         return bool(inspect.signature(HybridAdam).parameters[parameter].default)
     return value != "0"
+
+
+def bench_profile_steps() -> int:
+    """BENCH_PROFILE_STEPS=N: how many steps ``--profile-dir`` profiles after a row's
+    measurement (default 2; with more, the trace holds more than one forward that follows
+    a profiled step: in session 42's W3 traces the one forward there came after a step
+    whose hooks speculated fewer regions than the timed steps' did). ValueError unless a
+    whole number >= 1."""
+    text = os.environ.get("BENCH_PROFILE_STEPS", "2")
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"BENCH_PROFILE_STEPS={text!r}: give a whole number of steps >= 1")
+    return n
 
 
 def bench_stream_not_first() -> bool:
@@ -1397,14 +1417,15 @@ def _full_gpu(
     out["fwd_bwd_first_ms"] = first
     out["fwd_bwd_ms"] = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     if profile_dir is not None:
+        profiled = bench_profile_steps()
 
-        def two_steps() -> None:
-            step()
-            step()
+        def some_steps() -> None:
+            for _ in range(profiled):
+                step()
 
         # Beside ours' trace of the same run: what each issues per step (issue_compare.py).
         suffix = "" if recipe == "fp16" else f"_{recipe}"
-        _profile_steps(out, two_steps, profile_dir / f"{workload}_full_gpu{suffix}")
+        _profile_steps(out, some_steps, profiled, profile_dir / f"{workload}_full_gpu{suffix}")
     return out
 
 

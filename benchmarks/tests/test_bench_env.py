@@ -74,3 +74,16 @@ def test_optimizer_flags_follow_hybrid_adams_defaults_unless_set(
     assert offload_bench._hybrid_adam_flag(env, parameter) is False
     monkeypatch.setenv(env, "1")
     assert offload_bench._hybrid_adam_flag(env, parameter) is True
+
+
+def test_profile_steps_default_to_two_and_refuse_what_is_not_a_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BENCH_PROFILE_STEPS", raising=False)
+    assert offload_bench.bench_profile_steps() == 2
+    monkeypatch.setenv("BENCH_PROFILE_STEPS", "3")
+    assert offload_bench.bench_profile_steps() == 3
+    for bad in ("0", "-1", "2.5", "two"):
+        monkeypatch.setenv("BENCH_PROFILE_STEPS", bad)
+        with pytest.raises(ValueError, match="BENCH_PROFILE_STEPS"):
+            offload_bench.bench_profile_steps()
