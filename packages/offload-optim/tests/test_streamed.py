@@ -627,6 +627,23 @@ def _step_on_a_thread(amp: AMPOptimizer) -> tuple[threading.Thread, list[BaseExc
     return stepping, errors
 
 
+def test_a_paced_wait_calls_between_until_the_slot_is_free() -> None:
+    """While a paced issue waits for its slot it calls ``between()`` (the issuing thread
+    publishing landed regions), before each sleep, and not once the slot is free."""
+    opened = threading.Event()
+    gate = _SlotGate(opened)
+    calls: list[int] = []
+
+    def between() -> None:
+        calls.append(gate.queries)
+        if len(calls) == 3:
+            opened.set()
+
+    streamed_module.wait_polling(gate, poll_s=1e-4, between=between)  # type: ignore[arg-type]
+    assert calls == [1, 2, 3], "once after each query that found the slot busy"
+    assert gate.queries == 4
+
+
 def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
