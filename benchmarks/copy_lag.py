@@ -43,13 +43,19 @@ def start_us(events: list[dict[str, Any]]) -> float:
     return min(float(e["ts"]) for e in events if e.get("ph") == "X" and "ts" in e)
 
 
-def issued_at(spans: list[dict[str, Any]]) -> dict[Any, float]:
-    """Each CUDA runtime call's correlation id -> when it was made (us, trace time)."""
+def runtime_calls(spans: list[dict[str, Any]]) -> dict[Any, tuple[float, Any]]:
+    """Each CUDA runtime call's correlation id -> (when it was made: us, trace time; the
+    thread that made it)."""
     return {
-        e["args"]["correlation"]: float(e["ts"])
+        e["args"]["correlation"]: (float(e["ts"]), e.get("tid"))
         for e in spans
         if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
     }
+
+
+def issued_at(spans: list[dict[str, Any]]) -> dict[Any, float]:
+    """Each CUDA runtime call's correlation id -> when it was made (us, trace time)."""
+    return {corr: at for corr, (at, _) in runtime_calls(spans).items()}
 
 
 def copy_lags(events: list[dict[str, Any]], t0: float) -> dict[str, list[tuple[float, float]]]:
@@ -147,11 +153,7 @@ def publish_lags(
     ``streamed step R (publish)`` span), all from ``t0``. Issues without a traced copy
     down or a later publish are left out."""
     spans = [e for e in events if e.get("ph") == "X" and "ts" in e]
-    calls = {
-        e["args"]["correlation"]: (float(e["ts"]), e.get("tid"))
-        for e in spans
-        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
-    }
+    calls = runtime_calls(spans)
     downs = []  # (issued us, issuing thread, device end us)
     for e in spans:
         if e.get("cat") == "gpu_memcpy" and "DtoH" in str(e.get("name", "")):
