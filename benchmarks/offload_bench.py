@@ -1066,27 +1066,24 @@ def _ours(
         del full  # free the full-GPU model before the profiled steps
         gc.collect()
     if profile_dir is not None:
-        profiled = bench_profile_steps()
-
-        def some_steps() -> None:
-            # Then the host steps still queued: the second forward waiting on the first
-            # step's host steps is in the window, and so are the host worker's region steps.
-            for _ in range(profiled):
-                step()
-            opt.synchronize()
-
-        _profile_steps(out, some_steps, profiled, profile_dir / f"{workload}_{kind}")
+        # Then the host steps still queued: each forward waiting on the step before's host
+        # steps is in the window, and so are the host worker's region steps.
+        _profile_steps(out, step, profile_dir / f"{workload}_{kind}", after=opt.synchronize)
     module.close()
     return out
 
 
 def _profile_steps(
-    out: dict[str, Any], some_steps: Callable[[], None], count: int, stem: Path
+    out: dict[str, Any],
+    step: Callable[[], None],
+    stem: Path,
+    after: Callable[[], None] | None = None,
 ) -> None:
-    """Profile ``some_steps`` (``count`` training steps) on every thread, after the row's
-    measurement: ``stem``'s ``profile_*.txt`` (the top operators) and ``trace_*.json.gz``
-    (``step_trace.py``, ``step_tail.py``, ``issue_compare.py`` read it); ``out`` gets
-    ``profile_streams`` and ``profile_steps``, or ``profile_error``.
+    """Profile :func:`bench_profile_steps` calls of ``step`` (one training step each),
+    then ``after()`` if given, on every thread, after the row's measurement: ``stem``'s
+    ``profile_*.txt`` (the top operators) and ``trace_*.json.gz`` (``step_trace.py``,
+    ``step_tail.py``, ``issue_compare.py`` read it); ``out`` gets ``profile_streams`` and
+    ``profile_steps``, or ``profile_error``.
 
     The measurement is printed first, in case the profile runs past the parent's timeout
     (W4 in session 22: the row took 200 s with its two profiled steps and was lost whole);
@@ -1098,12 +1095,16 @@ def _profile_steps(
 
     print(RESULT_TAG + json.dumps({**out, "ok": True, "profile_error": "not finished"}), flush=True)
     try:
+        count = bench_profile_steps()  # a bad count is a profile error, not a lost row
         # Every thread: the host worker's and the autograd engine's operators too.
         with profile(
             activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
             experimental_config=all_threads_config(),
         ) as prof:
-            some_steps()
+            for _ in range(count):
+                step()
+            if after is not None:
+                after()
             torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20)
         stem.parent.mkdir(parents=True, exist_ok=True)
@@ -1417,15 +1418,9 @@ def _full_gpu(
     out["fwd_bwd_first_ms"] = first
     out["fwd_bwd_ms"] = _fastest5_mean_s(_timed_steps(compute_only, warmup, steps)) * 1e3
     if profile_dir is not None:
-        profiled = bench_profile_steps()
-
-        def some_steps() -> None:
-            for _ in range(profiled):
-                step()
-
         # Beside ours' trace of the same run: what each issues per step (issue_compare.py).
         suffix = "" if recipe == "fp16" else f"_{recipe}"
-        _profile_steps(out, some_steps, profiled, profile_dir / f"{workload}_full_gpu{suffix}")
+        _profile_steps(out, step, profile_dir / f"{workload}_full_gpu{suffix}")
     return out
 
 
