@@ -1516,8 +1516,8 @@ class HybridAdam(torch.optim.Optimizer):
                 if written is not None and early is not None and r in early:
                     early[r](written)
                 # Its publish casts the new master on the host unless the ring wrote the
-                # device parameters or the upload copy (fp16 I/O; the publish reads the flag).
-                casts = written is None and not self._regions[r].storage.upload_copy_fresh
+                # device parameters or (fp16 I/O) the upload copy.
+                casts = written is None and self._require_controller().publish_casts(r)
                 queue.add(
                     r,
                     landed,

@@ -742,6 +742,17 @@ class OffloadController:
         st.upload_copy_fresh = False
         self.ready_event[r] = event
 
+    def publish_casts(self, r: int) -> bool:
+        """Whether :meth:`publish` of region ``r`` would now cast its master on the host:
+        a host-state region converting on the host whose upload copy was not written by
+        the optimizer's step (``upload_copy_fresh``). Any thread."""
+        st = self.storages[r]
+        if st.upload_copy_fresh:
+            return False
+        if st.offloaded:
+            return st.host_params is not None
+        return st.host_state and not st.convert_on_device
+
     def publish(self, r: int) -> None:
         """Propagate region ``r``'s updated master into its training-dtype copies.
 
