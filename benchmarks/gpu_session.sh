@@ -251,11 +251,13 @@ gaps() {
   done
 }
 # target_row WORKLOAD: sets k (our kind), steps, limit (seconds a row may take) and peer
-# (",PEER": the peer of the target the workload misses, to run beside its first row).
+# (",PEER": the peer of the target the workload misses, to run beside its first row; W3's
+# is full GPU by fp32 masters, whose forward+backward is its floor).
 target_row() {
   k=ours_io_spec1_stream steps=${BENCH_STEPS:-10} limit=150 peer=""
   if [ "$1" = W4 ]; then k=ours_io_bf16m_spec1_stream limit=300 peer=,torchao; fi
   if [ "$1" = W2 ]; then steps=20 peer=,fsdp2; fi
+  if [ "$1" = W3 ]; then peer=,full_gpu_master; fi
 }
 case "$phase" in
   calibab)
