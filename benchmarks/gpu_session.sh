@@ -179,6 +179,15 @@
 #           (BENCH_ISSUER_PUBLISHES=0) and with it, alternating, ROUNDS rounds (default 1);
 #           then each arm's rows (pin_rows.py) and each profiled trace's publishes
 #           (copy_lag.py --publishes; pubab.txt). W4 ~7.5 min, W2 ~4 min, W3 ~4 min
+#   stageab each of STAGEAB_WORKLOADS (default "W3 W2"; W3 with full GPU by fp32 masters
+#           beside its first row, for the floor; W2 with 20 timed steps and FSDP2 likewise)
+#           planned and run once with the streamed regions' leading chunks staged before
+#           step()'s answer (BENCH_STAGE_AHEAD=1; session 43's W3 trace: the first copy
+#           up ran 10 ms after step() began, and the next forward idled 24 ms for the two
+#           streamed regions), then on that plan (BENCH_PLAN_FROM) without and with,
+#           alternating, ROUNDS rounds (default 2); then each arm's
+#           rows (pin_rows.py) and each profiled trace's compute-stream gaps (stageab.txt).
+#           W3 ~6 min, W2 ~5 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -228,7 +237,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -258,6 +267,27 @@ target_row() {
   if [ "$1" = W4 ]; then k=ours_io_bf16m_spec1_stream limit=300 peer=,torchao; fi
   if [ "$1" = W2 ]; then steps=20 peer=,fsdp2; fi
   if [ "$1" = W3 ]; then peer=,full_gpu_master; fi
+}
+# onplan_ab NAME VAR ROUNDS WORKLOAD...: for each workload, target_row's kind planned and
+# run once with VAR=1 beside its peer (WORKLOAD_NAME_on1), then on that plan
+# (BENCH_PLAN_FROM) with VAR=0 and VAR=1 alternating, ROUNDS rounds; then each arm's rows
+# (pin_rows.py) in NAME.txt.
+onplan_ab() {
+  local name=$1 var=$2 rounds=$3 w i arm
+  shift 3
+  for w in "$@"; do
+    target_row "$w"
+    (export "$var=1" BENCH_STEPS="$steps"; bench "$w" "$k$peer" "$((limit + 100))" "${w}_${name}_on1")
+    export BENCH_PLAN_FROM="$out/${w}_${name}_on1.json"
+    for i in $(seq 1 "$rounds"); do
+      (export "$var=0" BENCH_STEPS="$steps"; bench "$w" "$k" "$limit" "${w}_${name}_off$i")
+      (export "$var=1" BENCH_STEPS="$steps"; bench "$w" "$k" "$limit" "${w}_${name}_on$((i + 1))")
+    done
+    unset BENCH_PLAN_FROM
+    for arm in on off; do
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}_${name}_$arm"[0-9]*.json
+    done 2>&1 | tee -a "$out/$name.txt" || true
+  done
 }
 case "$phase" in
   calibab)
@@ -644,23 +674,15 @@ case "$phase" in
       gaps "$out"/prof_"${w}"_pin_*/trace_"${w}_$k".json.gz
     } 2>&1 | tee "$out/${w}_specthr.txt" || true ;;
   pubab)
-    for w in ${PUBAB_WORKLOADS:-W4 W2}; do
-      target_row "$w"
-      BENCH_ISSUER_PUBLISHES=1 BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_pub_on1"
-      export BENCH_PLAN_FROM="$out/${w}_pub_on1.json"
-      for i in $(seq 1 "${ROUNDS:-1}"); do
-        BENCH_ISSUER_PUBLISHES=0 BENCH_STEPS=$steps bench "$w" "$k" "$limit" "${w}_pub_off$i"
-        BENCH_ISSUER_PUBLISHES=1 BENCH_STEPS=$steps bench "$w" "$k" "$limit" "${w}_pub_on$((i + 1))"
-      done
-      unset BENCH_PLAN_FROM
-      { for arm in on off; do
-          python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out"/"${w}_pub_$arm"[0-9]*.json
-        done
-        for t in "$out"/prof_"${w}"_pub_*/trace_"${w}_$k".json.gz; do
-          echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --publishes | tail -1)"
-        done
-      } 2>&1 | tee -a "$out/pubab.txt" || true
-    done ;;
+    # shellcheck disable=SC2086  # the workloads are words
+    onplan_ab pub BENCH_ISSUER_PUBLISHES "${ROUNDS:-1}" ${PUBAB_WORKLOADS:-W4 W2}
+    for t in "$out"/prof_*_pub_*/trace_*.json.gz; do
+      echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --publishes | tail -1)"
+    done 2>&1 | tee -a "$out/pubab.txt" || true ;;
+  stageab)
+    # shellcheck disable=SC2086
+    onplan_ab stage BENCH_STAGE_AHEAD "${ROUNDS:-2}" ${STAGEAB_WORKLOADS:-W3 W2}
+    gaps "$out"/prof_*_stage_*/trace_*.json.gz 2>&1 | tee -a "$out/stageab.txt" || true ;;
   planthr)
     k=ours_io_spec1_stream peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-3}"); do

@@ -104,7 +104,10 @@ rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yield
 ``ring_yields``. Set BENCH_ISSUER_PUBLISHES=0 (or 1) to build it with
 ``issuer_publishes=False`` (or True; unset: the optimizer's default, True since session
 42): the issuing thread publishes streamed regions as they land; rows record
-``issuer_publishes``. Set BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
+``issuer_publishes``. Set BENCH_STAGE_AHEAD=1 (or 0) to build it with ``stage_ahead=True``
+(or False; unset: the optimizer's default, False): step() stages the streamed regions'
+leading chunks' copies up before its answer; rows record ``stage_ahead``. Set
+BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
 copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's defaults
@@ -622,6 +625,7 @@ def _ours(
     ring_yields = os.environ.get("BENCH_RING_YIELD", "0") != "0"
     issuer_publishes = _hybrid_adam_flag("BENCH_ISSUER_PUBLISHES", "issuer_publishes")
     paced_ring = _hybrid_adam_flag("BENCH_STREAM_PACED", "paced_ring")
+    stage_ahead = _hybrid_adam_flag("BENCH_STAGE_AHEAD", "stage_ahead")
     # The streamed copies' contention as set; else, below, the pinned row's or
     # memory_optimize's defaults.
     up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")
@@ -761,6 +765,7 @@ def _ours(
                 paced_ring=paced_ring,
                 ring_yields=ring_yields,
                 issuer_publishes=issuer_publishes,
+                stage_ahead=stage_ahead,
             ),
             module,
             overlap=not ablation,
@@ -880,6 +885,7 @@ def _ours(
     out["paced_ring"] = paced_ring
     out["ring_yields"] = ring_yields
     out["issuer_publishes"] = issuer_publishes
+    out["stage_ahead"] = stage_ahead
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {
@@ -1041,6 +1047,8 @@ def _ours(
     ]
     if any(waits_ms):
         out["streamed_paced_wait_ms_per_step"] = statistics.median(waits_ms)
+    # Ring chunks stepped from staged slots, warmup and timed steps (stage_ahead).
+    out["staged_chunks"] = opt.optimizer.staged_chunks
     if speculate:
         out["undone_steps"] = opt.undone_steps  # of the warmup and timed steps
         if report is not None:  # the last timed step: how many regions stepped early

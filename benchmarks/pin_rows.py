@@ -4,7 +4,7 @@
 
 For each ``offload_bench.py --json`` file: the row's run mean and mean of the 5 fastest
 steps (ms), what it ran with (``speculation_thread``, and what it was planned for;
-``issue_thread``, ``paced_ring``),
+``issue_thread``, ``paced_ring``, ``stage_ahead`` and the chunks it staged),
 and whether its plan was the source row's (``plan_matches_source``; ``source`` for the row
 the others planned from). Then the median run mean of each group of rows named alike (the file name
 without its trailing round number), for comparing ways of running one plan; with ``--all``,
@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
             f"speculation_thread {row.get('speculation_thread')} "
             f"(planned for {row.get('plan_speculation_thread', False)}), "
             f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
+            f"stage_ahead {row.get('stage_ahead', False)} "
+            f"({row.get('staged_chunks', 0)} chunks staged), "
             f"plan matches the source: {matches}"
         )
         if matches is True or args.all:

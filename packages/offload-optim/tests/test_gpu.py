@@ -410,12 +410,22 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
 @pytest.mark.parametrize(
-    ("issue_thread", "speculation_thread", "paced_ring"),
-    [(False, False, False), (True, False, False), (True, True, False), (True, False, True)],
-    ids=["worker_issues", "issue_thread_unpaced", "speculation_thread", "paced_ring"],
+    ("issue_thread", "speculation_thread", "paced_ring", "stage_ahead"),
+    [
+        (False, False, False, False),
+        (True, False, False, False),
+        (True, True, False, False),
+        (True, False, True, False),
+        (True, True, True, True),
+    ],
+    ids=["worker_issues", "issue_thread_unpaced", "speculation_thread", "paced_ring", "staged"],
 )
 def test_cuda_streamed_regions_step_on_the_device(
-    monkeypatch: pytest.MonkeyPatch, issue_thread: bool, speculation_thread: bool, paced_ring: bool
+    monkeypatch: pytest.MonkeyPatch,
+    issue_thread: bool,
+    speculation_thread: bool,
+    paced_ring: bool,
+    stage_ahead: bool,
 ) -> None:
     """Host-state regions marked streamed step on the GPU (their state up, torch's fused
     CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
@@ -424,7 +434,9 @@ def test_cuda_streamed_regions_step_on_the_device(
     step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. With
     ``issue_thread`` the streamed regions are issued from the issuing thread; with
     ``speculation_thread`` the speculative steps run on their own thread too; with
-    ``paced_ring`` the issuing thread waits on the host for each slot's CUDA event."""
+    ``paced_ring`` the issuing thread waits on the host for each slot's CUDA event; with
+    ``stage_ahead`` step() stages the leading chunks' copies up before its answer, and
+    the ring steps them from there ([Note: staging ahead] in streamed.py)."""
     import threading
 
     import offload_optim.streamed as streamed_module
@@ -461,6 +473,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             issue_thread=issue_thread,
             speculation_thread=speculation_thread,
             paced_ring=paced_ring,
+            stage_ahead=stage_ahead,
         )
         amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
         losses: list[float] = []
@@ -498,6 +511,7 @@ def test_cuda_streamed_regions_step_on_the_device(
                     assert st.host_params is not None
                     assert torch.equal(st.host_params, st.master.half())
             assert issued["pieces"] > 0
+            assert (opt.staged_chunks > 0) == stage_ahead
             assert ("offload-stream-issue" in issued["threads"]) == issue_thread
         runs[stream] = (losses, masters(module), skipped)
         module.close()

@@ -71,6 +71,7 @@ class Trainer:
         paced_ring: bool = True,
         ring_yields: bool = False,
         issuer_publishes: bool = True,
+        stage_ahead: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -101,6 +102,7 @@ class Trainer:
                 paced_ring=paced_ring,
                 ring_yields=ring_yields,
                 issuer_publishes=issuer_publishes,
+                stage_ahead=stage_ahead,
             ),
             self.module,
             clipping_norm=clipping,

@@ -48,7 +48,13 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Make the mixed plan's host-state regions after the first streamed (region 0 stays
     host-stepped, so both kinds step in one run), with a ring chunk small enough that
     every region takes several chunks and a ragged tail; counts the pieces issued."""
-    seen: dict[str, Any] = {"pieces": 0, "streamed": [], "threads": set(), "paced": set()}
+    seen: dict[str, Any] = {
+        "pieces": 0,
+        "streamed": [],
+        "threads": set(),
+        "paced": set(),
+        "staged_used": 0,
+    }
     build = test_speculate.offload_module
 
     def offload_streamed(*args: Any, **kwargs: Any) -> Any:
@@ -70,8 +76,15 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         seen["paced"].add((name.split("_")[0], kw.get("paced", False)))
         return issue(self, pieces, grad_scale, **kw)
 
+    close = StreamRing.close
+
+    def closing(self: StreamRing) -> None:
+        seen["staged_used"] += self.staged_used
+        close(self)
+
     monkeypatch.setattr(test_speculate, "offload_module", offload_streamed)
     monkeypatch.setattr(StreamRing, "issue", counting)
+    monkeypatch.setattr(StreamRing, "close", closing)
     monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)
     yield seen
 
@@ -92,6 +105,23 @@ CASES: dict[str, dict[str, Any]] = {
     "unpaced_ring_no_overlap": {"issue_thread": True, "paced_ring": False, "overlap": False},
     "paced_ring_on_the_worker": {"paced_ring": True},
     "ring_yields": {"issue_thread": True, "ring_yields": True},
+    # Staging ahead needs step() to see every region before its answer: not the fp16
+    # overlap above, whose hooks step regions landing after the answer (DEVICE_ANSWER).
+    "stage_ahead_no_overlap": {"stage_ahead": True, "overlap": False},
+    "stage_ahead_inline": {"stage_ahead": True, "host_worker": False, "overlap": False},
+    "stage_ahead_issue_thread": {"stage_ahead": True, "issue_thread": True, "overlap": False},
+    "stage_ahead_accumulate_2": {
+        "stage_ahead": True,
+        "issue_thread": True,
+        "micro": 2,
+        "overlap": False,
+    },
+    "stage_ahead_bf16_moments": {
+        "stage_ahead": True,
+        "moments": torch.bfloat16,
+        "overlap": False,
+    },
+    "stage_ahead_bf16_training": {"stage_ahead": True, "dtype": torch.bfloat16},
 }
 
 
@@ -111,6 +141,8 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         plain = run(False, 7, poison=poison, **kwargs, **growth)
     assert streaming["pieces"] == 0
     assert_same(out, plain)
+    # Staged chunks were stepped, not uploaded again ([Note: staging ahead]).
+    assert (streaming["staged_used"] > 0) == bool(kwargs.get("stage_ahead")), out.modes
     if "dtype" not in kwargs:
         assert out.skipped[2] and not any(out.skipped[3:])
     # Only with issue_thread is anything issued from the issuing thread. Without overlap
@@ -133,8 +165,12 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
 
 @pytest.mark.parametrize(
     "threads",
-    [{"speculation_thread": True}, {"speculation_thread": True, "issue_thread": True}],
-    ids=["speculation_thread", "both_threads"],
+    [
+        {"speculation_thread": True},
+        {"speculation_thread": True, "issue_thread": True},
+        {"speculation_thread": True, "issue_thread": True, "stage_ahead": True},
+    ],
+    ids=["speculation_thread", "both_threads", "both_threads_staged"],
 )
 def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
     threads: dict[str, Any], streaming: dict[str, Any]
@@ -150,6 +186,7 @@ def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
         plain = run(False, 7, poison=(2,), **growth)
     assert_same(out, plain)
     assert out.skipped[2] and not any(out.skipped[3:])
+    assert (streaming["staged_used"] > 0) == bool(threads.get("stage_ahead"))
 
 
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
@@ -587,6 +624,64 @@ def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> 
     assert not torch.equal(master, torch.zeros(n)), "both chunks stepped"
     assert (gates[0].queries > 0) == paced and (gates[1].queries > 0) == paced
     assert (ring.paced_wait_s > 0) == paced, "the waits are counted"
+
+
+def _ring_pieces(*sizes: int) -> list[StreamPiece]:
+    """Pieces with distinct state and gradients, for ring tests on the CPU."""
+    hyper = AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, True)
+    g = torch.Generator().manual_seed(0)
+    return [
+        StreamPiece(
+            torch.randn(n, generator=g),
+            torch.randn(n, generator=g) * 0.1,
+            torch.rand(n, generator=g) * 0.1,
+            torch.randn(n, generator=g),
+            3.0,
+            hyper,
+        )
+        for n in sizes
+    ]
+
+
+@pytest.mark.parametrize("order", ["as_staged", "reversed"])
+def test_a_staged_ring_steps_what_an_unstaged_one_does(order: str) -> None:
+    """[Note: staging ahead]: chunks staged into the free slots step from there, without
+    copies up of their own; asked in another order, the ring drops what it staged and
+    copies up again. Either way the values are the unstaged ring's, bit for bit. Staging
+    stops when the slots run out and once the ring has issued a chunk."""
+    ring_of = functools.partial(StreamRing, torch.device("cpu"), torch.float32, False)
+    plain, staged = _ring_pieces(10, 3), _ring_pieces(10, 3)
+    ring_of(chunk_numel=4, slots=3).issue(plain, 2.0)
+    ring = ring_of(chunk_numel=4, slots=3)
+    first, second = staged
+    assert ring.stage(first.master, first.exp_avg, first.exp_avg_sq, first.grad)
+    assert ring.staged() == 3, "10 elements in chunks of 4 take the three slots"
+    assert not ring.stage(second.master, second.exp_avg, second.exp_avg_sq, second.grad)
+    assert ring.staged() == 3, "no slot is left for the second piece"
+    ring.issue(staged if order == "as_staged" else staged[::-1], 2.0)
+    assert ring.staged_used == (3 if order == "as_staged" else 0)
+    assert ring.staged() == 0
+    assert not ring.stage(first.master, first.exp_avg, first.exp_avg_sq, first.grad)
+    assert ring.staged() == 0, "an issued ring stages nothing"
+    ring.close()
+    for a, b in zip(plain, staged, strict=True):
+        for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
+            assert torch.equal(x, y)
+    assert not torch.equal(plain[0].master, _ring_pieces(10)[0].master), "a step was taken"
+
+
+def test_a_ring_closed_with_chunks_staged_writes_nothing_back() -> None:
+    """A skipped step closes a ring that only staged (``HybridAdam.drop_staged``): the
+    host state is left as it was."""
+    (piece,) = _ring_pieces(6)
+    before = [t.clone() for t in (piece.master, piece.exp_avg, piece.exp_avg_sq)]
+    ring = StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=4, slots=2)
+    assert ring.stage(piece.master, piece.exp_avg, piece.exp_avg_sq, piece.grad)
+    assert ring.staged() == 2
+    ring.close()
+    assert ring.staged() == 0 and ring.staged_used == 0
+    for old, now in zip(before, (piece.master, piece.exp_avg, piece.exp_avg_sq), strict=True):
+        assert torch.equal(old, now)
 
 
 def _record_publishes(controller: OffloadController) -> list[tuple[int, str]]:

@@ -810,99 +810,112 @@ class AMPOptimizer(torch.optim.Optimizer):
             # Host sync point: every gradient hook of this window has run (partials
             # computed, early steps done). Steps queued by the last step() may still run.
             self.controller.wait_gradients()
-        scale = self.loss_scale
-        grad_norm: float | None = None
-        coef = 1.0
-        skipped = False
-        timings = self._timings
-        hypers = self.optimizer.hypers()
-        futures: dict[int, Future[None]] = {}
-        undone = 0
-        speculated = 0
-        committed: list[int] | None = None  # SPECULATIVE_UNDO: filled by the host task
-        # Whether host regions stepped in their hooks depends on thread timing (see the
-        # SPECULATIVE tail), so a changed lr is refused whenever one could have.
-        early = mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO) and any(
-            self.optimizer.region_storage(r).host_state
-            for r in self._notified
-            if self.optimizer.has_region(r)
+        # The streamed regions' copies up need no answer: they go first, before its host
+        # sync point ([Note: staging ahead] in offload_optim/streamed.py).
+        staged = mode is not OverlapMode.DEVICE_ANSWER and self.optimizer.stage_streamed(
+            self._notified
         )
-        if mode is OverlapMode.SPECULATIVE:
-            if early and hypers != self._hypers:
-                raise RuntimeError(
-                    "hyperparameters changed between backward() and step(), but host regions "
-                    "step during backward with the old ones; change the lr (e.g. "
-                    "scheduler.step()) after step() and before the next backward(), or build "
-                    "AMPOptimizer(..., overlap=False)"
-                )
-            rest = self._notified - self._stepped
-            speculated = len(self._stepped)
-            futures = self._step_regions(rest, None, hypers, timings)
-        else:
-            if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
-                self.optimizer.wait_speculation()
-                self.optimizer.undo_speculation()
-                self._reset_window()
-                raise RuntimeError(
-                    "hyperparameters changed between backward() and step(), but host regions "
-                    "stepped speculatively during backward with the old ones; the step was "
-                    "not taken (undone): call zero_grad() and run the batch again, and "
-                    "change the lr (e.g. scheduler.step()) after step() and before the next "
-                    "backward()"
-                )
-            assert mode is not OverlapMode.SPECULATIVE_UNDO or self._spec_scale == (
-                None if scale == 1.0 else scale
-            ), "speculative steps divided by another loss scale"
-            window = self._window if mode is OverlapMode.DEVICE_ANSWER else None
-            if window is not None and self._micro > 1:
-                # Accumulated: the hooks of the earlier micro-batches have run (they are
-                # queued before this mark, and the last backward waited for most of them
-                # already), so the window's regions are all notified; the last backward's
-                # hooks may still be in flight.
-                window.mode_set.wait()
-            if self._needs_answer():
-                if window is not None:
-                    with window.lock:  # hooks still add the regions that land
-                        notified = set(self._notified)
-                else:
-                    notified = self._notified
-                total, is_norm = self._combine(self.norm_type, fresh=False, notified=notified)
-                # Host sync point (once per step, after backward): the skip/clip answer
-                # decides what every region does next.
-                overflow = not bool(torch.isfinite(total))
-                if is_norm:
-                    unscaled = total / scale
-                    grad_norm = float(unscaled)
-                    if self.clipping_norm > 0 and not overflow:
-                        clip = (self.clipping_norm / (unscaled + _CLIP_EPS)).clamp(max=1.0)
-                        coef = float(clip)
-                skipped = self.scaling and overflow
-            if skipped:
-                if window is not None:
-                    with window.lock:
-                        window.answer = _Answer(True, None, hypers, timings, {})
-                # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
-                self.optimizer.wait_speculation()
-                undone = len(self.optimizer.undo_speculation())
-                speculated = undone
-                if undone:
-                    self.undone_steps += 1
-            else:
-                divisor = scale / coef
-                grad_scale = None if divisor == 1.0 else divisor
-                if window is not None:
-                    futures = self._hand_over(window, grad_scale, hypers, timings)
-                elif mode is OverlapMode.SPECULATIVE_UNDO:
-                    # Those stepped in their hooks are committed by the host task, once
-                    # it has issued the streamed regions and the speculative steps are
-                    # done (on their own thread with speculation_thread), and only
-                    # published, in forward order among the rest.
-                    committed = []
-                    futures = self._step_regions(
-                        self._notified, grad_scale, hypers, timings, committed=committed
+        futures: dict[int, Future[None]] = {}
+        try:
+            scale = self.loss_scale
+            grad_norm: float | None = None
+            coef = 1.0
+            skipped = False
+            timings = self._timings
+            hypers = self.optimizer.hypers()
+            undone = 0
+            speculated = 0
+            committed: list[int] | None = None  # SPECULATIVE_UNDO: filled by the host task
+            # Whether host regions stepped in their hooks depends on thread timing (see the
+            # SPECULATIVE tail), so a changed lr is refused whenever one could have.
+            early = mode in (OverlapMode.SPECULATIVE, OverlapMode.SPECULATIVE_UNDO) and any(
+                self.optimizer.region_storage(r).host_state
+                for r in self._notified
+                if self.optimizer.has_region(r)
+            )
+            if mode is OverlapMode.SPECULATIVE:
+                if early and hypers != self._hypers:
+                    raise RuntimeError(
+                        "hyperparameters changed between backward() and step(), but host regions "
+                        "step during backward with the old ones; change the lr (e.g. "
+                        "scheduler.step()) after step() and before the next backward(), or build "
+                        "AMPOptimizer(..., overlap=False)"
                     )
+                rest = self._notified - self._stepped
+                speculated = len(self._stepped)
+                futures = self._step_regions(rest, None, hypers, timings)
+            else:
+                if mode is OverlapMode.SPECULATIVE_UNDO and early and hypers != self._hypers:
+                    self.optimizer.wait_speculation()
+                    self.optimizer.undo_speculation()
+                    self._reset_window()
+                    raise RuntimeError(
+                        "hyperparameters changed between backward() and step(), but host regions "
+                        "stepped speculatively during backward with the old ones; the step was "
+                        "not taken (undone): call zero_grad() and run the batch again, and "
+                        "change the lr (e.g. scheduler.step()) after step() and before the next "
+                        "backward()"
+                    )
+                assert mode is not OverlapMode.SPECULATIVE_UNDO or self._spec_scale == (
+                    None if scale == 1.0 else scale
+                ), "speculative steps divided by another loss scale"
+                window = self._window if mode is OverlapMode.DEVICE_ANSWER else None
+                if window is not None and self._micro > 1:
+                    # Accumulated: the hooks of the earlier micro-batches have run (they are
+                    # queued before this mark, and the last backward waited for most of them
+                    # already), so the window's regions are all notified; the last backward's
+                    # hooks may still be in flight.
+                    window.mode_set.wait()
+                if self._needs_answer():
+                    if window is not None:
+                        with window.lock:  # hooks still add the regions that land
+                            notified = set(self._notified)
+                    else:
+                        notified = self._notified
+                    total, is_norm = self._combine(self.norm_type, fresh=False, notified=notified)
+                    # Host sync point (once per step, after backward): the skip/clip answer
+                    # decides what every region does next.
+                    overflow = not bool(torch.isfinite(total))
+                    if is_norm:
+                        unscaled = total / scale
+                        grad_norm = float(unscaled)
+                        if self.clipping_norm > 0 and not overflow:
+                            clip = (self.clipping_norm / (unscaled + _CLIP_EPS)).clamp(max=1.0)
+                            coef = float(clip)
+                    skipped = self.scaling and overflow
+                if skipped:
+                    if window is not None:
+                        with window.lock:
+                            window.answer = _Answer(True, None, hypers, timings, {})
+                    # Restores the masters the hooks stepped (SPECULATIVE_UNDO; else nothing).
+                    self.optimizer.wait_speculation()
+                    undone = len(self.optimizer.undo_speculation())
+                    speculated = undone
+                    if undone:
+                        self.undone_steps += 1
                 else:
-                    futures = self._step_regions(self._notified, grad_scale, hypers, timings)
+                    divisor = scale / coef
+                    grad_scale = None if divisor == 1.0 else divisor
+                    if window is not None:
+                        futures = self._hand_over(window, grad_scale, hypers, timings)
+                    elif mode is OverlapMode.SPECULATIVE_UNDO:
+                        # Those stepped in their hooks are committed by the host task, once
+                        # it has issued the streamed regions and the speculative steps are
+                        # done (on their own thread with speculation_thread), and only
+                        # published, in forward order among the rest.
+                        committed = []
+                        futures = self._step_regions(
+                            self._notified, grad_scale, hypers, timings, committed=committed
+                        )
+                    else:
+                        futures = self._step_regions(self._notified, grad_scale, hypers, timings)
+        except BaseException:
+            if staged:
+                self.optimizer.drop_staged()
+            raise
+        if staged and not futures:
+            # Skipped: no task steps what was staged (a queued one would close the ring).
+            self.optimizer.drop_staged()
         if self.scaling:
             self.scaler.update(skipped)
         if not skipped:

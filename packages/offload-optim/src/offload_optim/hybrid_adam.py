@@ -376,7 +376,18 @@ class HybridAdam(torch.optim.Optimizer):
             default: the planner models a streamed region published as it lands, and in
             session 42's profiled H200 steps the host worker, in a host step, published
             W4's streamed regions a median 8 ms after they landed and W2's 11 ms
-            (BENCHMARKS.md). Not yet measured on a GPU with it.
+            (BENCHMARKS.md). Measured on one plan each way, alternating, in session 43:
+            W4's 5 fastest steps 890-940 ms with it against 882-1005 ms without (medians
+            930 and 962), W2's 332 and 339 ms against 346, and W3 (streamed regions
+            landing while the host worker is idle) unchanged within noise.
+        stage_ahead: ``AMPOptimizer.step()`` first has the host worker issue the copies
+            up of the streamed regions' leading chunks (as many as the ring has slots),
+            then works out the step's answer; the step's task then only steps and copies
+            down those chunks (see [Note: staging ahead] in streamed.py). Values are the
+            same either way; a skipped step leaves the staged copies unused. Off by
+            default until measured on a GPU: in session 43's W3 trace the first copy up
+            ran 10 ms after ``step()`` began, and the next forward waited 24 ms for the
+            two streamed regions.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -400,6 +411,7 @@ class HybridAdam(torch.optim.Optimizer):
         paced_ring: bool = True,
         ring_yields: bool = False,
         issuer_publishes: bool = True,
+        stage_ahead: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -448,6 +460,10 @@ class HybridAdam(torch.optim.Optimizer):
         self.ring_yields = ring_yields
         self.issuer_publishes = issuer_publishes
         """Whether the issuing thread publishes too (see above)."""
+        self.stage_ahead = stage_ahead
+        """Whether :meth:`stage_streamed` stages anything (see above)."""
+        self.staged_chunks = 0
+        """Ring chunks stepped from a staged slot so far ([Note: staging ahead])."""
         self.speculation_thread = speculation_thread
         self._speculator: ThreadPoolExecutor | None = None
         """The thread speculative steps run on with ``speculation_thread`` (made at the
@@ -1530,6 +1546,51 @@ class HybridAdam(torch.optim.Optimizer):
             if publishes:
                 queue.publish_until_empty(streamed.PUBLISH_POLL_S)
 
+    def stage_streamed(self, regions: Iterable[int]) -> bool:
+        """Main thread, before the step's answer (``AMPOptimizer.step()``): with
+        ``stage_ahead``, queue on the host worker the copies up of the streamed ones
+        among ``regions`` that have gradients, in forward order, as far as the ring's
+        slots go ([Note: staging ahead] in streamed.py). True if a task was queued; then,
+        should the step be skipped, call :meth:`drop_staged`."""
+        if not self.stage_ahead:
+            return False
+        self._ensure_laid_out()
+        # Which segments have gradients is read here, as submit_host_steps reads it.
+        jobs = [
+            (r, segments)
+            for r in sorted(regions)
+            if r in self._regions and self._regions[r].storage.streamed
+            for segments in [self._segments_with_grad(r)]
+            if segments
+        ]
+        if not jobs:
+            return False
+        self._require_controller().submit_host(partial(self._stage_task, jobs))
+        return True
+
+    def drop_staged(self) -> None:
+        """Main thread, after :meth:`stage_streamed` for a step that was skipped: close the
+        ring on the host worker (after the staged copies up), nothing issued on it."""
+        self._require_controller().submit_host(self.publish_streamed)
+
+    @torch.no_grad()
+    def _stage_task(self, jobs: list[tuple[int, list[_Segment]]]) -> None:
+        """Host worker: open a ring and stage the leading chunks of the ``jobs``' pieces
+        (region, its segments with gradients), as :meth:`_issue_streamed` will build
+        them. A ring already open has its slots in use: nothing is staged then."""
+        if self._streaming is not None:
+            return
+        ring, _ = self._streaming_session()
+        with torch.profiler.record_function("stage streamed"):
+            for r, segments in jobs:
+                io = self._staged_io(self._regions[r], segments)
+                for seg in segments:
+                    assert seg.grad is not None
+                    a, b = seg.start, seg.start + seg.param.numel()
+                    grad = seg.grad if io is None else io[0][a:b]
+                    if not ring.stage(seg.param, seg.exp_avg, seg.exp_avg_sq, grad):
+                        return
+
     def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:
         """Host worker: run ``issue`` on the issuing thread; the ring stays open until
         :meth:`_finish_issuing`."""
@@ -1576,6 +1637,7 @@ class HybridAdam(torch.optim.Optimizer):
         if not queue.regions() and not self._issuing:
             self._streaming = None
             ring.close()  # every download has landed: no wait
+            self.staged_chunks += ring.staged_used
 
     def _drop_streaming(self) -> None:
         """Host worker, after an error: free the ring after its last download, leaving
@@ -1584,6 +1646,7 @@ class HybridAdam(torch.optim.Optimizer):
             ring, _ = self._streaming
             self._streaming = None
             ring.close()
+            self.staged_chunks += ring.staged_used
 
     @torch.no_grad()
     def issue_region(

@@ -99,6 +99,28 @@ goes up before it. No cycle: the h2d stream's work waits only for the compute st
 release of a slot, and the compute stream waits for a streamed region only once its
 chunks were issued. The planner's H2D lane is FIFO by issue, as before.
 
+[Note: staging ahead]
+A streamed region's copies up (master, moments, gradient) do not depend on the step's
+answer: only its device step (the loss scale and clipping coefficient it divides by, and
+whether it runs at all) does. Yet they used to be issued only once step()'s task had the
+answer and the issuing thread got to them. In session 43's W3 trace on an H200
+(``benchmarks/results/s43c3_trace_W3_pub_on2.json.gz``, ``copy_lag.py --window
+235:300``), ``step()`` began at 244.2 ms with the h2d lane idle, the first copy up of
+streamed region 1 ran at 254.0 (the answer's sync, the task's queueing, the ring's
+allocation, the issuing thread's start), and the next forward idled 12 ms for region 1
+and 12 ms for region 5 behind it. With
+``HybridAdam(stage_ahead=True)`` step() first queues a task that opens the ring and
+issues the copies up of the streamed regions' leading chunks, in forward order, into its
+free slots (:meth:`StreamRing.stage`, as many chunks as there are slots), and then works
+out its answer. The step's task issues the same chunks as before; a chunk that was
+staged skips its copies up and steps once they are done. If the step is skipped, the
+ring is closed, the staged copies unused (nothing on the host was written). The host
+buffers staged are final by then: step() waited for the window's gradient work, and the
+streamed regions' last downloads landed in the previous step's task, which ran first.
+The planner already issues a streamed region's copies up as step() returns, beside the
+device-state steps ([Note: streamed steps] in the solver's simulator), so it predicts the
+staged step more closely than the unstaged one. Off by default until measured on a GPU.
+
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
 new master there. It used to narrow it into the slot's fp16 copy, copy that down into the
@@ -291,6 +313,17 @@ class _Slot:
 
 
 @dataclass(frozen=True)
+class _Staged:
+    """A chunk whose copies up were issued ahead of its step (:meth:`StreamRing.stage`)."""
+
+    key: tuple[int, int, int, int]
+    """(master's and gradient's data pointers, chunk start, chunk end): what
+    :meth:`StreamRing.issue` must be asked to step for the chunk to be used."""
+    slot: int
+    uploaded: Event
+
+
+@dataclass(frozen=True)
 class StreamPiece:
     """One host-state slice to step on the device: its host tensors (flat, same length)."""
 
@@ -377,6 +410,12 @@ class StreamRing:
             )
         self._next = 0
         self._last: Event | None = None
+        self._staged: deque[_Staged] = deque()
+        """Chunks staged ahead, in slot order from ``_next`` ([Note: staging ahead])."""
+        self._staged_last: Event | None = None
+        """After the last staged chunk's copies up: what :meth:`close` waits for too."""
+        self.staged_used = 0
+        """Chunks stepped from a staged slot (their copies up issued ahead)."""
         self.paced_wait_s = 0.0
         """Seconds the issuing thread has waited for free slots (``issue(paced=True)``)."""
 
@@ -406,6 +445,34 @@ class StreamRing:
                 self._chunk(piece, a, b, step, scale, paced, between)
         return self._last
 
+    def stage(
+        self,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+    ) -> bool:
+        """Issue the copies up of a piece's leading chunks (master, moments, gradient:
+        the tensors :meth:`issue` will get as a :class:`StreamPiece`) into free slots
+        now, ahead of the step's answer ([Note: staging ahead]). True when every chunk of
+        the piece is staged; False when the slots ran out first (or the ring has issued
+        a chunk already: only a fresh ring stages). Blocks on nothing."""
+        total = master.numel()
+        for a in range(0, total, self.chunk):
+            if self._last is not None or len(self._staged) >= len(self.slots):
+                return False
+            b = min(total, a + self.chunk)
+            index = (self._next + len(self._staged)) % len(self.slots)
+            uploaded = self._upload(self.slots[index], master, exp_avg, exp_avg_sq, grad, a, b)
+            key = (master.data_ptr(), grad.data_ptr(), a, b)
+            self._staged.append(_Staged(key, index, uploaded))
+            self._staged_last = uploaded
+        return True
+
+    def staged(self) -> int:
+        """Chunks staged and not yet stepped."""
+        return len(self._staged)
+
     def written(self) -> Event:
         """The event after every device step issued so far (and so after every
         ``device_out`` write): what a forward reading those parameters waits for."""
@@ -421,6 +488,7 @@ class StreamRing:
         paced: bool = False,
         between: Callable[[], None] | None = None,
     ) -> None:
+        staged = self._take_staged((piece.master.data_ptr(), piece.grad.data_ptr(), a, b))
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
         if paced and slot.free is not None and not slot.free.query():
@@ -430,14 +498,13 @@ class StreamRing:
         n = b - a
         sp, sm, sv = slot.master[:n], slot.exp_avg[:n], slot.exp_avg_sq[:n]
         sg = self._grad_buffer(slot, piece.grad.dtype)[:n]
-        self.up.wait(slot.free)
-        if self.after is not None:
-            self.up.wait(self.after.record())
-        with self.up.context():
-            for dst, src in ((sp, piece.master), (sm, piece.exp_avg), (sv, piece.exp_avg_sq)):
-                dst.copy_(src[a:b], non_blocking=True)
-            sg.copy_(piece.grad[a:b], non_blocking=True)
-            uploaded = self.up.record()
+        if staged is None:
+            uploaded = self._upload(
+                slot, piece.master, piece.exp_avg, piece.exp_avg_sq, piece.grad, a, b
+            )
+        else:
+            uploaded = staged.uploaded
+            self.staged_used += 1
         self.step.wait(uploaded)
         with self.step.context():
             g = (
@@ -468,6 +535,47 @@ class StreamRing:
                 piece.half_out[a:b].copy_(half, non_blocking=True)
             slot.free = self._last = self.down.record()
 
+    def _take_staged(self, key: tuple[int, int, int, int]) -> _Staged | None:
+        """The staged chunk ``key`` if it is the next one staged (its slot is then the
+        next slot), else None, dropping every staged chunk: steps asked in another order
+        than staged upload their chunks again (the staged copies, on the same up stream,
+        go before anything copied into those slots later)."""
+        if not self._staged:
+            return None
+        if self._staged[0].key != key:
+            self._staged.clear()
+            return None
+        staged = self._staged.popleft()
+        assert staged.slot == self._next, "staged chunks take the slots in issue order"
+        return staged
+
+    def _upload(
+        self,
+        slot: _Slot,
+        master: torch.Tensor,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        grad: torch.Tensor,
+        a: int,
+        b: int,
+    ) -> Event:
+        """Issue the copies up of elements ``a:b`` into ``slot`` (after its last
+        download); returns the event after them."""
+        n = b - a
+        sg = self._grad_buffer(slot, grad.dtype)[:n]
+        self.up.wait(slot.free)
+        if self.after is not None:
+            self.up.wait(self.after.record())
+        with self.up.context():
+            for dst, src in (
+                (slot.master[:n], master),
+                (slot.exp_avg[:n], exp_avg),
+                (slot.exp_avg_sq[:n], exp_avg_sq),
+                (sg, grad),
+            ):
+                dst.copy_(src[a:b], non_blocking=True)
+            return self.up.record()
+
     def _grad_buffer(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
         buf = slot.grads.get(dtype)
         if buf is None:
@@ -478,9 +586,12 @@ class StreamRing:
         return buf
 
     def close(self) -> None:
-        """Wait for every queued download (a host sync point) and free the buffers."""
-        if self._last is not None:
-            self._last.synchronize()
+        """Wait for every queued download and staged upload (a host sync point) and free
+        the buffers."""
+        for event in (self._last, self._staged_last):
+            if event is not None:
+                event.synchronize()
+        self._staged.clear()
         self.slots = []
         self.grad32 = self.moments32 = None
 
