@@ -1556,13 +1556,12 @@ class HybridAdam(torch.optim.Optimizer):
             return False
         self._ensure_laid_out()
         # Which segments have gradients is read here, as submit_host_steps reads it.
-        jobs = [
-            (r, segments)
-            for r in sorted(regions)
-            if r in self._regions and self._regions[r].storage.streamed
-            for segments in [self._segments_with_grad(r)]
-            if segments
-        ]
+        jobs: list[tuple[int, list[_Segment]]] = []
+        for r in sorted(regions):
+            if r in self._regions and self._regions[r].storage.streamed:
+                segments = self._segments_with_grad(r)
+                if segments:
+                    jobs.append((r, segments))
         if not jobs:
             return False
         self._require_controller().submit_host(partial(self._stage_task, jobs))

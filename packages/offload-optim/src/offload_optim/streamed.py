@@ -312,6 +312,14 @@ class _Slot:
     """When the slot's last download has landed (None: never used)."""
 
 
+def _chunk_key(
+    master: torch.Tensor, grad: torch.Tensor, a: int, b: int
+) -> tuple[int, int, int, int]:
+    """What identifies a chunk to stage and to step: its host master's and gradient's
+    data pointers and its bounds."""
+    return (master.data_ptr(), grad.data_ptr(), a, b)
+
+
 @dataclass(frozen=True)
 class _Staged:
     """A chunk whose copies up were issued ahead of its step (:meth:`StreamRing.stage`)."""
@@ -464,8 +472,7 @@ class StreamRing:
             b = min(total, a + self.chunk)
             index = (self._next + len(self._staged)) % len(self.slots)
             uploaded = self._upload(self.slots[index], master, exp_avg, exp_avg_sq, grad, a, b)
-            key = (master.data_ptr(), grad.data_ptr(), a, b)
-            self._staged.append(_Staged(key, index, uploaded))
+            self._staged.append(_Staged(_chunk_key(master, grad, a, b), index, uploaded))
             self._staged_last = uploaded
         return True
 
@@ -488,7 +495,7 @@ class StreamRing:
         paced: bool = False,
         between: Callable[[], None] | None = None,
     ) -> None:
-        staged = self._take_staged((piece.master.data_ptr(), piece.grad.data_ptr(), a, b))
+        staged = self._take_staged(piece, a, b)
         slot = self.slots[self._next]
         self._next = (self._next + 1) % len(self.slots)
         if paced and slot.free is not None and not slot.free.query():
@@ -535,14 +542,14 @@ class StreamRing:
                 piece.half_out[a:b].copy_(half, non_blocking=True)
             slot.free = self._last = self.down.record()
 
-    def _take_staged(self, key: tuple[int, int, int, int]) -> _Staged | None:
-        """The staged chunk ``key`` if it is the next one staged (its slot is then the
-        next slot), else None, dropping every staged chunk: steps asked in another order
-        than staged upload their chunks again (the staged copies, on the same up stream,
-        go before anything copied into those slots later)."""
+    def _take_staged(self, piece: StreamPiece, a: int, b: int) -> _Staged | None:
+        """Elements ``a:b`` of ``piece`` staged, if they are the next chunk staged (its
+        slot is then the next slot), else None, dropping every staged chunk: steps asked
+        in another order than staged upload their chunks again (the staged copies, on the
+        same up stream, go before anything copied into those slots later)."""
         if not self._staged:
             return None
-        if self._staged[0].key != key:
+        if self._staged[0].key != _chunk_key(piece.master, piece.grad, a, b):
             self._staged.clear()
             return None
         staged = self._staged.popleft()
