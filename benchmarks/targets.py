@@ -207,18 +207,42 @@ def _ratio_cell(row: Row, ratio: float, run_ratio: float | None) -> str:
     return f"{row.label}: {ratio:.3f}x{run}"
 
 
+def _floor_end(result: dict[str, Any], full: dict[str, Any] | None) -> str:
+    """What a row's floor is (:func:`offload_bench.issue_floor`): the part that sets it and
+    beside it full GPU's compute (or, where that sets it, the next largest part), so that
+    a floor set by the host (a slow host's Adam rate) is not read as the GPU's."""
+    parts = dict(result.get("floor_parts_ms", {}))
+    if full and full.get("ok"):
+        parts["gpu_compute"] = full["fwd_bwd_ms"]
+    if not parts:
+        return ""
+    ranked = sorted(parts, key=lambda k: parts[k], reverse=True)
+    compute = ranked[0] != "gpu_compute" and "gpu_compute" in parts
+    other = ["gpu_compute"] if compute else ranked[1:2]
+    text = f" of {ranked[0]} {parts[ranked[0]]:.1f} ms"
+    return text + "".join(f" ({k} {parts[k]:.1f})" for k in other)
+
+
 def ratio_verdict(
-    target: str, limit: float, ratios: list[tuple[Row, float, float | None]], strict: bool
+    target: str,
+    limit: float,
+    ratios: list[tuple[Row, float, float | None]],
+    strict: bool,
+    suffixes: list[str] | None = None,
 ) -> Verdict:
     """``target`` over ``ratios`` (row, ratio by the 5 fastest, ratio by run means): met
-    when each ratio is within ``limit`` (below it, with ``strict``)."""
+    when each ratio is within ``limit`` (below it, with ``strict``). ``suffixes``, one a
+    ratio, end their rows' cells (what a floor ratio was taken of)."""
     if not ratios:
         return Verdict(target, ["no rows"], "not measured")
 
     def ok(x: float) -> bool:
         return x < limit if strict else x <= limit
 
-    cells = [_ratio_cell(row, r, run) for row, r, run in ratios]
+    ends = suffixes if suffixes is not None else [""] * len(ratios)
+    cells = [
+        _ratio_cell(row, r, run) + end for (row, r, run), end in zip(ratios, ends, strict=True)
+    ]
     values = [r for _, r, _ in ratios]
     median = statistics.median(values)
     if all(ok(v) for v in values):
@@ -302,6 +326,8 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         fp32 = [r for r in rows if r.workload == w and _fp32_state(r)]
         floors: list[tuple[Row, float, float | None]] = []
         partial: list[tuple[Row, float, float | None]] = []
+        floor_ends: list[str] = []
+        partial_ends: list[str] = []
         for row in fp32:
             ref = full_gpu_kind(row)
             full = None if ref is None else _peer_row(row, ref)
@@ -310,10 +336,18 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
                 mean = row.result.get("step_mean_ms")
                 run = None if mean is None else mean / floor[0]
                 ratio = (row, row.result["step_ms"] / floor[0], run)
-                (floors if full is not None and full.get("ok") else partial).append(ratio)
+                whole = full is not None and full.get("ok")
+                (floors if whole else partial).append(ratio)
+                (floor_ends if whole else partial_ends).append(_floor_end(row.result, full))
         # A floor without full-GPU training's compute is a lower bound: such rows are
         # judged only where no row of the workload had the whole floor.
-        verdict = ratio_verdict(f"{w} fp32 state <= 1.15x floor", 1.15, floors or partial, False)
+        verdict = ratio_verdict(
+            f"{w} fp32 state <= 1.15x floor",
+            1.15,
+            floors or partial,
+            False,
+            floor_ends if floors else partial_ends,
+        )
         if floors and partial:
             verdict.cells.append(
                 "left out, no full GPU that trained in their call: "

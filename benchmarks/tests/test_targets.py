@@ -237,11 +237,33 @@ def test_rows_without_full_gpu_in_their_call_are_left_out_of_the_floor(
     (verdict,) = [v for v in targets.verdicts(targets.load_rows([a, b])) if v.target == target]
     assert verdict.status == "met"
     assert verdict.cells == [
-        "s99c1_a ours: 1.150x (run 1.150x)",
+        "s99c1_a ours: 1.150x (run 1.150x) of gpu_compute 200.0 ms (host_adam 100.0)",
         "left out, no full GPU that trained in their call: s99c2_b ours 2.500x",
     ]
     (alone,) = [v for v in targets.verdicts(targets.load_rows([b])) if v.target == target]
     assert alone.status == "missed: median 2.500x, 117.4% over 1.15x"
+    assert alone.cells == ["s99c2_b ours: 2.500x (run 2.500x) of host_adam 100.0 ms"]
+
+
+def test_a_floor_set_by_the_host_says_so() -> None:
+    # Session 44's host stepped the fused fp32 Adam at 1.65 Gparam/s (session 43's at
+    # 3.87), so W3's floor was its host-state parameters at that rate (336.8 ms), not
+    # full GPU's forward and backward (210.7 ms): the rows are under 1.15x of the first
+    # and over it of the second, and each cell names both.
+    rows = targets.load_rows(sorted(RESULTS.glob("s44c2_W3_stage_*.json")))
+    (verdict,) = [v for v in targets.verdicts(rows) if v.target == "W3 fp32 state <= 1.15x floor"]
+    assert verdict.status == "met"
+    end = " of host_adam_all_host_state 336.8 ms (gpu_compute 210.7)"
+    assert verdict.cells == [
+        f"s44c2_W3_stage_{arm} ours_io_spec1_stream: {ratios}{end}"
+        for arm, ratios in (
+            ("off1", "0.796x (run 0.835x)"),
+            ("off2", "0.784x (run 0.837x)"),
+            ("on1", "0.781x (run 0.851x)"),
+            ("on2", "0.792x (run 0.804x)"),
+            ("on3", "0.820x (run 0.860x)"),
+        )
+    ]
 
 
 def test_failed_rows_and_the_ablation_are_left_out(tmp_path: Path) -> None:
