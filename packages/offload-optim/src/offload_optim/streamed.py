@@ -119,7 +119,13 @@ buffers staged are final by then: step() waited for the window's gradient work, 
 streamed regions' last downloads landed in the previous step's task, which ran first.
 The planner already issues a streamed region's copies up as step() returns, beside the
 device-state steps ([Note: streamed steps] in the solver's simulator), so it predicts the
-staged step more closely than the unstaged one. Off by default until measured on a GPU.
+staged step more closely than the unstaged one. Off by default: on an H200 in session 44
+(``benchmarks/results/s44c2_trace_W3_stage_{on2,off1}.json.gz``) W3's first copy up ran
+at 238.1 ms staged against 246.9, and the first compute gap at the boundary fell from 29
+ms to 19, but the H2D lanes were then busy without a break to about 300 ms either way
+(the streamed regions' 14 bytes a parameter and the host-stepped regions' uploads), so
+the forward waited later instead: 263-276 ms a step against 264-268. W2 stepped 402-424
+ms staged against 383.
 
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
