@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             f"(planned for {row.get('plan_speculation_thread', False)}), "
             f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
             f"stage_ahead {row.get('stage_ahead', False)} "
-            f"({row.get('staged_chunks', 0)} chunks staged), "
+            f"({row.get('staged_chunks', 0)} chunks staged"
+            f"{', from backward' if row.get('stage_in_backward') else ''}), "
             f"plan matches the source: {matches}"
         )
         if matches is True or args.all:

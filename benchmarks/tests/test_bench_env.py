@@ -64,6 +64,7 @@ def test_stream_not_first_moves_the_first_streamed_region_to_the_next_host_one(
         ("BENCH_STREAM_PACED", "paced_ring", True),
         ("BENCH_ISSUER_PUBLISHES", "issuer_publishes", True),
         ("BENCH_STAGE_AHEAD", "stage_ahead", False),
+        ("BENCH_STAGE_IN_BACKWARD", "stage_in_backward", False),
     ],
 )
 def test_optimizer_flags_follow_hybrid_adams_defaults_unless_set(

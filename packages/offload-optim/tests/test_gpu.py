@@ -410,15 +410,23 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
 @pytest.mark.parametrize(
-    ("issue_thread", "speculation_thread", "paced_ring", "stage_ahead"),
+    ("issue_thread", "speculation_thread", "paced_ring", "stage_ahead", "stage_in_backward"),
     [
-        (False, False, False, False),
-        (True, False, False, False),
-        (True, True, False, False),
-        (True, False, True, False),
-        (True, True, True, True),
+        (False, False, False, False, False),
+        (True, False, False, False, False),
+        (True, True, False, False, False),
+        (True, False, True, False, False),
+        (True, True, True, True, False),
+        (True, True, True, True, True),
     ],
-    ids=["worker_issues", "issue_thread_unpaced", "speculation_thread", "paced_ring", "staged"],
+    ids=[
+        "worker_issues",
+        "issue_thread_unpaced",
+        "speculation_thread",
+        "paced_ring",
+        "staged",
+        "staged_in_backward",
+    ],
 )
 def test_cuda_streamed_regions_step_on_the_device(
     monkeypatch: pytest.MonkeyPatch,
@@ -426,6 +434,7 @@ def test_cuda_streamed_regions_step_on_the_device(
     speculation_thread: bool,
     paced_ring: bool,
     stage_ahead: bool,
+    stage_in_backward: bool,
 ) -> None:
     """Host-state regions marked streamed step on the GPU (their state up, torch's fused
     CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
@@ -436,14 +445,22 @@ def test_cuda_streamed_regions_step_on_the_device(
     ``speculation_thread`` the speculative steps run on their own thread too; with
     ``paced_ring`` the issuing thread waits on the host for each slot's CUDA event; with
     ``stage_ahead`` step() stages the leading chunks' copies up before its answer, and
-    the ring steps them from there ([Note: staging ahead] in streamed.py)."""
+    the ring steps them from there ([Note: staging ahead] in streamed.py); with
+    ``stage_in_backward`` the backward's first streamed hook stages their master weights
+    and moments, and the step copies up their gradients ([Note: staging the state in
+    backward])."""
     import threading
 
     import offload_optim.streamed as streamed_module
     from offload_optim.streamed import StreamRing
 
-    issued: dict[str, Any] = {"pieces": 0, "threads": set()}
+    issued: dict[str, Any] = {"pieces": 0, "threads": set(), "state_staged": 0}
     issue = StreamRing.issue
+    stage = StreamRing.stage
+
+    def staging(self: StreamRing, *tensors: Any) -> bool:
+        issued["state_staged"] += tensors[-1] is None
+        return stage(self, *tensors)
 
     def counting(self: StreamRing, pieces: list[Any], grad_scale: float | None, **kw: Any) -> Any:
         issued["pieces"] += len(pieces)
@@ -451,6 +468,7 @@ def test_cuda_streamed_regions_step_on_the_device(
         return issue(self, pieces, grad_scale, **kw)
 
     monkeypatch.setattr(StreamRing, "issue", counting)
+    monkeypatch.setattr(StreamRing, "stage", staging)
     monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)  # ragged chunks
     model = tiny_gpt2()
     runs: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
@@ -474,6 +492,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             speculation_thread=speculation_thread,
             paced_ring=paced_ring,
             stage_ahead=stage_ahead,
+            stage_in_backward=stage_in_backward,
         )
         amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
         losses: list[float] = []
@@ -512,6 +531,7 @@ def test_cuda_streamed_regions_step_on_the_device(
                     assert torch.equal(st.host_params, st.master.half())
             assert issued["pieces"] > 0
             assert (opt.staged_chunks > 0) == stage_ahead
+            assert (issued["state_staged"] > 0) == stage_in_backward
             assert ("offload-stream-issue" in issued["threads"]) == issue_thread
         runs[stream] = (losses, masters(module), skipped)
         module.close()

@@ -72,6 +72,7 @@ class Trainer:
         ring_yields: bool = False,
         issuer_publishes: bool = True,
         stage_ahead: bool = False,
+        stage_in_backward: bool = False,
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
@@ -103,6 +104,7 @@ class Trainer:
                 ring_yields=ring_yields,
                 issuer_publishes=issuer_publishes,
                 stage_ahead=stage_ahead,
+                stage_in_backward=stage_in_backward,
             ),
             self.module,
             clipping_norm=clipping,

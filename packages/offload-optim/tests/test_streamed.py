@@ -54,6 +54,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         "threads": set(),
         "paced": set(),
         "staged_used": 0,
+        "staged_state": 0,
     }
     build = test_speculate.offload_module
 
@@ -76,6 +77,15 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
         seen["paced"].add((name.split("_")[0], kw.get("paced", False)))
         return issue(self, pieces, grad_scale, **kw)
 
+    stage = StreamRing.stage
+
+    def staging(self: StreamRing, *tensors: Any) -> bool:
+        before = self.staged()
+        done = stage(self, *tensors)
+        if tensors[-1] is None:  # the state alone, in a backward hook
+            seen["staged_state"] += self.staged() - before
+        return done
+
     close = StreamRing.close
 
     def closing(self: StreamRing) -> None:
@@ -85,6 +95,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(test_speculate, "offload_module", offload_streamed)
     monkeypatch.setattr(StreamRing, "issue", counting)
     monkeypatch.setattr(StreamRing, "close", closing)
+    monkeypatch.setattr(StreamRing, "stage", staging)
     monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)
     yield seen
 
@@ -122,6 +133,38 @@ CASES: dict[str, dict[str, Any]] = {
         "overlap": False,
     },
     "stage_ahead_bf16_training": {"stage_ahead": True, "dtype": torch.bfloat16},
+    # Staging the state in backward: in the hooks of the last micro-batch's backward, with
+    # overlap and no answer taken on the device (bf16 training; clipping's partials).
+    "stage_in_backward_bf16_training": {
+        "stage_ahead": True,
+        "stage_in_backward": True,
+        "dtype": torch.bfloat16,
+    },
+    "stage_in_backward_bf16_issue_thread": {
+        "stage_ahead": True,
+        "stage_in_backward": True,
+        "issue_thread": True,
+        "dtype": torch.bfloat16,
+    },
+    "stage_in_backward_bf16_accumulate_2": {
+        "stage_ahead": True,
+        "stage_in_backward": True,
+        "micro": 2,
+        "dtype": torch.bfloat16,
+    },
+    "stage_in_backward_clipping_accumulate_2": {
+        "stage_ahead": True,
+        "stage_in_backward": True,
+        "clipping": 0.5,
+        "micro": 2,
+        "issue_thread": True,
+    },
+    "stage_in_backward_inline": {
+        "stage_ahead": True,
+        "stage_in_backward": True,
+        "host_worker": False,
+        "dtype": torch.bfloat16,
+    },
 }
 
 
@@ -143,6 +186,9 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
     assert_same(out, plain)
     # Staged chunks were stepped, not uploaded again ([Note: staging ahead]).
     assert (streaming["staged_used"] > 0) == bool(kwargs.get("stage_ahead")), out.modes
+    # ... from the backward's hooks with stage_in_backward ([Note: staging the state in
+    # backward]), else only at step().
+    assert (streaming["staged_state"] > 0) == bool(kwargs.get("stage_in_backward"))
     if "dtype" not in kwargs:
         assert out.skipped[2] and not any(out.skipped[3:])
     # Only with issue_thread is anything issued from the issuing thread. Without overlap
@@ -169,8 +215,14 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         {"speculation_thread": True},
         {"speculation_thread": True, "issue_thread": True},
         {"speculation_thread": True, "issue_thread": True, "stage_ahead": True},
+        {
+            "speculation_thread": True,
+            "issue_thread": True,
+            "stage_ahead": True,
+            "stage_in_backward": True,
+        },
     ],
-    ids=["speculation_thread", "both_threads", "both_threads_staged"],
+    ids=["speculation_thread", "both_threads", "both_threads_staged", "staged_in_backward"],
 )
 def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
     threads: dict[str, Any], streaming: dict[str, Any]
@@ -187,6 +239,7 @@ def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
     assert_same(out, plain)
     assert out.skipped[2] and not any(out.skipped[3:])
     assert (streaming["staged_used"] > 0) == bool(threads.get("stage_ahead"))
+    assert (streaming["staged_state"] > 0) == bool(threads.get("stage_in_backward"))
 
 
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
@@ -668,6 +721,34 @@ def test_a_staged_ring_steps_what_an_unstaged_one_does(order: str) -> None:
         for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
             assert torch.equal(x, y)
     assert not torch.equal(plain[0].master, _ring_pieces(10)[0].master), "a step was taken"
+
+
+@pytest.mark.parametrize("order", ["as_staged", "reversed"])
+def test_a_ring_staged_without_gradients_copies_them_up_at_the_step(order: str) -> None:
+    """[Note: staging the state in backward]: master and moments staged before the
+    gradient exists; the step copies up the gradient its piece has then, and the values
+    are the unstaged ring's, bit for bit. Asked in another order, the ring drops them."""
+    ring_of = functools.partial(StreamRing, torch.device("cpu"), torch.float32, False)
+    plain, staged = _ring_pieces(10, 3), _ring_pieces(10, 3)
+    ring_of(chunk_numel=4, slots=3).issue(plain, 2.0)
+    ring = ring_of(chunk_numel=4, slots=3)
+    first = staged[0]
+    landed = first.grad.clone()
+    first.grad.zero_()  # not made yet: the CPU ring copies at once, so a copy would show
+    assert ring.stage(first.master, first.exp_avg, first.exp_avg_sq, None)
+    assert ring.staged() == 3
+    first.grad.copy_(landed)
+    ring.issue(staged if order == "as_staged" else staged[::-1], 2.0)
+    assert ring.staged_used == (3 if order == "as_staged" else 0)
+    ring.close()
+    for a, b in zip(plain, staged, strict=True):
+        for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
+            assert torch.equal(x, y)
+
+
+def test_stage_in_backward_needs_stage_ahead() -> None:
+    with pytest.raises(ValueError, match="stage_in_backward=True needs stage_ahead=True"):
+        HybridAdam([torch.zeros(3, requires_grad=True)], stage_in_backward=True)
 
 
 def test_a_ring_closed_with_chunks_staged_writes_nothing_back() -> None:

@@ -606,6 +606,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         if not host_state:
             return
         mode = self._host_mode
+        if mode is not OverlapMode.NONE and self.optimizer.region_storage(r).streamed:
+            # The backward before a step: its first streamed region to land opens the
+            # ring ([Note: staging the state in backward] in streamed.py).
+            self.optimizer.stage_streamed_state()
         if mode is OverlapMode.SPECULATIVE:
             done = self._done_box[0]
             if done is not None and done.query():

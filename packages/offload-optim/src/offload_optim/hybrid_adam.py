@@ -389,6 +389,15 @@ class HybridAdam(torch.optim.Optimizer):
             but the step boundary is bound by the H2D link's bytes, and the steps did
             not change (263-276 ms against 264-268); W2's were slower (402-424 ms
             against 383).
+        stage_in_backward: with ``stage_ahead``, the first streamed region's gradient
+            hook in the backward before a step (the last micro-batch's, with overlap)
+            has the host worker issue the copies up of the streamed regions' leading
+            chunks' master weights and moments (12 of a chunk's 14 bytes a parameter
+            with fp32 moments and fp16 gradients), while the backward still runs and the
+            H2D link is mostly idle; the step then copies up only their gradients (see
+            [Note: staging the state in backward] in streamed.py). The ring's device
+            memory is then held from that hook on, which the planner does not count.
+            Values are the same either way. Off by default: not yet measured on a GPU.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -413,6 +422,7 @@ class HybridAdam(torch.optim.Optimizer):
         ring_yields: bool = False,
         issuer_publishes: bool = True,
         stage_ahead: bool = False,
+        stage_in_backward: bool = False,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -429,6 +439,11 @@ class HybridAdam(torch.optim.Optimizer):
             )
         if host_kernel not in HOST_KERNELS:
             raise ValueError(f"host_kernel={host_kernel!r}; use one of {HOST_KERNELS}")
+        if stage_in_backward and not stage_ahead:
+            raise ValueError(
+                "stage_in_backward=True needs stage_ahead=True: a skipped step closes the "
+                "ring staged in backward through stage_ahead's path"
+            )
         if host_kernel == "single_pass":
             single_pass.require()
         if fp16_io:
@@ -463,6 +478,8 @@ class HybridAdam(torch.optim.Optimizer):
         """Whether the issuing thread publishes too (see above)."""
         self.stage_ahead = stage_ahead
         """Whether :meth:`stage_streamed` stages anything (see above)."""
+        self.stage_in_backward = stage_in_backward
+        """Whether :meth:`stage_streamed_state` stages anything (see above)."""
         self.staged_chunks = 0
         """Ring chunks stepped from a staged slot so far ([Note: staging ahead])."""
         self.speculation_thread = speculation_thread
@@ -1567,6 +1584,27 @@ class HybridAdam(torch.optim.Optimizer):
             return False
         self._require_controller().submit_host(partial(self._stage_task, jobs))
         return True
+
+    @torch.no_grad()
+    def stage_streamed_state(self) -> None:
+        """Host worker, in a streamed region's gradient hook in the backward before a
+        step: with ``stage_in_backward``, open the ring and issue the copies up of the
+        master weights and moments (not the gradients) of the streamed regions' leading
+        chunks, in forward order, as far as the ring's slots go ([Note: staging the state
+        in backward] in streamed.py). Nothing when a ring is open (the last step's, not
+        yet closed, or this backward's)."""
+        if not self.stage_in_backward or self._streaming is not None:
+            return
+        self._ensure_laid_out()
+        ring, _ = self._streaming_session()
+        with torch.profiler.record_function("stage streamed state"):
+            for r in self._region_list:
+                rs = self._regions[r]
+                if not rs.storage.streamed:
+                    continue
+                for seg in rs.segments:
+                    if not ring.stage(seg.param, seg.exp_avg, seg.exp_avg_sq, None):
+                        return
 
     def drop_staged(self) -> None:
         """Main thread, after :meth:`stage_streamed` for a step that was skipped: close the

@@ -127,6 +127,32 @@ ms to 19, but the H2D lanes were then busy without a break to about 300 ms eithe
 the forward waited later instead: 263-276 ms a step against 264-268. W2 stepped 402-424
 ms staged against 383.
 
+[Note: staging the state in backward]
+Staged at step(), the copies up run when the H2D link is busiest: in session 44's W3
+trace it carried the ring's chunks and the host-stepped regions' uploads without a break
+from the step to 60 ms into the next forward. Yet in the last 50 ms of that backward it
+was busy for 7-10 ms (``copy_lag.py benchmarks/results/s43c3_trace_W3_pub_on2.json.gz
+--window 195:245``, and ``s44c2_trace_W3_stage_off1.json.gz --window 190:246``), and the
+memory the simulator plans there is about 18 GiB under the step's peak (activations freed
+as backward goes). Only the gradient (2 of a chunk's 14 bytes a parameter, fp32 moments
+and fp16 gradients) is made by that backward; the master weights and moments are final
+once the last step's downloads landed. With ``HybridAdam(stage_in_backward=True)`` (and
+``stage_ahead``), the gradient hook of the first streamed region to land in the backward
+before a step (the host worker's, in the last micro-batch, with overlap) opens the ring
+and issues the copies up of the master weights and moments of the streamed regions'
+leading chunks in forward order, into its free slots (:meth:`StreamRing.stage` with no
+gradient). The last step's downloads have landed by then: its task, which ran first on
+the host worker, closed its ring only after them; a ring still open stages nothing.
+step()'s own staging finds the ring open and stages nothing more; the step's task steps
+those chunks from their slots, each first copying up its gradient (behind the staged
+copies, on the same stream), and copies the rest up as before. A staged chunk is known by
+its master and bounds alone, so any gradient the step has for it goes up; asked in
+another order, the ring drops the staged chunks and copies up again. A skipped step closes
+the ring through ``stage_ahead``'s path. The planner does not model it: it counts the ring
+from the step's first copy up, not from the hook, and the replay of session 43's W3 row
+with the copies up of region 1's state taken off the step boundary (a local change to the
+simulator, not kept) steps 223 ms against 230 (region 1 and 2: 219).
+
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
 new master there. It used to narrow it into the slot's fp16 copy, copy that down into the
@@ -319,11 +345,11 @@ class _Slot:
 
 
 def _chunk_key(
-    master: torch.Tensor, grad: torch.Tensor, a: int, b: int
+    master: torch.Tensor, grad: torch.Tensor | None, a: int, b: int
 ) -> tuple[int, int, int, int]:
     """What identifies a chunk to stage and to step: its host master's and gradient's
-    data pointers and its bounds."""
-    return (master.data_ptr(), grad.data_ptr(), a, b)
+    data pointers (-1 for a chunk staged without its gradient) and its bounds."""
+    return (master.data_ptr(), -1 if grad is None else grad.data_ptr(), a, b)
 
 
 @dataclass(frozen=True)
@@ -332,9 +358,13 @@ class _Staged:
 
     key: tuple[int, int, int, int]
     """(master's and gradient's data pointers, chunk start, chunk end): what
-    :meth:`StreamRing.issue` must be asked to step for the chunk to be used."""
+    :meth:`StreamRing.issue` must be asked to step for the chunk to be used (the
+    gradient's -1 when it was staged without: any gradient then)."""
     slot: int
     uploaded: Event
+    with_grad: bool = True
+    """Whether the gradient went up too; else the step copies it up ([Note: staging the
+    state in backward])."""
 
 
 @dataclass(frozen=True)
@@ -464,13 +494,16 @@ class StreamRing:
         master: torch.Tensor,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
+        grad: torch.Tensor | None,
     ) -> bool:
         """Issue the copies up of a piece's leading chunks (master, moments, gradient:
         the tensors :meth:`issue` will get as a :class:`StreamPiece`) into free slots
-        now, ahead of the step's answer ([Note: staging ahead]). True when every chunk of
-        the piece is staged; False when the slots ran out first (or the ring has issued
-        a chunk already: only a fresh ring stages). Blocks on nothing."""
+        now, ahead of the step's answer ([Note: staging ahead]). ``grad`` None stages
+        the master and moments alone, before the gradient exists; the step then copies up
+        whatever gradient its piece has ([Note: staging the state in backward]). True
+        when every chunk of the piece is staged; False when the slots ran out first (or
+        the ring has issued a chunk already: only a fresh ring stages). Blocks on
+        nothing."""
         total = master.numel()
         for a in range(0, total, self.chunk):
             if self._last is not None or len(self._staged) >= len(self.slots):
@@ -478,7 +511,8 @@ class StreamRing:
             b = min(total, a + self.chunk)
             index = (self._next + len(self._staged)) % len(self.slots)
             uploaded = self._upload(self.slots[index], master, exp_avg, exp_avg_sq, grad, a, b)
-            self._staged.append(_Staged(_chunk_key(master, grad, a, b), index, uploaded))
+            key = _chunk_key(master, grad, a, b)
+            self._staged.append(_Staged(key, index, uploaded, grad is not None))
             self._staged_last = uploaded
         return True
 
@@ -515,6 +549,10 @@ class StreamRing:
             uploaded = self._upload(
                 slot, piece.master, piece.exp_avg, piece.exp_avg_sq, piece.grad, a, b
             )
+        elif not staged.with_grad:
+            # Behind the staged copies on the same stream: the slot is this chunk's.
+            uploaded = self._upload_grad(sg, piece.grad, a, b)
+            self.staged_used += 1
         else:
             uploaded = staged.uploaded
             self.staged_used += 1
@@ -555,7 +593,9 @@ class StreamRing:
         same up stream, go before anything copied into those slots later)."""
         if not self._staged:
             return None
-        if self._staged[0].key != _chunk_key(piece.master, piece.grad, a, b):
+        first = self._staged[0]
+        grad = piece.grad if first.with_grad else None
+        if first.key != _chunk_key(piece.master, grad, a, b):
             self._staged.clear()
             return None
         staged = self._staged.popleft()
@@ -568,25 +608,36 @@ class StreamRing:
         master: torch.Tensor,
         exp_avg: torch.Tensor,
         exp_avg_sq: torch.Tensor,
-        grad: torch.Tensor,
+        grad: torch.Tensor | None,
         a: int,
         b: int,
     ) -> Event:
         """Issue the copies up of elements ``a:b`` into ``slot`` (after its last
-        download); returns the event after them."""
+        download), the gradient's unless ``grad`` is None; returns the event after
+        them."""
         n = b - a
-        sg = self._grad_buffer(slot, grad.dtype)[:n]
+        pairs = [
+            (slot.master[:n], master),
+            (slot.exp_avg[:n], exp_avg),
+            (slot.exp_avg_sq[:n], exp_avg_sq),
+        ]
+        if grad is not None:
+            pairs.append((self._grad_buffer(slot, grad.dtype)[:n], grad))
         self.up.wait(slot.free)
         if self.after is not None:
             self.up.wait(self.after.record())
         with self.up.context():
-            for dst, src in (
-                (slot.master[:n], master),
-                (slot.exp_avg[:n], exp_avg),
-                (slot.exp_avg_sq[:n], exp_avg_sq),
-                (sg, grad),
-            ):
+            for dst, src in pairs:
                 dst.copy_(src[a:b], non_blocking=True)
+            return self.up.record()
+
+    def _upload_grad(self, dst: torch.Tensor, grad: torch.Tensor, a: int, b: int) -> Event:
+        """Issue the copy up of elements ``a:b`` of ``grad`` into ``dst`` (a slot whose
+        master and moments were staged); returns the event after it."""
+        if self.after is not None:
+            self.up.wait(self.after.record())
+        with self.up.context():
+            dst.copy_(grad[a:b], non_blocking=True)
             return self.up.record()
 
     def _grad_buffer(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
