@@ -20,10 +20,12 @@ placements are printed when they do.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -323,6 +325,38 @@ def restate_line(
     return f"restated ({label}): repeating step {steady.period_s * 1e3:.1f} ms"
 
 
+@contextlib.contextmanager
+def state_ahead(regions: int) -> Iterator[None]:
+    """Within it, every simulation (the solver's and the replay's) takes the copies up of
+    the state of streamed regions below index ``regions`` off the step: only their
+    gradient's bytes go up then (a resident streamed region's copy down carries the state:
+    ``StreamedStepCosts.resident_down_bytes_per_param`` of ``up_bytes_per_param``). An
+    upper bound on ``HybridAdam(stage_in_backward=True)``: the state's copies in the
+    backward before and the ring's memory there cost nothing ([Note: staging the state in
+    backward] in offload_optim/streamed.py). It reaches into the simulator's internals,
+    as :func:`steady_run` does. 0: nothing changes."""
+    from offload_solver.simulators import SimulationContext
+
+    if regions <= 0:
+        yield
+        return
+    init = SimulationContext.__init__
+
+    def ahead(self: SimulationContext, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        costs = kwargs.get("streamed")
+        if costs is None or not costs.resident_down_bytes_per_param:
+            return
+        keep = 1 - costs.resident_down_bytes_per_param / costs.up_bytes_per_param
+        self.stream_up_s = [t * keep if i < regions else t for i, t in enumerate(self.stream_up_s)]
+
+    SimulationContext.__init__ = ahead  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SimulationContext.__init__ = init  # type: ignore[method-assign]
+
+
 def _error(pred: float, measured: float) -> str:
     return f"{(pred - measured) / measured * 100:+.1f}%"
 
@@ -491,7 +525,24 @@ def main(argv: list[str] | None = None) -> int:
         "(STATE: device, host or streamed; R: the region's index in forward order) and "
         "print its repeating step; may be repeated",
     )
+    parser.add_argument(
+        "--state-ahead",
+        type=int,
+        default=0,
+        metavar="R",
+        help="replan and replay every row with the streamed state of regions below index R "
+        "copied up ahead of the step for free, only its gradients at the step (an upper "
+        "bound on HybridAdam(stage_in_backward=True); state_ahead())",
+    )
     args = parser.parse_args(argv)
+    if args.state_ahead < 0:
+        parser.error(f"--state-ahead must be >= 0, got {args.state_ahead}")
+    with state_ahead(args.state_ahead):
+        return _replay(parser, args)
+
+
+def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """:func:`main` once its arguments are read."""
     if args.stream_up_fraction is not None and not 0 < args.stream_up_fraction <= 1:
         parser.error(f"--stream-up-fraction must be in (0, 1], got {args.stream_up_fraction}")
     if args.stream_host_charge is not None and not 0 <= args.stream_host_charge <= 1:

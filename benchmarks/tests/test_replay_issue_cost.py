@@ -98,3 +98,27 @@ def test_restated_w3_plan_is_slower_with_region_1_on_the_host(
     # Session 40's replay: the plan 229, region 1 on the host 237.2, neither streamed 247.3.
     assert replayed < first < both
     assert first == pytest.approx(237.2, abs=1.0) and both == pytest.approx(247.3, abs=1.0)
+
+
+def test_state_ahead_takes_the_leading_streamed_state_off_the_step(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Session 43's W3 row replays at 230 ms; with regions 1 and 2's streamed state sent
+    ahead for free (an upper bound on staging it in backward) the replanned step is
+    219 ms. The simulator is itself again afterwards."""
+    from pathlib import Path
+
+    from offload_solver.simulators import SimulationContext
+
+    init = SimulationContext.__init__
+    row = Path(__file__).resolve().parent.parent / "results" / "s43c3_W3_pub_on2.json"
+    steps = []
+    for regions in ("0", "3"):
+        replay_bench.main([str(row), "--state-ahead", regions])
+        out = capsys.readouterr().out
+        cell = out.split("| ours_io_spec1_stream | 252 ms | 230 (-9.0%) | ")[1]
+        steps.append(float(cell.split()[0]))
+    assert steps == [pytest.approx(230.0, abs=1.0), pytest.approx(219.0, abs=1.0)]
+    assert SimulationContext.__init__ is init
+    with pytest.raises(SystemExit):
+        replay_bench.main([str(row), "--state-ahead", "-1"])

@@ -149,9 +149,10 @@ copies, on the same stream), and copies the rest up as before. A staged chunk is
 its master and bounds alone, so any gradient the step has for it goes up; asked in
 another order, the ring drops the staged chunks and copies up again. A skipped step closes
 the ring through ``stage_ahead``'s path. The planner does not model it: it counts the ring
-from the step's first copy up, not from the hook, and the replay of session 43's W3 row
-with the copies up of region 1's state taken off the step boundary (a local change to the
-simulator, not kept) steps 223 ms against 230 (region 1 and 2: 219).
+from the step's first copy up, not from the hook. Session 43's W3 row replayed with the
+copies up of region 1's state taken off the step boundary for free (``python
+benchmarks/replay_bench.py benchmarks/results/s43c3_W3_pub_on2.json --state-ahead 2``, an
+upper bound) steps 223 ms against 230 (regions 1 and 2, ``--state-ahead 3``: 219).
 
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
