@@ -107,10 +107,9 @@ rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yield
 ``issuer_publishes``. Set BENCH_STAGE_AHEAD=1 (or 0) to build it with ``stage_ahead=True``
 (or False; unset: the optimizer's default, False): step() stages the streamed regions'
 leading chunks' copies up before its answer; rows record ``stage_ahead``. Set
-BENCH_STAGE_IN_BACKWARD=1 to build it with ``stage_in_backward=True`` (and
-``stage_ahead=True`` whatever BENCH_STAGE_AHEAD says): the backward's first streamed
-gradient hook stages the leading chunks' master weights and moments; rows record
-``stage_in_backward`` (from session 44 on). Set
+BENCH_STAGE_IN_BACKWARD=1 to build it with ``stage_in_backward=True``: the backward's
+first streamed gradient hook stages the leading chunks' master weights and moments; rows
+record ``stage_in_backward`` (from session 44 on). Set
 BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
@@ -630,8 +629,7 @@ def _ours(
     issuer_publishes = _hybrid_adam_flag("BENCH_ISSUER_PUBLISHES", "issuer_publishes")
     paced_ring = _hybrid_adam_flag("BENCH_STREAM_PACED", "paced_ring")
     stage_in_backward = _hybrid_adam_flag("BENCH_STAGE_IN_BACKWARD", "stage_in_backward")
-    # Staging in backward goes through stage_ahead's path (a skipped step closes its ring).
-    stage_ahead = stage_in_backward or _hybrid_adam_flag("BENCH_STAGE_AHEAD", "stage_ahead")
+    stage_ahead = _hybrid_adam_flag("BENCH_STAGE_AHEAD", "stage_ahead")
     # The streamed copies' contention as set; else, below, the pinned row's or
     # memory_optimize's defaults.
     up_env = os.environ.get("BENCH_STREAM_UP_FRACTION")

@@ -417,7 +417,7 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
         (True, True, False, False, False),
         (True, False, True, False, False),
         (True, True, True, True, False),
-        (True, True, True, True, True),
+        (True, True, True, False, True),
     ],
     ids=[
         "worker_issues",
@@ -530,7 +530,7 @@ def test_cuda_streamed_regions_step_on_the_device(
                     assert st.host_params is not None
                     assert torch.equal(st.host_params, st.master.half())
             assert issued["pieces"] > 0
-            assert (opt.staged_chunks > 0) == stage_ahead
+            assert (opt.staged_chunks > 0) == (stage_ahead or stage_in_backward)
             assert (issued["state_staged"] > 0) == stage_in_backward
             assert ("offload-stream-issue" in issued["threads"]) == issue_thread
         runs[stream] = (losses, masters(module), skipped)

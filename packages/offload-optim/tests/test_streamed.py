@@ -135,32 +135,30 @@ CASES: dict[str, dict[str, Any]] = {
     "stage_ahead_bf16_training": {"stage_ahead": True, "dtype": torch.bfloat16},
     # Staging the state in backward: in the hooks of the last micro-batch's backward, with
     # overlap and no answer taken on the device (bf16 training; clipping's partials).
-    "stage_in_backward_bf16_training": {
-        "stage_ahead": True,
-        "stage_in_backward": True,
-        "dtype": torch.bfloat16,
-    },
+    "stage_in_backward_bf16_training": {"stage_in_backward": True, "dtype": torch.bfloat16},
     "stage_in_backward_bf16_issue_thread": {
-        "stage_ahead": True,
         "stage_in_backward": True,
         "issue_thread": True,
         "dtype": torch.bfloat16,
     },
-    "stage_in_backward_bf16_accumulate_2": {
+    "stage_in_backward_and_ahead_bf16": {
+        "stage_in_backward": True,
         "stage_ahead": True,
+        "issue_thread": True,
+        "dtype": torch.bfloat16,
+    },
+    "stage_in_backward_bf16_accumulate_2": {
         "stage_in_backward": True,
         "micro": 2,
         "dtype": torch.bfloat16,
     },
     "stage_in_backward_clipping_accumulate_2": {
-        "stage_ahead": True,
         "stage_in_backward": True,
         "clipping": 0.5,
         "micro": 2,
         "issue_thread": True,
     },
     "stage_in_backward_inline": {
-        "stage_ahead": True,
         "stage_in_backward": True,
         "host_worker": False,
         "dtype": torch.bfloat16,
@@ -184,8 +182,9 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         plain = run(False, 7, poison=poison, **kwargs, **growth)
     assert streaming["pieces"] == 0
     assert_same(out, plain)
-    # Staged chunks were stepped, not uploaded again ([Note: staging ahead]).
-    assert (streaming["staged_used"] > 0) == bool(kwargs.get("stage_ahead")), out.modes
+    # Staged chunks were stepped, not uploaded again ([Note: staging ahead]) ...
+    staging = bool(kwargs.get("stage_ahead") or kwargs.get("stage_in_backward"))
+    assert (streaming["staged_used"] > 0) == staging, out.modes
     # ... from the backward's hooks with stage_in_backward ([Note: staging the state in
     # backward]), else only at step().
     assert (streaming["staged_state"] > 0) == bool(kwargs.get("stage_in_backward"))
@@ -215,12 +214,7 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         {"speculation_thread": True},
         {"speculation_thread": True, "issue_thread": True},
         {"speculation_thread": True, "issue_thread": True, "stage_ahead": True},
-        {
-            "speculation_thread": True,
-            "issue_thread": True,
-            "stage_ahead": True,
-            "stage_in_backward": True,
-        },
+        {"speculation_thread": True, "issue_thread": True, "stage_in_backward": True},
     ],
     ids=["speculation_thread", "both_threads", "both_threads_staged", "staged_in_backward"],
 )
@@ -238,7 +232,8 @@ def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
         plain = run(False, 7, poison=(2,), **growth)
     assert_same(out, plain)
     assert out.skipped[2] and not any(out.skipped[3:])
-    assert (streaming["staged_used"] > 0) == bool(threads.get("stage_ahead"))
+    staging = bool(threads.get("stage_ahead") or threads.get("stage_in_backward"))
+    assert (streaming["staged_used"] > 0) == staging
     assert (streaming["staged_state"] > 0) == bool(threads.get("stage_in_backward"))
 
 
@@ -744,11 +739,6 @@ def test_a_ring_staged_without_gradients_copies_them_up_at_the_step(order: str) 
     for a, b in zip(plain, staged, strict=True):
         for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
             assert torch.equal(x, y)
-
-
-def test_stage_in_backward_needs_stage_ahead() -> None:
-    with pytest.raises(ValueError, match="stage_in_backward=True needs stage_ahead=True"):
-        HybridAdam([torch.zeros(3, requires_grad=True)], stage_in_backward=True)
 
 
 def test_a_ring_closed_with_chunks_staged_writes_nothing_back() -> None:

@@ -389,15 +389,16 @@ class HybridAdam(torch.optim.Optimizer):
             but the step boundary is bound by the H2D link's bytes, and the steps did
             not change (263-276 ms against 264-268); W2's were slower (402-424 ms
             against 383).
-        stage_in_backward: with ``stage_ahead``, the first streamed region's gradient
-            hook in the backward before a step (the last micro-batch's, with overlap)
-            has the host worker issue the copies up of the streamed regions' leading
-            chunks' master weights and moments (12 of a chunk's 14 bytes a parameter
-            with fp32 moments and fp16 gradients), while the backward still runs and the
-            H2D link is mostly idle; the step then copies up only their gradients (see
-            [Note: staging the state in backward] in streamed.py). The ring's device
-            memory is then held from that hook on, which the planner does not count.
-            Values are the same either way. Off by default: not yet measured on a GPU.
+        stage_in_backward: the first streamed region's gradient hook in the backward
+            before a step (the last micro-batch's, with overlap) has the host worker
+            issue the copies up of the streamed regions' leading chunks' master weights
+            and moments (12 of a chunk's 14 bytes a parameter with fp32 moments and fp16
+            gradients), while the backward still runs and the H2D link is mostly idle;
+            the step then copies up only their gradients (see [Note: staging the state
+            in backward] in streamed.py). The ring's device memory is then held from
+            that hook on, which the planner does not count. Values are the same either
+            way. Independent of ``stage_ahead``. Off by default: not yet measured on a
+            GPU.
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -439,11 +440,6 @@ class HybridAdam(torch.optim.Optimizer):
             )
         if host_kernel not in HOST_KERNELS:
             raise ValueError(f"host_kernel={host_kernel!r}; use one of {HOST_KERNELS}")
-        if stage_in_backward and not stage_ahead:
-            raise ValueError(
-                "stage_in_backward=True needs stage_ahead=True: a skipped step closes the "
-                "ring staged in backward through stage_ahead's path"
-            )
         if host_kernel == "single_pass":
             single_pass.require()
         if fp16_io:
@@ -1568,10 +1564,11 @@ class HybridAdam(torch.optim.Optimizer):
         """Main thread, before the step's answer (``AMPOptimizer.step()``): with
         ``stage_ahead``, queue on the host worker the copies up of the streamed ones
         among ``regions`` that have gradients, in forward order, as far as the ring's
-        slots go ([Note: staging ahead] in streamed.py). True if a task was queued; then,
-        should the step be skipped, call :meth:`drop_staged`."""
+        slots go ([Note: staging ahead] in streamed.py). True if a task was queued, or
+        with ``stage_in_backward`` (the backward may have staged); then, should the step
+        be skipped, call :meth:`drop_staged`."""
         if not self.stage_ahead:
-            return False
+            return self.stage_in_backward
         self._ensure_laid_out()
         # Which segments have gradients is read here, as submit_host_steps reads it.
         jobs: list[tuple[int, list[_Segment]]] = []
@@ -1608,8 +1605,9 @@ class HybridAdam(torch.optim.Optimizer):
 
     def drop_staged(self) -> None:
         """Main thread, after :meth:`stage_streamed` for a step that was skipped: close the
-        ring on the host worker (after the staged copies up), nothing issued on it."""
-        self._require_controller().submit_host(self.publish_streamed)
+        ring on the host worker (after the staged copies up), nothing issued on it, if
+        one is open."""
+        self._require_controller().submit_host(partial(self.publish_streamed, wait=True))
 
     @torch.no_grad()
     def _stage_task(self, jobs: list[tuple[int, list[_Segment]]]) -> None:
@@ -1663,7 +1661,10 @@ class HybridAdam(torch.optim.Optimizer):
 
         The ring is freed as soon as the last streamed region is published, not at the
         end of the task: the planner counts it until the last download, and W2, holding
-        it into the next forward, peaked 0.54 GiB over its plan in session 22."""
+        it into the next forward, peaked 0.54 GiB over its plan in session 22. A ring that
+        holds staged chunks and nothing else stays open unless ``wait``: a host-state
+        region stepped in its hook calls this after the backward staged them ([Note:
+        staging the state in backward] in streamed.py)."""
         if self._streaming is None:
             return
         ring, queue = self._streaming
@@ -1672,7 +1673,7 @@ class HybridAdam(torch.optim.Optimizer):
         except BaseException:
             self._drop_streaming()  # what is left is not published; its futures fail
             raise
-        if not queue.regions() and not self._issuing:
+        if not queue.regions() and not self._issuing and (wait or not ring.staged()):
             self._streaming = None
             ring.close()  # every download has landed: no wait
             self.staged_chunks += ring.staged_used

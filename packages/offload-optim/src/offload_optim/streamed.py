@@ -136,20 +136,24 @@ was busy for 7-10 ms (``copy_lag.py benchmarks/results/s43c3_trace_W3_pub_on2.js
 memory the simulator plans there is about 18 GiB under the step's peak (activations freed
 as backward goes). Only the gradient (2 of a chunk's 14 bytes a parameter, fp32 moments
 and fp16 gradients) is made by that backward; the master weights and moments are final
-once the last step's downloads landed. With ``HybridAdam(stage_in_backward=True)`` (and
-``stage_ahead``), the gradient hook of the first streamed region to land in the backward
+once the last step's downloads landed. With ``HybridAdam(stage_in_backward=True)``, the
+gradient hook of the first streamed region to land in the backward
 before a step (the host worker's, in the last micro-batch, with overlap) opens the ring
 and issues the copies up of the master weights and moments of the streamed regions'
 leading chunks in forward order, into its free slots (:meth:`StreamRing.stage` with no
 gradient). The last step's downloads have landed by then: its task, which ran first on
 the host worker, closed its ring only after them; a ring still open stages nothing.
-step()'s own staging finds the ring open and stages nothing more; the step's task steps
+With ``stage_ahead`` too, step()'s own staging finds the ring open and stages nothing
+more. The step's task steps
 those chunks from their slots, each first copying up its gradient (behind the staged
 copies, on the same stream), and copies the rest up as before. A staged chunk is known by
 its master and bounds alone, so any gradient the step has for it goes up; asked in
-another order, the ring drops the staged chunks and copies up again. A skipped step closes
-the ring through ``stage_ahead``'s path. The planner does not model it: it counts the ring
-from the step's first copy up, not from the hook. Session 43's W3 row replayed with the
+another order, the ring drops the staged chunks and copies up again. Host-state regions
+stepped in their hooks after it (bf16 training) publish what has landed, which used to
+close a ring with nothing queued: a ring holding staged chunks is now closed only by a
+waiting publish (the end of the step's task, or :meth:`HybridAdam.drop_staged`, which a
+skipped step calls as ``stage_ahead``'s does). The planner does not model it: it counts
+the ring from the step's first copy up, not from the hook. Session 43's W3 row replayed with the
 copies up of region 1's state taken off the step boundary for free (``python
 benchmarks/replay_bench.py benchmarks/results/s43c3_W3_pub_on2.json --state-ahead 2``, an
 upper bound) steps 223 ms against 230 (regions 1 and 2, ``--state-ahead 3``: 219).
