@@ -1586,14 +1586,20 @@ def _cell(r: dict[str, Any] | None) -> str:
     return f"{r['step_ms']:.0f} ms{over_run} / {r['peak_alloc_gib']:.2f} GiB"
 
 
-def issue_floor(r: dict[str, Any], full: dict[str, Any] | None) -> tuple[float, str] | None:
-    """The issue's floor for row ``r`` (ms, and which part sets it): the largest of its
-    ``floor_parts_ms`` (the H2D and D2H bytes over the profiled rates, host Adam over every
-    host-state parameter) and full-GPU training's forward and backward when ``full`` ran.
-    None when nothing is known."""
+def floor_parts(r: dict[str, Any], full: dict[str, Any] | None) -> dict[str, float]:
+    """The parts of row ``r``'s floor (ms): its ``floor_parts_ms`` (the H2D and D2H bytes
+    over the profiled rates, host Adam over every host-state parameter) and, as
+    ``gpu_compute``, full-GPU training's forward and backward when ``full`` ran."""
     parts = dict(r.get("floor_parts_ms", {}))
     if full and full.get("ok"):
         parts["gpu_compute"] = full["fwd_bwd_ms"]
+    return parts
+
+
+def issue_floor(r: dict[str, Any], full: dict[str, Any] | None) -> tuple[float, str] | None:
+    """The issue's floor for row ``r`` (ms, and which part sets it): the largest of its
+    :func:`floor_parts`. None when nothing is known."""
+    parts = floor_parts(r, full)
     if not parts:
         return None
     key = max(parts, key=lambda k: parts[k])

@@ -58,6 +58,7 @@ from offload_bench import (
     OURS_KINDS,
     REFERENCE_FULL_GPU,
     WORKLOADS,
+    floor_parts,
     issue_floor,
     reference_full_gpu_kind,
     trained,
@@ -211,20 +212,16 @@ def _ratio_cell(row: Row, ratio: float, run_ratio: float | None) -> str:
     return f"{row.label}: {ratio:.3f}x{run}"
 
 
-def _floor_end(result: dict[str, Any], full: dict[str, Any] | None) -> str:
-    """What a row's floor is (:func:`offload_bench.issue_floor`): the part that sets it and
-    beside it full GPU's compute (or, where that sets it, the next largest part), so that
-    a floor set by the host (a slow host's Adam rate) is not read as the GPU's."""
-    parts = dict(result.get("floor_parts_ms", {}))
-    if full and full.get("ok"):
-        parts["gpu_compute"] = full["fwd_bwd_ms"]
-    if not parts:
-        return ""
-    ranked = sorted(parts, key=lambda k: parts[k], reverse=True)
-    compute = ranked[0] != "gpu_compute" and "gpu_compute" in parts
-    other = ["gpu_compute"] if compute else ranked[1:2]
-    text = f" of {ranked[0]} {parts[ranked[0]]:.1f} ms"
-    return text + "".join(f" ({k} {parts[k]:.1f})" for k in other)
+def _floor_end(parts: dict[str, float], key: str) -> str:
+    """What a row's floor is (its :func:`offload_bench.floor_parts`, ``key`` the part that
+    sets it): that part and beside it full GPU's compute (or, where that sets it, the next
+    largest part), so that a floor set by the host (a slow host's Adam rate) is not read
+    as the GPU's."""
+    if key != "gpu_compute" and "gpu_compute" in parts:
+        other = ["gpu_compute"]
+    else:
+        other = sorted((k for k in parts if k != key), key=lambda k: -parts[k])[:1]
+    return f" of {key} {parts[key]:.1f} ms" + "".join(f" ({k} {parts[k]:.1f})" for k in other)
 
 
 def ratio_verdict(
@@ -332,6 +329,10 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         partial: list[tuple[Row, float, float | None]] = []
         floor_ends: list[str] = []
         partial_ends: list[str] = []
+        # The rows against the floor's compute part alone, and whether a host or copy part
+        # set some whole floor over it.
+        compute: list[tuple[Row, float, float | None]] = []
+        compute_exceeded = False
         for row in fp32:
             ref = full_gpu_kind(row)
             full = None if ref is None else _peer_row(row, ref)
@@ -342,7 +343,13 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
                 ratio = (row, row.result["step_ms"] / floor[0], run)
                 whole = full is not None and full.get("ok")
                 (floors if whole else partial).append(ratio)
-                (floor_ends if whole else partial_ends).append(_floor_end(row.result, full))
+                parts = floor_parts(row.result, full)
+                (floor_ends if whole else partial_ends).append(_floor_end(parts, floor[1]))
+                if whole and parts.get("gpu_compute"):
+                    bound = parts["gpu_compute"]
+                    own = None if mean is None else mean / bound
+                    compute.append((row, row.result["step_ms"] / bound, own))
+                    compute_exceeded |= floor[1] != "gpu_compute"
         # A floor without full-GPU training's compute is a lower bound: such rows are
         # judged only where no row of the workload had the whole floor.
         verdict = ratio_verdict(
@@ -362,17 +369,7 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         # row's floor over it: a host slow enough does (session 44: 336.8 ms against
         # 210.7), and this line keeps the GPU's bound in view. (W2's and W4's budgets
         # leave no plan near full GPU's compute: their floors are their copies and host.)
-        compute: list[tuple[Row, float, float | None]] = []
-        for row in fp32:
-            ref = full_gpu_kind(row)
-            full = None if ref is None else _peer_row(row, ref)
-            if full is not None and full.get("ok") and full.get("fwd_bwd_ms"):
-                mean = row.result.get("step_mean_ms")
-                bound = full["fwd_bwd_ms"]
-                compute.append(
-                    (row, row.result["step_ms"] / bound, None if mean is None else mean / bound)
-                )
-        if w == "W3" and compute and any(not e.startswith(" of gpu_compute") for e in floor_ends):
+        if w == "W3" and compute_exceeded:
             out.append(
                 ratio_verdict(f"{w} fp32 state <= 1.15x {COMPUTE_PART}", 1.15, compute, False)
             )
