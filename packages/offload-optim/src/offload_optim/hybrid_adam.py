@@ -1590,18 +1590,15 @@ class HybridAdam(torch.optim.Optimizer):
         chunks, in forward order, as far as the ring's slots go ([Note: staging the state
         in backward] in streamed.py). Nothing when a ring is open (the last step's, not
         yet closed, or this backward's)."""
-        if not self.stage_in_backward or self._streaming is not None:
+        if not self.stage_in_backward:
             return
         self._ensure_laid_out()
-        ring, _ = self._streaming_session()
-        with torch.profiler.record_function("stage streamed state"):
-            for r in self._region_list:
-                rs = self._regions[r]
-                if not rs.storage.streamed:
-                    continue
-                for seg in rs.segments:
-                    if not ring.stage(seg.param, seg.exp_avg, seg.exp_avg_sq, None):
-                        return
+        jobs = [
+            (r, self._regions[r].segments)
+            for r in self._region_list
+            if self._regions[r].storage.streamed
+        ]
+        self._stage_task(jobs, with_grad=False)
 
     def drop_staged(self) -> None:
         """Main thread, after :meth:`stage_streamed` for a step that was skipped: close the
@@ -1610,20 +1607,23 @@ class HybridAdam(torch.optim.Optimizer):
         self._require_controller().submit_host(partial(self.publish_streamed, wait=True))
 
     @torch.no_grad()
-    def _stage_task(self, jobs: list[tuple[int, list[_Segment]]]) -> None:
+    def _stage_task(self, jobs: list[tuple[int, list[_Segment]]], with_grad: bool = True) -> None:
         """Host worker: open a ring and stage the leading chunks of the ``jobs``' pieces
-        (region, its segments with gradients), as :meth:`_issue_streamed` will build
-        them. A ring already open has its slots in use: nothing is staged then."""
+        (region, its segments: with gradients, as :meth:`_issue_streamed` will build
+        them; without ``with_grad``, their master weights and moments alone). A ring
+        already open has its slots in use: nothing is staged then."""
         if self._streaming is not None:
             return
         ring, _ = self._streaming_session()
-        with torch.profiler.record_function("stage streamed"):
+        with torch.profiler.record_function("stage streamed" + ("" if with_grad else " state")):
             for r, segments in jobs:
-                io = self._staged_io(self._regions[r], segments)
+                io = self._staged_io(self._regions[r], segments) if with_grad else None
                 for seg in segments:
-                    assert seg.grad is not None
-                    a, b = seg.start, seg.start + seg.param.numel()
-                    grad = seg.grad if io is None else io[0][a:b]
+                    grad = None
+                    if with_grad:
+                        assert seg.grad is not None
+                        a, b = seg.start, seg.start + seg.param.numel()
+                        grad = seg.grad if io is None else io[0][a:b]
                     if not ring.stage(seg.param, seg.exp_avg, seg.exp_avg_sq, grad):
                         return
 
@@ -1674,18 +1674,22 @@ class HybridAdam(torch.optim.Optimizer):
             self._drop_streaming()  # what is left is not published; its futures fail
             raise
         if not queue.regions() and not self._issuing and (wait or not ring.staged()):
-            self._streaming = None
-            ring.close()  # every download has landed: no wait
-            self.staged_chunks += ring.staged_used
+            self._close_streaming()  # every download has landed: no wait
 
     def _drop_streaming(self) -> None:
         """Host worker, after an error: free the ring after its last download, leaving
         what it had still to publish unpublished (their futures fail elsewhere)."""
         if self._streaming is not None:
-            ring, _ = self._streaming
-            self._streaming = None
-            ring.close()
-            self.staged_chunks += ring.staged_used
+            self._close_streaming()
+
+    def _close_streaming(self) -> None:
+        """Host worker: close the open ring (after its last download and staged upload)
+        and count the chunks it stepped from staged slots."""
+        assert self._streaming is not None
+        ring, _ = self._streaming
+        self._streaming = None
+        ring.close()
+        self.staged_chunks += ring.staged_used
 
     @torch.no_grad()
     def issue_region(

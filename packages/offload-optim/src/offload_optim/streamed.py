@@ -556,7 +556,7 @@ class StreamRing:
             )
         elif not staged.with_grad:
             # Behind the staged copies on the same stream: the slot is this chunk's.
-            uploaded = self._upload_grad(sg, piece.grad, a, b)
+            uploaded = self._copy_up(slot, [(sg, piece.grad)], a, b)
             self.staged_used += 1
         else:
             uploaded = staged.uploaded
@@ -628,21 +628,20 @@ class StreamRing:
         ]
         if grad is not None:
             pairs.append((self._grad_buffer(slot, grad.dtype)[:n], grad))
+        return self._copy_up(slot, pairs, a, b)
+
+    def _copy_up(
+        self, slot: _Slot, pairs: list[tuple[torch.Tensor, torch.Tensor]], a: int, b: int
+    ) -> Event:
+        """Issue the copies up of elements ``a:b`` of each (device buffer, host tensor) of
+        ``pairs`` into ``slot``'s buffers, after its last download; returns the event
+        after them."""
         self.up.wait(slot.free)
         if self.after is not None:
             self.up.wait(self.after.record())
         with self.up.context():
             for dst, src in pairs:
                 dst.copy_(src[a:b], non_blocking=True)
-            return self.up.record()
-
-    def _upload_grad(self, dst: torch.Tensor, grad: torch.Tensor, a: int, b: int) -> Event:
-        """Issue the copy up of elements ``a:b`` of ``grad`` into ``dst`` (a slot whose
-        master and moments were staged); returns the event after it."""
-        if self.after is not None:
-            self.up.wait(self.after.record())
-        with self.up.context():
-            dst.copy_(grad[a:b], non_blocking=True)
             return self.up.record()
 
     def _grad_buffer(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
