@@ -132,9 +132,8 @@ Staged at step(), the copies up run when the H2D link is busiest: in session 44'
 trace it carried the ring's chunks and the host-stepped regions' uploads without a break
 from the step to 60 ms into the next forward. Yet in the last 50 ms of that backward it
 was busy for 7-10 ms (``copy_lag.py benchmarks/results/s43c3_trace_W3_pub_on2.json.gz
---window 195:245``, and ``s44c2_trace_W3_stage_off1.json.gz --window 190:246``), and the
-memory the simulator plans there is about 18 GiB under the step's peak (activations freed
-as backward goes). Only the gradient (2 of a chunk's 14 bytes a parameter, fp32 moments
+--window 195:245``, and ``s44c2_trace_W3_stage_off1.json.gz --window 190:246``), and
+most activations are freed by then (backward frees them as it goes). Only the gradient (2 of a chunk's 14 bytes a parameter, fp32 moments
 and fp16 gradients) is made by that backward; the master weights and moments are final
 once the last step's downloads landed. With ``HybridAdam(stage_in_backward=True)``, the
 gradient hook of the first streamed region to land in the backward
