@@ -131,31 +131,31 @@ ms staged against 383.
 Staged at step(), the copies up run when the H2D link is busiest: in session 44's W3
 trace it carried the ring's chunks and the host-stepped regions' uploads without a break
 from the step to 60 ms into the next forward. Yet in the last 50 ms of that backward it
-was busy for 7-10 ms (``copy_lag.py benchmarks/results/s43c3_trace_W3_pub_on2.json.gz
+was busy for 6.5-9.8 ms (``copy_lag.py benchmarks/results/s43c3_trace_W3_pub_on2.json.gz
 --window 195:245``, and ``s44c2_trace_W3_stage_off1.json.gz --window 190:246``), and
-most activations are freed by then (backward frees them as it goes). Only the gradient (2 of a chunk's 14 bytes a parameter, fp32 moments
-and fp16 gradients) is made by that backward; the master weights and moments are final
-once the last step's downloads landed. With ``HybridAdam(stage_in_backward=True)``, the
-gradient hook of the first streamed region to land in the backward
-before a step (the host worker's, in the last micro-batch, with overlap) opens the ring
-and issues the copies up of the master weights and moments of the streamed regions'
-leading chunks in forward order, into its free slots (:meth:`StreamRing.stage` with no
-gradient). The last step's downloads have landed by then: its task, which ran first on
-the host worker, closed its ring only after them; a ring still open stages nothing.
-With ``stage_ahead`` too, step()'s own staging finds the ring open and stages nothing
-more. The step's task steps
-those chunks from their slots, each first copying up its gradient (behind the staged
-copies, on the same stream), and copies the rest up as before. A staged chunk is known by
-its master and bounds alone, so any gradient the step has for it goes up; asked in
-another order, the ring drops the staged chunks and copies up again. Host-state regions
-stepped in their hooks after it (bf16 training) publish what has landed, which used to
-close a ring with nothing queued: a ring holding staged chunks is now closed only by a
-waiting publish (the end of the step's task, or :meth:`HybridAdam.drop_staged`, which a
-skipped step calls as ``stage_ahead``'s does). The planner does not model it: it counts
-the ring from the step's first copy up, not from the hook. Session 43's W3 row replayed with the
+most activations are freed by then (backward frees them as it goes). Only the gradient
+(2 of a chunk's 14 bytes a parameter, fp32 moments and fp16 gradients) is made by that
+backward; the master weights and moments are final once the last step's downloads
+landed. With ``HybridAdam(stage_in_backward=True)``, the gradient hook of the first
+streamed region to land in the backward before a step (the host worker's, in the last
+micro-batch, with overlap) opens the ring and issues the copies up of the master weights
+and moments of the streamed regions' leading chunks in forward order, into its free
+slots (:meth:`StreamRing.stage` with no gradient). The last step's downloads have landed
+by then: its task, which ran first on the host worker, closed its ring only after them;
+a ring still open stages nothing. With ``stage_ahead`` too, step()'s own staging finds
+the ring open and stages nothing more. The step's task steps those chunks from their
+slots, each first copying up its gradient (behind the staged copies, on the same
+stream), and copies the rest up as before. A staged chunk is known by its master and
+bounds alone, so any gradient the step has for it goes up; asked in another order, the
+ring drops the staged chunks and copies up again. Host-state regions stepped in their
+hooks after it (bf16 training) publish what has landed, which used to close a ring with
+nothing queued: a ring holding staged chunks is now closed only by a waiting publish
+(the end of the step's task, or :meth:`HybridAdam.drop_staged`, which a skipped step
+calls as ``stage_ahead``'s does). The planner does not model it: it counts the ring from
+the step's first copy up, not from the hook. Session 43's W3 row replayed with the
 copies up of region 1's state taken off the step boundary for free (``python
-benchmarks/replay_bench.py benchmarks/results/s43c3_W3_pub_on2.json --state-ahead 2``, an
-upper bound) steps 223 ms against 230 (regions 1 and 2, ``--state-ahead 3``: 219).
+benchmarks/replay_bench.py benchmarks/results/s43c3_W3_pub_on2.json --state-ahead 2``,
+an upper bound) steps 223 ms against 230 (regions 1 and 2, ``--state-ahead 3``: 219).
 
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
