@@ -31,7 +31,14 @@ from offload_solver import (
     solve,
 )
 from offload_solver.cli import main
-from offload_solver.simulators._engine import KINDS, LANES, EngineRun, run, steady_state
+from offload_solver.simulators._engine import (
+    KINDS,
+    LANES,
+    EngineRun,
+    _stage_split,
+    run,
+    steady_state,
+)
 from offload_solver.solve import BUDGET_SAFETY_FACTOR, POLISH_SUGGESTED_ROUNDS
 from offload_solver.solvers._streamed import interleave, stream_candidates
 
@@ -42,6 +49,11 @@ W4_LIKE = StreamedStepCosts(up_bytes_per_param=10, down_bytes_per_param=10, slot
 W4_WRITING = dataclasses.replace(W4_LIKE, resident_down_bytes_per_param=8)
 """W4_LIKE, with a RESIDENT region's device step writing its fp16 parameters on the
 device: 8 bytes down (master and moments), none of them uploaded again."""
+W4_STAGED = dataclasses.replace(
+    W4_LIKE, staged_chunks=1, staged_chunk_numel=100, staged_bytes_per_param=8
+)
+"""W4_LIKE, with one chunk of 100 parameters' master weights and moments (8 bytes each)
+sent up in the backward (``HybridAdam(stage_in_backward=True)``)."""
 
 
 def three_layers(saved_bytes: int = 10) -> ModelProfile:
@@ -211,6 +223,84 @@ def test_a_resident_streamed_region_written_on_the_device_is_not_uploaded_again(
         assert got["d2h", 1, "stream_down"][1] - got["d2h", 1, "stream_down"][0] == (
             pytest.approx(1.0)
         )
+
+
+def test_state_staged_in_the_backward_leaves_the_step_the_gradient() -> None:
+    # test_a_streamed_region_is_stepped_on_the_device_after_the_answer with region 1's
+    # master weights and moments (100 x 8 B) sent up from its gradient hook in the
+    # backward (W4_STAGED): its gradient lands at 7.2, when the hook opens the ring; the
+    # state goes up [7.2,8.0] while B0 runs. At the step only its gradient goes up
+    # (100 x 2 B) [11.4,11.6]; its step [11.6,11.7], down [11.7,12.7], its post-step
+    # upload [12.7,12.9]: the cold step ends with region 2's upload [13.2,13.4], 13.4
+    # against 13.7.
+    hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
+    ctx = SimulationContext.build(
+        three_layers(), hw, host_step_after_backward=True, streamed=W4_STAGED
+    )
+    asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
+    res = get_simulator("async").simulate(ctx, asg)
+    got = {(stream, r, kind): span for stream, r, kind, span in intervals(res.timeline)}
+    assert got["h2d", 1, "stream_stage"] == pytest.approx((7.2, 8.0))
+    assert got["h2d", 1, "stream_up"] == pytest.approx((11.4, 11.6))
+    assert got["compute", 1, "stream_step"] == pytest.approx((11.6, 11.7))
+    assert got["d2h", 1, "stream_down"] == pytest.approx((11.7, 12.7))
+    assert got["h2d", 1, "param_upload"] == pytest.approx((12.7, 12.9))
+    assert res.step_time_s == pytest.approx(13.4)
+    # Memory: the ring (500 B) is held from the hook (7.2) to the copy down's end, over
+    # B0's 10 saved bytes and region 0's gradient (200 B) on its way down at 9: 1310 B
+    # above nothing, against 1110 when the ring waited for the step.
+    curve = [(m.time_s, m.bytes) for m in res.memory_curve if m.time_s >= 7.0]
+    assert curve == [
+        (pytest.approx(7.0), 610),
+        (pytest.approx(7.0), 810),
+        (pytest.approx(7.2), 610),
+        (pytest.approx(7.2), 1110),
+        (pytest.approx(9.0), 1100),
+        (pytest.approx(9.0), 1300),
+        (pytest.approx(9.2), 1100),
+        (pytest.approx(12.7), 600),
+    ]
+    cold = get_simulator("async").run(ctx, asg)
+    assert cold.stage_start == pytest.approx(7.2) and cold.stage_level == 210
+    assert res.peak_bytes == 1310
+    plain = SimulationContext.build(
+        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+    )
+    assert get_simulator("async").simulate(plain, asg).peak_bytes == 1110
+    # The repeating step stages in its own backward as well (B1 ends at 10.7, the
+    # gradient lands at 10.9), and its period is the unstaged one's (12.7): region 1's
+    # forward still waits for its copy down and upload.
+    steady = steady_state(ctx, asg, cold)
+    assert steady.converged and steady.periods_s == pytest.approx((9.0, 12.7))
+    assert ("h2d", 1, "stream_stage", pytest.approx((10.9, 11.7))) in tasks(steady.last)
+    assert steady.last.stage_level == 210
+    # A micro-batch that only accumulates stages nothing.
+    assert run(ctx, asg, optimizer_step=False).stage_start is None
+
+
+def test_staged_chunks_are_the_streamed_regions_leading_ones_in_forward_order() -> None:
+    # Six regions of 1000 parameters, 1, 3 and 4 STREAMED; 10 B up, 8 of them staged, at
+    # 1000 B/s. Three chunks of 600: region 1 takes two (all 1000 parameters), region 3
+    # the third (600); region 4 none. Region 4's hook (the first to run in the backward)
+    # opens the ring; the staged state is 1600 x 8 B, 12.8 s. At the step region 1 sends
+    # its gradients (1000 x 2 B), region 3 its gradients and its last 400 parameters'
+    # state (2000 + 400 x 8 B), region 4 everything (10000 B).
+    hw = flat_hardware()
+    streamed = [False, True, False, True, True, False]
+    for chunk, staged, up in (
+        (600, 12.8, [2.0, 5.2, 10.0]),
+        (400, 8.0, [2.0, 10.0, 10.0]),  # region 1's three chunks use every slot
+        (5000, 24.0, [2.0, 2.0, 2.0]),  # one chunk a region: all three are staged
+    ):
+        costs = dataclasses.replace(
+            W4_LIKE, staged_chunks=3, staged_chunk_numel=chunk, staged_bytes_per_param=8
+        )
+        ctx = SimulationContext.build(layers(), hw, streamed=costs)
+        hook, first, seconds, sup = _stage_split(ctx, streamed)
+        assert (hook, first) == (4, 1)
+        assert seconds == pytest.approx(staged)
+        assert [sup[r] for r in (1, 3, 4)] == pytest.approx(up)
+        assert sup[0] == pytest.approx(10.0)  # as the context has it
 
 
 def test_streamed_copies_up_run_at_the_profiles_fraction_of_h2d() -> None:
@@ -515,7 +605,16 @@ def test_a_ring_that_does_not_fit_is_not_chosen() -> None:
     max_examples=150,
     flips=st.lists(st.booleans(), min_size=20, max_size=20),
     costs=st.sampled_from(
-        [StreamedStepCosts(10, 10, 64), StreamedStepCosts(0.5, 2.0, 1), W4_LIKE, W4_WRITING]
+        [
+            StreamedStepCosts(10, 10, 64),
+            StreamedStepCosts(0.5, 2.0, 1),
+            W4_LIKE,
+            W4_WRITING,
+            W4_STAGED,
+            StreamedStepCosts(
+                10, 10, 64, 8, staged_chunks=2, staged_chunk_numel=50, staged_bytes_per_param=8
+            ),
+        ]
     ),
     contention=st.sampled_from([1.0, 0.5]),
 )
@@ -569,6 +668,16 @@ def test_streamed_steps_keep_lanes_ordered_and_forwards_waiting(
             KINDS[k] == "host_step" and asg[r].state is STREAMED
             for r, k in zip(out.region, out.kind, strict=True)
         )
+        # Staging: one copy of state up, once the last streamed region's gradient is
+        # down (its hook) and before this step's copies up, with the ring held from then.
+        stages = spans.get((chains[0], "stream_stage"), []) if chains else []
+        if costs.staged_chunks and chains and out.tail_streams:
+            (stage,) = stages
+            assert stage[0] >= spans[chains[-1], "grad_offload"][-1][1] - 1e-9
+            assert all(stage[1] <= spans[r, "stream_up"][-1][0] + 1e-9 for r in chains)
+            assert out.stage_start is not None and out.stage_level is not None
+        else:
+            assert not stages and out.stage_start is None
     # The repeating step: each streamed region's parameters are used only once its
     # previous step is back down (and, resident, uploaded again), or, written on the
     # device, once its device step is done.
@@ -649,6 +758,29 @@ def test_costs_without_streamed_regions_change_nothing(
             ),
             "resident_down_bytes_per_param is inf",
         ),
+        (
+            dict(up_bytes_per_param=10, down_bytes_per_param=10, slot_bytes=1, staged_chunks=-1),
+            "staged_chunks is -1",
+        ),
+        (
+            dict(up_bytes_per_param=10, down_bytes_per_param=10, slot_bytes=1, staged_chunks=True),
+            "staged_chunks is True",
+        ),
+        (
+            dict(up_bytes_per_param=10, down_bytes_per_param=10, slot_bytes=1, staged_chunks=2),
+            "staged_chunk_numel is 0",
+        ),
+        (
+            dict(
+                up_bytes_per_param=10,
+                down_bytes_per_param=10,
+                slot_bytes=1,
+                staged_chunks=2,
+                staged_chunk_numel=5,
+                staged_bytes_per_param=10,
+            ),
+            "staged_bytes_per_param is 10",
+        ),
     ],
 )
 def test_bad_streamed_costs_are_named(kwargs: dict[str, Any], message: str) -> None:
@@ -715,6 +847,10 @@ def test_plans_with_streamed_regions_round_trip() -> None:
     writing = dataclasses.replace(plan, streamed=W4_WRITING)
     assert json.loads(writing.to_json())["streamed"]["resident_down_bytes_per_param"] == 8
     assert Plan.from_json(writing.to_json()) == writing
+    # Staged in the backward: its three keys are there, and read back.
+    staged = dataclasses.replace(plan, streamed=W4_STAGED)
+    assert json.loads(staged.to_json())["streamed"]["staged_chunks"] == 1
+    assert Plan.from_json(staged.to_json()) == staged
     data["streamed"]["slot_bytes"] = 0
     with pytest.raises(ValueError, match="slot_bytes is 0"):
         Plan.from_json(json.dumps(data))

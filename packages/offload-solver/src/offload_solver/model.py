@@ -593,6 +593,21 @@ class StreamedStepCosts:
     per parameter element (the state only), it has no post-step upload, and its next
     forward waits on the device for the device step alone, not for the copy down (fp32
     state and fp16 parameters: 12 bytes down instead of 14, and 2 fewer up)."""
+    staged_chunks: int = 0
+    """How many chunks of state the runtime sends up in the backward, ahead of the step
+    (``offload_optim``'s ``HybridAdam(stage_in_backward=True)``: one per slot of its
+    ring); 0 (the default): none. The first streamed region's gradient hook in the
+    backward sends the master weights and moments of the streamed regions' leading chunks
+    up, in forward order, and the step then sends only the rest of each such chunk (its
+    gradient). See [Note: streamed steps] in ``offload_solver.simulators._engine``."""
+    staged_chunk_numel: int = 0
+    """Parameter elements per staged chunk: each streamed region is cut into chunks of at
+    most this many (the ring's chunk). Needed when ``staged_chunks`` is set."""
+    staged_bytes_per_param: float = 0.0
+    """Bytes per parameter element a staged chunk sends up in the backward (the master
+    weights and moments: 12 with fp32 state, 8 with bf16 moments); the step sends the
+    rest of ``up_bytes_per_param``. Needed, below ``up_bytes_per_param``, when
+    ``staged_chunks`` is set."""
 
     def __post_init__(self) -> None:
         names = ["up_bytes_per_param", "down_bytes_per_param"]
@@ -619,6 +634,28 @@ class StreamedStepCosts:
                 f"StreamedStepCosts.slot_bytes is {self.slot_bytes}; the ring of device "
                 "buffers needs > 0 bytes"
             )
+        for name in ("staged_chunks", "staged_chunk_numel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"StreamedStepCosts.{name} is {value!r}; must be an int >= 0")
+        if self.staged_chunks:
+            if self.staged_chunk_numel < 1:
+                raise ValueError(
+                    f"StreamedStepCosts.staged_chunks is {self.staged_chunks} but "
+                    f"staged_chunk_numel is {self.staged_chunk_numel}; staged chunks need "
+                    ">= 1 parameter element each"
+                )
+            pp = self.staged_bytes_per_param
+            if (
+                isinstance(pp, bool)
+                or not isinstance(pp, (int, float))
+                or not 0 < pp < self.up_bytes_per_param
+            ):
+                raise ValueError(
+                    f"StreamedStepCosts.staged_bytes_per_param is {pp!r}; staged chunks "
+                    "send up a number of bytes per parameter element > 0 and below "
+                    f"up_bytes_per_param ({self.up_bytes_per_param}), the step the rest"
+                )
 
 
 # --------------------------------------------------------------------------------------
@@ -673,9 +710,9 @@ class TimelineInterval:
     """What runs: ``fwd``, ``bwd``, ``upload``, ``prefetch``, ``grad_offload``,
     ``grad_widen``, ``host_step``, ``publish``, ``device_step``, ``param_upload`` (see
     [Note: step model] in ``offload_solver.simulators._engine``), and for STREAMED
-    regions ``stream_up``, ``stream_step``, ``stream_down`` and ``stream_contention``
-    ([Note: streamed steps]); plans written before may also hold ``grad_partial``, a host
-    pass no longer modelled."""
+    regions ``stream_up``, ``stream_step``, ``stream_down``, ``stream_contention`` and
+    ``stream_stage`` ([Note: streamed steps]); plans written before may also hold
+    ``grad_partial``, a host pass no longer modelled."""
     start_s: float
     end_s: float
 
@@ -723,8 +760,13 @@ class Plan:
         data = _to_jsonable(self)
         if self.streamed is None:
             del data["streamed"]
-        elif self.streamed.resident_down_bytes_per_param is None:
-            del data["streamed"]["resident_down_bytes_per_param"]  # as before it existed
+        else:
+            streamed = data["streamed"]
+            if self.streamed.resident_down_bytes_per_param is None:
+                del streamed["resident_down_bytes_per_param"]  # as before it existed
+            if not self.streamed.staged_chunks:  # likewise
+                for name in ("staged_chunks", "staged_chunk_numel", "staged_bytes_per_param"):
+                    del streamed[name]
         return json.dumps(data, indent=1)
 
     @classmethod

@@ -186,6 +186,19 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   ``numel * resident_down_bytes_per_param`` bytes, it has no ``param_upload``, and its
   next forward waits (on the device) for the ``stream_step`` alone, the copy down running
   beside the forward.
+- Staging in the backward (``StreamedStepCosts.staged_chunks``; ``offload_optim``'s
+  ``HybridAdam(stage_in_backward=True)``): the gradient hook of the last streamed region
+  in forward order, the first to run in the backward, opens the ring and sends up the
+  master weights and moments (``staged_bytes_per_param``) of the streamed regions'
+  leading ``staged_chunks`` chunks of ``staged_chunk_numel`` parameters, in forward
+  order. One ``stream_stage`` task on H2D at the copy-up rate above, issued when that
+  region's gradient has landed (the hook's grad work is not waited for) and put on the
+  lane at the next issue point; each staged region's ``stream_up`` at the step then
+  carries the rest of its bytes (its gradient, and the state of chunks not staged), and
+  comes after the stage task on the FIFO lane. Not modelled: the host's share of those
+  copies, and a ring still open from the previous step when the hook runs (the runtime
+  then stages nothing; session 45's H200 rows staged 3 chunks in every step). A
+  micro-batch that only accumulates stages nothing.
 - Memory: the runtime holds a ring of ``slot_bytes`` device bytes from the first copy
   up's start to the last copy down's end of a step's streamed regions. The cold step
   places its streamed work after its device-state steps, where the ring shows in its
@@ -194,7 +207,9 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   activations share: a gated step records that window (``carried_stream_window``) and
   ``stream_peak_bytes``, the ring plus the forward's activations at their highest in it,
   and the peak a simulation or plan reports is the larger of the two (the memory curve
-  stays the cold step's).
+  stays the cold step's). With staging the ring is held from the hook on: the backward's
+  activations and gradients from the backward of the region before the hook's region
+  (``stage_level``) count with it, and the memory curve holds it from then.
 - Steady state: a step's streamed work is carried whole (``Carry.streams``: issue times)
   and runs in the next step, each region's forward waiting for its own (the host blocks;
   the lanes run the streamed work queued before it meanwhile); the lane-free times
@@ -249,6 +264,7 @@ KIND_FWD, KIND_BWD, KIND_UPLOAD, KIND_PREFETCH = 0, 1, 2, 3
 KIND_GRAD_OFFLOAD, KIND_HOST_STEP, KIND_DEVICE_STEP, KIND_PARAM_UPLOAD = 4, 5, 6, 7
 KIND_GRAD_WIDEN, KIND_PUBLISH = 8, 9
 KIND_STREAM_UP, KIND_STREAM_STEP, KIND_STREAM_DOWN, KIND_STREAM_CONTENTION = 10, 11, 12, 13
+KIND_STREAM_STAGE = 14
 KINDS = (
     "fwd",
     "bwd",
@@ -264,6 +280,7 @@ KINDS = (
     "stream_step",
     "stream_down",
     "stream_contention",
+    "stream_stage",
 )
 
 # [Note: issuing ahead]
@@ -472,6 +489,7 @@ class SimulationContext:
         # STREAMED regions (see [Note: streamed steps]): the state's copies up and down; the
         # device step is ``device_step_s``.
         up_pp = streamed.up_bytes_per_param if streamed is not None else 0.0
+        self.stream_up_bytes_per_param = up_pp
         down_pp = streamed.down_bytes_per_param if streamed is not None else 0.0
         self.stream_up_s = [
             hw.h2d_time_s(math.ceil(n * up_pp)) / hw.stream_up_fraction for n in self.numel
@@ -493,6 +511,12 @@ class SimulationContext:
         """Per region, seconds of a RESIDENT streamed region's copy down."""
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
         """Device bytes of the ring of buffers held while streamed steps are in flight."""
+        self.stage_chunks = streamed.staged_chunks if streamed is not None else 0
+        """Chunks of state sent up in the backward (0: none; see the note)."""
+        self.stage_chunk_numel = streamed.staged_chunk_numel if streamed is not None else 0
+        self.stage_bytes_per_param = (
+            streamed.staged_bytes_per_param if streamed is not None else 0.0
+        )
 
         # Without issue_ahead every operation takes at least its issue cost
         # ([Note: issuing ahead]); with it the passes below add the issue lane.
@@ -731,6 +755,13 @@ class EngineRun:
         steps, while the ring of device buffers is held; ``None`` without any."""
         self.carried_stream_window: tuple[float, float] | None = None
         """The same for the previous step's streamed steps, run in this one (gated steps)."""
+        self.stage_start: float | None = None
+        """When the backward's first streamed gradient hook opened the ring to send the
+        leading chunks' state up (``StreamedStepCosts.staged_chunks``): the ring is held
+        from then; ``None`` without staging."""
+        self.stage_level: int | None = None
+        """Activation and gradient bytes at most in the backward while the staged ring is
+        held (from the backward of the region before the hook's); ``None`` without."""
         self.stream_peak_bytes = 0
         """Peak device bytes while the ring is held, over both windows, at most (0
         without streamed steps; exact but where activations and gradients meet only in
@@ -837,6 +868,11 @@ def run(
     s_late: list[tuple[float, int]] = []  # (issue, region) of those issued in their hooks
     s_win = [math.inf, _NEVER]  # (first copy up's start, last copy down's end)
     sup, sdown, dstep = ctx.stream_up_s, ctx.stream_down_s, ctx.device_step_s
+    # Staging in the backward (see the note): the region whose hook opens the ring, and
+    # the step's copies up of the staged regions less what went up then.
+    stage_hook, stage_first, stage_s = -1, -1, 0.0
+    if ctx.stage_chunks and any(streamed):
+        stage_hook, stage_first, stage_s, sup = _stage_split(ctx, streamed)
 
     def stream_step() -> None:
         """Put the first device step whose state is up on the compute lane, as soon as both
@@ -1164,9 +1200,27 @@ def run(
                     hooked(r, ready)
                 deferred.append(r)  # no speculative buffers: steps after the last hook
 
+    # Staging (see the note): when the hook opens the ring, the task it follows, and the
+    # activation peak before the ring is held (-1: not held yet).
+    stage_issue, stage_pred, pre_dyn = math.inf, -1, -1
+
+    def place_stage() -> None:
+        """Put the staged state's copy up on the H2D lane, issued at ``stage_issue``."""
+        nonlocal h2d_free, last_h, stage_issue
+        s = stage_issue if stage_issue > h2d_free else h2d_free
+        e = s + stage_s
+        last_h = add(LANE_H2D, stage_first, KIND_STREAM_STAGE, s, e, last_h, stage_pred)
+        h2d_order.append(last_h)
+        h2d_free = e
+        out.stage_start = stage_issue
+        stage_issue = math.inf
+
     for r in range(n_reg - 1, -1, -1):
         reach = t
         reach_b[r] = reach
+        if r == stage_hook - 1 and optimizer_step:
+            # The ring is held from the hook on: count this backward's level from here.
+            pre_dyn, dyn = dyn, 0
         if landed and optimizer_step and not after_backward:
             # While a copy is still to come it lands at or after this issue point; once none
             # is, the hooks that run after the last one (even before this point) leave their
@@ -1174,6 +1228,8 @@ def run(
             hooks_before(reach if r >= last_copier else d2h_free)
         if pending and pending[0][0] <= reach:
             drain(reach)
+        if stage_issue <= reach:
+            place_stage()
         for i in by_host[r]:
             pf_issue[i] = reach
             s = reach if reach > h2d_free else h2d_free
@@ -1247,12 +1303,22 @@ def run(
             # loop: whether a region steps as it lands depends on when backward ends.
             landed.append((r, e, last_d))
             hooks_ran = True
+            if r == stage_hook and optimizer_step:
+                stage_issue, stage_pred = e, last_d
         gap = saved_prefix[op_start[r]] + level
         if gap > dyn:
             dyn = gap
         if c:
             lifetimes[r].append((life_start, end))
     bwd_end, bwd_task = t, last_c
+    if stage_issue < math.inf:
+        drain(stage_issue)
+        place_stage()
+    if pre_dyn >= 0:
+        out.stage_level = dyn
+        dyn = max(dyn, pre_dyn)
+    elif out.stage_start is not None:
+        out.stage_level = level  # the hook's region was the first: gradients still down
     if not optimizer_step:
         for r, land, ready in landed:
             grad_work_of(r, land, ready)
@@ -1364,6 +1430,38 @@ def run(
     return out
 
 
+def _stage_split(
+    ctx: SimulationContext, streamed: Sequence[bool]
+) -> tuple[int, int, float, list[float]]:
+    """Staging in the backward (see [Note: streamed steps]): (the streamed region whose
+    gradient hook opens the ring: the last in forward order; the first staged region;
+    seconds of the staged state's copy up; each region's copy up at the step, the staged
+    chunks' state taken out). The leading ``stage_chunks`` chunks of the streamed regions
+    in forward order, each region cut into chunks of ``stage_chunk_numel``."""
+    hw = ctx.hardware
+    numel = ctx.numel
+    hook = max((r for r, n in enumerate(numel) if streamed[r] and n > 0), default=-1)
+    sup = list(ctx.stream_up_s)
+    if hook < 0:
+        return -1, -1, 0.0, sup
+    chunk, left = ctx.stage_chunk_numel, ctx.stage_chunks
+    pp, up_pp = ctx.stage_bytes_per_param, ctx.stream_up_bytes_per_param
+    first, total = -1, 0
+    for r, n in enumerate(numel):
+        if left == 0:
+            break
+        if not streamed[r] or n == 0:
+            continue
+        k = min(left, -(-n // chunk))
+        staged = min(n, k * chunk)
+        left -= k
+        if first < 0:
+            first = r
+        total += staged
+        sup[r] = hw.h2d_time_s(math.ceil(n * up_pp - staged * pp)) / hw.stream_up_fraction
+    return hook, first, hw.h2d_time_s(math.ceil(total * pp)) / hw.stream_up_fraction, sup
+
+
 def _stream_level(ctx: SimulationContext, out: EngineRun, dyn: int) -> int:
     """Dynamic device bytes (above the static bytes and the pool) while the ring of
     streamed-step buffers is held, at most: 0 without streamed steps (see [Note:
@@ -1386,6 +1484,8 @@ def _stream_level(ctx: SimulationContext, out: EngineRun, dyn: int) -> int:
             level = max(level, slot + dyn)
         else:
             level = max(level, slot + _activations_max(ctx, out, ws, we))
+    if out.stage_level is not None:
+        level = max(level, slot + out.stage_level)
     return level
 
 
@@ -1699,7 +1799,8 @@ def _walk_memory(
         side.append((copied, 0, -nbytes, 0))
     if out.stream_window is not None:
         # The ring of streamed-step buffers, counted with the gradients (both curves).
-        side.append((out.stream_window[0], 1, ctx.stream_slot_bytes, 0))
+        held = out.stream_window[0] if out.stage_start is None else out.stage_start
+        side.append((held, 1, ctx.stream_slot_bytes, 0))
         side.append((out.stream_window[1], 0, -ctx.stream_slot_bytes, 0))
     for r in range(n_reg):
         for s, e in out.lifetimes[r]:
