@@ -190,8 +190,9 @@
 #           W3 ~6 min, W2 ~5 min
 #   bstageab as stageab (BSTAGEAB_WORKLOADS, default "W3 W2"; ROUNDS default 2), the
 #           streamed regions' leading chunks' master weights and moments staged from the
-#           backward's first streamed hook (BENCH_STAGE_IN_BACKWARD=1) against neither
-#           kind of staging (BENCH_STAGE_IN_BACKWARD=0); each arm's rows
+#           backward's first streamed hook (BENCH_STAGE_IN_BACKWARD=1, the default since
+#           session 45, and planned so) against neither kind of staging
+#           (BENCH_STAGE_IN_BACKWARD=0, on the same plan); each arm's rows
 #           (bstage.txt) and the traces' compute-stream gaps (bstageab.txt). W3 ~6 min,
 #           W2 ~5 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned

@@ -107,9 +107,11 @@ rows record ``paced_ring``. Set BENCH_RING_YIELD=1 to build it with ``ring_yield
 ``issuer_publishes``. Set BENCH_STAGE_AHEAD=1 (or 0) to build it with ``stage_ahead=True``
 (or False; unset: the optimizer's default, False): step() stages the streamed regions'
 leading chunks' copies up before its answer; rows record ``stage_ahead``. Set
-BENCH_STAGE_IN_BACKWARD=1 to build it with ``stage_in_backward=True``: the backward's
-first streamed gradient hook stages the leading chunks' master weights and moments; rows
-record ``stage_in_backward`` (from session 44 on). Set
+BENCH_STAGE_IN_BACKWARD=0 (or 1) to build it with ``stage_in_backward=False`` (or True;
+unset: the optimizer's default, True since session 45) and plan to match
+(``streamed_step_costs(stage_in_backward=)``): the backward's first streamed gradient
+hook stages the leading chunks' master weights and moments; rows record
+``stage_in_backward`` (from session 44 on). Set
 BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
@@ -527,6 +529,11 @@ class PlanInputs:
     pred_step_ms: float
     pred_peak_gib: float
     """The row's predictions: a plan made from the same inputs predicts the same."""
+    stage_in_backward: bool = False
+    """Whether the row planned its streamed regions' state staged in the backward (its
+    ``plan_streamed`` counted staged chunks: rows from session 45's planner on). A row
+    pinned to it plans so whatever its own optimizer does (``BENCH_STAGE_IN_BACKWARD``),
+    so that both arms of an A/B run one plan."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -575,6 +582,7 @@ def plan_inputs_from(path: str, workload: str, kind: str) -> PlanInputs:
         speculation_thread=bool(row.get("plan_speculation_thread", False)),
         pred_step_ms=float(row["pred_step_ms"]),
         pred_peak_gib=float(row["pred_peak_gib"]),
+        stage_in_backward=bool((row.get("plan_streamed") or {}).get("staged_chunks", 0)),
     )
 
 
@@ -741,7 +749,13 @@ def _ours(
             # session 22's rows had 16 M-element chunks whatever the budget).
             streamed=(
                 streamed_step_costs(
-                    moments, fp16_io, budget_bytes=budget, write_resident=bench_stream_write()
+                    moments,
+                    fp16_io,
+                    budget_bytes=budget,
+                    write_resident=bench_stream_write(),
+                    stage_in_backward=(
+                        stage_in_backward if pinned is None else pinned.stage_in_backward
+                    ),
                 )
                 if stream and stream_fraction is None
                 else None

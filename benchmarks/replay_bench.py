@@ -440,6 +440,14 @@ def main(argv: list[str] | None = None) -> int:
         "downloads before), or replanned written on the device (yes) or uploaded (no)",
     )
     parser.add_argument(
+        "--stage-in-backward",
+        choices=("recorded", "yes", "no"),
+        default="recorded",
+        help="streamed rows: planned with the leading chunks' state going up in the "
+        "backward as the row's optimizer did (its stage_in_backward, from session 44 on), "
+        "or replanned with it (yes) or without (no); with_stage_in_backward()",
+    )
+    parser.add_argument(
         "--stream-ring",
         choices=("recorded", "budget"),
         default="recorded",
@@ -569,7 +577,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     import torch
 
-    from offload_optim import planned_host_busy_s, streamed_step_costs
+    from offload_optim import planned_host_busy_s, streamed_step_costs, with_stage_in_backward
     from offload_optim.streamed import resident_down_bytes
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ModelProfile, ParamPlacement, StreamedStepCosts, solve
@@ -661,6 +669,12 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                             chunk_numel=16 << 20,
                             write_resident=False,
                         )
+                    stage = bool(row.get("stage_in_backward", False))
+                    if args.stage_in_backward != "recorded":
+                        stage = args.stage_in_backward == "yes"
+                    simulation["streamed"] = with_stage_in_backward(
+                        simulation["streamed"], moments, base_kind in FP16_IO, stage
+                    )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw_args = {
                     "op_overhead_us": row_issue_cost_us(row, args.op_overhead_us),

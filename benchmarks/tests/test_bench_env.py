@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import offload_bench
 import pytest
 from offload_bench import WORKLOADS, bench_budget_gib
@@ -64,7 +68,7 @@ def test_stream_not_first_moves_the_first_streamed_region_to_the_next_host_one(
         ("BENCH_STREAM_PACED", "paced_ring", True),
         ("BENCH_ISSUER_PUBLISHES", "issuer_publishes", True),
         ("BENCH_STAGE_AHEAD", "stage_ahead", False),
-        ("BENCH_STAGE_IN_BACKWARD", "stage_in_backward", False),
+        ("BENCH_STAGE_IN_BACKWARD", "stage_in_backward", True),
     ],
 )
 def test_optimizer_flags_follow_hybrid_adams_defaults_unless_set(
@@ -89,3 +93,27 @@ def test_profile_steps_default_to_two_and_refuse_what_is_not_a_count(
         monkeypatch.setenv("BENCH_PROFILE_STEPS", bad)
         with pytest.raises(ValueError, match="BENCH_PROFILE_STEPS"):
             offload_bench.bench_profile_steps()
+
+
+def test_a_pinned_plan_stages_as_its_source_row_planned(tmp_path: Path) -> None:
+    # BENCH_PLAN_FROM: both arms of an A/B plan as the source row did, staging included,
+    # whatever their own optimizer does; rows before session 45's planner counted none.
+    def source(streamed: dict[str, Any] | None) -> str:
+        row: dict[str, Any] = {
+            "ok": True,
+            "hardware": {"name": "x"},
+            "pred_step_ms": 250.0,
+            "pred_peak_gib": 37.9,
+            "stage_in_backward": True,
+        }
+        if streamed is not None:
+            row["plan_streamed"] = streamed
+        path = tmp_path / f"s{len(list(tmp_path.iterdir()))}.json"
+        path.write_text(json.dumps({"results": {"W3": {"ours_io_spec1_stream": row}}}))
+        return str(path)
+
+    costs = {"up_bytes_per_param": 14, "down_bytes_per_param": 14, "slot_bytes": 1}
+    staged = {**costs, "staged_chunks": 3, "staged_chunk_numel": 10, "staged_bytes_per_param": 12}
+    for streamed, expected in ((staged, True), (costs, False), (None, False)):
+        inputs = offload_bench.plan_inputs_from(source(streamed), "W3", "ours_io_spec1_stream")
+        assert inputs.stage_in_backward is expected

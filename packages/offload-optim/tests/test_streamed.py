@@ -447,6 +447,41 @@ def test_a_plan_for_other_streaming_costs_is_warned_about() -> None:
         module.close()
 
 
+def test_staging_in_backward_is_planned_as_the_optimizer_stages() -> None:
+    """streamed_step_costs counts one chunk per ring slot of master weights and moments
+    going up in the backward when the optimizer stages there (its default); a plan that
+    differs from the optimizer in that is warned about, one that agrees is not."""
+    import dataclasses
+    import warnings
+
+    from offload_optim import with_stage_in_backward
+
+    on = streamed_step_costs(torch.float32, False, chunk_numel=1000)
+    assert (on.staged_chunks, on.staged_chunk_numel, on.staged_bytes_per_param) == (
+        streamed_module.STREAM_SLOTS,
+        1000,
+        12.0,
+    )
+    off = streamed_step_costs(torch.float32, False, chunk_numel=1000, stage_in_backward=False)
+    assert (off.staged_chunks, off.staged_chunk_numel, off.staged_bytes_per_param) == (0, 0, 0)
+    assert with_stage_in_backward(off, torch.float32, False) == on
+    assert with_stage_in_backward(on, torch.float32, False, stage=False) == off
+    assert streamed_step_costs(torch.bfloat16, True, chunk_numel=1000).staged_bytes_per_param == 8
+    assert HybridAdam([torch.zeros(2, requires_grad=True)]).stage_in_backward is (
+        streamed_module.STAGE_IN_BACKWARD
+    )
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
+    module.plan = dataclasses.replace(module.plan, streamed=off)
+    try:
+        with pytest.warns(RuntimeWarning, match="does not stage streamed state in the backward"):
+            AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, stage_in_backward=True), module)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, stage_in_backward=False), module)
+    finally:
+        module.close()
+
+
 class _Gate:
     """Stands in for the CUDA event after a streamed region's downloads: it lands only
     when the test lets it (``opened``)."""

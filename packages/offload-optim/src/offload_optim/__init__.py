@@ -27,7 +27,12 @@ from offload_optim.kernels import (
     speculative_adam_,
 )
 from offload_optim.scaler import DynamicLossScaler
-from offload_optim.streamed import stream_copy_bytes, stream_slot_bytes, streamed_step_costs
+from offload_optim.streamed import (
+    stream_copy_bytes,
+    stream_slot_bytes,
+    streamed_step_costs,
+    with_stage_in_backward,
+)
 
 __all__ = [
     "CHUNK_NUMEL",
@@ -50,4 +55,5 @@ __all__ = [
     "stream_copy_bytes",
     "stream_slot_bytes",
     "streamed_step_costs",
+    "with_stage_in_backward",
 ]

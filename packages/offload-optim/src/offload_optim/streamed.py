@@ -151,11 +151,17 @@ ring drops the staged chunks and copies up again. Host-state regions stepped in 
 hooks after it (bf16 training) publish what has landed, which used to close a ring with
 nothing queued: a ring holding staged chunks is now closed only by a waiting publish
 (the end of the step's task, or :meth:`HybridAdam.drop_staged`, which a skipped step
-calls as ``stage_ahead``'s does). The planner does not model it: it counts the ring from
-the step's first copy up, not from the hook. Session 43's W3 row replayed with the
-copies up of region 1's state taken off the step boundary for free (``python
-benchmarks/replay_bench.py benchmarks/results/s43c3_W3_pub_on2.json --state-ahead 2``,
-an upper bound) steps 223 ms against 230 (regions 1 and 2, ``--state-ahead 3``: 219).
+calls as ``stage_ahead``'s does). The planner models it when the costs say so
+(:func:`streamed_step_costs` with ``stage_in_backward``, :func:`with_stage_in_backward`:
+``StreamedStepCosts.staged_chunks``): one copy up of the staged state from the hook, the
+ring held from there, and the step's copies up without it ([Note: streamed steps] in
+``offload_solver.simulators._engine``). Session 45's H200 measured W3 at 246.0 ms staged
+against 255.8 (the medians of the 5-fastest steps on one plan) and W2 the same (373.9
+against 371.3), at the same peaks (``benchmarks/results/s45c2_*``, ``s45c3_*``); replayed
+with the staging counted (``python benchmarks/replay_bench.py
+benchmarks/results/s45c2_W3_bstage_*.json``) W3 replans with 3 streamed regions at 229 ms
+against 238, and W2 keeps its 9 at 351 against 352. It is on by default
+(:data:`STAGE_IN_BACKWARD`).
 
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
@@ -196,6 +202,7 @@ the same values, for tests.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -250,6 +257,7 @@ def streamed_step_costs(
     budget_bytes: int | None = None,
     chunk_numel: int | None = None,
     write_resident: bool = True,
+    stage_in_backward: bool | None = None,
 ) -> StreamedStepCosts:
     """What :class:`StreamRing` moves per parameter and holds on the device, for the
     planner (``memory_optimize(streamed=...)``): pass the ``HybridAdam``'s moments dtype
@@ -260,7 +268,11 @@ def streamed_step_costs(
     ``write_resident`` (default True): a resident region's device step writes its new
     parameters on the device ([Note: writing resident parameters]); False: they come
     down with its state and go up again after it, as before session 38. The optimizer
-    follows the plan's choice."""
+    follows the plan's choice. ``stage_in_backward`` (None: :data:`STAGE_IN_BACKWARD`,
+    ``HybridAdam``'s default): the optimizer is built with
+    ``HybridAdam(stage_in_backward=True)``, so the planner counts the master weights and
+    moments of one chunk per ring slot going up in the backward, and the ring held from
+    there ([Note: staging the state in backward])."""
     if chunk_numel is None:
         chunk_numel = STREAM_CHUNK_NUMEL
         if budget_bytes is not None:
@@ -271,13 +283,35 @@ def streamed_step_costs(
             chunk_numel = max(MIN_CHUNK_NUMEL, min(chunk_numel, cap))
     up, down = stream_copy_bytes(moments_dtype, fp16_io)
     slot = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=chunk_numel)
-    return StreamedStepCosts(
+    costs = StreamedStepCosts(
         up_bytes_per_param=up,
         down_bytes_per_param=down,
         slot_bytes=slot,
         resident_down_bytes_per_param=resident_down_bytes(moments_dtype)
         if write_resident
         else None,
+    )
+    stage = STAGE_IN_BACKWARD if stage_in_backward is None else stage_in_backward
+    return with_stage_in_backward(costs, moments_dtype, fp16_io, stage)
+
+
+def with_stage_in_backward(
+    costs: StreamedStepCosts, moments_dtype: torch.dtype, fp16_io: bool, stage: bool = True
+) -> StreamedStepCosts:
+    """``costs`` as a ``HybridAdam(stage_in_backward=stage)`` with these moments and
+    ``fp16_io`` moves them: with ``stage``, one chunk per ring slot (the chunk its ring
+    builds from ``costs.slot_bytes``, :func:`chunk_numel_for`) of master weights and
+    moments going up in the backward ([Note: staging the state in backward]); without,
+    none."""
+    if not stage:
+        return dataclasses.replace(
+            costs, staged_chunks=0, staged_chunk_numel=0, staged_bytes_per_param=0.0
+        )
+    return dataclasses.replace(
+        costs,
+        staged_chunks=STREAM_SLOTS,
+        staged_chunk_numel=chunk_numel_for(costs.slot_bytes, moments_dtype, fp16_io),
+        staged_bytes_per_param=float(resident_down_bytes(moments_dtype)),
     )
 
 
@@ -314,6 +348,13 @@ WRITE_RESIDENT = True
 """Whether a ``HybridAdam`` whose plan recorded no streaming costs (streamed regions set
 by hand, as tests do) writes resident streamed regions' parameters on the device; with
 costs it does what they say (``StreamedStepCosts.resident_down_bytes_per_param``)."""
+
+STAGE_IN_BACKWARD = True
+"""``HybridAdam(stage_in_backward=)``'s default, and what :func:`streamed_step_costs` plans
+for unless told ([Note: staging the state in backward]). On from session 45, whose H200
+measured W3 9.8 ms faster with it (246.0 against 255.8 ms, the medians of the 5-fastest
+steps) and W2 the same, at the same peaks, and whose rows the planner, counting it,
+replays at 229 ms against 238 (W3) and 351 against 352 (W2)."""
 
 PACE_POLL_S = 1e-4
 """Seconds a paced ring's issuing thread sleeps between checks that a slot is free."""

@@ -192,13 +192,14 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   master weights and moments (``staged_bytes_per_param``) of the streamed regions'
   leading ``staged_chunks`` chunks of ``staged_chunk_numel`` parameters, in forward
   order. One ``stream_stage`` task on H2D at the copy-up rate above, issued when that
-  region's gradient has landed (the hook's grad work is not waited for) and put on the
-  lane at the next issue point; each staged region's ``stream_up`` at the step then
-  carries the rest of its bytes (its gradient, and the state of chunks not staged), and
-  comes after the stage task on the FIFO lane. Not modelled: the host's share of those
-  copies, and a ring still open from the previous step when the hook runs (the runtime
-  then stages nothing; session 45's H200 rows staged 3 chunks in every step). A
-  micro-batch that only accumulates stages nothing.
+  region's hook runs on the host worker (after its gradient work; the worker's own
+  timeline with the speculation thread) and put on the lane at the next issue point;
+  each staged region's ``stream_up`` at the step then carries the rest of its bytes (its
+  gradient, and the state of chunks not staged), and comes after the stage task on the
+  FIFO lane. Not modelled: the host's share of those copies, and a ring still open from
+  the previous step when the hook runs (the runtime then stages nothing; session 45's
+  H200 rows staged 3 chunks in every step). A micro-batch that only accumulates stages
+  nothing.
 - Memory: the runtime holds a ring of ``slot_bytes`` device bytes from the first copy
   up's start to the last copy down's end of a step's streamed regions. The cold step
   places its streamed work after its device-state steps, where the ring shows in its
@@ -207,9 +208,9 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   activations share: a gated step records that window (``carried_stream_window``) and
   ``stream_peak_bytes``, the ring plus the forward's activations at their highest in it,
   and the peak a simulation or plan reports is the larger of the two (the memory curve
-  stays the cold step's). With staging the ring is held from the hook on: the backward's
-  activations and gradients from the backward of the region before the hook's region
-  (``stage_level``) count with it, and the memory curve holds it from then.
+  stays the cold step's). With staging the ring is held from the hook on: the memory curve
+  holds it from then, and the highest level from then on (``stage_level``: the backward's
+  activations and gradients left with it) counts in ``stream_peak_bytes`` too.
 - Steady state: a step's streamed work is carried whole (``Carry.streams``: issue times)
   and runs in the next step, each region's forward waiting for its own (the host blocks;
   the lanes run the streamed work queued before it meanwhile); the lane-free times
@@ -760,8 +761,8 @@ class EngineRun:
         leading chunks' state up (``StreamedStepCosts.staged_chunks``): the ring is held
         from then; ``None`` without staging."""
         self.stage_level: int | None = None
-        """Activation and gradient bytes at most in the backward while the staged ring is
-        held (from the backward of the region before the hook's); ``None`` without."""
+        """Dynamic bytes at most (activations, gradients and the ring) from
+        ``stage_start`` on, as the memory curve counts them; ``None`` without staging."""
         self.stream_peak_bytes = 0
         """Peak device bytes while the ring is held, over both windows, at most (0
         without streamed steps; exact but where activations and gradients meet only in
@@ -1098,12 +1099,14 @@ def run(
     # whose cores they share). It decides when hooks run and when step() returns.
     spec_thread = ctx.speculation_thread and optimizer_step and not after_backward
     worker_free = host_free
+    # Staging (see the note): when the hook opens the ring, and the task it follows.
+    stage_issue, stage_pred = math.inf, -1
 
     def grad_work_of(r: int, land: float, ready: int) -> tuple[float, int]:
         """Place region r's gradient work on the host worker; returns (when its
         gradient-ready hook runs: that work's end, the task its step waits for). The worker
         takes regions in copy order and waits for each copy, even with no work to do."""
-        nonlocal host_free, last_o, worker_free
+        nonlocal host_free, last_o, worker_free, stage_issue, stage_pred
         e = land if land > host_free else host_free
         w_end = land if land > worker_free else worker_free
         for task_kind, w in (grad_work if optimizer_step else accumulate_work)[r]:
@@ -1112,6 +1115,9 @@ def run(
             last_o = ready = add(LANE_HOST, r, task_kind, s, e, last_o, ready)
         host_free = e
         worker_free = w_end
+        if r == stage_hook and optimizer_step:
+            # Its hook opens the ring and stages (see the note).
+            stage_issue, stage_pred = (w_end if spec_thread else e), ready
         return e, ready
 
     early_cost = ctx.speculative_step_cost / ctx.hardware.host_copy_contention
@@ -1200,10 +1206,6 @@ def run(
                     hooked(r, ready)
                 deferred.append(r)  # no speculative buffers: steps after the last hook
 
-    # Staging (see the note): when the hook opens the ring, the task it follows, and the
-    # activation peak before the ring is held (-1: not held yet).
-    stage_issue, stage_pred, pre_dyn = math.inf, -1, -1
-
     def place_stage() -> None:
         """Put the staged state's copy up on the H2D lane, issued at ``stage_issue``."""
         nonlocal h2d_free, last_h, stage_issue
@@ -1218,9 +1220,6 @@ def run(
     for r in range(n_reg - 1, -1, -1):
         reach = t
         reach_b[r] = reach
-        if r == stage_hook - 1 and optimizer_step:
-            # The ring is held from the hook on: count this backward's level from here.
-            pre_dyn, dyn = dyn, 0
         if landed and optimizer_step and not after_backward:
             # While a copy is still to come it lands at or after this issue point; once none
             # is, the hooks that run after the last one (even before this point) leave their
@@ -1303,22 +1302,12 @@ def run(
             # loop: whether a region steps as it lands depends on when backward ends.
             landed.append((r, e, last_d))
             hooks_ran = True
-            if r == stage_hook and optimizer_step:
-                stage_issue, stage_pred = e, last_d
         gap = saved_prefix[op_start[r]] + level
         if gap > dyn:
             dyn = gap
         if c:
             lifetimes[r].append((life_start, end))
     bwd_end, bwd_task = t, last_c
-    if stage_issue < math.inf:
-        drain(stage_issue)
-        place_stage()
-    if pre_dyn >= 0:
-        out.stage_level = dyn
-        dyn = max(dyn, pre_dyn)
-    elif out.stage_start is not None:
-        out.stage_level = level  # the hook's region was the first: gradients still down
     if not optimizer_step:
         for r, land, ready in landed:
             grad_work_of(r, land, ready)
@@ -1353,6 +1342,9 @@ def run(
             deferred.append(r)
         first_s, first_pred = host_free, last_o
     landed.clear()
+    if stage_issue < math.inf:  # the hook ran after the last issue point
+        drain(stage_issue)
+        place_stage()
     # When step() returns, having queued the device-state steps (on the compute lane) and
     # the deferred host steps: at the end of backward, whose overflow answer it syncs on;
     # without after_backward, once every gradient-ready hook of this step has run.
@@ -1419,6 +1411,8 @@ def run(
         for r in range(n_reg)
     )
     _assign_pool(ctx, out)
+    if out.stage_start is not None:
+        out.stage_level = _level_from(ctx, out, out.stage_start)
     stream_dyn = _stream_level(ctx, out, dyn)
     out.peak_bytes = out.static_bytes + out.pool_bytes + max(dyn, stream_dyn)
     if stream_dyn:
@@ -1485,8 +1479,22 @@ def _stream_level(ctx: SimulationContext, out: EngineRun, dyn: int) -> int:
         else:
             level = max(level, slot + _activations_max(ctx, out, ws, we))
     if out.stage_level is not None:
-        level = max(level, slot + out.stage_level)
+        level = max(level, out.stage_level)
     return level
+
+
+def _level_from(ctx: SimulationContext, out: EngineRun, since_s: float) -> int:
+    """The highest dynamic level of the memory curve (activations, gradients and the ring:
+    :func:`_walk_memory`) from ``since_s`` on."""
+    best = 0
+
+    def record(time_s: float, dynamic: int, live: int) -> None:
+        nonlocal best
+        if time_s >= since_s and dynamic > best:
+            best = dynamic
+
+    _walk_memory(ctx, out, record)
+    return best
 
 
 def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: float) -> int:
