@@ -570,6 +570,12 @@ class HardwareProfile:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
 
 
+def _bytes_in(value: object, below: float) -> bool:
+    """Whether ``value`` is a number of bytes (an int or float, not a bool) in
+    ``(0, below)``."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and 0 < value < below
+
+
 @dataclass(frozen=True)
 class StreamedStepCosts:
     """What the runtime moves and holds to step a STREAMED region on the device.
@@ -615,11 +621,7 @@ class StreamedStepCosts:
             names.append("resident_down_bytes_per_param")
         for name in names:
             value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, (int, float))
-                or not 0 < value < math.inf
-            ):
+            if not _bytes_in(value, math.inf):
                 raise ValueError(
                     f"StreamedStepCosts.{name} is {value!r}; must be a finite number of "
                     "bytes per parameter element > 0"
@@ -646,11 +648,7 @@ class StreamedStepCosts:
                     ">= 1 parameter element each"
                 )
             pp = self.staged_bytes_per_param
-            if (
-                isinstance(pp, bool)
-                or not isinstance(pp, (int, float))
-                or not 0 < pp < self.up_bytes_per_param
-            ):
+            if not _bytes_in(pp, self.up_bytes_per_param):
                 raise ValueError(
                     f"StreamedStepCosts.staged_bytes_per_param is {pp!r}; staged chunks "
                     "send up a number of bytes per parameter element > 0 and below "
