@@ -892,6 +892,20 @@ def test_cli_streams_and_prints_streamed_regions(
     assert main([*base_args, "--streamed", "10,10,500,8"]) == 0
     capsys.readouterr()
     assert Plan.from_json(out.read_text()).streamed == W4_WRITING
+    assert main([*base_args, "--streamed", "10,10,500", "--streamed-staged", "1,100,8"]) == 0
+    capsys.readouterr()
+    assert Plan.from_json(out.read_text()).streamed == W4_STAGED
+    for staged, message in (
+        ("1,100", "CHUNKS,NUMEL,BYTES"),
+        ("1.5,100,8", "CHUNKS,NUMEL,BYTES"),
+        ("1,100,x", "CHUNKS,NUMEL,BYTES"),
+        ("1,0,8", "staged_chunk_numel is 0"),
+        ("1,100,10", "staged_bytes_per_param is 10"),
+    ):
+        assert main([*base_args, "--streamed", "10,10,500", "--streamed-staged", staged]) == 2
+        assert message in capsys.readouterr().err
+    assert main([*base_args, "--streamed-staged", "1,100,8"]) == 2
+    assert "--streamed-staged needs --streamed" in capsys.readouterr().err
     for bad, message in (
         ("10,10", "UP,DOWN,SLOT"),
         ("10,10,500,8,1", "UP,DOWN,SLOT"),

@@ -4,7 +4,7 @@
                   [--block-search-range 128MiB] [--in-use 64MiB] [--micro-batches K]
                   [--host-step-after-backward | --speculative-step-cost X
                    [--speculative-params N] [--speculation-thread]]
-                  [--streamed UP,DOWN,SLOT]
+                  [--streamed UP,DOWN,SLOT [--streamed-staged CHUNKS,NUMEL,BYTES]]
     python -m offload_solver PROFILE.json --budget 16GiB
 
 Prints one line per region (operations, MiB, placement, optimizer state: ``device``,
@@ -15,6 +15,7 @@ Bad input prints a message and exits with 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -113,6 +114,16 @@ def _parser() -> argparse.ArgumentParser:
         "10,10,2GiB,8 (default: none streamed)",
     )
     p.add_argument(
+        "--streamed-staged",
+        default=None,
+        metavar="CHUNKS,NUMEL,BYTES",
+        help="with --streamed: the first streamed gradient hook in the backward sends up "
+        "the state of the streamed regions' leading CHUNKS chunks of NUMEL parameters, "
+        "BYTES bytes per parameter (master weights and moments), and the step the rest; "
+        "e.g. 3,16777216,12 (offload_optim's HybridAdam(stage_in_backward=True); default: "
+        "none staged)",
+    )
+    p.add_argument(
         "--polish-rounds",
         type=int,
         default=POLISH_ROUNDS,
@@ -145,6 +156,35 @@ def parse_streamed(text: str) -> StreamedStepCosts:
             "per parameter"
         ) from None
     return StreamedStepCosts(up, down, parse_bytes(parts[2]), resident)
+
+
+def parse_staged(text: str, costs: StreamedStepCosts) -> StreamedStepCosts:
+    """``CHUNKS,NUMEL,BYTES`` (chunks staged in the backward, parameters a chunk, bytes a
+    parameter sent up then) on top of ``costs``; ``ValueError`` naming the format."""
+    parts = [x.strip() for x in text.split(",")]
+    try:
+        if len(parts) != 3:
+            raise ValueError
+        chunks, numel, nbytes = int(parts[0]), int(parts[1]), float(parts[2])
+    except ValueError:
+        raise ValueError(
+            f"--streamed-staged {text!r}: write CHUNKS,NUMEL,BYTES, the chunks whose state "
+            "goes up in the backward, parameters a chunk (ints) and bytes a parameter, "
+            "e.g. 3,16777216,12"
+        ) from None
+    return dataclasses.replace(
+        costs, staged_chunks=chunks, staged_chunk_numel=numel, staged_bytes_per_param=nbytes
+    )
+
+
+def _streamed_costs(streamed: str | None, staged: str | None) -> StreamedStepCosts | None:
+    """The ``--streamed`` and ``--streamed-staged`` arguments as costs (None: none)."""
+    if streamed is None:
+        if staged is not None:
+            raise ValueError("--streamed-staged needs --streamed: it stages streamed regions")
+        return None
+    costs = parse_streamed(streamed)
+    return costs if staged is None else parse_staged(staged, costs)
 
 
 def _read(path: Path, what: str) -> str:
@@ -214,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculative_step_cost=args.speculative_step_cost,
             speculative_params=args.speculative_params,
             speculation_thread=args.speculation_thread,
-            streamed=None if args.streamed is None else parse_streamed(args.streamed),
+            streamed=_streamed_costs(args.streamed, args.streamed_staged),
             polish_rounds=args.polish_rounds,
         )
         if args.output is not None:
