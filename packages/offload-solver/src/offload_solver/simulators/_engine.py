@@ -193,10 +193,11 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   leading ``staged_chunks`` chunks of ``staged_chunk_numel`` parameters, in forward
   order. One ``stream_stage`` task on H2D at the copy-up rate above, issued when that
   region's hook runs on the host worker (after its gradient work; the worker's own
-  timeline with the speculation thread) and put on the lane at the next issue point;
-  each staged region's ``stream_up`` at the step then carries the rest of its bytes (its
-  gradient, and the state of chunks not staged), and comes after the stage task on the
-  FIFO lane. Not modelled: the host's share of those copies, and a ring still open from
+  timeline with the speculation thread) and put on the lane at the next issue point
+  (with ``host_step_after_backward``, whose hooks are placed after the backward, behind
+  what the backward put there); each staged region's ``stream_up`` at the step then
+  carries the rest of its bytes (its gradient, and the state of chunks not staged), and
+  comes after the stage task on the FIFO lane. Not modelled: the host's share of those copies, and a ring still open from
   the previous step when the hook runs (the runtime then stages nothing; session 45's
   H200 rows staged 3 chunks in every step). A micro-batch that only accumulates stages
   nothing.
