@@ -197,10 +197,10 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   (with ``host_step_after_backward``, whose hooks are placed after the backward, behind
   what the backward put there); each staged region's ``stream_up`` at the step then
   carries the rest of its bytes (its gradient, and the state of chunks not staged), and
-  comes after the stage task on the FIFO lane. Not modelled: the host's share of those copies, and a ring still open from
-  the previous step when the hook runs (the runtime then stages nothing; session 45's
-  H200 rows staged 3 chunks in every step). A micro-batch that only accumulates stages
-  nothing.
+  comes after the stage task on the FIFO lane. Not modelled: the host's share of those
+  copies, and a ring still open from the previous step when the hook runs (the runtime
+  then stages nothing; session 45's H200 rows staged 3 chunks in every step). A
+  micro-batch that only accumulates stages nothing.
 - Memory: the runtime holds a ring of ``slot_bytes`` device bytes from the first copy
   up's start to the last copy down's end of a step's streamed regions. The cold step
   places its streamed work after its device-state steps, where the ring shows in its
