@@ -43,12 +43,13 @@ _KIND_COLORS: dict[str, str] = {
     "grad_widen": "#a1c9f4",
     "grad_partial": "#ffb482",
     "publish": "#c5b0d5",
-    # Streamed regions (host state stepped on the device): up, step, down, and the host
-    # time their copies cost.
+    # Streamed regions (host state stepped on the device): up, step, down, the host
+    # time their copies cost, and their state sent up in the backward (staged).
     "stream_up": "#17becf",
     "stream_step": "#bcbd22",
     "stream_down": "#9edae5",
     "stream_contention": "#dbdb8d",
+    "stream_stage": "#2ca02c",
 }
 _OTHER_COLOR = "#999999"
 _BUDGET_SAFETY = 0.95
