@@ -277,6 +277,27 @@ def test_a_floor_set_by_the_host_says_so() -> None:
     ]
 
 
+def test_a_floor_set_by_compute_says_so() -> None:
+    # Session 45's host stepped the fused fp32 Adam at 4.11 Gparam/s, so W3's floor was
+    # full GPU's forward and backward (212.1 ms), its host part (134.9 ms) beside it; the
+    # rows staged in backward (on) are faster than those without (off), and the median
+    # of all five still misses 1.15x.
+    rows = targets.load_rows(sorted(RESULTS.glob("s45c2_W3_bstage_*.json")))
+    (verdict,) = [v for v in targets.verdicts(rows) if v.target == "W3 fp32 state <= 1.15x floor"]
+    assert verdict.status == "missed: median 1.186x, 3.1% over 1.15x"
+    end = " of gpu_compute 212.1 ms (host_adam_all_host_state 134.9)"
+    assert verdict.cells == [
+        f"s45c2_W3_bstage_{arm} ours_io_spec1_stream: {ratios}{end}"
+        for arm, ratios in (
+            ("off1", "1.192x (run 1.221x)"),
+            ("off2", "1.221x (run 1.264x)"),
+            ("on1", "1.186x (run 1.215x)"),
+            ("on2", "1.144x (run 1.196x)"),
+            ("on3", "1.160x (run 1.236x)"),
+        )
+    ]
+
+
 def test_failed_rows_and_the_ablation_are_left_out(tmp_path: Path) -> None:
     a = _write(
         tmp_path / "s99c1_a.json",
