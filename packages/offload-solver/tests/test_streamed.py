@@ -297,7 +297,7 @@ def test_staged_chunks_are_the_streamed_regions_leading_ones_in_forward_order() 
             W4_LIKE, staged_chunks=3, staged_chunk_numel=chunk, staged_bytes_per_param=8
         )
         ctx = SimulationContext.build(layers(), hw, streamed=costs)
-        hook, first, seconds, sup = _stage_split(ctx, streamed)
+        hook, first, seconds, sup = _stage_split(ctx, costs, streamed)
         assert (hook, first) == (4, 1)
         assert seconds == pytest.approx(staged)
         assert [sup[r] for r in (1, 3, 4)] == pytest.approx(up)

@@ -491,7 +491,6 @@ class SimulationContext:
         # STREAMED regions (see [Note: streamed steps]): the state's copies up and down; the
         # device step is ``device_step_s``.
         up_pp = streamed.up_bytes_per_param if streamed is not None else 0.0
-        self.stream_up_bytes_per_param = up_pp
         down_pp = streamed.down_bytes_per_param if streamed is not None else 0.0
         self.stream_up_s = [
             hw.h2d_time_s(math.ceil(n * up_pp)) / hw.stream_up_fraction for n in self.numel
@@ -513,12 +512,6 @@ class SimulationContext:
         """Per region, seconds of a RESIDENT streamed region's copy down."""
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
         """Device bytes of the ring of buffers held while streamed steps are in flight."""
-        self.stage_chunks = streamed.staged_chunks if streamed is not None else 0
-        """Chunks of state sent up in the backward (0: none; see the note)."""
-        self.stage_chunk_numel = streamed.staged_chunk_numel if streamed is not None else 0
-        self.stage_bytes_per_param = (
-            streamed.staged_bytes_per_param if streamed is not None else 0.0
-        )
 
         # Without issue_ahead every operation takes at least its issue cost
         # ([Note: issuing ahead]); with it the passes below add the issue lane.
@@ -873,8 +866,8 @@ def run(
     # Staging in the backward (see the note): the region whose hook opens the ring, and
     # the step's copies up of the staged regions less what went up then.
     stage_hook, stage_first, stage_s = -1, -1, 0.0
-    if ctx.stage_chunks and any(streamed):
-        stage_hook, stage_first, stage_s, sup = _stage_split(ctx, streamed)
+    if ctx.streamed is not None and ctx.streamed.staged_chunks and any(streamed):
+        stage_hook, stage_first, stage_s, sup = _stage_split(ctx, ctx.streamed, streamed)
 
     def stream_step() -> None:
         """Put the first device step whose state is up on the compute lane, as soon as both
@@ -1412,8 +1405,9 @@ def run(
         for r in range(n_reg)
     )
     _assign_pool(ctx, out)
+    curve_dyn = -1  # the memory curve's highest dynamic level, once walked
     if out.stage_start is not None:
-        out.stage_level = _level_from(ctx, out, out.stage_start)
+        curve_dyn, out.stage_level = _curve_levels(ctx, out, out.stage_start)
     stream_dyn = _stream_level(ctx, out, dyn)
     out.peak_bytes = out.static_bytes + out.pool_bytes + max(dyn, stream_dyn)
     if stream_dyn:
@@ -1421,26 +1415,28 @@ def run(
         if not gated:
             # The cold step's peak is its memory curve's, exactly: the level above can add
             # activations and gradients that meet only in sequence at one instant.
-            out.peak_bytes = _curve_peak(ctx, out)
+            if curve_dyn < 0:
+                curve_dyn = _curve_levels(ctx, out, math.inf)[0]
+            out.peak_bytes = out.static_bytes + out.pool_bytes + curve_dyn
     return out
 
 
 def _stage_split(
-    ctx: SimulationContext, streamed: Sequence[bool]
+    ctx: SimulationContext, costs: StreamedStepCosts, streamed: Sequence[bool]
 ) -> tuple[int, int, float, list[float]]:
     """Staging in the backward (see [Note: streamed steps]): (the streamed region whose
     gradient hook opens the ring: the last in forward order; the first staged region;
     seconds of the staged state's copy up; each region's copy up at the step, the staged
-    chunks' state taken out). The leading ``stage_chunks`` chunks of the streamed regions
-    in forward order, each region cut into chunks of ``stage_chunk_numel``."""
+    chunks' state taken out). The leading ``costs.staged_chunks`` chunks of the streamed
+    regions in forward order, each region cut into chunks of ``costs.staged_chunk_numel``."""
     hw = ctx.hardware
     numel = ctx.numel
     hook = max((r for r, n in enumerate(numel) if streamed[r] and n > 0), default=-1)
     sup = list(ctx.stream_up_s)
     if hook < 0:
         return -1, -1, 0.0, sup
-    chunk, left = ctx.stage_chunk_numel, ctx.stage_chunks
-    pp, up_pp = ctx.stage_bytes_per_param, ctx.stream_up_bytes_per_param
+    chunk, left = costs.staged_chunk_numel, costs.staged_chunks
+    pp, up_pp = costs.staged_bytes_per_param, costs.up_bytes_per_param
     first, total = -1, 0
     for r, n in enumerate(numel):
         if left == 0:
@@ -1482,20 +1478,6 @@ def _stream_level(ctx: SimulationContext, out: EngineRun, dyn: int) -> int:
     if out.stage_level is not None:
         level = max(level, out.stage_level)
     return level
-
-
-def _level_from(ctx: SimulationContext, out: EngineRun, since_s: float) -> int:
-    """The highest dynamic level of the memory curve (activations, gradients and the ring:
-    :func:`_walk_memory`) from ``since_s`` on."""
-    best = 0
-
-    def record(time_s: float, dynamic: int, live: int) -> None:
-        nonlocal best
-        if time_s >= since_s and dynamic > best:
-            best = dynamic
-
-    _walk_memory(ctx, out, record)
-    return best
 
 
 def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: float) -> int:
@@ -1777,18 +1759,22 @@ def _memory_curves(
     return _compact(pool_samples), _compact(raw_samples)
 
 
-def _curve_peak(ctx: SimulationContext, out: EngineRun) -> int:
-    """The highest level of the pool memory curve of :func:`_memory_curves`, without
-    building it (the solvers ask for it once per simulated streamed plan)."""
-    peak = 0
+def _curve_levels(ctx: SimulationContext, out: EngineRun, since_s: float) -> tuple[int, int]:
+    """The highest dynamic level of the pool memory curve of :func:`_memory_curves`
+    (activations, gradients and the ring; the static bytes and the pool not included),
+    over the step and from ``since_s`` on, without building it (the solvers ask for it
+    once per simulated streamed plan)."""
+    peak = since = 0
 
     def record(time_s: float, dynamic: int, live: int) -> None:
-        nonlocal peak
+        nonlocal peak, since
         if dynamic > peak:
             peak = dynamic
+        if time_s >= since_s and dynamic > since:
+            since = dynamic
 
     _walk_memory(ctx, out, record)
-    return out.static_bytes + out.pool_bytes + peak
+    return peak, since
 
 
 def _walk_memory(
