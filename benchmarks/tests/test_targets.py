@@ -256,45 +256,57 @@ def test_rows_without_full_gpu_in_their_call_are_left_out_of_the_floor(
     assert alone.cells == ["s99c2_b ours: 2.500x (run 2.500x) of host_adam 100.0 ms"]
 
 
-def test_a_floor_set_by_the_host_says_so() -> None:
-    # Session 44's host stepped the fused fp32 Adam at 1.65 Gparam/s (session 43's at
-    # 3.87), so W3's floor was its host-state parameters at that rate (336.8 ms), not
-    # full GPU's forward and backward (210.7 ms): the rows are under 1.15x of the first
-    # and over it of the second, and each cell names both.
-    rows = targets.load_rows(sorted(RESULTS.glob("s44c2_W3_stage_*.json")))
-    (verdict,) = [v for v in targets.verdicts(rows) if v.target == "W3 fp32 state <= 1.15x floor"]
-    assert verdict.status == "met"
-    end = " of host_adam_all_host_state 336.8 ms (gpu_compute 210.7)"
-    assert verdict.cells == [
-        f"s44c2_W3_stage_{arm} ours_io_spec1_stream: {ratios}{end}"
-        for arm, ratios in (
-            ("off1", "0.796x (run 0.835x)"),
-            ("off2", "0.784x (run 0.837x)"),
-            ("on1", "0.781x (run 0.851x)"),
-            ("on2", "0.792x (run 0.804x)"),
-            ("on3", "0.820x (run 0.860x)"),
-        )
+@pytest.mark.parametrize(
+    ("rows_glob", "status", "end", "ratios"),
+    [
+        # Session 44's host stepped the fused fp32 Adam at 1.65 Gparam/s (session 43's
+        # at 3.87), so W3's floor was its host-state parameters at that rate (336.8 ms),
+        # not full GPU's forward and backward (210.7 ms): the rows are under 1.15x of the
+        # first and over it of the second, and each cell names both.
+        (
+            "s44c2_W3_stage_*.json",
+            "met",
+            " of host_adam_all_host_state 336.8 ms (gpu_compute 210.7)",
+            [
+                "0.796x (run 0.835x)",
+                "0.784x (run 0.837x)",
+                "0.781x (run 0.851x)",
+                "0.792x (run 0.804x)",
+                "0.820x (run 0.860x)",
+            ],
+        ),
+        # Session 45's host stepped it at 4.11 Gparam/s, so W3's floor was full GPU's
+        # forward and backward (212.1 ms), its host part (134.9 ms) beside it; the rows
+        # staged in backward (on) are faster than those without (off), and the median of
+        # all five still misses 1.15x.
+        (
+            "s45c2_W3_bstage_*.json",
+            "missed: median 1.186x, 3.1% over 1.15x",
+            " of gpu_compute 212.1 ms (host_adam_all_host_state 134.9)",
+            [
+                "1.192x (run 1.221x)",
+                "1.221x (run 1.264x)",
+                "1.186x (run 1.215x)",
+                "1.144x (run 1.196x)",
+                "1.160x (run 1.236x)",
+            ],
+        ),
+    ],
+    ids=["set_by_the_host", "set_by_compute"],
+)
+def test_a_floor_names_the_part_that_set_it(
+    rows_glob: str, status: str, end: str, ratios: list[str]
+) -> None:
+    paths = sorted(RESULTS.glob(rows_glob))
+    (verdict,) = [
+        v
+        for v in targets.verdicts(targets.load_rows(paths))
+        if v.target == "W3 fp32 state <= 1.15x floor"
     ]
-
-
-def test_a_floor_set_by_compute_says_so() -> None:
-    # Session 45's host stepped the fused fp32 Adam at 4.11 Gparam/s, so W3's floor was
-    # full GPU's forward and backward (212.1 ms), its host part (134.9 ms) beside it; the
-    # rows staged in backward (on) are faster than those without (off), and the median
-    # of all five still misses 1.15x.
-    rows = targets.load_rows(sorted(RESULTS.glob("s45c2_W3_bstage_*.json")))
-    (verdict,) = [v for v in targets.verdicts(rows) if v.target == "W3 fp32 state <= 1.15x floor"]
-    assert verdict.status == "missed: median 1.186x, 3.1% over 1.15x"
-    end = " of gpu_compute 212.1 ms (host_adam_all_host_state 134.9)"
+    assert verdict.status == status
     assert verdict.cells == [
-        f"s45c2_W3_bstage_{arm} ours_io_spec1_stream: {ratios}{end}"
-        for arm, ratios in (
-            ("off1", "1.192x (run 1.221x)"),
-            ("off2", "1.221x (run 1.264x)"),
-            ("on1", "1.186x (run 1.215x)"),
-            ("on2", "1.144x (run 1.196x)"),
-            ("on3", "1.160x (run 1.236x)"),
-        )
+        f"{path.stem} ours_io_spec1_stream: {ratio}{end}"
+        for path, ratio in zip(paths, ratios, strict=True)
     ]
 
 
