@@ -195,6 +195,11 @@
 #           (BENCH_STAGE_IN_BACKWARD=0, on the same plan); each arm's rows
 #           (bstage.txt) and the traces' compute-stream gaps (bstageab.txt). W3 ~6 min,
 #           W2 ~5 min
+#   marginab W3 planned at the host rate measured (the source row, beside full GPU by fp32
+#           masters, for the floor), then from its inputs (BENCH_PLAN_FROM) for a host
+#           MARGIN (default 1.15) times slower (BENCH_HOST_MARGIN) and at the rate
+#           measured, alternating, ROUNDS rounds (default 2); then each arm's rows
+#           (pin_rows.py; margin.txt) and the traces' compute-stream gaps. ~6 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -244,7 +249,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -686,6 +691,19 @@ case "$phase" in
     for t in "$out"/prof_*_pub_*/trace_*.json.gz; do
       echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --publishes | tail -1)"
     done 2>&1 | tee -a "$out/pubab.txt" || true ;;
+  marginab)
+    k=ours_io_spec1_stream
+    bench W3 "$k,full_gpu_master" 250 W3_margin_off1
+    export BENCH_PLAN_FROM="$out/W3_margin_off1.json"
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      BENCH_HOST_MARGIN=${MARGIN:-1.15} bench W3 "$k" 150 "W3_margin_on$i"
+      bench W3 "$k" 150 "W3_margin_off$((i + 1))"
+    done
+    unset BENCH_PLAN_FROM
+    for arm in on off; do
+      python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_margin_"$arm"[0-9]*.json
+    done 2>&1 | tee "$out/margin.txt" || true
+    gaps "$out"/prof_W3_margin_*/trace_*.json.gz 2>&1 | tee -a "$out/margin.txt" || true ;;
   bstageab)
     onplan_ab bstage BENCH_STAGE_IN_BACKWARD "${ROUNDS:-2}" ${BSTAGEAB_WORKLOADS:-W3 W2}
     gaps "$out"/prof_*_bstage_*/trace_*.json.gz 2>&1 | tee -a "$out/bstageab.txt" || true ;;

@@ -119,6 +119,10 @@ copies (``memory_optimize(stream_host_charge=S)``); unset: memory_optimize's def
 (``STREAM_UP_FRACTION`` 0.78 and ``STREAM_HOST_CHARGE`` 0.5 from session 31 on; 1 and 1
 before), or with BENCH_PLAN_FROM the source row's. BENCH_STREAM_HOST_CHARGE=1
 BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``profile``.
+Set BENCH_HOST_MARGIN=M (at least 1) to plan the ``ours`` kinds for a host Adam step M
+times slower than the rate measured for them (:func:`bench_host_margin`; with
+BENCH_PLAN_FROM, M times slower than the source row's); rows record ``host_margin`` (from
+session 46 on).
 Set BENCH_MEASURE_ATTENTION=1 to plan the ``ours`` kinds with fused attention measured at
 the model's own shapes (``memory_optimize(measure_attention=True)``); rows record
 ``measure_attention``, and their ``hardware`` the rates. By default (BENCH_FUSE_GELU=1,
@@ -705,6 +709,7 @@ def _ours(
     else:
         plan_thread = speculation_thread
     plan_thread = speculate and plan_thread
+    host_margin = bench_host_margin()
 
     def build(
         model: Any, limit: int | None, calibrated: Calibrated | None = None
@@ -717,6 +722,16 @@ def _ours(
             in_use = pinned.device_bytes_in_use
         else:
             hardware, in_use = None, None
+        # Slowed by BENCH_HOST_MARGIN where it is set.
+        host_inputs = host_margin_inputs(
+            None if calibrated is not None else host_cost,
+            calibrated.host_params_per_s
+            if calibrated is not None
+            else statistics.median(rate_samples)
+            if rate_samples
+            else None,
+            host_margin,
+        )
         module = memory_optimize(
             model,
             data,
@@ -733,15 +748,9 @@ def _ours(
             speculative_step_cost=spec_cost,
             speculative_params=limit,
             speculation_thread=plan_thread,
-            host_step_cost=None if calibrated is not None else host_cost,
             # Both ways: the planner takes the geometric mean of the two rates.
-            host_step_params_per_s=(
-                calibrated.host_params_per_s
-                if calibrated is not None
-                else statistics.median(rate_samples)
-                if rate_samples
-                else None
-            ),
+            host_step_cost=host_inputs[0],
+            host_step_params_per_s=host_inputs[1],
             fp16_io=fp16_io,
             # What the optimizer's ring moves and holds, for the planner to weigh (not
             # when BENCH_STREAM_FRACTION forces the choice instead).
@@ -894,6 +903,7 @@ def _ours(
     }
     out["host_threads"] = torch.get_num_threads()
     out["budget_gib"] = budget_gib
+    out["host_margin"] = host_margin
     out["polish_rounds"] = polish_rounds
     out["measure_attention"] = measure_attention
     out["issue_ahead"] = module.hardware.issue_ahead
@@ -1244,6 +1254,44 @@ def bench_budget_gib(workload: str) -> float:
     if not math.isfinite(gib) or gib <= 0:
         raise ValueError(f"BENCH_BUDGET_GIB must be a positive number of GiB, got {env!r}")
     return gib
+
+
+def bench_host_margin() -> float:
+    """How many times slower than its measured rate the plan takes the host's Adam step to
+    run: BENCH_HOST_MARGIN (at least 1; default 1, the measured rate). Session 46's W3 rows
+    of one plan kept the host busy 150-192 ms a step (``host_cycle``), and their slowest
+    steps waited for the host; a plan made for a slower host streams more and leans less on
+    its fast steps. Only the plan is told: the optimizer steps as planned. Rows record
+    ``host_margin``, and their ``hardware`` the slowed rate."""
+    env = os.environ.get("BENCH_HOST_MARGIN")
+    if not env:
+        return 1.0
+    try:
+        margin = float(env)
+    except ValueError:
+        margin = math.nan
+    if not math.isfinite(margin) or margin < 1:
+        raise ValueError(f"BENCH_HOST_MARGIN must be a number >= 1, got {env!r}")
+    return margin
+
+
+def host_margin_inputs(
+    host_cost: float | None, host_rate: float | None, margin: float
+) -> tuple[float | None, float | None]:
+    """``memory_optimize``'s ``host_step_cost`` and ``host_step_params_per_s`` (the host Adam
+    step's time over the profile's fused fp32 step, and its rate in parameters/s) with the
+    host ``margin`` times slower: the cost times it and the rate over it, or, where neither
+    is given, a cost of ``margin`` (the profile's rate over it). ``margin`` 1 passes them
+    as they are."""
+    if margin == 1.0:
+        return host_cost, host_rate
+    if host_rate is not None:
+        host_rate /= margin
+    if host_cost is not None:
+        host_cost *= margin
+    elif host_rate is None:
+        host_cost = margin
+    return host_cost, host_rate
 
 
 def bench_pair_recipe() -> str:

@@ -397,6 +397,15 @@ def main(argv: list[str] | None = None) -> int:
         "(the machine's profile; session 18: 4.39)",
     )
     parser.add_argument(
+        "--host-margin",
+        type=float,
+        default=1.0,
+        metavar="M",
+        help="replan every row for a host Adam step M (>= 1) times slower than the rate "
+        "chosen by --host-rate (what offload_bench.py's BENCH_HOST_MARGIN plans with; rows "
+        "planned with a margin recorded the slowed rate, which the default 1 keeps)",
+    )
+    parser.add_argument(
         "--host-rate",
         choices=("recorded", "samples", "blend", "loop"),
         default="recorded",
@@ -574,6 +583,8 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--host-step-cost {item!r}: the cost must be > 0")
     if costs and not (args.fused_gparam and args.fused_gparam > 0):
         parser.error("--host-step-cost needs --fused-gparam > 0")
+    if not args.host_margin >= 1:
+        parser.error(f"--host-margin must be >= 1, got {args.host_margin}")
 
     import torch
 
@@ -622,6 +633,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 rate = host_rate(
                     row, rate, "recorded" if args.host_rate == "loop" else args.host_rate
                 )
+                rate /= args.host_margin
                 base = traced[workload, fuse]
                 variant = device_conversion_profile(base) if row["convert_on_device"] else base
                 speculate = base_kind in SPECULATING

@@ -8,7 +8,7 @@ from typing import Any
 
 import offload_bench
 import pytest
-from offload_bench import WORKLOADS, bench_budget_gib
+from offload_bench import WORKLOADS, bench_budget_gib, bench_host_margin, host_margin_inputs
 
 
 def test_the_budget_is_the_workloads_unless_bench_budget_gib_sets_another(
@@ -31,6 +31,36 @@ def test_a_budget_that_is_not_a_positive_number_of_gib_is_refused(
     monkeypatch.setenv("BENCH_BUDGET_GIB", bad)
     with pytest.raises(ValueError, match="BENCH_BUDGET_GIB must be a positive number"):
         bench_budget_gib("W3")
+
+
+def test_the_host_margin_is_one_unless_bench_host_margin_sets_a_number_of_at_least_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BENCH_HOST_MARGIN", raising=False)
+    assert bench_host_margin() == 1.0
+    monkeypatch.setenv("BENCH_HOST_MARGIN", "")
+    assert bench_host_margin() == 1.0
+    monkeypatch.setenv("BENCH_HOST_MARGIN", "1.15")
+    assert bench_host_margin() == 1.15
+    for bad in ("0.9", "0", "nan", "inf", "slow"):
+        monkeypatch.setenv("BENCH_HOST_MARGIN", bad)
+        with pytest.raises(ValueError, match="BENCH_HOST_MARGIN must be a number >= 1"):
+            bench_host_margin()
+
+
+def test_the_host_margin_slows_the_cost_and_the_rate_the_plan_is_given() -> None:
+    # No margin: what the bench measured goes to memory_optimize as it is.
+    assert host_margin_inputs(1.2, 4e9, 1.0) == (1.2, 4e9)
+    assert host_margin_inputs(None, None, 1.0) == (None, None)
+    # Both measured: the cost times the margin, the rate over it, so that their
+    # geometric mean (what the planner takes) is the margin slower.
+    cost, rate = host_margin_inputs(1.2, 4e9, 1.25)
+    assert cost == pytest.approx(1.5) and rate == pytest.approx(3.2e9)
+    # The calibrated rate alone stays alone.
+    cost, rate = host_margin_inputs(None, 4e9, 1.25)
+    assert cost is None and rate == pytest.approx(3.2e9)
+    # Nothing measured (a pinned row, fp32 state): the profile's rate over the margin.
+    assert host_margin_inputs(None, None, 1.25) == (1.25, None)
 
 
 def test_stream_not_first_moves_the_first_streamed_region_to_the_next_host_one(
