@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import inspect
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -354,8 +355,15 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     assert io.host_convert_elems_per_s == 0.0
     assert io.host_adam_params_per_s == by_cost.host_adam_params_per_s
     # Told both ways: the geometric mean of the rate and the profile's rate over the cost.
-    both = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 9)
+    # Nine times apart is more than HOST_RATES_DISAGREE: told, with how to re-profile.
+    with pytest.warns(RuntimeWarning, match=r"9\.0x apart.*OFFLOAD_REPROFILE=1"):
+        both = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 9)
     assert both.host_adam_params_per_s == pytest.approx(rate * 3)
+    # Within it (the spread of one host's readings), quietly.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        near = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 1.96)
+    assert near.host_adam_params_per_s == pytest.approx(rate * 1.4)
     bad: list[dict[str, Any]] = [
         {"host_step_cost": 0.0},
         {"host_step_params_per_s": -1.0},
@@ -447,16 +455,17 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
         with pytest.raises(ValueError, match="host_step_cost"):
             memory_optimize(model, inp, 2**30, "asyn", **bad, **kwargs)
     # Told both ways, a cost of 100 and a rate of the profile's: planned at a tenth of it
-    # (the geometric mean), as the slow plan is.
-    both = memory_optimize(
-        model,
-        inp,
-        2**30,
-        "asyn",
-        host_step_cost=100.0,
-        host_step_params_per_s=hw.host_adam_params_per_s,
-        **kwargs,
-    )
+    # (the geometric mean), as the slow plan is; 100x apart, which memory_optimize tells.
+    with pytest.warns(RuntimeWarning, match="100.0x apart"):
+        both = memory_optimize(
+            model,
+            inp,
+            2**30,
+            "asyn",
+            host_step_cost=100.0,
+            host_step_params_per_s=hw.host_adam_params_per_s,
+            **kwargs,
+        )
     assert both.plan.predicted_step_time_s == pytest.approx(slow.plan.predicted_step_time_s)
     for m in (fast, slow, costly, both):
         m.close()

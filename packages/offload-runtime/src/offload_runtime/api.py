@@ -7,6 +7,7 @@ import logging
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -379,6 +380,31 @@ def _check_stream_model(fraction: float | None, charge: float | None) -> None:
         raise ValueError(f"stream_host_charge={charge} must be in [0, 1] (or None)")
 
 
+HOST_RATES_DISAGREE: float = 2.0
+"""Factor between the two host rates :func:`planning_hardware` is told (the profile's over
+``host_step_cost``, and ``host_step_params_per_s``) above which it warns. Readings of one
+H200 host spread about 1.5x (BENCHMARKS.md, sessions 18 and 21); in session 47 the cached
+profile's rate over the cost was 2.8x below the rate measured beside it, and the plans made
+with their mean predicted W4's step 45-51% over its run."""
+
+
+def _warn_host_rates_disagree(by_cost: float, absolute: float) -> None:
+    """RuntimeWarning when the host rate by cost and the absolute one are more than
+    :data:`HOST_RATES_DISAGREE` apart (both parameters/s)."""
+    ratio = max(by_cost, absolute) / min(by_cost, absolute)
+    if ratio > HOST_RATES_DISAGREE:
+        warnings.warn(
+            f"the host step rate by the profile's fused Adam rate over host_step_cost "
+            f"({by_cost / 1e9:.2f} Gparam/s) and host_step_params_per_s "
+            f"({absolute / 1e9:.2f} Gparam/s) are {ratio:.1f}x apart; planning with their "
+            f"geometric mean ({math.sqrt(by_cost * absolute) / 1e9:.2f}). A profile "
+            "measured while the host was busy stays cached: measure it again on a quiet "
+            "host (OFFLOAD_REPROFILE=1).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 def planning_hardware(
     hardware: HardwareProfile,
     *,
@@ -408,6 +434,8 @@ def planning_hardware(
         hardware = dataclasses.replace(hardware, stream_host_charge=stream_host_charge)
     if host_step_cost is not None:
         by_cost = hardware.host_adam_params_per_s / host_step_cost
+        if host_step_params_per_s is not None:
+            _warn_host_rates_disagree(by_cost, host_step_params_per_s)
         host_step_params_per_s = (
             by_cost
             if host_step_params_per_s is None

@@ -71,12 +71,14 @@ from offload_solver import BandwidthPoint, HardwareProfile
 
 __all__ = [
     "DEFAULT_COMPUTE_EFFICIENCY",
+    "HOST_ADAM_READS_SPREAD",
     "DeviceIdentity",
     "MatmulShape",
     "available_host_memory_bytes",
     "default_cache_dir",
     "default_cpu_profile",
     "device_identity",
+    "host_adam_median",
     "measure_attention_flop_per_s",
     "measure_copy_bandwidth",
     "measure_device_adam_params_per_s",
@@ -646,8 +648,9 @@ def measure_hardware(
     """Measure a CUDA device now, without the cache; ``compute_efficiency`` is the default.
 
     Copies, peak matmul, both Adam rates, host copy contention, device memory and
-    conversion rates, and the per-operation issue cost (the median of three reads, first,
-    midway and last); a few seconds on a current GPU.
+    conversion rates, and the per-operation issue cost; the host Adam rate and the issue
+    cost are each the median of three reads (first, midway and last;
+    :func:`host_adam_median`). A few seconds on a current GPU.
     """
     dev = _resolve_device(device)
     if dev.type != "cuda":
@@ -670,13 +673,12 @@ def measure_hardware(
             )
             peak = measure_peak_matmul_flop_per_s(dev, dtype=dtype)
             say(f"peak {dtype_name} matmul {peak / 1e12:.0f} TFLOP/s")
-            host_adam = measure_host_adam_params_per_s(
-                _fit_numel(_HOST_ADAM_NUMEL, available_host_memory_bytes())
-            )
+            adam_numel = _fit_numel(_HOST_ADAM_NUMEL, available_host_memory_bytes())
+            host_adams = [measure_host_adam_params_per_s(adam_numel)]
             device_adam = measure_device_adam_params_per_s(dev)
             overheads.append(measure_op_overhead_s(dev, dtype=dtype))
             say(
-                f"fused Adam host {host_adam / 1e9:.2f} Gparam/s, "
+                f"fused Adam host {host_adams[0] / 1e9:.2f} Gparam/s (first read), "
                 f"device {device_adam / 1e9:.1f} Gparam/s"
             )
             contention = measure_host_copy_contention(
@@ -685,12 +687,20 @@ def measure_hardware(
             say(f"host Adam keeps {contention:.2f} of its rate while pinned copies run")
             device_memory = measure_device_memory_bytes_per_s(dev)
             say(f"device memory {device_memory / 1e12:.2f} TB/s (read + write)")
+            host_adams.append(measure_host_adam_params_per_s(adam_numel))
             host_convert = measure_host_convert_elems_per_s(
                 _fit_convert_numel(_HOST_CONVERT_NUMEL, available_host_memory_bytes()),
                 dtype=dtype,
             )
             say(f"host {dtype_name} <-> float32 conversion {host_convert / 1e9:.2f} Gelem/s")
             overheads.append(measure_op_overhead_s(dev, dtype=dtype))
+            host_adams.append(measure_host_adam_params_per_s(adam_numel))
+            host_adam = host_adam_median(host_adams)
+            say(
+                f"fused Adam host {host_adam / 1e9:.2f} Gparam/s (the median of "
+                f"{', '.join(f'{x / 1e9:.2f}' for x in host_adams)} Gparam/s read first, "
+                "midway and last)"
+            )
             overhead = statistics.median(overheads)
             say(
                 f"per-operation issue cost {overhead * 1e6:.1f} us (GPT-2-like graph; the "
@@ -1067,6 +1077,42 @@ def measure_host_adam_params_per_s(
     if settle_s:
         time.sleep(settle_s)
     return numel / max(statistics.median(timed_step() for _ in range(steps)), 1e-9)
+
+
+HOST_ADAM_READS_SPREAD = 1.5
+"""Ratio of the fastest to the slowest of a profile's host Adam reads above which
+:func:`host_adam_median` warns. Sessions of the H200 host read 3.4-4.9 Gparam/s
+(BENCHMARKS.md); one profile (session 47) read 1.40 while every benchmark child of that
+machine timed torch's fused step at 3.9-5.1 in its own process."""
+
+
+def host_adam_median(reads: Sequence[float]) -> float:
+    """The median of a profile's host Adam reads (parameters/s), warning when they
+    disagree by more than :data:`HOST_ADAM_READS_SPREAD`.
+
+    One read is a few fused steps over tens of milliseconds, and every plan charges its
+    host steps at this rate: a read taken while the host is busy with something else
+    (session 47's profile read 1.40 Gparam/s against 3.9-5.1 in every process after it;
+    its plans streamed twice the parameters and predicted W4's step 51% over) is cached
+    with the profile and misleads every plan after it. The median of reads taken first,
+    midway and last through the profile drops one such read. A larger spread is told,
+    with how to measure again.
+    """
+    if not reads or any(not (r > 0 and math.isfinite(r)) for r in reads):
+        raise ValueError(f"host Adam reads must be positive and finite, got {list(reads)}")
+    median = statistics.median(reads)
+    if max(reads) > HOST_ADAM_READS_SPREAD * min(reads):
+        warnings.warn(
+            "the hardware profile's host Adam reads disagree ("
+            + ", ".join(f"{r / 1e9:.2f}" for r in reads)
+            + f" Gparam/s); keeping the median, {median / 1e9:.2f}. Something else was "
+            "using the host while it was profiled: measure again on a quiet host "
+            "(OFFLOAD_REPROFILE=1), or tell memory_optimize the rate "
+            "(host_step_params_per_s=).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return median
 
 
 def _timed_host_adam(numel: int) -> Callable[[], float]:
