@@ -1648,20 +1648,63 @@ def _cell(r: dict[str, Any] | None) -> str:
     return f"{r['step_ms']:.0f} ms{over_run} / {r['peak_alloc_gib']:.2f} GiB"
 
 
-def floor_parts(r: dict[str, Any], full: dict[str, Any] | None) -> dict[str, float]:
+HOST_FLOOR_PARTS = ("host_adam", "host_adam_all_host_state")
+"""The parts of ``floor_parts_ms`` that are host-state parameters over the profile's fused
+host Adam rate (``profile_host_adam_gparam``)."""
+
+PROFILE_HOST_DISTURBED = 1.5
+"""How many times slower than torch's fused host Adam ran in the benchmark's own processes
+a profile's rate must read for :func:`floor_parts` to take the processes' rate instead
+(``host_gparam``). Session 47's cached profile read 1.40 Gparam/s, and every process of
+that machine timed the fused step at 3.55-5.18 Gparam/s (:func:`fused_rate_in_process_gparam`)."""
+
+
+def fused_rate_in_process_gparam(r: dict[str, Any]) -> float | None:
+    """Torch's fused fp32 host Adam rate as a row's own process read it (Gparam/s): the
+    median of its kind's rate samples (``host_rate_samples_gparam``) times its
+    ``host_step_cost`` (the kind's step time over the fused step's, timed back to back).
+    None for rows that sampled neither (pinned rows, kinds planned at the profile's rate)."""
+    samples, cost = r.get("host_rate_samples_gparam"), r.get("host_step_cost")
+    if not samples or not cost:
+        return None
+    return float(statistics.median(samples)) * float(cost)
+
+
+def profile_host_disturbed(r: dict[str, Any], host_gparam: float) -> bool:
+    """Whether row ``r``'s profile read torch's fused host Adam more than
+    :data:`PROFILE_HOST_DISTURBED` times slower than ``host_gparam`` (Gparam/s)."""
+    profile = r.get("profile_host_adam_gparam")
+    return profile is not None and host_gparam > PROFILE_HOST_DISTURBED * float(profile)
+
+
+def floor_parts(
+    r: dict[str, Any], full: dict[str, Any] | None, host_gparam: float | None = None
+) -> dict[str, float]:
     """The parts of row ``r``'s floor (ms): its ``floor_parts_ms`` (the H2D and D2H bytes
     over the profiled rates, host Adam over every host-state parameter) and, as
-    ``gpu_compute``, full-GPU training's forward and backward when ``full`` ran."""
+    ``gpu_compute``, full-GPU training's forward and backward when ``full`` ran.
+
+    ``host_gparam``: torch's fused host Adam rate read beside the row (Gparam/s; e.g. the
+    median of its call's :func:`fused_rate_in_process_gparam`). Where the row's profile
+    read more than :data:`PROFILE_HOST_DISTURBED` times slower, the profile's reading was
+    disturbed, and the host parts are taken at ``host_gparam`` instead: a floor set by a
+    host slowed only while it was profiled would credit every row with that slowness."""
     parts = dict(r.get("floor_parts_ms", {}))
+    if host_gparam is not None and profile_host_disturbed(r, host_gparam):
+        for key in HOST_FLOOR_PARTS:
+            if key in parts:
+                parts[key] *= r["profile_host_adam_gparam"] / host_gparam
     if full and full.get("ok"):
         parts["gpu_compute"] = full["fwd_bwd_ms"]
     return parts
 
 
-def issue_floor(r: dict[str, Any], full: dict[str, Any] | None) -> tuple[float, str] | None:
+def issue_floor(
+    r: dict[str, Any], full: dict[str, Any] | None, host_gparam: float | None = None
+) -> tuple[float, str] | None:
     """The issue's floor for row ``r`` (ms, and which part sets it): the largest of its
-    :func:`floor_parts`. None when nothing is known."""
-    parts = floor_parts(r, full)
+    :func:`floor_parts` (``host_gparam`` as there). None when nothing is known."""
+    parts = floor_parts(r, full, host_gparam)
     if not parts:
         return None
     key = max(parts, key=lambda k: parts[k])

@@ -59,7 +59,9 @@ from offload_bench import (
     REFERENCE_FULL_GPU,
     WORKLOADS,
     floor_parts,
+    fused_rate_in_process_gparam,
     issue_floor,
+    profile_host_disturbed,
     reference_full_gpu_kind,
     trained,
 )
@@ -96,6 +98,13 @@ class Row:
     """The peer kinds of its call left out because they ran the other activation."""
     peer_files: dict[int, str] = field(default_factory=dict)
     """The file each peer row (by ``id``) came from."""
+    profile_host_gparam: float | None = None
+    """The median of torch's fused host Adam rate as each process read it
+    (:func:`offload_bench.fused_rate_in_process_gparam`) over the session's rows that
+    planned with the same cached profile (one machine), for the floor's host parts where
+    that profile's reading was disturbed (:func:`offload_bench.floor_parts`). The median of
+    a machine's readings, not one call's: one call of session 36 read 7.1-7.3 Gparam/s in
+    process where the machine's other calls read 4.0-5.5 and its profile 4.04."""
 
     @property
     def label(self) -> str:
@@ -150,6 +159,12 @@ def own_budget(workload: str, result: dict[str, Any]) -> bool:
     return budget is None or float(budget) == float(WORKLOADS[workload][3])
 
 
+def _machine(call: str, result: dict[str, Any]) -> tuple[str, float]:
+    """Which machine a row ran on, as far as its file says: its session (``sNN`` of its
+    call) and the host Adam rate of the profile it planned with (cached once a machine)."""
+    return call.split("c")[0], float(result.get("profile_host_adam_gparam") or 0.0)
+
+
 def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
     """Our successful rows in ``paths`` under their workload's own budget (of ``kinds``
     when given; never the ablation), each with its call's peer rows of the same workload."""
@@ -157,6 +172,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
     in_file: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     ours: list[tuple[str, str, str, str, dict[str, Any]]] = []
     peer_files: dict[int, str] = {}
+    fused_reads: dict[tuple[str, float], list[float]] = {}  # by session and profile
     for path in paths:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):  # not an offload_bench.py file (ring_rate.py's, say)
@@ -166,6 +182,9 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
             for kind, result in by_kind.items():
                 if not result.get("ok"):
                     continue
+                fused = fused_rate_in_process_gparam(result)
+                if fused is not None:
+                    fused_reads.setdefault(_machine(call, result), []).append(fused)
                 if kind in PEERS:
                     peer_files[id(result)] = path.name
                     for table, key in ((in_call, call), (in_file, str(path.resolve()))):
@@ -190,7 +209,9 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                     peers[peer] = same
                     break
         other = tuple(sorted(set(by_call) - set(peers)))
-        rows.append(Row(Path(file).name, w, kind, result, peers, other, peer_files))
+        reads = fused_reads.get(_machine(call, result))
+        host = statistics.median(reads) if reads else None
+        rows.append(Row(Path(file).name, w, kind, result, peers, other, peer_files, host))
     return rows
 
 
@@ -212,16 +233,25 @@ def _ratio_cell(row: Row, ratio: float, run_ratio: float | None) -> str:
     return f"{row.label}: {ratio:.3f}x{run}"
 
 
-def _floor_end(parts: dict[str, float], key: str) -> str:
+def _floor_end(parts: dict[str, float], key: str, row: Row | None = None) -> str:
     """What a row's floor is (its :func:`offload_bench.floor_parts`, ``key`` the part that
     sets it): that part and beside it full GPU's compute (or, where that sets it, the next
     largest part), so that a floor set by the host (a slow host's Adam rate) is not read
-    as the GPU's."""
+    as the GPU's; and, where the host parts were taken at the rate ``row``'s call read
+    rather than its profile's (a disturbed profile), both rates."""
     if key != "gpu_compute" and "gpu_compute" in parts:
         other = ["gpu_compute"]
     else:
         other = sorted((k for k in parts if k != key), key=lambda k: -parts[k])[:1]
-    return f" of {key} {parts[key]:.1f} ms" + "".join(f" ({k} {parts[k]:.1f})" for k in other)
+    end = f" of {key} {parts[key]:.1f} ms" + "".join(f" ({k} {parts[k]:.1f})" for k in other)
+    host = None if row is None else row.profile_host_gparam
+    if row is not None and host is not None and profile_host_disturbed(row.result, host):
+        end += (
+            f"; host parts at {host:.2f} Gparam/s, the fused host Adam rate "
+            f"its machine's processes read (the profile read "
+            f"{row.result['profile_host_adam_gparam']:.2f})"
+        )
+    return end
 
 
 def ratio_verdict(
@@ -336,15 +366,15 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
         for row in fp32:
             ref = full_gpu_kind(row)
             full = None if ref is None else _peer_row(row, ref)
-            floor = issue_floor(row.result, full)
+            floor = issue_floor(row.result, full, row.profile_host_gparam)
             if floor is not None:
                 mean = row.result.get("step_mean_ms")
                 run = None if mean is None else mean / floor[0]
                 ratio = (row, row.result["step_ms"] / floor[0], run)
                 whole = full is not None and full.get("ok")
                 (floors if whole else partial).append(ratio)
-                parts = floor_parts(row.result, full)
-                (floor_ends if whole else partial_ends).append(_floor_end(parts, floor[1]))
+                parts = floor_parts(row.result, full, row.profile_host_gparam)
+                (floor_ends if whole else partial_ends).append(_floor_end(parts, floor[1], row))
                 if whole and parts.get("gpu_compute"):
                     bound = parts["gpu_compute"]
                     own = None if mean is None else mean / bound
@@ -379,7 +409,7 @@ def verdicts(rows: list[Row]) -> list[Verdict]:
                 for row in fp32
                 if full_gpu_kind(row) != kind
                 and (peer := _peer_row(row, kind)) is not None
-                and (f := issue_floor(row.result, peer)) is not None
+                and (f := issue_floor(row.result, peer, row.profile_host_gparam)) is not None
             ]
             if extra_floors:
                 out.append(

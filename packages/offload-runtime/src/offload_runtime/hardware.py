@@ -1081,9 +1081,10 @@ def measure_host_adam_params_per_s(
 
 HOST_ADAM_READS_SPREAD = 1.5
 """Ratio of the fastest to the slowest of a profile's host Adam reads above which
-:func:`host_adam_median` warns. Sessions of the H200 host read 3.4-4.9 Gparam/s
-(BENCHMARKS.md); one profile (session 47) read 1.40 while every benchmark child of that
-machine timed torch's fused step at 3.9-5.1 in its own process."""
+:func:`host_adam_median` warns. The H200 machines' profiles read 3.2-4.9 Gparam/s in
+sessions 32-46 (BENCHMARKS.md) but for two: session 44's read 1.65 and session 47's 1.40,
+while every benchmark process of those machines timed torch's fused step at 3.55-5.19 in
+its own process."""
 
 
 def host_adam_median(reads: Sequence[float]) -> float:
@@ -1092,11 +1093,11 @@ def host_adam_median(reads: Sequence[float]) -> float:
 
     One read is a few fused steps over tens of milliseconds, and every plan charges its
     host steps at this rate: a read taken while the host is busy with something else
-    (session 47's profile read 1.40 Gparam/s against 3.9-5.1 in every process after it;
-    its plans streamed twice the parameters and predicted W4's step 51% over) is cached
-    with the profile and misleads every plan after it. The median of reads taken first,
-    midway and last through the profile drops one such read. A larger spread is told,
-    with how to measure again.
+    (session 47's profile read 1.40 Gparam/s against 3.55-5.19 in every process after
+    it; its plans streamed twice session 46's parameters on W3 and predicted W4's step
+    45-51% over) is cached with the profile and misleads every plan after it. The median
+    of reads taken first, midway and last through the profile drops one such read. A
+    larger spread is told, with how to measure again.
     """
     if not reads or any(not (r > 0 and math.isfinite(r)) for r in reads):
         raise ValueError(f"host Adam reads must be positive and finite, got {list(reads)}")
