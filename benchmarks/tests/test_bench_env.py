@@ -147,3 +147,29 @@ def test_a_pinned_plan_stages_as_its_source_row_planned(tmp_path: Path) -> None:
     for streamed, expected in ((staged, True), (costs, False), (None, False)):
         inputs = offload_bench.plan_inputs_from(source(streamed), "W3", "ours_io_spec1_stream")
         assert inputs.stage_in_backward is expected
+
+
+def test_a_disturbed_cached_profile_is_measured_again_before_planning() -> None:
+    # The cached profile read the fused host Adam at 1.40 Gparam/s (session 47's); this
+    # process timed it at 4.64: measured again, with force, and the rates recorded.
+    calls: list[dict[str, Any]] = []
+
+    class Profile:
+        def __init__(self, gparam: float) -> None:
+            self.host_adam_params_per_s = gparam * 1e9
+
+    def profile(device: str, **kwargs: Any) -> Profile:
+        calls.append({"device": device, **kwargs})
+        return Profile(4.5 if kwargs.get("force") else 1.4)
+
+    done = offload_bench.reprofile_if_disturbed(4.64, profile)
+    assert done == pytest.approx(
+        {"cached_gparam": 1.4, "in_process_gparam": 4.64, "now_gparam": 4.5}
+    )
+    assert [c.get("force", False) for c in calls] == [False, True]
+    assert all(c["device"] == "cuda" for c in calls)
+    # Within PROFILE_HOST_DISTURBED of the cached rate: nothing is measured again.
+    calls.clear()
+    limit = 1.4 * offload_bench.PROFILE_HOST_DISTURBED
+    assert offload_bench.reprofile_if_disturbed(limit, profile) is None
+    assert [c.get("force", False) for c in calls] == [False]
