@@ -383,7 +383,8 @@ def _check_stream_model(fraction: float | None, charge: float | None) -> None:
 HOST_RATES_DISAGREE: float = 2.0
 """Factor between the two host rates :func:`planning_hardware` is told (the profile's over
 ``host_step_cost``, and ``host_step_params_per_s``) above which it warns. Readings of one
-H200 host spread about 1.5x (BENCHMARKS.md, sessions 18 and 21); in session 47 the cached
+H200 host spread up to about 2x (an absolute rate read 3.0-5.9 Gparam/s across one
+machine's benchmark processes; BENCHMARKS.md, session 18); in session 47 the cached
 profile's rate over the cost was 2.5-3.7x below the rate measured beside it, and the plans
 made with their mean predicted W4's step 45-51% over its run."""
 

@@ -1082,7 +1082,7 @@ def measure_host_adam_params_per_s(
 HOST_ADAM_READS_SPREAD = 1.5
 """Ratio of the fastest to the slowest of a profile's host Adam reads above which
 :func:`host_adam_median` warns. The H200 machines' profiles read 3.2-4.9 Gparam/s in
-sessions 32-46 (BENCHMARKS.md) but for two: session 44's read 1.65 and session 47's 1.40,
+sessions 32-47 (BENCHMARKS.md) but for two: session 44's read 1.65 and session 47's 1.40,
 while every benchmark process of those machines timed torch's fused step at 3.55-5.19 in
 its own process."""
 
