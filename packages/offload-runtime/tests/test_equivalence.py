@@ -24,6 +24,7 @@ from tiny_models import (
     tiny_llama,
 )
 
+import offload_runtime.api
 import offload_runtime.controller
 import offload_runtime.module
 from offload_runtime import (
@@ -430,6 +431,53 @@ def test_bad_stream_planning_arguments_are_refused_before_tracing(
         memory_optimize(
             tiny_gpt2(), inputs(), 2**30, "asyn", device="cpu", progress=False, **kwargs
         )
+
+
+def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The cached profile's host Adam rate over the cost is 3x below the absolute rate
+    # told (session 47's profile read 1.40 Gparam/s where processes timed 4.6): measured
+    # again, with force, before planning; a profile passed in is never measured again.
+    hw = default_cpu_profile()
+    disturbed = dataclasses.replace(hw, host_adam_params_per_s=hw.host_adam_params_per_s / 3)
+    calls: list[bool] = []
+
+    def profile(device: object, **kwargs: Any) -> Any:
+        calls.append(bool(kwargs.get("force")))
+        return hw if kwargs.get("force") else disturbed
+
+    monkeypatch.setattr(offload_runtime.api, "profile_hardware", profile)
+    told: dict[str, Any] = {
+        "host_step_cost": 1.0,
+        "host_step_params_per_s": hw.host_adam_params_per_s,
+    }
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, device="cpu", progress=False, state_on_device=False
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # agreeing after the new profile: no warning
+        again = memory_optimize(tiny_gpt2(), inputs(), 2**30, "asyn", **told, **kwargs)
+    assert calls == [False, True]
+    direct = memory_optimize(tiny_gpt2(), inputs(), 2**30, "asyn", hardware=hw, **kwargs)
+    assert again.plan.predicted_step_time_s == pytest.approx(direct.plan.predicted_step_time_s)
+    # Within HOST_RATES_DISAGREE: the cached profile is planned with as it is.
+    calls.clear()
+    near: dict[str, Any] = {
+        "host_step_cost": 1.0,
+        "host_step_params_per_s": hw.host_adam_params_per_s / 2.5,
+    }
+    memory_optimize(tiny_gpt2(), inputs(), 2**30, "asyn", **near, **kwargs).close()
+    assert calls == [False]
+    # Given a profile, it is the caller's: warned about, not measured again.
+    calls.clear()
+    with pytest.warns(RuntimeWarning, match="3.0x apart"):
+        memory_optimize(
+            tiny_gpt2(), inputs(), 2**30, "asyn", hardware=disturbed, **told, **kwargs
+        ).close()
+    assert calls == []
+    for m in (again, direct):
+        m.close()
 
 
 def test_a_slower_host_optimizer_is_planned_for() -> None:

@@ -389,10 +389,25 @@ profile's rate over the cost was 2.5-3.7x below the rate measured beside it, and
 made with their mean predicted W4's step 45-51% over its run."""
 
 
+def _host_rates_disagree(
+    hardware: HardwareProfile, params_per_s: float | None, cost: float | None
+) -> bool:
+    """Whether the profile's host rate over ``cost`` and ``params_per_s`` (both given) are
+    more than :data:`HOST_RATES_DISAGREE` apart."""
+    if params_per_s is None or cost is None:
+        return False
+    return _apart(hardware.host_adam_params_per_s / cost, params_per_s) > HOST_RATES_DISAGREE
+
+
+def _apart(a: float, b: float) -> float:
+    """How many times the larger of two positive rates is the smaller."""
+    return max(a, b) / min(a, b)
+
+
 def _warn_host_rates_disagree(by_cost: float, absolute: float) -> None:
     """RuntimeWarning when the host rate by cost and the absolute one are more than
     :data:`HOST_RATES_DISAGREE` apart (both parameters/s)."""
-    ratio = max(by_cost, absolute) / min(by_cost, absolute)
+    ratio = _apart(by_cost, absolute)
     if ratio > HOST_RATES_DISAGREE:
         warnings.warn(
             f"the host step rate by the profile's fused Adam rate over host_step_cost "
@@ -524,7 +539,11 @@ def memory_optimize(
             two rates: they come from different timings on a shared host. Over ten
             replayed GPU rows each alone put a predicted step up to 23-28% off where their
             mean stayed within 11%; five rows planned with the mean came within 2-17%
-            (BENCHMARKS.md, session 21).
+            (BENCHMARKS.md, session 21). Where the two are more than
+            :data:`HOST_RATES_DISAGREE` apart and the profile came from the cache
+            (``hardware=None``), the machine is measured again first (and the cache
+            rewritten): a profile read while the host was busy is what made them 2.5-3.7x
+            apart in session 47. A warning follows if they still are.
         speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
             optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
             how many times longer a speculative host step takes than a plain one
@@ -641,9 +660,26 @@ def memory_optimize(
     if traced.fused_gelu:
         say(f"fused {len(traced.fused_gelu)} written-out tanh GELU(s) into one operation each")
     if hardware is None:
+        shapes_of_model = matmul_shapes(traced.graph_module)
         hardware = profile_hardware(
-            dev, dtype=dtype, matmul_shapes=matmul_shapes(traced.graph_module), progress=progress
+            dev, dtype=dtype, matmul_shapes=shapes_of_model, progress=progress
         )
+        if _host_rates_disagree(hardware, host_step_params_per_s, host_step_cost):
+            # The cached profile's host Adam rate is far from the rate measured just now
+            # (a profile read while the host was busy stays cached): measure it again.
+            say(
+                f"the cached profile's host Adam rate "
+                f"({hardware.host_adam_params_per_s / 1e9:.2f} Gparam/s) is over "
+                f"{HOST_RATES_DISAGREE:g}x from host_step_params_per_s over host_step_cost: "
+                "measuring the machine again"
+            )
+            hardware = profile_hardware(
+                dev,
+                dtype=dtype,
+                matmul_shapes=shapes_of_model,
+                progress=progress,
+                force=True,
+            )
     if measure_attention:
         shapes = attention_shapes(traced.graph_module)
         hardware = with_attention_rates(
