@@ -448,6 +448,8 @@ def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
         return hw if kwargs.get("force") else disturbed
 
     monkeypatch.setattr(offload_runtime.api, "profile_hardware", profile)
+    # As on a GPU, whose profile is measured (the CPU's default profile is not checked).
+    monkeypatch.setattr(offload_runtime.api, "_profile_is_measured", lambda dev: True)
     told: dict[str, Any] = {
         "host_step_cost": 1.0,
         "host_step_params_per_s": hw.host_adam_params_per_s,
@@ -480,7 +482,28 @@ def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
         m.close()
 
 
-def test_a_slower_host_optimizer_is_planned_for() -> None:
+def test_the_cpu_default_profiles_host_rate_is_not_checked_against_the_rates_told() -> None:
+    # On the CPU the profile is a default, not a measurement: rates told 100x from it are
+    # planned with (their geometric mean) without a warning or a second profile.
+    hw = default_cpu_profile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        module = memory_optimize(
+            tiny_gpt2(),
+            inputs(),
+            2**30,
+            "asyn",
+            dtype=torch.float32,
+            device="cpu",
+            progress=False,
+            state_on_device=False,
+            host_step_cost=100.0,
+            host_step_params_per_s=hw.host_adam_params_per_s,
+        )
+    module.close()
+
+
+def test_a_slower_host_optimizer_is_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
     # All optimizer state on the host: a host optimizer at a tenth of the profile's Adam
     # rate makes the predicted step longer; a non-positive rate is refused.
     model, inp, hw = tiny_gpt2(), inputs(), default_cpu_profile()
@@ -503,7 +526,9 @@ def test_a_slower_host_optimizer_is_planned_for() -> None:
         with pytest.raises(ValueError, match="host_step_cost"):
             memory_optimize(model, inp, 2**30, "asyn", **bad, **kwargs)
     # Told both ways, a cost of 100 and a rate of the profile's: planned at a tenth of it
-    # (the geometric mean), as the slow plan is; 100x apart, which memory_optimize tells.
+    # (the geometric mean), as the slow plan is; 100x apart, which memory_optimize tells
+    # where the profile is a measurement (on a GPU; here the given one, as if it were).
+    monkeypatch.setattr(offload_runtime.api, "_profile_is_measured", lambda dev: True)
     with pytest.warns(RuntimeWarning, match="100.0x apart"):
         both = memory_optimize(
             model,

@@ -389,6 +389,12 @@ profile's rate over the cost was 2.5-3.7x below the rate measured beside it, and
 made with their mean predicted W4's step 45-51% over its run."""
 
 
+def _profile_is_measured(device: torch.device) -> bool:
+    """Whether :func:`profile_hardware` measures ``device`` (a GPU) rather than returning
+    the CPU's default profile, whose host rate is no measurement to check."""
+    return device.type == "cuda"
+
+
 def _host_rates_disagree(
     hardware: HardwareProfile, params_per_s: float | None, cost: float | None
 ) -> bool:
@@ -430,6 +436,7 @@ def planning_hardware(
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     issue_ahead: bool | None = None,
+    warn_host_rates: bool = True,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
@@ -439,7 +446,10 @@ def planning_hardware(
     ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
     :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
     streamed regions are simulated), and ``issue_ahead`` unless None (the profile's own).
-    For planning without building, e.g. the example's ``--plan_only``."""
+    For planning without building, e.g. the example's ``--plan_only``. With
+    ``warn_host_rates`` (memory_optimize: on a GPU, whose profile is measured; the CPU's
+    default profile holds no measured rate), warns when the two host rates are more than
+    :data:`HOST_RATES_DISAGREE` apart."""
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
     if issue_ahead is not None:
@@ -450,7 +460,7 @@ def planning_hardware(
         hardware = dataclasses.replace(hardware, stream_host_charge=stream_host_charge)
     if host_step_cost is not None:
         by_cost = hardware.host_adam_params_per_s / host_step_cost
-        if host_step_params_per_s is not None:
+        if host_step_params_per_s is not None and warn_host_rates:
             _warn_host_rates_disagree(by_cost, host_step_params_per_s)
         host_step_params_per_s = (
             by_cost
@@ -664,7 +674,9 @@ def memory_optimize(
         hardware = profile_hardware(
             dev, dtype=dtype, matmul_shapes=shapes_of_model, progress=progress
         )
-        if _host_rates_disagree(hardware, host_step_params_per_s, host_step_cost):
+        if _profile_is_measured(dev) and _host_rates_disagree(
+            hardware, host_step_params_per_s, host_step_cost
+        ):
             # The cached profile's host Adam rate is far from the rate measured just now
             # (a profile read while the host was busy stays cached): measure it again.
             say(
@@ -700,6 +712,7 @@ def memory_optimize(
         stream_up_fraction=stream_up_fraction,
         stream_host_charge=stream_host_charge,
         issue_ahead=issue_ahead,
+        warn_host_rates=_profile_is_measured(dev),
     )
     if fp16_io:
         convert_on_device = False
