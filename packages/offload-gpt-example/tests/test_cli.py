@@ -643,7 +643,7 @@ def test_stream_plans_with_the_runtimes_contention_split(
     streamed = replace(plain, stream=True)
     assert streamed.optimize_kwargs.keys().isdisjoint({"stream_host_charge", "stream_up_fraction"})
     for steps in (plain, streamed):
-        hw = steps.plan_hardware(default_hardware())
+        hw = steps.plan_hardware(default_hardware(), measured=False)
         assert (hw.stream_host_charge, hw.stream_up_fraction) == (
             STREAM_HOST_CHARGE,
             STREAM_UP_FRACTION,

@@ -289,13 +289,16 @@ class HostSteps:
             kwargs["host_step_params_per_s"] = self.host_rate
         return kwargs
 
-    def plan_hardware(self, hardware: HardwareProfile) -> HardwareProfile:
-        """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``)."""
+    def plan_hardware(self, hardware: HardwareProfile, *, measured: bool) -> HardwareProfile:
+        """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``);
+        ``measured``: whether it is a GPU's measured profile (not the default), whose host
+        rate is checked against the measured ones."""
         return planning_hardware(
             hardware,
             host_step_cost=self.host_cost,
             host_step_params_per_s=self.host_rate,
             fp16_io=self.fp16_io,
+            warn_host_rates=measured,
         )
 
     @classmethod
@@ -733,7 +736,7 @@ def plan_only(
     if host_steps is None:
         return EXIT_FAILURE
     plan_kwargs.update(host_steps.plan_kwargs)
-    hardware = host_steps.plan_hardware(hardware)
+    hardware = host_steps.plan_hardware(hardware, measured=torch.cuda.is_available())
     in_use = 0
     if torch.cuda.is_available():
         # As memory_optimize counts them before a training run: the BLAS workspaces and
