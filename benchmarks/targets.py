@@ -81,6 +81,7 @@ FUSED = "gelu_pytorch_tanh"
 PAIRED_W1 = "W1 <= 1.05x full GPU, stepped in turn in one process"
 COMPUTE_PART = "full GPU's forward and backward (the floor's compute part alone)"
 _CALL = re.compile(r"^(s\d+c\d+)_")
+_SESSION = re.compile(r"^(s\d+)c\d+$")
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,11 @@ def own_budget(workload: str, result: dict[str, Any]) -> bool:
 
 
 def _machine(call: str, result: dict[str, Any]) -> tuple[str, float]:
-    """Which machine a row ran on, as far as its file says: its session (``sNN`` of its
-    call) and the host Adam rate of the profile it planned with (cached once a machine)."""
-    return call.split("c")[0], float(result.get("profile_host_adam_gparam") or 0.0)
+    """Which machine a row ran on, as far as its file says: its session (``sNN`` of a
+    ``sNNcM`` call; a call named by its folder is its own) and the host Adam rate of the
+    profile it planned with (cached once a machine)."""
+    m = _SESSION.match(call)
+    return m.group(1) if m else call, float(result.get("profile_host_adam_gparam") or 0.0)
 
 
 def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:

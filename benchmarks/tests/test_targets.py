@@ -641,3 +641,9 @@ def test_a_disturbed_profiles_host_parts_are_taken_at_the_machines_own_rate(
     row = w3(220, 1.4)
     assert offload_bench.floor_parts(row, None, 1.4) == row["floor_parts_ms"]
     assert offload_bench.floor_parts(row, None, 1.6)["host_adam"] == pytest.approx(250.0)
+
+
+def test_a_machine_is_a_session_of_named_calls_or_a_calls_own_folder() -> None:
+    assert targets._machine("s47c3", {"profile_host_adam_gparam": 1.4}) == ("s47", 1.4)
+    # A folder's path is its own call: "c" inside it splits nothing.
+    assert targets._machine("/tmp/calc1", {}) == ("/tmp/calc1", 0.0)
