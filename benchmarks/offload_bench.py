@@ -1696,9 +1696,10 @@ host Adam rate (``profile_host_adam_gparam``)."""
 
 PROFILE_HOST_DISTURBED = 1.5
 """How many times slower than torch's fused host Adam ran in the benchmark's own processes
-a profile's rate must read for :func:`floor_parts` to take the processes' rate instead
-(``host_gparam``). Session 47's cached profile read 1.40 Gparam/s, and every process of
-that machine timed the fused step at 3.55-5.18 Gparam/s (:func:`fused_rate_in_process_gparam`)."""
+a cached profile's rate must read for an ``ours`` child to profile again
+(:func:`reprofile_if_disturbed`). Session 47's cached profile read 1.40 Gparam/s, and every
+process of that machine timed the fused step at 3.55-5.18 Gparam/s
+(:func:`fused_rate_in_process_gparam`)."""
 
 
 def fused_rate_in_process_gparam(r: dict[str, Any]) -> float | None:
@@ -1712,11 +1713,17 @@ def fused_rate_in_process_gparam(r: dict[str, Any]) -> float | None:
     return float(statistics.median(samples)) * float(cost)
 
 
-def profile_host_disturbed(r: dict[str, Any], host_gparam: float) -> bool:
-    """Whether row ``r``'s profile read torch's fused host Adam more than
-    :data:`PROFILE_HOST_DISTURBED` times slower than ``host_gparam`` (Gparam/s)."""
+def floor_host_gparam(r: dict[str, Any], host_gparam: float | None) -> float | None:
+    """The host Adam rate (Gparam/s) :func:`floor_parts` takes row ``r``'s host parts at
+    when it is not the profile's: ``host_gparam`` (torch's fused step as the row's machine
+    timed it in its own processes) where that is faster than the profile's reading, else
+    None. A floor is a lower bound on the step, so of two readings of the host it takes the
+    faster: session 48's profile read 3.30 Gparam/s (the median of three reads) where the
+    machine's processes read 4.03, and at 3.30 W4's floor (1589.5 ms) was over its step."""
     profile = r.get("profile_host_adam_gparam")
-    return profile is not None and host_gparam > PROFILE_HOST_DISTURBED * float(profile)
+    if host_gparam is None or profile is None or not host_gparam > float(profile):
+        return None
+    return host_gparam
 
 
 def floor_parts(
@@ -1727,15 +1734,16 @@ def floor_parts(
     ``gpu_compute``, full-GPU training's forward and backward when ``full`` ran.
 
     ``host_gparam``: torch's fused host Adam rate read beside the row (Gparam/s; e.g. the
-    median of its call's :func:`fused_rate_in_process_gparam`). Where the row's profile
-    read more than :data:`PROFILE_HOST_DISTURBED` times slower, the profile's reading was
-    disturbed, and the host parts are taken at ``host_gparam`` instead: a floor set by a
-    host slowed only while it was profiled would credit every row with that slowness."""
+    median of its machine's :func:`fused_rate_in_process_gparam`). Where it is faster than
+    the profile's reading, the host parts are taken at it (:func:`floor_host_gparam`): a
+    floor set by a host read slow while it was profiled would credit every row with that
+    slowness (sessions 44, 47 and 48)."""
     parts = dict(r.get("floor_parts_ms", {}))
-    if host_gparam is not None and profile_host_disturbed(r, host_gparam):
+    faster = floor_host_gparam(r, host_gparam)
+    if faster is not None:
         for key in HOST_FLOOR_PARTS:
             if key in parts:
-                parts[key] *= r["profile_host_adam_gparam"] / host_gparam
+                parts[key] *= r["profile_host_adam_gparam"] / faster
     if full and full.get("ok"):
         parts["gpu_compute"] = full["fwd_bwd_ms"]
     return parts

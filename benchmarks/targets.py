@@ -58,10 +58,10 @@ from offload_bench import (
     OURS_KINDS,
     REFERENCE_FULL_GPU,
     WORKLOADS,
+    floor_host_gparam,
     floor_parts,
     fused_rate_in_process_gparam,
     issue_floor,
-    profile_host_disturbed,
     reference_full_gpu_kind,
     trained,
 )
@@ -103,7 +103,7 @@ class Row:
     """The median of torch's fused host Adam rate as each process read it
     (:func:`offload_bench.fused_rate_in_process_gparam`) over the session's rows that
     planned with the same cached profile (one machine), for the floor's host parts where
-    that profile's reading was disturbed (:func:`offload_bench.floor_parts`). The median of
+    it is faster than that profile's reading (:func:`offload_bench.floor_parts`). The median of
     a machine's readings, not one call's: one call of session 36 read 7.1-7.3 Gparam/s in
     process where the machine's other calls read 4.0-5.5 and its profile 4.04."""
 
@@ -241,14 +241,15 @@ def _floor_end(parts: dict[str, float], key: str, row: Row | None = None) -> str
     sets it): that part and beside it full GPU's compute (or, where that sets it, the next
     largest part), so that a floor set by the host (a slow host's Adam rate) is not read
     as the GPU's; and, where the host parts were taken at the rate ``row``'s call read
-    rather than its profile's (a disturbed profile), both rates."""
+    rather than its profile's (the faster of the two: :func:`offload_bench.floor_host_gparam`),
+    both rates."""
     if key != "gpu_compute" and "gpu_compute" in parts:
         other = ["gpu_compute"]
     else:
         other = sorted((k for k in parts if k != key), key=lambda k: -parts[k])[:1]
     end = f" of {key} {parts[key]:.1f} ms" + "".join(f" ({k} {parts[k]:.1f})" for k in other)
-    host = None if row is None else row.profile_host_gparam
-    if row is not None and host is not None and profile_host_disturbed(row.result, host):
+    host = None if row is None else floor_host_gparam(row.result, row.profile_host_gparam)
+    if row is not None and host is not None:
         end += (
             f"; host parts at {host:.2f} Gparam/s, the fused host Adam rate "
             f"its machine's processes read (the profile read "
