@@ -14,6 +14,13 @@
 #           at its own shape (BENCH_MEASURE_ATTENTION=1), and with that and operations
 #           issued ahead (BENCH_ISSUE_AHEAD=1: the replay's model), alternating, ROUNDS
 #           rounds (default 2); then each arm's run means and plans (pin_rows.py) ~1.2 min a row
+#   rateab  W3 ours_io_spec1_stream planned with the host rate of the default blend (the
+#           first round beside full GPU by fp32 masters, for the floor) and with the kind's
+#           own rate samples alone (BENCH_HOST_RATE=samples: without the cached profile's
+#           fused rate, which read 1.40-3.30 Gparam/s on three machines whose processes
+#           read 3.5-5.2), alternating, ROUNDS rounds (default 2); with RATEAB_W4=1 also W4
+#           with fp32 state each way (about 2 min a row, no FSDP2); then each arm's
+#           rows (pin_rows.py; rateab.txt)                     ~1.2 min a W3 row
 #   geluab  GPT-2's tanh GELU written out (BENCH_FUSE_GELU=0) and fused into one aten.gelu
 #           (as by default from session 37 on), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
@@ -336,6 +343,24 @@ case "$phase" in
     for arm in default attn ahead; do
       python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
     done | tee "$out/attnab.txt" ;;
+  rateab)
+    peer=,full_gpu_master
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      bench W3 "ours_io_spec1_stream$peer" 200 "W3_blend$i"
+      BENCH_HOST_RATE=samples bench W3 ours_io_spec1_stream 150 "W3_samples$i"
+      peer=""
+    done
+    if [ -n "${RATEAB_W4:-}" ]; then
+      bench W4 ours_io_spec1_stream 240 W4_blend1
+      BENCH_HOST_RATE=samples bench W4 ours_io_spec1_stream 240 W4_samples1
+    fi
+    { for arm in blend samples; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"[0-9]*.json
+        if [ -n "${RATEAB_W4:-}" ]; then
+          python3 "$root/benchmarks/pin_rows.py" --all W4 ours_io_spec1_stream "$out"/W4_"$arm"1.json
+        fi
+      done
+    } | tee "$out/rateab.txt" ;;
   geluab)
     for i in $(seq 1 "${ROUNDS:-1}"); do
       BENCH_FUSE_GELU=0 BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_plain$i"

@@ -125,7 +125,10 @@ BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``pro
 Set BENCH_HOST_MARGIN=M (at least 1) to plan the ``ours`` kinds for a host Adam step M
 times slower than the rate measured for them (:func:`bench_host_margin`; with
 BENCH_PLAN_FROM, M times slower than the source row's); rows record ``host_margin`` (from
-session 46 on).
+session 46 on). Set BENCH_HOST_RATE=samples to plan the sampling ``ours`` kinds with the
+median of their own rate samples alone, leaving out the cached profile's fused rate that
+the default (``blend``) takes the geometric mean with (:func:`bench_host_rate`); rows
+record ``host_rate_planned_from``.
 Set BENCH_MEASURE_ATTENTION=1 to plan the ``ours`` kinds with fused attention measured at
 the model's own shapes (``memory_optimize(measure_attention=True)``); rows record
 ``measure_attention``, and their ``hardware`` the rates. By default (BENCH_FUSE_GELU=1,
@@ -750,6 +753,8 @@ def _ours(
         plan_thread = speculation_thread
     plan_thread = speculate and plan_thread
     host_margin = bench_host_margin()
+    # BENCH_HOST_RATE=samples: the kind's own samples alone, without the profile's rate.
+    plan_cost = None if rate_samples and bench_host_rate() == "samples" else host_cost
 
     def build(
         model: Any, limit: int | None, calibrated: Calibrated | None = None
@@ -764,7 +769,7 @@ def _ours(
             hardware, in_use = None, None
         # Slowed by BENCH_HOST_MARGIN where it is set.
         host_inputs = host_margin_inputs(
-            None if calibrated is not None else host_cost,
+            None if calibrated is not None else plan_cost,
             calibrated.host_params_per_s
             if calibrated is not None
             else statistics.median(rate_samples)
@@ -988,8 +993,9 @@ def _ours(
         out["host_rate_samples_gparam"] = [r / 1e9 for r in rate_samples]
         out["host_step_cost"] = host_cost
         # The plan's host rate (profile.host_adam_gparam) is the geometric mean of the
-        # samples' median and the profile's fused rate over the cost (session 21 on).
-        out["host_rate_planned_from"] = "blend"
+        # samples' median and the profile's fused rate over the cost (session 21 on), or
+        # with BENCH_HOST_RATE=samples the samples' median alone.
+        out["host_rate_planned_from"] = "blend" if plan_cost is not None else "samples"
     if calibration is not None:
         out["host_rate_planned_from"] = "calibrated"
         out["calibration"] = calibration
@@ -1315,6 +1321,24 @@ def bench_host_margin() -> float:
     if not math.isfinite(margin) or margin < 1:
         raise ValueError(f"BENCH_HOST_MARGIN must be a number >= 1, got {env!r}")
     return margin
+
+
+HOST_RATES = ("blend", "samples")
+"""What BENCH_HOST_RATE may name (:func:`bench_host_rate`)."""
+
+
+def bench_host_rate() -> str:
+    """Which host Adam rate the sampling ``ours`` kinds plan with: BENCH_HOST_RATE's, else
+    ``blend``, the geometric mean of the median of the kind's three rate samples and the
+    cached profile's fused rate over the kind's cost (session 21 on); ``samples``: the
+    samples' median alone. The profile's fused rate read 1.40, 1.65 and 3.30 Gparam/s on
+    the machines of sessions 47, 44 and 48, where their processes read 3.5-5.2, and the
+    blend then planned W3 for a host slower than it was (4 streamed regions where session
+    46's 4.85 streamed 2, and 255-269 ms against 245)."""
+    rate = os.environ.get("BENCH_HOST_RATE") or "blend"
+    if rate not in HOST_RATES:
+        raise ValueError(f"BENCH_HOST_RATE={rate!r}; known: {', '.join(HOST_RATES)}")
+    return rate
 
 
 def host_margin_inputs(

@@ -8,7 +8,13 @@ from typing import Any
 
 import offload_bench
 import pytest
-from offload_bench import WORKLOADS, bench_budget_gib, bench_host_margin, host_margin_inputs
+from offload_bench import (
+    WORKLOADS,
+    bench_budget_gib,
+    bench_host_margin,
+    bench_host_rate,
+    host_margin_inputs,
+)
 
 
 def test_the_budget_is_the_workloads_unless_bench_budget_gib_sets_another(
@@ -46,6 +52,20 @@ def test_the_host_margin_is_one_unless_bench_host_margin_sets_a_number_of_at_lea
         monkeypatch.setenv("BENCH_HOST_MARGIN", bad)
         with pytest.raises(ValueError, match="BENCH_HOST_MARGIN must be a number >= 1"):
             bench_host_margin()
+
+
+def test_the_host_rate_is_the_blend_unless_bench_host_rate_names_samples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("BENCH_HOST_RATE", raising=False)
+    assert bench_host_rate() == "blend"
+    monkeypatch.setenv("BENCH_HOST_RATE", "")
+    assert bench_host_rate() == "blend"
+    monkeypatch.setenv("BENCH_HOST_RATE", "samples")
+    assert bench_host_rate() == "samples"
+    monkeypatch.setenv("BENCH_HOST_RATE", "profile")
+    with pytest.raises(ValueError, match="BENCH_HOST_RATE='profile'; known: blend, samples"):
+        bench_host_rate()
 
 
 def test_the_host_margin_slows_the_cost_and_the_rate_the_plan_is_given() -> None:
