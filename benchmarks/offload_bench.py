@@ -754,7 +754,8 @@ def _ours(
     plan_thread = speculate and plan_thread
     host_margin = bench_host_margin()
     # BENCH_HOST_RATE=samples: the kind's own samples alone, without the profile's rate.
-    plan_cost = None if rate_samples and bench_host_rate() == "samples" else host_cost
+    # (Read whether or not this kind samples, so that a misspelt value fails every kind.)
+    plan_cost = None if bench_host_rate() == "samples" and rate_samples else host_cost
 
     def build(
         model: Any, limit: int | None, calibrated: Calibrated | None = None
