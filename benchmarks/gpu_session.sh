@@ -14,6 +14,10 @@
 #           at its own shape (BENCH_MEASURE_ATTENTION=1), and with that and operations
 #           issued ahead (BENCH_ISSUE_AHEAD=1: the replay's model), alternating, ROUNDS
 #           rounds (default 2); then each arm's run means and plans (pin_rows.py) ~1.2 min a row
+#   profreads torch's fused host Adam timed the hardware profile's way (32 M parameters in 8 M
+#           tensors) and the bench's (64 M in one), each at both sizes, 5 rounds, then
+#           the whole profile twice with each host Adam read and when it came
+#           (profile_reads.py; profile_reads.log)                              ~1 min
 #   rateab  W3 ours_io_spec1_stream planned with the host rate of the default blend (the
 #           first round beside full GPU by fp32 masters, for the floor) and with the kind's
 #           own rate samples alone (BENCH_HOST_RATE=samples: without the cached profile's
@@ -466,6 +470,9 @@ case "$phase" in
     cores=$(python3 -c "import os; print(len(os.sched_getaffinity(0)))")
     bench W4 ours_io_bf16m_spec1 200 W4_idle_all_cores
     BENCH_HOST_THREADS=$((cores - 1)) bench W4 ours_io_bf16m_spec1,torchao 200 W4_idle_less_one ;;
+  profreads)
+    python3 "$root/benchmarks/profile_reads.py" --json "$out/profile_reads.json" \
+      2>&1 | tee "$out/profile_reads.log" | tail -8 ;;
   probe)
     python3 "$root/benchmarks/host_probe_stability.py" --json "$out/host_probe_stability.json" \
       2>&1 | tee "$out/host_probe_stability.log" | tail -12 ;;
