@@ -18,6 +18,13 @@
 #           tensors) and the bench's (64 M in one), each at both sizes, 5 rounds, then
 #           the whole profile twice with each host Adam read and when it came
 #           (profile_reads.py; profile_reads.log)                              ~1 min
+#   thrab   W3 ours_io_spec1_stream beside full GPU by fp32 masters (the source row, all
+#           cores), then on its plan with BENCH_HOST_THREADS of each of THRAB_THREADS
+#           (default "8 12") and with all cores, ROUNDS rounds (default 1); then each
+#           arm's rows (pin_rows.py) and its backward's kernel busy time against their
+#           span (compute_fidelity.py; thrab.txt): does a host Adam on fewer cores stretch
+#           the backward's issue less (session 48: its CPU side ran 146 ms a step against
+#           full GPU's 74, its kernels spanning 160-180 ms for 131 busy)?  ~4.5 min
 #   rateab  W3 ours_io_spec1_stream planned with the host rate of the default blend (the
 #           first round beside full GPU by fp32 masters, for the floor) and with the kind's
 #           own rate samples alone (BENCH_HOST_RATE=samples: without the cached profile's
@@ -743,6 +750,26 @@ case "$phase" in
     # shellcheck disable=SC2086
     onplan_ab stage BENCH_STAGE_AHEAD "${ROUNDS:-2}" ${STAGEAB_WORKLOADS:-W3 W2}
     gaps "$out"/prof_*_stage_*/trace_*.json.gz 2>&1 | tee -a "$out/stageab.txt" || true ;;
+  thrab)
+    k=ours_io_spec1_stream
+    bench W3 "$k,full_gpu_master" 200 W3_thr_source
+    export BENCH_PLAN_FROM="$out/W3_thr_source.json"
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      for n in ${THRAB_THREADS:-8 12}; do
+        BENCH_HOST_THREADS=$n bench W3 "$k" 150 "W3_thr${n}_$i"
+      done
+      bench W3 "$k" 150 "W3_thrall_$i"
+    done
+    unset BENCH_PLAN_FROM
+    { for arm in ${THRAB_THREADS:-8 12} all; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_thr"${arm}"_[0-9]*.json
+        for f in "$out"/W3_thr"${arm}"_[0-9]*.json; do
+          g=$(basename "$f" .json)
+          python3 "$root/benchmarks/compute_fidelity.py" "$f" \
+            "$out/prof_$g/trace_W3_$k.json.gz" | tail -4
+        done
+      done
+    } 2>&1 | tee "$out/thrab.txt" || true ;;
   planthr)
     k=ours_io_spec1_stream peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-3}"); do
