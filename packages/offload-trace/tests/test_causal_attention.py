@@ -18,6 +18,17 @@ from offload_trace import TracedModel, rewrite_causal_attention, trace
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
+def _rewritten_close(got: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
+    """Assert a rewritten attention's result is close to the masked one's.
+
+    ``is_causal`` runs a different CPU kernel from an explicit mask, so the sums round
+    differently, by an amount that depends on the CPU's vector width: on CI's CPU the logits
+    differed by up to 1.7e-6 (relative 3e-3 on a logit near zero). A wrong mask moves
+    logits by orders of magnitude more, and the masks that must not be rewritten are
+    compared exactly.
+    """
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, msg=msg)
+
 
 def _attention_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SDPA]
@@ -70,10 +81,10 @@ def test_constant_causal_mask_becomes_is_causal_and_training_is_unchanged(
     assert all(_is_plain_causal(n) for n in _attention_nodes(gm))
     expected, expected_grads = _outputs_and_grads(lambda: model(input_ids=ids), model)
     got, got_grads = _outputs_and_grads(lambda: gm(input_ids=ids), model)
-    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
+    _rewritten_close(got, expected)
     assert got_grads.keys() == expected_grads.keys()
     for name, grad in expected_grads.items():
-        torch.testing.assert_close(got_grads[name], grad, rtol=1e-6, atol=1e-7, msg=name)
+        _rewritten_close(got_grads[name], grad, msg=name)
 
 
 def test_public_pass_rewrites_a_torch_export_graph() -> None:
@@ -89,7 +100,7 @@ def test_public_pass_rewrites_a_torch_export_graph() -> None:
     attention = _attention_nodes(gm)
     assert len(names) == len(attention) == 2
     assert all(_is_plain_causal(n) for n in attention)
-    torch.testing.assert_close(gm(input_ids=ids), expected, rtol=1e-6, atol=1e-7)
+    _rewritten_close(gm(input_ids=ids), expected)
 
 
 def test_rewrite_can_be_turned_off() -> None:
@@ -191,7 +202,7 @@ def test_only_the_exact_causal_pattern_is_rewritten(mask_name: str, as_buffer: b
         # A wrong rewrite would change the output; the pass must not have touched it.
         torch.testing.assert_close(gm(x), expected, rtol=0, atol=0)
         return
-    torch.testing.assert_close(gm(x), expected, rtol=1e-6, atol=1e-7)
+    _rewritten_close(gm(x), expected)
 
 
 def test_non_square_attention_is_left_alone() -> None:
