@@ -219,6 +219,57 @@ def test_repeated_steps_accumulate_like_plain_training(
     assert all(float(g.abs().max()) == 0.0 for _, g in module.named_gradients())
 
 
+@pytest.mark.parametrize("host_worker", [False, True])
+def test_frozen_parameters_in_host_state_regions_train_like_plain_training(
+    host_worker: bool,
+) -> None:
+    """A host-state region with a frozen parameter copies the gradients it has into their
+    own slots of the staging buffer (the hook's path for a region with gaps); the others
+    copy every gradient into the region's kept slot views. Both accumulate over two
+    backwards exactly as plain training does, and the frozen parameters' gradients stay
+    zero."""
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    frozen = {"model.transformer.h.1.attn.c_attn.weight", "model.transformer.h.0.ln_1.bias"}
+    for pname, param in model.named_parameters():
+        param.requires_grad_(pname not in frozen)
+    inp = inputs()
+    budget = forcing_budget(model, inp, "syn", torch.float32, default_cpu_profile())
+    module = memory_optimize(
+        model,
+        inp,
+        budget,
+        "syn",
+        dtype=torch.float32,
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        block_search_range_bytes=0,
+        host_worker=host_worker,
+        convert_on_device=False,
+        fuse_gelu=False,
+    )
+    host = [st for st in module.storages if st.host_state]
+    with_gaps = [st for st in host if not all(lay.requires_grad for lay in st.layouts)]
+    assert with_gaps and len(with_gaps) < len(host)
+    other = inputs(seed=1)
+    for batch in (inp, other):
+        loss_of(model(**batch), batch["input_ids"]).backward()
+        module.backward(loss_of(module(**batch), batch["input_ids"]))
+    assert module.controller.stats["grads_to_staging"] == 2 * len(host)
+    grads = dict(module.named_gradients())
+    for pname, param in model.named_parameters():
+        if pname in frozen:
+            assert param.grad is None
+            assert float(grads[pname].abs().max()) == 0.0, pname
+        else:
+            assert param.grad is not None
+            assert rel_err(grads[pname], param.grad) <= 1e-6, pname
+    # The regions without gaps kept one list of slot views; the others made none.
+    assert all(st._staging_slots is not None for st in host if st not in with_gaps)
+    assert all(st._staging_slots is None for st in with_gaps)
+
+
 def test_state_dict_round_trip_and_eval_mode() -> None:
     model, module, inp = build("tied3", "asyn")
     state = module.state_dict()

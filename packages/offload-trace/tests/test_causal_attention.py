@@ -18,6 +18,7 @@ from offload_trace import TracedModel, rewrite_causal_attention, trace
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
+
 def _rewritten_close(got: torch.Tensor, expected: torch.Tensor, msg: str | None = None) -> None:
     """Assert a rewritten attention's result is close to the masked one's.
 

@@ -493,16 +493,21 @@ class OffloadController:
         d2h = self.streams.d2h
         d2h.wait(self.streams.compute.record())
         with d2h.context(), torch.no_grad():
-            flats = [g.reshape(-1) for g in grads]
             if staging is not None:
                 # One copy per parameter straight into its slot of the staging buffer, all
                 # issued by one call: a gather into one flat tensor first would hold a
                 # second copy of the region's gradients on the device, memory the plan
-                # does not count.
-                slots = [staging[off : off + n] for off, n in offsets]
-                torch._foreach_copy_(slots, flats, non_blocking=True)
+                # does not count. With every gradient present the slots are the region's
+                # kept views, shaped like the gradients.
+                if contiguous:
+                    slots = st.staging_slots()
+                    torch._foreach_copy_(slots, grads, non_blocking=True)
+                else:
+                    slots = [staging[off : off + n] for off, n in offsets]
+                    flats = [g.reshape(-1) for g in grads]
+                    torch._foreach_copy_(slots, flats, non_blocking=True)
             else:
-                _widen_down(flats, st.grad)
+                _widen_down([g.reshape(-1) for g in grads], st.grad)
             done = d2h.record()
         if self.streams.is_cuda:
             for g in grads:

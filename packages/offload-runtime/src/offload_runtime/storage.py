@@ -207,6 +207,7 @@ class RegionStorage:
             if self.host_state and not convert_on_device
             else None
         )
+        self._staging_slots: list[torch.Tensor] | None = None
         self.grad_in_staging = False
         """The gradient is still only in ``grad_staging``, in the training dtype (the
         controller's ``keep_staged_grads``): an fp16-I/O optimizer step reads it there, and
@@ -246,6 +247,21 @@ class RegionStorage:
         if self.grad_staging is None:
             self.grad_staging = alloc_host(self.numel, self.dtype, self._pin)
         return self.grad_staging
+
+    def staging_slots(self) -> list[torch.Tensor]:
+        """Each parameter's slot of :meth:`staging`, shaped like the parameter, in layout
+        order: what one backward's gradients are copied into when every parameter has one.
+
+        Made once per region and kept (the staging buffer never moves), so the gradient
+        hook, which runs on the thread that drives backward, makes no slice or reshape per
+        parameter per step.
+        """
+        if self._staging_slots is None:
+            staging = self.staging()
+            self._staging_slots = [
+                staging[lay.offset : lay.offset + lay.numel].view(lay.shape) for lay in self.layouts
+            ]
+        return self._staging_slots
 
     def upload_copy(self) -> torch.Tensor:
         """The training-dtype host buffer that the next upload of a host-state region
