@@ -364,6 +364,50 @@ def test_batched_device_gradients_equal_per_region_ones(monkeypatch: pytest.Monk
         assert rel_err(grads[True][name], p.grad) <= 1e-6, name
 
 
+def test_batched_regions_are_finished_by_the_outputs_hook() -> None:
+    """Batched device regions' parameters carry no gradient hook: a hook on the forward's
+    outputs queues the end-of-backward callback that folds their gradients in. A backward
+    that reaches no parameter (``torch.autograd.grad`` with respect to an input) leaves
+    every accumulator as it was, and a forward without grad registers nothing."""
+    torch.manual_seed(0)
+    model = tiny_gpt2()
+    inp = inputs()
+    module = memory_optimize(
+        model,
+        inp,
+        2**34,
+        "asyn",
+        dtype=torch.float32,
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        block_search_range_bytes=0,
+    )
+    assert module.controller.batched_device_regions == {st.index for st in module.storages}
+    for st in module.storages:
+        for param in st.params.values():
+            assert not param._post_accumulate_grad_hooks, "a batched region's parameter has a hook"
+    module.backward(loss_of(module(**inp), inp["input_ids"]))
+    got = {k: v.clone() for k, v in module.named_gradients()}
+    loss_of(model(**inp), inp["input_ids"]).backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        assert rel_err(got[name], p.grad) <= 1e-6, name
+
+    # A backward to the outputs only: the callback runs, finds no gradient, changes nothing.
+    out = module(**inp)
+    (g_out,) = torch.autograd.grad(out.float().pow(2).sum(), out)
+    torch.testing.assert_close(g_out, 2 * out.detach())
+    assert not module.controller._callback_queued
+    after = dict(module.named_gradients())
+    assert all(torch.equal(after[k], got[k]) for k in got)
+
+    with torch.no_grad():
+        out = module(**inp)
+    assert not out.requires_grad
+    module.close()
+
+
 def test_modules_are_freed_and_close_releases_device_memory() -> None:
     """Dropping a trained module frees its storages (no global registry keeps them), and
     close() empties its buffers at once and refuses to run afterwards."""

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from enum import Enum
 from typing import Any
@@ -62,6 +62,19 @@ def _take_grads(st: RegionStorage) -> tuple[list[torch.Tensor], list[Any]]:
             layouts.append(layout)
         param.grad = None
     return grads, layouts
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, a tensor or tuples, lists and mappings of them (a
+    forward's result); anything else is skipped."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
 
 
 def _copy_up(st: RegionStorage, source: torch.Tensor | None = None) -> None:
@@ -384,14 +397,31 @@ class OffloadController:
             if controller is not None and not controller._callback_queued:
                 controller._queue_end_callback()
 
+        self._queue_hook = queue_only
         for st in self.storages:
-            batched = st.index in self.batched_device_regions
+            if st.index in self.batched_device_regions:
+                # A batched region's gradients are read at the end of backward, by the
+                # callback that a hook on the forward's outputs queues (watch_outputs):
+                # its parameters carry no hook, which would cost the thread that drives
+                # backward a Python call per parameter per step.
+                continue
             for param in st.params.values():
                 if param.requires_grad:
-                    # A batched region's gradients are read at the end of backward; its hook
-                    # only makes sure that end-of-backward callback is queued.
-                    hook = queue_only if batched else self._make_grad_hook(st.index)
-                    param.register_post_accumulate_grad_hook(hook)  # type: ignore[no-untyped-call]
+                    param.register_post_accumulate_grad_hook(self._make_grad_hook(st.index))  # type: ignore[no-untyped-call]
+
+    def watch_outputs(self, outputs: Any) -> None:
+        """Make a backward through any tensor of ``outputs`` (a forward's result: tensors
+        nested in tuples, lists and mappings) queue the end-of-backward callback as it
+        starts, for the batched device regions, whose parameters carry no hook. Every
+        gradient of the model's parameters flows through some output, so any backward
+        that reaches a parameter starts at one. A backward that reaches no parameter
+        (``torch.autograd.grad`` with respect to the inputs) then also ends with the
+        callback, which finds no gradients and leaves the accumulators as they were."""
+        if not self.batched_device_regions:
+            return  # every region's parameters carry a hook that queues it
+        for t in _tensors_in(outputs):
+            if t.requires_grad:
+                t.register_hook(self._queue_hook)  # type: ignore[no-untyped-call]
 
     def _make_grad_hook(self, r: int) -> Callable[[torch.Tensor], None]:
         # A weak reference: the hook lives on the parameter, which autograd's C++ side also

@@ -132,9 +132,12 @@ class OffloadModule:
             raise RuntimeError("this OffloadModule was closed (its device memory is freed)")
         gm = self._graph_train if self.training else self._graph_eval
         try:
-            return gm(*args, **kwargs)
+            out = gm(*args, **kwargs)
         finally:
             self.controller.pop_all_hooks()
+        if torch.is_grad_enabled():
+            self.controller.watch_outputs(out)
+        return out
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``; gradients then reach the fp32 accumulators region by region."""
