@@ -52,9 +52,14 @@ def build(
     *,
     host_worker: bool | None = None,
     convert: bool | None = None,
+    frozen: frozenset[str] = frozenset(),
 ) -> tuple[torch.nn.Module, OffloadModule, dict[str, torch.Tensor]]:
+    """``name``'s model and inputs, planned by ``solver`` at the budget that offloads half
+    its regions; ``frozen``: parameters (by name) that do not train."""
     torch.manual_seed(0)
     model = MODELS[name]()
+    for pname, param in model.named_parameters():
+        param.requires_grad_(pname not in frozen)
     inp = inputs()
     budget = forcing_budget(model, inp, solver, torch.float32, default_cpu_profile())
     module = memory_optimize(
@@ -72,6 +77,22 @@ def build(
         fuse_gelu=False,  # exactly the model's operations, so plain training's results
     )
     return model, module, inp
+
+
+def roomy(model: torch.nn.Module, inp: dict[str, torch.Tensor]) -> OffloadModule:
+    """``model`` planned in fp32 on the CPU with room for everything (16 GiB): every
+    region stays on the device with its optimizer state."""
+    return memory_optimize(
+        model,
+        inp,
+        2**34,
+        "asyn",
+        dtype=torch.float32,
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        block_search_range_bytes=0,
+    )
 
 
 @pytest.mark.parametrize("chunk", [None, 37])
@@ -228,27 +249,10 @@ def test_frozen_parameters_in_host_state_regions_train_like_plain_training(
     copy every gradient into the region's kept slot views. Both accumulate over two
     backwards exactly as plain training does, and the frozen parameters' gradients stay
     zero."""
-    torch.manual_seed(0)
-    model = MODELS["gpt2"]()
-    frozen = {"model.transformer.h.1.attn.c_attn.weight", "model.transformer.h.0.ln_1.bias"}
-    for pname, param in model.named_parameters():
-        param.requires_grad_(pname not in frozen)
-    inp = inputs()
-    budget = forcing_budget(model, inp, "syn", torch.float32, default_cpu_profile())
-    module = memory_optimize(
-        model,
-        inp,
-        budget,
-        "syn",
-        dtype=torch.float32,
-        hardware=default_cpu_profile(),
-        device="cpu",
-        progress=False,
-        block_search_range_bytes=0,
-        host_worker=host_worker,
-        convert_on_device=False,
-        fuse_gelu=False,
+    frozen = frozenset(
+        {"model.transformer.h.1.attn.c_attn.weight", "model.transformer.h.0.ln_1.bias"}
     )
+    model, module, inp = build("gpt2", "syn", host_worker=host_worker, convert=False, frozen=frozen)
     host = [st for st in module.storages if st.host_state]
     with_gaps = [st for st in host if not all(lay.requires_grad for lay in st.layouts)]
     assert with_gaps and len(with_gaps) < len(host)
@@ -338,17 +342,7 @@ def test_batched_device_gradients_equal_per_region_ones(monkeypatch: pytest.Monk
     for batched in (True, False):
         if not batched:  # no room left in the budget: the region-by-region path
             monkeypatch.setattr(offload_runtime.module, "BUDGET_SAFETY_FACTOR", 0.0)
-        module = memory_optimize(
-            model,
-            inp,
-            2**34,
-            "asyn",
-            dtype=torch.float32,
-            hardware=default_cpu_profile(),
-            device="cpu",
-            progress=False,
-            block_search_range_bytes=0,
-        )
+        module = roomy(model, inp)
         expected = {st.index for st in module.storages} if batched else set()
         assert module.controller.batched_device_regions == expected
         for _ in range(2):  # the second backward accumulates
@@ -372,17 +366,7 @@ def test_batched_regions_are_finished_by_the_outputs_hook() -> None:
     torch.manual_seed(0)
     model = tiny_gpt2()
     inp = inputs()
-    module = memory_optimize(
-        model,
-        inp,
-        2**34,
-        "asyn",
-        dtype=torch.float32,
-        hardware=default_cpu_profile(),
-        device="cpu",
-        progress=False,
-        block_search_range_bytes=0,
-    )
+    module = roomy(model, inp)
     assert module.controller.batched_device_regions == {st.index for st in module.storages}
     for st in module.storages:
         for param in st.params.values():
