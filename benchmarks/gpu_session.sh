@@ -25,6 +25,10 @@
 #           span (compute_fidelity.py; thrab.txt): does a host Adam on fewer cores stretch
 #           the backward's issue less (session 48: its CPU side ran 146 ms a step against
 #           full GPU's 74, its kernels spanning 160-180 ms for 131 busy)?  ~4.5 min
+#           THRAB_PASSIVE=1 adds an arm on all cores with OMP_WAIT_POLICY=PASSIVE: OpenMP
+#           threads that sleep at once after a parallel region instead of spinning, so
+#           that the host steps' pools leave the cores to the thread driving backward
+#           between kernels (~1 min more a round)
 #   rateab  W3 ours_io_spec1_stream planned with the host rate of the default blend (the
 #           first round beside full GPU by fp32 masters, for the floor) and with the kind's
 #           own rate samples alone (BENCH_HOST_RATE=samples: without the cached profile's
@@ -759,9 +763,14 @@ case "$phase" in
         BENCH_HOST_THREADS=$n bench W3 "$k" 150 "W3_thr${n}_$i"
       done
       bench W3 "$k" 150 "W3_thrall_$i"
+      if [ "${THRAB_PASSIVE:-0}" = 1 ]; then
+        OMP_WAIT_POLICY=PASSIVE bench W3 "$k" 150 "W3_thrpassive_$i"
+      fi
     done
     unset BENCH_PLAN_FROM
-    { for arm in ${THRAB_THREADS:-8 12} all; do
+    arms="${THRAB_THREADS:-8 12} all"
+    [ "${THRAB_PASSIVE:-0}" = 1 ] && arms="$arms passive"
+    { for arm in $arms; do
         python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_thr"${arm}"_[0-9]*.json
         for f in "$out"/W3_thr"${arm}"_[0-9]*.json; do
           g=$(basename "$f" .json)

@@ -968,6 +968,9 @@ def _ours(
         "cpu_count": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)),
         "bench_host_threads": os.environ.get("BENCH_HOST_THREADS"),
+        # OpenMP's idle threads spin unless told to sleep (gpu_session.sh thrab's
+        # THRAB_PASSIVE arm): set before the process starts, so recorded as given.
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     out["switch_interval_s"] = sys.getswitchinterval()
     # Host optimizer steps run on past step() into the next forward; what that forward had
