@@ -4,7 +4,11 @@
 #   bash benchmarks/gpu_session.sh PHASE [OUT_DIR]
 #
 # PHASE:
-#   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~7 min
+#   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~8 min
+#   testsq  nox -s gpu_tests without the speed tests on GPT-2 XL and run.sh's defaults
+#           (session 48: 253 of the 472 s): every equivalence and memory test, for a
+#           change to the runtime's CUDA path when the session's device time is short
+#           (gpu_tests_quick.log)                                           ~4 min
 #   w1w3    W1 ours beside full GPU twice (the parameter reads and the probe of e9103c3),
 #           then W3 ours_io_spec1_stream (the issue thread) beside FSDP2 and torchao ~7 min
 #   w1x     W1 ours and full GPU (fp32 masters), ROUNDS rounds (default 4), the order swapped each round;
@@ -412,6 +416,8 @@ case "$phase" in
     bash "$0" tests "$out"
     bench W1 ours,full_gpu 120 ;;
   tests) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider --durations=15 2>&1 | tee "$out/gpu_tests.log" | tail -40 ;;
+  testsq) python3 -m nox -s gpu_tests -- -q -s -rA -p no:cacheprovider --durations=10 \
+      -k "not host_step_hides and not async_plan_is_faster and not run_sh_defaults" 2>&1 | tee "$out/gpu_tests_quick.log" | tail -40 ;;
   trace)
     python3 -m pytest -q -s -rA -p no:cacheprovider -m gpu "$root/packages/offload-trace/tests" \
       2>&1 | tee "$out/trace_gpu_tests.log" | tail -30 ;;
