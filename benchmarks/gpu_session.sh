@@ -6,7 +6,7 @@
 # PHASE:
 #   tests   nox -s gpu_tests (every package's gpu-marked tests; the 15 slowest)  ~8 min
 #   testsq  nox -s gpu_tests without the speed tests on GPT-2 XL and run.sh's defaults
-#           (session 48: 253 of the 472 s): every equivalence and memory test, for a
+#           (session 48: 252 of the 472 s): every equivalence and memory test, for a
 #           change to the runtime's CUDA path when the session's device time is short
 #           (gpu_tests_quick.log)                                           ~4 min
 #   w1w3    W1 ours beside full GPU twice (the parameter reads and the probe of e9103c3),
