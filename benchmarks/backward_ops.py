@@ -21,6 +21,7 @@ splits that into the hooks and the operators slowed beside the host's steps.
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import sys
 from collections import Counter
@@ -70,18 +71,29 @@ def hook_children(
     (autograd nodes left out)."""
     xs = spans(events)
     hooks = [e for e in xs if e.get("name") == ACCUMULATE and e["dur"] > over_us]
+    # Each thread's spans by start, so that a hook's children are found by bisection
+    # rather than by scanning the thread's every span per hook.
     by_tid: dict[Any, list[dict[str, Any]]] = {}
     for e in xs:
         by_tid.setdefault(e.get("tid"), []).append(e)
+    starts: dict[Any, list[float]] = {}
+    for tid, evs in by_tid.items():
+        evs.sort(key=lambda e: e["ts"])
+        starts[tid] = [e["ts"] for e in evs]
     time_us: Counter[str] = Counter()
     count: Counter[str] = Counter()
     for h in hooks:
         end = h["ts"] + h["dur"]
-        for e in by_tid.get(h.get("tid"), []):
+        tid = h.get("tid")
+        evs = by_tid[tid]
+        for i in range(bisect.bisect_left(starts[tid], h["ts"]), len(evs)):
+            e = evs[i]
+            if e["ts"] >= end:
+                break
             name = str(e.get("name", ""))
             if e is h or name.startswith(NODE) or name == "torch::autograd::AccumulateGrad":
                 continue
-            if e["ts"] >= h["ts"] and e["ts"] + e["dur"] <= end:
+            if e["ts"] + e["dur"] <= end:
                 time_us[name] += e["dur"]
                 count[name] += 1
     return len(hooks), float(sum(h["dur"] for h in hooks)), time_us, count
