@@ -764,18 +764,18 @@ case "$phase" in
     k=ours_io_spec1_stream
     bench W3 "$k,full_gpu_master" 200 W3_thr_source
     export BENCH_PLAN_FROM="$out/W3_thr_source.json"
-    for i in $(seq 1 "${ROUNDS:-1}"); do
-      for n in ${THRAB_THREADS:-8 12}; do
-        BENCH_HOST_THREADS=$n bench W3 "$k" 150 "W3_thr${n}_$i"
-      done
-      bench W3 "$k" 150 "W3_thrall_$i"
-      if [ "${THRAB_PASSIVE:-0}" = 1 ]; then
-        OMP_WAIT_POLICY=PASSIVE bench W3 "$k" 150 "W3_thrpassive_$i"
-      fi
-    done
-    unset BENCH_PLAN_FROM
     arms="${THRAB_THREADS:-8 12} all"
     [ "${THRAB_PASSIVE:-0}" = 1 ] && arms="$arms passive"
+    for i in $(seq 1 "${ROUNDS:-1}"); do
+      for arm in $arms; do
+        case "$arm" in
+          all) bench W3 "$k" 150 "W3_thrall_$i" ;;
+          passive) OMP_WAIT_POLICY=PASSIVE bench W3 "$k" 150 "W3_thrpassive_$i" ;;
+          *) BENCH_HOST_THREADS=$arm bench W3 "$k" 150 "W3_thr${arm}_$i" ;;
+        esac
+      done
+    done
+    unset BENCH_PLAN_FROM
     { for arm in $arms; do
         python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_thr"${arm}"_[0-9]*.json
         for f in "$out"/W3_thr"${arm}"_[0-9]*.json; do
