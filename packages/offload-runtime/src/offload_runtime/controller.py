@@ -511,14 +511,20 @@ class OffloadController:
             with torch.no_grad():
                 st.materialize_grad()
             self.stats["staged_grads_widened_late"] += 1
-        offsets = [(lay.offset, lay.numel) for lay in layouts]
-        contiguous = offsets == [(lay.offset, lay.numel) for lay in st.layouts]
+        # _take_grads keeps the region's layout order, so the gradients cover the whole
+        # region exactly when every parameter has one. Otherwise the copies and the host's
+        # add go by each present parameter's (offset, numel).
+        present = (
+            None
+            if len(layouts) == len(st.layouts)
+            else [(lay.offset, lay.numel) for lay in layouts]
+        )
         # The accumulator holds nothing this backward must add to (zero_grad ran): the
         # gradients go straight into it in full precision, converted on the device, and the
         # host has no conversion pass to make. Otherwise they land in the training-dtype
         # staging buffer and the host worker adds them. Either way the values are the same:
         # widening to fp32 is exact.
-        direct = self.convert_on_device and contiguous and self._accumulator_is_zero(st)
+        direct = self.convert_on_device and present is None and self._accumulator_is_zero(st)
         staging = None if direct else st.staging()
         d2h = self.streams.d2h
         d2h.wait(self.streams.compute.record())
@@ -529,11 +535,11 @@ class OffloadController:
                 # second copy of the region's gradients on the device, memory the plan
                 # does not count. With every gradient present the slots are the region's
                 # kept views, shaped like the gradients.
-                if contiguous:
+                if present is None:
                     slots = st.staging_slots()
                     torch._foreach_copy_(slots, grads, non_blocking=True)
                 else:
-                    slots = [staging[off : off + n] for off, n in offsets]
+                    slots = [staging[off : off + n] for off, n in present]
                     flats = [g.reshape(-1) for g in grads]
                     torch._foreach_copy_(slots, flats, non_blocking=True)
             else:
@@ -543,7 +549,6 @@ class OffloadController:
             for g in grads:
                 # Python drops the gradient now; keep its memory until the copy has read it.
                 g.record_stream(d2h.cuda)  # type: ignore[arg-type]
-        present = None if contiguous else offsets
         self.stats["grads_to_accumulator" if direct else "grads_to_staging"] += 1
         if direct:
             fut = self._submit(lambda: self._host_landed(r, done))
