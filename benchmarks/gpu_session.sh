@@ -40,6 +40,14 @@
 #           read 3.5-5.2), alternating, ROUNDS rounds (default 2); with RATEAB_W4=1 also W4
 #           with fp32 state each way (about 2 min a row, no FSDP2); then each arm's
 #           rows (pin_rows.py; rateab.txt)                     ~1.2 min a W3 row
+#   slotab  W3 ours_io_spec1_stream with the streamed ring's 3 slots (the default; the first
+#           round beside full GPU by fp32 masters, for the floor) and with SLOTAB_SLOTS
+#           (default 6; BENCH_STREAM_SLOTS): as many chunks of the streamed regions' state
+#           staged in the backward, so that fewer go up at the step boundary, where
+#           session 50's W3 forward idled 10 and 7 ms for streamed regions 5 and 11 behind
+#           1.4 GB of their state; alternating, ROUNDS rounds (default 2); then each arm's
+#           rows (pin_rows.py) and its profiled traces' compute gaps (slotab.txt)
+#                                                                           ~1 min a row
 #   geluab  GPT-2's tanh GELU written out (BENCH_FUSE_GELU=0) and fused into one aten.gelu
 #           (as by default from session 37 on), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
@@ -380,6 +388,18 @@ case "$phase" in
         fi
       done
     } | tee "$out/rateab.txt" ;;
+  slotab)
+    peer=,full_gpu_master
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      bench W3 "ours_io_spec1_stream$peer" 200 "W3_slots3_$i"
+      BENCH_STREAM_SLOTS=${SLOTAB_SLOTS:-6} bench W3 ours_io_spec1_stream 150 "W3_slotsn_$i"
+      peer=""
+    done
+    { for arm in slots3 slotsn; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"_[0-9]*.json
+        gaps "$out"/prof_W3_"$arm"_*/trace_W3_ours_io_spec1_stream.json.gz
+      done
+    } 2>&1 | tee "$out/slotab.txt" || true ;;
   geluab)
     for i in $(seq 1 "${ROUNDS:-1}"); do
       BENCH_FUSE_GELU=0 BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 ours,full_gpu 150 "W1_plain$i"

@@ -114,7 +114,10 @@ BENCH_STAGE_IN_BACKWARD=0 (or 1) to build it with ``stage_in_backward=False`` (o
 unset: the optimizer's default, True since session 45) and plan to match
 (``streamed_step_costs(stage_in_backward=)``): the backward's first streamed gradient
 hook stages the leading chunks' master weights and moments; rows record
-``stage_in_backward`` (from session 44 on). Set
+``stage_in_backward`` (from session 44 on). Set BENCH_STREAM_SLOTS=N (at least 2; with
+staging) to plan and build the ring with N buffer sets, so N chunks of state go up in the
+backward (``streamed_step_costs(slots=N)``; unset: ``STREAM_SLOTS``, 3); rows record
+``stream_slots``. Set
 BENCH_STREAM_UP_FRACTION=F to plan with streamed copies up
 at F times the H2D rate (``memory_optimize(stream_up_fraction=F)``), and
 BENCH_STREAM_HOST_CHARGE=S to charge the host S of the contention of the streamed regions'
@@ -675,6 +678,7 @@ def _ours(
     issuer_publishes = _hybrid_adam_flag("BENCH_ISSUER_PUBLISHES", "issuer_publishes")
     paced_ring = _hybrid_adam_flag("BENCH_STREAM_PACED", "paced_ring")
     stage_in_backward = _hybrid_adam_flag("BENCH_STAGE_IN_BACKWARD", "stage_in_backward")
+    stream_slots = bench_stream_slots()
     stage_ahead = _hybrid_adam_flag("BENCH_STAGE_AHEAD", "stage_ahead")
     # The streamed copies' contention as set; else, below, the pinned row's or
     # memory_optimize's defaults.
@@ -811,6 +815,7 @@ def _ours(
                     stage_in_backward=(
                         stage_in_backward if pinned is None else pinned.stage_in_backward
                     ),
+                    slots=stream_slots,
                 )
                 if stream and stream_fraction is None
                 else None
@@ -962,6 +967,7 @@ def _ours(
     out["issuer_publishes"] = issuer_publishes
     out["stage_ahead"] = stage_ahead
     out["stage_in_backward"] = stage_in_backward
+    out["stream_slots"] = stream_slots
     # What the thread count was set from: session 21's row with BENCH_HOST_THREADS set to
     # os.cpu_count() - 1 recorded 16 threads, so say what each was.
     out["cpus"] = {
@@ -1290,6 +1296,23 @@ def bench_stream_write() -> bool:
     """Whether resident streamed regions are written on the device: unless
     BENCH_STREAM_WRITE=0."""
     return os.environ.get("BENCH_STREAM_WRITE", "1") != "0"
+
+
+def bench_stream_slots() -> int:
+    """Buffer sets of the streamed regions' ring, and so chunks staged in the backward:
+    BENCH_STREAM_SLOTS where set (an int >= 2), else ``offload_optim``'s ``STREAM_SLOTS``."""
+    from offload_optim.streamed import STREAM_SLOTS
+
+    env = os.environ.get("BENCH_STREAM_SLOTS")
+    if not env:
+        return STREAM_SLOTS
+    try:
+        slots = int(env)
+    except ValueError:
+        raise ValueError(f"BENCH_STREAM_SLOTS={env!r} is not an int") from None
+    if slots < 2:
+        raise ValueError(f"BENCH_STREAM_SLOTS={slots} must be >= 2")
+    return slots
 
 
 def bench_budget_gib(workload: str) -> float:

@@ -465,6 +465,15 @@ def main(argv: list[str] | None = None) -> int:
         "it now (streamed_step_costs(budget_bytes=))",
     )
     parser.add_argument(
+        "--stream-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="streamed rows: a ring of N buffer sets, as BENCH_STREAM_SLOTS=N builds it "
+        "(with staging, N chunks staged in the backward); sizes the ring as "
+        "--stream-ring budget does",
+    )
+    parser.add_argument(
         "--speculate",
         type=float,
         default=None,
@@ -585,11 +594,15 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("--host-step-cost needs --fused-gparam > 0")
     if not args.host_margin >= 1:
         parser.error(f"--host-margin must be >= 1, got {args.host_margin}")
+    if args.stream_slots is not None and (args.stream_slots < 2 or args.stage_in_backward == "no"):
+        parser.error("--stream-slots takes N >= 2 and stages (not with --stage-in-backward no)")
 
     import torch
 
     from offload_optim import planned_host_busy_s, streamed_step_costs, with_stage_in_backward
-    from offload_optim.streamed import resident_down_bytes
+    from offload_optim.streamed import STREAM_SLOTS, resident_down_bytes
+
+    slots = STREAM_SLOTS if args.stream_slots is None else args.stream_slots
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ModelProfile, ParamPlacement, StreamedStepCosts, solve
 
@@ -660,12 +673,14 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     write = bool(recorded and recorded.get("resident_down_bytes_per_param"))
                     if args.write_resident != "recorded":
                         write = args.write_resident == "yes"
-                    if args.stream_ring == "budget":
+                    if args.stream_ring == "budget" or args.stream_slots is not None:
                         simulation["streamed"] = streamed_step_costs(
                             moments,
                             base_kind in FP16_IO,
                             budget_bytes=budget_gib * GiB,
                             write_resident=write,
+                            stage_in_backward=True,
+                            slots=slots,
                         )
                     elif recorded:
                         simulation["streamed"] = dataclasses.replace(
@@ -685,7 +700,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     if args.stage_in_backward != "recorded":
                         stage = args.stage_in_backward == "yes"
                     simulation["streamed"] = with_stage_in_backward(
-                        simulation["streamed"], moments, base_kind in FP16_IO, stage
+                        simulation["streamed"], moments, base_kind in FP16_IO, stage, slots=slots
                     )
                 planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
                 hw_args = {

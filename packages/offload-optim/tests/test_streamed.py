@@ -35,6 +35,7 @@ from offload_optim.streamed import (
     StreamPiece,
     StreamRing,
     chunk_numel_for,
+    ring_shape,
     stream_copy_bytes,
     stream_slot_bytes,
     streamed_step_costs,
@@ -480,6 +481,84 @@ def test_staging_in_backward_is_planned_as_the_optimizer_stages() -> None:
             AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, stage_in_backward=False), module)
     finally:
         module.close()
+
+
+def test_a_ring_of_more_slots_is_planned_and_shaped_from_the_plan() -> None:
+    """streamed_step_costs(slots=N): a ring of N buffer sets (its bytes, within the
+    budget's tenth), N chunks staged in the backward, and the optimizer's ring shaped from
+    the plan (ring_shape); another count than the default needs staging."""
+    gib = 2**30
+    five = streamed_step_costs(torch.float32, True, chunk_numel=1000, slots=5)
+    assert five.slot_bytes == stream_slot_bytes(torch.float32, True, chunk_numel=1000, slots=5)
+    assert (five.staged_chunks, five.staged_chunk_numel) == (5, 1000)
+    assert ring_shape(five, torch.float32, True) == (1000, 5)
+    three = streamed_step_costs(torch.float32, True, chunk_numel=1000)
+    assert ring_shape(three, torch.float32, True) == (1000, streamed_module.STREAM_SLOTS)
+    unstaged = streamed_step_costs(torch.float32, True, chunk_numel=1000, stage_in_backward=False)
+    assert ring_shape(unstaged, torch.float32, True) == (1000, streamed_module.STREAM_SLOTS)
+    assert ring_shape(None, torch.float32, True) == (
+        streamed_module.STREAM_CHUNK_NUMEL,
+        streamed_module.STREAM_SLOTS,
+    )
+    # Under W2's 3 GiB the ring keeps its tenth: more slots, smaller chunks.
+    w2 = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib)
+    w2_six = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib, slots=6)
+    assert w2_six.slot_bytes <= 0.1 * 3 * gib
+    assert w2_six.staged_chunks == 6
+    assert w2_six.staged_chunk_numel < chunk_numel_for(w2.slot_bytes, torch.float32, True)
+    # Under W3's 40 GiB the chunk stays whole, and the ring grows by the slots added.
+    w3 = streamed_step_costs(torch.float32, True, budget_bytes=40 * gib)
+    w3_six = streamed_step_costs(torch.float32, True, budget_bytes=40 * gib, slots=6)
+    assert w3_six.staged_chunk_numel == w3.staged_chunk_numel == STREAM_CHUNK_NUMEL
+    assert w3_six.slot_bytes - w3.slot_bytes == 3 * STREAM_CHUNK_NUMEL * 16
+    with pytest.raises(ValueError, match="needs stage_in_backward"):
+        streamed_step_costs(torch.float32, True, slots=5, stage_in_backward=False)
+    for bad in (1, 0, 2.5, True):
+        with pytest.raises(ValueError, match="must be an int >= 2"):
+            streamed_step_costs(torch.float32, True, slots=bad)  # type: ignore[arg-type]
+
+
+def test_a_ring_of_more_slots_stages_as_many_chunks_and_steps_the_same(
+    streaming: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plan whose ring has 5 slots: the optimizer builds its rings so, the backward's
+    hook stages 5 chunks of state, and training is bit for bit the host-stepped run's."""
+    import dataclasses
+
+    shaped = test_speculate.offload_module  # the fixture's: host regions after the first streamed
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        module = shaped(*args, **kwargs)
+        costs = streamed_step_costs(torch.float32, False, chunk_numel=1000, slots=5)
+        module.plan = dataclasses.replace(module.plan, streamed=costs)
+        return module
+
+    rings: list[tuple[int, int]] = []  # (slots, chunk) of each ring built
+    init = StreamRing.__init__
+
+    def recording(self: StreamRing, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        rings.append((len(self.slots), self.chunk))
+
+    most_staged = [0]
+    stage = StreamRing.stage
+
+    def staging(self: StreamRing, *tensors: Any) -> bool:
+        done = stage(self, *tensors)
+        most_staged[0] = max(most_staged[0], self.staged())
+        return done
+
+    monkeypatch.setattr(test_speculate, "offload_module", planned)
+    monkeypatch.setattr(StreamRing, "__init__", recording)
+    monkeypatch.setattr(StreamRing, "stage", staging)
+    kwargs: dict[str, Any] = {"stage_in_backward": True, "dtype": torch.bfloat16}
+    out = run(False, 5, **kwargs)
+    assert rings and all(shape == (5, 1000) for shape in rings)
+    assert most_staged[0] == 5
+    with pytest.MonkeyPatch.context() as mp:  # every region host-stepped
+        mp.setattr(test_speculate, "offload_module", offload_module)
+        plain = run(False, 5, **kwargs)
+    assert_same(out, plain)
 
 
 class _Gate:

@@ -851,18 +851,15 @@ class HybridAdam(torch.optim.Optimizer):
         device = self._require_controller().streams.device
         if self._ring_streams is None:
             self._ring_streams = streamed.ring_streams(device)
-        costs = self._planned_streaming
-        chunk = (
-            streamed.STREAM_CHUNK_NUMEL  # read now: tests make it small
-            if costs is None
-            else streamed.chunk_numel_for(costs.slot_bytes, self.moments_dtype, self.fp16_io)
+        chunk, slots = streamed.ring_shape(
+            self._planned_streaming, self.moments_dtype, self.fp16_io
         )
         return StreamRing(
             device,
             self.moments_dtype,
             self.fp16_io,
             chunk_numel=chunk,
-            slots=streamed.STREAM_SLOTS,
+            slots=slots,
             streams=self._ring_streams,
             after=self._require_controller().streams.h2d if self.ring_yields else None,
         )

@@ -163,6 +163,26 @@ benchmarks/results/s45c2_W3_bstage_*.json``) W3 replans with 3 streamed regions 
 against 238, and W2 keeps its 9 at 351 against 352. It is on by default
 (:data:`STAGE_IN_BACKWARD`).
 
+[Note: more slots to stage]
+The backward stages one chunk per ring slot, so with :data:`STREAM_SLOTS` (3) it stages
+3 chunks; the rest of the streamed regions' state goes up at the step boundary. In
+session 50's W3 on an H200 (``copy_lag.py benchmarks/results/s50c6_trace_W3_blend1.json.gz
+--window 240:320``) the 3 staged chunks held streamed region 1's state, and regions 5
+and 11 (48 M parameters each, 3 chunks, 14 bytes a parameter) went up from 278 to 308 ms
+behind the host-stepped regions' uploads; the next forward idled 10 and 7 ms waiting
+for them, while the H2D link had carried little in the
+backward. ``streamed_step_costs(slots=N)`` plans a ring of N slots (chunks as before,
+within the budget's tenth, so a small budget gets more, smaller chunks): N chunks staged
+in the backward, the ring's N slots of device memory held from the staging hook, which
+the planner counts. The optimizer builds its ring as the plan says (:func:`ring_shape`:
+``staged_chunks`` slots of ``staged_chunk_numel``). A slot count other than the default
+needs staging: a plan that stages nothing records no slot count. Values do not depend on
+it. The simulator's H2D lane is FIFO by issue, so it has the host-stepped regions'
+uploads wait behind the streamed state and predicts no change from more slots (W3 227.3
+ms for 3 to 6 slots, ``replay_bench.py --stream-slots N``); whether the copy engine,
+which ran those uploads first, makes it faster is for a GPU to say (``gpu_session.sh
+slotab``).
+
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
 new master there. It used to narrow it into the slot's fp16 copy, copy that down into the
@@ -258,6 +278,7 @@ def streamed_step_costs(
     chunk_numel: int | None = None,
     write_resident: bool = True,
     stage_in_backward: bool | None = None,
+    slots: int = STREAM_SLOTS,
 ) -> StreamedStepCosts:
     """What :class:`StreamRing` moves per parameter and holds on the device, for the
     planner (``memory_optimize(streamed=...)``): pass the ``HybridAdam``'s moments dtype
@@ -272,17 +293,23 @@ def streamed_step_costs(
     ``HybridAdam``'s default): the optimizer is built with
     ``HybridAdam(stage_in_backward=True)``, so the planner counts the master weights and
     moments of one chunk per ring slot going up in the backward, and the ring held from
-    there ([Note: staging the state in backward])."""
+    there ([Note: staging the state in backward]). ``slots`` (default
+    :data:`STREAM_SLOTS`): buffer sets in the ring, and so, with staging, chunks staged in
+    the backward; the optimizer builds its ring with the plan's (``staged_chunks``).
+    Another count than the default needs ``stage_in_backward``: a plan without staging
+    records no slot count for the optimizer to follow ([Note: more slots to stage])."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 2:
+        raise ValueError(f"slots={slots!r} must be an int >= 2 (one copying, one stepping)")
     if chunk_numel is None:
         chunk_numel = STREAM_CHUNK_NUMEL
         if budget_bytes is not None:
             if budget_bytes <= 0:
                 raise ValueError(f"budget_bytes={budget_bytes} must be > 0")
-            per = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=1)
+            per = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=1, slots=slots)
             cap = int(budget_bytes * RING_BUDGET_SHARE) // per
             chunk_numel = max(MIN_CHUNK_NUMEL, min(chunk_numel, cap))
     up, down = stream_copy_bytes(moments_dtype, fp16_io)
-    slot = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=chunk_numel)
+    slot = stream_slot_bytes(moments_dtype, fp16_io, chunk_numel=chunk_numel, slots=slots)
     costs = StreamedStepCosts(
         up_bytes_per_param=up,
         down_bytes_per_param=down,
@@ -292,27 +319,53 @@ def streamed_step_costs(
         else None,
     )
     stage = STAGE_IN_BACKWARD if stage_in_backward is None else stage_in_backward
-    return with_stage_in_backward(costs, moments_dtype, fp16_io, stage)
+    if slots != STREAM_SLOTS and not stage:
+        raise ValueError(
+            f"slots={slots} needs stage_in_backward: a plan that stages nothing records "
+            f"no slot count, so the optimizer would build its ring of {STREAM_SLOTS}"
+        )
+    return with_stage_in_backward(costs, moments_dtype, fp16_io, stage, slots=slots)
 
 
 def with_stage_in_backward(
-    costs: StreamedStepCosts, moments_dtype: torch.dtype, fp16_io: bool, stage: bool = True
+    costs: StreamedStepCosts,
+    moments_dtype: torch.dtype,
+    fp16_io: bool,
+    stage: bool = True,
+    *,
+    slots: int = STREAM_SLOTS,
 ) -> StreamedStepCosts:
     """``costs`` as a ``HybridAdam(stage_in_backward=stage)`` with these moments and
-    ``fp16_io`` moves them: with ``stage``, one chunk per ring slot (the chunk its ring
-    builds from ``costs.slot_bytes``, :func:`chunk_numel_for`) of master weights and
-    moments going up in the backward ([Note: staging the state in backward]); without,
-    none."""
+    ``fp16_io`` moves them, its ring ``slots`` buffer sets of ``costs.slot_bytes`` in all:
+    with ``stage``, one chunk per ring slot (the chunk its ring builds from
+    ``costs.slot_bytes``, :func:`chunk_numel_for`) of master weights and moments going up
+    in the backward ([Note: staging the state in backward]); without, none."""
     if not stage:
         return dataclasses.replace(
             costs, staged_chunks=0, staged_chunk_numel=0, staged_bytes_per_param=0.0
         )
     return dataclasses.replace(
         costs,
-        staged_chunks=STREAM_SLOTS,
-        staged_chunk_numel=chunk_numel_for(costs.slot_bytes, moments_dtype, fp16_io),
+        staged_chunks=slots,
+        staged_chunk_numel=chunk_numel_for(costs.slot_bytes, moments_dtype, fp16_io, slots=slots),
         staged_bytes_per_param=float(resident_down_bytes(moments_dtype)),
     )
+
+
+def ring_shape(
+    costs: StreamedStepCosts | None, moments_dtype: torch.dtype, fp16_io: bool
+) -> tuple[int, int]:
+    """(chunk elements, slots) of the ring a ``HybridAdam`` builds for a plan with these
+    streaming ``costs``: a staging plan's ``staged_chunks`` slots of its
+    ``staged_chunk_numel`` elements (what the planner counted going up in the backward);
+    otherwise :data:`STREAM_SLOTS` slots sized to ``costs.slot_bytes``; with no costs
+    (streamed regions set by hand) :data:`STREAM_SLOTS` slots of
+    :data:`STREAM_CHUNK_NUMEL`, read at the call (tests make it small)."""
+    if costs is None:
+        return STREAM_CHUNK_NUMEL, STREAM_SLOTS
+    if costs.staged_chunks:
+        return costs.staged_chunk_numel, costs.staged_chunks
+    return chunk_numel_for(costs.slot_bytes, moments_dtype, fp16_io), STREAM_SLOTS
 
 
 def chunk_numel_for(
