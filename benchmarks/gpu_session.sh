@@ -48,6 +48,14 @@
 #           1.4 GB of their state; alternating, ROUNDS rounds (default 2); then each arm's
 #           rows (pin_rows.py) and its profiled traces' compute gaps (slotab.txt)
 #                                                                           ~1 min a row
+#   streamcap W3 ours_io_spec1_stream as planned beside full GPU by fp32 masters (the source
+#           row), then on its plan (BENCH_PLAN_FROM) with only the first N of its streamed
+#           regions streamed and the rest stepped on the host (BENCH_STREAM_MAX=N, each N
+#           of STREAMCAP_MAX, default "2 1") and as planned, ROUNDS rounds (default 2);
+#           then each arm's rows (pin_rows.py) and compute gaps (streamcap.txt): W3's
+#           steps on record rise with the regions streamed (238.5-258.9 ms with two,
+#           248.1-260.1 with three, 255.1-276.2 with four) where the simulator sees
+#           little difference                                               ~6 min
 #   geluab  GPT-2's tanh GELU written out (BENCH_FUSE_GELU=0) and fused into one aten.gelu
 #           (as by default from session 37 on), alternating, ROUNDS rounds (default 1): W1 ours with
 #           full-GPU training stepped in turn (30 timed steps unless BENCH_STEPS), then W3
@@ -388,6 +396,26 @@ case "$phase" in
         fi
       done
     } | tee "$out/rateab.txt" ;;
+  streamcap)
+    k=ours_io_spec1_stream
+    bench W3 "$k,full_gpu_master" 200 W3_cap_source
+    export BENCH_PLAN_FROM="$out/W3_cap_source.json"
+    arms="${STREAMCAP_MAX:-2 1} all"
+    for i in $(seq 1 "${ROUNDS:-2}"); do
+      for arm in $arms; do
+        if [ "$arm" = all ]; then
+          bench W3 "$k" 150 "W3_capall_$i"
+        else
+          BENCH_STREAM_MAX=$arm bench W3 "$k" 150 "W3_cap${arm}_$i"
+        fi
+      done
+    done
+    unset BENCH_PLAN_FROM
+    { for arm in $arms; do
+        python3 "$root/benchmarks/pin_rows.py" --all W3 "$k" "$out"/W3_cap"${arm}"_[0-9]*.json
+        gaps "$out"/prof_W3_cap"${arm}"_*/trace_W3_"$k".json.gz
+      done
+    } 2>&1 | tee "$out/streamcap.txt" || true ;;
   slotab)
     peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-2}"); do

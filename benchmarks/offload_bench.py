@@ -39,8 +39,10 @@ Kinds:
                 overrides the planner: that share of those regions' parameters, every
                 other region or so in forward order, is streamed (the plan not told);
                 BENCH_STREAM_NOT_FIRST=1 moves the plan's first streamed region's device
-                step to the next host-state region (the plan not told; rows record
-                ``streamed_region_indices`` and ``stream_from``)
+                step to the next host-state region, and BENCH_STREAM_MAX=N keeps only the
+                plan's first N streamed regions streamed and steps the rest on the host
+                (the plan not told either; rows record ``streamed_region_indices`` and
+                ``stream_from``)
     ablation    the reference's behaviour: all optimizer state on the host, host step after
                 backward (no overlap)
     full_gpu    fp16 weights and fp16 Adam state on the GPU, fused CUDA Adam, the loss
@@ -689,6 +691,9 @@ def _ours(
     forced = os.environ.get("BENCH_STREAM_FRACTION")
     stream_fraction = float(forced) if stream and forced else None
     not_first = stream and stream_fraction is None and bench_stream_not_first()
+    stream_max = bench_stream_max() if stream and stream_fraction is None else None
+    if not_first and stream_max is not None:
+        raise ValueError("BENCH_STREAM_NOT_FIRST and BENCH_STREAM_MAX each edit the plan: one")
     host_kernel = "single_pass" if single else "torch"
     moments = torch.bfloat16 if bf16_moments else torch.float32
     # bf16 moments and the fp16-I/O kernel step at other rates than the fp32 fused Adam
@@ -831,6 +836,8 @@ def _ours(
             _force_streamed(module, stream_fraction)
         elif not_first:
             _stream_not_first(module.storages)
+        elif stream_max is not None:
+            _cap_streamed(module.storages, stream_max)
         opt = AMPOptimizer(
             HybridAdam(
                 module.parameters(),
@@ -1048,6 +1055,17 @@ def _ours(
                 f"plan, region {off[0]} stepped on the host and region {on[0]} streamed"
                 if off and on
                 else "plan, its first streamed region kept"
+            )
+        if stream_max is not None:  # what _cap_streamed changed
+            planned = {
+                rp.region.index for rp in plan.regions if rp.state is StatePlacement.STREAMED
+            }
+            hosted = sorted(planned - streamed)
+            out["stream_max"] = stream_max
+            out["stream_from"] = (
+                f"plan, regions {hosted} stepped on the host (BENCH_STREAM_MAX={stream_max})"
+                if hosted
+                else f"plan (BENCH_STREAM_MAX={stream_max}: nothing over it)"
             )
     # Bytes moved per step, for the floor: offloaded regions come up twice (forward and
     # backward); resident host-state regions once after their host step; host-state
@@ -1290,6 +1308,39 @@ def _stream_not_first(storages: Sequence[Any]) -> tuple[int, int] | None:
     storages[first].streamed = False
     storages[after].streamed = True
     return storages[first].index, storages[after].index
+
+
+def bench_stream_max() -> int | None:
+    """BENCH_STREAM_MAX=N (an int >= 0): keep only the plan's first N streamed regions (in
+    forward order) streamed and step the rest on the host (the plan not told;
+    :func:`_cap_streamed`); unset: as planned."""
+    env = os.environ.get("BENCH_STREAM_MAX")
+    if not env:
+        return None
+    try:
+        most = int(env)
+    except ValueError:
+        raise ValueError(f"BENCH_STREAM_MAX={env!r} is not an int") from None
+    if most < 0:
+        raise ValueError(f"BENCH_STREAM_MAX={most} must be >= 0")
+    return most
+
+
+def _cap_streamed(storages: Sequence[Any], most: int) -> list[int]:
+    """BENCH_STREAM_MAX: the streamed storages after the first ``most`` (forward order)
+    go back to host steps. Returns the regions now stepped on the host.
+
+    W3's measured steps on record rise with the regions its plans streamed, where the
+    simulator saw little difference (BENCHMARKS.md, session 50): 238.5-258.9 ms with two
+    (the 5 fastest steps of each row, sessions 42-50), 248.1-260.1 with three and
+    255.1-276.2 with four; replayed, session 50's plan of three with region 5 stepped on
+    the host instead predicts 4.5 ms slower (``replay_bench.py --restate 5=host``). One
+    plan run both ways on one machine says which it is."""
+    streamed = [i for i, st in enumerate(storages) if st.streamed]
+    moved = streamed[most:]
+    for i in moved:
+        storages[i].streamed = False
+    return [storages[i].index for i in moved]
 
 
 def bench_stream_write() -> bool:

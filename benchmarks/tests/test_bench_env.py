@@ -111,6 +111,51 @@ def test_stream_not_first_moves_the_first_streamed_region_to_the_next_host_one(
     assert offload_bench.bench_stream_not_first()
 
 
+def test_stream_max_steps_the_streamed_regions_after_the_first_n_on_the_host(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    def storages(flags: str) -> list[SimpleNamespace]:
+        # d: device state, h: host state, s: streamed
+        return [
+            SimpleNamespace(index=10 + i, host_state=f != "d", streamed=f == "s")
+            for i, f in enumerate(flags)
+        ]
+
+    st = storages("dshsdsh")
+    assert offload_bench._cap_streamed(st, 1) == [13, 15]
+    assert [x.streamed for x in st] == [f == "s" for f in "dshhdhh"]
+    st = storages("dshsdsh")
+    assert offload_bench._cap_streamed(st, 3) == []
+    assert [x.streamed for x in st] == [f == "s" for f in "dshsdsh"]
+    assert offload_bench._cap_streamed(st, 0) == [11, 13, 15]
+    assert not any(x.streamed for x in st)
+    monkeypatch.delenv("BENCH_STREAM_MAX", raising=False)
+    assert offload_bench.bench_stream_max() is None
+    monkeypatch.setenv("BENCH_STREAM_MAX", "2")
+    assert offload_bench.bench_stream_max() == 2
+    for bad in ("-1", "two", "1.5"):
+        monkeypatch.setenv("BENCH_STREAM_MAX", bad)
+        with pytest.raises(ValueError, match="BENCH_STREAM_MAX"):
+            offload_bench.bench_stream_max()
+
+
+def test_stream_slots_are_the_optimizers_unless_bench_stream_slots_sets_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from offload_optim.streamed import STREAM_SLOTS
+
+    monkeypatch.delenv("BENCH_STREAM_SLOTS", raising=False)
+    assert offload_bench.bench_stream_slots() == STREAM_SLOTS
+    monkeypatch.setenv("BENCH_STREAM_SLOTS", "6")
+    assert offload_bench.bench_stream_slots() == 6
+    for bad in ("1", "six"):
+        monkeypatch.setenv("BENCH_STREAM_SLOTS", bad)
+        with pytest.raises(ValueError, match="BENCH_STREAM_SLOTS"):
+            offload_bench.bench_stream_slots()
+
+
 @pytest.mark.parametrize(
     ("env", "parameter", "default"),
     [
