@@ -203,6 +203,17 @@ RECORDED = {
         "W3 fp32 state <= 1.15x floor": "missed: median 1.289x, 12.1% over 1.15x",
         "full-GPU rows trained (loss fell, finite)": "met",
     },
+    "s50": {
+        # testsq, s37, thrab, w4fsp, w2x + w1p + profreads and rateab at dcb0d65, then
+        # call 7's two W3 rows at 490947c (6 and 3 ring slots, no full GPU beside them:
+        # out of the floor's verdict). W1's separate full-GPU row stepped 25.9 ms against
+        # 32.2 when stepped in turn in ours' process.
+        "predicted step within 15% of the run mean": "missed by 1 of 14 rows",
+        "W1 <= 1.05x full GPU": "missed: median 1.317x, 25.4% over 1.05x",
+        targets.PAIRED_W1: "met",
+        "W3 fp32 state <= 1.15x floor": "missed: median 1.196x, 4.0% over 1.15x",
+        "full-GPU rows trained (loss fell, finite)": "met",
+    },
 }
 """Each recorded session's verdicts as BENCHMARKS.md reports them, where not plainly met
 (no session before 36 stepped W1 in turn with full-GPU training; session 36 did)."""
@@ -223,6 +234,7 @@ RECORDED_ROWS = {
     "s46": 10,
     "s47": 15,
     "s48": 3,
+    "s50": 14,
 }
 """How many of our rows each recorded session has."""
 
