@@ -45,7 +45,8 @@
 #           (default 6; BENCH_STREAM_SLOTS): as many chunks of the streamed regions' state
 #           staged in the backward, so that fewer go up at the step boundary, where
 #           session 50's W3 forward idled 10 and 7 ms for streamed regions 5 and 11 behind
-#           1.4 GB of their state; alternating, ROUNDS rounds (default 2); then each arm's
+#           1.4 GB of their state; every arm on the first row's plan inputs
+#           (BENCH_PLAN_FROM), alternating, ROUNDS rounds (default 2); then each arm's
 #           rows (pin_rows.py) and its profiled traces' compute gaps (slotab.txt)
 #                                                                           ~1 min a row
 #   streamcap W3 ours_io_spec1_stream as planned beside full GPU by fp32 masters (the source
@@ -417,12 +418,16 @@ case "$phase" in
       done
     } 2>&1 | tee "$out/streamcap.txt" || true ;;
   slotab)
-    peer=,full_gpu_master
+    # The first row sets the plan's inputs (BENCH_PLAN_FROM) for every arm after it, so
+    # that the arms differ in the ring alone: in session 50's call 7, planned each on its
+    # own, the 3-slot row streamed two regions and the 6-slot row three.
+    bench W3 ours_io_spec1_stream,full_gpu_master 200 W3_slots3_1
+    export BENCH_PLAN_FROM="$out/W3_slots3_1.json"
     for i in $(seq 1 "${ROUNDS:-2}"); do
-      bench W3 "ours_io_spec1_stream$peer" 200 "W3_slots3_$i"
       BENCH_STREAM_SLOTS=${SLOTAB_SLOTS:-6} bench W3 ours_io_spec1_stream 150 "W3_slotsn_$i"
-      peer=""
+      if [ "$i" -gt 1 ]; then bench W3 ours_io_spec1_stream 150 "W3_slots3_$i"; fi
     done
+    unset BENCH_PLAN_FROM
     { for arm in slots3 slotsn; do
         python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_"$arm"_[0-9]*.json
         gaps "$out"/prof_W3_"$arm"_*/trace_W3_ours_io_spec1_stream.json.gz
