@@ -177,11 +177,11 @@ in the backward, the ring's N slots of device memory held from the staging hook,
 the planner counts. The optimizer builds its ring as the plan says (:func:`ring_shape`:
 ``staged_chunks`` slots of ``staged_chunk_numel``). A slot count other than the default
 needs staging: a plan that stages nothing records no slot count. Values do not depend on
-it. The simulator's H2D lane is FIFO by issue, so it has the host-stepped regions'
-uploads wait behind the streamed state and predicts no change from more slots (W3 227.3
-ms for 3 to 6 slots, ``replay_bench.py --stream-slots N``); whether the copy engine,
-which ran those uploads first, makes it faster is for a GPU to say (``gpu_session.sh
-slotab``).
+it. The simulator models the ring unpaced ([Note: paced ring]): the streamed state all
+issued at the step, ahead of the forward's uploads on its FIFO H2D lane, and predicts no
+change from more slots (W3 227.3 ms for 3 to 6 slots, ``replay_bench.py --stream-slots
+N``); whether the paced ring, whose state went up after those uploads, gains from it is
+for a GPU to say (``gpu_session.sh slotab``).
 
 [Note: writing resident parameters]
 A resident streamed region's parameters live on the device, and its device step has the
