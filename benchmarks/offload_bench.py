@@ -1310,20 +1310,26 @@ def _stream_not_first(storages: Sequence[Any]) -> tuple[int, int] | None:
     return storages[first].index, storages[after].index
 
 
+def _env_int(name: str, least: int) -> int | None:
+    """The int environment variable ``name`` (at least ``least``), or None where unset or
+    empty; a clear error for anything else."""
+    env = os.environ.get(name)
+    if not env:
+        return None
+    try:
+        value = int(env)
+    except ValueError:
+        raise ValueError(f"{name}={env!r} is not an int") from None
+    if value < least:
+        raise ValueError(f"{name}={value} must be >= {least}")
+    return value
+
+
 def bench_stream_max() -> int | None:
     """BENCH_STREAM_MAX=N (an int >= 0): keep only the plan's first N streamed regions (in
     forward order) streamed and step the rest on the host (the plan not told;
     :func:`_cap_streamed`); unset: as planned."""
-    env = os.environ.get("BENCH_STREAM_MAX")
-    if not env:
-        return None
-    try:
-        most = int(env)
-    except ValueError:
-        raise ValueError(f"BENCH_STREAM_MAX={env!r} is not an int") from None
-    if most < 0:
-        raise ValueError(f"BENCH_STREAM_MAX={most} must be >= 0")
-    return most
+    return _env_int("BENCH_STREAM_MAX", 0)
 
 
 def _cap_streamed(storages: Sequence[Any], most: int) -> list[int]:
@@ -1354,16 +1360,8 @@ def bench_stream_slots() -> int:
     BENCH_STREAM_SLOTS where set (an int >= 2), else ``offload_optim``'s ``STREAM_SLOTS``."""
     from offload_optim.streamed import STREAM_SLOTS
 
-    env = os.environ.get("BENCH_STREAM_SLOTS")
-    if not env:
-        return STREAM_SLOTS
-    try:
-        slots = int(env)
-    except ValueError:
-        raise ValueError(f"BENCH_STREAM_SLOTS={env!r} is not an int") from None
-    if slots < 2:
-        raise ValueError(f"BENCH_STREAM_SLOTS={slots} must be >= 2")
-    return slots
+    slots = _env_int("BENCH_STREAM_SLOTS", 2)
+    return STREAM_SLOTS if slots is None else slots
 
 
 def bench_budget_gib(workload: str) -> float:
