@@ -134,9 +134,12 @@ session 46 on). Set BENCH_HOST_RATE=samples to plan the sampling ``ours`` kinds 
 median of their own rate samples alone, leaving out the cached profile's fused rate that
 the default (``blend``) takes the geometric mean with (:func:`bench_host_rate`); rows
 record ``host_rate_planned_from``.
-Set BENCH_MEASURE_ATTENTION=1 to plan the ``ours`` kinds with fused attention measured at
-the model's own shapes (``memory_optimize(measure_attention=True)``); rows record
-``measure_attention``, and their ``hardware`` the rates. By default (BENCH_FUSE_GELU=1,
+Set BENCH_MEASURE_ATTENTION=0 (or 1) to plan the ``ours`` kinds with fused attention at
+the matrix products' rate (or measured at the model's own shapes:
+``memory_optimize(measure_attention=True)``); unset: ``memory_optimize``'s default (from
+session 50 on, measured on the GPU unless a pinned row's profile carries the rates; before,
+the matrix products' rate); rows record ``measure_attention`` (whether the plan had
+measured rates), and their ``hardware`` the rates. By default (BENCH_FUSE_GELU=1,
 from session 37 on) the ``ours`` kinds trace GPT-2's written-out tanh GELU fused into one
 ``aten.gelu`` (``memory_optimize(fuse_gelu=True)``, its default: fewer operations to
 issue and activations to keep), and the peers' models (full GPU, FSDP2, torchao) are
@@ -669,7 +672,10 @@ def _ours(
     fp16_io = base.startswith("ours_io")
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
-    measure_attention = os.environ.get("BENCH_MEASURE_ATTENTION", "0") != "0"
+    measure_env = os.environ.get("BENCH_MEASURE_ATTENTION")
+    # Unset: memory_optimize's default (None: measured on the GPU, from session 50 on;
+    # with BENCH_PLAN_FROM, the source row's rates if it had them).
+    measure_attention = None if not measure_env else measure_env != "0"
     ahead_env = os.environ.get("BENCH_ISSUE_AHEAD")
     issue_ahead = None if ahead_env is None else ahead_env != "0"
     fuse_gelu = bench_fuse_gelu()
@@ -963,7 +969,9 @@ def _ours(
     out["budget_gib"] = budget_gib
     out["host_margin"] = host_margin
     out["polish_rounds"] = polish_rounds
-    out["measure_attention"] = measure_attention
+    out["measure_attention"] = bool(
+        module.hardware is not None and module.hardware.attention_fwd_flop_per_s > 0
+    )
     out["issue_ahead"] = module.hardware.issue_ahead
     out["fuse_gelu"] = fuse_gelu
     out["issue_thread"] = issue_thread

@@ -93,3 +93,45 @@ def test_measure_attention_on_the_cpu_is_a_named_error() -> None:
             progress=False,
             measure_attention=True,
         )
+
+
+def test_attention_is_measured_by_default_on_cuda_unless_the_profile_has_rates() -> None:
+    """``memory_optimize(measure_attention=None)``, the default from session 50 on:
+    measured on a CUDA device, not on the CPU, and not where the profile given already
+    carries both rates (a plan saved with them, planned again the same way)."""
+    from offload_runtime.api import measures_attention
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    hw = default_cpu_profile()
+    assert hw.attention_fwd_flop_per_s == hw.attention_bwd_flop_per_s == 0.0
+    rated = dataclasses.replace(hw, attention_fwd_flop_per_s=1e14, attention_bwd_flop_per_s=2e14)
+    half = dataclasses.replace(hw, attention_fwd_flop_per_s=1e14)
+    assert measures_attention(None, cuda, None)
+    assert measures_attention(None, cuda, hw)
+    assert measures_attention(None, cuda, half)
+    assert not measures_attention(None, cuda, rated)
+    assert not measures_attention(None, cpu, None)
+    assert not measures_attention(False, cuda, None)
+    assert measures_attention(True, cuda, rated)
+    assert not measures_attention(False, cpu, None)
+    with pytest.raises(ValueError, match="leave it False on the CPU"):
+        measures_attention(True, cpu, None)
+
+
+def test_memory_optimize_on_the_cpu_plans_at_the_matmul_rate_by_default() -> None:
+    model = tiny_gpt2(layers=2)
+    module = memory_optimize(
+        model,
+        {"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+        2**30,
+        "asyn",
+        dtype=torch.float32,
+        device="cpu",
+        progress=False,
+    )
+    try:
+        assert module.hardware is not None
+        assert module.hardware.attention_fwd_flop_per_s == 0.0
+        assert module.hardware.attention_bwd_flop_per_s == 0.0
+    finally:
+        module.close()

@@ -22,7 +22,7 @@ from offload_runtime import (
     profile_hardware,
 )
 from offload_runtime.storage import alloc_host
-from offload_solver import InfeasibleBudgetError, ParamPlacement
+from offload_solver import HardwareProfile, InfeasibleBudgetError, ParamPlacement
 from offload_solver.solve import BUDGET_SAFETY_FACTOR
 
 pytestmark = pytest.mark.gpu
@@ -279,11 +279,13 @@ def test_measure_attention_plans_with_the_models_own_attention_rates() -> None:
     (32 heads of 50) at W3's 8 x 1024 (causal, no mask: the fused kernels) plans with
     attention rates measured on this GPU, under the matrix products' rate (W3's attention
     measured 134 and 154 TFLOP/s against 705 in session 35), so that the plan's predicted
-    step is longer; without it the rates stay unset (the matmul rate)."""
+    step is longer; without it the rates stay unset (the matmul rate). The default (None)
+    measures them on the GPU, and a profile that carries them is planned with them as
+    given."""
     model = gpt2(1600, 2, 32)
     inp = batch(8, 1024, mask=False)
 
-    def planned(measure: bool) -> OffloadModule:
+    def planned(measure: bool | None, hardware: HardwareProfile | None = None) -> OffloadModule:
         return memory_optimize(
             model,
             inp,
@@ -292,6 +294,7 @@ def test_measure_attention_plans_with_the_models_own_attention_rates() -> None:
             dtype=torch.float16,
             progress=False,
             measure_attention=measure,
+            hardware=hardware,
         )
 
     plain = planned(False)
@@ -302,5 +305,11 @@ def test_measure_attention_plans_with_the_models_own_attention_rates() -> None:
     assert 1e12 < hw.attention_fwd_flop_per_s < hw.compute_flop_per_s
     assert 1e12 < hw.attention_bwd_flop_per_s < hw.compute_flop_per_s
     assert measured.plan.predicted_step_time_s > plain.plan.predicted_step_time_s
-    plain.close()
-    measured.close()
+    by_default = planned(None)
+    assert by_default.hardware is not None and by_default.hardware.attention_fwd_flop_per_s > 0
+    again = planned(None, hw)
+    assert again.hardware is not None
+    assert again.hardware.attention_fwd_flop_per_s == hw.attention_fwd_flop_per_s
+    assert again.hardware.attention_bwd_flop_per_s == hw.attention_bwd_flop_per_s
+    for module in (plain, measured, by_default, again):
+        module.close()

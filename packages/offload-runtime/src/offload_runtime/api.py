@@ -138,6 +138,27 @@ AttentionMeasure = Callable[[AttentionShape], tuple[float, float]]
 """Measures causal fused attention at one shape: (forward, backward) FLOP/s."""
 
 
+def measures_attention(
+    measure_attention: bool | None, device: torch.device, hardware: HardwareProfile | None
+) -> bool:
+    """Whether :func:`memory_optimize` measures fused attention on ``device`` for its plan:
+    as ``measure_attention`` says, or, where it is None, on a CUDA device unless
+    ``hardware`` (the profile given, if any) already has both attention rates. True on a
+    device other than CUDA is a ValueError: the rates are the training GPU's."""
+    if measure_attention is None:
+        return device.type == "cuda" and not (
+            hardware is not None
+            and hardware.attention_fwd_flop_per_s > 0
+            and hardware.attention_bwd_flop_per_s > 0
+        )
+    if measure_attention and device.type != "cuda":
+        raise ValueError(
+            f"measure_attention=True measures fused attention on the GPU that trains the "
+            f"model, and the device is {device}: leave it False on the CPU"
+        )
+    return measure_attention
+
+
 def measure_attention_at(
     device: torch.device | str,
     shape: AttentionShape,
@@ -501,7 +522,7 @@ def memory_optimize(
     polish_rounds: int = POLISH_ROUNDS,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
-    measure_attention: bool = False,
+    measure_attention: bool | None = None,
     fuse_gelu: bool = True,
     issue_ahead: bool | None = None,
 ) -> OffloadModule:
@@ -617,8 +638,16 @@ def memory_optimize(
             / ``attention_bwd_flop_per_s``, :func:`with_attention_rates`) instead of the
             matrix-product rate. Fused attention ran 2.4-4.6x slower than that rate in
             BENCHMARKS.md's traces, and priced at its measured rate W3's simulated
-            compute came within 5% of its kernels (session 35). Default False, until
-            plans made with it have run on a GPU. CUDA only.
+            compute came within 5% of its kernels (session 35). None (the default):
+            measure on a CUDA device unless ``hardware`` already carries attention
+            rates (a profile saved from such a plan, planned again the same way), and
+            not elsewhere. Default from session 50 on: W3's plans, which ran within
+            their spread either way on an H200 (sessions 36, 39, 47), replayed with the
+            rates measured there came within 5.2% of their run means on average (11
+            rows, sessions 42-48; 9.4% at the matmul rate) and within 2.7% (6 rows of
+            session 50; 11.4%), W4's the same or closer, W1's and W2's unchanged
+            (BENCHMARKS.md, session 50). True on a device other than CUDA is an error;
+            False prices attention at the matrix products' rate, as before.
         fuse_gelu: trace with each tanh GELU written out in element-wise operations
             (GPT-2's ``gelu_new``) replaced by one ``aten.gelu(approximate="tanh")``
             (``offload_trace.trace(fuse_gelu=True)``): the same formula in one kernel,
@@ -657,11 +686,7 @@ def memory_optimize(
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
     dev = resolve_device(device)
-    if measure_attention and dev.type != "cuda":
-        raise ValueError(
-            f"measure_attention=True measures fused attention on the GPU that trains the "
-            f"model, and the device is {dev}: leave it False on the CPU"
-        )
+    measure_attention = measures_attention(measure_attention, dev, hardware)
     say = _say if progress else _quiet
     t0 = time.perf_counter()
     traced = trace(model, inputs, dtype=dtype, target_device=dev.type, fuse_gelu=fuse_gelu)
