@@ -5,6 +5,7 @@ made-up measurement: what is read from the graph, how shapes are weighted, and t
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from torch.utils.flop_counter import sdpa_flop_count
 
 from offload_runtime import (
     AttentionShape,
+    OffloadModule,
     attention_shapes,
     default_cpu_profile,
     memory_optimize,
@@ -80,19 +82,23 @@ def test_no_attention_leaves_the_profile_alone_and_a_bad_rate_is_named() -> None
         with_attention_rates(hw, [AttentionShape(1, 1, 8, 8, 0.0)], lambda s: (0.0, 1e12))
 
 
+def _planned_on_the_cpu(**kwargs: Any) -> OffloadModule:
+    """A two-layer tiny GPT-2 planned on the CPU under 1 GiB."""
+    return memory_optimize(
+        tiny_gpt2(layers=2),
+        {"input_ids": torch.zeros(2, 8, dtype=torch.long)},
+        2**30,
+        "asyn",
+        dtype=torch.float32,
+        device="cpu",
+        progress=False,
+        **kwargs,
+    )
+
+
 def test_measure_attention_on_the_cpu_is_a_named_error() -> None:
-    model = tiny_gpt2(layers=2)
     with pytest.raises(ValueError, match=r"measure_attention=True .* leave it False on the CPU"):
-        memory_optimize(
-            model,
-            {"input_ids": torch.zeros(2, 8, dtype=torch.long)},
-            2**30,
-            "asyn",
-            dtype=torch.float32,
-            device="cpu",
-            progress=False,
-            measure_attention=True,
-        )
+        _planned_on_the_cpu(measure_attention=True)
 
 
 def test_attention_is_measured_by_default_on_cuda_unless_the_profile_has_rates() -> None:
@@ -119,16 +125,7 @@ def test_attention_is_measured_by_default_on_cuda_unless_the_profile_has_rates()
 
 
 def test_memory_optimize_on_the_cpu_plans_at_the_matmul_rate_by_default() -> None:
-    model = tiny_gpt2(layers=2)
-    module = memory_optimize(
-        model,
-        {"input_ids": torch.zeros(2, 8, dtype=torch.long)},
-        2**30,
-        "asyn",
-        dtype=torch.float32,
-        device="cpu",
-        progress=False,
-    )
+    module = _planned_on_the_cpu()
     try:
         assert module.hardware is not None
         assert module.hardware.attention_fwd_flop_per_s == 0.0
