@@ -1054,10 +1054,9 @@ def _ours(
         out["streamed_params"] = streamed_params
         out["streamed_region_indices"] = sorted(streamed)
         out["stream_from"] = "plan" if stream_fraction is None else f"fraction {stream_fraction}"
-        if not_first:  # what _stream_not_first changed: the plan's streamed set against ours
-            planned = {
-                rp.region.index for rp in plan.regions if rp.state is StatePlacement.STREAMED
-            }
+        # The plan's streamed set, against ours where the bench edited it.
+        planned = {rp.region.index for rp in plan.regions if rp.state is StatePlacement.STREAMED}
+        if not_first:  # what _stream_not_first changed
             off, on = sorted(planned - streamed), sorted(streamed - planned)
             out["stream_from"] = (
                 f"plan, region {off[0]} stepped on the host and region {on[0]} streamed"
@@ -1065,9 +1064,6 @@ def _ours(
                 else "plan, its first streamed region kept"
             )
         if stream_max is not None:  # what _cap_streamed changed
-            planned = {
-                rp.region.index for rp in plan.regions if rp.state is StatePlacement.STREAMED
-            }
             hosted = sorted(planned - streamed)
             out["stream_max"] = stream_max
             out["stream_from"] = (
