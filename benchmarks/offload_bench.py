@@ -83,6 +83,9 @@ its region steps while the main thread issues kernels, and Python hands it over 
 switch interval (default 0.005 s); rows record the interval. Set BENCH_POLISH_ROUNDS to
 plan the ``ours`` kinds with that many rounds of the solver's local search (default: the
 solver's, 0: the greedy phases' plan); rows record it as ``polish_rounds``. Set
+BENCH_LATE_HOST_WORK=0 to plan them without moving host work to later regions
+(``memory_optimize(late_host_work=False)``, as plans were made before session 51); rows
+record ``late_host_work``. Set
 BENCH_ISSUE_THREAD=0 to build the ``ours`` kinds' HybridAdam with ``issue_thread=False``
 (streamed regions issued on the host worker, not from a thread of their own, the
 default); rows record ``issue_thread``. Set BENCH_PLAN_FROM=FILE (a ``--json`` file of an
@@ -672,6 +675,7 @@ def _ours(
     fp16_io = base.startswith("ours_io")
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
+    late_host_work = os.environ.get("BENCH_LATE_HOST_WORK", "1") != "0"
     measure_env = os.environ.get("BENCH_MEASURE_ATTENTION")
     # Unset: memory_optimize's default (None: measured on the GPU, from session 50 on;
     # with BENCH_PLAN_FROM, the source row's rates if it had them).
@@ -832,6 +836,7 @@ def _ours(
                 else None
             ),
             polish_rounds=polish_rounds,
+            late_host_work=late_host_work,
             stream_up_fraction=stream_up_fraction,
             stream_host_charge=stream_host_charge,
             measure_attention=measure_attention,
@@ -969,6 +974,7 @@ def _ours(
     out["budget_gib"] = budget_gib
     out["host_margin"] = host_margin
     out["polish_rounds"] = polish_rounds
+    out["late_host_work"] = late_host_work
     out["measure_attention"] = bool(
         module.hardware is not None and module.hardware.attention_fwd_flop_per_s > 0
     )

@@ -60,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
             f"stage_ahead {row.get('stage_ahead', False)} "
             f"({row.get('staged_chunks', 0)} chunks staged"
             f"{', from backward' if row.get('stage_in_backward') else ''}), "
+            f"late_host_work {row.get('late_host_work', False)}, host-state regions "
+            f"{row.get('host_state_regions', '-')}, forward waited for the host "
+            f"{row.get('forward_waited_for_host_ms_per_step', float('nan')):.1f} ms a step, "
             f"plan matches the source: {matches}"
         )
         if matches is True or args.all:

@@ -397,6 +397,13 @@ def main(argv: list[str] | None = None) -> int:
         "(the machine's profile; session 18: 4.39)",
     )
     parser.add_argument(
+        "--late-host-work",
+        choices=("recorded", "yes", "no"),
+        default="recorded",
+        help="plan with solve(late_host_work=) as the row was (recorded; rows before "
+        "session 51: no), or with it on or off",
+    )
+    parser.add_argument(
         "--host-margin",
         type=float,
         default=1.0,
@@ -702,7 +709,15 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     simulation["streamed"] = with_stage_in_backward(
                         simulation["streamed"], moments, base_kind in FP16_IO, stage, slots=slots
                     )
-                planning = {**simulation, "solver": "asyn", "device_bytes_in_use": in_use}
+                planning = {
+                    **simulation,
+                    "solver": "asyn",
+                    "device_bytes_in_use": in_use,
+                    # Rows before session 51 were planned without it.
+                    "late_host_work": bool(row.get("late_host_work", False))
+                    if args.late_host_work == "recorded"
+                    else args.late_host_work == "yes",
+                }
                 hw_args = {
                     "op_overhead_us": row_issue_cost_us(row, args.op_overhead_us),
                     "stream_up": args.stream_up_fraction,

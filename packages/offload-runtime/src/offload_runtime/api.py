@@ -325,6 +325,7 @@ def choose_plan(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     polish_rounds: int = POLISH_ROUNDS,
+    late_host_work: bool = True,
 ) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
     """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
     does: for each place the dtype conversions may run (``convert_on_device``; None: both,
@@ -357,6 +358,7 @@ def choose_plan(
                 micro_batches=micro_batches,
                 streamed=streamed,
                 polish_rounds=polish_rounds,
+                late_host_work=late_host_work,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)
@@ -520,6 +522,7 @@ def memory_optimize(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     polish_rounds: int = POLISH_ROUNDS,
+    late_host_work: bool = True,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     measure_attention: bool | None = None,
@@ -620,6 +623,12 @@ def memory_optimize(
             predicted step within the budget (a few seconds for a 92-region model on one
             core). Default 0: the greedy phases' plan, which measured faster on the GPU
             than the search's (``offload_solver.solvers._polish``).
+        late_host_work: after the greedy phases, move host-state regions' placements to
+            later resident regions with device state while the predicted step gets
+            shorter: a region late in forward order has its gradients first and its
+            parameters needed last, so its host step waits least
+            (``offload_solver.solvers._late``). Default True; False plans as before
+            session 51.
         stream_up_fraction: with ``streamed``, the fraction of the H2D rate the streamed
             regions' state copies up reach, beside the host steps and the copies down
             (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default
@@ -777,6 +786,7 @@ def memory_optimize(
         micro_batches=micro_batches,
         streamed=streamed,
         polish_rounds=polish_rounds,
+        late_host_work=late_host_work,
     )
     if len(times) == 2:
         say(

@@ -131,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         f"{POLISH_ROUNDS}: none; {POLISH_SUGGESTED_ROUNDS} lets it converge; its plans "
         "measured slower on a GPU than the simulator predicted)",
     )
+    p.add_argument(
+        "--no-late-host-work",
+        dest="late_host_work",
+        action="store_false",
+        help="keep the greedy phases' placements: do not move host-state regions to later "
+        "regions where the simulated step gets shorter (solve(late_host_work=False))",
+    )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
 
@@ -256,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculation_thread=args.speculation_thread,
             streamed=_streamed_costs(args.streamed, args.streamed_staged),
             polish_rounds=args.polish_rounds,
+            late_host_work=args.late_host_work,
         )
         if args.output is not None:
             try:

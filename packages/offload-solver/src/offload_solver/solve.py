@@ -11,6 +11,9 @@ The steps, shared by every solver strategy:
    then, while it shortens the simulated step, offload more parameters to make room for
    the next region's state (``GreedySearch.make_room_for_state``): state costs 8x the
    parameters' bytes, and when the host optimizer is the step's tail, uploads are cheaper.
+   Then, with ``late_host_work`` (default), move host-state regions' placements to later
+   resident device-state regions while the repeating step gets shorter ([Note: host work
+   late] in ``solvers._late``): a late region's host step has the most time to run.
 4. If the strategy cannot fit the budget, fall back to the floor plan: every non-pinned
    region uploaded synchronously and all optimizer state on the host (one pool block,
    the fewest resident bytes). If even that does not fit, raise
@@ -48,6 +51,7 @@ from offload_solver.simulators import RegionAssignment, SimulationContext, get_s
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
 from offload_solver.solvers._polish import POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS, polish
+from offload_solver.solvers._late import move_host_work_late
 from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
 
@@ -115,6 +119,7 @@ def solve(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     polish_rounds: int = POLISH_ROUNDS,
+    late_host_work: bool = True,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -228,6 +233,11 @@ def solve(
             search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
         steady = search.steady()
+        if late_host_work and state_on_device:
+            moved = move_host_work_late(
+                ctx, simulator, cap, stats, Candidate(list(chosen), result, steady)
+            )
+            chosen, result, steady = moved.assignment, moved.cold, moved.steady
     if streamed is not None or chosen is not on_device:
         found = Candidate(list(chosen), result, steady)
         if streamed is not None:

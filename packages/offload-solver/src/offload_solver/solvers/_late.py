@@ -1,0 +1,101 @@
+"""Host work moved to regions late in forward order, after the greedy phases.
+
+[Note: host work late]
+A host-state region (optimizer state on the host, and offloaded regions always are) has
+its Adam step on the host between its gradients landing in backward and its parameters'
+first use in the next forward. Backward runs the regions in reverse, so a region late in
+forward order has its gradients first and its parameters needed last: the most time for
+its host step. An early region is the reverse: its gradients land at backward's end and
+the next forward wants it within milliseconds, so its host step, and the upload after
+it, sit between two steps' computes.
+
+The greedy phases decide on the cold step (one step on an idle machine, [Note:
+incremental candidate evaluation] in ``_search``), in which no next forward waits, and
+break ties by the earliest region; measured on an H200 (BENCHMARKS.md, session 51), W3's
+greedy plan offloaded regions 2, 5, 8, ... with their state on the host and its forward
+waited 21 ms a step for the host. So this phase, on the finished greedy plan, moves host
+work later: for a host-state region ``r`` (earliest first) and a resident device-state
+region ``s > r`` (latest first), it gives ``s`` the placement and state ``r`` had (an
+ASYNC prefetch issued as many regions after ``s`` as it was after ``r``) and ``r`` device
+state, resident. The first such swap whose repeating step ([Note: steady state] in
+``simulators._engine``) is shorter by more than the steady state's tolerance and whose
+peak fits the cap is kept, and the search starts again from it. Each kept swap moves host
+work to a later region, so the sum of the host-state regions' indices rises and the
+search ends. Every simulation counts in ``num_simulations``.
+
+It runs before streamed regions are placed, so that they are chosen among the moved
+host-state regions. On the benchmark workloads it changes only W3's plan (W1 keeps all
+state on the device; W2's and W4's plans gain nothing from any swap).
+"""
+
+from __future__ import annotations
+
+from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.simulators._engine import STEADY_REL_TOL, RegionAssignment, SimulationContext
+from offload_solver.simulators.base import Simulator
+from offload_solver.solvers._search import Candidate, SolveStats, evaluate
+
+
+def swapped(
+    ctx: SimulationContext, assignment: list[RegionAssignment], r: int, s: int
+) -> list[RegionAssignment] | None:
+    """``assignment`` with host-state region ``r``'s placement and state given to the
+    later region ``s`` and ``r`` resident with device state; None where ``s`` cannot take
+    them (offloaded: ``s`` pinned, larger than a pool block, or with no region after it
+    to issue the prefetch)."""
+    a = assignment[r]
+    prefetch_at = None
+    if a.placement is not ParamPlacement.RESIDENT:
+        if ctx.pinned[s] or ctx.size[s] > ctx.block_size_bytes:
+            return None
+        if a.placement is ParamPlacement.ASYNC:
+            assert a.prefetch_at is not None
+            prefetch_at = s + (a.prefetch_at - r)
+            if prefetch_at >= ctx.num_regions:
+                return None
+    out = list(assignment)
+    out[s] = RegionAssignment(a.placement, a.state, prefetch_at)
+    out[r] = RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)
+    return out
+
+
+def move_host_work_late(
+    ctx: SimulationContext,
+    simulator: Simulator,
+    cap_bytes: float,
+    stats: SolveStats,
+    start: Candidate,
+) -> Candidate:
+    """``start`` with host work moved to later regions while that shortens the repeating
+    step within ``cap_bytes`` (see the note); ``start`` when no swap does."""
+    best = start
+    while True:
+        asg = best.assignment
+        hosts = [
+            r for r, a in enumerate(asg) if a.state is not StatePlacement.DEVICE and ctx.numel[r]
+        ]
+        devices = [
+            s
+            for s, a in enumerate(asg)
+            if a.state is StatePlacement.DEVICE
+            and a.placement is ParamPlacement.RESIDENT
+            and ctx.numel[s]
+        ]
+        threshold = best.period_s * (1.0 - STEADY_REL_TOL)
+        found: Candidate | None = None
+        for r in hosts:
+            for s in reversed(devices):
+                if s <= r:
+                    break
+                trial = swapped(ctx, asg, r, s)
+                if trial is None:
+                    continue
+                c = evaluate(ctx, simulator, stats, trial, cap_bytes)
+                if c is not None and c.peak_bytes <= cap_bytes and c.period_s < threshold:
+                    found = c
+                    break
+            if found is not None:
+                break
+        if found is None:
+            return best
+        best = found
