@@ -13,7 +13,8 @@ The steps, shared by every solver strategy:
    parameters' bytes, and when the host optimizer is the step's tail, uploads are cheaper.
    Then, with ``late_host_work`` (default), move host-state regions' placements to later
    resident device-state regions while the repeating step gets shorter ([Note: host work
-   late] in ``solvers._late``): a late region's host step has the most time to run.
+   late] in ``solvers._late``): a late region's host step has the most time to run. Step
+   5 then runs on both plans and keeps the shorter.
 4. If the strategy cannot fit the budget, fall back to the floor plan: every non-pinned
    region uploaded synchronously and all optimizer state on the host (one pool block,
    the fewest resident bytes). If even that does not fit, raise
@@ -50,8 +51,8 @@ from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_B
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
-from offload_solver.solvers._polish import POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS, polish
 from offload_solver.solvers._late import move_host_work_late
+from offload_solver.solvers._polish import POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS, polish
 from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
 
@@ -233,15 +234,17 @@ def solve(
             search.make_room_for_state(strategy.offload)
         chosen, result = search.assignment, search.current
         steady = search.steady()
-        if late_host_work and state_on_device:
-            moved = move_host_work_late(
-                ctx, simulator, cap, stats, Candidate(list(chosen), result, steady)
-            )
-            chosen, result, steady = moved.assignment, moved.cold, moved.steady
     if streamed is not None or chosen is not on_device:
-        found = Candidate(list(chosen), result, steady)
+        options = [Candidate(list(chosen), result, steady)]
+        if late_host_work and state_on_device and chosen is not on_device:
+            moved = move_host_work_late(ctx, simulator, cap, stats, options[0])
+            if moved is not options[0]:
+                options.append(moved)
         if streamed is not None:
-            found = place_streamed(ctx, simulator, cap, stats, found)
+            options = [place_streamed(ctx, simulator, cap, stats, c) for c in options]
+        # The moved plan only where it is still the shorter once regions are streamed
+        # (it can leave the streamed search less to gain); the greedy one on a tie.
+        found = min(options, key=lambda c: c.period_s)
         if chosen is not on_device:
             found = polish(ctx, simulator, cap, stats, found, max_rounds=polish_rounds)
         chosen, result, steady = found.assignment, found.cold, found.steady

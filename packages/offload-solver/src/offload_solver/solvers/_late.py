@@ -23,9 +23,13 @@ peak fits the cap is kept, and the search starts again from it. Each kept swap m
 work to a later region, so the sum of the host-state regions' indices rises and the
 search ends. Every simulation counts in ``num_simulations``.
 
-It runs before streamed regions are placed, so that they are chosen among the moved
-host-state regions. On the benchmark workloads it changes only W3's plan (W1 keeps all
-state on the device; W2's and W4's plans gain nothing from any swap).
+It runs before streamed regions are placed, and ``solve`` places them on both plans,
+the greedy one and the moved one, keeping the one whose repeating step is shorter in the
+end: a moved plan's host lane has less left for streaming to take over, and replayed
+with session 48's W4 profiles the moved plans streamed 11 regions where the greedy ones
+streamed 26 and ended 8-14% longer. Replayed on the rows on record (sessions 46-51;
+BENCHMARKS.md, session 51), it changes W3's plans (predicted 6-10% shorter) and one W4
+plan (0.3%), and none of W1's or W2's.
 """
 
 from __future__ import annotations
