@@ -675,7 +675,7 @@ def _ours(
     fp16_io = base.startswith("ours_io")
     single = base in ("ours_spec1", "ours_bf16m1") or fp16_io
     polish_rounds = int(os.environ.get("BENCH_POLISH_ROUNDS") or POLISH_ROUNDS)
-    late_host_work = os.environ.get("BENCH_LATE_HOST_WORK", "1") != "0"
+    late_host_work = bench_late_host_work()
     measure_env = os.environ.get("BENCH_MEASURE_ATTENTION")
     # Unset: memory_optimize's default (None: measured on the GPU, from session 50 on;
     # with BENCH_PLAN_FROM, the source row's rates if it had them).
@@ -1363,6 +1363,12 @@ def bench_stream_write() -> bool:
     """Whether resident streamed regions are written on the device: unless
     BENCH_STREAM_WRITE=0."""
     return os.environ.get("BENCH_STREAM_WRITE", "1") != "0"
+
+
+def bench_late_host_work() -> bool:
+    """Whether the plan moves host work to later regions (``memory_optimize``'s
+    ``late_host_work``, the default): unless BENCH_LATE_HOST_WORK=0."""
+    return os.environ.get("BENCH_LATE_HOST_WORK", "1") != "0"
 
 
 def bench_stream_slots() -> int:

@@ -177,6 +177,22 @@ def test_optimizer_flags_follow_hybrid_adams_defaults_unless_set(
     assert offload_bench._hybrid_adam_flag(env, parameter) is True
 
 
+def test_host_work_moves_late_as_memory_optimize_does_unless_bench_late_host_work_is_0(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import inspect
+
+    from offload_runtime import memory_optimize
+
+    default = inspect.signature(memory_optimize).parameters["late_host_work"].default
+    monkeypatch.delenv("BENCH_LATE_HOST_WORK", raising=False)
+    assert offload_bench.bench_late_host_work() is default is True
+    monkeypatch.setenv("BENCH_LATE_HOST_WORK", "0")
+    assert offload_bench.bench_late_host_work() is False
+    monkeypatch.setenv("BENCH_LATE_HOST_WORK", "1")
+    assert offload_bench.bench_late_host_work() is True
+
+
 def test_profile_steps_default_to_two_and_refuse_what_is_not_a_count(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
