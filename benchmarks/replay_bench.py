@@ -301,6 +301,16 @@ def _restate_arg(text: str) -> dict[int, str]:
     return out
 
 
+def placements_line(plan: Any) -> str:
+    """``plan``'s regions as ``r<index>:<placement>/<state>`` (``@<region>``: where an
+    async region's backward prefetch is issued), space-separated."""
+    return " ".join(
+        f"r{i}:{rp.placement.value}/{rp.state.value}"
+        + ("" if rp.prefetch_at is None else f"@{rp.prefetch_at}")
+        for i, rp in enumerate(plan.regions)
+    )
+
+
 def restate_line(
     variant: Any, hardware: Any, plan: Any, changes: dict[int, str], **simulation: Any
 ) -> str:
@@ -395,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="torch's fused fp32 host Adam rate, Gparam/s, that --host-step-cost divides "
         "(the machine's profile; session 18: 4.39)",
+    )
+    parser.add_argument(
+        "--placements",
+        action="store_true",
+        help="after each row, the replayed plan's placements, region by region: "
+        "r<index>:<placement>/<state>, with @<region> for where an async region's backward "
+        "prefetch is issued",
     )
     parser.add_argument(
         "--late-host-work",
@@ -781,6 +798,8 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     f"{under_cell} |",
                     flush=True,
                 )
+                if args.placements:
+                    print(f"    placements: {placements_line(plan)}", flush=True)
                 for changes in args.restate:
                     print(
                         f"    {restate_line(variant, hw, plan, changes, **simulation)}", flush=True

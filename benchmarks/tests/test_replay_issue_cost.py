@@ -122,3 +122,26 @@ def test_state_ahead_takes_the_leading_streamed_state_off_the_step(
     assert SimulationContext.__init__ is init
     with pytest.raises(SystemExit):
         replay_bench.main([str(row), "--state-ahead", "-1"])
+
+
+def test_late_host_work_is_replayed_as_the_row_recorded_it_unless_told(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Session 51's row planned with host work moved late: regions 0-7 keep their state on
+    # the device and region 2 stays resident; without the pass, the greedy phases
+    # offload region 2 (prefetched at region 3) with its state on the host.
+    from pathlib import Path
+
+    row = Path(__file__).resolve().parent.parent / "results" / "s51c3_W3_late_on1.json"
+    found: dict[str, str] = {}
+    for how in ("recorded", "no"):
+        replay_bench.main([str(row), "--placements", "--late-host-work", how])
+        out = capsys.readouterr().out
+        lines = [ln.strip() for ln in out.splitlines() if ln.strip().startswith("placements:")]
+        assert len(lines) == 1
+        found[how] = lines[0]
+    late = found["recorded"].split()[1:]
+    assert len(late) == 30
+    assert all(p == f"r{i}:resident/device" for i, p in enumerate(late[:8]))
+    assert "r8:async/host@9" in late and "r29:resident/host" in late
+    assert "r2:async/host@3" in found["no"].split()
