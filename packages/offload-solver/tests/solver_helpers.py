@@ -18,6 +18,7 @@ from offload_solver import (
     Operation,
     Parameter,
     ParamPlacement,
+    Plan,
     RegionAssignment,
     StatePlacement,
 )
@@ -548,3 +549,26 @@ def chain(sizes: list[int], fwd_flop: int, bwd_flop: int) -> ModelProfile:
     # No gradient bytes cross to the host, so gradients never wait on the device and the
     # dynamic peak is the activations alone: the last op's backward sees all 1000 x n saved.
     return ModelProfile("chain", params, ops, host_grad_bytes_per_param=0)
+
+
+def solve_near(
+    profile: ModelProfile, hardware: HardwareProfile, where: float, **kwargs: Any
+) -> tuple[int, Plan]:
+    """A budget of ``where`` times the all-resident plan's peak over the planning share
+    (raised to the least budget that fits where that is too small) and ``solve``'s plan
+    for it with ``kwargs``."""
+    from offload_solver import SimulationContext, get_simulator, solve
+    from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError
+
+    ctx = SimulationContext.build(
+        profile,
+        hardware,
+        host_step_after_backward=kwargs.get("host_step_after_backward", False),
+        streamed=kwargs.get("streamed"),
+    )
+    top = get_simulator("async").run(ctx, [RegionAssignment()] * ctx.num_regions).peak_bytes
+    budget = max(1, int(top * where / BUDGET_SAFETY_FACTOR))
+    try:
+        return budget, solve(profile, hardware, budget, **kwargs)
+    except InfeasibleBudgetError as exc:
+        return exc.least_budget_bytes, solve(profile, hardware, exc.least_budget_bytes, **kwargs)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from hypothesis import strategies as st
-from solver_helpers import assignments, chain, engine_cases, flat_hardware
+from solver_helpers import assignments, chain, engine_cases, flat_hardware, solve_near
 
 from offload_solver import (
     InfeasibleBudgetError,
@@ -159,17 +159,8 @@ def test_solved_plans_are_no_slower_than_without_the_pass(
     # With streamed costs, both plans have regions streamed and the shorter is kept, so
     # the pass never ends a solve longer than the greedy phases alone.
     costs = COSTS if streamed else None
-    ctx = SimulationContext.build(
-        profile, hardware, host_step_after_backward=after_backward, streamed=costs
-    )
-    top = get_simulator("async").run(ctx, [RegionAssignment()] * ctx.num_regions).peak_bytes
-    budget = max(1, int(top * where / BUDGET_SAFETY_FACTOR))
     kwargs: dict[str, Any] = dict(host_step_after_backward=after_backward, streamed=costs)
-    try:
-        greedy = solve(profile, hardware, budget, late_host_work=False, **kwargs)
-    except InfeasibleBudgetError as exc:
-        budget = exc.least_budget_bytes
-        greedy = solve(profile, hardware, budget, late_host_work=False, **kwargs)
+    budget, greedy = solve_near(profile, hardware, where, late_host_work=False, **kwargs)
     plan = solve(profile, hardware, budget, **kwargs)
     assert plan.predicted_step_time_s <= greedy.predicted_step_time_s
     assert plan.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR

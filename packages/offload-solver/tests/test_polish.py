@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 from hypothesis import strategies as st
-from solver_helpers import assignments, chain, engine_cases, flat_hardware
+from solver_helpers import assignments, chain, engine_cases, flat_hardware, solve_near
 
 from offload_solver import (
-    InfeasibleBudgetError,
     ModelProfile,
     ParamPlacement,
     Plan,
@@ -146,15 +145,8 @@ def test_solved_plans_are_local_optima_no_slower_than_the_greedy_ones(
     ctx = SimulationContext.build(
         profile, hardware, host_step_after_backward=after_backward, streamed=costs
     )
-    sim = get_simulator("async")
-    top = sim.run(ctx, [RegionAssignment()] * ctx.num_regions).peak_bytes
-    budget = max(1, int(top * where / BUDGET_SAFETY_FACTOR))
     kwargs: dict[str, Any] = dict(host_step_after_backward=after_backward, streamed=costs)
-    try:
-        greedy = solve(profile, hardware, budget, polish_rounds=0, **kwargs)
-    except InfeasibleBudgetError as exc:
-        budget = exc.least_budget_bytes
-        greedy = solve(profile, hardware, budget, polish_rounds=0, **kwargs)
+    budget, greedy = solve_near(profile, hardware, where, polish_rounds=0, **kwargs)
     plan = solve(profile, hardware, budget, polish_rounds=50, **kwargs)
     cap = budget * BUDGET_SAFETY_FACTOR
     assert plan.predicted_peak_bytes <= cap
