@@ -28,7 +28,9 @@
 #           arm's rows (pin_rows.py) and its backward's kernel busy time against their
 #           span (compute_fidelity.py; thrab.txt): does a host Adam on fewer cores stretch
 #           the backward's issue less (session 48: its CPU side ran 146 ms a step against
-#           full GPU's 74, its kernels spanning 160-180 ms for 131 busy)?  ~4.5 min
+#           full GPU's 74, its kernels spanning 160-180 ms for 131 busy)? Each arm's
+#           trace also goes through thread_stalls.py (session 51: the main thread waited
+#           8.3 ms in a view at the step boundary with host work moved late)  ~4.5 min
 #           THRAB_PASSIVE=1 adds an arm on all cores with OMP_WAIT_POLICY=PASSIVE: OpenMP
 #           threads that sleep at once after a parallel region instead of spinning, so
 #           that the host steps' pools leave the cores to the thread driving backward
@@ -858,6 +860,7 @@ case "$phase" in
           g=$(basename "$f" .json)
           python3 "$root/benchmarks/compute_fidelity.py" "$f" \
             "$out/prof_$g/trace_W3_$k.json.gz" | tail -4
+          python3 "$root/benchmarks/thread_stalls.py" "$out/prof_$g/trace_W3_$k.json.gz"
         done
       done
     } 2>&1 | tee "$out/thrab.txt" || true ;;
