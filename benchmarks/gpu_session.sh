@@ -57,8 +57,9 @@
 #           (the greedy phases' placements: session 51's source row offloaded regions 2,
 #           5, 8, ... with host state and its forward waited 21 ms a step for the host),
 #           every arm on the first row's plan inputs (BENCH_PLAN_FROM), alternating,
-#           ROUNDS rounds (default 2); then each arm's rows (pin_rows.py) and compute
-#           gaps (lateab.txt)                                              ~1.2 min a row
+#           ROUNDS rounds (default 1; onplan_ab); then each arm's rows (pin_rows.py) and
+#           compute gaps (late.txt; session 51 ran an earlier form of it, ROUNDS=2: on1,
+#           off1, off2, on2, in lateab.txt)                                ~1.2 min a row
 #   streamcap W3 ours_io_spec1_stream as planned beside full GPU by fp32 masters (the source
 #           row), then on its plan (BENCH_PLAN_FROM) with only the first N of its streamed
 #           regions streamed and the rest stepped on the host (BENCH_STREAM_MAX=N, each N
@@ -428,20 +429,8 @@ case "$phase" in
       done
     } 2>&1 | tee "$out/streamcap.txt" || true ;;
   lateab)
-    # Every arm on the first row's plan inputs (BENCH_PLAN_FROM), so that the arms differ
-    # in late_host_work alone.
-    bench W3 ours_io_spec1_stream,full_gpu_master 200 W3_late_on1
-    export BENCH_PLAN_FROM="$out/W3_late_on1.json"
-    for i in $(seq 1 "${ROUNDS:-2}"); do
-      BENCH_LATE_HOST_WORK=0 bench W3 ours_io_spec1_stream 150 "W3_late_off$i"
-      if [ "$i" -gt 1 ]; then bench W3 ours_io_spec1_stream 150 "W3_late_on$i"; fi
-    done
-    unset BENCH_PLAN_FROM
-    { for arm in on off; do
-        python3 "$root/benchmarks/pin_rows.py" --all W3 ours_io_spec1_stream "$out"/W3_late_"$arm"[0-9]*.json
-        gaps "$out"/prof_W3_late_"$arm"*/trace_W3_ours_io_spec1_stream.json.gz
-      done
-    } 2>&1 | tee "$out/lateab.txt" || true ;;
+    onplan_ab late BENCH_LATE_HOST_WORK "${ROUNDS:-1}" W3
+    gaps "$out"/prof_W3_late_*/trace_*.json.gz 2>&1 | tee -a "$out/late.txt" || true ;;
   slotab)
     # The first row sets the plan's inputs (BENCH_PLAN_FROM) for every arm after it, so
     # that the arms differ in the ring alone: in session 50's call 7, planned each on its
