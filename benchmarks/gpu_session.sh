@@ -42,6 +42,13 @@
 #           read 3.5-5.2), alternating, ROUNDS rounds (default 2); with RATEAB_W4=1 also W4
 #           with fp32 state each way (about 2 min a row, no FSDP2); then each arm's
 #           rows (pin_rows.py; rateab.txt)                     ~1.2 min a W3 row
+#   claimab W2 then W3 (CLAIM_WORKLOADS) ours_io_spec1_stream with the host Adam's threads
+#           claiming one block at a time (OFFLOAD_HOST_ADAM_CLAIM_BLOCKS=1, the default from
+#           session 52; the first row beside its peer) and with numba's equal shares fixed
+#           up front (=0), on the first row's plan inputs, alternating, ROUNDS rounds
+#           (default 1; onplan_ab); then each arm's rows and its traces' speculative host
+#           steps over 30 ms (session 52: the one running when backward ended took 44-109
+#           ms, the others 17-26; claim.txt)                ~1.1 min a W2 row, ~0.9 a W3 row
 #   slotab  W3 ours_io_spec1_stream with the streamed ring's 3 slots (the default; the first
 #           round beside full GPU by fp32 masters, for the floor) and with SLOTAB_SLOTS
 #           (default 6; BENCH_STREAM_SLOTS): as many chunks of the streamed regions' state
@@ -431,6 +438,13 @@ case "$phase" in
   lateab)
     onplan_ab late BENCH_LATE_HOST_WORK "${ROUNDS:-1}" W3
     gaps "$out"/prof_W3_late_*/trace_*.json.gz 2>&1 | tee -a "$out/late.txt" || true ;;
+  claimab)
+    onplan_ab claim OFFLOAD_HOST_ADAM_CLAIM_BLOCKS "${ROUNDS:-1}" ${CLAIM_WORKLOADS:-W2 W3}
+    for t in "$out"/prof_W*_claim_*/trace_*ours*.json.gz; do
+      echo "== $t"
+      python3 "$root/benchmarks/host_timeline.py" --spans "$t" \
+        | awk '/^backward/ {print} / speculative step / && $2 + 0 > 30 {print "   long:", $0}'
+    done 2>&1 | tee -a "$out/claim.txt" || true ;;
   slotab)
     # The first row sets the plan's inputs (BENCH_PLAN_FROM) for every arm after it, so
     # that the arms differ in the ring alone: in session 50's call 7, planned each on its

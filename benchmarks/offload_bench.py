@@ -1000,6 +1000,11 @@ def _ours(
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
     out["switch_interval_s"] = sys.getswitchinterval()
+    # Blocks a single-pass host Adam thread claims at a time (0: numba's equal shares, as
+    # before session 52; gpu_session.sh claimab).
+    from offload_optim import single_pass
+
+    out["host_adam_claim_blocks"] = single_pass.claim_blocks()
     # Host optimizer steps run on past step() into the next forward; what that forward had
     # to wait for them is the part of the host step that nothing hid.
     out["forward_waited_for_host_ms_per_step"] = (

@@ -83,6 +83,38 @@ _nt_store_line: Any = intrinsic(_nt_store_line_typer)
 _store_fence: Any = intrinsic(_store_fence_typer)
 
 
+def _claim_typer(typingctx: Any, q: Any) -> Any:
+    sig = types.int64(q)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        (qty,) = signature.args
+        a = context.make_array(qty)(context, builder, args[0])
+        item: Any = cgutils.get_item_pointer
+        counter = item(context, builder, qty, a, [ir.Constant(ir.IntType(64), 0)])
+        size = builder.load(item(context, builder, qty, a, [ir.Constant(ir.IntType(64), 1)]))
+        return builder.atomic_rmw("add", counter, size, "monotonic")
+
+    return sig, codegen
+
+
+_claim: Any = intrinsic(_claim_typer)
+"""``q[0] += q[1]`` atomically, returning the old ``q[0]``: the first of the next ``q[1]``
+blocks that the calling thread claims (see [Note: blocks claimed as threads free up])."""
+
+# [Note: blocks claimed as threads free up]
+# Each kernel's parallel loop runs one item per thread, and each thread claims the next
+# q[1] blocks from a shared counter until none is left, instead of a prange over the
+# blocks (numba's schedulers split that into one equal share a thread, fixed up front).
+# With fixed shares the step ends with its slowest thread: one thread that loses its
+# core to another one (backward's issuing thread, a copy's OpenMP pool) holds back the
+# whole step. In W2 and W3 traces of session 52 the host step running when backward
+# ended took 44-109 ms where the others took 17-26, with nothing of the process's own on
+# the CPU to explain it. Claiming one block (256 KiB an array) at a time, the other
+# threads take over a delayed thread's share. A block's arithmetic does not depend on
+# which thread steps it, so results are the same bit for bit for any q[1]; q[1] = the
+# blocks over the threads (single_pass.CLAIM_BLOCKS = 0) gives about the fixed shares back.
+
+
 @numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
 def _stream(dst: Any, s: Any, src: Any, k: Any) -> None:
     """``dst[s:s+k] = src[:k]``, the aligned middle with non-temporal stores."""
@@ -168,63 +200,75 @@ _moment: Any = intrinsic(_moment_typer)
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
-def in_place(p: Any, g: Any, m: Any, v: Any, c: Any) -> None:
+def in_place(p: Any, g: Any, m: Any, v: Any, c: Any, q: Any) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
     n = p.shape[0]
-    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
-        s = blk * BLOCK
-        e = min(n, s + BLOCK)
-        ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-        for i in range(e - s):
-            gi = gs[i] / scale
-            if write_g != 0:
-                gs[i] = gi
-            pi = ps[i]
-            gi = gi + l2 * pi
-            m0 = _wide(ms[i])
-            mi = m0 + omb1 * (gi - m0)
-            vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-            ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-            ms[i] = _moment(mi, ms[i])
-            vs[i] = _moment(vi, vs[i])
+    nb = (n + BLOCK - 1) // BLOCK
+    for _ in numba.prange(q[2]):
+        while True:
+            first = _claim(q)
+            if first >= nb:
+                break
+            for blk in range(first, min(nb, first + q[1])):
+                s = blk * BLOCK
+                e = min(n, s + BLOCK)
+                ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+                for i in range(e - s):
+                    gi = gs[i] / scale
+                    if write_g != 0:
+                        gs[i] = gi
+                    pi = ps[i]
+                    gi = gi + l2 * pi
+                    m0 = _wide(ms[i])
+                    mi = m0 + omb1 * (gi - m0)
+                    vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                    ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                    ms[i] = _moment(mi, ms[i])
+                    vs[i] = _moment(vi, vs[i])
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def speculative(
-    p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, bad: Any, c: Any
+    p: Any, g: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, bad: Any, c: Any, q: Any
 ) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
     n = p.shape[0]
-    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+    nb = (n + BLOCK - 1) // BLOCK
+    for _ in numba.prange(q[2]):
         tb = np.empty(CHUNK, np.float32)
         tm = np.empty(CHUNK, m.dtype)
         tv = np.empty(CHUNK, v.dtype)
-        flag = 0
-        for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
-            e = min(n, s + CHUNK)
-            ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-            for i in range(e - s):
-                raw = gs[i]
-                flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
-                gi = raw / scale
-                if write_g != 0:
-                    gs[i] = gi
-                pi = ps[i]
-                tb[i] = pi
-                gi = gi + l2 * pi
-                m0 = _wide(ms[i])
-                mi = m0 + omb1 * (gi - m0)
-                vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                tm[i] = _moment(mi, ms[i])
-                tv[i] = _moment(vi, vs[i])
-            _stream(bak, s, tb, e - s)
-            _stream(m2, s, tm, e - s)
-            _stream(v2, s, tv, e - s)
-        _store_fence()
-        bad[blk] = flag
+        while True:
+            first = _claim(q)
+            if first >= nb:
+                break
+            for blk in range(first, min(nb, first + q[1])):
+                flag = 0
+                for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+                    e = min(n, s + CHUNK)
+                    ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+                    for i in range(e - s):
+                        raw = gs[i]
+                        flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+                        gi = raw / scale
+                        if write_g != 0:
+                            gs[i] = gi
+                        pi = ps[i]
+                        tb[i] = pi
+                        gi = gi + l2 * pi
+                        m0 = _wide(ms[i])
+                        mi = m0 + omb1 * (gi - m0)
+                        vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                        ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                        tm[i] = _moment(mi, ms[i])
+                        tv[i] = _moment(vi, vs[i])
+                    _stream(bak, s, tb, e - s)
+                    _stream(m2, s, tm, e - s)
+                    _stream(v2, s, tv, e - s)
+                _store_fence()
+                bad[blk] = flag
 
 
 # fp16 gradients in, fp16 upload copy out (HybridAdam(fp16_io=True)): the gradient is read
@@ -271,66 +315,78 @@ def convert16(src: Any, wide: Any, narrow: Any, to_wide: Any) -> None:
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
-def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any) -> None:
+def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any, q: Any) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
     n = p.shape[0]
-    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+    nb = (n + BLOCK - 1) // BLOCK
+    for _ in numba.prange(q[2]):
         t16 = np.empty(CHUNK, np.uint16)
-        for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
-            e = min(n, s + CHUNK)
-            ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
-            for i in range(e - s):
-                gi = _widen16(hs[i]) / scale
-                pi = ps[i]
-                gi = gi + l2 * pi
-                m0 = _wide(ms[i])
-                mi = m0 + omb1 * (gi - m0)
-                vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                ps[i] = pn
-                ms[i] = _moment(mi, ms[i])
-                vs[i] = _moment(vi, vs[i])
-                t16[i] = _narrow16(pn)
-            # p16 may be g16 itself: the chunk's gradient has been read.
-            _stream(p16, s, t16, e - s)
-        _store_fence()
+        while True:
+            first = _claim(q)
+            if first >= nb:
+                break
+            for blk in range(first, min(nb, first + q[1])):
+                for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+                    e = min(n, s + CHUNK)
+                    ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
+                    for i in range(e - s):
+                        gi = _widen16(hs[i]) / scale
+                        pi = ps[i]
+                        gi = gi + l2 * pi
+                        m0 = _wide(ms[i])
+                        mi = m0 + omb1 * (gi - m0)
+                        vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                        pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                        ps[i] = pn
+                        ms[i] = _moment(mi, ms[i])
+                        vs[i] = _moment(vi, vs[i])
+                        t16[i] = _narrow16(pn)
+                    # p16 may be g16 itself: the chunk's gradient has been read.
+                    _stream(p16, s, t16, e - s)
+                _store_fence()
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
 def speculative_fp16_io(
-    p: Any, g16: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, p16: Any, bad: Any, c: Any
+    p: Any, g16: Any, m: Any, v: Any, bak: Any, m2: Any, v2: Any, p16: Any, bad: Any, c: Any, q: Any
 ) -> None:
     decay, l2, omb1, b2, omb2 = c[0], c[1], c[2], c[3], c[4]
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
     n = p.shape[0]
-    for blk in numba.prange((n + BLOCK - 1) // BLOCK):
+    nb = (n + BLOCK - 1) // BLOCK
+    for _ in numba.prange(q[2]):
         tb = np.empty(CHUNK, np.float32)
         tm = np.empty(CHUNK, m.dtype)
         tv = np.empty(CHUNK, v.dtype)
         t16 = np.empty(CHUNK, np.uint16)
-        flag = 0
-        for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
-            e = min(n, s + CHUNK)
-            ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
-            for i in range(e - s):
-                raw = _widen16(hs[i])
-                flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
-                gi = raw / scale
-                pi = ps[i]
-                tb[i] = pi
-                gi = gi + l2 * pi
-                m0 = _wide(ms[i])
-                mi = m0 + omb1 * (gi - m0)
-                vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                ps[i] = pn
-                tm[i] = _moment(mi, ms[i])
-                tv[i] = _moment(vi, vs[i])
-                t16[i] = _narrow16(pn)
-            _stream(p16, s, t16, e - s)
-            _stream(bak, s, tb, e - s)
-            _stream(m2, s, tm, e - s)
-            _stream(v2, s, tv, e - s)
-        _store_fence()
-        bad[blk] = flag
+        while True:
+            first = _claim(q)
+            if first >= nb:
+                break
+            for blk in range(first, min(nb, first + q[1])):
+                flag = 0
+                for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+                    e = min(n, s + CHUNK)
+                    ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
+                    for i in range(e - s):
+                        raw = _widen16(hs[i])
+                        flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+                        gi = raw / scale
+                        pi = ps[i]
+                        tb[i] = pi
+                        gi = gi + l2 * pi
+                        m0 = _wide(ms[i])
+                        mi = m0 + omb1 * (gi - m0)
+                        vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                        pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                        ps[i] = pn
+                        tm[i] = _moment(mi, ms[i])
+                        tv[i] = _moment(vi, vs[i])
+                        t16[i] = _narrow16(pn)
+                    _stream(p16, s, t16, e - s)
+                    _stream(bak, s, tb, e - s)
+                    _stream(m2, s, tm, e - s)
+                    _stream(v2, s, tv, e - s)
+                _store_fence()
+                bad[blk] = flag

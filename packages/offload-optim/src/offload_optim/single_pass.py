@@ -38,6 +38,7 @@ use (a few seconds, cached on disk by numba).
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable
 from functools import cache
@@ -117,13 +118,41 @@ def _moments_dtype(exp_avg: torch.Tensor) -> torch.dtype:
     return exp_avg.dtype
 
 
-def _launch(kernel: Callable[..., None], *args: Any) -> None:
-    import numba
+def claim_blocks() -> int:
+    """Blocks a kernel's thread claims at a time (see [Note: blocks claimed as threads free
+    up] in _numba_adam.py): ``OFFLOAD_HOST_ADAM_CLAIM_BLOCKS``, by default 1; 0 splits the
+    blocks into one equal share a thread, as numba's own schedule (for comparison)."""
+    raw = os.environ.get("OFFLOAD_HOST_ADAM_CLAIM_BLOCKS", "").strip()
+    if not raw:
+        return 1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"OFFLOAD_HOST_ADAM_CLAIM_BLOCKS={raw!r}: expected a whole number of blocks >= 0"
+        )
+    return value
 
+
+def _launch(kernel: Callable[..., None], *args: Any) -> None:
+    """Run ``kernel(*args, q)`` on torch's intra-op thread count; ``q`` is its claim
+    counter (``args[0]`` is the master: its length gives the blocks)."""
+    import numba
+    import numpy as np
+
+    from offload_optim import _numba_adam
+
+    blocks = (args[0].shape[0] + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK
     with _launch_lock:
         most = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
-        numba.set_num_threads(max(1, min(torch.get_num_threads(), most)))
-        kernel(*args)
+        threads = max(1, min(torch.get_num_threads(), most))
+        numba.set_num_threads(threads)
+        per = claim_blocks() or max(1, -(-blocks // threads))
+        # Its own span: a trace tells the wait for the lock from the kernel.
+        with torch.profiler.record_function("single-pass kernel"):
+            kernel(*args, np.array([0, per, threads], dtype=np.int64))
 
 
 def _check_numel(n: int, **tensors: torch.Tensor) -> None:

@@ -1,0 +1,86 @@
+"""Single-pass host Adam threads claim blocks from a shared counter ([Note: blocks claimed
+as threads free up] in _numba_adam.py): every kernel's result must not depend on how the
+blocks were handed out. What it buys is timed on the GPU machine (gpu_session.sh claimab),
+not here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from offload_optim import single_pass
+from offload_optim._numba_adam import BLOCK
+from offload_optim.kernels import AdamHyper
+
+pytestmark = pytest.mark.skipif(
+    not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
+)
+
+HYPER = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, adamw=True)
+CLAIMS = ["1", "3", "0"]  # one block, three, the equal shares fixed up front
+
+
+def _every_kernel(n: int, claim: str, monkeypatch: pytest.MonkeyPatch) -> list[torch.Tensor]:
+    """Each of the four kernels once on the same seeded state (a NaN in the speculative
+    ones' last block), every output tensor, with ``claim`` blocks a claim."""
+    monkeypatch.setenv("OFFLOAD_HOST_ADAM_CLAIM_BLOCKS", claim)
+    gen = torch.Generator().manual_seed(0)
+    out: list[torch.Tensor] = []
+    step = torch.tensor(3.0)
+    scale = torch.tensor(128.0)
+    for speculative in (False, True):
+        for fp16 in (False, True):
+            p = torch.randn(n, generator=gen)
+            m = torch.randn(n, generator=gen) * 1e-3
+            v = torch.rand(n, generator=gen) * 1e-6
+            g = torch.randn(n, generator=gen) * 100
+            if speculative:
+                g[-1] = float("nan")
+            g16 = g.half()
+            p16 = torch.empty(n, dtype=torch.float16)
+            m2, v2, bak = torch.empty(n), torch.empty(n), torch.empty(n)
+            if speculative and fp16:
+                part = single_pass.speculative_adam_fp16_io_(
+                    p, g16, m, v, m2, v2, bak, p16, step, HYPER, scale
+                )
+                out += [part, m2, v2, bak, p16]
+            elif speculative:
+                part = single_pass.speculative_adam_(p, g, m, v, m2, v2, bak, step, HYPER, scale)
+                out += [part, m2, v2, bak, g]
+            elif fp16:
+                single_pass.adam_fp16_io_(p, g16, m, v, p16, step, HYPER, scale)
+                out += [m, v, p16]
+            else:
+                single_pass.adam_(p, g, m, v, step, HYPER, scale)
+                out += [m, v, g]
+            out.append(p)
+    return out
+
+
+@pytest.mark.parametrize("n", [1, BLOCK - 3, 5 * BLOCK + 17])
+def test_results_do_not_depend_on_how_blocks_are_claimed(
+    n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    want = _every_kernel(n, "0", monkeypatch)
+    specs = [t for t in want if t.dim() == 0]
+    assert [t.item() for t in specs] == [float("inf")] * 2  # both speculative steps saw the NaN
+    for claim in CLAIMS[:2]:
+        got = _every_kernel(n, claim, monkeypatch)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (
+                claim,
+                n,
+            )
+
+
+def test_a_bad_claim_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    for bad in ("-1", "one", "1.5"):
+        monkeypatch.setenv("OFFLOAD_HOST_ADAM_CLAIM_BLOCKS", bad)
+        with pytest.raises(ValueError, match="OFFLOAD_HOST_ADAM_CLAIM_BLOCKS"):
+            single_pass.claim_blocks()
+    monkeypatch.setenv("OFFLOAD_HOST_ADAM_CLAIM_BLOCKS", " ")
+    assert single_pass.claim_blocks() == 1
+    monkeypatch.delenv("OFFLOAD_HOST_ADAM_CLAIM_BLOCKS")
+    assert single_pass.claim_blocks() == 1
