@@ -108,11 +108,12 @@ blocks that the calling thread claims (see [Note: blocks claimed as threads free
 # With fixed shares the step ends with its slowest thread: one thread that loses its
 # core to another one (backward's issuing thread, a copy's OpenMP pool) holds back the
 # whole step. In W2 and W3 traces of session 52 the host step running when backward
-# ended took 44-109 ms where the others took 17-26, with nothing of the process's own on
-# the CPU to explain it. Claiming one block (256 KiB an array) at a time, the other
-# threads take over a delayed thread's share. A block's arithmetic does not depend on
-# which thread steps it, so results are the same bit for bit for any q[1]; q[1] = the
-# blocks over the threads (single_pass.CLAIM_BLOCKS = 0) gives about the fixed shares back.
+# ended took 44-109 ms where the others took 17-26 (in W3 with no other thread of the
+# process on the CPU but backward's). Claiming one block (256 KiB an array) at a time,
+# the other threads take over a delayed thread's share. A block's arithmetic does not
+# depend on which thread steps it, so results are the same bit for bit for any q[1];
+# q[1] = the blocks over the threads (OFFLOAD_HOST_ADAM_CLAIM_BLOCKS=0, see
+# single_pass.claim_blocks) gives about the fixed shares back.
 
 
 @numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
