@@ -48,6 +48,7 @@ import json
 import re
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ class Row:
     profile_host_gparam: float | None = None
     """The median of torch's fused host Adam rate as each process read it
     (:func:`offload_bench.fused_rate_in_process_gparam`) over the session's rows that
-    planned with the same cached profile (one machine), for the floor's host parts where
+    planned with the same cached profile, or with one that profiled it again or that it
+    replaced (one machine: :func:`_reprofiled_from`), for the floor's host parts where
     it is faster than that profile's reading (:func:`offload_bench.floor_parts`). The median of
     a machine's readings, not one call's: one call of session 36 read 7.1-7.3 Gparam/s in
     process where the machine's other calls read 4.0-5.5 and its profile 4.04."""
@@ -160,12 +162,48 @@ def own_budget(workload: str, result: dict[str, Any]) -> bool:
     return budget is None or float(budget) == float(WORKLOADS[workload][3])
 
 
-def _machine(call: str, result: dict[str, Any]) -> tuple[str, float]:
+Machine = tuple[str, float]
+"""A machine as :func:`_machine` names it: a session (or a call's folder) and the host
+Adam rate of the profile its rows planned with (Gparam/s)."""
+
+
+def _machine(call: str, result: dict[str, Any]) -> Machine:
     """Which machine a row ran on, as far as its file says: its session (``sNN`` of a
     ``sNNcM`` call; a call named by its folder is its own) and the host Adam rate of the
     profile it planned with (cached once a machine)."""
     m = _SESSION.match(call)
     return m.group(1) if m else call, float(result.get("profile_host_adam_gparam") or 0.0)
+
+
+def _reprofiled_from(call: str, result: dict[str, Any]) -> Machine | None:
+    """The machine (:func:`_machine`'s key) a row found cached before it profiled the
+    machine again (its ``reprofiled``), else None: the same machine as the row's own key,
+    under the profile it replaced. Session 53's call 3 profiled again between two W2 rows
+    (cached 4.41 Gparam/s, again 4.86) and, keyed by the profile alone, the second row's
+    floor took its process's one reading (6.72) where the machine's three read 4.35-6.72."""
+    again = result.get("reprofiled")
+    if not isinstance(again, dict) or "cached_gparam" not in again:
+        return None
+    return _machine(call, result)[0], float(again["cached_gparam"])
+
+
+def _machines(
+    links: list[tuple[Machine, Machine]],
+) -> Callable[[Machine], Machine]:
+    """The machine of a :func:`_machine` key, where ``links`` join keys that are one machine
+    (a profile and the one that replaced it): each group's first key in sorted order."""
+    parent: dict[Machine, Machine] = {}
+
+    def find(key: Machine) -> Machine:
+        while parent.get(key, key) != key:
+            key = parent[key]
+        return key
+
+    for a, b in links:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    return find
 
 
 def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
@@ -175,7 +213,8 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
     in_file: dict[tuple[str, str], dict[str, list[dict[str, Any]]]] = {}
     ours: list[tuple[str, str, str, str, dict[str, Any]]] = []
     peer_files: dict[int, str] = {}
-    fused_reads: dict[tuple[str, float], list[float]] = {}  # by session and profile
+    fused_reads: dict[Machine, list[float]] = {}  # by session and profile
+    links: list[tuple[Machine, Machine]] = []  # profiled again
     for path in paths:
         data = json.loads(path.read_text())
         if not isinstance(data, dict):  # not an offload_bench.py file (ring_rate.py's, say)
@@ -185,6 +224,9 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
             for kind, result in by_kind.items():
                 if not result.get("ok"):
                     continue
+                replaced = _reprofiled_from(call, result)
+                if replaced is not None:
+                    links.append((replaced, _machine(call, result)))
                 fused = fused_rate_in_process_gparam(result)
                 if fused is not None:
                     fused_reads.setdefault(_machine(call, result), []).append(fused)
@@ -199,6 +241,10 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                     and own_budget(workload, result)
                 ):
                     ours.append((call, str(path.resolve()), workload, kind, result))
+    machine = _machines(links)
+    reads_by_machine: dict[Machine, list[float]] = {}
+    for at, read in fused_reads.items():
+        reads_by_machine.setdefault(machine(at), []).extend(read)
     rows = []
     for call, file, w, kind, result in ours:
         by_call = in_call.get((call, w), {})
@@ -212,7 +258,7 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                     peers[peer] = same
                     break
         other = tuple(sorted(set(by_call) - set(peers)))
-        reads = fused_reads.get(_machine(call, result))
+        reads = reads_by_machine.get(machine(_machine(call, result)))
         host = statistics.median(reads) if reads else None
         rows.append(Row(Path(file).name, w, kind, result, peers, other, peer_files, host))
     return rows
