@@ -49,6 +49,13 @@
 #           (default 1; onplan_ab); then each arm's rows and its traces' speculative host
 #           steps over 30 ms (session 52: the one running when backward ended took 44-109
 #           ms, the others 17-26; claim.txt)                ~1.1 min a W2 row, ~0.9 a W3 row
+#   cpuprobe W3 ours_io_spec1_stream beside full GPU by fp32 masters, then W2 beside FSDP2
+#           (CPUPROBE_WORKLOADS), each with OFFLOAD_HOST_ADAM_CPU_PROBE=1: every host Adam
+#           kernel's wall time and the CPU time of the process and of the machine over it;
+#           then each row's long kernels and the rest (pin_rows.py) and its traces'
+#           speculative host steps over 30 ms (cpuprobe.txt). Sessions 52-53: the kernel
+#           running as backward ends took 47-72 ms against 14-17, with blocks claimed or
+#           not: did the process lose its cores, and to whom?      ~1.2 min a W3 row, ~1.1 W2
 #   slotab  W3 ours_io_spec1_stream with the streamed ring's 3 slots (the default; the first
 #           round beside full GPU by fp32 masters, for the floor) and with SLOTAB_SLOTS
 #           (default 6; BENCH_STREAM_SLOTS): as many chunks of the streamed regions' state
@@ -310,7 +317,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -445,6 +452,17 @@ case "$phase" in
       python3 "$root/benchmarks/host_timeline.py" --spans "$t" \
         | awk '/^backward/ {print} / speculative step / && $2 + 0 > 30 {print "   long:", $0}'
     done 2>&1 | tee -a "$out/claim.txt" || true ;;
+  cpuprobe)
+    for w in ${CPUPROBE_WORKLOADS:-W3 W2}; do
+      target_row "$w"
+      OFFLOAD_HOST_ADAM_CPU_PROBE=1 BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_probe"
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out/${w}_probe.json" 2>&1 \
+        | tee -a "$out/cpuprobe.txt" || true
+      for t in "$out"/prof_"${w}"_probe/trace_*ours*.json.gz; do
+        python3 "$root/benchmarks/host_timeline.py" --spans "$t" \
+          | awk '/^backward/ {print} / speculative step / && $2 + 0 > 30 {print "   long:", $0}'
+      done 2>&1 | tee -a "$out/cpuprobe.txt" || true
+    done ;;
   slotab)
     # The first row sets the plan's inputs (BENCH_PLAN_FROM) for every arm after it, so
     # that the arms differ in the ring alone: in session 50's call 7, planned each on its

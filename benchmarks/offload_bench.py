@@ -469,6 +469,45 @@ def _host_cycle(reports: list[Any]) -> dict[str, Any]:
     return out
 
 
+LONG_KERNEL = 2.0
+"""A host Adam kernel is long when its wall time per parameter is over this many times the
+median of the row's kernels (:func:`kernel_cpu_summary`)."""
+
+
+def kernel_cpu_summary(samples: list[Any]) -> dict[str, Any]:
+    """The single-pass host Adam kernels of a row's timed steps as the CPU probe saw them
+    (``offload_optim.single_pass.KernelCpu``; ``OFFLOAD_HOST_ADAM_CPU_PROBE=1``), split into
+    the long ones (wall time per parameter over :data:`LONG_KERNEL` times the median) and
+    the rest. Each part: ``count``, ``wall_ms`` (median), and the medians of the cores in
+    use over each kernel (CPU seconds over its wall seconds): ``process_cores`` (every
+    thread of the process), ``machine_cores`` (the whole machine, from ``/proc/stat``'s 10
+    ms ticks; None where unread) and ``other_cores`` (the machine's less the process's).
+    Empty where no kernel ran."""
+    timed = [k for k in samples if k.wall_s > 0 and k.numel > 0]
+    if not timed:
+        return {}
+    per = statistics.median(k.wall_s / k.numel for k in timed)
+
+    def part(ks: list[Any]) -> dict[str, Any]:
+        read = [k for k in ks if k.machine_busy_s is not None]
+
+        def cores(values: list[float]) -> float | None:
+            return statistics.median(values) if values else None
+
+        return {
+            "count": len(ks),
+            "wall_ms": cores([k.wall_s * 1e3 for k in ks]),
+            "threads": cores([float(k.threads) for k in ks]),
+            "process_cores": cores([k.process_cpu_s / k.wall_s for k in ks]),
+            "machine_cores": cores([k.machine_busy_s / k.wall_s for k in read]),
+            "other_cores": cores([(k.machine_busy_s - k.process_cpu_s) / k.wall_s for k in read]),
+        }
+
+    long = [k for k in timed if k.wall_s / k.numel > LONG_KERNEL * per]
+    rest = [k for k in timed if k.wall_s / k.numel <= LONG_KERNEL * per]
+    return {"long": part(long), "rest": part(rest)}
+
+
 def _step_times(times: list[float]) -> dict[str, Any]:
     """Every timed step (ms), their median and their mean, beside the issue's mean of the 5
     fastest. With host steps that run on into the next forward, our steps alternate fast
@@ -946,15 +985,22 @@ def _ours(
     skipped_ms: list[float] = []
     allocator_before: list[dict[str, int]] = []
     clocks: dict[str, Any] = {}
+    from offload_optim import single_pass
+
+    def before_timing() -> None:
+        allocator_before.append(_allocator_counts())
+        single_pass.kernel_cpu_samples(clear=True)  # the warm-up's kernels are not timed
+
     times = _timed_steps(
         step,
         warmup,
         steps,
         last_skipped,
         skipped_ms,
-        before_timing=lambda: allocator_before.append(_allocator_counts()),
+        before_timing=before_timing,
         clocks=clocks,
     )
+    kernels_cpu = single_pass.kernel_cpu_samples(clear=True)
     allocator_after = _allocator_counts()
     out: dict[str, Any] = {
         "step_ms": _fastest5_mean_s(times) * 1e3,
@@ -1002,9 +1048,11 @@ def _ours(
     out["switch_interval_s"] = sys.getswitchinterval()
     # Blocks a single-pass host Adam thread claims at a time (0: numba's equal shares, as
     # before session 52; gpu_session.sh claimab).
-    from offload_optim import single_pass
-
     out["host_adam_claim_blocks"] = single_pass.claim_blocks()
+    # The host Adam kernels' CPU over the timed steps, with OFFLOAD_HOST_ADAM_CPU_PROBE=1
+    # (gpu_session.sh cpuprobe): did a long one lose its cores to the machine?
+    if single_pass.cpu_probe():
+        out["host_kernel_cpu"] = kernel_cpu_summary(kernels_cpu)
     # Host optimizer steps run on past step() into the next forward; what that forward had
     # to wait for them is the part of the host step that nothing hid.
     out["forward_waited_for_host_ms_per_step"] = (

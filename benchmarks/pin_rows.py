@@ -4,12 +4,13 @@
 
 For each ``offload_bench.py --json`` file: the row's run mean and mean of the 5 fastest
 steps (ms), what it ran with (``speculation_thread``, and what it was planned for;
-``issue_thread``, ``paced_ring``, ``stage_ahead`` and the chunks it staged),
-and whether its plan was the source row's (``plan_matches_source``; ``source`` for the row
-the others planned from). Then the median run mean of each group of rows named alike (the file name
-without its trailing round number), for comparing ways of running one plan; with ``--all``,
-of every row, planned alike or not (``gpu_session.sh upfrac`` / ``chargeab``: ways of
-planning).
+``issue_thread``, ``paced_ring``, ``stage_ahead`` and the chunks it staged), and whether
+its plan was the source row's (``plan_matches_source``; ``source`` for the row the others
+planned from); under it, where the row ran with ``OFFLOAD_HOST_ADAM_CPU_PROBE=1``, its long
+host Adam kernels and the rest (``host_kernel_cpu``). Then the median run mean of each
+group of rows named alike (the file name without its trailing round number), for
+comparing ways of running one plan; with ``--all``, of every row, planned alike or not
+(``gpu_session.sh upfrac`` / ``chargeab``: ways of planning).
 """
 
 from __future__ import annotations
@@ -19,6 +20,21 @@ import json
 import re
 import statistics
 from pathlib import Path
+from typing import Any
+
+
+def kernel_cpu_cell(cpu: dict[str, Any]) -> str:
+    """One part of a row's ``host_kernel_cpu`` (offload_bench.kernel_cpu_summary) in words."""
+
+    def num(key: str, fmt: str = ".1f") -> str:
+        value = cpu.get(key)
+        return "-" if value is None else format(value, fmt)
+
+    return (
+        f"{cpu.get('count', 0)} kernels, {num('wall_ms')} ms on {num('threads', '.0f')} "
+        f"threads; cores of the process {num('process_cores')}, of the machine "
+        f"{num('machine_cores')}, of other processes {num('other_cores')} (medians)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.get('forward_waited_for_host_ms_per_step', float('nan')):.1f} ms a step, "
             f"plan matches the source: {matches}"
         )
+        for part, cpu in sorted(row.get("host_kernel_cpu", {}).items()):
+            print(f"    host Adam kernels, {part}: {kernel_cpu_cell(cpu)}")
         if matches is True or args.all:
             group = re.sub(r"\d+$", "", path.stem)
             groups.setdefault(group, []).append(row["step_mean_ms"])

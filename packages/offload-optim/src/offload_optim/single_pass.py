@@ -40,8 +40,12 @@ from __future__ import annotations
 import math
 import os
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -136,9 +140,69 @@ def claim_blocks() -> int:
     return value
 
 
+@dataclass(frozen=True)
+class KernelCpu:
+    """One kernel launch as the CPU probe saw it (``OFFLOAD_HOST_ADAM_CPU_PROBE=1``)."""
+
+    wall_s: float
+    """The kernel's wall time (seconds), the launch lock already held."""
+    process_cpu_s: float
+    """CPU time of every thread of this process over it (seconds; ``time.process_time``)."""
+    machine_busy_s: float | None
+    """CPU time of the whole machine over it (seconds, from ``/proc/stat`` in clock ticks,
+    10 ms where ``SC_CLK_TCK`` is 100: coarse for one kernel, a median over many is not);
+    None where ``/proc/stat`` cannot be read."""
+    threads: int
+    """Threads the kernel ran on."""
+    numel: int
+    """Parameters it stepped."""
+
+
+_cpu_samples: deque[KernelCpu] = deque(maxlen=100_000)
+
+
+def cpu_probe() -> bool:
+    """Whether each launch records a :class:`KernelCpu` (``OFFLOAD_HOST_ADAM_CPU_PROBE``:
+    1 on, unset or 0 off). A kernel that runs 3-4 times its usual length (the one running
+    as backward ends on the H200: BENCHMARKS.md, sessions 52-53) with the process's CPU
+    time near ``threads`` times its wall time lost nothing to the machine; with far less,
+    the machine's busy time (``machine_busy_s``) says whether another process took the
+    cores."""
+    raw = os.environ.get("OFFLOAD_HOST_ADAM_CPU_PROBE", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"OFFLOAD_HOST_ADAM_CPU_PROBE={raw!r}: expected 0 or 1")
+    return raw == "1"
+
+
+def kernel_cpu_samples(clear: bool = False) -> list[KernelCpu]:
+    """The launches the CPU probe recorded (:func:`cpu_probe`), oldest first (at most the
+    last 100,000); ``clear`` empties the record after reading it."""
+    out = list(_cpu_samples)
+    if clear:
+        _cpu_samples.clear()
+    return out
+
+
+def _machine_busy_s() -> float | None:
+    """Busy CPU time of the whole machine since boot (seconds: every mode of the
+    ``/proc/stat`` ``cpu`` line but idle and iowait), None where it cannot be read."""
+    try:
+        with Path("/proc/stat").open() as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+        per_s = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError):
+        return None
+    if len(ticks) < 5 or per_s <= 0:
+        return None
+    # guest time is counted inside user time already; the first 8 fields are the modes.
+    modes = ticks[:8]
+    return (sum(modes) - modes[3] - modes[4]) / per_s
+
+
 def _launch(kernel: Callable[..., None], *args: Any) -> None:
     """Run ``kernel(*args, q)`` on torch's intra-op thread count; ``q`` is its claim
-    counter (``args[0]`` is the master: its length gives the blocks)."""
+    counter (``args[0]`` is the master: its length gives the blocks). With the CPU probe
+    on (:func:`cpu_probe`) the launch's :class:`KernelCpu` is recorded."""
     import numba
     import numpy as np
 
@@ -150,9 +214,19 @@ def _launch(kernel: Callable[..., None], *args: Any) -> None:
         threads = max(1, min(torch.get_num_threads(), most))
         numba.set_num_threads(threads)
         per = claim_blocks() or max(1, -(-blocks // threads))
-        # Its own span: a trace tells the wait for the lock from the kernel.
+        q = np.array([0, per, threads], dtype=np.int64)
+        if not cpu_probe():
+            # Its own span: a trace tells the wait for the lock from the kernel.
+            with torch.profiler.record_function("single-pass kernel"):
+                kernel(*args, q)
+            return
+        machine0, cpu0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
         with torch.profiler.record_function("single-pass kernel"):
-            kernel(*args, np.array([0, per, threads], dtype=np.int64))
+            kernel(*args, q)
+        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+        machine1 = _machine_busy_s()
+        busy = None if machine0 is None or machine1 is None else machine1 - machine0
+        _cpu_samples.append(KernelCpu(wall, cpu, busy, threads, int(args[0].shape[0])))
 
 
 def _check_numel(n: int, **tensors: torch.Tensor) -> None:
