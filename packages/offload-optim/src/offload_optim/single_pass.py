@@ -215,14 +215,14 @@ def _launch(kernel: Callable[..., None], *args: Any) -> None:
         numba.set_num_threads(threads)
         per = claim_blocks() or max(1, -(-blocks // threads))
         q = np.array([0, per, threads], dtype=np.int64)
-        if not cpu_probe():
-            # Its own span: a trace tells the wait for the lock from the kernel.
-            with torch.profiler.record_function("single-pass kernel"):
-                kernel(*args, q)
-            return
-        machine0, cpu0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+        probe = cpu_probe()
+        if probe:
+            machine0, cpu0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+        # Its own span: a trace tells the wait for the lock from the kernel.
         with torch.profiler.record_function("single-pass kernel"):
             kernel(*args, q)
+        if not probe:
+            return
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         machine1 = _machine_busy_s()
         busy = None if machine0 is None or machine1 is None else machine1 - machine0
