@@ -339,6 +339,16 @@ gaps() {
     echo "$t: $(python3 "$root/benchmarks/copy_lag.py" "$t" --gap-ms 0.3 | tail -1)"
   done
 }
+# long_steps TRACE...: each profiled trace's backward lines and its speculative host steps
+# over 30 ms (host_timeline.py --spans).
+long_steps() {
+  local t
+  for t in "$@"; do
+    echo "== $t"
+    python3 "$root/benchmarks/host_timeline.py" --spans "$t" \
+      | awk '/^backward/ {print} / speculative step / && $2 + 0 > 30 {print "   long:", $0}'
+  done
+}
 # target_row WORKLOAD: sets k (our kind), steps, limit (seconds a row may take) and peer
 # (",PEER": the peer of the target the workload misses, to run beside its first row; W3's
 # is full GPU by fp32 masters, whose forward+backward is its floor).
@@ -447,21 +457,14 @@ case "$phase" in
     gaps "$out"/prof_W3_late_*/trace_*.json.gz 2>&1 | tee -a "$out/late.txt" || true ;;
   claimab)
     onplan_ab claim OFFLOAD_HOST_ADAM_CLAIM_BLOCKS "${ROUNDS:-1}" ${CLAIM_WORKLOADS:-W2 W3}
-    for t in "$out"/prof_W*_claim_*/trace_*ours*.json.gz; do
-      echo "== $t"
-      python3 "$root/benchmarks/host_timeline.py" --spans "$t" \
-        | awk '/^backward/ {print} / speculative step / && $2 + 0 > 30 {print "   long:", $0}'
-    done 2>&1 | tee -a "$out/claim.txt" || true ;;
+    long_steps "$out"/prof_W*_claim_*/trace_*ours*.json.gz 2>&1 | tee -a "$out/claim.txt" || true ;;
   cpuprobe)
     for w in ${CPUPROBE_WORKLOADS:-W3 W2}; do
       target_row "$w"
       OFFLOAD_HOST_ADAM_CPU_PROBE=1 BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_probe"
       python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "$out/${w}_probe.json" 2>&1 \
         | tee -a "$out/cpuprobe.txt" || true
-      for t in "$out"/prof_"${w}"_probe/trace_*ours*.json.gz; do
-        python3 "$root/benchmarks/host_timeline.py" --spans "$t" \
-          | awk '/^backward/ {print} / speculative step / && $2 + 0 > 30 {print "   long:", $0}'
-      done 2>&1 | tee -a "$out/cpuprobe.txt" || true
+      long_steps "$out"/prof_"${w}"_probe/trace_*ours*.json.gz 2>&1 | tee -a "$out/cpuprobe.txt" || true
     done ;;
   slotab)
     # The first row sets the plan's inputs (BENCH_PLAN_FROM) for every arm after it, so

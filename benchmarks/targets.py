@@ -224,12 +224,13 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
             for kind, result in by_kind.items():
                 if not result.get("ok"):
                     continue
+                at = _machine(call, result)
                 replaced = _reprofiled_from(call, result)
                 if replaced is not None:
-                    links.append((replaced, _machine(call, result)))
+                    links.append((replaced, at))
                 fused = fused_rate_in_process_gparam(result)
                 if fused is not None:
-                    fused_reads.setdefault(_machine(call, result), []).append(fused)
+                    fused_reads.setdefault(at, []).append(fused)
                 if kind in PEERS:
                     peer_files[id(result)] = path.name
                     for table, key in ((in_call, call), (in_file, str(path.resolve()))):
@@ -243,8 +244,8 @@ def load_rows(paths: list[Path], kinds: set[str] | None = None) -> list[Row]:
                     ours.append((call, str(path.resolve()), workload, kind, result))
     machine = _machines(links)
     reads_by_machine: dict[Machine, list[float]] = {}
-    for at, read in fused_reads.items():
-        reads_by_machine.setdefault(machine(at), []).extend(read)
+    for where, read in fused_reads.items():
+        reads_by_machine.setdefault(machine(where), []).extend(read)
     rows = []
     for call, file, w, kind, result in ours:
         by_call = in_call.get((call, w), {})

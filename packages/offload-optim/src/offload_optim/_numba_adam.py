@@ -113,7 +113,10 @@ blocks that the calling thread claims (see [Note: blocks claimed as threads free
 # the other threads take over a delayed thread's share. A block's arithmetic does not
 # depend on which thread steps it, so results are the same bit for bit for any q[1];
 # q[1] = the blocks over the threads (OFFLOAD_HOST_ADAM_CLAIM_BLOCKS=0, see
-# single_pass.claim_blocks) gives about the fixed shares back.
+# single_pass.claim_blocks) gives about the fixed shares back. Session 53 (W3 on one plan):
+# claiming stepped 4-5% faster, but the step running as backward ends still took 47-61 ms
+# against 14-17, so fixed shares were not the whole cause (single_pass.cpu_probe asks who
+# had the cores).
 
 
 @numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
