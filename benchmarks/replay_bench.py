@@ -268,21 +268,26 @@ def host_rate(row: dict[str, Any], recorded_gparam: float, how: str) -> float:
 def row_issue_cost_us(row: dict[str, Any], setting: float | str | None) -> float | None:
     """The per-operation issue cost (us) to replay ``row`` with: ``setting`` when it is a
     number; for ``"reads"`` the mean of the two reads the row took around its timed steps
-    (``issue_cost_us_reads``, recorded from session 36's code on), or None (the profile's
-    own) for a row without them; None: the profile's own."""
-    if setting != "reads":
+    (``issue_cost_us_reads``, recorded from session 36's code on), for ``"before"`` the
+    first of them alone (taken before the timed steps, as a read at planning would be), or
+    None (the profile's own) for a row without them; None: the profile's own."""
+    if setting not in ("reads", "before"):
         return None if setting is None else float(setting)
     reads = row.get("issue_cost_us_reads")
-    return float(statistics.mean(reads)) if reads else None
+    if not reads:
+        return None
+    return float(reads[0]) if setting == "before" else float(statistics.mean(reads))
 
 
 def _issue_cost_arg(text: str) -> float | str:
-    if text == "reads":
+    if text in ("reads", "before"):
         return text
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"takes microseconds or 'reads', got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"takes microseconds, 'reads' or 'before', got {text!r}"
+        ) from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be >= 0 microseconds, got {text!r}")
     return value
@@ -527,11 +532,12 @@ def main(argv: list[str] | None = None) -> int:
         "--op-overhead-us",
         type=_issue_cost_arg,
         default=None,
-        metavar="US|reads",
+        metavar="US|reads|before",
         help="replan every row with this per-operation issue cost (microseconds) instead "
         "of the one its profile read: how a launch-bound row's prediction (W1) follows the "
         "probe. reads: each row's own reads, taken just before and after its timed steps "
-        "(issue_cost_us_reads; rows without them keep their profile's)",
+        "(issue_cost_us_reads; rows without them keep their profile's); before: the read "
+        "before the timed steps alone (what a read at planning would have seen)",
     )
     parser.add_argument(
         "--stream-up-fraction",

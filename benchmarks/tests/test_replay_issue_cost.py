@@ -20,8 +20,15 @@ def test_reads_replay_a_row_at_the_mean_of_its_own_two_reads() -> None:
     assert row_issue_cost_us(row, None) is None
 
 
+def test_before_replays_a_row_at_the_read_taken_before_its_timed_steps() -> None:
+    row = {"issue_cost_us_reads": [20.0, 30.0], "profile": {"op_overhead_us": 21.6}}
+    assert row_issue_cost_us(row, "before") == 20.0
+    assert row_issue_cost_us({"profile": {"op_overhead_us": 21.6}}, "before") is None
+
+
 def test_the_option_takes_microseconds_or_reads_and_refuses_the_rest() -> None:
     assert _issue_cost_arg("reads") == "reads"
+    assert _issue_cost_arg("before") == "before"
     assert _issue_cost_arg("19.5") == 19.5
     for bad in ("-1", "nan", "fast"):
         with pytest.raises(argparse.ArgumentTypeError):
