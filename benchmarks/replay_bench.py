@@ -566,6 +566,14 @@ def main(argv: list[str] | None = None) -> int:
         "ran with it (fuse_gelu in the row) are replayed so either way",
     )
     parser.add_argument(
+        "--hold-plan",
+        action="store_true",
+        help="plan each row with its own recorded profile, leaving out --op-overhead-us, "
+        "--stream-up-fraction and --stream-host-charge, and simulate that plan with them: "
+        "the replayed step is then the measured plan's under the other model, not a new "
+        "plan's",
+    )
+    parser.add_argument(
         "--streamed-only",
         action="store_true",
         help="replay only the rows whose plan streamed (a _stream kind planned so, "
@@ -747,15 +755,24 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     "stream_charge": args.stream_host_charge,
                     "compute_model": args,
                 }
+                # --hold-plan: the plan is made with the row's own profile and simulated
+                # with the overrides (hw); otherwise both use them.
+                plan_args = {"compute_model": args} if args.hold_plan else hw_args
                 hw = row_hardware(row, rate, **hw_args)
-                plan = solve(variant, hw, budget_gib * GiB, **planning)
+                plan = solve(
+                    variant, row_hardware(row, rate, **plan_args), budget_gib * GiB, **planning
+                )
                 busy_in_loop = loop_busy_ms(row)
                 if args.host_rate == "loop" and busy_in_loop:
                     rate *= planned_host_busy_s(plan) * 1e3 / busy_in_loop
                     hw = row_hardware(row, rate, **hw_args)
-                    plan = solve(variant, hw, budget_gib * GiB, **planning)
+                    plan = solve(
+                        variant, row_hardware(row, rate, **plan_args), budget_gib * GiB, **planning
+                    )
                 measured = row["step_ms"]
                 replayed = plan.predicted_step_time_s * 1e3
+                if args.hold_plan:
+                    replayed = steady_run(variant, hw, plan, **simulation).period_s * 1e3
                 worst = max(worst, abs(replayed - measured) / measured)
                 offloaded = sum(rp.placement is not ParamPlacement.RESIDENT for rp in plan.regions)
                 host = sum(rp.state.value != "device" for rp in plan.regions)

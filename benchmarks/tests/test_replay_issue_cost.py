@@ -152,3 +152,23 @@ def test_late_host_work_is_replayed_as_the_row_recorded_it_unless_told(
     assert all(p == f"r{i}:resident/device" for i, p in enumerate(late[:8]))
     assert "r8:async/host@9" in late and "r29:resident/host" in late
     assert "r2:async/host@3" in found["no"].split()
+
+
+def test_hold_plan_simulates_the_recorded_plan_under_a_slower_ring(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Session 54's W2 row (predicted 312 ms, 9 streamed regions) replans to 8 streamed
+    regions at 318 ms. Held, that plan steps the same under the row's own model, and at
+    324 ms with the ring's copies up at 0.67 of the H2D rate."""
+    from pathlib import Path
+
+    row = Path(__file__).resolve().parent.parent / "results" / "s54c2_W2_probe.json"
+    steps = []
+    for args in ([], ["--hold-plan"], ["--hold-plan", "--stream-up-fraction", "0.67"]):
+        replay_bench.main([str(row), *args])
+        out = capsys.readouterr().out
+        cell = out.split("| ours_io_spec1_stream | 383 ms | 312 (-18.5%) | ")[1]
+        assert "26 / 28; 26 / 28 (8 streamed)" in cell
+        steps.append(float(cell.split()[0]))
+    assert steps[0] == steps[1] == pytest.approx(318.0, abs=1.0)
+    assert steps[2] == pytest.approx(324.0, abs=1.0)
