@@ -268,6 +268,8 @@
 #           MARGIN (default 1.15) times slower (BENCH_HOST_MARGIN) and at the rate
 #           measured, alternating, ROUNDS rounds (default 2); then each arm's rows
 #           (pin_rows.py; margin.txt) and the traces' compute-stream gaps. ~6 min
+#   ringcal  W2 at the defaults, then planned again with the loop's host rate, and with
+#           the ring's loop rate too (BENCH_CALIBRATE_RING)                      ~6 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
 #           copies (ring_rate.py): fp32 state, then bf16 moments with fp16 I/O   ~2 min
 #   upfrac  plans with streamed copies up at the full H2D rate and at UP_FRACTION
@@ -317,7 +319,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh ringcal|cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -380,6 +382,22 @@ onplan_ab() {
   done
 }
 case "$phase" in
+  ringcal)
+    # For each workload: the default plan beside its peer, then planned again after 2 + 3
+    # steps with the loop's host rate (BENCH_CALIBRATE) and with the ring's rate too
+    # (BENCH_CALIBRATE_RING): whether a plan made at the ring's measured rate predicts
+    # within 15% and runs as fast.
+    for w in ${CALIB_WORKLOADS:-W2}; do
+      target_row "$w"
+      for i in $(seq 1 "${ROUNDS:-1}"); do
+        BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_default$i"
+        BENCH_CALIBRATE=3 BENCH_STEPS=$steps bench "$w" "$k" "$((limit + 100))" "${w}_calib$i"
+        BENCH_CALIBRATE=3 BENCH_CALIBRATE_RING=1 BENCH_STEPS=$steps \
+          bench "$w" "$k" "$((limit + 100))" "${w}_ringcal$i"
+      done
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" \
+        "$out"/"${w}"_{default,calib,ringcal}*.json | tee -a "$out/ringcal.txt"
+    done ;;
   calibab)
     for w in ${CALIB_WORKLOADS:-W4 W3 W2}; do
       target_row "$w"

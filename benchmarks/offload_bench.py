@@ -170,7 +170,11 @@ Set BENCH_CALIBRATE=N (not with BENCH_PLAN_FROM) to run each ``ours`` plan with 
 regions for 2 + N steps first, then plan again with the host Adam rate its last N ran at
 (``offload_optim.check_host_rate``) and time that plan; rows record ``calibration`` (both host busy
 times and rates, the first plan's prediction and streamed regions) and
-``host_rate_planned_from: "calibrated"``.
+``host_rate_planned_from: "calibrated"``; with BENCH_CALIBRATE_RING=1 too, the second plan
+also takes the fraction of the H2D rate the ring's copies up ran at in those steps
+(``offload_optim.check_stream_rate``; ``calibration.ring_fraction_after``). Streamed rows
+record the ring's copies up in their timed steps as ``ring_up`` (the loop's fraction, the
+plan's, GB/s while copying, bytes and ms per step).
 Set BENCH_ISSUE_AHEAD=1 to plan the ``ours`` kinds with operations issued ahead of the
 device (``memory_optimize(issue_ahead=True)``; =0 or unset: the profile's own, False);
 rows record ``issue_ahead`` (from session 39 on).
@@ -606,6 +610,9 @@ class Calibrated:
     device_bytes_in_use: int | None
     host_params_per_s: float
     """``offload_optim.check_host_rate``'s ``loop_params_per_s``."""
+    stream_up_fraction: float | None = None
+    """With ``BENCH_CALIBRATE_RING=1``: ``offload_optim.check_stream_rate``'s
+    ``loop_fraction`` (else the first plan's)."""
 
 
 def issue_cost_us(device: str = "cuda") -> float:
@@ -684,6 +691,7 @@ def _ours(
         AMPOptimizer,
         HybridAdam,
         check_host_rate,
+        check_stream_rate,
         measure_host_step_cost,
         measure_host_step_params_per_s,
         measure_speculative_step_cost,
@@ -876,7 +884,11 @@ def _ours(
             ),
             polish_rounds=polish_rounds,
             late_host_work=late_host_work,
-            stream_up_fraction=stream_up_fraction,
+            stream_up_fraction=(
+                calibrated.stream_up_fraction
+                if calibrated is not None and calibrated.stream_up_fraction is not None
+                else stream_up_fraction
+            ),
             stream_host_charge=stream_host_charge,
             measure_attention=measure_attention,
             fuse_gelu=fuse_gelu,
@@ -941,15 +953,18 @@ def _ours(
     # from the last N (check_host_rate), and plan again with the host rate that makes the
     # simulated host as busy; the row times the second plan.
     calibrate_steps = int(os.environ.get("BENCH_CALIBRATE") or 0)
+    calibrate_ring = os.environ.get("BENCH_CALIBRATE_RING") == "1"
     calibration: dict[str, Any] | None = None
     if calibrate_steps > 0 and pinned is None:
         for _ in range(2 + calibrate_steps):
             step()
         torch.cuda.synchronize()
         check = check_host_rate(opt, last=calibrate_steps)
+        ring_check = check_stream_rate(opt, last=calibrate_steps) if calibrate_ring else None
         if check is not None:
             first_hw = module.hardware
             rate = check.loop_params_per_s
+            ring_fraction = None if ring_check is None else ring_check.loop_fraction
             calibration = {
                 "steps": check.steps,
                 "planned_host_busy_ms": check.planned_busy_s * 1e3,
@@ -958,13 +973,15 @@ def _ours(
                 "rate_after_gparam": rate / 1e9,
                 "pred_step_ms_before": module.plan.predicted_step_time_s * 1e3,
                 "streamed_regions_before": sum(1 for st in module.storages if st.streamed),
+                "ring_fraction_before": None if first_hw is None else first_hw.stream_up_fraction,
+                "ring_fraction_after": ring_fraction,
             }
             in_use = module.plan.device_bytes_in_use
             module.close()
             del module, opt
             gc.collect()
             model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
-            module, opt = build(model, limit, Calibrated(first_hw, in_use, rate))
+            module, opt = build(model, limit, Calibrated(first_hw, in_use, rate, ring_fraction))
             del model
     setup_s = time.perf_counter() - t0
     issue_before = issue_cost_us()
@@ -1216,6 +1233,19 @@ def _ours(
     ]
     if any(waits_ms):
         out["streamed_paced_wait_ms_per_step"] = statistics.median(waits_ms)
+    # The ring's copies up, timed on the device ([Note: timing the ring's copies up] in
+    # offload_optim/streamed.py): the share of the profile's H2D rate they ran at, against
+    # the plan's stream_up_fraction.
+    ring = check_stream_rate(opt, last=len(timed_reports)) if timed_reports else None
+    if ring is not None:
+        out["ring_up"] = {
+            "loop_fraction": ring.loop_fraction,
+            "planned_fraction": ring.planned_fraction,
+            "gbps": ring.up_bytes / ring.measured_s / 1e9,
+            "bytes_per_step": ring.up_bytes,
+            "ms_per_step": ring.measured_s * 1e3,
+            "steps": ring.steps,
+        }
     # Ring chunks stepped from staged slots, warmup and timed steps (stage_ahead).
     out["staged_chunks"] = opt.optimizer.staged_chunks
     if speculate:

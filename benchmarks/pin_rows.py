@@ -37,6 +37,15 @@ def kernel_cpu_cell(cpu: dict[str, Any]) -> str:
     )
 
 
+def ring_up_cell(ring: dict[str, Any]) -> str:
+    """A row's ``ring_up`` (the ring's copies up timed in its loop) in words."""
+    return (
+        f"ring's copies up at {ring['gbps']:.1f} GB/s, {ring['loop_fraction']:.2f} of the "
+        f"profile's H2D rate (planned {ring['planned_fraction']:.2f}), "
+        f"{ring['ms_per_step']:.0f} ms a step"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("workload")
@@ -85,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         for part, cpu in sorted(row.get("host_kernel_cpu", {}).items()):
             print(f"    host Adam kernels, {part}: {kernel_cpu_cell(cpu)}")
+        if "ring_up" in row:
+            print(f"    {ring_up_cell(row['ring_up'])}")
         if matches is True or args.all:
             group = re.sub(r"\d+$", "", path.stem)
             groups.setdefault(group, []).append(row["step_mean_ms"])

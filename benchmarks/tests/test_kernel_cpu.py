@@ -50,3 +50,22 @@ def test_pin_rows_says_a_part_in_words() -> None:
         "of other processes 7.0 (medians)"
     )
     assert "of the machine -," in kernel_cpu_cell({"count": 0, "machine_cores": None})
+
+
+def test_pin_rows_says_the_rings_rate_in_the_loop() -> None:
+    from pin_rows import ring_up_cell
+
+    cell = ring_up_cell(
+        {
+            "loop_fraction": 0.68,
+            "planned_fraction": 0.78,
+            "gbps": 37.6,
+            "bytes_per_step": 6 << 30,
+            "ms_per_step": 171.4,
+            "steps": 20,
+        }
+    )
+    assert cell == (
+        "ring's copies up at 37.6 GB/s, 0.68 of the profile's H2D rate (planned 0.78), "
+        "171 ms a step"
+    )

@@ -24,7 +24,7 @@ from optim_helpers import (
 )
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, check_stream_rate, single_pass
 from offload_runtime.module import OffloadModule
 
 pytestmark = pytest.mark.gpu
@@ -494,9 +494,12 @@ def test_cuda_streamed_regions_step_on_the_device(
             stage_ahead=stage_ahead,
             stage_in_backward=stage_in_backward,
         )
-        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True)
+        amp = AMPOptimizer(
+            opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True, keep_reports=8
+        )
         losses: list[float] = []
         skipped: list[bool] = []
+        up: list[tuple[int, float]] = []
         for step in range(8):
             amp.zero_grad()
             poison["now"] = step == 5
@@ -513,6 +516,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             if step == 2:
                 reserved = torch.cuda.memory_reserved()
             if stream:
+                up.extend((t.up_bytes, t.up_s) for t in report.region_steps if t.streamed)
                 steps = {t.region: t.streamed for t in report.region_steps}
                 assert all(steps.get(st.index, True) for st in host[1:])
                 # Region 0 steps on the host. In the skipped step (5) it steps only if its
@@ -533,6 +537,15 @@ def test_cuda_streamed_regions_step_on_the_device(
             assert (opt.staged_chunks > 0) == (stage_ahead or stage_in_backward)
             assert (issued["state_staged"] > 0) == stage_in_backward
             assert ("offload-stream-issue" in issued["threads"]) == issue_thread
+            # The ring's copies up were timed on the device ([Note: timing the ring's
+            # copies up]): bytes and seconds for some regions, at a rate a PCIe link runs.
+            timed = [(n, sec) for n, sec in up if n > 0]
+            assert timed and all(sec > 0 for _, sec in timed)
+            rate = sum(n for n, _ in timed) / sum(sec for _, sec in timed)
+            assert 1e8 < rate < 1e12, rate
+            check = check_stream_rate(amp)
+            if check is not None:  # a module planned with a hardware profile
+                assert 0 < check.loop_fraction <= 1
         runs[stream] = (losses, masters(module), skipped)
         module.close()
     assert runs[True][2] == runs[False][2] == [False] * 5 + [True] + [False] * 2

@@ -10,11 +10,18 @@
 - streamed host-state regions (``StatePlacement.STREAMED``): host-resident state stepped
   on the device, chunk by chunk (:mod:`offload_optim.streamed`);
 - :func:`check_host_rate`: the host Adam rate the training loop ran at, against the one
-  the plan assumed, to plan again with (:mod:`offload_optim.calibration`).
+  the plan assumed, to plan again with, and :func:`check_stream_rate` the same for the
+  streamed regions' copies up (:mod:`offload_optim.calibration`).
 """
 
 from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
-from offload_optim.calibration import HostRateCheck, check_host_rate, planned_host_busy_s
+from offload_optim.calibration import (
+    HostRateCheck,
+    StreamRateCheck,
+    check_host_rate,
+    check_stream_rate,
+    planned_host_busy_s,
+)
 from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
 from offload_optim.kernels import (
     CHUNK_NUMEL,
@@ -45,7 +52,9 @@ __all__ = [
     "OverlapMode",
     "RegionStepTiming",
     "StepReport",
+    "StreamRateCheck",
     "check_host_rate",
+    "check_stream_rate",
     "fused_adam_",
     "measure_host_step_cost",
     "measure_host_step_params_per_s",

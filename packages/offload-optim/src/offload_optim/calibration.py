@@ -17,6 +17,13 @@ rate that would make the two agree (:attr:`HostRateCheck.loop_params_per_s`): pa
 runs. It reads :meth:`AMPOptimizer.recent_steps`, so the optimizer needs
 ``keep_reports`` of at least the steps to read; leave out the first step or two, which
 allocate and warm caches.
+
+:func:`check_stream_rate` does the same for the streamed regions' copies up, which the
+planner runs at ``HardwareProfile.stream_up_fraction`` of the profile's H2D rate: it sets
+the device time the loop's ring chunks took going up (timed on CUDA, [Note: timing the
+ring's copies up] in streamed.py) beside the profile's time for their bytes, and gives
+the fraction that makes the two agree (:attr:`StreamRateCheck.loop_fraction`), for
+``memory_optimize(..., stream_up_fraction=...)``.
 """
 
 from __future__ import annotations
@@ -108,4 +115,81 @@ def check_host_rate(optimizer: AMPOptimizer, last: int | None = None) -> HostRat
         planned_busy_s=planned_busy,
         measured_busy_s=statistics.median(busy),
         steps=len(busy),
+    )
+
+
+@dataclass(frozen=True)
+class StreamRateCheck:
+    """How fast the ring's copies up of streamed regions ran in the loop, against the
+    rate the plan assumed ([Note: timing the ring's copies up] in streamed.py)."""
+
+    planned_fraction: float
+    """The plan's ``HardwareProfile.stream_up_fraction``: the share of its H2D rate it ran
+    the ring's copies up at."""
+    up_bytes: int
+    """Median over the steps read of the bytes their streamed regions' ring chunks carried
+    up (staged ones included)."""
+    measured_s: float
+    """Median over the steps read of those copies' device seconds, summed over chunks."""
+    profile_s: float
+    """Seconds the plan's profile gives ``up_bytes`` at its full pinned H2D rate."""
+    steps: int
+    """How many steps the medians are over."""
+
+    @property
+    def loop_fraction(self) -> float:
+        """The ``stream_up_fraction`` at which the simulator's copies up take as long as
+        the loop's did: the profile's time over the measured, at most 1. Pass it to
+        ``memory_optimize(..., stream_up_fraction=...)`` to plan again for this machine
+        as it runs."""
+        return min(1.0, self.profile_s / self.measured_s)
+
+
+def check_stream_rate(optimizer: AMPOptimizer, last: int | None = None) -> StreamRateCheck | None:
+    """The rate the ring's copies up of streamed regions ran at in the training loop, from
+    ``optimizer``'s recent step reports (:attr:`RegionStepTiming.up_bytes` and
+    :attr:`~RegionStepTiming.up_s`, timed on the device on CUDA).
+
+    Args:
+        optimizer: an :class:`AMPOptimizer` over a module that ``memory_optimize`` built,
+            constructed with ``keep_reports`` >= 1.
+        last: read only the last ``last`` kept steps (default: all of them).
+
+    Returns:
+        None when the module has no hardware profile, or no step read timed a copy up (no
+        streamed region, or not on CUDA).
+
+    Raises:
+        ValueError: when ``optimizer`` keeps no reports, or ``last`` is not positive.
+    """
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
+        raise ValueError(f"check_stream_rate(last={last!r}): last must be an int >= 1 or None")
+    if optimizer.keep_reports < 1:
+        raise ValueError(
+            "check_stream_rate reads AMPOptimizer.recent_steps(): construct the optimizer "
+            "with keep_reports >= 1 (the steps to read)"
+        )
+    hardware = optimizer.module.hardware
+    if hardware is None:
+        return None
+    reports = optimizer.recent_steps()
+    if last is not None:
+        reports = reports[-last:]
+    per_step = [
+        (
+            sum(t.up_bytes for t in r.region_steps if t.streamed),
+            sum(t.up_s for t in r.region_steps if t.streamed),
+        )
+        for r in reports
+    ]
+    timed = [(b, s) for b, s in per_step if b > 0 and s > 0]
+    if not timed:
+        return None
+    up_bytes = int(statistics.median(b for b, _ in timed))
+    return StreamRateCheck(
+        planned_fraction=hardware.stream_up_fraction,
+        up_bytes=up_bytes,
+        measured_s=statistics.median(s for _, s in timed),
+        profile_s=hardware.h2d_time_s(up_bytes),
+        steps=len(timed),
     )

@@ -148,6 +148,12 @@ class RegionStepTiming:
     paced_wait_s: float = 0.0
     """A streamed region issued by a paced ring (``HybridAdam(paced_ring=True)``): seconds
     the issuing thread waited for free ring slots while issuing it; 0 otherwise."""
+    up_bytes: int = 0
+    """A streamed region on CUDA: bytes its ring chunks' copies up carried (staged ones
+    included), where their device timing was read ([Note: timing the ring's copies up]
+    in streamed.py); 0 otherwise."""
+    up_s: float = 0.0
+    """Seconds those copies up took on the device, summed over its chunks."""
 
     @property
     def on_host(self) -> bool:
@@ -238,20 +244,25 @@ def _publish_streamed_step(
     issue_s: float = 0.0,
     paced_wait_s: float = 0.0,
     written: Event | None = None,
+    up_copies: list[streamed.UpCopy] | None = None,
 ) -> None:
     """Publish streamed region ``r`` once its downloads landed: mark it published on
     ``controller`` (``written``: its device parameters were written by the device step,
     ready at that event, and nothing goes up; see [Note: writing resident parameters] in
     streamed.py), record its :class:`RegionStepTiming` in ``sink`` (``start``/``end`` in
-    seconds of ``time.perf_counter``, ``issue_s`` and ``paced_wait_s`` in seconds), then
-    call ``then`` (step()'s task completes the region's future; a hook's
+    seconds of ``time.perf_counter``, ``issue_s`` and ``paced_wait_s`` in seconds, with
+    the device time of ``up_copies``, its ring chunks' timed copies up), then call
+    ``then`` (step()'s task completes the region's future; a hook's
     :meth:`HybridAdam.issue_region` calls its ``published``)."""
     with torch.profiler.record_function(f"streamed step {r} (publish)"):
         if written is None:
             controller.publish(r)
         else:
             controller.publish_written(r, written)
-        sink.append(RegionStepTiming(r, start, end, True, True, issue_s, paced_wait_s))
+        up_bytes, up_s = streamed.up_copy_time(up_copies or [])
+        sink.append(
+            RegionStepTiming(r, start, end, True, True, issue_s, paced_wait_s, up_bytes, up_s)
+        )
         then()
 
 
@@ -862,6 +873,7 @@ class HybridAdam(torch.optim.Optimizer):
             slots=slots,
             streams=self._ring_streams,
             after=self._require_controller().streams.h2d if self.ring_yields else None,
+            timed=True,
         )
 
     def _issue_streamed(
@@ -1557,6 +1569,7 @@ class HybridAdam(torch.optim.Optimizer):
                     )
                     waited = ring.paced_wait_s - waited
                     issued = time.perf_counter() - start - waited
+                    ups = ring.take_up_copies()
                 if written is not None and early is not None and r in early:
                     early[r](written)
                 # Its publish casts the new master on the host unless the ring wrote the
@@ -1566,7 +1579,13 @@ class HybridAdam(torch.optim.Optimizer):
                     r,
                     landed,
                     start,
-                    partial(publish[r], issue_s=issued, paced_wait_s=waited, written=written),
+                    partial(
+                        publish[r],
+                        issue_s=issued,
+                        paced_wait_s=waited,
+                        written=written,
+                        up_copies=ups,
+                    ),
                     casts=casts,
                 )
                 if between is not None:

@@ -218,6 +218,23 @@ until the last download, and W2 held past it broke its budget in session 22).
 that the caching allocator hands the next ring the last one's blocks.
 On a machine without CUDA the "device" is the CPU and every copy runs at once, in order:
 the same values, for tests.
+
+[Note: timing the ring's copies up]
+The planner runs the ring's copies up at ``HardwareProfile.stream_up_fraction`` of the
+profile's H2D rate (0.78 by default, ``offload_runtime.api.STREAM_UP_FRACTION``). In the
+training loop they share the PCIe link with the ring's copies down and the runtime's
+uploads, and on an H200 W2's ring went up at 0.62-0.68 of the rate and W4's at 0.62-0.75
+(``benchmarks/copy_lag.py`` on the profiled steps of sessions 50-54; BENCHMARKS.md,
+session 54), which with the loop's host rate put W2's replayed steps within 15% of their
+run means (``replay_bench.py --hold-plan``). A ring built ``timed`` (``HybridAdam``'s
+rings on CUDA) records a pair of timing events around each chunk's copies up on its up
+stream, the first after the chunk's waits, so the pair spans the copies alone (with
+whatever else shares the link then), and the bytes they carry (:class:`UpCopy`). The
+issuing code takes them per streamed region (:meth:`StreamRing.take_up_copies`) and
+reads them when the region is published, once its downloads (and so its copies up) have
+landed (:func:`up_copy_time`: no host sync); :class:`~offload_optim.hybrid_adam.
+RegionStepTiming` carries the sums and ``offload_optim.check_stream_rate`` turns a
+loop's steps into the fraction to plan with, as ``check_host_rate`` does for the host.
 """
 
 from __future__ import annotations
@@ -430,6 +447,30 @@ def wait_polling(
         time.sleep(poll_s)
 
 
+@dataclass(frozen=True)
+class UpCopy:
+    """One chunk's copies up through a timed ring ([Note: timing the ring's copies up]):
+    device events around them on the ring's up stream, and their bytes."""
+
+    start: torch.cuda.Event
+    """Recorded after the chunk's waits (its slot free, the h2d stream's queue with
+    ``ring_yields``): when the up stream got to its copies."""
+    end: torch.cuda.Event
+    nbytes: int
+
+
+def up_copy_time(copies: list[UpCopy]) -> tuple[int, float]:
+    """(bytes, seconds) of ``copies`` whose copies have finished on the device; those not
+    yet finished are left out (their events cannot be timed yet). Reads the events, no
+    host sync."""
+    nbytes, seconds = 0, 0.0
+    for c in copies:
+        if c.end.query():  # type: ignore[no-untyped-call]
+            nbytes += c.nbytes
+            seconds += c.start.elapsed_time(c.end) / 1e3
+    return nbytes, seconds
+
+
 @dataclass
 class _Slot:
     master: torch.Tensor
@@ -519,6 +560,7 @@ class StreamRing:
         slots: int = STREAM_SLOTS,
         streams: RingStreams | None = None,
         after: Stream | None = None,
+        timed: bool = False,
     ) -> None:
         if chunk_numel < 1 or slots < 1:
             raise ValueError(f"chunk_numel={chunk_numel} and slots={slots} must be >= 1")
@@ -560,6 +602,10 @@ class StreamRing:
         """Chunks stepped from a staged slot (their copies up issued ahead)."""
         self.paced_wait_s = 0.0
         """Seconds the issuing thread has waited for free slots (``issue(paced=True)``)."""
+        self.timed = timed and self.up.cuda is not None
+        """Time each chunk's copies up on the device ([Note: timing the ring's copies
+        up]); never on the CPU."""
+        self._up_copies: list[UpCopy] = []
 
     def issue(
         self,
@@ -733,9 +779,26 @@ class StreamRing:
         if self.after is not None:
             self.up.wait(self.after.record())
         with self.up.context():
+            if not self.timed:
+                for dst, src in pairs:
+                    dst.copy_(src[a:b], non_blocking=True)
+                return self.up.record()
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record(self.up.cuda)
+            nbytes = 0
             for dst, src in pairs:
                 dst.copy_(src[a:b], non_blocking=True)
-            return self.up.record()
+                nbytes += (b - a) * src.element_size()
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end.record(self.up.cuda)
+            self._up_copies.append(UpCopy(start, end, nbytes))
+            return Event(end)
+
+    def take_up_copies(self) -> list[UpCopy]:
+        """The chunks' copies up timed since the last call (staged ones included), and
+        forget them: empty unless ``timed``."""
+        copies, self._up_copies = self._up_copies, []
+        return copies
 
     def _grad_buffer(self, slot: _Slot, dtype: torch.dtype) -> torch.Tensor:
         buf = slot.grads.get(dtype)
