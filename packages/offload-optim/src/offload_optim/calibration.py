@@ -31,7 +31,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from offload_optim.amp import AMPOptimizer
+from offload_optim.amp import AMPOptimizer, StepReport
 from offload_solver import Plan, Stream
 
 
@@ -39,6 +39,20 @@ def planned_host_busy_s(plan: Plan) -> float:
     """Seconds the simulated host worker is busy in ``plan``'s cold step (its region steps
     and publishes on the host lane)."""
     return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
+
+
+def _reports_read(optimizer: AMPOptimizer, last: int | None, caller: str) -> list[StepReport]:
+    """``optimizer``'s kept step reports, the last ``last`` of them (all for None), for
+    ``caller``; ValueError when it keeps none or ``last`` is not an int >= 1."""
+    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
+        raise ValueError(f"{caller}(last={last!r}): last must be an int >= 1 or None")
+    if optimizer.keep_reports < 1:
+        raise ValueError(
+            f"{caller} reads AMPOptimizer.recent_steps(): construct the optimizer "
+            "with keep_reports >= 1 (the steps to read)"
+        )
+    reports = optimizer.recent_steps()
+    return reports if last is None else reports[-last:]
 
 
 @dataclass(frozen=True)
@@ -91,22 +105,13 @@ def check_host_rate(optimizer: AMPOptimizer, last: int | None = None) -> HostRat
     Raises:
         ValueError: when ``optimizer`` keeps no reports, or ``last`` is not positive.
     """
-    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
-        raise ValueError(f"check_host_rate(last={last!r}): last must be an int >= 1 or None")
-    if optimizer.keep_reports < 1:
-        raise ValueError(
-            "check_host_rate reads AMPOptimizer.recent_steps(): construct the optimizer "
-            "with keep_reports >= 1 (the steps to read)"
-        )
-    reports = optimizer.recent_steps()
+    reports = _reports_read(optimizer, last, "check_host_rate")
     hardware = optimizer.module.hardware
     if hardware is None:
         return None
     planned_busy = planned_host_busy_s(optimizer.module.plan)
     if planned_busy <= 0:
         return None
-    if last is not None:
-        reports = reports[-last:]
     busy = [r.host_step_s for r in reports if not r.skipped and r.host_step_s > 0]
     if not busy:
         return None
@@ -162,19 +167,10 @@ def check_stream_rate(optimizer: AMPOptimizer, last: int | None = None) -> Strea
     Raises:
         ValueError: when ``optimizer`` keeps no reports, or ``last`` is not positive.
     """
-    if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 1):
-        raise ValueError(f"check_stream_rate(last={last!r}): last must be an int >= 1 or None")
-    if optimizer.keep_reports < 1:
-        raise ValueError(
-            "check_stream_rate reads AMPOptimizer.recent_steps(): construct the optimizer "
-            "with keep_reports >= 1 (the steps to read)"
-        )
+    reports = _reports_read(optimizer, last, "check_stream_rate")
     hardware = optimizer.module.hardware
     if hardware is None:
         return None
-    reports = optimizer.recent_steps()
-    if last is not None:
-        reports = reports[-last:]
     per_step = [
         (
             sum(t.up_bytes for t in r.region_steps if t.streamed),
