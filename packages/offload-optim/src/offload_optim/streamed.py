@@ -226,7 +226,7 @@ training loop they share the PCIe link with the ring's copies down and the runti
 uploads, and on an H200 W2's ring went up at 0.62-0.68 of the rate and W4's at 0.62-0.75
 (``benchmarks/copy_lag.py`` on the profiled steps of sessions 50-54; BENCHMARKS.md,
 session 54); replayed at 0.67 with the loop's host rate, W2's measured plans came to
-13-15% under their run means against 19-23% as planned (``replay_bench.py --hold-plan
+13-15% under their run means against 18-23% as replanned (``replay_bench.py --hold-plan
 --host-rate loop``). A ring built ``timed`` (``HybridAdam``'s
 rings on CUDA) records a pair of timing events around each chunk's copies up on its up
 stream, the first after the chunk's waits, so the pair spans the copies alone (with
