@@ -172,3 +172,13 @@ def test_hold_plan_simulates_the_recorded_plan_under_a_slower_ring(
         steps.append(float(cell.split()[0]))
     assert steps[0] == steps[1] == pytest.approx(318.0, abs=1.0)
     assert steps[2] == pytest.approx(324.0, abs=1.0)
+
+
+def test_the_run_mean_summary_counts_rows_within_15_percent() -> None:
+    from replay_bench import run_error_line
+
+    line = run_error_line("3 W2 rows", [-0.2, -0.1, 0.15])
+    assert line == (
+        "replayed against the run mean over 3 W2 rows: mean -5.0%, mean absolute 15.0%, "
+        "2 within 15%"
+    )
