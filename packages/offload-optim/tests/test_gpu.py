@@ -536,7 +536,10 @@ def test_cuda_streamed_regions_step_on_the_device(
             assert (issued["state_staged"] > 0) == stage_in_backward
             assert ("offload-stream-issue" in issued["threads"]) == issue_thread
             # The ring's copies up were timed on the device ([Note: timing the ring's
-            # copies up]): bytes and seconds for some regions, at a rate a PCIe link runs.
+            # copies up]): bytes and seconds for some regions. The chunks here hold 1000
+            # elements, a few KiB per copy, so each copy's fixed cost of some microseconds
+            # sets the rate: 65-91 MB/s on an H200 (session 55), against 29-38 GB/s for
+            # the bench's chunks. The bounds say only that the events timed the copies.
             up = [
                 (t.up_bytes, t.up_s)
                 for rep in amp.recent_steps()
@@ -546,7 +549,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             timed = [(n, sec) for n, sec in up if n > 0]
             assert timed and sum(sec for _, sec in timed) > 0
             rate = sum(n for n, _ in timed) / sum(sec for _, sec in timed)
-            assert 1e8 < rate < 1e12, rate
+            assert 1e6 < rate < 1e12, rate
             check = check_stream_rate(amp)
             if check is not None:  # a module planned with a hardware profile
                 assert 0 < check.loop_fraction <= 1
