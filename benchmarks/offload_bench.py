@@ -337,6 +337,18 @@ def _fastest5_mean_s(times: list[float]) -> float:
     return statistics.mean(sorted(times)[:5])
 
 
+def cpu_span_summary(spans: dict[str, list[float]] | None) -> dict[str, float | int] | None:
+    """Median host wall time (ms) of each call of a step (``forward``: the model and the
+    loss; ``backward``: ``backward(loss)`` until it returns, its hooks included; ``step``:
+    ``step()`` until it returns) over the calls timed, and how many; None when none was
+    timed. Skipped steps count too: their calls ran the same forward and backward."""
+    if not spans or not spans.get("backward"):
+        return None
+    out: dict[str, float | int] = {k: statistics.median(v) * 1e3 for k, v in spans.items() if v}
+    out["calls"] = len(spans["backward"])
+    return out
+
+
 def interleaved_steps(
     a: Callable[[], None],
     b: Callable[[], None],
@@ -943,11 +955,24 @@ def _ours(
             module, opt = build(model, limit)
             del model
 
+    # The host's wall time in each call of the timed steps (cpu_span_ms): in a step bound by
+    # issuing operations (W2) the backward's span is what the simulator's backward stands
+    # for; collected once before_timing has run.
+    spans: dict[str, list[float]] | None = None
+
     def step() -> None:
+        t_fwd = time.perf_counter()
         loss = lm_loss(module(**data), data["input_ids"])
+        t_bwd = time.perf_counter()
         opt.backward(loss)
+        t_step = time.perf_counter()
         opt.step()
+        t_end = time.perf_counter()
         opt.zero_grad()
+        if spans is not None:
+            spans["forward"].append(t_bwd - t_fwd)
+            spans["backward"].append(t_step - t_bwd)
+            spans["step"].append(t_end - t_step)
 
     # BENCH_CALIBRATE=N: run the plan for 2 + N steps, take the host's busy time per step
     # from the last N (check_host_rate), and plan again with the host rate that makes the
@@ -1005,8 +1030,10 @@ def _ours(
     from offload_optim import single_pass
 
     def before_timing() -> None:
+        nonlocal spans
         allocator_before.append(_allocator_counts())
         single_pass.kernel_cpu_samples(clear=True)  # the warm-up's kernels are not timed
+        spans = {"forward": [], "backward": [], "step": []}
 
     times = _timed_steps(
         step,
@@ -1029,6 +1056,7 @@ def _ours(
     out["skipped_steps_ms"] = [t * 1e3 for t in skipped_ms]
     out["timed_steps"] = len(times)
     out["gpu_clocks"] = clocks
+    out["cpu_span_ms"] = cpu_span_summary(spans)
     # What the caching allocator did over the timed steps (ALLOCATOR_EVENTS).
     out["allocator_events"] = {
         k: allocator_after[k] - allocator_before[0][k] for k in ALLOCATOR_EVENTS

@@ -204,6 +204,23 @@ def lane_window(steady: Any, until_s: float) -> list[tuple[str, str, int, float,
     return out
 
 
+def simulated_pass_spans(steady: Any) -> dict[str, float]:
+    """Seconds from the first to the last end of ``steady``'s repeating step's forward
+    (``fwd``) and backward (``bwd``) tasks on the compute lane: the span of each pass,
+    waits inside it included. Comparable with a row's ``cpu_span_ms`` where the passes are
+    bound by issuing operations (W2), as the host's wall time in ``backward(loss)`` is
+    the backward's span there."""
+    from offload_solver.simulators._engine import KINDS
+
+    run = steady.last
+    out: dict[str, float] = {}
+    for what in ("fwd", "bwd"):
+        tasks = [i for i, kind in enumerate(run.kind) if KINDS[kind] == what]
+        if tasks:
+            out[what] = max(run.end[i] for i in tasks) - min(run.start[i] for i in tasks)
+    return out
+
+
 def lane_busy(steady: Any) -> dict[tuple[str, str], tuple[int, float]]:
     """Per (lane, kind), how many tasks ``steady``'s repeating step runs and their busy
     seconds: what the simulator has each lane do in a step, beside a trace's busy times."""
@@ -833,6 +850,18 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     f"{under_cell} |",
                     flush=True,
                 )
+                # The passes' spans: the host's wall time in the row's calls (from session
+                # 55 on) beside the replayed step's compute lane.
+                cpu = row.get("cpu_span_ms")
+                if cpu:
+                    sim = simulated_pass_spans(steady)
+                    print(
+                        f"    host span of backward(loss) {cpu['backward']:.1f} ms, forward "
+                        f"{cpu['forward']:.1f} ms, step() {cpu['step']:.1f} ms; replayed "
+                        f"backward {sim.get('bwd', 0.0) * 1e3:.1f} ms, forward "
+                        f"{sim.get('fwd', 0.0) * 1e3:.1f} ms",
+                        flush=True,
+                    )
                 if args.placements:
                     print(f"    placements: {placements_line(plan)}", flush=True)
                 for changes in args.restate:

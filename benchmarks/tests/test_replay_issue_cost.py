@@ -81,6 +81,26 @@ def test_lane_window_merges_back_to_back_passes_and_lane_busy_sums_each_kind() -
     assert busy[("compute", "bwd")] == (1, pytest.approx(0.001))
 
 
+def test_pass_spans_run_from_the_first_task_of_a_pass_to_its_last_end() -> None:
+    from types import SimpleNamespace
+
+    from replay_bench import simulated_pass_spans
+
+    # fwd r0 0-1 ms, a wait, fwd r1 3-4 ms; bwd r1 5-7 ms, bwd r0 7-8 ms; a host step.
+    run = SimpleNamespace(
+        lane=[0, 0, 0, 0, 3],
+        kind=[0, 0, 1, 1, 5],
+        region=[0, 1, 1, 0, 0],
+        start=[0.0, 0.003, 0.005, 0.007, 0.0],
+        end=[0.001, 0.004, 0.007, 0.008, 0.006],
+    )
+    spans = simulated_pass_spans(SimpleNamespace(last=run, period_s=0.010))
+    assert spans == {"fwd": pytest.approx(0.004), "bwd": pytest.approx(0.003)}
+    # A step without a backward task has no backward span.
+    run.kind = [0, 0, 0, 0, 5]
+    assert set(simulated_pass_spans(SimpleNamespace(last=run, period_s=0.010))) == {"fwd"}
+
+
 def test_restate_parses_regions_and_states_and_refuses_the_rest() -> None:
     from replay_bench import _restate_arg
 
