@@ -1980,11 +1980,15 @@ def issue_floor(
     r: dict[str, Any], full: dict[str, Any] | None, host_gparam: float | None = None
 ) -> tuple[float, str] | None:
     """The issue's floor for row ``r`` (ms, and which part sets it): the largest of its
-    :func:`floor_parts` (``host_gparam`` as there). None when nothing is known."""
+    :func:`floor_parts` (``host_gparam`` as there). None when nothing is known, or when
+    every part is 0 (W1 run without a full-GPU row: nothing crosses PCIe or steps on the
+    host; its table cell divided by that floor ended session 55's run before its JSON)."""
     parts = floor_parts(r, full, host_gparam)
     if not parts:
         return None
     key = max(parts, key=lambda k: parts[k])
+    if not parts[key] > 0:
+        return None
     return parts[key], key
 
 

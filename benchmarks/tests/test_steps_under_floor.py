@@ -45,3 +45,17 @@ def test_a_plan_rate_slower_than_the_fused_one_keeps_the_fused_floor() -> None:
 def test_rows_without_parts_count_nothing() -> None:
     assert steps_under_floor([1.0, 2.0], {}) == 0
     assert steps_under_floor([1.0, 2.0], {"host_adam_all_host_state": 10.0}) == 0
+
+
+def test_a_row_whose_floor_parts_are_all_zero_has_no_floor_and_tabulates() -> None:
+    """Session 55's W1 row of ours alone: nothing crosses PCIe or steps on the host, so
+    every part is 0; the table once divided by it."""
+    from offload_bench import issue_floor, markdown
+
+    path = Path(__file__).resolve().parent.parent / "results" / "s55c6_W1_span.json"
+    doc = json.loads(path.read_text())
+    row = doc["results"]["W1"]["ours"]
+    assert row["floor_parts_ms"] and not any(row["floor_parts_ms"].values())
+    assert issue_floor(row, None) is None
+    table = markdown(doc["results"], doc["meta"])
+    assert "| W1 gpt2_medium 64x8 @ 16 GiB |" in table
