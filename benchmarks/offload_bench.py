@@ -178,6 +178,10 @@ plan's, GB/s while copying, bytes and ms per step).
 Set BENCH_ISSUE_AHEAD=1 to plan the ``ours`` kinds with operations issued ahead of the
 device (``memory_optimize(issue_ahead=True)``; =0 or unset: the profile's own, False);
 rows record ``issue_ahead`` (from session 39 on).
+Set BENCH_BACKWARD_ISSUE_FACTOR=F to plan the ``ours`` kinds with each backward operation
+of a step with host-state regions issued at F times the issue cost
+(``memory_optimize(backward_issue_factor=F)``; unset: the profile's own, 1); rows record
+``backward_issue_factor`` (from session 55 on).
 Full-GPU training scales its loss with ``torch.amp.GradScaler`` (from session 39 on; rows
 and ``paired_full_gpu`` record ``grad_scaler``): unscaled, its fp16 gradients underflow to
 subnormals and zeros, which no user's fp16 training would train on. In one call of
@@ -741,6 +745,8 @@ def _ours(
     measure_attention = None if not measure_env else measure_env != "0"
     ahead_env = os.environ.get("BENCH_ISSUE_AHEAD")
     issue_ahead = None if ahead_env is None else ahead_env != "0"
+    factor_env = os.environ.get("BENCH_BACKWARD_ISSUE_FACTOR")
+    backward_issue_factor = float(factor_env) if factor_env else None
     fuse_gelu = bench_fuse_gelu()
     pair_full_gpu = os.environ.get("BENCH_PAIR_FULL_GPU", "0") != "0"
     issue_thread = os.environ.get("BENCH_ISSUE_THREAD", "1") != "0"
@@ -905,6 +911,7 @@ def _ours(
             measure_attention=measure_attention,
             fuse_gelu=fuse_gelu,
             issue_ahead=issue_ahead,
+            backward_issue_factor=backward_issue_factor,
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -1070,6 +1077,7 @@ def _ours(
         module.hardware is not None and module.hardware.attention_fwd_flop_per_s > 0
     )
     out["issue_ahead"] = module.hardware.issue_ahead
+    out["backward_issue_factor"] = module.hardware.backward_issue_factor
     out["fuse_gelu"] = fuse_gelu
     out["issue_thread"] = issue_thread
     out["speculation_thread"] = speculation_thread

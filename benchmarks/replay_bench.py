@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from collections.abc import Iterator
@@ -92,12 +93,14 @@ def row_hardware(
     op_overhead_us: float | None = None,
     stream_up: float | None = None,
     stream_charge: float | None = None,
+    backward_issue: float | None = None,
     compute_model: argparse.Namespace | None = None,
 ) -> Any:
     """The ``HardwareProfile`` a benchmark row's plan was made with, its host Adam rate
     set to ``host_adam_gparam`` (and its per-operation issue cost to ``op_overhead_us``,
     its ``stream_up_fraction`` to ``stream_up``, its ``stream_host_charge`` to
-    ``stream_charge``, when given; and ``compute_model``'s options,
+    ``stream_charge``, its ``backward_issue_factor`` to ``backward_issue``, when given; and
+    ``compute_model``'s options,
     ``plan_predict.with_compute_model``): the whole profile
     where the row records it (from
     session 20 on), else the row's figures on the default bandwidth curves scaled to its
@@ -107,6 +110,8 @@ def row_hardware(
         hw = dataclasses.replace(hw, stream_up_fraction=stream_up)
     if stream_charge is not None:
         hw = dataclasses.replace(hw, stream_host_charge=stream_charge)
+    if backward_issue is not None:
+        hw = dataclasses.replace(hw, backward_issue_factor=backward_issue)
     if compute_model is not None:
         hw = with_compute_model(hw, compute_model)
     return hw
@@ -585,6 +590,15 @@ def main(argv: list[str] | None = None) -> int:
         "charged to the host (HardwareProfile.stream_host_charge) instead of the row's own "
         "(1 before session 30)",
     )
+    parser.add_argument(
+        "--backward-issue-factor",
+        type=float,
+        default=None,
+        metavar="F",
+        help="replan every row with each backward operation of a step with host-state "
+        "regions issued at F times the per-operation issue cost "
+        "(HardwareProfile.backward_issue_factor; rows so far were planned at 1)",
+    )
     add_compute_model_args(parser, "replan every row")
     parser.add_argument(
         "--fuse-gelu",
@@ -658,6 +672,9 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--host-step-cost {item!r}: the cost must be > 0")
     if costs and not (args.fused_gparam and args.fused_gparam > 0):
         parser.error("--host-step-cost needs --fused-gparam > 0")
+    factor = args.backward_issue_factor
+    if factor is not None and not 1 <= factor < math.inf:
+        parser.error(f"--backward-issue-factor must be a finite factor >= 1, got {factor}")
     if not args.host_margin >= 1:
         parser.error(f"--host-margin must be >= 1, got {args.host_margin}")
     if args.stream_slots is not None and (args.stream_slots < 2 or args.stage_in_backward == "no"):
@@ -782,6 +799,7 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     "op_overhead_us": row_issue_cost_us(row, args.op_overhead_us),
                     "stream_up": args.stream_up_fraction,
                     "stream_charge": args.stream_host_charge,
+                    "backward_issue": args.backward_issue_factor,
                     "compute_model": args,
                 }
                 # --hold-plan: the plan is made with the row's own profile and simulated

@@ -452,6 +452,13 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     for kwargs in bad:
         with pytest.raises(ValueError, match="host_step"):
             planning_hardware(hw, **kwargs)
+    # The backward's issue cost beside host-state regions, set when given (the profile's
+    # otherwise, 1); memory_optimize takes it too, None by default.
+    assert planning_hardware(hw, backward_issue_factor=4.0).backward_issue_factor == 4.0
+    assert planning_hardware(hw).backward_issue_factor == hw.backward_issue_factor == 1.0
+    assert sig["backward_issue_factor"].default is None
+    with pytest.raises(ValueError, match="backward_issue_factor"):
+        planning_hardware(hw, backward_issue_factor=0.5)
     # The streamed copies' share of the H2D rate, set when given (the profile's otherwise).
     assert planning_hardware(hw, stream_up_fraction=0.7).stream_up_fraction == 0.7
     assert planning_hardware(hw, **as_is).stream_up_fraction == hw.stream_up_fraction == 1.0

@@ -459,6 +459,7 @@ def planning_hardware(
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     issue_ahead: bool | None = None,
+    backward_issue_factor: float | None = None,
     warn_host_rates: bool = True,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
@@ -468,7 +469,8 @@ def planning_hardware(
     passes charged with ``fp16_io`` (they happen inside the host step), and
     ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
     :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
-    streamed regions are simulated), and ``issue_ahead`` unless None (the profile's own).
+    streamed regions are simulated), and ``issue_ahead`` and ``backward_issue_factor``
+    unless None (the profile's own).
     For planning without building, e.g. the example's ``--plan_only``. With
     ``warn_host_rates`` (memory_optimize: on a GPU, whose profile is measured; the CPU's
     default profile holds no measured rate), warns when the two host rates are more than
@@ -477,6 +479,8 @@ def planning_hardware(
     _check_stream_model(stream_up_fraction, stream_host_charge)
     if issue_ahead is not None:
         hardware = dataclasses.replace(hardware, issue_ahead=issue_ahead)
+    if backward_issue_factor is not None:
+        hardware = dataclasses.replace(hardware, backward_issue_factor=backward_issue_factor)
     if stream_up_fraction is not None:
         hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
     if stream_host_charge is not None:
@@ -528,6 +532,7 @@ def memory_optimize(
     measure_attention: bool | None = None,
     fuse_gelu: bool = True,
     issue_ahead: bool | None = None,
+    backward_issue_factor: float | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -677,6 +682,13 @@ def memory_optimize(
             the run mean (BENCHMARKS.md, session 38); W3 planned so in session 39, one
             row, ran within the spread of the default's rows (253.9 ms by the 5 fastest
             steps against 241-264), predicted 8.9% under its run mean. Not the default.
+        backward_issue_factor: how many times ``op_overhead_s`` each backward operation
+            costs the host to issue when the plan keeps some regions' optimizer state on
+            the host (``HardwareProfile.backward_issue_factor``, >= 1; the backward is
+            then simulated as issued ahead of the device). None (default): the profile's
+            own, 1. Session 55 replayed 102 rows of sessions 45-55 at 4: 89 predicted
+            within 15% of their run means against 82 at 1 (W2 18 of 20 against 9); not
+            yet planned so on a GPU. Not the default.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -746,6 +758,7 @@ def memory_optimize(
         stream_up_fraction=stream_up_fraction,
         stream_host_charge=stream_host_charge,
         issue_ahead=issue_ahead,
+        backward_issue_factor=backward_issue_factor,
         warn_host_rates=_profile_is_measured(dev),
     )
     if fp16_io:

@@ -405,6 +405,14 @@ class HardwareProfile:
     host issues operations ahead of the device, one ``op_overhead_s`` each, and the device
     runs each once issued and the one before it is done, for its compute or traffic; so
     operations that launch nothing (views) cost the device nothing where it is behind."""
+    backward_issue_factor: float = 1.0
+    """How many times ``op_overhead_s`` each backward operation costs the host to issue in a
+    step with host-state (HOST or STREAMED) regions, whose gradient hooks and host Adam
+    threads run beside the backward ([Note: the backward beside the host] in
+    ``offload_solver.simulators._engine``); 1 (the default): as in any other step.
+    Session 55's W2 row (GPT-2 XL at 64 x 8 tokens, every region's state on the host)
+    spent 174 ms in ``backward(loss)`` where the simulator's backward spans 60 ms; W1's
+    (all on the device) 24.4 against 22.3."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -428,6 +436,11 @@ class HardwareProfile:
         if not self.op_overhead_s >= 0:
             raise ValueError(
                 f"HardwareProfile.op_overhead_s is {self.op_overhead_s}; must be >= 0 seconds"
+            )
+        if not 1 <= self.backward_issue_factor < math.inf:
+            raise ValueError(
+                f"HardwareProfile.backward_issue_factor is {self.backward_issue_factor}; "
+                "must be a finite factor >= 1 (1: the backward issues as any pass does)"
             )
         if not 0 <= self.host_convert_elems_per_s < math.inf:
             raise ValueError(
@@ -565,6 +578,9 @@ class HardwareProfile:
                     _get(data, "attention_bwd_flop_per_s", (int, float), default=0.0)
                 ),
                 issue_ahead=_get(data, "issue_ahead", bool, default=False),
+                backward_issue_factor=float(
+                    _get(data, "backward_issue_factor", (int, float), default=1.0)
+                ),
             )
         except TypeError as exc:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc

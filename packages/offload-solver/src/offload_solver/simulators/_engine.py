@@ -301,6 +301,21 @@ KINDS = (
 # ``benchmarks/compute_fidelity.py``).
 
 
+# [Note: the backward beside the host]
+# In a step with host-state regions the backward is issued beside work the probe behind
+# ``op_overhead_s`` does not have: the regions' gradient hooks (per parameter, a copy down
+# and its stream bookkeeping; per region, the overflow check's norms) and the host Adam's
+# threads on every core (``benchmarks/issue_under_load.py``: the probe's operations cost
+# 1.35-1.41x as much beside a host Adam on an H200, session 55). Session 55's W2 row
+# (GPT-2 XL at 64 x 8 tokens, every region's state on the host) spent 174 ms in
+# ``backward(loss)`` where the simulated backward spans 60 ms, while its forward agreed
+# (204 and 209 ms) and W1's step, all on the device, agreed in both passes (backward 24.4
+# against 22.3 ms). ``HardwareProfile.backward_issue_factor`` scales the backward's issue
+# cost in such steps; a step whose regions all keep their state on the device keeps
+# ``op_overhead_s``. Not modelled: where in the backward the host steps run (the factor
+# applies to the whole pass), and the forward beside the host.
+
+
 def issued_starts(device_s: Sequence[float], issue_s: float) -> tuple[list[float], float]:
     """Start of each operation (device seconds ``device_s``, in the order they run) from
     the start of issuing, and the end of the last, when each is issued ``issue_s`` after
@@ -517,7 +532,7 @@ class SimulationContext:
         # ([Note: issuing ahead]); with it the passes below add the issue lane.
         least = 0.0 if hw.issue_ahead else hw.op_overhead_s
         fwd_op = [max(hw.operation_device_s(op), least) for op in ops]
-        bwd_op = [max(hw.operation_device_s(op, backward=True), least) for op in ops]
+        bwd_dev = [hw.operation_device_s(op, backward=True) for op in ops]
         saved = [0]
         for op in ops:
             saved.append(saved[-1] + op.saved_bytes)
@@ -529,26 +544,29 @@ class SimulationContext:
         ]
         self.act_fwd_max = max(self.act_fwd)
 
+        def backward_eff(issue_s: float, ahead: bool) -> list[float]:
+            """Per operation, backward seconds from its start to the next one's (in
+            reverse operation order) when each costs the host ``issue_s`` to issue,
+            issued ahead of the device or not ([Note: issuing ahead])."""
+            if not ahead:
+                return [max(d, issue_s) for d in bwd_dev]
+            # Operation starts over the whole pass, in reverse operation order; a
+            # region's offsets from its first operation's ([Note: issuing ahead]).
+            at_rev, end = issued_starts(bwd_dev[::-1], issue_s)
+            at = at_rev[::-1]
+            # The first operation of a pass also waits for its own issue.
+            return [b - a for a, b in zip([*at[:-1], 0.0], [end, *at[:-1]], strict=True)]
+
         # Start offsets of each region's operations from the region's compute start:
         # forward in operation order, backward in reverse operation order.
         self.fwd_offsets: list[list[float]] = []
-        self.bwd_offsets: list[list[float]] = []
         self.fwd_s: list[float] = []
-        self.bwd_s: list[float] = []
         self.act_bwd_region_max: list[int] = []
-        fwd_eff, bwd_eff = fwd_op, bwd_op
+        fwd_eff = fwd_op
         if hw.issue_ahead:
-            # Operation starts over a whole pass (backward in reverse operation order);
-            # a region's offsets from its first operation's ([Note: issuing ahead]).
             fwd_at, fwd_end = issued_starts(fwd_op, hw.op_overhead_s)
-            bwd_at_rev, bwd_end = issued_starts(bwd_op[::-1], hw.op_overhead_s)
-            bwd_at = bwd_at_rev[::-1]
-            # The first operation of a pass also waits for its own issue.
             fwd_eff = [
                 b - a for a, b in zip([0.0, *fwd_at[1:]], [*fwd_at[1:], fwd_end], strict=True)
-            ]
-            bwd_eff = [
-                b - a for a, b in zip([*bwd_at[:-1], 0.0], [bwd_end, *bwd_at[:-1]], strict=True)
             ]
         for reg in regions:
             acc, offs = 0.0, []
@@ -557,13 +575,33 @@ class SimulationContext:
                 acc += fwd_eff[j]
             self.fwd_offsets.append(offs)
             self.fwd_s.append(acc)
-            acc, offs = 0.0, []
-            for j in range(reg.op_end - 1, reg.op_start - 1, -1):
-                offs.append(acc)
-                acc += bwd_eff[j]
-            self.bwd_offsets.append(offs)
-            self.bwd_s.append(acc)
             self.act_bwd_region_max.append(max(self.act_bwd[reg.op_start : reg.op_end], default=0))
+
+        def backward_regions(eff: list[float]) -> tuple[list[list[float]], list[float]]:
+            offsets: list[list[float]] = []
+            spans: list[float] = []
+            for reg in regions:
+                acc, offs = 0.0, []
+                for j in range(reg.op_end - 1, reg.op_start - 1, -1):
+                    offs.append(acc)
+                    acc += eff[j]
+                offsets.append(offs)
+                spans.append(acc)
+            return offsets, spans
+
+        bwd_eff = backward_eff(hw.op_overhead_s, hw.issue_ahead)
+        self.bwd_offsets, self.bwd_s = backward_regions(bwd_eff)
+        """Per region, its backward operations' start offsets from the region's backward
+        start, and its backward's seconds, in a step with every region's state on the
+        device."""
+        self.bwd_offsets_beside_host, self.bwd_s_beside_host = self.bwd_offsets, self.bwd_s
+        """The same in a step with host-state regions, each backward operation issued at
+        ``backward_issue_factor`` times ``op_overhead_s`` ([Note: the backward beside the
+        host]); the same lists when that factor is 1."""
+        if hw.backward_issue_factor != 1.0:
+            self.bwd_offsets_beside_host, self.bwd_s_beside_host = backward_regions(
+                backward_eff(hw.op_overhead_s * hw.backward_issue_factor, ahead=True)
+            )
         self.fwd_op_s = fwd_eff
         """Per operation, forward seconds from its start to the next operation's (to the
         pass's end for the last): its price without ``issue_ahead``."""
@@ -698,6 +736,9 @@ class EngineRun:
     def __init__(self) -> None:
         self.codes: list[int] = []
         self.device_state: list[bool] = []
+        self.bwd_offsets: list[list[float]] = []
+        """The context's backward offsets this run used (``SimulationContext.bwd_offsets``
+        or, with host-state regions, ``bwd_offsets_beside_host``)."""
         self.prefetch_at: list[int] = []
         # Tasks, in an order where every task comes after its predecessors.
         self.lane: list[int] = []
@@ -806,7 +847,12 @@ def run(
     streamed = [a.state is StatePlacement.STREAMED for a in assignment]
     pf_at = [a.prefetch_at if a.prefetch_at is not None else -1 for a in assignment]
     out.codes, out.device_state, out.prefetch_at = codes, device, pf_at
-    up, fwd_s, bwd_s = ctx.upload_s, ctx.fwd_s, ctx.bwd_s
+    up, fwd_s = ctx.upload_s, ctx.fwd_s
+    # [Note: the backward beside the host]: host-state regions slow the backward's issue.
+    if all(device):
+        bwd_s, out.bwd_offsets = ctx.bwd_s, ctx.bwd_offsets
+    else:
+        bwd_s, out.bwd_offsets = ctx.bwd_s_beside_host, ctx.bwd_offsets_beside_host
 
     lane, region, kind = out.lane, out.region, out.kind
     t_start, t_end, pred_a, pred_b = out.start, out.end, out.pred_a, out.pred_b
@@ -1075,7 +1121,7 @@ def run(
     accumulate_work = ctx.accumulate_work
     publishes = ctx.publishes
     saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
-    bwd_offsets, region_max = ctx.bwd_offsets, ctx.act_bwd_region_max
+    bwd_offsets, region_max = out.bwd_offsets, ctx.act_bwd_region_max
     grads = out.grads
     after_backward = ctx.host_step_after_backward
     # Host-state regions whose gradients are copied and whose host work is not placed yet:
@@ -1518,7 +1564,7 @@ def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: floa
             return best
     for r in range(n_reg - 1, -1, -1):
         nxt = out.cs_b[r - 1] if r > 0 else math.inf
-        if not scan(r, out.cs_b[r], ctx.bwd_offsets[r], out.ce_b[r], nxt, False):
+        if not scan(r, out.cs_b[r], out.bwd_offsets[r], out.ce_b[r], nxt, False):
             return best
     return best
 
@@ -1837,7 +1883,7 @@ def _walk_memory(
     adds = {r: nbytes for r, _, _, nbytes in out.grads}
     for r in range(n_reg - 1, -1, -1):
         start = out.cs_b[r]
-        offs = ctx.bwd_offsets[r]
+        offs = out.bwd_offsets[r]
         for k, off in enumerate(offs):
             j = ctx.op_end[r] - 1 - k
             ts = start + off

@@ -1,0 +1,86 @@
+"""``HardwareProfile.backward_issue_factor`` ([Note: the backward beside the host] in the
+engine): in a step with host-state regions each backward operation costs the host that
+many times ``op_overhead_s`` to issue, issued ahead of the device; a step whose regions
+all keep their state on the device is priced as before."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+from solver_helpers import flat_hardware
+
+from offload_solver import (
+    HardwareProfile,
+    ModelProfile,
+    Operation,
+    Parameter,
+    ParamPlacement,
+    RegionAssignment,
+    SimulationContext,
+    StatePlacement,
+    get_simulator,
+)
+from offload_solver.simulators._engine import KINDS
+
+
+def _small_kernels(regions: int, views: int) -> ModelProfile:
+    """Per region one small kernel on its parameter and ``views`` views: at 1e9 FLOP/s
+    every operation is far cheaper on the device than the 0.2 s it costs to issue."""
+    params = tuple(Parameter(f"w{i}", 10, 20) for i in range(regions))
+    ops: list[Operation] = []
+    for i in range(regions):
+        ops.append(Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=10, bwd_flop=20))
+        ops.extend(Operation(f"view{i}_{k}") for k in range(views))
+    return ModelProfile("small", params, tuple(ops), host_grad_bytes_per_param=0)
+
+
+def _backward_s(profile: ModelProfile, hw: HardwareProfile, state: StatePlacement) -> float:
+    ctx = SimulationContext.build(profile, hw)
+    asg = [RegionAssignment(ParamPlacement.RESIDENT, state)] * len(ctx.regions)
+    run = get_simulator("sync").run(ctx, asg)
+    bwd = [i for i, kind in enumerate(run.kind) if KINDS[kind] == "bwd"]
+    return max(run.end[i] for i in bwd) - min(run.start[i] for i in bwd)
+
+
+def test_host_state_steps_issue_their_backward_at_the_factor() -> None:
+    profile = _small_kernels(3, 3)  # 12 operations, each backward one issue-bound
+    base = dataclasses.replace(flat_hardware(flop_per_s=1e9), op_overhead_s=0.2)
+    beside = dataclasses.replace(base, backward_issue_factor=3.0)
+    for state in (StatePlacement.DEVICE, StatePlacement.HOST):
+        assert _backward_s(profile, base, state) == pytest.approx(12 * 0.2, rel=1e-3)
+    # All on the device: as before. Host state: each of the 12 issued at 0.6 s.
+    assert _backward_s(profile, beside, StatePlacement.DEVICE) == pytest.approx(12 * 0.2, rel=1e-3)
+    assert _backward_s(profile, beside, StatePlacement.HOST) == pytest.approx(12 * 0.6, rel=1e-3)
+
+
+def test_the_factor_issues_ahead_of_a_busy_device() -> None:
+    # 10 s of device work per backward kernel: views issued at 3 x 0.2 s hide under it,
+    # where priced one by one each would add its issue cost.
+    params = tuple(Parameter(f"w{i}", 10, 20) for i in range(2))
+    ops: list[Operation] = []
+    for i in range(2):
+        ops.append(Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000,
+                             bwd_flop=10_000))  # fmt: skip
+        ops.extend(Operation(f"view{i}_{k}") for k in range(3))
+    profile = ModelProfile("busy", params, tuple(ops), host_grad_bytes_per_param=0)
+    base = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
+    beside = dataclasses.replace(base, backward_issue_factor=3.0)
+    priced = _backward_s(profile, base, StatePlacement.HOST)  # 2 x 10 + 6 x 0.2
+    assert priced == pytest.approx(21.2, rel=1e-3)
+    # Issued ahead at 0.6 s: the first kernel's issue, its 10 s (the views issued under
+    # it), the second kernel's 10 s, then the last three views' issues after it.
+    assert _backward_s(profile, beside, StatePlacement.HOST) == pytest.approx(
+        0.6 + 10 + 10 + 3 * 0.6, rel=1e-3
+    )
+
+
+def test_the_factor_survives_json_defaults_to_one_and_refuses_the_rest() -> None:
+    hw = dataclasses.replace(flat_hardware(), backward_issue_factor=4.0)
+    assert HardwareProfile.from_json(hw.to_json()).backward_issue_factor == 4.0
+    assert flat_hardware().backward_issue_factor == 1.0
+    assert HardwareProfile.from_json(flat_hardware().to_json()).backward_issue_factor == 1.0
+    for bad in (0.5, 0.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="backward_issue_factor"):
+            dataclasses.replace(flat_hardware(), backward_issue_factor=bad)
