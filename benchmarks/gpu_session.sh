@@ -268,6 +268,13 @@
 #           MARGIN (default 1.15) times slower (BENCH_HOST_MARGIN) and at the rate
 #           measured, alternating, ROUNDS rounds (default 2); then each arm's rows
 #           (pin_rows.py; margin.txt) and the traces' compute-stream gaps. ~6 min
+#   bifab   for each of BIF_WORKLOADS (default "W2 W3"): a row at the defaults (beside its
+#           target's peer: FSDP2 for W2, full GPU by fp32 masters for W3), then one planned
+#           with BENCH_BACKWARD_ISSUE_FACTOR=BIF (default 4), ROUNDS rounds (default 1);
+#           then each arm's rows (pin_rows.py; bifab.txt) and the replays of each row
+#           (replay_bench.py: the host's span of backward(loss) beside the simulated
+#           backward's). Does a plan made with the backward issued at 4x beside the host
+#           predict within 15% and run as fast as the default's?              ~8 min
 #   ringcal  W2 at the defaults, then planned again with the loop's host rate, and with
 #           the ring's loop rate too (BENCH_CALIBRATE_RING)                      ~6 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
@@ -319,7 +326,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh ringcal|cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh bifab|ringcal|cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -382,6 +389,20 @@ onplan_ab() {
   done
 }
 case "$phase" in
+  bifab)
+    for w in ${BIF_WORKLOADS:-W2 W3}; do
+      target_row "$w"
+      for i in $(seq 1 "${ROUNDS:-1}"); do
+        BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_bifdefault$i"
+        BENCH_BACKWARD_ISSUE_FACTOR=${BIF:-4} BENCH_STEPS=$steps \
+          bench "$w" "$k" "$((limit + 100))" "${w}_bif$i"
+        peer=""
+      done
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" \
+        "$out"/"${w}"_bif{default,}[0-9]*.json 2>&1 | tee -a "$out/bifab.txt" || true
+      python3 "$root/benchmarks/replay_bench.py" "$out"/"${w}"_bif{default,}[0-9]*.json 2>&1 \
+        | grep -E '^\| |host span|within' | tee -a "$out/bifab.txt" || true
+    done ;;
   ringcal)
     # For each workload: the default plan beside its peer, then planned again after 2 + 3
     # steps with the loop's host rate (BENCH_CALIBRATE) and with the ring's rate too

@@ -79,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.get('streamed_regions', 0)} streamed, "
             f"stream_up_fraction {row.get('profile', {}).get('stream_up_fraction', 1.0)}, "
             f"stream_host_charge {row.get('profile', {}).get('stream_host_charge', 1.0)}, "
+            f"backward_issue_factor {row.get('backward_issue_factor', 1.0)}, "
             f"speculation_thread {row.get('speculation_thread')} "
             f"(planned for {row.get('plan_speculation_thread', False)}), "
             f"issue_thread {row.get('issue_thread')}, paced_ring {row.get('paced_ring')}, "
@@ -96,6 +97,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"    host Adam kernels, {part}: {kernel_cpu_cell(cpu)}")
         if "ring_up" in row:
             print(f"    {ring_up_cell(row['ring_up'])}")
+        span = row.get("cpu_span_ms")
+        if span:
+            print(
+                f"    host span of forward {span['forward']:.1f} ms, backward(loss) "
+                f"{span['backward']:.1f} ms, step() {span['step']:.1f} ms (medians)"
+            )
         if matches is True or args.all:
             group = re.sub(r"\d+$", "", path.stem)
             groups.setdefault(group, []).append(row["step_mean_ms"])
