@@ -262,6 +262,19 @@ RECORDED = {
         targets.PAIRED_W1: "met",
         "full-GPU rows trained (loss fell, finite)": "met",
     },
+    "s55": {
+        # ringcal on W2 (default beside FSDP2, calibrated by the host, by host and ring),
+        # w2x twice, w1p, at 665a14b; then W2 and W1 rows of ours alone with the host's
+        # pass spans at 0353bac (W1's rebuilt from its printed row). W3 and W4 not run.
+        "predicted step within 15% of the run mean": "missed by 4 of 8 rows",
+        "W1 <= 1.05x full GPU": "missed: median 1.060x, 1.0% over 1.05x",
+        targets.PAIRED_W1: "met",
+        "W2 fp32 state <= 1.15x floor": "met by the median (0.972x; 5 of 6 rows)",
+        "W2 fp32 state <= 0.55x FSDP2": "met by the median (0.487x; 4 of 5 rows)",
+        "W3 fp32 state <= 1.15x floor": "not measured",
+        **W3_PEERS_AND_W4_NOT_RUN,
+        "full-GPU rows trained (loss fell, finite)": "met",
+    },
 }
 """Each recorded session's verdicts as BENCHMARKS.md reports them, where not plainly met
 (no session before 36 stepped W1 in turn with full-GPU training; session 36 did)."""
@@ -287,6 +300,7 @@ RECORDED_ROWS = {
     "s52": 11,
     "s53": 11,
     "s54": 5,
+    "s55": 8,
 }
 """How many of our rows each recorded session has."""
 
