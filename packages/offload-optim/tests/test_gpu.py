@@ -282,11 +282,10 @@ def measure(
     ("dtype", "speculate", "host_kernel"),
     [
         (torch.bfloat16, False, "torch"),
-        (torch.float16, False, "torch"),
         (torch.float16, True, "torch"),
         (torch.float16, True, "single_pass"),
     ],
-    ids=["bf16", "fp16", "fp16_speculate", "fp16_speculate_single_pass"],
+    ids=["bf16", "fp16_speculate", "fp16_speculate_single_pass"],
 )
 def test_gpt2_xl_host_step_hides_under_backward(
     dtype: torch.dtype, speculate: bool, host_kernel: str
@@ -297,7 +296,8 @@ def test_gpt2_xl_host_step_hides_under_backward(
     the host, so every parameter goes through the host step. bf16 training speculates
     (each region steps in its grad-ready hook): at least 80% of the time backward could
     hide must be hidden. fp16 training needs the overflow answer first, so by default its
-    regions step after backward; its numbers are printed for comparison. With
+    regions step after backward (no case here: it asserted nothing and took 44 s of the
+    suite's 558 on session 55's host). With
     ``speculate_fp16=True`` fp16 regions step speculatively in their hooks (undone on
     overflow), so fp16 must then meet bf16's rule (in mode SPECULATIVE_UNDO); it needs 12
     (fp32 moments) or 8 (bf16 moments) more bytes of host memory per parameter. The
@@ -352,8 +352,8 @@ def test_gpt2_xl_host_step_hides_under_backward(
         want = {
             (torch.bfloat16, False): OverlapMode.SPECULATIVE,
             (torch.float16, True): OverlapMode.SPECULATIVE_UNDO,
-        }.get((dtype, speculate))
-        if want is not None and (amp.last_step.overlap is not want or hidden < 0.8 * possible):
+        }[(dtype, speculate)]
+        if amp.last_step.overlap is not want or hidden < 0.8 * possible:
             failures.append((moments, amp.last_step.overlap, hidden, possible))
         if speculate:
             print(f"speculative steps undone in {amp.undone_steps} of the steps")
