@@ -311,9 +311,13 @@ KINDS = (
 # ``backward(loss)`` where the simulated backward spans 60 ms, while its forward agreed
 # (204 and 209 ms) and W1's step, all on the device, agreed in both passes (backward 24.4
 # against 22.3 ms). ``HardwareProfile.backward_issue_factor`` scales the backward's issue
-# cost in such steps; a step whose regions all keep their state on the device keeps
-# ``op_overhead_s``. Not modelled: where in the backward the host steps run (the factor
-# applies to the whole pass), and the forward beside the host.
+# cost in such steps, and that backward is issued ahead of the device ([Note: issuing
+# ahead]) whatever ``issue_ahead`` says: priced per operation at the factor, a backward
+# bound by its kernels (W3's) would pay for views its kernels hide, and W3's recorded
+# rows replayed well over their run means in a trial of session 55 priced so. A step
+# whose regions all keep their state on the device keeps ``op_overhead_s``. Not
+# modelled: where in the backward the host steps run (the factor applies to the whole
+# pass), and the forward beside the host.
 
 
 def issued_starts(device_s: Sequence[float], issue_s: float) -> tuple[list[float], float]:
