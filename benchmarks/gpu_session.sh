@@ -275,6 +275,9 @@
 #           (replay_bench.py: the host's span of backward(loss) beside the simulated
 #           backward's). Does a plan made with the backward issued at 4x beside the host
 #           predict within 15% and run as fast as the default's?              ~8 min
+#           BIFAB_CALIB=1 adds a row per round planned again after 2 + 3 steps with the
+#           factor its own loop's backward gives (BENCH_CALIBRATE=3
+#           BENCH_CALIBRATE_BACKWARD=1; check_backward_issue)          ~2 min a row more
 #   ringcal  W2 at the defaults, then planned again with the loop's host rate, and with
 #           the ring's loop rate too (BENCH_CALIBRATE_RING)                      ~6 min
 #   ringrate the ring's copy rates alone and beside a host Adam step, against plain pinned
@@ -396,11 +399,17 @@ case "$phase" in
         BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_bifdefault$i"
         BENCH_BACKWARD_ISSUE_FACTOR=${BIF:-4} BENCH_STEPS=$steps \
           bench "$w" "$k" "$((limit + 100))" "${w}_bif$i"
+        if [ "${BIFAB_CALIB:-0}" = 1 ]; then
+          BENCH_CALIBRATE=3 BENCH_CALIBRATE_BACKWARD=1 BENCH_STEPS=$steps \
+            bench "$w" "$k" "$((limit + 100))" "${w}_bifcal$i"
+        fi
         peer=""
       done
-      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" \
-        "$out"/"${w}"_bif{default,}[0-9]*.json 2>&1 | tee -a "$out/bifab.txt" || true
-      python3 "$root/benchmarks/replay_bench.py" "$out"/"${w}"_bif{default,}[0-9]*.json 2>&1 \
+      # The arms' rows that ran (no calibrated ones without BIFAB_CALIB=1).
+      mapfile -t rows < <(ls "$out"/"${w}"_bif{default,,cal}[0-9]*.json 2>/dev/null)
+      python3 "$root/benchmarks/pin_rows.py" --all "$w" "$k" "${rows[@]}" 2>&1 \
+        | tee -a "$out/bifab.txt" || true
+      python3 "$root/benchmarks/replay_bench.py" "${rows[@]}" 2>&1 \
         | grep -E '^\| |host span|within' | tee -a "$out/bifab.txt" || true
     done ;;
   ringcal)

@@ -172,7 +172,10 @@ regions for 2 + N steps first, then plan again with the host Adam rate its last 
 times and rates, the first plan's prediction and streamed regions) and
 ``host_rate_planned_from: "calibrated"``; with BENCH_CALIBRATE_RING=1 too, the second plan
 also takes the fraction of the H2D rate the ring's copies up ran at in those steps
-(``offload_optim.check_stream_rate``; ``calibration.ring_fraction_after``). Streamed rows
+(``offload_optim.check_stream_rate``; ``calibration.ring_fraction_after``), and with
+BENCH_CALIBRATE_BACKWARD=1 the backward issue factor at which issuing the plan's
+operations takes the host's time in those steps' ``backward(loss)``
+(``offload_optim.check_backward_issue``; ``calibration.backward_factor_after``). Streamed rows
 record the ring's copies up in their timed steps as ``ring_up`` (the loop's fraction, the
 plan's, GB/s while copying, bytes and ms per step).
 Set BENCH_ISSUE_AHEAD=1 to plan the ``ours`` kinds with operations issued ahead of the
@@ -629,6 +632,9 @@ class Calibrated:
     stream_up_fraction: float | None = None
     """With ``BENCH_CALIBRATE_RING=1``: ``offload_optim.check_stream_rate``'s
     ``loop_fraction`` (else the first plan's)."""
+    backward_issue_factor: float | None = None
+    """With ``BENCH_CALIBRATE_BACKWARD=1``: ``offload_optim.check_backward_issue``'s
+    ``loop_factor`` (else the first plan's)."""
 
 
 def issue_cost_us(device: str = "cuda") -> float:
@@ -706,6 +712,7 @@ def _ours(
     from offload_optim import (
         AMPOptimizer,
         HybridAdam,
+        check_backward_issue,
         check_host_rate,
         check_stream_rate,
         measure_host_step_cost,
@@ -911,7 +918,11 @@ def _ours(
             measure_attention=measure_attention,
             fuse_gelu=fuse_gelu,
             issue_ahead=issue_ahead,
-            backward_issue_factor=backward_issue_factor,
+            backward_issue_factor=(
+                calibrated.backward_issue_factor
+                if calibrated is not None and calibrated.backward_issue_factor is not None
+                else backward_issue_factor
+            ),
         )
         if stream_fraction is not None:
             _force_streamed(module, stream_fraction)
@@ -986,6 +997,7 @@ def _ours(
     # simulated host as busy; the row times the second plan.
     calibrate_steps = int(os.environ.get("BENCH_CALIBRATE") or 0)
     calibrate_ring = os.environ.get("BENCH_CALIBRATE_RING") == "1"
+    calibrate_backward = os.environ.get("BENCH_CALIBRATE_BACKWARD") == "1"
     calibration: dict[str, Any] | None = None
     if calibrate_steps > 0 and pinned is None:
         for _ in range(2 + calibrate_steps):
@@ -993,10 +1005,12 @@ def _ours(
         torch.cuda.synchronize()
         check = check_host_rate(opt, last=calibrate_steps)
         ring_check = check_stream_rate(opt, last=calibrate_steps) if calibrate_ring else None
+        bwd_check = check_backward_issue(opt, last=calibrate_steps) if calibrate_backward else None
         if check is not None:
             first_hw = module.hardware
             rate = check.loop_params_per_s
             ring_fraction = None if ring_check is None else ring_check.loop_fraction
+            bwd_factor = None if bwd_check is None else bwd_check.loop_factor
             calibration = {
                 "steps": check.steps,
                 "planned_host_busy_ms": check.planned_busy_s * 1e3,
@@ -1007,13 +1021,20 @@ def _ours(
                 "streamed_regions_before": sum(1 for st in module.storages if st.streamed),
                 "ring_fraction_before": None if first_hw is None else first_hw.stream_up_fraction,
                 "ring_fraction_after": ring_fraction,
+                "backward_factor_before": (
+                    None if first_hw is None else first_hw.backward_issue_factor
+                ),
+                "backward_factor_after": bwd_factor,
+                "backward_ms_measured": (None if bwd_check is None else bwd_check.measured_s * 1e3),
             }
             in_use = module.plan.device_bytes_in_use
             module.close()
             del module, opt
             gc.collect()
             model = build_model(name, device="cpu", dtype=dtype, seq_len=seq, init_device="cuda")
-            module, opt = build(model, limit, Calibrated(first_hw, in_use, rate, ring_fraction))
+            module, opt = build(
+                model, limit, Calibrated(first_hw, in_use, rate, ring_fraction, bwd_factor)
+            )
             del model
     setup_s = time.perf_counter() - t0
     issue_before = issue_cost_us()

@@ -10,14 +10,17 @@
 - streamed host-state regions (``StatePlacement.STREAMED``): host-resident state stepped
   on the device, chunk by chunk (:mod:`offload_optim.streamed`);
 - :func:`check_host_rate`: the host Adam rate the training loop ran at, against the one
-  the plan assumed, to plan again with, and :func:`check_stream_rate` the same for the
-  streamed regions' copies up (:mod:`offload_optim.calibration`).
+  the plan assumed, to plan again with, :func:`check_stream_rate` the same for the
+  streamed regions' copies up, and :func:`check_backward_issue` for the backward's issue
+  cost beside host-state regions (:mod:`offload_optim.calibration`).
 """
 
 from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
 from offload_optim.calibration import (
+    BackwardIssueCheck,
     HostRateCheck,
     StreamRateCheck,
+    check_backward_issue,
     check_host_rate,
     check_stream_rate,
     planned_host_busy_s,
@@ -46,6 +49,7 @@ __all__ = [
     "SPECULATE_CHUNK_NUMEL",
     "AMPOptimizer",
     "AdamHyper",
+    "BackwardIssueCheck",
     "DynamicLossScaler",
     "HostRateCheck",
     "HybridAdam",
@@ -53,6 +57,7 @@ __all__ = [
     "RegionStepTiming",
     "StepReport",
     "StreamRateCheck",
+    "check_backward_issue",
     "check_host_rate",
     "check_stream_rate",
     "fused_adam_",

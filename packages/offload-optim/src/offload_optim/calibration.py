@@ -24,6 +24,16 @@ the device time the loop's ring chunks took going up (timed on CUDA, [Note: timi
 ring's copies up] in streamed.py) beside the profile's time for their bytes, and gives
 the fraction that makes the two agree (:attr:`StreamRateCheck.loop_fraction`), for
 ``memory_optimize(..., stream_up_fraction=...)``.
+
+:func:`check_backward_issue` does it for the backward of a plan with host-state regions,
+which the planner issues at ``HardwareProfile.backward_issue_factor`` times the profile's
+per-operation issue cost ([Note: the backward beside the host] in the solver's engine):
+it sets the host's time in ``backward(loss)`` (:attr:`StepReport.backward_start_s` to
+:attr:`~StepReport.backward_end_s`) beside issuing the plan's traced operations at that
+cost, and gives the factor at which issuing them takes as long
+(:attr:`BackwardIssueCheck.loop_factor`), for ``memory_optimize(...,
+backward_issue_factor=...)``. Issued ahead of the device, a backward at that factor spans
+at least the measured time, and no more where its kernels take longer.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ import statistics
 from dataclasses import dataclass
 
 from offload_optim.amp import AMPOptimizer, StepReport
-from offload_solver import Plan, Stream
+from offload_solver import Plan, StatePlacement, Stream
 
 
 def planned_host_busy_s(plan: Plan) -> float:
@@ -188,4 +198,73 @@ def check_stream_rate(optimizer: AMPOptimizer, last: int | None = None) -> Strea
         measured_s=statistics.median(s for _, s in timed),
         profile_s=hardware.h2d_time_s(up_bytes),
         steps=len(timed),
+    )
+
+
+@dataclass(frozen=True)
+class BackwardIssueCheck:
+    """The host's time in the loop's backward against issuing the plan's operations at the
+    profile's per-operation cost, in a plan with host-state regions."""
+
+    planned_factor: float
+    """The plan's ``HardwareProfile.backward_issue_factor``."""
+    operations: int
+    """The traced operations the plan's backward issues."""
+    op_overhead_s: float
+    """The profile's cost of issuing one operation, seconds."""
+    measured_s: float
+    """Median over the steps read of the host's time in ``backward(loss)``, seconds."""
+    steps: int
+    """How many steps the median is over."""
+
+    @property
+    def loop_factor(self) -> float:
+        """The ``backward_issue_factor`` at which issuing :attr:`operations` takes
+        :attr:`measured_s`, at least 1. Session 55's W2 row on an H200 (GPT-2 XL at 64 x 8
+        tokens, every region's state on the host) spent 174.1 ms in ``backward(loss)``;
+        its recorded rows replay closest to their run means at 4-5."""
+        return max(1.0, self.measured_s / (self.operations * self.op_overhead_s))
+
+
+def check_backward_issue(
+    optimizer: AMPOptimizer, last: int | None = None
+) -> BackwardIssueCheck | None:
+    """How long the training loop's backward kept the host, from ``optimizer``'s recent
+    step reports, against issuing the plan's operations at the profile's cost.
+
+    Args:
+        optimizer: an :class:`AMPOptimizer` over a module that ``memory_optimize`` built,
+            constructed with ``keep_reports`` >= 1.
+        last: read only the last ``last`` kept steps (default: all of them). Skipped
+            steps count: their backward ran as any other.
+
+    Returns:
+        None when the module has no hardware profile or a profile without an issue cost,
+        when no region of the plan keeps its state on the host (the factor prices only
+        such steps), or when no step read timed its backward.
+
+    Raises:
+        ValueError: when ``optimizer`` keeps no reports, or ``last`` is not positive.
+    """
+    reports = _reports_read(optimizer, last, "check_backward_issue")
+    module = optimizer.module
+    hardware = module.hardware
+    if hardware is None or hardware.op_overhead_s <= 0:
+        return None
+    regions = module.plan.regions
+    if all(rp.state is StatePlacement.DEVICE for rp in regions):
+        return None
+    spans = [
+        r.backward_end_s - r.backward_start_s
+        for r in reports
+        if r.backward_start_s is not None and r.backward_end_s is not None
+    ]
+    if not spans:
+        return None
+    return BackwardIssueCheck(
+        planned_factor=hardware.backward_issue_factor,
+        operations=max(rp.region.op_end for rp in regions),
+        op_overhead_s=hardware.op_overhead_s,
+        measured_s=statistics.median(spans),
+        steps=len(spans),
     )
