@@ -873,11 +873,21 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 cpu = row.get("cpu_span_ms")
                 if cpu:
                     sim = simulated_pass_spans(steady)
+                    # What offload_optim.check_backward_issue reads from the loop: the
+                    # factor at which issuing the traced operations takes that span.
+                    ops, issue_s = len(variant.operations), hw.op_overhead_s
+                    factor = ""
+                    if issue_s > 0 and host:
+                        loop = cpu["backward"] / 1e3 / (ops * issue_s)
+                        factor = (
+                            f"; as a backward issue factor {loop:.1f} ({ops} operations at "
+                            f"{issue_s * 1e6:.1f} us)"
+                        )
                     print(
                         f"    host span of backward(loss) {cpu['backward']:.1f} ms, forward "
                         f"{cpu['forward']:.1f} ms, step() {cpu['step']:.1f} ms; replayed "
                         f"backward {sim.get('bwd', 0.0) * 1e3:.1f} ms, forward "
-                        f"{sim.get('fwd', 0.0) * 1e3:.1f} ms",
+                        f"{sim.get('fwd', 0.0) * 1e3:.1f} ms{factor}",
                         flush=True,
                     )
                 if args.placements:
