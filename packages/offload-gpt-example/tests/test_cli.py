@@ -50,6 +50,12 @@ HOST_LINE = re.compile(
     rf"\(--host_rate {NUM} plans with it\)$",
     re.M,
 )
+BACKWARD_LINE = re.compile(
+    rf"^backward: planned issue factor {NUM} \| in the loop {NUM} ms per backward "
+    rf"\((\d+) steps\) for (\d+) operations at {NUM} us: factor {NUM} "
+    rf"\(--backward_issue_factor {NUM} plans with it\)$",
+    re.M,
+)
 LEAST_BUDGET = re.compile(r"below the least feasible budget [0-9.e+-]+ GB \(([0-9]+) bytes\)")
 
 TINY = ["--model_type", "gpt2_tiny", "--device", "cpu", "--no_progress"]
@@ -511,6 +517,8 @@ def test_unknown_model_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) 
         ("--host_rate", "0", "--host_rate is 0"),
         ("--host_rate", "-2", "--host_rate is -2"),
         ("--host_rate", "inf", "--host_rate is inf"),
+        ("--backward_issue_factor", "0.5", "--backward_issue_factor is 0.5"),
+        ("--backward_issue_factor", "nan", "--backward_issue_factor is nan"),
         ("--solver_type", "greedy", "invalid choice: 'greedy'"),
         ("--dtype", "fp8", "invalid choice: 'fp8'"),
     ],
@@ -679,6 +687,41 @@ def test_the_host_rate_the_loop_ran_at_plans_the_next_run(
     again = HOST_LINE.search(out)
     assert again is not None, out
     assert float(again.group(1)) == pytest.approx(float(loop), abs=1e-3)
+
+
+def test_the_backward_issue_factor_the_loop_read_plans_the_next_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With host state and a profile that charges an issue cost, the last line sets the
+    host's time in backward(loss) beside issuing the plan's operations at that cost, and
+    the factor that matches; --backward_issue_factor plans the next run with it. (The
+    CPU's default profile charges no issue cost: 20 us an operation is set here.)"""
+    import dataclasses
+
+    import offload_runtime.api as api
+    from offload_runtime import default_cpu_profile
+
+    profile = dataclasses.replace(default_cpu_profile(), op_overhead_s=20e-6)
+    monkeypatch.setattr(api, "profile_hardware", lambda *a, **k: profile)
+    base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp32", "--log_dir", str(tmp_path)]
+    base += ["--steps", "4"]
+    budget = repr(_least_budget_gb(base, capsys) * 1.5)
+    code, out, err = _run([*base, "--memory_budget", budget], capsys)
+    assert code == 0, err
+    line = BACKWARD_LINE.search(out)
+    assert line is not None, out
+    planned, loop_ms, steps, ops, issue_us, factor, suggested = line.groups()
+    assert float(planned) == 1.0 and int(steps) == 3 and float(issue_us) == 20.0
+    expected = max(1.0, float(loop_ms) / (int(ops) * 0.02))
+    assert float(factor) == pytest.approx(expected, rel=1e-2, abs=2e-3)
+    assert suggested == factor
+    code, out, err = _run(
+        [*base, "--memory_budget", budget, "--backward_issue_factor", "3.5"], capsys
+    )
+    assert code == 0, err
+    again = BACKWARD_LINE.search(out)
+    assert again is not None, out
+    assert float(again.group(1)) == 3.5
 
 
 def test_fuse_gelu_keeps_fewer_activations_and_trains(

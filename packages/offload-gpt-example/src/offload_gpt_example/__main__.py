@@ -63,6 +63,7 @@ from offload_gpt_example.plot import save_plan_png
 from offload_optim import (
     AMPOptimizer,
     HybridAdam,
+    check_backward_issue,
     check_host_rate,
     measure_host_step_cost,
     measure_host_step_params_per_s,
@@ -227,6 +228,15 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         help="G parameters/s (1e9) of the host Adam step to plan with, instead of the rate "
         "measured now or the hardware profile's: e.g. the rate an earlier run's last line "
         "(host_adam: ...) says its training loop ran at",
+    )
+    p.add_argument(
+        "--backward_issue_factor",
+        type=float,
+        default=None,
+        help="how many times the profile's per-operation issue cost each backward "
+        "operation costs the host when the plan keeps optimizer state on the host "
+        "(memory_optimize(backward_issue_factor=), >= 1; default: the profile's, 1): e.g. "
+        "the factor an earlier run's last line (backward: ...) read from its loop",
     )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
@@ -453,6 +463,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--block_search_range is {args.block_search_range:g}; give MB >= 0")
     if args.host_rate is not None and not (args.host_rate > 0 and math.isfinite(args.host_rate)):
         parser.error(f"--host_rate is {args.host_rate:g}; give G parameters/s > 0")
+    factor = args.backward_issue_factor
+    if factor is not None and not (factor >= 1 and math.isfinite(factor)):
+        parser.error(f"--backward_issue_factor is {factor:g}; give a factor >= 1")
     if args.speculate and args.dtype != "fp16":
         parser.error(
             f"--speculate applies to --dtype fp16 only; with {args.dtype} host regions "
@@ -549,6 +562,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 micro_batches=args.accumulation_steps,
                 speculative_params=limit,
                 fuse_gelu=args.fuse_gelu,
+                backward_issue_factor=args.backward_issue_factor,
                 **host_steps.optimize_kwargs,
             )
         except InfeasibleBudgetError as exc:
@@ -673,7 +687,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "and the predicted step time is for the planning hardware, not this CPU",
             flush=True,
         )
-    check = check_host_rate(optimizer, last=max(1, min(HOST_CHECK_STEPS, args.steps - 1)))
+    last = max(1, min(HOST_CHECK_STEPS, args.steps - 1))
+    check = check_host_rate(optimizer, last=last)
     if check is not None:
         # What the host's busy time in the loop says its Adam rate was, against the plan's.
         print(
@@ -682,6 +697,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{check.measured_busy_s * 1e3:.3f} ms busy per step ({check.steps} steps): "
             f"{check.loop_params_per_s / 1e9:.3f} G parameters/s "
             f"(--host_rate {check.loop_params_per_s / 1e9:.3f} plans with it)",
+            flush=True,
+        )
+    backward = check_backward_issue(optimizer, last=last)
+    if backward is not None:
+        # The host's time in backward(loss) against issuing the plan's operations.
+        print(
+            f"backward: planned issue factor {backward.planned_factor:.3f} | in the loop "
+            f"{backward.measured_s * 1e3:.3f} ms per backward ({backward.steps} steps) for "
+            f"{backward.operations} operations at {backward.op_overhead_s * 1e6:.3f} us: "
+            f"factor {backward.loop_factor:.3f} "
+            f"(--backward_issue_factor {backward.loop_factor:.3f} plans with it)",
             flush=True,
         )
     return 0
@@ -737,6 +763,8 @@ def plan_only(
         return EXIT_FAILURE
     plan_kwargs.update(host_steps.plan_kwargs)
     hardware = host_steps.plan_hardware(hardware, measured=torch.cuda.is_available())
+    if args.backward_issue_factor is not None:
+        hardware = replace(hardware, backward_issue_factor=args.backward_issue_factor)
     in_use = 0
     if torch.cuda.is_available():
         # As memory_optimize counts them before a training run: the BLAS workspaces and
