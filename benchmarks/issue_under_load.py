@@ -33,14 +33,15 @@ from pathlib import Path
 
 def _torch_adam_step(numel: int) -> Callable[[], None]:
     import torch
+    from _adam import fused_adam_
 
-    params = [torch.zeros(numel, dtype=torch.float32)]
-    params[0].grad = torch.full_like(params[0], 1e-3)
-    optimizer = torch.optim.Adam(params, lr=1e-3, fused=True)
-    optimizer.step()  # allocates the moments
+    param, grad, m, v = (torch.zeros(numel, dtype=torch.float32) for _ in range(4))
+    grad.fill_(1e-3)
+    count = torch.zeros((), dtype=torch.float32)
 
     def step() -> None:
-        optimizer.step()
+        count.add_(1)
+        fused_adam_([param], [grad], [m], [v], [count])
 
     return step
 

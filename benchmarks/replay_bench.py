@@ -682,7 +682,12 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     import torch
 
-    from offload_optim import planned_host_busy_s, streamed_step_costs, with_stage_in_backward
+    from offload_optim import (
+        BackwardIssueCheck,
+        planned_host_busy_s,
+        streamed_step_costs,
+        with_stage_in_backward,
+    )
     from offload_optim.streamed import STREAM_SLOTS, resident_down_bytes
 
     slots = STREAM_SLOTS if args.stream_slots is None else args.stream_slots
@@ -875,13 +880,19 @@ def _replay(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                     sim = simulated_pass_spans(steady)
                     # What offload_optim.check_backward_issue reads from the loop: the
                     # factor at which issuing the traced operations takes that span.
-                    ops, issue_s = len(variant.operations), hw.op_overhead_s
                     factor = ""
-                    if issue_s > 0 and host:
-                        loop = cpu["backward"] / 1e3 / (ops * issue_s)
+                    if hw.op_overhead_s > 0 and host:
+                        check = BackwardIssueCheck(
+                            planned_factor=hw.backward_issue_factor,
+                            operations=len(variant.operations),
+                            op_overhead_s=hw.op_overhead_s,
+                            measured_s=cpu["backward"] / 1e3,
+                            steps=int(cpu.get("calls", 1)),
+                        )
                         factor = (
-                            f"; as a backward issue factor {loop:.1f} ({ops} operations at "
-                            f"{issue_s * 1e6:.1f} us)"
+                            f"; as a backward issue factor {check.loop_factor:.1f} "
+                            f"({check.operations} operations at "
+                            f"{check.op_overhead_s * 1e6:.1f} us)"
                         )
                     print(
                         f"    host span of backward(loss) {cpu['backward']:.1f} ms, forward "
