@@ -270,11 +270,12 @@
 #           (pin_rows.py; margin.txt) and the traces' compute-stream gaps. ~6 min
 #   bifab   for each of BIF_WORKLOADS (default "W2 W3"): a row at the defaults (beside its
 #           target's peer: FSDP2 for W2, full GPU by fp32 masters for W3), then one planned
-#           with BENCH_BACKWARD_ISSUE_FACTOR=BIF (default 4), ROUNDS rounds (default 1);
-#           then each arm's rows (pin_rows.py; bifab.txt) and the replays of each row
-#           (replay_bench.py: the host's span of backward(loss) beside the simulated
-#           backward's). Does a plan made with the backward issued at 4x beside the host
-#           predict within 15% and run as fast as the default's?              ~8 min
+#           with BENCH_BACKWARD_ISSUE_FACTOR=BIF (default 1: as before session 57; the
+#           default factor is 4 since session 56, run at 1 and 4 there), ROUNDS rounds
+#           (default 1); then each arm's rows (pin_rows.py; bifab.txt) and the replays of
+#           each row (replay_bench.py: the host's span of backward(loss) beside the
+#           simulated backward's). Does the default plan predict within 15% and run as
+#           fast as one made at BIF?                                         ~8 min
 #           BIFAB_CALIB=1 adds a row per round planned again after 2 + 3 steps with the
 #           factor its own loop's backward gives (BENCH_CALIBRATE=3
 #           BENCH_CALIBRATE_BACKWARD=1; check_backward_issue)          ~2 min a row more
@@ -397,7 +398,7 @@ case "$phase" in
       target_row "$w"
       for i in $(seq 1 "${ROUNDS:-1}"); do
         BENCH_STEPS=$steps bench "$w" "$k$peer" "$((limit + 100))" "${w}_bifdefault$i"
-        BENCH_BACKWARD_ISSUE_FACTOR=${BIF:-4} BENCH_STEPS=$steps \
+        BENCH_BACKWARD_ISSUE_FACTOR=${BIF:-1} BENCH_STEPS=$steps \
           bench "$w" "$k" "$((limit + 100))" "${w}_bif$i"
         if [ "${BIFAB_CALIB:-0}" = 1 ]; then
           BENCH_CALIBRATE=3 BENCH_CALIBRATE_BACKWARD=1 BENCH_STEPS=$steps \

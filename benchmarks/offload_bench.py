@@ -183,7 +183,8 @@ device (``memory_optimize(issue_ahead=True)``; =0 or unset: the profile's own, F
 rows record ``issue_ahead`` (from session 39 on).
 Set BENCH_BACKWARD_ISSUE_FACTOR=F to plan the ``ours`` kinds with each backward operation
 of a step with host-state regions issued at F times the issue cost
-(``memory_optimize(backward_issue_factor=F)``; unset: the profile's own, 1); rows record
+(``memory_optimize(backward_issue_factor=F)``; unset: ``BACKWARD_ISSUE_FACTOR``, 4,
+from session 57 on (1 before), or with BENCH_PLAN_FROM the source row's); rows record
 ``backward_issue_factor`` (from session 55 on).
 Full-GPU training scales its loss with ``torch.amp.GradScaler`` (from session 39 on; rows
 and ``paired_full_gpu`` record ``grad_scaler``): unscaled, its fp16 gradients underflow to
@@ -722,7 +723,12 @@ def _ours(
         stream_copy_bytes,
         streamed_step_costs,
     )
-    from offload_runtime import STREAM_HOST_CHARGE, STREAM_UP_FRACTION, memory_optimize
+    from offload_runtime import (
+        BACKWARD_ISSUE_FACTOR,
+        STREAM_HOST_CHARGE,
+        STREAM_UP_FRACTION,
+        memory_optimize,
+    )
     from offload_runtime.hardware import profile_hardware
     from offload_solver import HardwareProfile, ParamPlacement, StatePlacement
     from offload_solver.solve import POLISH_ROUNDS
@@ -792,13 +798,16 @@ def _ours(
     plan_from = os.environ.get("BENCH_PLAN_FROM")
     pinned = plan_inputs_from(plan_from, workload, kind) if plan_from else None
     # Unset with BENCH_PLAN_FROM: the source row's profile already holds the split it
-    # planned with, which None keeps (rows before d1e1237 planned with 1 and 1). Unset
-    # otherwise: memory_optimize's defaults.
+    # planned with and its backward issue factor, which None keeps (rows before d1e1237
+    # planned with 1 and 1; before session 57 at a factor of 1). Unset otherwise:
+    # memory_optimize's defaults.
     if pinned is None:
         if stream_up_fraction is None:
             stream_up_fraction = STREAM_UP_FRACTION
         if stream_host_charge is None:
             stream_host_charge = STREAM_HOST_CHARGE
+        if backward_issue_factor is None:
+            backward_issue_factor = BACKWARD_ISSUE_FACTOR
     # A pinned row's profile holds the host rate it blended: nothing is sampled again.
     measured = (bf16_moments or fp16_io) and pinned is None
     rate_samples = (

@@ -275,6 +275,14 @@ RECORDED = {
         **W3_PEERS_AND_W4_NOT_RUN,
         "full-GPU rows trained (loss fell, finite)": "met",
     },
+    "s56": {
+        # bifab at c0093c8: W2 beside FSDP2 and W3 beside full GPU at the defaults of then
+        # (factor 1), then each planned at a backward issue factor of 4. W1, W3's other
+        # peers and W4 not run (the call for them came back with nothing).
+        "W1 <= 1.05x full GPU": "not measured",
+        **W3_PEERS_AND_W4_NOT_RUN,
+        "full-GPU rows trained (loss fell, finite)": "met",
+    },
 }
 """Each recorded session's verdicts as BENCHMARKS.md reports them, where not plainly met
 (no session before 36 stepped W1 in turn with full-GPU training; session 36 did)."""
@@ -301,6 +309,7 @@ RECORDED_ROWS = {
     "s53": 11,
     "s54": 5,
     "s55": 8,
+    "s56": 4,
 }
 """How many of our rows each recorded session has."""
 

@@ -28,6 +28,7 @@ import offload_runtime.api
 import offload_runtime.controller
 import offload_runtime.module
 from offload_runtime import (
+    BACKWARD_ISSUE_FACTOR,
     STREAM_HOST_CHARGE,
     STREAM_UP_FRACTION,
     OffloadModule,
@@ -415,15 +416,19 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     memory_optimize's."""
     hw = default_cpu_profile()
     # By default the streamed copies' contention is split (STREAM_HOST_CHARGE and
-    # STREAM_UP_FRACTION); None for both plans with the profile as it is.
-    as_is = {"stream_up_fraction": None, "stream_host_charge": None}
+    # STREAM_UP_FRACTION) and the backward beside host-state regions issues at
+    # BACKWARD_ISSUE_FACTOR; None for all three plans with the profile as it is.
+    as_is = {"stream_up_fraction": None, "stream_host_charge": None, "backward_issue_factor": None}
     assert planning_hardware(hw, **as_is) == hw
     split = planning_hardware(hw)
-    assert (split.stream_host_charge, split.stream_up_fraction) == (
+    assert (split.stream_host_charge, split.stream_up_fraction, split.backward_issue_factor) == (
         STREAM_HOST_CHARGE,
         STREAM_UP_FRACTION,
+        BACKWARD_ISSUE_FACTOR,
     )
-    assert dataclasses.replace(split, stream_host_charge=1.0, stream_up_fraction=1.0) == hw
+    assert BACKWARD_ISSUE_FACTOR == 4.0
+    unsplit = {"stream_host_charge": 1.0, "stream_up_fraction": 1.0, "backward_issue_factor": 1.0}
+    assert dataclasses.replace(split, **unsplit) == hw
     sig = inspect.signature(memory_optimize).parameters
     assert sig["stream_host_charge"].default == STREAM_HOST_CHARGE
     assert sig["stream_up_fraction"].default == STREAM_UP_FRACTION
@@ -453,10 +458,10 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
         with pytest.raises(ValueError, match="host_step"):
             planning_hardware(hw, **kwargs)
     # The backward's issue cost beside host-state regions, set when given (the profile's
-    # otherwise, 1); memory_optimize takes it too, None by default.
-    assert planning_hardware(hw, backward_issue_factor=4.0).backward_issue_factor == 4.0
-    assert planning_hardware(hw).backward_issue_factor == hw.backward_issue_factor == 1.0
-    assert sig["backward_issue_factor"].default is None
+    # with None, 1); memory_optimize takes it too, with the same default.
+    assert planning_hardware(hw, backward_issue_factor=2.5).backward_issue_factor == 2.5
+    assert planning_hardware(hw, **as_is).backward_issue_factor == hw.backward_issue_factor == 1.0
+    assert sig["backward_issue_factor"].default == BACKWARD_ISSUE_FACTOR
     with pytest.raises(ValueError, match="backward_issue_factor"):
         planning_hardware(hw, backward_issue_factor=0.5)
     # The streamed copies' share of the H2D rate, set when given (the profile's otherwise).

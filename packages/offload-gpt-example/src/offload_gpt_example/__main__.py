@@ -72,6 +72,7 @@ from offload_optim import (
     streamed_step_costs,
 )
 from offload_runtime.api import (
+    BACKWARD_ISSUE_FACTOR,
     choose_plan,
     matmul_shapes,
     measure_device_bytes_in_use,
@@ -232,11 +233,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument(
         "--backward_issue_factor",
         type=float,
-        default=None,
+        default=BACKWARD_ISSUE_FACTOR,
         help="how many times the profile's per-operation issue cost each backward "
         "operation costs the host when the plan keeps optimizer state on the host "
-        "(memory_optimize(backward_issue_factor=), >= 1; default: the profile's, 1): e.g. "
-        "the factor an earlier run's last line (backward: ...) read from its loop",
+        "(memory_optimize(backward_issue_factor=), >= 1; default %(default)g, fitted to "
+        "H200 rows; 1 plans as before): e.g. the factor an earlier run's last line "
+        "(backward: ...) read from its loop",
     )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"

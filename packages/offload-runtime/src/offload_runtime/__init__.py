@@ -6,6 +6,7 @@ the graph and returns an :class:`OffloadModule` to train.
 """
 
 from offload_runtime.api import (
+    BACKWARD_ISSUE_FACTOR,
     STREAM_HOST_CHARGE,
     STREAM_UP_FRACTION,
     AttentionShape,
@@ -32,6 +33,7 @@ from offload_runtime.passes import apply_plan, insert_async_ops, insert_state_op
 from offload_runtime.storage import RegionStorage, region_of
 
 __all__ = [
+    "BACKWARD_ISSUE_FACTOR",
     "STREAM_HOST_CHARGE",
     "STREAM_UP_FRACTION",
     "AttentionShape",

@@ -394,6 +394,21 @@ host steps and the copies down, which :func:`memory_optimize` plans with by defa
 (``HardwareProfile.stream_up_fraction``); see :data:`STREAM_HOST_CHARGE`."""
 
 
+BACKWARD_ISSUE_FACTOR: float = 4.0
+"""How many times ``op_overhead_s`` :func:`memory_optimize` charges each backward operation
+for its issue by default in a step with host-state regions
+(``HardwareProfile.backward_issue_factor``; [Note: the backward beside the host] in the
+solver's engine). Fitted to recorded step times, not measured: replayed on their own plans,
+the 106 rows of BENCHMARKS.md sessions 45-56 predict within 15% of their run means in 92
+cases at 4 against 86 at 1 (W2 19 of 22 against 11, W3 53 of 60 against 55; session 56).
+The factor a loop reads (``offload_optim.check_backward_issue``) ranged 2.5-5.2 across
+leases of one kind of H200 machine (sessions 55-56). Planned at 4 on an H200 in session 56,
+one row each, W2 stepped 366.8 ms against 342.0 at 1 and W3 230.4 against 238.0 (5
+fastest steps), predicted 13.1% and 12.2% over their run means (6.9% and 6.8% at 1 on that
+lease; -24.1% for W2 at 1 on session 55's). Session 56 made 4 the default after its GPU
+calls; 1 plans as the rows of earlier sessions were."""
+
+
 def _check_stream_model(fraction: float | None, charge: float | None) -> None:
     """ValueError unless the streamed copies' rate up and host charge, where given, are in
     range."""
@@ -459,7 +474,7 @@ def planning_hardware(
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     issue_ahead: bool | None = None,
-    backward_issue_factor: float | None = None,
+    backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
     warn_host_rates: bool = True,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
@@ -469,8 +484,9 @@ def planning_hardware(
     passes charged with ``fp16_io`` (they happen inside the host step), and
     ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
     :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
-    streamed regions are simulated), and ``issue_ahead`` and ``backward_issue_factor``
-    unless None (the profile's own).
+    streamed regions are simulated), ``backward_issue_factor`` unless None (by default
+    :data:`BACKWARD_ISSUE_FACTOR`; the profile's own with None), and ``issue_ahead`` unless
+    None (the profile's own).
     For planning without building, e.g. the example's ``--plan_only``. With
     ``warn_host_rates`` (memory_optimize: on a GPU, whose profile is measured; the CPU's
     default profile holds no measured rate), warns when the two host rates are more than
@@ -532,7 +548,7 @@ def memory_optimize(
     measure_attention: bool | None = None,
     fuse_gelu: bool = True,
     issue_ahead: bool | None = None,
-    backward_issue_factor: float | None = None,
+    backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -685,10 +701,11 @@ def memory_optimize(
         backward_issue_factor: how many times ``op_overhead_s`` each backward operation
             costs the host to issue when the plan keeps some regions' optimizer state on
             the host (``HardwareProfile.backward_issue_factor``, >= 1; the backward is
-            then simulated as issued ahead of the device). None (default): the profile's
-            own, 1. Session 55 replayed 102 rows of sessions 45-55 at 4: 89 predicted
-            within 15% of their run means against 82 at 1 (W2 18 of 20 against 9); not
-            yet planned so on a GPU. Not the default.
+            then simulated as issued ahead of the device). Default
+            :data:`BACKWARD_ISSUE_FACTOR` (4, fitted to recorded H200 rows: see there);
+            None: the profile's own (1 unless it says otherwise); 1: as rows before
+            session 57 were planned. ``offload_optim.check_backward_issue`` reads the
+            factor a training loop shows, to plan again with.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
