@@ -268,6 +268,12 @@
 #           MARGIN (default 1.15) times slower (BENCH_HOST_MARGIN) and at the rate
 #           measured, alternating, ROUNDS rounds (default 2); then each arm's rows
 #           (pin_rows.py; margin.txt) and the traces' compute-stream gaps. ~6 min
+#   sweep   the phases named in SWEEP (default "s37 w1p") in turn, each into OUT_DIR/PHASE
+#           with its log in OUT_DIR/PHASE.log and ROUNDS=1 unless set, each started only
+#           when its estimate (sweep_estimate_s) fits before SWEEP_LIMIT seconds (default
+#           570) from the call's start and cut there; then targets.md over every row of
+#           the sweep (sweep.txt says what ran, what was skipped and the seconds). Every
+#           target's rows in two calls: SWEEP="s37 w1p", then SWEEP="w4fsp w2x"
 #   bifab   for each of BIF_WORKLOADS (default "W2 W3"): a row at the defaults (beside its
 #           target's peer: FSDP2 for W2, full GPU by fp32 masters for W3), then one planned
 #           with BENCH_BACKWARD_ISSUE_FACTOR=BIF (default 1: as before session 57; the
@@ -330,7 +336,7 @@
 # BENCH_STEPS sets the timed steps of each bench call (default 10).
 # Set BENCH_COMMIT when running from a copy of the tree that is not a git checkout.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh bifab|ringcal|cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh sweep|bifab|ringcal|cpuprobe|marginab|bstageab|stageab|pubab|planthr|yieldab|streamsel|mastab|ampab|powerab|scaleab|w3res|geluab|attnab|w1p|w2x|calibab|hostmem|rates|attn|chargeab|ringrate|upfrac|pace|s28|pinab|specthr|tests|testsw1|w1x|w1w3|w2t|trace|w1|w2|w3|w4|diag|diag3|curve|threads|spec|bf16m|fidelity|w4b|w4s|w4m|w4f|w4idle|probe|w4p|split|blend|streamf|stream|streamab|streamw4|w4fs|w4fs2|w4fs3|w4fsp|w2s|s24|polishab|issueab|w4issue|io23|io3|io2|specio|single [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 mkdir -p "$out"
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -392,7 +398,32 @@ onplan_ab() {
     done 2>&1 | tee -a "$out/$name.txt" || true
   done
 }
+# sweep_estimate_s PHASE: seconds a phase of a sweep takes with ROUNDS=1 on a slow lease
+# (BENCHMARKS.md sessions 54-56, about 1.1x the slowest seen); 300 for one not listed.
+sweep_estimate_s() {
+  case "$1" in
+    tests) echo 570 ;; s37) echo 420 ;; w4fsp) echo 300 ;; w1p) echo 100 ;;
+    w2x) echo 190 ;; bifab) echo 480 ;; *) echo 300 ;;
+  esac
+}
 case "$phase" in
+  sweep)
+    start=$SECONDS
+    for p in ${SWEEP:-s37 w1p}; do
+      left=$((${SWEEP_LIMIT:-570} - (SECONDS - start)))
+      need=$(sweep_estimate_s "$p")
+      if ((left < need)); then
+        echo "[sweep] $p skipped: $left s left, about $need s needed" | tee -a "$out/sweep.txt"
+        continue
+      fi
+      rc=0
+      ROUNDS=${ROUNDS:-1} timeout "$left" bash "$root/benchmarks/gpu_session.sh" "$p" "$out/$p" \
+        > "$out/$p.log" 2>&1 || rc=$?
+      echo "[sweep] $p: exit $rc at $((SECONDS - start)) s" | tee -a "$out/sweep.txt"
+    done
+    if compgen -G "$out/*/*.json" > /dev/null; then
+      python3 "$root/benchmarks/targets.py" "$out"/*/*.json > "$out/targets.md" 2>&1 || true
+    fi ;;
   bifab)
     for w in ${BIF_WORKLOADS:-W2 W3}; do
       target_row "$w"
