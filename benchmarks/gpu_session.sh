@@ -35,9 +35,10 @@
 #           threads that sleep at once after a parallel region instead of spinning, so
 #           that the host steps' pools leave the cores to the thread driving backward
 #           between kernels (~1 min more a round)
-#   rateab  W3 ours_io_spec1_stream planned with the host rate of the default blend (the
-#           first round beside full GPU by fp32 masters, for the floor) and with the kind's
-#           own rate samples alone (BENCH_HOST_RATE=samples: without the cached profile's
+#   rateab  W3 ours_io_spec1_stream planned with the host rate of the blend
+#           (BENCH_HOST_RATE=blend, the default until session 56; the first round beside
+#           full GPU by fp32 masters, for the floor) and with the kind's own rate samples
+#           alone (BENCH_HOST_RATE=samples, the default since: without the cached profile's
 #           fused rate, which read 1.40-3.30 Gparam/s on three machines whose processes
 #           read 3.5-5.2), alternating, ROUNDS rounds (default 2); with RATEAB_W4=1 also W4
 #           with fp32 state each way (about 2 min a row, no FSDP2); then each arm's
@@ -497,12 +498,12 @@ case "$phase" in
   rateab)
     peer=,full_gpu_master
     for i in $(seq 1 "${ROUNDS:-2}"); do
-      bench W3 "ours_io_spec1_stream$peer" 200 "W3_blend$i"
+      BENCH_HOST_RATE=blend bench W3 "ours_io_spec1_stream$peer" 200 "W3_blend$i"
       BENCH_HOST_RATE=samples bench W3 ours_io_spec1_stream 150 "W3_samples$i"
       peer=""
     done
     if [ -n "${RATEAB_W4:-}" ]; then
-      bench W4 ours_io_spec1_stream 240 W4_blend1
+      BENCH_HOST_RATE=blend bench W4 ours_io_spec1_stream 240 W4_blend1
       BENCH_HOST_RATE=samples bench W4 ours_io_spec1_stream 240 W4_samples1
     fi
     { for arm in blend samples; do

@@ -133,10 +133,10 @@ BENCH_STREAM_UP_FRACTION=1 plans as before session 31. Rows record both in ``pro
 Set BENCH_HOST_MARGIN=M (at least 1) to plan the ``ours`` kinds for a host Adam step M
 times slower than the rate measured for them (:func:`bench_host_margin`; with
 BENCH_PLAN_FROM, M times slower than the source row's); rows record ``host_margin`` (from
-session 46 on). Set BENCH_HOST_RATE=samples to plan the sampling ``ours`` kinds with the
-median of their own rate samples alone, leaving out the cached profile's fused rate that
-the default (``blend``) takes the geometric mean with (:func:`bench_host_rate`); rows
-record ``host_rate_planned_from``.
+session 46 on). The sampling ``ours`` kinds plan with the median of their own rate
+samples alone (``samples``, from session 57 on); BENCH_HOST_RATE=blend takes the
+geometric mean of it and the cached profile's fused rate over the kind's cost, as
+sessions 21-56 did (:func:`bench_host_rate`); rows record ``host_rate_planned_from``.
 Set BENCH_MEASURE_ATTENTION=0 (or 1) to plan the ``ours`` kinds with fused attention at
 the matrix products' rate (or measured at the model's own shapes:
 ``memory_optimize(measure_attention=True)``); unset: ``memory_optimize``'s default (from
@@ -853,7 +853,8 @@ def _ours(
         plan_thread = speculation_thread
     plan_thread = speculate and plan_thread
     host_margin = bench_host_margin()
-    # BENCH_HOST_RATE=samples: the kind's own samples alone, without the profile's rate.
+    # The kind's own samples alone (the default), or with BENCH_HOST_RATE=blend their
+    # geometric mean with the profile's rate over the cost.
     # (Read whether or not this kind samples, so that a misspelt value fails every kind.)
     plan_cost = None if bench_host_rate() == "samples" and rate_samples else host_cost
 
@@ -1159,9 +1160,9 @@ def _ours(
     if rate_samples:
         out["host_rate_samples_gparam"] = [r / 1e9 for r in rate_samples]
         out["host_step_cost"] = host_cost
-        # The plan's host rate (profile.host_adam_gparam) is the geometric mean of the
-        # samples' median and the profile's fused rate over the cost (session 21 on), or
-        # with BENCH_HOST_RATE=samples the samples' median alone.
+        # The plan's host rate (profile.host_adam_gparam) is the samples' median alone
+        # (from session 57 on), or with BENCH_HOST_RATE=blend its geometric mean with the
+        # profile's fused rate over the cost (sessions 21-56).
         out["host_rate_planned_from"] = "blend" if plan_cost is not None else "samples"
     if calibration is not None:
         out["host_rate_planned_from"] = "calibrated"
@@ -1570,13 +1571,16 @@ HOST_RATES = ("blend", "samples")
 
 def bench_host_rate() -> str:
     """Which host Adam rate the sampling ``ours`` kinds plan with: BENCH_HOST_RATE's, else
-    ``blend``, the geometric mean of the median of the kind's three rate samples and the
-    cached profile's fused rate over the kind's cost (session 21 on); ``samples``: the
-    samples' median alone. The profile's fused rate read 1.40, 1.65 and 3.30 Gparam/s on
-    the machines of sessions 47, 44 and 48, where their processes read 3.5-5.2, and the
-    blend then planned W3 for a host slower than it was (4 streamed regions where session
-    46's 4.85 streamed 2, and 255-269 ms against 245)."""
-    rate = os.environ.get("BENCH_HOST_RATE") or "blend"
+    ``samples``, the median of the kind's three rate samples alone (from session 57 on);
+    ``blend``: the geometric mean of that and the cached profile's fused rate over the
+    kind's cost (sessions 21-56). The profile's fused rate read 1.40, 1.65 and 3.30
+    Gparam/s on the machines of sessions 47, 44 and 48, where their processes read
+    3.5-5.2, and 2.84 and 4.03 in two processes of session 56's lease. With the backward
+    beside the host priced at ``BACKWARD_ISSUE_FACTOR``, the 106 rows of sessions 45-56
+    replayed on their own plans predict within 15% of their run means in 97 cases from the
+    samples against 92 from the blend (replanned: 94 against 91; BENCHMARKS.md, session
+    56)."""
+    rate = os.environ.get("BENCH_HOST_RATE") or "samples"
     if rate not in HOST_RATES:
         raise ValueError(f"BENCH_HOST_RATE={rate!r}; known: {', '.join(HOST_RATES)}")
     return rate

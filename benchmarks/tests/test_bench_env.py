@@ -54,15 +54,15 @@ def test_the_host_margin_is_one_unless_bench_host_margin_sets_a_number_of_at_lea
             bench_host_margin()
 
 
-def test_the_host_rate_is_the_blend_unless_bench_host_rate_names_samples(
+def test_the_host_rate_is_the_samples_unless_bench_host_rate_names_the_blend(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.delenv("BENCH_HOST_RATE", raising=False)
-    assert bench_host_rate() == "blend"
-    monkeypatch.setenv("BENCH_HOST_RATE", "")
-    assert bench_host_rate() == "blend"
-    monkeypatch.setenv("BENCH_HOST_RATE", "samples")
     assert bench_host_rate() == "samples"
+    monkeypatch.setenv("BENCH_HOST_RATE", "")
+    assert bench_host_rate() == "samples"
+    monkeypatch.setenv("BENCH_HOST_RATE", "blend")
+    assert bench_host_rate() == "blend"
     monkeypatch.setenv("BENCH_HOST_RATE", "profile")
     with pytest.raises(ValueError, match="BENCH_HOST_RATE='profile'; known: blend, samples"):
         bench_host_rate()

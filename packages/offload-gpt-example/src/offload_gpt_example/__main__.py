@@ -265,9 +265,12 @@ class HostSteps:
     moments: torch.dtype = torch.float32
     """``HybridAdam(moments_dtype=)`` of host-resident state."""
     host_rate: float | None = None
-    """The host step's own rate, parameters/s (median of three measurements; with
-    :attr:`host_cost`): the planner takes the geometric mean of it and the profile's rate
-    over the cost."""
+    """The host step's own rate, parameters/s (median of three measurements, or
+    ``--host_rate``): the planner takes it as it is, and :attr:`host_cost` is then only
+    reported. Until session 56 the planner took the geometric mean of a measured rate and
+    the profile's rate over the cost; with the backward beside the host priced at
+    ``BACKWARD_ISSUE_FACTOR``, the rate alone predicts 97 of 106 recorded H200 rows within
+    15% of their run means against 92 (BENCHMARKS.md, session 56)."""
     stream: bool = False
     """``--stream``: the planner may step host-state regions on the device (STREAMED)."""
     budget_bytes: int | None = None
@@ -295,20 +298,28 @@ class HostSteps:
         kwargs = dict(self.plan_kwargs)
         if self.fp16_io:
             kwargs["fp16_io"] = True
-        if self.host_cost is not None:
-            kwargs["host_step_cost"] = self.host_cost
-        if self.host_rate is not None:
-            kwargs["host_step_params_per_s"] = self.host_rate
+        kwargs.update(self._host_rate_kwargs)
         return kwargs
+
+    @property
+    def _host_rate_kwargs(self) -> dict[str, float]:
+        """The host step's rate as the planner is told it: the measured rate alone where
+        there is one (:attr:`host_rate`), else the cost against the profile's rate."""
+        if self.host_rate is not None:
+            return {"host_step_params_per_s": self.host_rate}
+        if self.host_cost is not None:
+            return {"host_step_cost": self.host_cost}
+        return {}
 
     def plan_hardware(self, hardware: HardwareProfile, *, measured: bool) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``);
         ``measured``: whether it is a GPU's measured profile (not the default), whose host
         rate is checked against the measured ones."""
+        rates = self._host_rate_kwargs
         return planning_hardware(
             hardware,
-            host_step_cost=self.host_cost,
-            host_step_params_per_s=self.host_rate,
+            host_step_cost=rates.get("host_step_cost"),
+            host_step_params_per_s=rates.get("host_step_params_per_s"),
             fp16_io=self.fp16_io,
             warn_host_rates=measured,
         )
