@@ -313,8 +313,9 @@ class HostSteps:
 
     def plan_hardware(self, hardware: HardwareProfile, *, measured: bool) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``);
-        ``measured``: whether it is a GPU's measured profile (not the default), whose host
-        rate is checked against the measured ones."""
+        ``measured``: whether it is a GPU's measured profile (not the default), as
+        ``planning_hardware(warn_host_rates=)`` takes it (a warning only where two host
+        rates are told, which the example no longer does)."""
         rates = self._host_rate_kwargs
         return planning_hardware(
             hardware,
