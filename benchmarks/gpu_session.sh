@@ -139,7 +139,7 @@
 #   w4gelu  W4 ours_io_spec1_stream with the GELU as written (BENCH_FUSE_GELU=0), then
 #           fused (the default)                                              ~6 min
 #   w1p     W1 ours with full-GPU training stepped in turn in the same process
-#           (BENCH_PAIR_FULL_GPU=1, by BENCH_PAIR_RECIPE: default fp32 masters; 30 timed
+#           (BENCH_PAIR_FULL_GPU=1, by BENCH_PAIR_RECIPE: default fp32 masters; 60 timed
 #           steps unless BENCH_STEPS), then the full-GPU row of W1P_PEER (default
 #           full_gpu_master; before session 40, full_gpu) on its own, ROUNDS rounds
 #           (default 2); targets.md judges W1 both ways                   ~1.5 min a round
@@ -577,7 +577,7 @@ case "$phase" in
       | tee "$out/geluab.txt" ;;
   w1p)
     for i in $(seq 1 "${ROUNDS:-2}"); do
-      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-30} bench W1 "ours,${W1P_PEER:-full_gpu_master}" 150 "W1_$i"
+      BENCH_PAIR_FULL_GPU=1 BENCH_STEPS=${BENCH_STEPS:-60} bench W1 "ours,${W1P_PEER:-full_gpu_master}" 150 "W1_$i"
     done
     python3 "$root/benchmarks/pair_ratios.py" W1 ours "${W1P_PEER:-full_gpu_master}" "$out"/W1_*.json \
       | tee "$out/w1_ratios.txt" ;;
