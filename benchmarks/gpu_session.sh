@@ -403,7 +403,7 @@ onplan_ab() {
 # (BENCHMARKS.md sessions 54-56, about 1.1x the slowest seen); 300 for one not listed.
 sweep_estimate_s() {
   case "$1" in
-    tests) echo 570 ;; s37) echo 420 ;; w4fsp) echo 300 ;; w1p) echo 100 ;;
+    tests) echo 570 ;; s37) echo 420 ;; w4fsp) echo 300 ;; w1p) echo 120 ;;
     w2x) echo 190 ;; bifab) echo 480 ;; *) echo 300 ;;
   esac
 }
