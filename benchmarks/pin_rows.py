@@ -93,6 +93,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{row.get('forward_waited_for_host_ms_per_step', float('nan')):.1f} ms a step, "
             f"plan matches the source: {matches}"
         )
+        steps = row.get("steps_ms") or []
+        if steps:
+            print(f"    timed steps {min(steps):.1f}-{max(steps):.1f} ms ({len(steps)} steps)")
+        if "profile_host_adam_gparam" in row:
+            samples = ", ".join(f"{r:.2f}" for r in row.get("host_rate_samples_gparam", []))
+            print(
+                f"    host Adam: the profile read {row['profile_host_adam_gparam']:.2f} "
+                f"Gparam/s, the kind's samples [{samples}], planned from "
+                f"{row.get('host_rate_planned_from')}"
+            )
         for part, cpu in sorted(row.get("host_kernel_cpu", {}).items()):
             print(f"    host Adam kernels, {part}: {kernel_cpu_cell(cpu)}")
         if "ring_up" in row:
