@@ -551,6 +551,31 @@ def chain(sizes: list[int], fwd_flop: int, bwd_flop: int) -> ModelProfile:
     return ModelProfile("chain", params, ops, host_grad_bytes_per_param=0)
 
 
+def viewed_chain(
+    regions: int,
+    views: int,
+    *,
+    size_bytes: int,
+    saved_bytes: int,
+    flop: int,
+    bwd_flop: int,
+    name: str = "viewed",
+) -> ModelProfile:
+    """Per region one operation of ``flop`` FLOP forward and ``bwd_flop`` backward on its
+    parameter (``size_bytes`` bytes, 2 a element) that saves ``saved_bytes`` for
+    backward, then ``views`` operations that compute nothing (views); no gradient bytes
+    cross to the host."""
+    params = tuple(Parameter(f"w{i}", size_bytes // 2, size_bytes) for i in range(regions))
+    ops: list[Operation] = []
+    for i in range(regions):
+        kernel = Operation(
+            f"mm{i}", (f"w{i}",), saved_bytes=saved_bytes, fwd_flop=flop, bwd_flop=bwd_flop
+        )
+        ops.append(kernel)
+        ops.extend(Operation(f"view{i}_{k}") for k in range(views))
+    return ModelProfile(name, params, tuple(ops), host_grad_bytes_per_param=0)
+
+
 def solve_near(
     profile: ModelProfile, hardware: HardwareProfile, where: float, **kwargs: Any
 ) -> tuple[int, Plan]:

@@ -9,13 +9,11 @@ import dataclasses
 import math
 
 import pytest
-from solver_helpers import flat_hardware
+from solver_helpers import flat_hardware, viewed_chain
 
 from offload_solver import (
     HardwareProfile,
     ModelProfile,
-    Operation,
-    Parameter,
     ParamPlacement,
     RegionAssignment,
     SimulationContext,
@@ -28,12 +26,9 @@ from offload_solver.simulators._engine import KINDS
 def _small_kernels(regions: int, views: int) -> ModelProfile:
     """Per region one small kernel on its parameter and ``views`` views: at 1e9 FLOP/s
     every operation is far cheaper on the device than the 0.2 s it costs to issue."""
-    params = tuple(Parameter(f"w{i}", 10, 20) for i in range(regions))
-    ops: list[Operation] = []
-    for i in range(regions):
-        ops.append(Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=10, bwd_flop=20))
-        ops.extend(Operation(f"view{i}_{k}") for k in range(views))
-    return ModelProfile("small", params, tuple(ops), host_grad_bytes_per_param=0)
+    return viewed_chain(
+        regions, views, size_bytes=20, saved_bytes=10, flop=10, bwd_flop=20, name="small"
+    )
 
 
 def _backward_s(profile: ModelProfile, hw: HardwareProfile, state: StatePlacement) -> float:
@@ -58,13 +53,9 @@ def test_host_state_steps_issue_their_backward_at_the_factor() -> None:
 def test_the_factor_issues_ahead_of_a_busy_device() -> None:
     # 10 s of device work per backward kernel: views issued at 3 x 0.2 s hide under it,
     # where priced one by one each would add its issue cost.
-    params = tuple(Parameter(f"w{i}", 10, 20) for i in range(2))
-    ops: list[Operation] = []
-    for i in range(2):
-        ops.append(Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000,
-                             bwd_flop=10_000))  # fmt: skip
-        ops.extend(Operation(f"view{i}_{k}") for k in range(3))
-    profile = ModelProfile("busy", params, tuple(ops), host_grad_bytes_per_param=0)
+    profile = viewed_chain(
+        2, 3, size_bytes=20, saved_bytes=10, flop=1000, bwd_flop=10_000, name="busy"
+    )
     base = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
     beside = dataclasses.replace(base, backward_issue_factor=3.0)
     priced = _backward_s(profile, base, StatePlacement.HOST)  # 2 x 10 + 6 x 0.2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from solver_helpers import flat_hardware
+from solver_helpers import flat_hardware, viewed_chain
 
 from offload_solver import (
     HardwareProfile,
@@ -46,13 +46,9 @@ def test_without_issue_costs_operations_run_back_to_back() -> None:
 def _viewed_chain(regions: int, views: int) -> ModelProfile:
     """Per region one 1000-FLOP (10000 backward) operation on its parameter, then
     ``views`` operations that compute nothing (views)."""
-    params = tuple(Parameter(f"w{i}", 500, 1000) for i in range(regions))
-    ops: list[Operation] = []
-    for i in range(regions):
-        ops.append(Operation(f"mm{i}", (f"w{i}",), saved_bytes=1000, fwd_flop=1000,
-                             bwd_flop=10_000))  # fmt: skip
-        ops.extend(Operation(f"view{i}_{k}") for k in range(views))
-    return ModelProfile("viewed", params, tuple(ops), host_grad_bytes_per_param=0)
+    return viewed_chain(
+        regions, views, size_bytes=1000, saved_bytes=1000, flop=1000, bwd_flop=10_000
+    )
 
 
 def _step_s(profile: ModelProfile, hw: HardwareProfile) -> float:
