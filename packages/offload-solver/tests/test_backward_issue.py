@@ -1,7 +1,8 @@
 """``HardwareProfile.backward_issue_factor`` ([Note: the backward beside the host] in the
 engine): in a step with host-state regions each backward operation costs the host that
-many times ``op_overhead_s`` to issue, issued ahead of the device; a step whose regions
-all keep their state on the device is priced as before."""
+many times ``op_overhead_s`` to issue, issued ahead of the device where that takes longer
+than the pass priced alone; a step whose regions all keep their state on the device is
+priced as before."""
 
 from __future__ import annotations
 
@@ -65,6 +66,28 @@ def test_the_factor_issues_ahead_of_a_busy_device() -> None:
     assert _backward_s(profile, beside, StatePlacement.HOST) == pytest.approx(
         0.6 + 10 + 10 + 3 * 0.6, rel=1e-3
     )
+
+
+def test_beside_the_host_the_backward_is_never_shorter_than_alone() -> None:
+    # The busy chain above issued ahead at f x 0.2 s spans 0.2 f + 20 + 0.6 f seconds, so
+    # any factor under 1.5 would price it under its 21.2 s alone (1.01: 20.8 s). The pass
+    # takes the longer: its price rises continuously from the factor 1 and leaves the
+    # price alone only where issuing ahead at the factor costs more.
+    profile = viewed_chain(
+        2, 3, size_bytes=20, saved_bytes=10, flop=1000, bwd_flop=10_000, name="busy"
+    )
+    base = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
+    alone = _backward_s(profile, base, StatePlacement.HOST)
+    assert alone == pytest.approx(21.2, rel=1e-3)
+    for factor in (1.0, 1.001, 1.01, 1.5):
+        hw = dataclasses.replace(base, backward_issue_factor=factor)
+        assert _backward_s(profile, hw, StatePlacement.HOST) == pytest.approx(alone, rel=1e-6)
+    # Above 1.5 the issued-ahead pass is the longer.
+    for factor in (2.0, 3.0, 5.0):
+        hw = dataclasses.replace(base, backward_issue_factor=factor)
+        assert _backward_s(profile, hw, StatePlacement.HOST) == pytest.approx(
+            20 + 0.8 * factor, rel=1e-6
+        )
 
 
 def test_the_factor_survives_json_defaults_to_one_and_refuses_the_rest() -> None:
