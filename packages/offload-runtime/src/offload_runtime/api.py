@@ -701,7 +701,8 @@ def memory_optimize(
         backward_issue_factor: how many times ``op_overhead_s`` each backward operation
             costs the host to issue when the plan keeps some regions' optimizer state on
             the host (``HardwareProfile.backward_issue_factor``, >= 1; the backward is
-            then simulated as issued ahead of the device). Default
+            then simulated as issued ahead of the device where that takes longer than
+            it is priced alone). Default
             :data:`BACKWARD_ISSUE_FACTOR` (4, fitted to recorded H200 rows: see there);
             None: the profile's own (1 unless it says otherwise); 1: as rows before
             session 57 were planned. ``offload_optim.check_backward_issue`` reads the

@@ -409,8 +409,9 @@ class HardwareProfile:
     """How many times ``op_overhead_s`` each backward operation costs the host to issue in a
     step with host-state (HOST or STREAMED) regions, whose gradient hooks and host Adam
     threads run beside the backward, which is then simulated as issued ahead of the device
-    ([Note: the backward beside the host] in ``offload_solver.simulators._engine``); 1
-    (the default): as in any other step.
+    where that takes longer than the backward priced alone ([Note: the backward beside
+    the host] in ``offload_solver.simulators._engine``); 1 (the default): as in any other
+    step.
     Session 55's W2 row (GPT-2 XL at 64 x 8 tokens, every region's state on the host)
     spent 174 ms in ``backward(loss)`` where the simulator's backward spans 60 ms; W1's
     (all on the device) 24.4 against 22.3."""
