@@ -661,6 +661,10 @@ def test_stream_plans_with_the_runtimes_contention_split(
             STREAM_UP_FRACTION,
         )
     assert (STREAM_HOST_CHARGE, STREAM_UP_FRACTION) == (0.5, 0.78)
+    # --plan_only's profile carries --backward_issue_factor, memory_optimize's by default.
+    assert plain.plan_hardware(default_hardware(), measured=False).backward_issue_factor == 4.0
+    told = plain.plan_hardware(default_hardware(), measured=False, backward_issue_factor=2.5)
+    assert told.backward_issue_factor == 2.5
     base = [*TINY, *FINE, "--batch_size", "2", "--steps", "2", "--log_dir", str(tmp_path)]
     code, _, err = _run([*base, "--stream", "--stream_split", "--plan_only"], capsys)
     assert code == 2

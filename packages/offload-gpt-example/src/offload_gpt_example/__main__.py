@@ -311,17 +311,25 @@ class HostSteps:
             return {"host_step_cost": self.host_cost}
         return {}
 
-    def plan_hardware(self, hardware: HardwareProfile, *, measured: bool) -> HardwareProfile:
+    def plan_hardware(
+        self,
+        hardware: HardwareProfile,
+        *,
+        measured: bool,
+        backward_issue_factor: float = BACKWARD_ISSUE_FACTOR,
+    ) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``);
         ``measured``: whether it is a GPU's measured profile (not the default), as
         ``planning_hardware(warn_host_rates=)`` takes it (a warning only where two host
-        rates are told, which the example no longer does)."""
+        rates are told, which the example no longer does); ``backward_issue_factor``:
+        ``--backward_issue_factor``."""
         rates = self._host_rate_kwargs
         return planning_hardware(
             hardware,
             host_step_cost=rates.get("host_step_cost"),
             host_step_params_per_s=rates.get("host_step_params_per_s"),
             fp16_io=self.fp16_io,
+            backward_issue_factor=backward_issue_factor,
             warn_host_rates=measured,
         )
 
@@ -478,7 +486,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.host_rate is not None and not (args.host_rate > 0 and math.isfinite(args.host_rate)):
         parser.error(f"--host_rate is {args.host_rate:g}; give G parameters/s > 0")
     factor = args.backward_issue_factor
-    if factor is not None and not (factor >= 1 and math.isfinite(factor)):
+    if not (factor >= 1 and math.isfinite(factor)):
         parser.error(f"--backward_issue_factor is {factor:g}; give a factor >= 1")
     if args.speculate and args.dtype != "fp16":
         parser.error(
@@ -776,9 +784,11 @@ def plan_only(
     if host_steps is None:
         return EXIT_FAILURE
     plan_kwargs.update(host_steps.plan_kwargs)
-    hardware = host_steps.plan_hardware(hardware, measured=torch.cuda.is_available())
-    if args.backward_issue_factor is not None:
-        hardware = replace(hardware, backward_issue_factor=args.backward_issue_factor)
+    hardware = host_steps.plan_hardware(
+        hardware,
+        measured=torch.cuda.is_available(),
+        backward_issue_factor=args.backward_issue_factor,
+    )
     in_use = 0
     if torch.cuda.is_available():
         # As memory_optimize counts them before a training run: the BLAS workspaces and
