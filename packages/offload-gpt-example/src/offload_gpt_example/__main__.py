@@ -236,9 +236,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         default=BACKWARD_ISSUE_FACTOR,
         help="how many times the profile's per-operation issue cost each backward "
         "operation costs the host when the plan keeps optimizer state on the host "
-        "(memory_optimize(backward_issue_factor=), >= 1; default %(default)g, fitted to "
-        "H200 rows; 1 plans as before): e.g. the factor an earlier run's last line "
-        "(backward: ...) read from its loop",
+        "(memory_optimize(backward_issue_factor=), >= 1; default %(default)g, fitted by "
+        "benchmarks/replay_bench.py; 1 prices the backward by its operations' issue cost "
+        "alone): e.g. the factor an earlier run's last line (backward: ...) read from its loop",
     )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
@@ -267,10 +267,7 @@ class HostSteps:
     host_rate: float | None = None
     """The host step's own rate, parameters/s (median of three measurements, or
     ``--host_rate``): the planner takes it as it is, and :attr:`host_cost` is then only
-    reported. Until session 56 the planner took the geometric mean of a measured rate and
-    the profile's rate over the cost; with the backward beside the host priced at
-    ``BACKWARD_ISSUE_FACTOR``, the rate alone predicts 97 of 106 recorded H200 rows within
-    15% of their run means against 92 (BENCHMARKS.md, session 56)."""
+    reported (BENCHMARKS.md, Decisions, "Planning from the kernel's own rate samples")."""
     stream: bool = False
     """``--stream``: the planner may step host-state regions on the device (STREAMED)."""
     budget_bytes: int | None = None
@@ -358,15 +355,15 @@ class HostSteps:
         if kernel == "torch" and speculate:
             print(
                 "--speculate: numba is not installed, so speculative steps copy their undo "
-                "data with torch's kernels (about 2.5x a plain step on the H200's host "
-                "against 1.5x in one pass); pip install 'offload-optim[single-pass]'",
+                "data with torch's kernels in extra passes over host memory instead of one; "
+                "pip install 'offload-optim[single-pass]'",
                 file=sys.stderr,
             )
         if kernel == "torch" and bf16_moments:
             print(
                 "--bf16_moments: numba is not installed, so bf16 moments step by torch's "
-                "chunked route (1.9x the fused fp32 step's time on the H200's host, against "
-                "0.86x in one pass); pip install 'offload-optim[single-pass]'",
+                "chunked route, slower than torch's fused fp32 step (the single-pass kernel "
+                "is faster than it); pip install 'offload-optim[single-pass]'",
                 file=sys.stderr,
             )
         host_cost = None
@@ -714,11 +711,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if check is not None:
         # What the host's busy time in the loop says its Adam rate was, against the plan's.
         print(
-            f"host_adam: planned {check.planned_params_per_s / 1e9:.3f} G parameters/s, "
-            f"{check.planned_busy_s * 1e3:.3f} ms busy per step | in the loop "
-            f"{check.measured_busy_s * 1e3:.3f} ms busy per step ({check.steps} steps): "
-            f"{check.loop_params_per_s / 1e9:.3f} G parameters/s "
-            f"(--host_rate {check.loop_params_per_s / 1e9:.3f} plans with it)",
+            f"host_adam: planned {check.planned_params_per_s / 1e9:.4g} G parameters/s, "
+            f"{check.planned_busy_s * 1e3:.4g} ms busy per step | in the loop "
+            f"{check.measured_busy_s * 1e3:.4g} ms busy per step ({check.steps} steps): "
+            f"{check.loop_params_per_s / 1e9:.4g} G parameters/s "
+            f"(--host_rate {check.loop_params_per_s / 1e9:.4g} plans with it)",
             flush=True,
         )
     backward = check_backward_issue(optimizer, last=last)

@@ -164,8 +164,8 @@ def build_model(
     that a 24B-parameter model never needs an fp32 copy (96 GB) on the host.
     ``seed`` makes the initial weights reproducible (``None`` leaves the global RNG alone).
     ``init_device`` draws the random weights there, one parameter at a time, and copies
-    them to ``device``: torch's CPU ``normal_`` is single-threaded (about 25 M elements/s
-    on the H200 host, a minute for gpt2_xl), a GPU draws them in milliseconds. Default:
+    them to ``device``: torch's CPU ``normal_`` is single-threaded (about a minute for
+    gpt2_xl's 1.5 B parameters), a GPU draws them in milliseconds. Default:
     ``device``. ``activation`` is the MLP's (:func:`gpt2_config`).
     """
     spec = get_spec(name)
