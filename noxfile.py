@@ -96,9 +96,8 @@ def gpu_tests(session: nox.Session) -> None:
     The hardware profiles the tests measure are cached in a folder of their own
     (``OFFLOAD_CACHE_DIR``, removed afterwards), not in the machine's profile cache: a
     profile read inside the test run, beside whatever the tests before it left running,
-    would otherwise be what every later plan and benchmark on the machine takes (session
-    48: its host Adam reads were 1.38, 3.30 and 3.78 Gparam/s, where the benchmark's
-    processes then read 4.03; BENCHMARKS.md)."""
+    reads the host slower than it is, and would otherwise be what every later plan and
+    benchmark on the machine takes."""
     import tempfile
 
     env = _cuda_env(session, "the gpu tests")
