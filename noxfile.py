@@ -17,8 +17,10 @@ CONSTRAINTS = str(ROOT / "constraints.txt")
 PACKAGES = ["solver", "trace", "runtime", "optim", "gpt-example"]
 PACKAGE_DIRS = [f"packages/offload-{name}" for name in PACKAGES]
 TEST_DIRS = [f"{d}/tests" for d in PACKAGE_DIRS]
-# The benchmark scripts' own tests (what targets.py reports from recorded results): CPU only.
+# The benchmark scripts' own tests: CPU only.
 BENCH_TEST_DIR = "benchmarks/tests"
+# The README's commands, run and checked against the output it shows.
+DOC_TEST_DIR = "tests"
 SRC_DIRS = [f"{d}/src" for d in PACKAGE_DIRS]
 TEST_TOOLS = ["pytest", "hypothesis"]
 # Optional extras installed with the packages, so that their tests and types are checked.
@@ -36,10 +38,12 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """CPU tests of every package, and of the benchmark scripts' reports, in one virtualenv
-    (tests marked ``gpu`` are left out)."""
+    """CPU tests of every package, of the benchmark scripts and of the README's commands, in
+    one virtualenv (tests marked ``gpu`` are left out)."""
     _install_all(session)
-    session.run("pytest", "-m", "not gpu", *TEST_DIRS, BENCH_TEST_DIR, *session.posargs)
+    session.run(
+        "pytest", "-m", "not gpu", *TEST_DIRS, BENCH_TEST_DIR, DOC_TEST_DIR, *session.posargs
+    )
 
 
 @nox.session
