@@ -478,32 +478,6 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     for charge in (-0.5, 1.5, float("nan")):
         with pytest.raises(ValueError, match="stream_host_charge"):
             planning_hardware(hw, stream_host_charge=charge)
-    # How issue costs combine with device time: the profile's own unless told.
-    assert planning_hardware(hw, **as_is).issue_ahead is hw.issue_ahead is False
-    ahead = planning_hardware(hw, issue_ahead=True, **as_is)
-    assert ahead == dataclasses.replace(hw, issue_ahead=True)
-    assert planning_hardware(ahead, issue_ahead=False, **as_is) == hw
-    assert planning_hardware(ahead, **as_is).issue_ahead is True
-
-
-def test_issue_ahead_reaches_the_plan_and_changes_only_the_time() -> None:
-    """memory_optimize(issue_ahead=True) plans with the profile's issue_ahead set: the
-    module keeps that profile, and only the predicted time differs, never the plan's memory."""
-    budget = 2**30
-    # An issue cost (seconds) between the tiny model's views (no device time) and its
-    # matrix products: issued ahead, the views cost the device nothing behind them.
-    hw = dataclasses.replace(default_cpu_profile(), op_overhead_s=2e-6)
-    kw: dict[str, Any] = {"device": "cpu", "progress": False, "hardware": hw}
-    plain = memory_optimize(tiny_gpt2(), inputs(), budget, "asyn", **kw)
-    ahead = memory_optimize(tiny_gpt2(), inputs(), budget, "asyn", issue_ahead=True, **kw)
-    try:
-        assert plain.hardware.issue_ahead is False
-        assert ahead.hardware == dataclasses.replace(plain.hardware, issue_ahead=True)
-        assert ahead.plan.predicted_step_time_s < plain.plan.predicted_step_time_s
-        assert ahead.plan.predicted_peak_bytes == plain.plan.predicted_peak_bytes
-    finally:
-        plain.close()
-        ahead.close()
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,6 @@ from offload_solver import (
 )
 from offload_solver import solve as solve_plan
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
-from offload_solver.solve import POLISH_ROUNDS
 from offload_trace import TracedModel, trace
 from offload_trace.traced import ATTENTION_OPS
 
@@ -324,7 +323,6 @@ def choose_plan(
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
-    polish_rounds: int = POLISH_ROUNDS,
     late_host_work: bool = True,
 ) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
     """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
@@ -357,7 +355,6 @@ def choose_plan(
                 device_bytes_in_use=device_bytes_in_use,
                 micro_batches=micro_batches,
                 streamed=streamed,
-                polish_rounds=polish_rounds,
                 late_host_work=late_host_work,
             )
         except InfeasibleBudgetError as exc:
@@ -475,7 +472,6 @@ def planning_hardware(
     fp16_io: bool = False,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
-    issue_ahead: bool | None = None,
     backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
     warn_host_rates: bool = True,
 ) -> HardwareProfile:
@@ -486,17 +482,14 @@ def planning_hardware(
     passes charged with ``fp16_io`` (they happen inside the host step), and
     ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
     :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
-    streamed regions are simulated), ``backward_issue_factor`` unless None (by default
-    :data:`BACKWARD_ISSUE_FACTOR`; the profile's own with None), and ``issue_ahead`` unless
-    None (the profile's own).
+    streamed regions are simulated), and ``backward_issue_factor`` unless None (by default
+    :data:`BACKWARD_ISSUE_FACTOR`; the profile's own with None).
     For planning without building, e.g. the example's ``--plan_only``. With
     ``warn_host_rates`` (memory_optimize: on a GPU, whose profile is measured; the CPU's
     default profile holds no measured rate), warns when the two host rates are more than
     :data:`HOST_RATES_DISAGREE` apart."""
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
-    if issue_ahead is not None:
-        hardware = dataclasses.replace(hardware, issue_ahead=issue_ahead)
     if backward_issue_factor is not None:
         hardware = dataclasses.replace(hardware, backward_issue_factor=backward_issue_factor)
     if stream_up_fraction is not None:
@@ -543,13 +536,11 @@ def memory_optimize(
     device_bytes_in_use: int | None = None,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
-    polish_rounds: int = POLISH_ROUNDS,
     late_host_work: bool = True,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     measure_attention: bool | None = None,
     fuse_gelu: bool = True,
-    issue_ahead: bool | None = None,
     backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
@@ -641,11 +632,6 @@ def memory_optimize(
             ``HybridAdam`` is built with. It pays where the host
             step bounds the step and PCIe has time to spare (BENCHMARKS.md, session 22).
             Default None: no region is streamed.
-        polish_rounds: rounds of the solver's final local search, which simulates every
-            one-region change of the plan and takes the best while one shortens the
-            predicted step within the budget (a few seconds for a 92-region model on one
-            core). Default 0: the greedy phases' plan, which measured faster on the GPU
-            than the search's (``offload_solver.solvers._polish``).
         late_host_work: after the greedy phases, move host-state regions' placements to
             later resident regions with device state while the predicted step gets
             shorter: a region late in forward order has its gradients first and its
@@ -689,17 +675,6 @@ def memory_optimize(
             Default True: measured in one call on an H200 (BENCHMARKS.md, session 37),
             W3's step went from 395 to 257 ms and W1's from 43.1 to 28.7 ms. A model
             without that chain is traced unchanged; False traces every model as written.
-        issue_ahead: how the simulator combines each operation's issue cost (the
-            profile's ``op_overhead_s``, seconds) with its device time
-            (``HardwareProfile.issue_ahead``). True: the host issues ahead of the device,
-            so an operation costs the device its compute or traffic once issued, and
-            views cost nothing where the device is behind; False: each operation takes at
-            least its issue cost, one after another. None (default): the profile's own,
-            False for a measured one. Replayed over session 38's seven W3 rows with
-            attention at its measured rates, True put every prediction within 15% of
-            the run mean (BENCHMARKS.md, session 38); W3 planned so in session 39, one
-            row, ran within the spread of the default's rows (253.9 ms by the 5 fastest
-            steps against 241-264), predicted 8.9% under its run mean. Not the default.
         backward_issue_factor: how many times ``op_overhead_s`` each backward operation
             costs the host to issue when the plan keeps some regions' optimizer state on
             the host (``HardwareProfile.backward_issue_factor``, >= 1; the backward is
@@ -777,7 +752,6 @@ def memory_optimize(
         fp16_io=fp16_io,
         stream_up_fraction=stream_up_fraction,
         stream_host_charge=stream_host_charge,
-        issue_ahead=issue_ahead,
         backward_issue_factor=backward_issue_factor,
         warn_host_rates=_profile_is_measured(dev),
     )
@@ -795,11 +769,6 @@ def memory_optimize(
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
     )
-    if polish_rounds:
-        say(
-            f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
-            f"{polish_rounds} rounds of local search"
-        )
     spec_thread = not after_backward and (
         dtype == torch.float16 if speculation_thread is None else speculation_thread
     )
@@ -818,7 +787,6 @@ def memory_optimize(
         device_bytes_in_use=device_bytes_in_use,
         micro_batches=micro_batches,
         streamed=streamed,
-        polish_rounds=polish_rounds,
         late_host_work=late_host_work,
     )
     if len(times) == 2:
