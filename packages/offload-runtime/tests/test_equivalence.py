@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from tiny_models import (
+    UPLOAD_STATS,
     ThreeWayTied,
     forcing_budget,
     inputs,
@@ -22,6 +23,7 @@ from tiny_models import (
     tiny_bert,
     tiny_gpt2,
     tiny_llama,
+    uploads_per_step,
 )
 
 import offload_runtime.api
@@ -196,13 +198,18 @@ def assert_one_step_matches(
 def test_offloaded_gradients_match_plain_training(name: str, solver: str) -> None:
     model, module, inp = build(name, solver)
     assert offloaded_half(module.plan, solver)
-
+    before = dict(module.controller.stats)
     assert_one_step_matches(model, module, inp, logits_tol=1e-6, grad_tol=1e-6)
+    # Every upload ran as the plan says (async ones prefetched, none at use instead).
+    stats = module.controller.stats
+    assert {k: stats[k] - before[k] for k in UPLOAD_STATS} == uploads_per_step(module.plan)
 
 
-@pytest.mark.parametrize("widen", [False, True])
-@pytest.mark.parametrize("host_worker", [False, True])
-@pytest.mark.parametrize("solver", ["syn", "asyn"])
+# Every pair of the three choices' values, in four runs rather than eight.
+@pytest.mark.parametrize(
+    ("solver", "host_worker", "widen"),
+    [("syn", False, False), ("syn", True, True), ("asyn", True, False), ("asyn", False, True)],
+)
 def test_repeated_steps_accumulate_like_plain_training(
     solver: str, host_worker: bool, widen: bool
 ) -> None:

@@ -218,9 +218,10 @@ def test_fp16_regions_landing_after_backward_step_first_in_landing_order() -> No
     # Backward 1 s per region (2000 FLOP at 2000 FLOP/s), forward 0.5 s; gradient copies
     # of 200 B at 100 B/s take 2 s, longer than a region's backward, so they queue on D2H:
     # B2 [1.5,2.5] copy [2.5,4.5]; B1 [2.5,3.5] copy [4.5,6.5]; B0 [3.5,4.5] copy [6.5,8.5].
-    # The overflow answer is known at the end of backward, 4.5 s. Region 2 landed then (landing
-    # at that instant counts as landing before it) and waits; regions 1 and 0 land after it and step as they
-    # land, in landing order (1 before 0, not forward order); then region 2. Adam 0.1 s.
+    # The overflow answer is known at the end of backward, 4.5 s. Region 2 landed then
+    # (landing at that instant counts as landing before it) and waits; regions 1 and 0
+    # land after it and step as they land, in landing order (1 before 0, not forward
+    # order); then region 2. Adam 0.1 s.
     ops = tuple(
         Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000, bwd_flop=2000)
         for i in range(3)

@@ -571,9 +571,7 @@ class SimulationContext:
                 spans.append(acc)
             return offsets, spans
 
-        self.bwd_offsets, self.bwd_s = backward_regions(
-            [max(d, hw.op_overhead_s) for d in bwd_dev]
-        )
+        self.bwd_offsets, self.bwd_s = backward_regions([max(d, hw.op_overhead_s) for d in bwd_dev])
         """Per region, its backward operations' start offsets from the region's backward
         start, and its backward's seconds, in a step with every region's state on the
         device."""

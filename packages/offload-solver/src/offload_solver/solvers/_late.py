@@ -13,13 +13,14 @@ The greedy phases decide on the cold step (one step on an idle machine, [Note:
 incremental candidate evaluation] in ``_search``), in which no next forward waits, and
 break ties by the earliest region, so they can leave host work on early regions whose
 next forward then waits for the host (measured: BENCHMARKS.md, Decisions, "Late host
-work"). So this phase, on the finished greedy plan, moves host work later: for a host-state region ``r`` (earliest first) and a resident device-state
-region ``s > r`` (latest first), it gives ``s`` the placement and state ``r`` had (an
-ASYNC prefetch issued as many regions after ``s`` as it was after ``r``) and ``r`` device
-state, resident. The first such swap whose repeating step ([Note: steady state] in
+work"). So this phase, on the finished greedy plan, moves host work later: for a
+host-state region ``r`` (earliest first) and a resident device-state region ``s > r``
+(latest first), it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
+issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
+resident. The first such swap whose repeating step ([Note: steady state] in
 ``simulators._engine``) is shorter by more than the steady state's tolerance and whose
-peak fits the cap is kept, and the search starts again from it. Each kept swap moves host
-work to a later region, so the sum of the host-state regions' indices rises and the
+peak fits the cap is kept, and the search starts again from it. Each kept swap moves
+host work to a later region, so the sum of the host-state regions' indices rises and the
 search ends. Every simulation counts in ``num_simulations``.
 
 It runs before streamed regions are placed, and ``solve`` places them on both plans,
