@@ -509,8 +509,8 @@ def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The cached profile's host Adam rate over the cost is 3x below the absolute rate
-    # told (session 47's profile read 1.40 Gparam/s where processes timed 4.6): measured
-    # again, with force, before planning; a profile passed in is never measured again.
+    # told (as for a profile measured while the host was busy): measured again, with
+    # force, before planning; a profile passed in is never measured again.
     hw = default_cpu_profile()
     disturbed = dataclasses.replace(hw, host_adam_params_per_s=hw.host_adam_params_per_s / 3)
     calls: list[bool] = []

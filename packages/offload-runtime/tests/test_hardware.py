@@ -189,7 +189,7 @@ def test_profile_is_measured_once_then_loaded_from_the_cache(
 def test_profiles_cached_before_the_conversion_rate_are_measured_again(
     fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
-    # A file named as before the format tag, lacking host_convert_elems_per_s: reading it
+    # A file named without a format tag, lacking host_convert_elems_per_s: reading it
     # would plan without the host conversions, so it is ignored and the device re-measured.
     old_doc = json.loads(FAKE_PROFILE.to_json())
     del old_doc["host_convert_elems_per_s"]
@@ -228,8 +228,8 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
 
     monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda dev: (points, points))
     monkeypatch.setattr(hardware, "measure_peak_matmul_flop_per_s", lambda dev, dtype: 700e12)
-    # The host Adam rate too: session 47's one read was 1.40 Gparam/s where the host ran
-    # torch's fused step at 3.9-5.1 in every process after it; the low read is dropped.
+    # The host Adam rate too: one read taken while the host was busy (a third of the
+    # others) is dropped.
     adam_reads = iter([1.4e9, 4.4e9, 4.1e9])
     adam_numels: list[int] = []
 

@@ -528,7 +528,7 @@ class HardwareProfile:
         pricing no longer offered) warns once that it is ignored."""
         data = _load_document(text, "HardwareProfile")
         if data.get("issue_ahead") is True:
-            warnings.warn(ISSUE_AHEAD_IGNORED, UserWarning, stacklevel=2)
+            warnings.warn(_ISSUE_AHEAD_IGNORED, UserWarning, stacklevel=2)
         try:
             return HardwareProfile(
                 name=_get(data, "name", str),
@@ -580,7 +580,7 @@ class HardwareProfile:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
 
 
-ISSUE_AHEAD_IGNORED = (
+_ISSUE_AHEAD_IGNORED = (
     "HardwareProfile JSON sets 'issue_ahead': true, a pricing this solver no longer "
     "offers; the key is ignored and each operation is priced at the largest of its "
     "compute, its memory traffic and op_overhead_s. Remove the key from the file."

@@ -165,6 +165,10 @@ def solve(
     ``solvers._streamed``; [Note: streamed steps] in ``simulators._engine``). The plan
     then records the costs (``Plan.streamed``). ``None`` (default): no region is
     STREAMED.
+    ``late_host_work``: after the greedy phases, move host-state regions' placements to
+    later resident device-state regions while that shortens the repeating step (step 3;
+    [Note: host work late] in ``solvers._late``). True (default); False keeps the greedy
+    phases' placements.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
