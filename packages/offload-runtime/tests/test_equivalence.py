@@ -82,6 +82,23 @@ def build(
     return model, module, inp
 
 
+@pytest.fixture
+def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """memory_optimize traces each model object once per test (per dtype, target and
+    GELU fusion): for tests of planning arguments, which plan one model many times."""
+    real = offload_runtime.api.trace
+    traced: dict[tuple[Any, ...], Any] = {}
+
+    def trace(model: torch.nn.Module, example: Any, **kwargs: Any) -> Any:
+        shapes = tuple((k, tuple(v.shape)) for k, v in dict(example).items())
+        key = (id(model), shapes, *sorted(kwargs.items(), key=str))
+        if key not in traced:
+            traced[key] = real(model, example, **kwargs)
+        return traced[key]
+
+    monkeypatch.setattr(offload_runtime.api, "trace", trace)
+
+
 def roomy(model: torch.nn.Module, inp: dict[str, torch.Tensor]) -> OffloadModule:
     """``model`` planned in fp32 on the CPU with room for everything (16 GiB): every
     region stays on the device with its optimizer state."""
@@ -505,13 +522,14 @@ def test_bad_stream_planning_arguments_are_refused_before_tracing(
         )
 
 
+@pytest.mark.usefixtures("trace_once")
 def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The cached profile's host Adam rate over the cost is 3x below the absolute rate
     # told (as for a profile measured while the host was busy): measured again, with
     # force, before planning; a profile passed in is never measured again.
-    hw = default_cpu_profile()
+    hw, model, inp = default_cpu_profile(), tiny_gpt2(), inputs()
     disturbed = dataclasses.replace(hw, host_adam_params_per_s=hw.host_adam_params_per_s / 3)
     calls: list[bool] = []
 
@@ -531,9 +549,9 @@ def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # agreeing after the new profile: no warning
-        again = memory_optimize(tiny_gpt2(), inputs(), 2**30, "asyn", **told, **kwargs)
+        again = memory_optimize(model, inp, 2**30, "asyn", **told, **kwargs)
     assert calls == [False, True]
-    direct = memory_optimize(tiny_gpt2(), inputs(), 2**30, "asyn", hardware=hw, **kwargs)
+    direct = memory_optimize(model, inp, 2**30, "asyn", hardware=hw, **kwargs)
     assert again.plan.predicted_step_time_s == pytest.approx(direct.plan.predicted_step_time_s)
     # Within HOST_RATES_DISAGREE: the cached profile is planned with as it is.
     calls.clear()
@@ -541,14 +559,12 @@ def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
         "host_step_cost": 1.0,
         "host_step_params_per_s": hw.host_adam_params_per_s / 2.5,
     }
-    memory_optimize(tiny_gpt2(), inputs(), 2**30, "asyn", **near, **kwargs).close()
+    memory_optimize(model, inp, 2**30, "asyn", **near, **kwargs).close()
     assert calls == [False]
     # Given a profile, it is the caller's: warned about, not measured again.
     calls.clear()
     with pytest.warns(RuntimeWarning, match="3.0x apart"):
-        memory_optimize(
-            tiny_gpt2(), inputs(), 2**30, "asyn", hardware=disturbed, **told, **kwargs
-        ).close()
+        memory_optimize(model, inp, 2**30, "asyn", hardware=disturbed, **told, **kwargs).close()
     assert calls == []
     for m in (again, direct):
         m.close()
@@ -575,6 +591,7 @@ def test_the_cpu_default_profiles_host_rate_is_not_checked_against_the_rates_tol
     module.close()
 
 
+@pytest.mark.usefixtures("trace_once")
 def test_a_slower_host_optimizer_is_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
     # All optimizer state on the host: a host optimizer at a tenth of the profile's Adam
     # rate makes the predicted step longer; a non-positive rate is refused.
@@ -670,6 +687,7 @@ def test_the_planner_is_told_whether_speculative_steps_have_their_own_thread(
     assert seen == [planned]
 
 
+@pytest.mark.usefixtures("trace_once")
 def test_device_bytes_in_use_come_off_the_budget() -> None:
     # On the CPU nothing is measured in use; bytes given are planned around and counted in
     # the predicted peak, and a budget they leave too little of names the least one.
