@@ -566,7 +566,8 @@ def memory_optimize(
             keeps no training-dtype copies, at twice the PCIe bytes and with longer-lived
             device gradients (the plan counts both). False: in the training dtype, cast on
             the host. None (default): plan both and keep the one the simulator predicts
-            faster (a host-bound step gains; a PCIe-bound one does not).
+            faster (a host-bound step gains; a PCIe-bound one does not; measured:
+            BENCHMARKS.md, Decisions, "Dtype conversions on the device").
         host_step_params_per_s: the host optimizer's throughput in parameters per second,
             when it is not torch's fused fp32-moment Adam that the hardware profile
             measures (e.g. ``offload_optim.measure_host_step_params_per_s(torch.bfloat16)``

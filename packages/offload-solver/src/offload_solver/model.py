@@ -727,8 +727,8 @@ class TimelineInterval:
     ``grad_widen``, ``host_step``, ``publish``, ``device_step``, ``param_upload`` (see
     [Note: step model] in ``offload_solver.simulators._engine``), and for STREAMED
     regions ``stream_up``, ``stream_step``, ``stream_down``, ``stream_contention`` and
-    ``stream_stage`` ([Note: streamed steps]); plans written before may also hold
-    ``grad_partial``, a host pass no longer modelled."""
+    ``stream_stage`` ([Note: streamed steps]). Reading a plan keeps any other kind as
+    written."""
     start_s: float
     end_s: float
 
