@@ -102,7 +102,7 @@ def test_measure_attention_on_the_cpu_is_a_named_error() -> None:
 
 
 def test_attention_is_measured_by_default_on_cuda_unless_the_profile_has_rates() -> None:
-    """``memory_optimize(measure_attention=None)``, the default from session 50 on:
+    """``memory_optimize(measure_attention=None)``, the default:
     measured on a CUDA device, not on the CPU, and not where the profile given already
     carries both rates (a plan saved with them, planned again the same way)."""
     from offload_runtime.api import measures_attention

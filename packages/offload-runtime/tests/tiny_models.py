@@ -15,6 +15,7 @@ from transformers import (
 from offload_solver import (
     HardwareProfile,
     InfeasibleBudgetError,
+    ModelProfile,
     ParamPlacement,
     Plan,
     solve,
@@ -142,9 +143,18 @@ def least_budget(
     fuse_gelu: bool = False,
 ) -> int:
     """The smallest budget the solver accepts (finest regions): it offloads all it can."""
+    return _least_budget_of(_profile(model, inp, dtype, fuse_gelu), solver, hardware)
+
+
+def _profile(
+    model: torch.nn.Module, inp: dict[str, torch.Tensor], dtype: torch.dtype, fuse_gelu: bool
+) -> ModelProfile:
+    """``model``'s profile as ``memory_optimize`` traces it on this machine."""
     target = "cuda" if torch.cuda.is_available() else "cpu"
-    traced = trace(model, inp, dtype=dtype, target_device=target, fuse_gelu=fuse_gelu)
-    profile = traced.to_profile()
+    return trace(model, inp, dtype=dtype, target_device=target, fuse_gelu=fuse_gelu).to_profile()
+
+
+def _least_budget_of(profile: ModelProfile, solver: str, hardware: HardwareProfile) -> int:
     try:
         solve(profile, hardware, 1, solver=solver, block_search_range_bytes=0)
     except InfeasibleBudgetError as exc:
@@ -160,6 +170,21 @@ def offloaded_half(plan: Plan, solver: str) -> bool:
     return len(offloaded) * 2 >= len(regions) and (solver == "syn" or has_async)
 
 
+UPLOAD_STATS = ("sync_uploads", "prefetches", "prefetch_fallbacks")
+"""The ``OffloadController.stats`` counters of parameter uploads."""
+
+
+def uploads_per_step(plan: Plan) -> dict[str, int]:
+    """The uploads one forward and backward of a module running ``plan`` makes, as
+    ``OffloadController.stats`` counts them: each SYNC region uploaded on the compute
+    stream before its forward and again before its backward, each ASYNC region prefetched
+    on the H2D stream for both (at the points the plan gives), none falling back to an
+    upload at use for want of its pool block."""
+    sync = sum(rp.placement is ParamPlacement.SYNC for rp in plan.regions)
+    asyn = sum(rp.placement is ParamPlacement.ASYNC for rp in plan.regions)
+    return {"sync_uploads": 2 * sync, "prefetches": 2 * asyn, "prefetch_fallbacks": 0}
+
+
 def forcing_budget(
     model: torch.nn.Module,
     inp: dict[str, torch.Tensor],
@@ -172,10 +197,8 @@ def forcing_budget(
     """The least budget above the infeasible one at which the plan offloads half the
     regions (with async prefetches for ``asyn``, which need a little room to coexist),
     for the model traced as ``memory_optimize(fuse_gelu=fuse_gelu)`` traces it."""
-    target = "cuda" if torch.cuda.is_available() else "cpu"
-    traced = trace(model, inp, dtype=dtype, target_device=target, fuse_gelu=fuse_gelu)
-    profile = traced.to_profile()
-    least = least_budget(model, inp, solver, dtype, hardware, fuse_gelu=fuse_gelu)
+    profile = _profile(model, inp, dtype, fuse_gelu)
+    least = _least_budget_of(profile, solver, hardware)
     for step in range(60):
         budget = int(least * (1 + 0.02 * step))
         plan = solve(profile, hardware, budget, solver=solver, block_search_range_bytes=0)

@@ -1,8 +1,8 @@
 """``HardwareProfile.backward_issue_factor`` ([Note: the backward beside the host] in the
 engine): in a step with host-state regions each backward operation costs the host that
-many times ``op_overhead_s`` to issue, issued ahead of the device where that takes longer
-than the pass priced alone; a step whose regions all keep their state on the device is
-priced as before."""
+many times ``op_overhead_s`` to issue, issued ahead of the device ([Note: issuing ahead])
+where that takes longer than the pass priced alone; a step whose regions all keep their
+state on the device keeps ``op_overhead_s``."""
 
 from __future__ import annotations
 
@@ -21,7 +21,27 @@ from offload_solver import (
     StatePlacement,
     get_simulator,
 )
-from offload_solver.simulators._engine import KINDS
+from offload_solver.simulators._engine import KINDS, issued_starts
+
+
+def test_views_cost_nothing_behind_a_busy_device() -> None:
+    # Device seconds 0, 10, 0, 0, 10 (views between two kernels), issued 1 s apart: the
+    # views are issued while the first kernel runs; the second kernel starts when it ends.
+    starts, end = issued_starts([0.0, 10.0, 0.0, 0.0, 10.0], 1.0)
+    assert starts == [1.0, 2.0, 12.0, 12.0, 12.0]
+    assert end == 22.0  # each priced at max(device, issue): 1 + 10 + 1 + 1 + 10 = 23
+
+
+def test_small_kernels_take_their_issue_costs() -> None:
+    starts, end = issued_starts([0.1] * 5, 1.0)
+    assert starts == [1.0, 2.0, 3.0, 4.0, 5.0]
+    assert end == pytest.approx(5.1)
+    # Trailing views still have to be issued.
+    assert issued_starts([5.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 1.0)[1] == 7.0
+
+
+def test_without_issue_costs_operations_run_back_to_back() -> None:
+    assert issued_starts([1.0, 2.0, 3.0], 0.0) == ([0.0, 1.0, 3.0], 6.0)
 
 
 def _small_kernels(regions: int, views: int) -> ModelProfile:
@@ -46,7 +66,7 @@ def test_host_state_steps_issue_their_backward_at_the_factor() -> None:
     beside = dataclasses.replace(base, backward_issue_factor=3.0)
     for state in (StatePlacement.DEVICE, StatePlacement.HOST):
         assert _backward_s(profile, base, state) == pytest.approx(12 * 0.2, rel=1e-3)
-    # All on the device: as before. Host state: each of the 12 issued at 0.6 s.
+    # All on the device: 0.2 s each whatever the factor. Host state: each issued at 0.6 s.
     assert _backward_s(profile, beside, StatePlacement.DEVICE) == pytest.approx(12 * 0.2, rel=1e-3)
     assert _backward_s(profile, beside, StatePlacement.HOST) == pytest.approx(12 * 0.6, rel=1e-3)
 

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,27 @@ def test_hardware_json_without_copy_contention_loads_as_none() -> None:
     assert HardwareProfile.from_json(loaded.to_json()) == loaded
 
 
+def test_hardware_json_with_the_retired_issue_ahead_key_loads() -> None:
+    # Older profiles carry "issue_ahead", a pricing the simulator no longer has. False
+    # loads silently as any unknown key does; true loads the same profile and warns.
+    hw = default_hardware()
+    assert "issue_ahead" not in json.loads(hw.to_json())
+    doc = json.loads(hw.to_json())
+    doc["issue_ahead"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert HardwareProfile.from_json(json.dumps(doc)) == hw
+    doc["issue_ahead"] = True
+    with pytest.warns(UserWarning, match="'issue_ahead': true"):
+        assert HardwareProfile.from_json(json.dumps(doc)) == hw
+
+
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        # Rows before session 28's change planned streamed copies up at the full H2D rate.
+        # Without the field the streamed copies up run at the full H2D rate,
         ("stream_up_fraction", 0.7),
-        # Rows before session 30's field charged the host for streamed copies in full.
+        # and charge the host for their contention in full.
         ("stream_host_charge", 0.5),
     ],
 )

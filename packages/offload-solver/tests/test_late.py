@@ -186,6 +186,6 @@ def test_the_cli_turns_it_off(tmp_path: Path) -> None:
 
 
 def test_no_plan_still_names_the_least_budget() -> None:
-    # The pass runs on a plan that fits; an infeasible budget is reported as before.
+    # The pass runs on a plan that fits; an infeasible budget still raises.
     with pytest.raises(InfeasibleBudgetError):
         solve(chain([400] * 4, 100, 200), flat_hardware(), 10, late_host_work=True)

@@ -218,9 +218,10 @@ def test_fp16_regions_landing_after_backward_step_first_in_landing_order() -> No
     # Backward 1 s per region (2000 FLOP at 2000 FLOP/s), forward 0.5 s; gradient copies
     # of 200 B at 100 B/s take 2 s, longer than a region's backward, so they queue on D2H:
     # B2 [1.5,2.5] copy [2.5,4.5]; B1 [2.5,3.5] copy [4.5,6.5]; B0 [3.5,4.5] copy [6.5,8.5].
-    # The overflow answer is known at the end of backward, 4.5 s. Region 2 landed then (at
-    # or before counts as before) and waits; regions 1 and 0 land after it and step as they
-    # land, in landing order (1 before 0, not forward order); then region 2. Adam 0.1 s.
+    # The overflow answer is known at the end of backward, 4.5 s. Region 2 landed then
+    # (landing at that instant counts as landing before it) and waits; regions 1 and 0
+    # land after it and step as they land, in landing order (1 before 0, not forward
+    # order); then region 2. Adam 0.1 s.
     ops = tuple(
         Operation(f"mm{i}", (f"w{i}",), saved_bytes=10, fwd_flop=1000, bwd_flop=2000)
         for i in range(3)
@@ -606,3 +607,22 @@ def test_speculative_params_leave_the_regions_past_the_limit_to_step() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="speculative_params"):
             build(speculative_params=bad)
+
+
+def test_attention_runs_at_its_own_rate_where_known() -> None:
+    # 1000 FLOP/s for matmuls; attention at 250 FLOP/s forward and 500 backward.
+    hw = dataclasses.replace(
+        flat_hardware(), attention_fwd_flop_per_s=250.0, attention_bwd_flop_per_s=500.0
+    )
+    attn = Operation("sdpa", fwd_flop=1000, bwd_flop=2500, attention=True)
+    mm = Operation("mm", fwd_flop=1000, bwd_flop=2500)
+    assert hw.operation_device_s(attn) == 4.0
+    assert hw.operation_device_s(attn, backward=True) == 5.0
+    assert hw.operation_device_s(mm) == 1.0  # matmul rate
+    assert flat_hardware().operation_device_s(attn) == 1.0  # rate unknown: matmul rate
+    back = HardwareProfile.from_json(hw.to_json())
+    assert (back.attention_fwd_flop_per_s, back.attention_bwd_flop_per_s) == (250.0, 500.0)
+    profile = ModelProfile("one", (Parameter("w", 10, 20),), (attn,))
+    assert ModelProfile.from_json(profile.to_json()).operations[0].attention is True
+    with pytest.raises(ValueError, match="attention_fwd_flop_per_s"):
+        dataclasses.replace(flat_hardware(), attention_fwd_flop_per_s=-1.0)

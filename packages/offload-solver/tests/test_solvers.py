@@ -67,8 +67,7 @@ def test_syn_greedy_choices_by_hand() -> None:
         host_adam_params_per_s=1e12,
     )
     assert SimulationContext.build(profile, hardware).block_size_bytes == 500
-    # The greedy phases alone (the local search after them is tested in test_polish.py).
-    plan = solve(profile, hardware, 6500, solver="syn", polish_rounds=0)
+    plan = solve(profile, hardware, 6500, solver="syn")
     assert placements(plan) == [(S, None), (S, None), (R, None), (S, None), (S, None)]
     assert plan.predicted_peak_bytes == 6000
     assert plan.pool_size_bytes == 500
@@ -112,7 +111,7 @@ def test_asyn_greedy_choices_by_hand() -> None:
         host_adam_params_per_s=1e12,
     )
     assert SimulationContext.build(profile, hardware).block_size_bytes == 300
-    plan = solve(profile, hardware, 5130, solver="asyn", polish_rounds=0)
+    plan = solve(profile, hardware, 5130, solver="asyn")
     assert placements(plan) == [(A, 1), (R, None), (A, 3), (R, None)]
     assert plan.predicted_peak_bytes == 4850
     assert plan.pool_size_bytes == 300

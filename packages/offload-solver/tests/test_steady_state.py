@@ -72,8 +72,9 @@ def test_host_steps_longer_than_the_forward_overlap_the_next_one() -> None:
     # The next step starts at 9 (step() returns when backward ends). Relative to it,
     #   region r's update is done at 2.2, 4.2, 6.2: region 0 uploads [2.2,2.4] and runs
     #   F0 [2.4,3.4]; F1 waits for its upload [4.2,4.4] and runs [4.4,5.4]; F2 [6.4,7.4];
-    #   backward 6 s: it ends at 13.4. Host steps again start 2.2 s after, as before: the
-    #   step leaves the next one what it started from, so it repeats after one gated step:
+    #   backward 6 s: it ends at 13.4. Host steps again start 2.2 s after it, as in the
+    #   cold step: the step leaves the next one what it started from, so it repeats after
+    #   one gated step:
     #   the period is 13.4, below the single step (15.4) and above the 6 s of host work.
     hw = flat_hardware(host_adam_params_per_s=50.0)
     ctx = SimulationContext.build(three_layers(), hw, host_step_after_backward=True)

@@ -57,7 +57,7 @@ def test_saved_bytes_match_a_real_cpu_run(dropout: float) -> None:
 
 def test_counting_saved_bytes_frees_the_graph_with_its_output() -> None:
     """The counting hook keeps nothing alive: a saved output kept as is would hold its own
-    grad_fn, a cycle the collector cannot break (13.26 GB held on the H200, session 19)."""
+    grad_fn, a cycle the collector cannot break, and the whole graph would stay alive."""
     x = torch.randn(64, requires_grad=True)
     saved, out = hook_counted_saved_bytes(lambda: torch.sigmoid(x * 2.0), [x])
     assert saved == 64 * 4  # sigmoid saves its output; a product with a number saves nothing
@@ -214,7 +214,8 @@ def test_gpt2_medium_and_10b_trace_on_meta() -> None:
         assert ModelProfile.from_json(profile.to_json()) == profile
 
 
-@pytest.mark.parametrize("name", ["gpt2_xl", "gpt2_14b", "gpt2_20b", "gpt2_24b"])
+# gpt2_14b and gpt2_24b are more layers of gpt2_10b's and gpt2_20b's: nothing new to trace.
+@pytest.mark.parametrize("name", ["gpt2_xl", "gpt2_20b"])
 def test_other_reference_sizes_trace_on_meta(name: str) -> None:
     model = gpt2_reference(name)
     ids = torch.zeros(2, 8, dtype=torch.long, device="meta")

@@ -25,10 +25,9 @@ WORKLOADS = [(64, 8), (8, 1024)]
 
 @pytest.fixture(autouse=True)
 def _say_what_stays(request: pytest.FixtureRequest) -> Iterator[None]:
-    """Print the device memory still allocated after each test, once garbage is collected:
-    a whole ``nox -s gpu_tests`` run held 13.26 GB when the runtime tests began (session
-    18). Session 19's run showed ``test_saved_bytes_match_cuda_hook_count`` leaving it (its
-    counting hook kept the graph alive; fixed in ``trace_helpers``); kept as a watch."""
+    """Print the device memory still allocated after each test, once garbage is collected,
+    so that a test that leaves memory behind for the next package's gpu tests shows in the
+    log."""
     yield
     if torch.cuda.is_available():
         gc.collect()
@@ -228,11 +227,8 @@ def test_head_dim_50_forward_peak_matches_cuda(with_mask: bool) -> None:
 
 
 def test_causal_rewrite_applies_to_a_model_on_the_gpu() -> None:
-    """The causal mask's constants of a CUDA-resident model are evaluated on the CPU too.
-
-    At 1ad1767 a model built on the GPU made the pass compare a CUDA mask with a CPU
-    pattern and raise (found through the optim package's gpt2_xl test).
-    """
+    """The causal mask's constants of a CUDA-resident model are evaluated on the CPU too:
+    the pass compares the mask with its CPU pattern, which a CUDA mask would make raise."""
     layers = 2
     with torch.device("cuda"):
         model = IdsOnly(gpt2(64, layers, 4, vocab=VOCAB, positions=128).lm).half()

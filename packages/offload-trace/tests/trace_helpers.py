@@ -168,8 +168,7 @@ def hook_counted_saved_bytes(
         if storage.data_ptr() not in skip:
             seen[storage.data_ptr()] = storage.nbytes()
         # Detached: a saved output returned as is would hold its own grad_fn, a cycle that
-        # Python's collector cannot see through, and the whole graph would outlive the run
-        # (13.26 GB on the device after the B8 S1024 case, session 19).
+        # Python's collector cannot see through, and the whole graph would outlive the run.
         return t.detach()
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

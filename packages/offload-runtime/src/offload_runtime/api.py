@@ -31,7 +31,6 @@ from offload_solver import (
 )
 from offload_solver import solve as solve_plan
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
-from offload_solver.solve import POLISH_ROUNDS
 from offload_trace import TracedModel, trace
 from offload_trace.traced import ATTENTION_OPS
 
@@ -324,7 +323,6 @@ def choose_plan(
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
-    polish_rounds: int = POLISH_ROUNDS,
     late_host_work: bool = True,
 ) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
     """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
@@ -357,7 +355,6 @@ def choose_plan(
                 device_bytes_in_use=device_bytes_in_use,
                 micro_batches=micro_batches,
                 streamed=streamed,
-                polish_rounds=polish_rounds,
                 late_host_work=late_host_work,
             )
         except InfeasibleBudgetError as exc:
@@ -382,33 +379,28 @@ STREAM_HOST_CHARGE: float = 0.5
 """The share of the host-memory contention of streamed regions' pinned copies that
 :func:`memory_optimize` charges the host for by default (``HardwareProfile.stream_host_charge``).
 With :data:`STREAM_UP_FRACTION` it splits the contention between the host steps and the
-copies up. The 50 streamed rows of BENCHMARKS.md sessions 22-30 replay with the host's busy
-time 5.5% over the measured (18.6% charged in full) and their steps 0.4% under their run
-means (5.9%; ``benchmarks/stream_charge_fidelity.py``). Timed on an H200 in session 31 on one
-plan source each way, plans made so ran 4.5-10.7% faster on W4 (bf16 moments), 1.6% on W2
-and 5.3% on W3 by run means (``gpu_session.sh chargeab``)."""
+copies up; plans made so stream fewer regions and run faster than with the host charged
+in full (measured: BENCHMARKS.md, Decisions, "Streamed host state"). Fitted, not
+measured: ``python benchmarks/replay_bench.py --help`` replays recorded benchmark rows
+through the simulator at chosen factors."""
 
 STREAM_UP_FRACTION: float = 0.78
 """The fraction of the H2D rate that streamed regions' state copies up reach beside the
 host steps and the copies down, which :func:`memory_optimize` plans with by default
-(``HardwareProfile.stream_up_fraction``); see :data:`STREAM_HOST_CHARGE`."""
+(``HardwareProfile.stream_up_fraction``). Fitted with :data:`STREAM_HOST_CHARGE`, by
+``python benchmarks/replay_bench.py`` likewise."""
 
 
 BACKWARD_ISSUE_FACTOR: float = 4.0
 """How many times ``op_overhead_s`` :func:`memory_optimize` charges each backward operation
 for its issue by default in a step with host-state regions
 (``HardwareProfile.backward_issue_factor``; [Note: the backward beside the host] in the
-solver's engine). Fitted to recorded step times, not measured: replayed on their own plans,
-the 106 rows of BENCHMARKS.md sessions 45-56 predict within 15% of their run means in 92
-cases at 4 against 86 at 1 (W2 19 of 22 against 11, W3 53 of 60 against 55; session 56).
-The factor a loop reads (``offload_optim.check_backward_issue``) ranged 2.5-5.2 across
-leases of one kind of H200 machine (sessions 55-56). Planned at 4 on an H200 in session 56,
-one row each, W2 stepped 366.8 ms against 342.0 at 1 and W3 230.4 against 238.0 (5
-fastest steps), predicted 13.1% and 12.2% over their run means (6.9% and 6.8% at 1 on that
-lease; -24.1% for W2 at 1 on session 55's). Session 56 made 4 the default after its GPU
-calls; 1 plans as the rows of earlier sessions were. With the backward beside the host
-never priced under its pass alone and the kinds' own host rate samples (session 57), the
-same rows replay within 15% in 98 cases at 4, 94 at 3.5, 80 at 5 and 85 at 1."""
+solver's engine): their gradient hooks and the host Adam's threads slow the thread that
+issues the backward. Fitted, not measured: ``python benchmarks/replay_bench.py --help``
+replays recorded benchmark rows through the simulator at chosen factors (BENCHMARKS.md,
+Decisions, "The backward beside the host"). The factor a training loop shows
+(``offload_optim.check_backward_issue``) varies from machine to machine; plan again with
+it where it is far from this one."""
 
 
 def _check_stream_model(fraction: float | None, charge: float | None) -> None:
@@ -423,10 +415,9 @@ def _check_stream_model(fraction: float | None, charge: float | None) -> None:
 HOST_RATES_DISAGREE: float = 2.0
 """Factor between the two host rates :func:`planning_hardware` is told (the profile's over
 ``host_step_cost``, and ``host_step_params_per_s``) above which it warns. Readings of one
-H200 host spread up to about 2x (an absolute rate read 3.0-5.9 Gparam/s across one
-machine's benchmark processes; BENCHMARKS.md, session 18); in session 47 the cached
-profile's rate over the cost was 2.5-3.7x below the rate measured beside it, and the plans
-made with their mean predicted W4's step 45-51% over its run."""
+host spread by up to about this much while other work runs on it; further apart, the
+profile was most likely measured while the host was busy, and plans made from it mislead
+(BENCHMARKS.md, Decisions, "Planning from the kernel's own rate samples")."""
 
 
 def _profile_is_measured(device: torch.device) -> bool:
@@ -475,7 +466,6 @@ def planning_hardware(
     fp16_io: bool = False,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
-    issue_ahead: bool | None = None,
     backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
     warn_host_rates: bool = True,
 ) -> HardwareProfile:
@@ -486,17 +476,14 @@ def planning_hardware(
     passes charged with ``fp16_io`` (they happen inside the host step), and
     ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
     :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
-    streamed regions are simulated), ``backward_issue_factor`` unless None (by default
-    :data:`BACKWARD_ISSUE_FACTOR`; the profile's own with None), and ``issue_ahead`` unless
-    None (the profile's own).
+    streamed regions are simulated), and ``backward_issue_factor`` unless None (by default
+    :data:`BACKWARD_ISSUE_FACTOR`; the profile's own with None).
     For planning without building, e.g. the example's ``--plan_only``. With
     ``warn_host_rates`` (memory_optimize: on a GPU, whose profile is measured; the CPU's
     default profile holds no measured rate), warns when the two host rates are more than
     :data:`HOST_RATES_DISAGREE` apart."""
     _check_host_step(host_step_params_per_s, host_step_cost)
     _check_stream_model(stream_up_fraction, stream_host_charge)
-    if issue_ahead is not None:
-        hardware = dataclasses.replace(hardware, issue_ahead=issue_ahead)
     if backward_issue_factor is not None:
         hardware = dataclasses.replace(hardware, backward_issue_factor=backward_issue_factor)
     if stream_up_fraction is not None:
@@ -543,13 +530,11 @@ def memory_optimize(
     device_bytes_in_use: int | None = None,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
-    polish_rounds: int = POLISH_ROUNDS,
     late_host_work: bool = True,
     stream_up_fraction: float | None = STREAM_UP_FRACTION,
     stream_host_charge: float | None = STREAM_HOST_CHARGE,
     measure_attention: bool | None = None,
     fuse_gelu: bool = True,
-    issue_ahead: bool | None = None,
     backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
@@ -581,7 +566,8 @@ def memory_optimize(
             keeps no training-dtype copies, at twice the PCIe bytes and with longer-lived
             device gradients (the plan counts both). False: in the training dtype, cast on
             the host. None (default): plan both and keep the one the simulator predicts
-            faster (a host-bound step gains; a PCIe-bound one does not).
+            faster (a host-bound step gains; a PCIe-bound one does not; measured:
+            BENCHMARKS.md, Decisions, "Dtype conversions on the device").
         host_step_params_per_s: the host optimizer's throughput in parameters per second,
             when it is not torch's fused fp32-moment Adam that the hardware profile
             measures (e.g. ``offload_optim.measure_host_step_params_per_s(torch.bfloat16)``
@@ -591,16 +577,15 @@ def memory_optimize(
             (``offload_optim.measure_host_step_cost(...)`` with the optimizer's moments,
             kernel and fp16 I/O). The planner charges the profile's rate divided by it. A
             ratio measured back to back holds when the host is slower for a while, where
-            an absolute rate measured then does not (BENCHMARKS.md, session 18). Given
-            with ``host_step_params_per_s``, the planner takes the geometric mean of the
-            two rates: they come from different timings on a shared host. Over ten
-            replayed GPU rows each alone put a predicted step up to 23-28% off where their
-            mean stayed within 11%; five rows planned with the mean came within 2-17%
-            (BENCHMARKS.md, session 21). Where the two are more than
+            an absolute rate measured then does not. Given with
+            ``host_step_params_per_s``, the planner takes the geometric mean of the two
+            rates: they come from different timings on a shared host, and their mean
+            predicts closer than either (measured: BENCHMARKS.md, Decisions, "Planning
+            from the kernel's own rate samples"). Where the two are more than
             :data:`HOST_RATES_DISAGREE` apart and the profile came from the cache
             (``hardware=None``), the machine is measured again first (and the cache
-            rewritten): a profile read while the host was busy is what made them 2.5-3.7x
-            apart in session 47. A warning follows if they still are.
+            rewritten), since a profile read while the host was busy stays cached. A
+            warning follows if they still are.
         speculative_step_cost: with ``host_step_after_backward=False`` in fp16 (the
             optimizer speculates and keeps undo data, ``AMPOptimizer(speculate_fp16=True)``),
             how many times longer a speculative host step takes than a plain one
@@ -638,20 +623,15 @@ def memory_optimize(
             budget. Pass what the optimizer will move and hold:
             ``offload_optim.streamed_step_costs(moments_dtype, fp16_io,
             budget_bytes=memory_budget)``, with the moments and fp16 I/O the
-            ``HybridAdam`` is built with. It pays where the host
-            step bounds the step and PCIe has time to spare (BENCHMARKS.md, session 22).
-            Default None: no region is streamed.
-        polish_rounds: rounds of the solver's final local search, which simulates every
-            one-region change of the plan and takes the best while one shortens the
-            predicted step within the budget (a few seconds for a 92-region model on one
-            core). Default 0: the greedy phases' plan, which measured faster on the GPU
-            than the search's (``offload_solver.solvers._polish``).
+            ``HybridAdam`` is built with. It pays where the host step bounds the step and
+            PCIe has time to spare (measured: BENCHMARKS.md, Decisions, "Streamed host
+            state"). Default None: no region is streamed.
         late_host_work: after the greedy phases, move host-state regions' placements to
             later resident regions with device state while the predicted step gets
             shorter: a region late in forward order has its gradients first and its
             parameters needed last, so its host step waits least
-            (``offload_solver.solvers._late``). Default True; False plans as before
-            session 51.
+            (``offload_solver.solvers._late``; measured: BENCHMARKS.md, Decisions, "Late
+            host work"). Default True; False keeps the greedy phases' placements.
         stream_up_fraction: with ``streamed``, the fraction of the H2D rate the streamed
             regions' state copies up reach, beside the host steps and the copies down
             (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default
@@ -662,53 +642,33 @@ def memory_optimize(
             (``HardwareProfile.stream_host_charge``). Default :data:`STREAM_HOST_CHARGE`
             (0.5), which with the default ``stream_up_fraction`` splits the contention
             between the host and the copies up; None: the profile's own, 1 (charged to
-            the host in full, the model before session 31). Plans made with the split
-            stream fewer regions and measured faster (:data:`STREAM_HOST_CHARGE`).
+            the host in full).
         measure_attention: measure causal fused attention on the training GPU at the
             traced model's own attention shapes (:func:`attention_shapes`, a second or
             so) and plan with those rates (``HardwareProfile.attention_fwd_flop_per_s``
             / ``attention_bwd_flop_per_s``, :func:`with_attention_rates`) instead of the
-            matrix-product rate. Fused attention ran 2.4-4.6x slower than that rate in
-            BENCHMARKS.md's traces, and priced at its measured rate W3's simulated
-            compute came within 5% of its kernels (session 35). None (the default):
-            measure on a CUDA device unless ``hardware`` already carries attention
-            rates (a profile saved from such a plan, planned again the same way), and
-            not elsewhere. Default from session 50 on: W3's plans, which ran within
-            their spread either way on an H200 (sessions 36, 39, 47), replayed with the
-            rates measured there came within 5.2% of their run means on average (11
-            rows, sessions 42-48; 9.4% at the matmul rate) and within 2.7% (6 rows of
-            session 50; 11.4%), W4's the same or closer, W1's and W2's unchanged
-            (BENCHMARKS.md, session 50). True on a device other than CUDA is an error;
-            False prices attention at the matrix products' rate, as before.
+            matrix-product rate, which fused attention runs well under, so that predicted
+            steps come closer to measured ones (measured: BENCHMARKS.md, "Decisions").
+            None (the default): measure on a CUDA device unless ``hardware`` already
+            carries attention rates (a profile saved from such a plan, planned again the
+            same way), and not elsewhere. True on a device other than CUDA is an error;
+            False prices attention at the matrix products' rate.
         fuse_gelu: trace with each tanh GELU written out in element-wise operations
             (GPT-2's ``gelu_new``) replaced by one ``aten.gelu(approximate="tanh")``
             (``offload_trace.trace(fuse_gelu=True)``): the same formula in one kernel,
             seven fewer operations to issue per layer in forward and in backward, and
             three fewer activations of the MLP's width saved per layer, which the plan
             then has room for. Results differ from the model as written by rounding.
-            Default True: measured in one call on an H200 (BENCHMARKS.md, session 37),
-            W3's step went from 395 to 257 ms and W1's from 43.1 to 28.7 ms. A model
+            Default True (measured: BENCHMARKS.md, Decisions, "Fused tanh GELU"). A model
             without that chain is traced unchanged; False traces every model as written.
-        issue_ahead: how the simulator combines each operation's issue cost (the
-            profile's ``op_overhead_s``, seconds) with its device time
-            (``HardwareProfile.issue_ahead``). True: the host issues ahead of the device,
-            so an operation costs the device its compute or traffic once issued, and
-            views cost nothing where the device is behind; False: each operation takes at
-            least its issue cost, one after another. None (default): the profile's own,
-            False for a measured one. Replayed over session 38's seven W3 rows with
-            attention at its measured rates, True put every prediction within 15% of
-            the run mean (BENCHMARKS.md, session 38); W3 planned so in session 39, one
-            row, ran within the spread of the default's rows (253.9 ms by the 5 fastest
-            steps against 241-264), predicted 8.9% under its run mean. Not the default.
         backward_issue_factor: how many times ``op_overhead_s`` each backward operation
             costs the host to issue when the plan keeps some regions' optimizer state on
             the host (``HardwareProfile.backward_issue_factor``, >= 1; the backward is
             then simulated as issued ahead of the device where that takes longer than
-            it is priced alone). Default
-            :data:`BACKWARD_ISSUE_FACTOR` (4, fitted to recorded H200 rows: see there);
-            None: the profile's own (1 unless it says otherwise); 1: as rows before
-            session 57 were planned. ``offload_optim.check_backward_issue`` reads the
-            factor a training loop shows, to plan again with.
+            it is priced alone). Default :data:`BACKWARD_ISSUE_FACTOR` (4, fitted: see
+            there); None: the profile's own (1 unless it says otherwise).
+            ``offload_optim.check_backward_issue`` reads the factor a training loop
+            shows, to plan again with.
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -777,7 +737,6 @@ def memory_optimize(
         fp16_io=fp16_io,
         stream_up_fraction=stream_up_fraction,
         stream_host_charge=stream_host_charge,
-        issue_ahead=issue_ahead,
         backward_issue_factor=backward_issue_factor,
         warn_host_rates=_profile_is_measured(dev),
     )
@@ -795,11 +754,6 @@ def memory_optimize(
     after_backward = (
         dtype == torch.float16 if host_step_after_backward is None else host_step_after_backward
     )
-    if polish_rounds:
-        say(
-            f"solving for {memory_budget / MiB:.1f} MiB: greedy phases, then up to "
-            f"{polish_rounds} rounds of local search"
-        )
     spec_thread = not after_backward and (
         dtype == torch.float16 if speculation_thread is None else speculation_thread
     )
@@ -818,7 +772,6 @@ def memory_optimize(
         device_bytes_in_use=device_bytes_in_use,
         micro_batches=micro_batches,
         streamed=streamed,
-        polish_rounds=polish_rounds,
         late_host_work=late_host_work,
     )
     if len(times) == 2:

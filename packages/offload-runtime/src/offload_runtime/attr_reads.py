@@ -20,11 +20,10 @@ def flatten_attribute_reads(gm: fx.GraphModule) -> None:
     kept in its instance dict, and recompile.
 
     fx generates ``getattr(self.m.transformer.h, "0").ln_1.weight`` for a dotted target:
-    one ``nn.Module.__getattr__`` per dot, a Python call each. The 24-layer tiny GPT-2 of
-    ``benchmarks/cpu_overhead.py`` made 1941 such calls per forward (the plain model 614),
-    issued before any of its kernels: on a step bound by issuing operations (W1) that is
-    the host's time, and its forward took 1.17x plain PyTorch's, 0.86-0.94x after.
-    An instance attribute is found by the ordinary lookup, without that call (a
+    one ``nn.Module.__getattr__`` per dot, a Python call each, several per parameter of a
+    deep model, issued before any of its kernels: on a step bound by issuing operations
+    that is the host's time (``benchmarks/cpu_overhead.py`` times a forward against plain
+    PyTorch's). An instance attribute is found by the ordinary lookup, without that call (a
     top-level buffer's ``self.scale`` makes one, so it is moved too). The
     tensors stay registered where they were; the new attribute is another reference to
     the same object (parameters and buffers are updated in place, never replaced)."""

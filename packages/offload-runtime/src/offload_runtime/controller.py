@@ -109,8 +109,7 @@ def _widen_down(flats: list[torch.Tensor], dst: torch.Tensor) -> None:
     block is allocated on the current stream and dropped at once, so the next chunk reuses
     it in stream order and one chunk is all the device memory it takes. Per chunk that is
     a handful of calls instead of several per parameter: this runs on the thread that
-    drives backward, between its kernels, and backward waits for it (see BENCHMARKS.md,
-    session 13).
+    drives backward, between its kernels, and backward waits for it.
     """
     start = 0  # dst offset of the chunk being packed
     pieces: list[torch.Tensor] = []

@@ -29,8 +29,8 @@ document per file:
   :data:`DEFAULT_COMPUTE_EFFICIENCY`;
 - ``hardware-<format>-<identity key>-<dtype>-mm<digest>.json``: the same with the
   efficiency measured on one set of matrix shapes. A new model only costs the matmul
-  timing (under a second for GPT-2's four shapes on an H200), not a new copy sweep (about
-  1.5 s, plus 1-6 s in a process that has not built a torch optimizer yet: that lazily
+  timing (about a second for a few shapes), not a new copy sweep and the host probes (a
+  few seconds, more in a process that has not built a torch optimizer yet: that lazily
   imports ``torch._dynamo``).
 
 The identity key (:attr:`DeviceIdentity.cache_key`) names the GPU model, its UUID (or PCI
@@ -100,9 +100,9 @@ MatmulShape = tuple[int, int, int]
 
 DEFAULT_COMPUTE_EFFICIENCY = 0.5
 """Fraction of the peak matmul rate assumed for a training step when no matrix shapes are
-given. A guess, not a measurement: on an H200, GPT-2-medium's products at batch 64 x
-sequence 8 ran at 0.2 of the 8192^3 rate, and products large enough to fill the device run
-near 1.0. Pass ``matmul_shapes`` to measure it for the model at hand."""
+given. A guess, not a measurement: small products (few tokens) run well under the peak,
+and products large enough to fill the device run near it. Pass ``matmul_shapes`` to
+measure it for the model at hand."""
 
 SWEEP_SIZES_BYTES: tuple[int, ...] = tuple(1024 * 4**i for i in range(11))
 """Copy sizes of the bandwidth sweep: 1 KiB, 4 KiB, ..., 1 GiB."""
@@ -114,11 +114,9 @@ _SUPPORTED_DTYPES: dict[torch.dtype, str] = {
 }
 _REPROFILE_ENV = "OFFLOAD_REPROFILE"
 _CACHE_FORMAT = "p5"
-"""Version of what a cached profile measures, part of its file name: profiles cached
-before the op-overhead probe read its graph's parameters as the runtime does (p4:
-``flatten_attribute_reads``, a lower per-operation cost), or before
-``host_copy_contention`` (p3), ``device_memory_bytes_per_s`` (p2) or
-``host_convert_elems_per_s`` (p1) existed, are not read, so they are measured again."""
+"""Version of what a cached profile measures, part of its file name. It changes whenever a
+probe is added or changes what it measures, so that files of another version are not
+read but measured again."""
 _CACHE_ENV = "OFFLOAD_CACHE_DIR"
 
 # Bounds that keep a whole CUDA profile to a few seconds.
@@ -661,9 +659,9 @@ def measure_hardware(
     with torch.cuda.device(dev):
         try:
             # The issue cost is read three times (first, midway and last) and the median
-            # kept: one read ranged 15.7-26.8 us on the same kind of machine in one session
-            # (BENCHMARKS.md, session 24), and a launch-bound plan's step scales with it.
-            # The median drops one disturbed read without leaning low or high.
+            # kept: single reads on one machine spread widely, and a launch-bound plan's
+            # step scales with it. The median drops one disturbed read without leaning low
+            # or high.
             overheads = [measure_op_overhead_s(dev, dtype=dtype)]
             h2d, d2h = measure_copy_bandwidth(dev)
             say(
@@ -1065,9 +1063,8 @@ def measure_host_adam_params_per_s(
     moments) and ``settle_s`` seconds of sleep. Uses torch's current number of CPU
     threads. Needs about ``16 * numel`` bytes. The sleep lets another thread pool that
     has just run (numba's, whose OpenMP threads may spin for a while after a kernel)
-    go idle: on the H200 host torch's fused step ran 17% slower right after the numba
-    kernel than alone (BENCHMARKS.md, session 21), and this rate is what every plan's
-    host steps are charged against.
+    go idle: torch's fused step runs slower right after such a kernel than alone, and this
+    rate is what every plan's host steps are charged against.
     """
     if numel < 1 or steps < 1:
         raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
@@ -1081,10 +1078,8 @@ def measure_host_adam_params_per_s(
 
 HOST_ADAM_READS_SPREAD = 1.5
 """Ratio of the fastest to the slowest of a profile's host Adam reads above which
-:func:`host_adam_median` warns. The H200 machines' profiles read 3.2-4.9 Gparam/s in
-sessions 32-47 (BENCHMARKS.md) but for two: session 44's read 1.65 and session 47's 1.40,
-while every benchmark process of those machines timed torch's fused step at 3.55-5.19 in
-its own process."""
+:func:`host_adam_median` warns: wider than the spread of reads on a quiet host, so a
+warning means that something else used the host while it was profiled."""
 
 
 def host_adam_median(reads: Sequence[float]) -> float:
@@ -1093,9 +1088,8 @@ def host_adam_median(reads: Sequence[float]) -> float:
 
     One read is a few fused steps over tens of milliseconds, and every plan charges its
     host steps at this rate: a read taken while the host is busy with something else
-    (session 47's profile read 1.40 Gparam/s against 3.55-5.19 in every process after
-    it; its plans streamed twice session 46's parameters on W3 and predicted W4's step
-    45-51% over) is cached with the profile and misleads every plan after it. The median
+    (a fraction of the quiet rate) is cached with the profile and misleads every plan
+    after it, which then streams too many regions and predicts too long a step. The median
     of reads taken first, midway and last through the profile drops one such read. A
     larger spread is told, with how to measure again.
     """
@@ -1145,9 +1139,8 @@ def measure_host_copy_contention(
     copy a ``copy_bytes`` pinned buffer back to back (as the runtime's prefetches and
     gradient copies do during a step), and returns the ratio of the medians, in (0, 1].
     The two kinds alternate so that a host that slows down or speeds up while this runs
-    (other work on a shared machine) moves both medians alike. (Measured as one block
-    after the other, one H200 call's profile read 0.31 where other calls read 0.56-0.62;
-    BENCHMARKS.md, session 16.) The copies
+    (other work on a shared machine) moves both medians alike; measured as one block after
+    the other, a host that slowed down in between would read far too low. The copies
     are queued for three times the standalone step (doubled whenever they finished before
     the step did), so they run for its whole duration. Needs ``16 * numel`` bytes of host
     memory, ``2 * copy_bytes`` pinned, and ``2 * copy_bytes`` on the device (``copy_bytes``
@@ -1247,12 +1240,13 @@ def measure_attention_flop_per_s(
     profile's attention operations; where it counts none, as for the CPU's kernel, its
     ``sdpa_flop_count`` formulas) by its median time: for
     ``HardwareProfile.attention_fwd_flop_per_s`` / ``attention_bwd_flop_per_s``, which
-    ``profile_hardware`` does not fill in yet. On CUDA the times are the device's (events,
+    ``profile_hardware`` leaves to ``memory_optimize`` (it measures at the model's own
+    shapes). On CUDA the times are the device's (events,
     several calls back to back); the backward's is that of forward and backward less the
     forward's. ``dtype`` defaults to float16 on CUDA and float32 on the CPU. Measure at
-    the model's own shape: the example zoo's GPT-2 XL has 32 heads of 50, which the flash
-    kernel pads to 56 (BENCHMARKS.md, session 34), and ``offload_bench.py`` trains it with
-    Hugging Face's default dropout, 0.1 in attention too (``dropout_p``).
+    the model's own shape and dropout (``dropout_p``): a head size the kernel pads (the
+    example zoo's GPT-2 XL has 32 heads of 50) and dropout in attention both change the
+    rate.
     """
     from torch.nn import functional as F
     from torch.utils.flop_counter import (
@@ -1420,9 +1414,9 @@ def _cuda_time_per_call_s(
 def _warm_up_clocks(device: torch.device, dtype: torch.dtype, seconds: float = 0.3) -> None:
     """Run matrix products for ``seconds`` so the device leaves its idle clocks.
 
-    An idle H200 sits at a fraction of its boost clock: without this, the float16 peak
-    measured 649 TFLOP/s on a fresh process against 690 with it. Skipped when the device
-    has too little free memory for the operands.
+    An idle GPU sits at a fraction of its boost clock: without this, the peak read on a
+    fresh process is several percent low. Skipped when the device has too little free
+    memory for the operands.
     """
     n = 4096
     element = torch.empty((), dtype=dtype).element_size()

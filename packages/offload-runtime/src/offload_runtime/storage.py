@@ -91,9 +91,9 @@ def _pin_in_place(t: torch.Tensor) -> bool:
 
     [Note: exact-size pinned memory]
     ``torch.empty(..., pin_memory=True)`` goes through PyTorch's caching host allocator,
-    which rounds every allocation up to the next power of two: gpt2_6b's regions sit just
-    above one, so its fp32 masters and gradients (45 GiB) would pin 90 GiB, and the W4
-    benchmark was killed for host memory. Registering an ordinary allocation pins exactly
+    which rounds every allocation up to the next power of two: a region's fp32 masters and
+    gradients just above one would pin nearly twice their size, which a model whose host
+    state fills host memory cannot afford. Registering an ordinary allocation pins exactly
     its size. The registration is undone when the tensor object that owns the memory is
     collected (every view keeps it alive through ``_base``).
     """

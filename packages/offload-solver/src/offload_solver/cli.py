@@ -30,13 +30,7 @@ from offload_solver.model import (
     parse_bytes,
 )
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
-from offload_solver.solve import (
-    BUDGET_SAFETY_FACTOR,
-    POLISH_ROUNDS,
-    POLISH_SUGGESTED_ROUNDS,
-    InfeasibleBudgetError,
-    solve,
-)
+from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
 from offload_solver.solvers import SOLVERS
 
 MiB = 2**20
@@ -122,14 +116,6 @@ def _parser() -> argparse.ArgumentParser:
         "BYTES bytes per parameter (master weights and moments), and the step the rest; "
         "e.g. 3,16777216,12 (offload_optim's HybridAdam(stage_in_backward=True); default: "
         "none staged)",
-    )
-    p.add_argument(
-        "--polish-rounds",
-        type=int,
-        default=POLISH_ROUNDS,
-        help="rounds of a final local search over one-region changes (default "
-        f"{POLISH_ROUNDS}: none; {POLISH_SUGGESTED_ROUNDS} lets it converge; its plans "
-        "measured slower on a GPU than the simulator predicted)",
     )
     p.add_argument(
         "--no-late-host-work",
@@ -262,7 +248,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculative_params=args.speculative_params,
             speculation_thread=args.speculation_thread,
             streamed=_streamed_costs(args.streamed, args.streamed_staged),
-            polish_rounds=args.polish_rounds,
             late_host_work=args.late_host_work,
         )
         if args.output is not None:

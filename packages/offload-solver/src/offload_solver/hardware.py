@@ -8,25 +8,24 @@ GiB = 2**30
 
 
 def default_hardware() -> HardwareProfile:
-    """A PCIe Gen5 x16 H200-like machine (see shared/notes/h200.md; measure for real runs).
+    """A PCIe Gen5 x16 H200-like machine, for planning without measuring; a run on real
+    hardware plans with ``offload_runtime.profile_hardware``'s measurements instead.
 
-    - Pinned copies: about 55 GB/s from 16 MB up in both directions (measured 54-55), 42 GB/s
-      (H2D) and 48 GB/s (D2H) at 1 MB. Below 1 MB copies are latency-bound; the 4 KiB and
-      64 KiB points assume about 8 us and 10 us per copy.
-    - fp16 matrix multiply peak 740 TFLOP/s (measured at 8192^3) with efficiency 0.3: a
-      training step mixes small matmuls (151 TFLOP/s measured for GPT-2-medium shapes) with
-      memory-bound operations, so most of the peak is out of reach.
+    - Pinned copies: 55 GB/s from 16 MB up in both directions, 42 GB/s (H2D) and 48 GB/s
+      (D2H) at 1 MB; below 1 MB copies are latency-bound (the 4 KiB and 64 KiB points
+      assume about 8 us and 10 us per copy).
+    - fp16 matrix multiply peak 740 TFLOP/s with efficiency 0.3: a training step mixes
+      small matrix products with memory-bound operations, so most of the peak is out of
+      reach.
     - 140 GiB device memory, 128 GiB host memory.
-    - Host Adam 4.4e9 parameters/s (fused CPU Adam, 16 threads); device Adam 50e9/s.
-    - Host fp16 <-> fp32 conversion 11e9 elements/s (10.7e9 measured for a plain copy on 16
-      cores, 11e9 for the runtime's gradient widening during a gpt2_xl step).
+    - Host Adam 4.4e9 parameters/s (fused CPU Adam); device Adam 50e9/s.
+    - Host fp16 <-> fp32 conversion 11e9 elements/s.
     - No per-operation issue cost (``op_overhead_s`` 0): it depends on the host's Python
-      speed; measure it (12-17 us per operation was measured on the H200's host).
-    - Device memory 4.2e12 bytes/s read plus written (4.24e12 measured with a 1 GiB
-      on-device copy): memory-bound operations take at least their traffic over it.
+      speed, so only a measured profile has one.
+    - Device memory 4.2e12 bytes/s read plus written: memory-bound operations take at
+      least their traffic over it.
     - Fused host Adam keeps 0.55 of its standalone rate while pinned copies run both ways
-      at once (``host_copy_contention``; 0.52, 0.54 and 0.58 measured by the runtime's
-      profile on three H200 machines, BENCHMARKS.md session 14).
+      at once (``host_copy_contention``).
     """
     return HardwareProfile(
         name="default-h200-pcie5",

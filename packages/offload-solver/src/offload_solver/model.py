@@ -28,6 +28,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import Enum
@@ -122,7 +123,7 @@ class Operation:
     attention: bool = False
     """A fused attention operation (scaled dot-product attention): priced at the
     hardware's attention rates where known (``HardwareProfile.attention_fwd_flop_per_s``),
-    which are well under the matrix-multiply rate (BENCHMARKS.md, session 34)."""
+    which can be well under the matrix-multiply rate."""
 
     @property
     def fwd_traffic_bytes(self) -> int:
@@ -140,8 +141,8 @@ class Operation:
 # An operation's time is the largest of its compute (FLOPs over the achieved matmul
 # rate), its device-memory traffic over the device's memory bandwidth, and the cost of
 # issuing it. Element-wise operations, layer norms and dropout have next to no FLOPs but
-# move every byte of their activations: at 8 x 1024 tokens of GPT-2 XL they add about 15%
-# to a step that a FLOP count alone prices. The profile records the bytes an operation
+# move every byte of their activations, a sizeable share of a step that a FLOP count
+# alone would miss. The profile records the bytes an operation
 # allocates, not what it reads, so traffic is estimated from outputs: a forward reads
 # inputs of about its output's size and writes the output (2x); a backward reads the
 # incoming gradient and a saved input and writes the input's gradient (3x). Views
@@ -370,51 +371,38 @@ class HardwareProfile:
     unknown: operations are then priced by FLOPs and issue cost alone."""
     host_copy_contention: float = 1.0
     """Fraction of its standalone rate fused host Adam keeps while pinned copies run in
-    both directions at once (0 < c <= 1; 1 when not measured). Host memory serves both:
-    the H200 machines of BENCHMARKS.md measured 0.52-0.58. The simulator charges each
+    both directions at once (0 < c <= 1; 1 when not measured; ``offload_runtime``'s
+    ``profile_hardware`` measures it): host memory serves both. The simulator charges each
     host-state region's step for its own copies and runs conversion passes at the
     contended rate ([Note: step model] in ``offload_solver.simulators._engine``)."""
     stream_up_fraction: float = 1.0
     """Fraction of the pinned host-to-device rate (``h2d``) that a STREAMED step's state
     copies up reach (0 < f <= 1; 1 when not known). They run while the host steps other
-    regions and the ring's copies down run: the H200 traces of BENCHMARKS.md session 28
-    read 38-41 GB/s for them against a profiled 55.5 (0.69-0.74), and 43-47 GB/s for the
-    runtime's prefetches beside them."""
+    regions and the ring's copies down run, which share host memory with them, so they
+    can run well under the profiled rate (``benchmarks/ring_rate.py`` measures them beside
+    a host Adam step)."""
     stream_host_charge: float = 1.0
     """Share (0 <= s <= 1) of the ``host_copy_contention`` charge that a STREAMED region's
     pinned copies of the step put on the host lane ([Note: streamed steps] in
     ``offload_solver.simulators._engine``). 1 (the default) charges them as a host-state
     region's own copies: all of the contention lands on the host. Where host Adam and the
-    ring's copies share host memory both slow down: on the H200 of BENCHMARKS.md session
-    30 the ring's copies up ran at 0.70-0.78 of their rate alone beside a host Adam step
-    (``benchmarks/ring_rate.py``), and the host steps of streamed plans ran 19% shorter
-    than charged in full. A lower share with ``stream_up_fraction`` below 1 splits the
-    contention between the two."""
+    ring's copies share host memory both slow down, so a lower share with
+    ``stream_up_fraction`` below 1 splits the contention between the two."""
     attention_fwd_flop_per_s: float = 0.0
     """Rate at which fused attention's forward runs (``Operation.attention``), its FLOPs
     as the profile counts them per second; 0 (unknown): the matrix-multiply rate
-    (``compute_flop_per_s * compute_efficiency``). In the H200 traces of BENCHMARKS.md
-    session 34, GPT-2 XL's attention forward took 4.6x its price at that rate, the 6B
-    model's 3.5x."""
+    (``compute_flop_per_s * compute_efficiency``), which fused attention can fall well
+    short of (``offload_runtime.hardware.measure_attention_flop_per_s`` measures it)."""
     attention_bwd_flop_per_s: float = 0.0
-    """The same for fused attention's backward (session 34's traces: 2.75x and 2.4x)."""
-    issue_ahead: bool = False
-    """How issue costs and device time combine ([Note: issuing ahead] in
-    ``offload_solver.simulators._engine``). False (the default): each operation takes the
-    largest of its compute, its traffic and ``op_overhead_s``, one after another. True: the
-    host issues operations ahead of the device, one ``op_overhead_s`` each, and the device
-    runs each once issued and the one before it is done, for its compute or traffic; so
-    operations that launch nothing (views) cost the device nothing where it is behind."""
+    """The same for fused attention's backward."""
     backward_issue_factor: float = 1.0
     """How many times ``op_overhead_s`` each backward operation costs the host to issue in a
     step with host-state (HOST or STREAMED) regions, whose gradient hooks and host Adam
     threads run beside the backward, which is then simulated as issued ahead of the device
     where that takes longer than the backward priced alone ([Note: the backward beside
     the host] in ``offload_solver.simulators._engine``); 1 (the default): as in any other
-    step.
-    Session 55's W2 row (GPT-2 XL at 64 x 8 tokens, every region's state on the host)
-    spent 174 ms in ``backward(loss)`` where the simulator's backward spans 60 ms; W1's
-    (all on the device) 24.4 against 22.3."""
+    step. Fitted, not measured: ``python benchmarks/replay_bench.py --help`` replays
+    recorded benchmark rows through the simulator at chosen factors."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -535,7 +523,12 @@ class HardwareProfile:
 
     @classmethod
     def from_json(cls, text: str) -> HardwareProfile:
+        """Read a profile written by :meth:`to_json`. Keys this version does not know are
+        ignored, as are fields that older versions wrote: ``"issue_ahead": true`` (a
+        pricing no longer offered) warns once that it is ignored."""
         data = _load_document(text, "HardwareProfile")
+        if data.get("issue_ahead") is True:
+            warnings.warn(_ISSUE_AHEAD_IGNORED, UserWarning, stacklevel=2)
         try:
             return HardwareProfile(
                 name=_get(data, "name", str),
@@ -579,13 +572,20 @@ class HardwareProfile:
                 attention_bwd_flop_per_s=float(
                     _get(data, "attention_bwd_flop_per_s", (int, float), default=0.0)
                 ),
-                issue_ahead=_get(data, "issue_ahead", bool, default=False),
                 backward_issue_factor=float(
                     _get(data, "backward_issue_factor", (int, float), default=1.0)
                 ),
             )
         except TypeError as exc:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
+
+
+_ISSUE_AHEAD_IGNORED = (
+    "HardwareProfile JSON sets 'issue_ahead': true, a pricing this solver no longer "
+    "offers; the key is ignored and each operation is priced at the largest of its "
+    "compute, its memory traffic and op_overhead_s. Remove the key from the file."
+)
+"""The warning :meth:`HardwareProfile.from_json` gives once for ``"issue_ahead": true``."""
 
 
 def _bytes_in(value: object, below: float) -> bool:
@@ -598,9 +598,9 @@ def _bytes_in(value: object, below: float) -> bool:
 class StreamedStepCosts:
     """What the runtime moves and holds to step a STREAMED region on the device.
 
-    For W4's runtime (fp32 master, bf16 moments, fp16 training): 10 bytes per parameter
-    up (4 master + 2 x 2 moments + 2 fp16 gradient) and 10 down (4 master + 2 x 2 moments
-    + 2 fp16 parameters).
+    For example, fp16 training with an fp32 master and bf16 moments: 10 bytes per
+    parameter up (4 master + 2 x 2 moments + 2 fp16 gradient) and 10 down (4 master + 2 x
+    2 moments + 2 fp16 parameters).
     """
 
     up_bytes_per_param: float
@@ -727,8 +727,8 @@ class TimelineInterval:
     ``grad_widen``, ``host_step``, ``publish``, ``device_step``, ``param_upload`` (see
     [Note: step model] in ``offload_solver.simulators._engine``), and for STREAMED
     regions ``stream_up``, ``stream_step``, ``stream_down``, ``stream_contention`` and
-    ``stream_stage`` ([Note: streamed steps]); plans written before may also hold
-    ``grad_partial``, a host pass no longer modelled."""
+    ``stream_stage`` ([Note: streamed steps]). Reading a plan keeps any other kind as
+    written."""
     start_s: float
     end_s: float
 
@@ -779,8 +779,8 @@ class Plan:
         else:
             streamed = data["streamed"]
             if self.streamed.resident_down_bytes_per_param is None:
-                del streamed["resident_down_bytes_per_param"]  # as before it existed
-            if not self.streamed.staged_chunks:  # likewise
+                del streamed["resident_down_bytes_per_param"]  # its default: left out
+            if not self.streamed.staged_chunks:  # nothing staged: left out likewise
                 for name in ("staged_chunks", "staged_chunk_numel", "staged_bytes_per_param"):
                     del streamed[name]
         return json.dumps(data, indent=1)

@@ -23,10 +23,6 @@ The steps, shared by every solver strategy:
 5. With ``streamed`` costs, step some host-state regions on the device instead where
    that shortens the repeating step within the budget ([Note: streamed search] in
    ``solvers._streamed``).
-6. With ``polish_rounds`` > 0 (default 0) and unless the plan is step 1's, a local search
-   changes one region at a time while that shortens the simulated repeating step within
-   the budget ([Note: local search] in ``solvers._polish``: measured on the GPU, its
-   plans were slower than the greedy ones, so it is off by default).
 
 All planning is against ``budget * BUDGET_SAFETY_FACTOR``, less ``device_bytes_in_use``
 (measured bytes that stay allocated beside the plan's, charged whole).
@@ -52,7 +48,6 @@ from offload_solver.simulators import RegionAssignment, SimulationContext, get_s
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.solvers import get_solver
 from offload_solver.solvers._late import move_host_work_late
-from offload_solver.solvers._polish import POLISH_ROUNDS, POLISH_SUGGESTED_ROUNDS, polish
 from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
 
@@ -119,7 +114,6 @@ def solve(
     device_bytes_in_use: int = 0,
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
-    polish_rounds: int = POLISH_ROUNDS,
     late_host_work: bool = True,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
@@ -171,13 +165,13 @@ def solve(
     ``solvers._streamed``; [Note: streamed steps] in ``simulators._engine``). The plan
     then records the costs (``Plan.streamed``). ``None`` (default): no region is
     STREAMED.
-    ``polish_rounds``: rounds of the final local search (step 6), each simulating every
-    one-region change of the plan and taking the best (``POLISH_SUGGESTED_ROUNDS`` lets it
-    converge); 0 (default) keeps the greedy phases' plan, which measured faster.
+    ``late_host_work``: after the greedy phases, move host-state regions' placements to
+    later resident device-state regions while that shortens the repeating step (step 3;
+    [Note: host work late] in ``solvers._late``). True (default); False keeps the greedy
+    phases' placements.
 
     Raises:
-        ValueError: a non-positive budget, negative ``polish_rounds`` or an unknown solver
-            name.
+        ValueError: a non-positive budget or an unknown solver name.
         InfeasibleBudgetError: no plan fits; the error carries ``least_budget_bytes``.
     """
     t0 = time.perf_counter()
@@ -187,8 +181,6 @@ def solve(
     if device_bytes_in_use < 0:
         raise ValueError(f"device_bytes_in_use must be >= 0 bytes, got {device_bytes_in_use}")
     in_use = device_bytes_in_use
-    if isinstance(polish_rounds, bool) or not isinstance(polish_rounds, int) or polish_rounds < 0:
-        raise ValueError(f"polish_rounds must be an int >= 0, got {polish_rounds!r}")
     strategy = get_solver(solver)
     simulator = get_simulator(strategy.simulator)
     ctx = SimulationContext.build(
@@ -245,8 +237,6 @@ def solve(
         # The moved plan only where it is still the shorter once regions are streamed
         # (it can leave the streamed search less to gain); the greedy one on a tie.
         found = min(options, key=lambda c: c.period_s)
-        if chosen is not on_device:
-            found = polish(ctx, simulator, cap, stats, found, max_rounds=polish_rounds)
         chosen, result, steady = found.assignment, found.cold, found.steady
 
     # The timeline and memory curves are the cold step's; the step time is the period of
@@ -283,8 +273,6 @@ def solve(
 
 __all__ = [
     "BUDGET_SAFETY_FACTOR",
-    "POLISH_ROUNDS",
-    "POLISH_SUGGESTED_ROUNDS",
     "InfeasibleBudgetError",
     "least_budget_bytes",
     "solve",

@@ -7,8 +7,8 @@ materialised as a boolean tensor and passed to every
 ``aten.scaled_dot_product_attention`` node as ``attn_mask``. On CUDA an explicit mask
 rules out the flash kernel, and the memory-efficient and cuDNN kernels need a head
 dimension that is a multiple of 8 (fp16/bf16): GPT-2 XL (head dim 50) then falls back to
-the math path, which keeps several B x H x S x S tensors per layer for backward (measured
-on an H200: 1 GiB fp32 tensors per attention at batch 8 x sequence 1024, out of memory).
+the math path, which keeps several B x H x S x S tensors per layer for backward (at long
+sequences more than the device holds).
 
 The pass proves, node by node, that a mask is exactly the causal pattern, and only then
 drops it in favour of ``is_causal=True``, which is what eager mode runs:

@@ -8,12 +8,12 @@ stand-in autograd function that allocates (on meta) exactly what the real kernel
 and saves:
 
 - ``aten.scaled_dot_product_attention`` on CUDA runs a fused kernel (cuDNN or flash for
-  fp16/bf16, memory-efficient for fp32; measured on an H200 with torch 2.11). It saves
+  fp16/bf16, memory-efficient for fp32, as torch 2.11 dispatches them). It saves
   q, k and v (the caller's tensors, usually views of one projection), its output, a
   float32 log-sum-exp of B x H x S (the memory-efficient kernel pads S to a multiple of
   32) and, when a boolean mask is given, that mask converted to the compute dtype. The
   meta run takes the math path and keeps the B x H x S x S attention matrices instead
-  (4.4x too many bytes at sequence 1024 for gpt2_medium).
+  (several times too many bytes at long sequences).
   Which kernel may run follows torch's dispatcher (``select_sdp_backend`` in
   ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp``, torch 2.11):
   * flash (fp16/bf16, head dim <= 256) takes no explicit mask. ``attention.cpp`` pads q,

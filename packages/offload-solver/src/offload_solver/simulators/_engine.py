@@ -37,16 +37,14 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   host work, which in an offloaded step nearly all do. A step taken in its gradient
   hook while backward still runs is charged instead at the contended rate for all of
   its duration (``speculative_step_cost / c`` times a plain step): the gradient copies
-  down and backward's prefetches up stream both ways around it. Charged only for their
-  own copies, W3's speculating plans were predicted up to 15% fast (BENCHMARKS.md,
-  session 16). Where the other copies land in time is not modelled,
-  only their total: the period of the repeating step is what it moves.
+  down and backward's prefetches up stream both ways around it (charged only for their
+  own copies, speculating plans are predicted too fast). Where the other copies land in
+  time is not modelled, only their total: the period of the repeating step is what it
+  moves.
   The conversion passes (``grad_widen``, ``publish``) run at ``c`` times their rate:
   they run as gradients land and right before uploads, while copies stream, and they
-  are pure memory traffic (host-conversion W2 measured 829 ms against 561 predicted
-  without this, BENCHMARKS.md).
-  When
-  steps 2-3 run (``offload_optim``'s ``AMPOptimizer``; "bwd_end" is the end of the
+  are pure memory traffic.
+  When steps 2-3 run (``offload_optim``'s ``AMPOptimizer``; "bwd_end" is the end of the
   compute lane's backward):
   - ``host_step_after_backward`` (fp16: no region may step before the overflow answer,
     which the runtime computes on the device from each region's gradients before their
@@ -65,8 +63,8 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
     optimizer's default) the hooks hand their steps to a thread of their own: hooks then
     run as their gradient work ends, whatever steps are in flight, ``step()`` returns
     without waiting for those steps, and its job issues the streamed regions then,
-    before waiting for them (W3 on an H200, session 41: the hooks' way idled the
-    compute stream 12-19 ms a step while ``step()`` waited). The steps still take the
+    before waiting for them (where the hooks run the steps, the compute stream idles
+    while ``step()`` waits for the one in flight). The steps still take the
     host lane in turn (they share its cores), and one that would start only after the
     last copy has landed is left to the answer, as the thread skips it then.
   A RESIDENT region's updated parameters go back on H2D after its publish, or after its
@@ -141,7 +139,7 @@ placement).
 A STREAMED region (``StatePlacement.STREAMED``, costs in ``SimulationContext.streamed``,
 a :class:`~offload_solver.model.StreamedStepCosts`) keeps its master weights and moments
 in pinned host memory, as a HOST region does (no device state; it may be offloaded or
-resident), but is stepped on the device, as the runtime's v1 does it:
+resident), but is stepped on the device, as ``offload_optim``'s ``HybridAdam`` does it:
 - Its gradient goes down and its host gradient work runs exactly as a HOST region's
   (``grad_offload``, ``grad_widen``), and its gradient-ready hook runs when that ends.
 - It never steps speculatively and takes no speculative buffers (``may_speculate`` skips
@@ -154,12 +152,8 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   the hardware's ``stream_host_charge`` ``s`` (1 unless set). It stands for the slower
   host steps of the other regions while those copies run; none when ``c`` is 1 or ``s``
   is 0. Host memory slows both sides, so the charge can be split: with ``s`` below 1 the
-  host takes that share and the copies up the rest, through ``stream_up_fraction``.
-  Charged in full (``s = 1``, up at the full rate), the 50 streamed rows on record
-  replayed with the host busy 19% longer than measured, and with their steps 6% under
-  their run means; with ``s = 0.5`` and copies up at 0.78 of the rate, which
-  ``benchmarks/ring_rate.py`` measured beside a host Adam step, 5% longer and 0.4%
-  under (``benchmarks/stream_charge_fidelity.py``, BENCHMARKS.md session 30).
+  host takes that share and the copies up the rest, through ``stream_up_fraction``
+  (``offload_runtime``'s defaults for the two are fitted: ``STREAM_HOST_CHARGE``).
 - The host worker issues a streamed region's device step where it would step it were it
   a HOST region outside the speculating set, without waiting for it: in its hook when
   that runs after backward with ``host_step_after_backward``; otherwise at the start of
@@ -199,8 +193,7 @@ resident), but is stepped on the device, as the runtime's v1 does it:
   carries the rest of its bytes (its gradient, and the state of chunks not staged), and
   comes after the stage task on the FIFO lane. Not modelled: the host's share of those
   copies, and a ring still open from the previous step when the hook runs (the runtime
-  then stages nothing; session 45's H200 rows staged 3 chunks in every step). A
-  micro-batch that only accumulates stages nothing.
+  then stages nothing). A micro-batch that only accumulates stages nothing.
 - Memory: the runtime holds a ring of ``slot_bytes`` device bytes from the first copy
   up's start to the last copy down's end of a step's streamed regions. The cold step
   places its streamed work after its device-state steps, where the ring shows in its
@@ -286,43 +279,33 @@ KINDS = (
 )
 
 # [Note: issuing ahead]
-# The host issues a step's operations one after another, each costing it about
+# The host issues a pass's operations one after another, each costing it about
 # ``op_overhead_s`` (Python, dispatcher, autograd recording, the launch); the device runs
-# each operation once it is issued and the one before it is done. With small kernels
-# the device waits for the host and a pass takes the issue costs; with large ones the
-# host runs ahead and a pass takes the kernels' time, operations that launch nothing
-# (views, transposes, splits) costing the device nothing. ``HardwareProfile.issue_ahead``
-# models that over each pass, forward and backward, as if nothing else held the device up
-# (waits for uploads only let the host get further ahead): a region's compute takes from
-# its first operation's start to the next region's. Without it each
-# operation costs the largest of its compute, traffic and issue cost, which charges
-# views the issue cost even where the device is the bound: 19 ms of GPT-2 XL's forward at
-# 8 x 1024 tokens, 11 ms of the 6B model's at 4 x 512 (BENCHMARKS.md, session 34,
-# ``benchmarks/compute_fidelity.py``).
+# each operation once it is issued and the one before it is done (:func:`issued_starts`).
+# With small kernels the device waits for the host and the pass takes the issue costs;
+# with large ones the host runs ahead and the pass takes the kernels' time, operations
+# that launch nothing (views, transposes, splits) costing the device nothing. A pass is
+# priced so only in [Note: the backward beside the host]; every other pass prices each
+# operation at the largest of its compute, its traffic and its issue cost, one after
+# another, which charges views their issue cost even where the device is the bound.
 
 
 # [Note: the backward beside the host]
 # In a step with host-state regions the backward is issued beside work the probe behind
 # ``op_overhead_s`` does not have: the regions' gradient hooks (per parameter, a copy down
 # and its stream bookkeeping; per region, the overflow check's norms) and the host Adam's
-# threads on every core (``benchmarks/issue_under_load.py``: the probe's operations cost
-# 1.35-1.41x as much beside a host Adam on an H200, session 55). Session 55's W2 row
-# (GPT-2 XL at 64 x 8 tokens, every region's state on the host) spent 174 ms in
-# ``backward(loss)`` where the simulated backward spans 60 ms, while its forward agreed
-# (204 and 209 ms) and W1's step, all on the device, agreed in both passes (backward 24.4
-# against 22.3 ms). ``HardwareProfile.backward_issue_factor`` scales the backward's issue
-# cost in such steps, and that backward is issued ahead of the device ([Note: issuing
-# ahead]) whatever ``issue_ahead`` says: priced per operation at the factor, a backward
-# bound by its kernels (W3's) would pay for views its kernels hide, and W3's recorded
-# rows replayed well over their run means in a trial of session 55 priced so. A step
-# whose regions all keep their state on the device keeps ``op_overhead_s``. The backward
-# beside the host takes the longer of that pass and the pass priced alone (work beside it
-# only slows the host; region by region the longer would count twice the views' issue
-# that the loaded pass moves from one region to the next), so its price rises
-# continuously from the factor 1, where the two agree; priced issued ahead whatever that
-# came to, any factor just above 1 put W3's recorded rows 9% under their run means
-# (session 56). Not modelled: where in the backward the host steps run (the factor
-# applies to the whole pass), and the forward beside the host.
+# threads on every core, which slow the thread issuing the backward
+# (``benchmarks/issue_under_load.py`` measures the probe's cost beside a host Adam).
+# ``HardwareProfile.backward_issue_factor`` scales the backward's issue cost in such steps,
+# and that backward is issued ahead of the device ([Note: issuing ahead]): priced per
+# operation at the factor, a backward bound by its kernels would also pay the factor for
+# views its kernels hide. A step whose regions all keep their state on the device keeps
+# ``op_overhead_s``. The backward beside the host takes the longer of that pass and the
+# pass priced alone (work beside it only slows the host; region by region the longer
+# would count twice the views' issue that the loaded pass moves from one region to the
+# next), so its price rises continuously from the factor 1, where the two agree. Not
+# modelled: where in the backward the host steps run (the factor applies to the whole
+# pass), and the forward beside the host.
 
 
 def issued_starts(device_s: Sequence[float], issue_s: float) -> tuple[list[float], float]:
@@ -537,10 +520,8 @@ class SimulationContext:
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0
         """Device bytes of the ring of buffers held while streamed steps are in flight."""
 
-        # Without issue_ahead every operation takes at least its issue cost
-        # ([Note: issuing ahead]); with it the passes below add the issue lane.
-        least = 0.0 if hw.issue_ahead else hw.op_overhead_s
-        fwd_op = [max(hw.operation_device_s(op), least) for op in ops]
+        # Every operation takes at least its issue cost ([Note: issuing ahead]).
+        fwd_op = [max(hw.operation_device_s(op), hw.op_overhead_s) for op in ops]
         bwd_dev = [hw.operation_device_s(op, backward=True) for op in ops]
         saved = [0]
         for op in ops:
@@ -553,14 +534,12 @@ class SimulationContext:
         ]
         self.act_fwd_max = max(self.act_fwd)
 
-        def backward_eff(issue_s: float, ahead: bool) -> list[float]:
+        def backward_issued_ahead(issue_s: float) -> list[float]:
             """Per operation, backward seconds from its start to the next one's (in
-            reverse operation order) when each costs the host ``issue_s`` to issue,
-            issued ahead of the device or not ([Note: issuing ahead])."""
-            if not ahead:
-                return [max(d, issue_s) for d in bwd_dev]
+            reverse operation order) when each costs the host ``issue_s`` to issue and
+            the host issues ahead of the device ([Note: issuing ahead])."""
             # Operation starts over the whole pass, in reverse operation order; a
-            # region's offsets from its first operation's ([Note: issuing ahead]).
+            # region's offsets from its first operation's.
             at_rev, end = issued_starts(bwd_dev[::-1], issue_s)
             at = at_rev[::-1]
             # The first operation of a pass also waits for its own issue.
@@ -571,17 +550,11 @@ class SimulationContext:
         self.fwd_offsets: list[list[float]] = []
         self.fwd_s: list[float] = []
         self.act_bwd_region_max: list[int] = []
-        fwd_eff = fwd_op
-        if hw.issue_ahead:
-            fwd_at, fwd_end = issued_starts(fwd_op, hw.op_overhead_s)
-            fwd_eff = [
-                b - a for a, b in zip([0.0, *fwd_at[1:]], [*fwd_at[1:], fwd_end], strict=True)
-            ]
         for reg in regions:
             acc, offs = 0.0, []
             for j in range(reg.op_start, reg.op_end):
                 offs.append(acc)
-                acc += fwd_eff[j]
+                acc += fwd_op[j]
             self.fwd_offsets.append(offs)
             self.fwd_s.append(acc)
             self.act_bwd_region_max.append(max(self.act_bwd[reg.op_start : reg.op_end], default=0))
@@ -598,8 +571,7 @@ class SimulationContext:
                 spans.append(acc)
             return offsets, spans
 
-        bwd_eff = backward_eff(hw.op_overhead_s, hw.issue_ahead)
-        self.bwd_offsets, self.bwd_s = backward_regions(bwd_eff)
+        self.bwd_offsets, self.bwd_s = backward_regions([max(d, hw.op_overhead_s) for d in bwd_dev])
         """Per region, its backward operations' start offsets from the region's backward
         start, and its backward's seconds, in a step with every region's state on the
         device."""
@@ -610,14 +582,10 @@ class SimulationContext:
         lists when that factor is 1."""
         if hw.backward_issue_factor != 1.0:
             loaded_offsets, loaded_s = backward_regions(
-                backward_eff(hw.op_overhead_s * hw.backward_issue_factor, ahead=True)
+                backward_issued_ahead(hw.op_overhead_s * hw.backward_issue_factor)
             )
             if sum(loaded_s) > sum(self.bwd_s):
                 self.bwd_offsets_beside_host, self.bwd_s_beside_host = loaded_offsets, loaded_s
-        self.fwd_op_s = fwd_eff
-        """Per operation, forward seconds from its start to the next operation's (to the
-        pass's end for the last): its price without ``issue_ahead``."""
-        self.bwd_op_s = bwd_eff
 
         # Sparse table for range maxima of backward activation levels.
         table = [self.act_bwd]

@@ -11,25 +11,22 @@ it, sit between two steps' computes.
 
 The greedy phases decide on the cold step (one step on an idle machine, [Note:
 incremental candidate evaluation] in ``_search``), in which no next forward waits, and
-break ties by the earliest region; measured on an H200 (BENCHMARKS.md, session 51), W3's
-greedy plan offloaded regions 2, 5, 8, ... with their state on the host and its forward
-waited 21 ms a step for the host. So this phase, on the finished greedy plan, moves host
-work later: for a host-state region ``r`` (earliest first) and a resident device-state
-region ``s > r`` (latest first), it gives ``s`` the placement and state ``r`` had (an
-ASYNC prefetch issued as many regions after ``s`` as it was after ``r``) and ``r`` device
-state, resident. The first such swap whose repeating step ([Note: steady state] in
+break ties by the earliest region, so they can leave host work on early regions whose
+next forward then waits for the host (measured: BENCHMARKS.md, Decisions, "Late host
+work"). So this phase, on the finished greedy plan, moves host work later: for a
+host-state region ``r`` (earliest first) and a resident device-state region ``s > r``
+(latest first), it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
+issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
+resident. The first such swap whose repeating step ([Note: steady state] in
 ``simulators._engine``) is shorter by more than the steady state's tolerance and whose
-peak fits the cap is kept, and the search starts again from it. Each kept swap moves host
-work to a later region, so the sum of the host-state regions' indices rises and the
+peak fits the cap is kept, and the search starts again from it. Each kept swap moves
+host work to a later region, so the sum of the host-state regions' indices rises and the
 search ends. Every simulation counts in ``num_simulations``.
 
 It runs before streamed regions are placed, and ``solve`` places them on both plans,
 the greedy one and the moved one, keeping the one whose repeating step is shorter in the
-end: a moved plan's host lane has less left for streaming to take over, and replayed
-with session 48's W4 profiles the moved plans streamed 11 regions where the greedy ones
-streamed 26 and ended 8-14% longer. Replayed on the rows on record (sessions 46-51;
-BENCHMARKS.md, session 51), it changes W3's plans (predicted 6-10% shorter) and one W4
-plan (0.3%), and none of W1's or W2's.
+end: a moved plan's host lane has less left for streaming to take over, so the moved
+plan can end longer once both are streamed.
 """
 
 from __future__ import annotations
