@@ -17,9 +17,11 @@ stepped like ``torch.optim.AdamW(fused=True)`` would step them.
 Threads: the step of a host-state region runs on the runtime's host worker (queued by
 :meth:`HybridAdam.submit_host_steps`, or called from a grad-ready hook, which runs there),
 and so does its ``controller.publish``; device-state regions and plain parameters are
-stepped on the calling thread. A region is only ever stepped by one thread at a time.
-:meth:`HybridAdam.step` waits for the host steps; ``AMPOptimizer`` does not (see [Note:
-overlapping the host step with backward] in amp.py).
+stepped on the calling thread. A streamed region's device step is issued from the
+issuing thread (a step's regions) or the host worker (a hook's), and published by either
+(see [Note: streamed steps] in streamed.py). A region is only ever stepped by one thread
+at a time. :meth:`HybridAdam.step` waits for the host steps; ``AMPOptimizer`` does not
+(see [Note: overlapping the host step with backward] in amp.py).
 
 [Note: speculative steps]
 A host-state region can be stepped before it is known whether the step should happen (fp16
