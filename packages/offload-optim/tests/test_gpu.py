@@ -1,19 +1,19 @@
-"""On a CUDA device: the overlapped host step is exact, and it hides under backward.
+"""On a CUDA device: overlapped, speculative, fp16-I/O and streamed host steps train as the
+synchronous host step does. Small models: none of these needs more than a few hundred MiB
+of device memory. How fast the host step runs and how much of it hides under backward is
+the benchmark's to measure (``benchmarks/offload_bench.py``), not a test's.
 
-Run with ``nox -s gpu_tests`` (or ``pytest -m gpu -s`` to see the benchmark's numbers).
+Run with ``nox -s gpu_tests``.
 """
 
 from __future__ import annotations
 
 import copy
-import gc
-import time
 from typing import Any
 
 import pytest
 import torch
 from optim_helpers import (
-    LogitsOnly,
     batch,
     loss_of,
     masters,
@@ -22,7 +22,6 @@ from optim_helpers import (
     rel_diff,
     tiny_gpt2,
 )
-from transformers import GPT2Config, GPT2LMHeadModel
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, check_stream_rate, single_pass
 from offload_runtime.module import OffloadModule
@@ -217,152 +216,6 @@ def test_cuda_fp16_host_steps_overlapping_the_next_forward_change_nothing() -> N
     assert rel_diff(runs[True], runs[False]) < 5e-3
 
 
-def gpt2_xl() -> torch.nn.Module:
-    """gpt2_xl as the example's zoo builds it (1600 wide, 48 layers, vocabulary 1024)."""
-    cfg = GPT2Config(
-        vocab_size=1024,
-        n_positions=1024,
-        n_embd=1600,
-        n_layer=48,
-        n_head=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    with torch.device(CUDA):
-        model = LogitsOnly(GPT2LMHeadModel(cfg))
-    return model.half()
-
-
-def measure(
-    amp: AMPOptimizer,
-    module: OffloadModule,
-    inputs: dict[str, torch.Tensor],
-    numel: int,
-    moments: torch.dtype,
-    steps: int = 5,
-) -> tuple[float, float, float]:
-    """Train ``steps`` steps; print each; return median backward s, host step s, hidden."""
-    results = []
-    for step in range(steps):
-        amp.zero_grad()
-        loss = loss_of(module(**inputs), inputs["input_ids"])
-        torch.cuda.synchronize()
-        bwd_start = time.perf_counter()
-        amp.backward(loss)
-        torch.cuda.synchronize()  # backward (and its gradient copies) really ended here
-        bwd_end = time.perf_counter()
-        amp.step()
-        step_end = time.perf_counter()
-        report = amp.last_step
-        assert report is not None and not report.skipped
-        host_s = report.host_step_s
-        hidden = report.hidden_fraction(bwd_end)
-        bwd_s = bwd_end - bwd_start
-        print(
-            f"{str(moments)[6:]} moments, step {step}: loss {loss.item():.4f}, backward "
-            f"{bwd_s * 1e3:.0f} ms, host step {host_s * 1e3:.0f} ms "
-            f"({numel / host_s / 1e9:.2f} Gparam/s), hidden {hidden:.0%}, after backward "
-            f"{(step_end - bwd_end) * 1e3:.0f} ms, mode {report.overlap.value}"
-        )
-        if step >= 2:  # the first steps touch fresh host pages and warm the allocator
-            results.append((bwd_s, host_s, hidden))
-    med = [sorted(r[i] for r in results)[len(results) // 2] for i in range(3)]
-    print(
-        f"{str(moments)[6:]} moments, median: backward {med[0] * 1e3:.0f} ms, host step "
-        f"{med[1] * 1e3:.0f} ms = {numel / med[1] / 1e9:.2f} Gparam/s, hidden {med[2]:.0%}"
-    )
-    return med[0], med[1], med[2]
-
-
-@pytest.mark.parametrize(
-    ("dtype", "speculate", "host_kernel"),
-    [
-        (torch.bfloat16, False, "torch"),
-        (torch.float16, True, "torch"),
-        (torch.float16, True, "single_pass"),
-    ],
-    ids=["bf16", "fp16_speculate", "fp16_speculate_single_pass"],
-)
-def test_gpt2_xl_host_step_hides_under_backward(
-    dtype: torch.dtype, speculate: bool, host_kernel: str
-) -> None:
-    """Host step throughput, and the share of it hidden under backward.
-
-    Every region keeps its parameters on the GPU and its master weights and Adam state on
-    the host, so every parameter goes through the host step. bf16 training speculates
-    (each region steps in its grad-ready hook): at least 80% of the time backward could
-    hide must be hidden. fp16 training needs the overflow answer first, so by default its
-    regions step after backward (no case here: it asserted nothing and took 44 s of the
-    suite's 558 on session 55's host). With
-    ``speculate_fp16=True`` fp16 regions step speculatively in their hooks (undone on
-    overflow), so fp16 must then meet bf16's rule (in mode SPECULATIVE_UNDO); it needs 12
-    (fp32 moments) or 8 (bf16 moments) more bytes of host memory per parameter. The
-    ``single_pass`` case steps with ``HybridAdam(host_kernel="single_pass")`` (numba),
-    whose speculative step keeps its undo data in the same pass.
-
-    The runtime converts dtypes on the device (``convert_on_device``, what memory_optimize
-    picks for a host-bound step): gradients arrive as fp32 and updated masters go up as
-    fp32, so the host step is the Adam step alone. Measured on the H200 with host
-    conversion (63dbedd, bf16 training, 192 x 128): backward 489 ms, host step 548 ms
-    (Adam and the fp32-to-bf16 publish), hidden 66%: the target missed. BENCHMARKS.md has
-    the later runs.
-    """
-    # 24K tokens: backward comparable to the host step; short sequences keep the attention
-    # matrices small (16 x 1024 ran out of the H200's memory).
-    batch_size, seq = 192, 128
-    model = gpt2_xl().to(dtype)
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 1024, (batch_size, seq), generator=gen)
-    # No attention mask: the trace rewrites the causal mask to is_causal=True (flash); with
-    # an explicit mask, head dim 50 takes the math path, O(seq^2) fp32 per layer (this
-    # test ran out of the H200's memory that way at 1ad1767).
-    inputs = {"input_ids": ids}
-    start = time.perf_counter()
-    module = offload_module(
-        model,
-        inputs,
-        dtype=dtype,
-        device=CUDA,
-        min_region_numel=25_000_000,  # about one transformer block per region
-        all_host_state=True,
-        all_resident=True,
-        convert_on_device=True,
-    )
-    del model
-    numel = sum(st.numel for st in module.storages)
-    print(
-        f"\nbuilt gpt2_xl ({numel / 1e9:.2f} G parameters, {len(module.storages)} regions, "
-        f"{dtype}) in {time.perf_counter() - start:.1f} s"
-    )
-    cuda_inputs = {k: v.to(CUDA) for k, v in inputs.items()}
-    failures = []
-    for moments in (torch.float32, torch.bfloat16):
-        opt = HybridAdam(
-            module.parameters(), lr=1e-5, moments_dtype=moments, host_kernel=host_kernel
-        )
-        amp = AMPOptimizer(opt, module, speculate_fp16=speculate)
-        bwd_s, host_s, hidden = measure(amp, module, cuda_inputs, numel, moments)
-        assert amp.last_step is not None
-        # What could be hidden: all of the host step if backward is longer, else backward.
-        possible = min(1.0, bwd_s / host_s)
-        want = {
-            (torch.bfloat16, False): OverlapMode.SPECULATIVE,
-            (torch.float16, True): OverlapMode.SPECULATIVE_UNDO,
-        }[(dtype, speculate)]
-        if amp.last_step.overlap is not want or hidden < 0.8 * possible:
-            failures.append((moments, amp.last_step.overlap, hidden, possible))
-        if speculate:
-            print(f"speculative steps undone in {amp.undone_steps} of the steps")
-        del amp, opt  # its grad-ready hook holds it weakly: gone, the hook does nothing
-        gc.collect()
-    assert not failures, failures
-    module.close()
-
-
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32m", "bf16m"])
 @pytest.mark.parametrize("speculate", [False, True], ids=["after_backward", "speculate"])
@@ -410,45 +263,23 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
 
 @pytest.mark.skipif(not single_pass.fp16_io_available(), reason="numba or F16C missing")
 @pytest.mark.parametrize(
-    ("issue_thread", "speculation_thread", "paced_ring", "stage_ahead", "stage_in_backward"),
-    [
-        (False, False, False, False, False),
-        (True, False, False, False, False),
-        (True, True, False, False, False),
-        (True, False, True, False, False),
-        (True, True, True, True, False),
-        (True, True, True, False, True),
-    ],
-    ids=[
-        "worker_issues",
-        "issue_thread_unpaced",
-        "speculation_thread",
-        "paced_ring",
-        "staged",
-        "staged_in_backward",
-    ],
+    ("speculation_thread", "stage_in_backward"),
+    [(True, True), (False, False)],
+    ids=["defaults", "hooks_speculate_unstaged"],
 )
 def test_cuda_streamed_regions_step_on_the_device(
-    monkeypatch: pytest.MonkeyPatch,
-    issue_thread: bool,
-    speculation_thread: bool,
-    paced_ring: bool,
-    stage_ahead: bool,
-    stage_in_backward: bool,
+    monkeypatch: pytest.MonkeyPatch, speculation_thread: bool, stage_in_backward: bool
 ) -> None:
     """Host-state regions marked streamed step on the GPU (their state up, torch's fused
-    CUDA Adam, state and fp16 copy down) while region 0 steps on the host, W4's way
-    (fp16 I/O, bf16 moments, speculating): one step equals the all-host run's within
+    CUDA Adam, state and fp16 copy down) while region 0 steps on the host, with fp16 I/O,
+    bf16 moments and speculative steps: one step equals the all-host run's within
     rounding (torch's CUDA update against the single-pass host kernel), the overflow at
-    step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. With
-    ``issue_thread`` the streamed regions are issued from the issuing thread; with
-    ``speculation_thread`` the speculative steps run on their own thread too; with
-    ``paced_ring`` the issuing thread waits on the host for each slot's CUDA event; with
-    ``stage_ahead`` step() stages the leading chunks' copies up before its answer, and
-    the ring steps them from there ([Note: staging ahead] in streamed.py); with
-    ``stage_in_backward`` the backward's first streamed hook stages their master weights
-    and moments, and the step copies up their gradients ([Note: staging the state in
-    backward])."""
+    step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. step()'s
+    streamed regions are issued from the issuing thread, which waits on the host for each
+    slot's CUDA event ([Note: paced ring] in streamed.py). With ``speculation_thread``
+    the speculative steps run on their own thread; with ``stage_in_backward`` the
+    backward's first streamed hook stages the leading chunks' master weights and moments,
+    and the step copies up their gradients ([Note: staging the state in backward])."""
     import threading
 
     import offload_optim.streamed as streamed_module
@@ -459,7 +290,7 @@ def test_cuda_streamed_regions_step_on_the_device(
     stage = StreamRing.stage
 
     def staging(self: StreamRing, *tensors: Any) -> bool:
-        issued["state_staged"] += tensors[-1] is None
+        issued["state_staged"] += 1
         return stage(self, *tensors)
 
     def counting(self: StreamRing, pieces: list[Any], grad_scale: float | None, **kw: Any) -> Any:
@@ -488,10 +319,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             host_kernel="single_pass",
             fp16_io=True,
             moments_dtype=torch.bfloat16,
-            issue_thread=issue_thread,
             speculation_thread=speculation_thread,
-            paced_ring=paced_ring,
-            stage_ahead=stage_ahead,
             stage_in_backward=stage_in_backward,
         )
         amp = AMPOptimizer(
@@ -532,14 +360,11 @@ def test_cuda_streamed_regions_step_on_the_device(
                     assert st.host_params is not None
                     assert torch.equal(st.host_params, st.master.half())
             assert issued["pieces"] > 0
-            assert (opt.staged_chunks > 0) == (stage_ahead or stage_in_backward)
+            assert (opt.staged_chunks > 0) == stage_in_backward
             assert (issued["state_staged"] > 0) == stage_in_backward
-            assert ("offload-stream-issue" in issued["threads"]) == issue_thread
+            assert "offload-stream-issue" in issued["threads"]
             # The ring's copies up were timed on the device ([Note: timing the ring's
-            # copies up]): bytes and seconds for some regions. The chunks here hold 1000
-            # elements, a few KiB per copy, so each copy's fixed cost of some microseconds
-            # sets the rate: 65-91 MB/s on an H200 (session 55), against 29-38 GB/s for
-            # the bench's chunks. The bounds say only that the events timed the copies.
+            # copies up]): bytes and seconds for some regions (how fast is the bench's).
             up = [
                 (t.up_bytes, t.up_s)
                 for rep in amp.recent_steps()
@@ -548,8 +373,6 @@ def test_cuda_streamed_regions_step_on_the_device(
             ]
             timed = [(n, sec) for n, sec in up if n > 0]
             assert timed and sum(sec for _, sec in timed) > 0
-            rate = sum(n for n, _ in timed) / sum(sec for _, sec in timed)
-            assert 1e6 < rate < 1e12, rate
             check = check_stream_rate(amp)
             if check is not None:  # a module planned with a hardware profile
                 assert 0 < check.loop_fraction <= 1
@@ -564,8 +387,8 @@ def test_cuda_streamed_regions_step_on_the_device(
 def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
     """A streamed region's moments cross PCIe at every step, so they are page-locked, in
     place at their exact size rather than by PyTorch's caching host allocator, which
-    rounds each buffer up to a power of two (W4 with fp32 moments streamed ran out of
-    host memory so; see [Note: exact-size pinned memory] in offload_runtime.storage)."""
+    rounds each buffer up to a power of two (up to twice the host memory; see [Note:
+    exact-size pinned memory] in offload_runtime.storage)."""
     module = offload_module(
         tiny_gpt2(layers=1, width=512), batch(0), dtype=torch.float16, device=CUDA
     )

@@ -41,7 +41,6 @@ from offload_optim.streamed import (
     streamed_step_costs,
 )
 from offload_runtime.controller import OffloadController
-from offload_runtime.streams import Stream
 
 
 @pytest.fixture
@@ -83,8 +82,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     def staging(self: StreamRing, *tensors: Any) -> bool:
         before = self.staged()
         done = stage(self, *tensors)
-        if tensors[-1] is None:  # the state alone, in a backward hook
-            seen["staged_state"] += self.staged() - before
+        seen["staged_state"] += self.staged() - before  # the state alone, in a backward hook
         return done
 
     close = StreamRing.close
@@ -109,45 +107,9 @@ CASES: dict[str, dict[str, Any]] = {
     "no_overlap": {"overlap": False},
     "clipping": {"clipping": 0.5},
     "bf16_training": {"dtype": torch.bfloat16},
-    "issue_thread": {"issue_thread": True},
-    "issue_thread_bf16_moments": {"issue_thread": True, "moments": torch.bfloat16},
-    "issue_thread_accumulate_2": {"issue_thread": True, "micro": 2},
-    "issue_thread_no_overlap": {"issue_thread": True, "overlap": False},
-    "unpaced_ring": {"issue_thread": True, "paced_ring": False},
-    "unpaced_ring_no_overlap": {"issue_thread": True, "paced_ring": False, "overlap": False},
-    "paced_ring_on_the_worker": {"paced_ring": True},
-    "ring_yields": {"issue_thread": True, "ring_yields": True},
-    # Staging ahead needs step() to see every region before its answer: not the fp16
-    # overlap above, whose hooks step regions landing after the answer (DEVICE_ANSWER).
-    "stage_ahead_no_overlap": {"stage_ahead": True, "overlap": False},
-    "stage_ahead_inline": {"stage_ahead": True, "host_worker": False, "overlap": False},
-    "stage_ahead_issue_thread": {"stage_ahead": True, "issue_thread": True, "overlap": False},
-    "stage_ahead_accumulate_2": {
-        "stage_ahead": True,
-        "issue_thread": True,
-        "micro": 2,
-        "overlap": False,
-    },
-    "stage_ahead_bf16_moments": {
-        "stage_ahead": True,
-        "moments": torch.bfloat16,
-        "overlap": False,
-    },
-    "stage_ahead_bf16_training": {"stage_ahead": True, "dtype": torch.bfloat16},
     # Staging the state in backward: in the hooks of the last micro-batch's backward, with
     # overlap and no answer taken on the device (bf16 training; clipping's partials).
     "stage_in_backward_bf16_training": {"stage_in_backward": True, "dtype": torch.bfloat16},
-    "stage_in_backward_bf16_issue_thread": {
-        "stage_in_backward": True,
-        "issue_thread": True,
-        "dtype": torch.bfloat16,
-    },
-    "stage_in_backward_and_ahead_bf16": {
-        "stage_in_backward": True,
-        "stage_ahead": True,
-        "issue_thread": True,
-        "dtype": torch.bfloat16,
-    },
     "stage_in_backward_bf16_accumulate_2": {
         "stage_in_backward": True,
         "micro": 2,
@@ -157,7 +119,6 @@ CASES: dict[str, dict[str, Any]] = {
         "stage_in_backward": True,
         "clipping": 0.5,
         "micro": 2,
-        "issue_thread": True,
     },
     "stage_in_backward_inline": {
         "stage_in_backward": True,
@@ -183,41 +144,31 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
         plain = run(False, 7, poison=poison, **kwargs, **growth)
     assert streaming["pieces"] == 0
     assert_same(out, plain)
-    # Staged chunks were stepped, not uploaded again ([Note: staging ahead]) ...
-    staging = bool(kwargs.get("stage_ahead") or kwargs.get("stage_in_backward"))
+    # Staged chunks were stepped from their slots, staged by the backward's hooks with
+    # stage_in_backward ([Note: staging the state in backward]), and only then.
+    staging = bool(kwargs.get("stage_in_backward"))
     assert (streaming["staged_used"] > 0) == staging, out.modes
-    # ... from the backward's hooks with stage_in_backward ([Note: staging the state in
-    # backward]), else only at step().
-    assert (streaming["staged_state"] > 0) == bool(kwargs.get("stage_in_backward"))
+    assert (streaming["staged_state"] > 0) == staging
     if "dtype" not in kwargs:
         assert out.skipped[2] and not any(out.skipped[3:])
-    # Only with issue_thread is anything issued from the issuing thread. Without overlap
-    # every streamed region is issued there; with it, a hook may issue its region on the
-    # host worker first (one landing after the answer, which a slow machine makes
-    # likelier), so there the values are what is checked.
-    issuers = {name.split("_")[0] for name in streaming["threads"]}
-    if not kwargs.get("issue_thread"):
-        assert "offload-stream-issue" not in issuers
-    elif kwargs.get("overlap") is False:
-        assert issuers == {"offload-stream-issue"}
-    # Only the issuing thread paces (see [Note: paced ring]); the host worker and the
-    # hooks never block on the ring.
+    # step()'s streamed regions are issued from the issuing thread, which alone paces
+    # ([Note: paced ring]); a hook issues its region (one landing after the answer) on the
+    # host worker, unpaced. Without overlap every streamed region is step()'s; with it,
+    # which ones land after the answer is timing, so there the values are what is checked.
     paced_by = {thread for thread, paced in streaming["paced"] if paced}
-    if kwargs.get("paced_ring", True) and kwargs.get("issue_thread"):
+    assert paced_by <= {"offload-stream-issue"}
+    if kwargs.get("overlap") is False:
+        assert {name.split("_")[0] for name in streaming["threads"]} == {"offload-stream-issue"}
         assert paced_by == {"offload-stream-issue"}
-    else:
-        assert paced_by == set()
 
 
 @pytest.mark.parametrize(
     "threads",
     [
         {"speculation_thread": True},
-        {"speculation_thread": True, "issue_thread": True},
-        {"speculation_thread": True, "issue_thread": True, "stage_ahead": True},
-        {"speculation_thread": True, "issue_thread": True, "stage_in_backward": True},
+        {"speculation_thread": True, "stage_in_backward": True},
     ],
-    ids=["speculation_thread", "both_threads", "both_threads_staged", "staged_in_backward"],
+    ids=["speculation_thread", "staged_in_backward"],
 )
 def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
     threads: dict[str, Any], streaming: dict[str, Any]
@@ -233,9 +184,9 @@ def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
         plain = run(False, 7, poison=(2,), **growth)
     assert_same(out, plain)
     assert out.skipped[2] and not any(out.skipped[3:])
-    staging = bool(threads.get("stage_ahead") or threads.get("stage_in_backward"))
+    staging = bool(threads.get("stage_in_backward"))
     assert (streaming["staged_used"] > 0) == staging
-    assert (streaming["staged_state"] > 0) == bool(threads.get("stage_in_backward"))
+    assert (streaming["staged_state"] > 0) == staging
 
 
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
@@ -293,14 +244,13 @@ def test_streaming_with_fp16_io_writes_the_upload_copy(streaming: dict[str, Any]
         torch.testing.assert_close(value, plain.masters[name], rtol=0, atol=1e-8)
 
 
-@pytest.mark.parametrize("issue_thread", [False, True])
-def test_step_reports_name_streamed_regions(streaming: dict[str, Any], issue_thread: bool) -> None:
+def test_step_reports_name_streamed_regions(streaming: dict[str, Any]) -> None:
     # Streamed regions' timings say how long issuing them took (within their span); the
     # host-stepped region's say 0.
     module = test_speculate.offload_module(
         tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True
     )
-    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=issue_thread), module)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
     try:
         for step in range(2):
             amp.zero_grad()
@@ -321,8 +271,8 @@ def test_step_reports_name_streamed_regions(streaming: dict[str, Any], issue_thr
 
 
 def test_ring_sizes() -> None:
-    """Bytes per parameter over PCIe, and the ring's device bytes, for W4's kernel (bf16
-    moments, fp16 I/O) and the fp32 one."""
+    """Bytes per parameter over PCIe, and the ring's device bytes, with bf16 moments and
+    fp16 I/O, and with fp32 moments and gradients."""
     assert stream_copy_bytes(torch.bfloat16, True) == (10, 10)
     assert stream_copy_bytes(torch.float32, False) == (16, 12)
     n = 1000
@@ -333,16 +283,13 @@ def test_ring_sizes() -> None:
         StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=0)
 
 
-@pytest.mark.parametrize("issue_thread", [False, True], ids=["worker_issues", "issue_thread"])
-def test_the_ring_is_freed_once_its_regions_landed(
-    monkeypatch: pytest.MonkeyPatch, issue_thread: bool
-) -> None:
+def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ring's buffers go as soon as every streamed region of the task is published,
     not after the host steps still to come (the planner counts them until the last
-    download): streaming only the second host-state region, the ring closes before the
-    later host-stepped regions step. With ``issue_thread`` the first later region's step
-    waits until the issuing thread is done (on a GPU a host step takes milliseconds, the
-    issuing less), and the ring closes before the second one's."""
+    download): streaming only the second host-state region, whose device step the
+    issuing thread issues, and holding the first later host-stepped region's step until
+    the issuing thread is done (on a GPU a host step takes milliseconds, the issuing
+    less), the ring closes before the second later region's step."""
     closed: list[float] = []
     close = StreamRing.close
 
@@ -357,7 +304,7 @@ def test_the_ring_is_freed_once_its_regions_landed(
     host = [st for st in module.storages if st.host_state]
     assert len(host) >= 4, "the mixed plan has host-stepped regions after the streamed one"
     host[1].streamed = True
-    opt = HybridAdam(module.parameters(), lr=1e-2, issue_thread=issue_thread)
+    opt = HybridAdam(module.parameters(), lr=1e-2)
     issued: list[Future[None]] = []
     elsewhere = HybridAdam._issue_elsewhere
     step_segments = HybridAdam._step_segments
@@ -383,11 +330,11 @@ def test_the_ring_is_freed_once_its_regions_landed(
         assert report is not None
     finally:
         module.close()
-    assert len(issued) == int(issue_thread)
+    assert len(issued) == 1
     assert len(closed) == 1
     later = sorted(t.start_s for t in report.region_steps if t.host and t.region > host[1].index)
     assert len(later) >= 2
-    assert closed[0] < later[1 if issue_thread else 0]
+    assert closed[0] < later[1]
 
 
 def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:
@@ -411,7 +358,7 @@ def test_every_ring_runs_on_the_same_streams(streaming: dict[str, Any]) -> None:
 
 def test_the_ring_is_sized_to_the_budget() -> None:
     """streamed_step_costs(budget_bytes=) keeps the ring within a tenth of the budget
-    (W2's 3 GiB), with full chunks where that allows them (W4's 24 GiB); the optimizer
+    (3 GiB here), with full chunks where that allows them (24 GiB); the optimizer
     builds rings back from the plan's slot_bytes (chunk_numel_for)."""
     gib = 2**30
     w2 = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib)
@@ -500,13 +447,13 @@ def test_a_ring_of_more_slots_is_planned_and_shaped_from_the_plan() -> None:
         streamed_module.STREAM_CHUNK_NUMEL,
         streamed_module.STREAM_SLOTS,
     )
-    # Under W2's 3 GiB the ring keeps its tenth: more slots, smaller chunks.
+    # Under 3 GiB the ring keeps its tenth: more slots, smaller chunks.
     w2 = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib)
     w2_six = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib, slots=6)
     assert w2_six.slot_bytes <= 0.1 * 3 * gib
     assert w2_six.staged_chunks == 6
     assert w2_six.staged_chunk_numel < chunk_numel_for(w2.slot_bytes, torch.float32, True)
-    # Under W3's 40 GiB the chunk stays whole, and the ring grows by the slots added.
+    # Under 40 GiB the chunk stays whole, and the ring grows by the slots added.
     w3 = streamed_step_costs(torch.float32, True, budget_bytes=40 * gib)
     w3_six = streamed_step_costs(torch.float32, True, budget_bytes=40 * gib, slots=6)
     assert w3_six.staged_chunk_numel == w3.staged_chunk_numel == STREAM_CHUNK_NUMEL
@@ -703,59 +650,11 @@ class _SlotGate(_Gate):
         """The device-side wait, which on the CPU has nothing to order (as ``Event``'s)."""
 
 
-def test_a_yielding_ring_orders_each_chunks_copies_up_after_the_h2d_stream() -> None:
-    """[Note: yielding the link]: with ``after``, each chunk's copies up wait for an event
-    recorded on that stream when the chunk is issued (one per chunk), and the values are
-    the ring's without it."""
-    events: list[int] = []
-    waited: list[object] = []
-
-    class Recording(Stream):
-        def record(self) -> Any:
-            events.append(len(events))
-            return ("h2d", events[-1])
-
-    class UpStream(Stream):
-        def wait(self, event: Any) -> None:
-            waited.append(event)
-
-    def stepped(after: Stream | None) -> torch.Tensor:
-        up, step, down = (Stream(None) for _ in range(3))
-        up = UpStream(None)
-        ring = StreamRing(
-            torch.device("cpu"),
-            torch.float32,
-            False,
-            chunk_numel=4,
-            slots=2,
-            streams=(up, step, down),
-            after=after,
-        )
-        master = torch.arange(10, dtype=torch.float32)
-        piece = StreamPiece(
-            master,
-            torch.zeros(10),
-            torch.zeros(10),
-            torch.ones(10),
-            1.0,
-            AdamHyper(1e-2, 0.9, 0.999, 1e-8, 0.0, True),
-        )
-        ring.issue([piece], None)
-        return master
-
-    plain = stepped(None)
-    assert events == [] and ("h2d", 0) not in waited
-    waited.clear()
-    yielded = stepped(Recording(None))
-    assert events == [0, 1, 2], "one event per chunk (4 + 4 + 2 elements)"
-    assert [w for w in waited if isinstance(w, tuple)] == [("h2d", 0), ("h2d", 1), ("h2d", 2)]
-    assert torch.equal(yielded, plain)
-
-
 @pytest.mark.parametrize("paced", [True, False])
-def test_a_paced_ring_issues_a_chunk_only_once_its_slot_is_free(paced: bool) -> None:
-    """[Note: paced ring]: paced, the issuing thread polls the slot's event (sleeping, not
-    spinning on the GIL) and issues the chunk after it lands; unpaced, it issues at once."""
+def test_a_paced_issue_takes_a_chunk_only_once_its_slot_is_free(paced: bool) -> None:
+    """[Note: paced ring]: paced (the issuing thread), the issue polls the slot's event
+    (sleeping, not spinning on the GIL) and issues the chunk after it lands; unpaced (a
+    hook's issue on the host worker), it issues at once."""
     ring = StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=4, slots=2)
     n = 8  # two chunks: one per slot
     master = torch.zeros(n)
@@ -806,37 +705,11 @@ def _ring_pieces(*sizes: int) -> list[StreamPiece]:
 
 
 @pytest.mark.parametrize("order", ["as_staged", "reversed"])
-def test_a_staged_ring_steps_what_an_unstaged_one_does(order: str) -> None:
-    """[Note: staging ahead]: chunks staged into the free slots step from there, without
-    copies up of their own; asked in another order, the ring drops what it staged and
-    copies up again. Either way the values are the unstaged ring's, bit for bit. Staging
-    stops when the slots run out and once the ring has issued a chunk."""
-    ring_of = functools.partial(StreamRing, torch.device("cpu"), torch.float32, False)
-    plain, staged = _ring_pieces(10, 3), _ring_pieces(10, 3)
-    ring_of(chunk_numel=4, slots=3).issue(plain, 2.0)
-    ring = ring_of(chunk_numel=4, slots=3)
-    first, second = staged
-    assert ring.stage(first.master, first.exp_avg, first.exp_avg_sq, first.grad)
-    assert ring.staged() == 3, "10 elements in chunks of 4 take the three slots"
-    assert not ring.stage(second.master, second.exp_avg, second.exp_avg_sq, second.grad)
-    assert ring.staged() == 3, "no slot is left for the second piece"
-    ring.issue(staged if order == "as_staged" else staged[::-1], 2.0)
-    assert ring.staged_used == (3 if order == "as_staged" else 0)
-    assert ring.staged() == 0
-    assert not ring.stage(first.master, first.exp_avg, first.exp_avg_sq, first.grad)
-    assert ring.staged() == 0, "an issued ring stages nothing"
-    ring.close()
-    for a, b in zip(plain, staged, strict=True):
-        for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
-            assert torch.equal(x, y)
-    assert not torch.equal(plain[0].master, _ring_pieces(10)[0].master), "a step was taken"
-
-
-@pytest.mark.parametrize("order", ["as_staged", "reversed"])
 def test_a_ring_staged_without_gradients_copies_them_up_at_the_step(order: str) -> None:
     """[Note: staging the state in backward]: master and moments staged before the
     gradient exists; the step copies up the gradient its piece has then, and the values
-    are the unstaged ring's, bit for bit. Asked in another order, the ring drops them."""
+    are the unstaged ring's, bit for bit. Asked in another order, the ring drops them.
+    Staging stops when the slots run out and once the ring has issued a chunk."""
     ring_of = functools.partial(StreamRing, torch.device("cpu"), torch.float32, False)
     plain, staged = _ring_pieces(10, 3), _ring_pieces(10, 3)
     ring_of(chunk_numel=4, slots=3).issue(plain, 2.0)
@@ -844,11 +717,17 @@ def test_a_ring_staged_without_gradients_copies_them_up_at_the_step(order: str) 
     first = staged[0]
     landed = first.grad.clone()
     first.grad.zero_()  # not made yet: the CPU ring copies at once, so a copy would show
-    assert ring.stage(first.master, first.exp_avg, first.exp_avg_sq, None)
-    assert ring.staged() == 3
+    second = staged[1]
+    assert ring.stage(first.master, first.exp_avg, first.exp_avg_sq)
+    assert ring.staged() == 3, "10 elements in chunks of 4 take the three slots"
+    assert not ring.stage(second.master, second.exp_avg, second.exp_avg_sq)
+    assert ring.staged() == 3, "no slot is left for the second piece"
     first.grad.copy_(landed)
     ring.issue(staged if order == "as_staged" else staged[::-1], 2.0)
     assert ring.staged_used == (3 if order == "as_staged" else 0)
+    assert ring.staged() == 0
+    assert not ring.stage(first.master, first.exp_avg, first.exp_avg_sq)
+    assert ring.staged() == 0, "an issued ring stages nothing"
     ring.close()
     for a, b in zip(plain, staged, strict=True):
         for x, y in ((a.master, b.master), (a.exp_avg, b.exp_avg), (a.exp_avg_sq, b.exp_avg_sq)):
@@ -861,7 +740,7 @@ def test_a_ring_closed_with_chunks_staged_writes_nothing_back() -> None:
     (piece,) = _ring_pieces(6)
     before = [t.clone() for t in (piece.master, piece.exp_avg, piece.exp_avg_sq)]
     ring = StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=4, slots=2)
-    assert ring.stage(piece.master, piece.exp_avg, piece.exp_avg_sq, piece.grad)
+    assert ring.stage(piece.master, piece.exp_avg, piece.exp_avg_sq)
     assert ring.staged() == 2
     ring.close()
     assert ring.staged() == 0 and ring.staged_used == 0
@@ -954,7 +833,7 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     def published() -> list[int]:
         return [r for r, _ in records]
 
-    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=True), module)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
     stepping, errors = _step_on_a_thread(amp)
     try:
         assert _wait_until(lambda: host_stepped <= set(published())), "host steps ran"
@@ -975,21 +854,16 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
 @pytest.mark.skipif(
     not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
 )
-@pytest.mark.parametrize(
-    ("issuer_publishes", "fp16_io"),
-    [(True, True), (False, True), (True, False)],
-    ids=["issuer", "worker", "casting"],
-)
+@pytest.mark.parametrize("fp16_io", [True, False], ids=["issuer", "casting"])
 def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
-    issuer_publishes: bool, fp16_io: bool, monkeypatch: pytest.MonkeyPatch
+    fp16_io: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """[Note: the issuing thread publishes]: an offloaded streamed region that lands while
     the host worker is inside a host step is published by the issuing thread then, not
-    after that step. The host worker publishes it once the step ends with
-    ``issuer_publishes=False``, and without fp16 I/O, where its publish casts the new
-    master on the host. Here the first host-state region's host step is held until the
-    test has seen the streamed one published (or given up); on the CPU its downloads land
-    as it is issued."""
+    after that step. Without fp16 I/O its publish casts the new master on the host, and
+    the host worker publishes it once the step ends. Here the first host-state region's
+    host step is held until the test has seen the streamed one published (or given up);
+    on the CPU its downloads land as it is issued."""
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
     host = [st for st in module.storages if st.host_state]
     assert len(host) >= 2 and host[1].offloaded, "the mixed plan offloads region 1"
@@ -1008,18 +882,12 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
     published = _record_publishes(module.controller)
     io: dict[str, Any] = {"host_kernel": "single_pass", "fp16_io": True} if fp16_io else {}
     amp = AMPOptimizer(
-        HybridAdam(
-            module.parameters(),
-            lr=1e-2,
-            issue_thread=True,
-            issuer_publishes=issuer_publishes,
-            **io,
-        ),
+        HybridAdam(module.parameters(), lr=1e-2, **io),
         module,
         overlap=False,  # every host-state region steps in step()'s task
     )
     stepping, errors = _step_on_a_thread(amp)
-    by_issuer = issuer_publishes and fp16_io
+    by_issuer = fp16_io
     try:
         assert entered.wait(timeout=20.0), "the held host step began"
         during = _wait_until(
@@ -1041,19 +909,22 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
 @pytest.mark.skipif(
     not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
 )
-def test_publishing_from_the_issuing_thread_changes_no_value(streaming: dict[str, Any]) -> None:
-    """fp16 I/O, where the issuing thread publishes every streamed region: the run equals
-    the one where the host worker publishes them, bit for bit, overflow skip included."""
+def test_publishing_from_the_issuing_thread_changes_no_value(
+    streaming: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fp16 I/O, where the issuing thread publishes the streamed regions: the run equals
+    the one where every publish is taken to cast on the host, so that the host worker
+    publishes them, bit for bit, overflow skip included."""
     common: dict[str, Any] = {
         "host_kernel": "single_pass",
         "fp16_io": True,
-        "issue_thread": True,
         "growth_interval": 3,
         "initial_scale": 2.0**8,
     }
-    out = run(False, 5, poison=(2,), issuer_publishes=True, **common)
+    out = run(False, 5, poison=(2,), **common)
     assert streaming["pieces"] > 0
-    plain = run(False, 5, poison=(2,), issuer_publishes=False, **common)
+    monkeypatch.setattr(OffloadController, "publish_casts", lambda self, r: True)
+    plain = run(False, 5, poison=(2,), **common)
     assert_same(out, plain)
     assert out.skipped[2] and not any(out.skipped[3:])
 
@@ -1119,7 +990,7 @@ def test_an_error_on_the_issuing_thread_reaches_the_training_loop(
         return issue(self, pieces, grad_scale, **kw)
 
     monkeypatch.setattr(StreamRing, "issue", failing)
-    trainer = test_speculate.Trainer(False, issue_thread=True, overlap=False)
+    trainer = test_speculate.Trainer(False, overlap=False)
     try:
         trainer.amp.zero_grad()
         trainer.backward(0)
@@ -1136,12 +1007,11 @@ def test_an_error_on_the_issuing_thread_reaches_the_training_loop(
 
 
 def test_the_queue_publishes_in_issue_order_while_another_thread_adds() -> None:
-    # HybridAdam(issue_thread=True) adds from the issuing thread while the host worker
-    # publishes and reads the regions left: every entry is published once, in order, and
-    # reading the queue never trips over an append (without the queue's lock, reading a
-    # long deque while another thread appends raises "deque mutated during iteration";
-    # three rounds with threads switching as often as the interpreter can catch that
-    # nearly always).
+    # The issuing thread adds while the host worker publishes and reads the regions left:
+    # every entry is published once, in order, and reading the queue never trips over an
+    # append (without the queue's lock, reading a long deque while another thread appends
+    # raises "deque mutated during iteration"; three rounds with threads switching as
+    # often as the interpreter can catch that nearly always).
     from offload_optim.streamed import StreamedQueue
 
     n = 100000
@@ -1185,8 +1055,8 @@ def test_resident_streamed_regions_are_written_on_the_device(
 ) -> None:
     """By default a resident streamed region's device step writes its parameters in place
     and the region is published without an upload (``publish_written``); with
-    ``WRITE_RESIDENT`` off (a plan whose costs say so) it is uploaded after its downloads,
-    as before. Offloaded ones always are. Both runs equal the host-stepped one bit for
+    ``WRITE_RESIDENT`` off (a plan whose costs say so) it is uploaded after its downloads.
+    Offloaded ones always are. Both runs equal the host-stepped one bit for
     bit, overflow skip included."""
     monkeypatch.setattr(streamed_module, "WRITE_RESIDENT", write)
     how: dict[int, set[str]] = {}
@@ -1247,7 +1117,7 @@ def test_a_written_regions_next_forward_does_not_wait_for_its_downloads(
         published.append(q)
 
     controller.publish_written = recording_written  # type: ignore[method-assign]
-    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, issue_thread=True), module)
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
     forwarded = threading.Event()
     errors: list[BaseException] = []
 

@@ -6,9 +6,8 @@ none), and whether to write the unscaled gradient back (0/1). The two kernels' a
 must stay identical, statement for statement: a committed speculative step must equal the
 plain step bit for bit. Every kernel releases the GIL (``nogil``): the host step runs on
 the runtime's worker thread while the main thread issues the device's kernels, and a step
-holding the GIL stalled that issue (W3 with fp16 I/O: 406 ms from backward's start to the
-first host step, against 195 ms with torch's kernel in the same run; BENCHMARKS.md,
-session 15).
+holding the GIL would stall that issue for the step's whole length. ``q`` holds the shared
+block counter and the thread count ([Note: blocks claimed as threads free up]).
 """
 
 from __future__ import annotations
@@ -42,7 +41,8 @@ writing them out (48 KiB for three fp32 arrays: the scratch stays in the core's 
 # 64-byte boundary, aligned 64-byte non-temporal vector stores, a scalar tail.
 # Non-temporal stores are weakly ordered: _store_fence (a sequentially consistent fence:
 # mfence on x86, which orders them) ends every block, before the parallel loop's join
-# publishes it to other threads. BENCHMARKS.md, session 16.
+# publishes it to other threads. (``python benchmarks/nontemporal_probe.py`` measures the
+# stores.)
 _LINE = 64
 """Bytes per non-temporal vector store (one cache line)."""
 
@@ -91,32 +91,26 @@ def _claim_typer(typingctx: Any, q: Any) -> Any:
         a = context.make_array(qty)(context, builder, args[0])
         item: Any = cgutils.get_item_pointer
         counter = item(context, builder, qty, a, [ir.Constant(ir.IntType(64), 0)])
-        size = builder.load(item(context, builder, qty, a, [ir.Constant(ir.IntType(64), 1)]))
-        return builder.atomic_rmw("add", counter, size, "monotonic")
+        one = ir.Constant(ir.IntType(64), 1)
+        return builder.atomic_rmw("add", counter, one, "monotonic")
 
     return sig, codegen
 
 
 _claim: Any = intrinsic(_claim_typer)
-"""``q[0] += q[1]`` atomically, returning the old ``q[0]``: the first of the next ``q[1]``
-blocks that the calling thread claims (see [Note: blocks claimed as threads free up])."""
+"""``q[0] += 1`` atomically, returning the old ``q[0]``: the block that the calling thread
+claims (see [Note: blocks claimed as threads free up])."""
 
 # [Note: blocks claimed as threads free up]
-# Each kernel's parallel loop runs one item per thread, and each thread claims the next
-# q[1] blocks from a shared counter until none is left, instead of a prange over the
-# blocks (numba's schedulers split that into one equal share a thread, fixed up front).
-# With fixed shares the step ends with its slowest thread: one thread that loses its
-# core to another one (backward's issuing thread, a copy's OpenMP pool) holds back the
-# whole step. In W2 and W3 traces of session 52 the host step running when backward
-# ended took 44-109 ms where the others took 17-26 (in W3 with no other thread of the
-# process on the CPU but backward's). Claiming one block (256 KiB an array) at a time,
-# the other threads take over a delayed thread's share. A block's arithmetic does not
-# depend on which thread steps it, so results are the same bit for bit for any q[1];
-# q[1] = the blocks over the threads (OFFLOAD_HOST_ADAM_CLAIM_BLOCKS=0, see
-# single_pass.claim_blocks) gives about the fixed shares back. Session 53 (W3 on one plan):
-# claiming stepped 4-5% faster, but the step running as backward ends still took 47-61 ms
-# against 14-17, so fixed shares were not the whole cause (single_pass.cpu_probe asks who
-# had the cores).
+# Each kernel's parallel loop runs one item per thread (q[1] threads), and each thread
+# claims the next block from a shared counter (q[0]) until none is left, instead of a
+# prange over the blocks (numba's schedulers split that into one equal share a thread,
+# fixed up front). With fixed shares the step ends with its slowest thread: one thread
+# that loses its core to another one (backward's issuing thread, a copy's OpenMP pool)
+# holds back the whole step. Claiming one block (256 KiB an array) at a time, the other
+# threads take over a delayed thread's share. A block's arithmetic does not depend on
+# which thread steps it, so results do not depend on the claims (measured: BENCHMARKS.md,
+# Decisions, "Host Adam threads claim blocks").
 
 
 @numba.njit(inline="always")  # type: ignore[untyped-decorator, unused-ignore]
@@ -145,10 +139,9 @@ def _stream(dst: Any, s: Any, src: Any, k: Any) -> None:
 # type with round-to-nearest-even, as torch's bf16 conversion does (a NaN becomes 0x7FC0,
 # as in torch's scalar conversion; its vector one gives 0xFFFF: a NaN either way); for
 # fp32 moments both are the identity. They are LLVM integer operations on the element, so
-# the loop vectorizes as it does for fp32. A first version widened a block into an fp32
-# scratch and narrowed it back in separate loops, with a branch per NaN check: it stepped
-# 0.67x the fp32 kernel's parameters per second on the 2-core machine, against 1.1x now
-# (BENCHMARKS.md, session 18).
+# the loop vectorizes as it does for fp32 (widening a block into an fp32 scratch and
+# narrowing it back in separate loops, with a branch per NaN check, does not; it steps
+# bf16 moments slower than fp32 ones).
 
 
 def _wide_typer(typingctx: Any, x: Any) -> Any:
@@ -209,27 +202,26 @@ def in_place(p: Any, g: Any, m: Any, v: Any, c: Any, q: Any) -> None:
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
     n = p.shape[0]
     nb = (n + BLOCK - 1) // BLOCK
-    for _ in numba.prange(q[2]):
+    for _ in numba.prange(q[1]):
         while True:
-            first = _claim(q)
-            if first >= nb:
+            blk = _claim(q)
+            if blk >= nb:
                 break
-            for blk in range(first, min(nb, first + q[1])):
-                s = blk * BLOCK
-                e = min(n, s + BLOCK)
-                ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-                for i in range(e - s):
-                    gi = gs[i] / scale
-                    if write_g != 0:
-                        gs[i] = gi
-                    pi = ps[i]
-                    gi = gi + l2 * pi
-                    m0 = _wide(ms[i])
-                    mi = m0 + omb1 * (gi - m0)
-                    vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                    ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                    ms[i] = _moment(mi, ms[i])
-                    vs[i] = _moment(vi, vs[i])
+            s = blk * BLOCK
+            e = min(n, s + BLOCK)
+            ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+            for i in range(e - s):
+                gi = gs[i] / scale
+                if write_g != 0:
+                    gs[i] = gi
+                pi = ps[i]
+                gi = gi + l2 * pi
+                m0 = _wide(ms[i])
+                mi = m0 + omb1 * (gi - m0)
+                vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                ms[i] = _moment(mi, ms[i])
+                vs[i] = _moment(vi, vs[i])
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
@@ -240,39 +232,38 @@ def speculative(
     step_size, bc2s, eps, scale, write_g = c[5], c[6], c[7], c[8], c[9]
     n = p.shape[0]
     nb = (n + BLOCK - 1) // BLOCK
-    for _ in numba.prange(q[2]):
+    for _ in numba.prange(q[1]):
         tb = np.empty(CHUNK, np.float32)
         tm = np.empty(CHUNK, m.dtype)
         tv = np.empty(CHUNK, v.dtype)
         while True:
-            first = _claim(q)
-            if first >= nb:
+            blk = _claim(q)
+            if blk >= nb:
                 break
-            for blk in range(first, min(nb, first + q[1])):
-                flag = 0
-                for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
-                    e = min(n, s + CHUNK)
-                    ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
-                    for i in range(e - s):
-                        raw = gs[i]
-                        flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
-                        gi = raw / scale
-                        if write_g != 0:
-                            gs[i] = gi
-                        pi = ps[i]
-                        tb[i] = pi
-                        gi = gi + l2 * pi
-                        m0 = _wide(ms[i])
-                        mi = m0 + omb1 * (gi - m0)
-                        vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                        ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                        tm[i] = _moment(mi, ms[i])
-                        tv[i] = _moment(vi, vs[i])
-                    _stream(bak, s, tb, e - s)
-                    _stream(m2, s, tm, e - s)
-                    _stream(v2, s, tv, e - s)
-                _store_fence()
-                bad[blk] = flag
+            flag = 0
+            for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+                e = min(n, s + CHUNK)
+                ps, gs, ms, vs = p[s:e], g[s:e], m[s:e], v[s:e]
+                for i in range(e - s):
+                    raw = gs[i]
+                    flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+                    gi = raw / scale
+                    if write_g != 0:
+                        gs[i] = gi
+                    pi = ps[i]
+                    tb[i] = pi
+                    gi = gi + l2 * pi
+                    m0 = _wide(ms[i])
+                    mi = m0 + omb1 * (gi - m0)
+                    vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                    ps[i] = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                    tm[i] = _moment(mi, ms[i])
+                    tv[i] = _moment(vi, vs[i])
+                _stream(bak, s, tb, e - s)
+                _stream(m2, s, tm, e - s)
+                _stream(v2, s, tv, e - s)
+            _store_fence()
+            bad[blk] = flag
 
 
 # fp16 gradients in, fp16 upload copy out (HybridAdam(fp16_io=True)): the gradient is read
@@ -324,31 +315,30 @@ def in_place_fp16_io(p: Any, g16: Any, m: Any, v: Any, p16: Any, c: Any, q: Any)
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
     n = p.shape[0]
     nb = (n + BLOCK - 1) // BLOCK
-    for _ in numba.prange(q[2]):
+    for _ in numba.prange(q[1]):
         t16 = np.empty(CHUNK, np.uint16)
         while True:
-            first = _claim(q)
-            if first >= nb:
+            blk = _claim(q)
+            if blk >= nb:
                 break
-            for blk in range(first, min(nb, first + q[1])):
-                for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
-                    e = min(n, s + CHUNK)
-                    ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
-                    for i in range(e - s):
-                        gi = _widen16(hs[i]) / scale
-                        pi = ps[i]
-                        gi = gi + l2 * pi
-                        m0 = _wide(ms[i])
-                        mi = m0 + omb1 * (gi - m0)
-                        vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                        pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                        ps[i] = pn
-                        ms[i] = _moment(mi, ms[i])
-                        vs[i] = _moment(vi, vs[i])
-                        t16[i] = _narrow16(pn)
-                    # p16 may be g16 itself: the chunk's gradient has been read.
-                    _stream(p16, s, t16, e - s)
-                _store_fence()
+            for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+                e = min(n, s + CHUNK)
+                ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
+                for i in range(e - s):
+                    gi = _widen16(hs[i]) / scale
+                    pi = ps[i]
+                    gi = gi + l2 * pi
+                    m0 = _wide(ms[i])
+                    mi = m0 + omb1 * (gi - m0)
+                    vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                    pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                    ps[i] = pn
+                    ms[i] = _moment(mi, ms[i])
+                    vs[i] = _moment(vi, vs[i])
+                    t16[i] = _narrow16(pn)
+                # p16 may be g16 itself: the chunk's gradient has been read.
+                _stream(p16, s, t16, e - s)
+            _store_fence()
 
 
 @numba.njit(parallel=True, nogil=True, error_model="numpy", cache=True)  # type: ignore[untyped-decorator, unused-ignore]
@@ -359,38 +349,37 @@ def speculative_fp16_io(
     step_size, bc2s, eps, scale = c[5], c[6], c[7], c[8]
     n = p.shape[0]
     nb = (n + BLOCK - 1) // BLOCK
-    for _ in numba.prange(q[2]):
+    for _ in numba.prange(q[1]):
         tb = np.empty(CHUNK, np.float32)
         tm = np.empty(CHUNK, m.dtype)
         tv = np.empty(CHUNK, v.dtype)
         t16 = np.empty(CHUNK, np.uint16)
         while True:
-            first = _claim(q)
-            if first >= nb:
+            blk = _claim(q)
+            if blk >= nb:
                 break
-            for blk in range(first, min(nb, first + q[1])):
-                flag = 0
-                for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
-                    e = min(n, s + CHUNK)
-                    ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
-                    for i in range(e - s):
-                        raw = _widen16(hs[i])
-                        flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
-                        gi = raw / scale
-                        pi = ps[i]
-                        tb[i] = pi
-                        gi = gi + l2 * pi
-                        m0 = _wide(ms[i])
-                        mi = m0 + omb1 * (gi - m0)
-                        vi = b2 * _wide(vs[i]) + omb2 * gi * gi
-                        pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
-                        ps[i] = pn
-                        tm[i] = _moment(mi, ms[i])
-                        tv[i] = _moment(vi, vs[i])
-                        t16[i] = _narrow16(pn)
-                    _stream(p16, s, t16, e - s)
-                    _stream(bak, s, tb, e - s)
-                    _stream(m2, s, tm, e - s)
-                    _stream(v2, s, tv, e - s)
-                _store_fence()
-                bad[blk] = flag
+            flag = 0
+            for s in range(blk * BLOCK, min(n, (blk + 1) * BLOCK), CHUNK):
+                e = min(n, s + CHUNK)
+                ps, hs, ms, vs = p[s:e], g16[s:e], m[s:e], v[s:e]
+                for i in range(e - s):
+                    raw = _widen16(hs[i])
+                    flag |= (raw - raw) != 0  # inf - inf and nan - nan are nan
+                    gi = raw / scale
+                    pi = ps[i]
+                    tb[i] = pi
+                    gi = gi + l2 * pi
+                    m0 = _wide(ms[i])
+                    mi = m0 + omb1 * (gi - m0)
+                    vi = b2 * _wide(vs[i]) + omb2 * gi * gi
+                    pn = pi * decay - step_size * mi / (np.sqrt(vi) / bc2s + eps)
+                    ps[i] = pn
+                    tm[i] = _moment(mi, ms[i])
+                    tv[i] = _moment(vi, vs[i])
+                    t16[i] = _narrow16(pn)
+                _stream(p16, s, t16, e - s)
+                _stream(bak, s, tb, e - s)
+                _stream(m2, s, tm, e - s)
+                _stream(v2, s, tv, e - s)
+            _store_fence()
+            bad[blk] = flag

@@ -21,10 +21,9 @@ Both answers exist only once the last region's gradients are in. Options:
    ``AMPOptimizer(..., speculate_fp16=True)`` (:attr:`OverlapMode.SPECULATIVE_UNDO`); it
    costs 12 bytes per host-state parameter of host memory (8 with bf16 moments). Clipping
    is not speculated: its factor changes the gradients of every step, so every step would
-   be undone. On the H200's 16-core host the speculative step ran at 1.51 Gparam/s
-   against 3.70 for the plain one (fp32 moments; 1.80 against 2.41 with bf16), and fp16
-   W3 took 755 ms per step with it against 643 ms without (BENCHMARKS.md, session 11):
-   it stays off by default. See [Note: speculative steps]. With
+   be undone. With torch's kernels the speculative step costs well over the plain one
+   and made fp16 steps slower, so it stays off by default (measured: BENCHMARKS.md,
+   Decisions, "Speculative fp16 host steps"). See [Note: speculative steps]. With
    ``HybridAdam(host_kernel="single_pass")`` the undo data is written in the step's own
    pass ([Note: single-pass host Adam] in single_pass.py).
 2. speculate only where no answer is needed, and otherwise overlap only the
@@ -43,12 +42,11 @@ Both answers exist only once the last region's gradients are in. Options:
      read every gradient once more. Then each host-state region whose gradients are
      still in flight steps in its own grad-ready hook as they land (in landing order),
      with the scale and clip factor :meth:`step` fixed; those that landed earlier are
-     queued in forward order behind them. Where the copies lag backward (gpt2_6b: 456 ms
-     of fp32 gradient copies per step), the host starts stepping when backward ends
-     instead of when the last copy lands. ``overlap=False`` combines the same device
-     partials, so both give the same answer bit for bit (the norm differs from one taken
-     over the flat fp32 accumulators only in rounding: widening is exact, the grouping of
-     the sum is not).
+     queued in forward order behind them. Where the gradient copies lag backward, the
+     host starts stepping when backward ends instead of when the last copy lands.
+     ``overlap=False`` combines the same device partials, so both give the same answer
+     bit for bit (the norm differs from one taken over the flat fp32 accumulators only
+     in rounding: widening is exact, the grouping of the sum is not).
      With accumulation the overflow check sums each region's L1 partials over the
      micro-batches: fp16 gradients are finite and at most 65504 per element, so their
      fp32 sum in the host accumulator is finite exactly when every micro-batch's was, and
@@ -77,9 +75,9 @@ grows as usual. With ``HybridAdam(speculation_thread=True)`` the hooks hand thei
 speculative steps to a thread of their own (``HybridAdam.submit_speculation``), so the
 host worker keeps taking landed gradients meanwhile: :meth:`step` then waits for the
 gradients, not for the speculative step in flight when backward ends, and its task waits
-for that step (``HybridAdam.wait_speculation``) only after issuing the streamed regions.
-On by default since session 41 (BENCHMARKS.md: on W3, the hooks' way idled the compute
-stream 12-19 ms a step while step() waited for the speculative step in flight). Overflow: every
+for that step (``HybridAdam.wait_speculation``) only after issuing the streamed regions
+(on by default; measured: BENCHMARKS.md, Decisions, "Threads that issue, publish and
+speculate"). Overflow: every
 speculative step is undone, once it has ended (master from its backup, step counts
 restored; moments never written), the step is skipped and the scale backs off:
 :attr:`StepReport.undone_regions` and :attr:`AMPOptimizer.undone_steps` count it. The
@@ -365,8 +363,8 @@ class AMPOptimizer(torch.optim.Optimizer):
     - Overlap (``overlap=True``): host steps overlap backward and the next forward; see
       [Note: overlapping the host step with backward]. ``overlap=False`` steps everything
       after backward and waits (the reference's behaviour).
-    - ``speculate_fp16=True`` (off by default: slower on the H200 host, see BENCHMARKS.md
-      session 11): in fp16 without
+    - ``speculate_fp16=True`` (off by default: BENCHMARKS.md, Decisions, "Speculative fp16
+      host steps"): in fp16 without
       clipping, host-state regions step speculatively under backward, as bf16 does, and
       are undone exactly in a step that overflows (:attr:`OverlapMode.SPECULATIVE_UNDO`);
       the results are those of the default bit for bit. It costs 12 bytes of pageable host
@@ -814,11 +812,10 @@ class AMPOptimizer(torch.optim.Optimizer):
             # Host sync point: every gradient hook of this window has run (partials
             # computed, early steps done). Steps queued by the last step() may still run.
             self.controller.wait_gradients()
-        # The streamed regions' copies up need no answer: they go first, before its host
-        # sync point ([Note: staging ahead] in offload_optim/streamed.py).
-        staged = mode is not OverlapMode.DEVICE_ANSWER and self.optimizer.stage_streamed(
-            self._notified
-        )
+        # The backward may have staged streamed state into an open ring ([Note: staging
+        # the state in backward] in offload_optim/streamed.py): a step that steps nothing
+        # must close it.
+        staged = mode is not OverlapMode.DEVICE_ANSWER and self.optimizer.stage_in_backward
         futures: dict[int, Future[None]] = {}
         try:
             scale = self.loss_scale

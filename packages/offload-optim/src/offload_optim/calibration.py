@@ -5,9 +5,8 @@ rate (``HardwareProfile.host_adam_params_per_s``, or what ``memory_optimize`` wa
 ``host_step_params_per_s`` / ``host_step_cost``), slowed by the pinned copies it expects
 beside it. That rate is measured once, alone, in seconds; inside the training loop the
 host shares memory bandwidth with the copies and cores with the thread issuing kernels,
-by amounts that differ from machine to machine. On one H200 host the loop's host steps
-took from 3.5% less to 15% more time than the plan simulated, and the predicted steps fell
-6.5-18.4% short of the measured (BENCHMARKS.md, session 33).
+by amounts that differ from machine to machine, so the loop's host steps can take more or
+less time than the plan simulated.
 
 :func:`check_host_rate` sets the host busy time the training loop measured
 (:attr:`StepReport.host_step_s`, median over the steps read) beside the time the plan's
@@ -89,10 +88,9 @@ class HostRateCheck:
     @property
     def loop_params_per_s(self) -> float:
         """The host Adam rate (parameters per second) at which the plan's simulated host
-        would be as busy as the measured one: the planned rate over :attr:`busy_ratio`.
-        Replaying session 33's H200 rows with it put every predicted step within 15% of
-        the measured run mean (8 of 11 as planned; ``benchmarks/replay_bench.py
-        --host-rate loop``)."""
+        would be as busy as the measured one: the planned rate over :attr:`busy_ratio`
+        (``python benchmarks/replay_bench.py --host-rate loop`` replays recorded runs
+        with it)."""
         return self.planned_params_per_s / self.busy_ratio
 
 
@@ -220,9 +218,8 @@ class BackwardIssueCheck:
     @property
     def loop_factor(self) -> float:
         """The ``backward_issue_factor`` at which issuing :attr:`operations` takes
-        :attr:`measured_s`, at least 1. Session 55's W2 row on an H200 (GPT-2 XL at 64 x 8
-        tokens, every region's state on the host) spent 174.1 ms in ``backward(loss)``;
-        its recorded rows replay closest to their run means at 4-5."""
+        :attr:`measured_s`, at least 1 (the runtime's gradient hooks and the host Adam's
+        threads slow the thread that issues the backward)."""
         return max(1.0, self.measured_s / (self.operations * self.op_overhead_s))
 
 

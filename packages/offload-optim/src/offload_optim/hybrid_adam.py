@@ -17,9 +17,11 @@ stepped like ``torch.optim.AdamW(fused=True)`` would step them.
 Threads: the step of a host-state region runs on the runtime's host worker (queued by
 :meth:`HybridAdam.submit_host_steps`, or called from a grad-ready hook, which runs there),
 and so does its ``controller.publish``; device-state regions and plain parameters are
-stepped on the calling thread. A region is only ever stepped by one thread at a time.
-:meth:`HybridAdam.step` waits for the host steps; ``AMPOptimizer`` does not (see [Note:
-overlapping the host step with backward] in amp.py).
+stepped on the calling thread. A streamed region's device step is issued from the
+issuing thread (a step's regions) or the host worker (a hook's), and published by either
+(see [Note: streamed steps] in streamed.py). A region is only ever stepped by one thread
+at a time. :meth:`HybridAdam.step` waits for the host steps; ``AMPOptimizer`` does not
+(see [Note: overlapping the host step with backward] in amp.py).
 
 [Note: speculative steps]
 A host-state region can be stepped before it is known whether the step should happen (fp16
@@ -46,19 +48,12 @@ allocated once by :meth:`HybridAdam.prepare_speculation`. Nothing is published b
 speculative step: the caller publishes after the commit
 (``submit_host_steps(..., stepped=...)``). While a step is uncommitted, ``state_dict``,
 ``load_state_dict`` and other steps of the region refuse to run.
-Measured (packages/offload-optim/benchmarks/speculative_step_bench.py, 64 Mi parameters)
-on the 2-core test machine, where the host step is bound by each core's load/store rate
-rather than by main memory: 0.44 Gparam/s against 1.40 for the plain fused step with fp32
-moments (3.2x the time: the three copies cost as much in cache as from memory there), 0.45
-against 0.75 with bf16 moments (1.7x). On a many-core host whose plain step is bound by
-main memory (the H200 host: 3.7-4.4 Gparam/s, about 28 bytes per parameter) the in-cache
-copies were expected to cost far less, but did not: there (16 threads, 2 MiB L2 per core,
-256 Mi parameters) the speculative step ran at 1.51 Gparam/s against 3.70 (fp32 moments,
-1M-element chunks; 0.21-1.36 at 32K-4M) and 1.80 against 2.41 (bf16 moments, 4M chunks):
-each of a chunk's five operations is its own parallel pass, so the chunk leaves each core's
-cache between them (BENCHMARKS.md, session 11). A slower step still
-pays where it runs, in host time that backward leaves idle: a region whose gradients land
-after backward has ended takes the plain step (amp.py's SPECULATIVE tail rule).
+With torch's kernels each of a chunk's copies and its fused step is a parallel pass of its
+own, so the chunk leaves each core's cache between them and the speculative step costs
+well over the plain one (``python benchmarks/single_pass_adam_bench.py`` times both;
+BENCHMARKS.md, Decisions, "Speculative fp16 host steps"). A slower step still pays where
+it runs, in host time that backward leaves idle: a region whose gradients land after
+backward has ended takes the plain step (amp.py's SPECULATIVE tail rule).
 ``HybridAdam(host_kernel="single_pass")`` replaces the copies and the fused kernel with
 one compiled pass that writes the backup, the stepped master and the spare moments (see
 [Note: single-pass host Adam] in single_pass.py); commit and undo are the same.
@@ -143,11 +138,11 @@ class RegionStepTiming:
     device; the span runs from issuing its device work to publishing it."""
     issue_s: float = 0.0
     """A streamed region: seconds spent issuing its device work (copies, kernels and
-    events per ring chunk), on the host worker or, with ``issue_thread``, on the issuing
-    thread, not counting ``paced_wait_s``; 0 for the others."""
+    events per ring chunk), on the issuing thread (a step's regions) or the host worker
+    (a region its own hook issues), not counting ``paced_wait_s``; 0 for the others."""
     paced_wait_s: float = 0.0
-    """A streamed region issued by a paced ring (``HybridAdam(paced_ring=True)``): seconds
-    the issuing thread waited for free ring slots while issuing it; 0 otherwise."""
+    """A streamed region issued by the issuing thread: seconds it waited for free ring
+    slots while issuing it ([Note: paced ring] in streamed.py); 0 otherwise."""
     up_bytes: int = 0
     """A streamed region on CUDA: bytes its ring chunks' copies up carried (staged ones
     included), where their device timing was read ([Note: timing the ring's copies up]
@@ -271,8 +266,8 @@ class _RegionState:
         self.storage = storage
         device = storage.master.device
         # A streamed region's moments cross PCIe at every step: pinned, as its master is,
-        # and at their exact size (PyTorch's pinned allocator would round gpt2_6b's up
-        # to twice theirs: W4 with fp32 moments streamed ran out of host memory).
+        # and at their exact size (PyTorch's caching pinned allocator rounds a buffer up
+        # to a power of two: up to twice the host memory).
         pin = storage.streamed and storage.master.is_pinned()
         if pin:
             self.exp_avg = alloc_host(storage.numel, moments_dtype, pin=True).zero_()
@@ -313,8 +308,8 @@ class HybridAdam(torch.optim.Optimizer):
             and plain fp32 CPU tensors): ``torch.float32`` or ``torch.bfloat16``. bf16 halves
             the moments' host memory; with torch's kernels it makes the host step slower,
             not faster (see [Note: bf16 moments] in kernels.py); with
-            ``host_kernel="single_pass"`` it moves 8 fewer bytes per parameter and steps
-            faster (0.86x the time of torch's fused fp32 step on the H200 host).
+            ``host_kernel="single_pass"`` it moves 8 fewer bytes per parameter (20
+            instead of 28) and steps faster (BENCHMARKS.md, Decisions, "bf16 moments").
             Device-resident moments stay fp32.
         host_kernel: the kernels that step host-resident state. ``"torch"`` (default):
             torch's fused CPU Adam. ``"single_pass"``: one-pass kernels compiled by numba
@@ -337,30 +332,6 @@ class HybridAdam(torch.optim.Optimizer):
         module: the OffloadModule whose masters are among ``params``; needed to step them
             (its controller orders the step after the host gradient work and publishes the
             new weights). ``AMPOptimizer`` binds it for you.
-        issue_thread: issue the device steps of a step's streamed regions (see [Note:
-            streamed steps] in streamed.py) from a thread of their own while the host
-            worker steps the others, instead of issuing them all on the host worker
-            first. The issuing is copies, kernels and events per ring chunk, 0.4-0.6 ms
-            each in profiled GPU runs (40 ms of W2's step; BENCHMARKS.md, session 24), and
-            the host worker bounds the step where host state is large. Values are the
-            same either way. On by default: on an H200, in alternating runs, W2's median
-            step went from 437-451 ms to 379-405 ms on one machine and from 385-395 to
-            383-389 ms on another, W4's (bf16 moments) from 1090 to 1043 ms, and W3's
-            (issuing 12-24 ms of its step) stayed at 470 ms (BENCHMARKS.md, session 25).
-            ``False`` issues them on the host worker before its host steps.
-        paced_ring: with ``issue_thread``, the issuing thread issues each ring chunk only
-            once its slot is free (see [Note: paced ring] in streamed.py), so that the
-            next forward's parameter prefetches are not queued behind the whole ring's
-            copies. Values are the same either way. On by default: on an H200, one plan
-            run each way (BENCHMARKS.md, session 28), W3's mean step over the run went
-            from 465 to 439 ms and W2's from 393 to 380, their steps no longer
-            alternating long and short; the prefetches W2's forward waited on ran at most
-            17 ms after they were issued instead of 186.
-        ring_yields: each ring chunk's copies up wait, on the device, for what the
-            runtime's h2d stream had queued when the chunk was issued (the next
-            forward's prefetches and uploads), so that those go up first (see [Note:
-            yielding the link] in streamed.py). Values are the same either way. Off by
-            default until measured; the planner does not model it.
         speculation_thread: run the speculative steps that grad-ready hooks submit
             (:meth:`submit_speculation`, ``AMPOptimizer(speculate_fp16=True)``) on a
             thread of their own instead of in the hook. The host worker then keeps taking
@@ -368,38 +339,9 @@ class HybridAdam(torch.optim.Optimizer):
             and queues its task without waiting for the speculative step in flight when
             backward ends, and that task issues the streamed regions before it waits for
             the speculative steps and commits them. Values are the same either way. On
-            by default: on an H200 (BENCHMARKS.md, session 41), W3 on one plan in the
-            hooks' way had its compute stream idle 12-19 ms a step at the end of
-            backward while ``step()`` waited for the speculative steps in flight; on its
-            own thread the gap went, and, alternating three rows each way in one call,
-            the 5 fastest steps' median was 252.1 ms against 256.9 (W2 in session 28:
-            372 against 382 ms by run means).
-            Pass the same to ``memory_optimize(speculation_thread=)``, whose default
-            follows this one.
-        issuer_publishes: with ``issue_thread``, the issuing thread also publishes each
-            streamed region once its downloads land (while it waits for free slots, after
-            each region it issues, and then until every region is published), instead of
-            leaving that to the host worker between its host steps (see [Note: the
-            issuing thread publishes] in streamed.py). Only regions whose publish casts
-            nothing on the host: the ring wrote their device parameters or, with
-            ``fp16_io``, their upload copy; the host worker publishes the others, as the
-            cast would hold up the issuing. Values are the same either way. On by
-            default: the planner models a streamed region published as it lands, and in
-            session 42's profiled H200 steps the host worker, in a host step, published
-            W4's streamed regions a median 8 ms after they landed and W2's 11 ms
-            (BENCHMARKS.md). Measured on one plan each way, alternating, in session 43:
-            W4's 5 fastest steps 890-940 ms with it against 882-1005 ms without (medians
-            930 and 962), W2's 332 and 339 ms against 346, and W3 (streamed regions
-            landing while the host worker is idle) unchanged within noise.
-        stage_ahead: ``AMPOptimizer.step()`` first has the host worker issue the copies
-            up of the streamed regions' leading chunks (as many as the ring has slots),
-            then works out the step's answer; the step's task then only steps and copies
-            down those chunks (see [Note: staging ahead] in streamed.py). Values are the
-            same either way; a skipped step leaves the staged copies unused. Off by
-            default: on an H200 (session 44) it moved W3's first copy up 9 ms earlier,
-            but the step boundary is bound by the H2D link's bytes, and the steps did
-            not change (263-276 ms against 264-268); W2's were slower (402-424 ms
-            against 383).
+            by default (measured: BENCHMARKS.md, Decisions, "Threads that issue, publish
+            and speculate"). Pass the same to ``memory_optimize(speculation_thread=)``,
+            whose default follows this one.
         stage_in_backward: the first streamed region's gradient hook in the backward
             before a step (the last micro-batch's, with overlap) has the host worker
             issue the copies up of the streamed regions' leading chunks' master weights
@@ -410,10 +352,13 @@ class HybridAdam(torch.optim.Optimizer):
             that hook on, which the planner counts when planned with
             ``streamed_step_costs(stage_in_backward=True)`` (the default follows this
             one's, ``streamed.STAGE_IN_BACKWARD``; a plan that differs is warned
-            about). Values are the same either way. Independent of ``stage_ahead``. On
-            by default: on an H200 (session 45) W3 stepped 246.0 ms with it against
-            255.8 without (medians of the 5-fastest steps), W2 the same, at the same
-            peaks.
+            about). Values are the same either way. On by default (measured:
+            BENCHMARKS.md, Decisions, "Staging streamed state in backward").
+
+    Streamed regions (see [Note: streamed steps] in streamed.py) of a step are issued
+    from a thread of their own, which paces the ring and publishes the regions whose
+    publish casts nothing on the host, while the host worker steps the other host-state
+    regions (BENCHMARKS.md, Decisions, "Threads that issue, publish and speculate").
 
     ``param_groups[i]["lr"]`` is read at every step, so ``torch.optim.lr_scheduler``
     schedulers work. Each region's moments are allocated up front, next to its master.
@@ -432,12 +377,7 @@ class HybridAdam(torch.optim.Optimizer):
         host_kernel: str = "torch",
         fp16_io: bool = False,
         module: OffloadModule | None = None,
-        issue_thread: bool = True,
         speculation_thread: bool = True,
-        paced_ring: bool = True,
-        ring_yields: bool = False,
-        issuer_publishes: bool = True,
-        stage_ahead: bool = False,
         stage_in_backward: bool = streamed.STAGE_IN_BACKWARD,
     ) -> None:
         if not lr >= 0:
@@ -477,22 +417,15 @@ class HybridAdam(torch.optim.Optimizer):
         self._streaming: tuple[StreamRing, StreamedQueue] | None = None
         """The ring and the queue of streamed regions issued and not yet published (host
         worker only; see :meth:`publish_streamed`)."""
-        self.issue_thread = issue_thread
         self._issuer: ThreadPoolExecutor | None = None
-        """The thread streamed regions are issued from with ``issue_thread`` (made at the
-        first use)."""
+        """The thread a step's streamed regions are issued from (made at the first use)."""
         self._issuing = 0
         """Issuing tasks running on that thread: the ring stays open while one runs."""
-        self.paced_ring = paced_ring
-        self.ring_yields = ring_yields
-        self.issuer_publishes = issuer_publishes
-        """Whether the issuing thread publishes too (see above)."""
-        self.stage_ahead = stage_ahead
-        """Whether :meth:`stage_streamed` stages anything (see above)."""
         self.stage_in_backward = stage_in_backward
         """Whether :meth:`stage_streamed_state` stages anything (see above)."""
         self.staged_chunks = 0
-        """Ring chunks stepped from a staged slot so far ([Note: staging ahead])."""
+        """Ring chunks stepped from a staged slot so far ([Note: staging the state in
+        backward] in streamed.py)."""
         self.speculation_thread = speculation_thread
         self._speculator: ThreadPoolExecutor | None = None
         """The thread speculative steps run on with ``speculation_thread`` (made at the
@@ -872,7 +805,6 @@ class HybridAdam(torch.optim.Optimizer):
             chunk_numel=chunk,
             slots=slots,
             streams=self._ring_streams,
-            after=self._require_controller().streams.h2d if self.ring_yields else None,
             timed=True,
         )
 
@@ -890,8 +822,8 @@ class HybridAdam(torch.optim.Optimizer):
         returns the events after its downloads and, when the step writes the region's
         device parameters (:meth:`writes_on_device`), after that write (else None). Its
         fp16-I/O flags are set as the host step sets them; nothing may read its buffers
-        before the first event. ``paced``: see [Note: paced ring] in streamed.py (the
-        issuing thread only), ``between()`` running while a paced issue waits for a
+        before the first event. ``paced`` (the issuing thread only): see [Note: paced
+        ring] in streamed.py, ``between()`` running while a paced issue waits for a
         slot."""
         rs = self._regions[r]
         st = rs.storage
@@ -1437,10 +1369,11 @@ class HybridAdam(torch.optim.Optimizer):
         ``commit``, commit the speculative steps (after issuing the streamed regions) and
         only publish their regions.
 
-        Streamed regions are issued to the device first, then the others step here, and
-        each streamed region is published once its downloads landed, between host steps,
-        then while the issuing thread finishes, and at the end (see [Note: streamed steps]
-        and [Note: publishing while issuing] in streamed.py)."""
+        Streamed regions are handed to the issuing thread first, then the others step
+        here, and each streamed region is published once its downloads landed (by the
+        issuing thread, or here between host steps, then while the issuing thread
+        finishes, and at the end; see [Note: streamed steps] and [Note: publishing while
+        issuing] in streamed.py)."""
         done: set[int] = set()
 
         def complete(r: int) -> None:
@@ -1481,12 +1414,10 @@ class HybridAdam(torch.optim.Optimizer):
                         if self.writes_on_device(r)
                     },
                 )
-                if self.issue_thread:
-                    issuing = self._issue_elsewhere(
-                        partial(issue, paced=self.paced_ring, publishes=self.issuer_publishes)
-                    )
-                else:
-                    issue()
+                # The issuing thread paces the ring and publishes what has landed, so that
+                # this thread starts its host steps at once ([Note: streamed steps] in
+                # streamed.py).
+                issuing = self._issue_elsewhere(partial(issue, issuer=True))
             if commit is not None:
                 # The streamed regions go first; the speculative steps may still run.
                 self.wait_speculation(between=self.publish_streamed)
@@ -1545,27 +1476,26 @@ class HybridAdam(torch.optim.Optimizer):
         grad_scale: float | None,
         hypers: dict[int, AdamHyper] | None,
         publish: dict[int, Callable[..., None]],
-        paced: bool = False,
         early: dict[int, Callable[[Event], None]] | None = None,
-        publishes: bool = False,
+        issuer: bool = False,
     ) -> None:
         """Issue each streamed job's device step on ``ring`` and queue it on ``queue``, in
-        order (the host worker: step()'s task or a hook's :meth:`issue_region`; or the
-        issuing thread with ``issue_thread``); ``publish[r](start_s, end_s, issue_s=,
+        order (the issuing thread for step()'s task, with ``issuer``; the host worker for
+        a hook's :meth:`issue_region`); ``publish[r](start_s, end_s, issue_s=,
         paced_wait_s=, written=)`` publishes region ``r`` once landed. ``early[r](event)``
         is called as soon as region ``r`` is issued when its step writes its device
-        parameters, with the event after that write. ``publishes`` (the issuing thread,
-        with ``issuer_publishes``): publish what has landed while waiting for slots and
-        after each region, then every region as it lands until none is left ([Note: the
-        issuing thread publishes] in streamed.py)."""
-        between = partial(queue.publish_landed, block=False, casting=False) if publishes else None
+        parameters, with the event after that write. ``issuer``: pace the ring ([Note:
+        paced ring] in streamed.py) and publish what has landed while waiting for slots
+        and after each region, then every region as it lands until none is left ([Note:
+        the issuing thread publishes])."""
+        between = partial(queue.publish_landed, block=False, casting=False) if issuer else None
         with torch.no_grad():  # grad mode is per thread
             for r, segments in jobs:
                 with torch.profiler.record_function(f"streamed step {r} (issue)"):
                     start = time.perf_counter()
                     waited = ring.paced_wait_s
                     landed, written = self._issue_streamed(
-                        ring, r, segments, grad_scale, hypers, paced, between
+                        ring, r, segments, grad_scale, hypers, issuer, between
                     )
                     waited = ring.paced_wait_s - waited
                     issued = time.perf_counter() - start - waited
@@ -1590,30 +1520,8 @@ class HybridAdam(torch.optim.Optimizer):
                 )
                 if between is not None:
                     between()
-            if publishes:
+            if issuer:
                 queue.publish_until_empty(streamed.PUBLISH_POLL_S)
-
-    def stage_streamed(self, regions: Iterable[int]) -> bool:
-        """Main thread, before the step's answer (``AMPOptimizer.step()``): with
-        ``stage_ahead``, queue on the host worker the copies up of the streamed ones
-        among ``regions`` that have gradients, in forward order, as far as the ring's
-        slots go ([Note: staging ahead] in streamed.py). True if a task was queued, or
-        with ``stage_in_backward`` (the backward may have staged); then, should the step
-        be skipped, call :meth:`drop_staged`."""
-        if not self.stage_ahead:
-            return self.stage_in_backward
-        self._ensure_laid_out()
-        # Which segments have gradients is read here, as submit_host_steps reads it.
-        jobs: list[tuple[int, list[_Segment]]] = []
-        for r in sorted(regions):
-            if r in self._regions and self._regions[r].storage.streamed:
-                segments = self._segments_with_grad(r)
-                if segments:
-                    jobs.append((r, segments))
-        if not jobs:
-            return False
-        self._require_controller().submit_host(partial(self._stage_task, jobs))
-        return True
 
     @torch.no_grad()
     def stage_streamed_state(self) -> None:
@@ -1622,43 +1530,26 @@ class HybridAdam(torch.optim.Optimizer):
         master weights and moments (not the gradients) of the streamed regions' leading
         chunks, in forward order, as far as the ring's slots go ([Note: staging the state
         in backward] in streamed.py). Nothing when a ring is open (the last step's, not
-        yet closed, or this backward's)."""
+        yet closed, or this backward's): its slots are in use."""
         if not self.stage_in_backward:
             return
         self._ensure_laid_out()
-        jobs = [
-            (r, self._regions[r].segments)
-            for r in self._region_list
-            if self._regions[r].storage.streamed
-        ]
-        self._stage_task(jobs, with_grad=False)
-
-    def drop_staged(self) -> None:
-        """Main thread, after :meth:`stage_streamed` for a step that was skipped: close the
-        ring on the host worker (after the staged copies up), nothing issued on it, if
-        one is open."""
-        self._require_controller().submit_host(partial(self.publish_streamed, wait=True))
-
-    @torch.no_grad()
-    def _stage_task(self, jobs: list[tuple[int, list[_Segment]]], with_grad: bool = True) -> None:
-        """Host worker: open a ring and stage the leading chunks of the ``jobs``' pieces
-        (region, its segments: with gradients, as :meth:`_issue_streamed` will build
-        them; without ``with_grad``, their master weights and moments alone). A ring
-        already open has its slots in use: nothing is staged then."""
         if self._streaming is not None:
             return
         ring, _ = self._streaming_session()
-        with torch.profiler.record_function("stage streamed" + ("" if with_grad else " state")):
-            for r, segments in jobs:
-                io = self._staged_io(self._regions[r], segments) if with_grad else None
-                for seg in segments:
-                    grad = None
-                    if with_grad:
-                        assert seg.grad is not None
-                        a, b = seg.start, seg.start + seg.param.numel()
-                        grad = seg.grad if io is None else io[0][a:b]
-                    if not ring.stage(seg.param, seg.exp_avg, seg.exp_avg_sq, grad):
+        with torch.profiler.record_function("stage streamed state"):
+            for r in self._region_list:
+                if not self._regions[r].storage.streamed:
+                    continue
+                for seg in self._regions[r].segments:
+                    if not ring.stage(seg.param, seg.exp_avg, seg.exp_avg_sq):
                         return
+
+    def drop_staged(self) -> None:
+        """Main thread, for a step that was skipped (or failed) after a backward that may
+        have staged (:meth:`stage_streamed_state`): close the ring on the host worker
+        (after the staged copies up), nothing issued on it, if one is open."""
+        self._require_controller().submit_host(partial(self.publish_streamed, wait=True))
 
     def _issue_elsewhere(self, issue: Callable[[], None]) -> Future[None]:
         """Host worker: run ``issue`` on the issuing thread; the ring stays open until
@@ -1693,8 +1584,8 @@ class HybridAdam(torch.optim.Optimizer):
         the ring once none is left to publish.
 
         The ring is freed as soon as the last streamed region is published, not at the
-        end of the task: the planner counts it until the last download, and W2, holding
-        it into the next forward, peaked 0.54 GiB over its plan in session 22. A ring that
+        end of the task: the planner counts it until the last download, and a ring held
+        into the next forward would add its bytes to that forward's peak. A ring that
         holds staged chunks and nothing else stays open unless ``wait``: a host-state
         region stepped in its hook calls this after the backward staged them ([Note:
         staging the state in backward] in streamed.py)."""

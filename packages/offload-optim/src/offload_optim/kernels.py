@@ -8,23 +8,19 @@ moments. The routes considered for keeping host-resident moments in bf16:
   mantissa, so the update is not the fp32 update of bf16-stored moments; rejected;
 - ``torch.compile`` an Adam function (inductor writes one C++ loop): one pass, but it
   needs a C++ compiler where training runs and about 20 s of compilation per region size,
-  and on the 2-core test machine it ran at 0.88 Gparam/s against 1.46 for fused fp32;
-  rejected;
+  and it stepped slower than fused fp32; rejected;
 - chunked upcast (chosen): for each chunk of ``CHUNK_NUMEL`` elements, widen the two bf16
   moment slices into fp32 scratch, run the fused kernel on (param, grad, scratch) and
   narrow the scratch back with round-to-nearest-even. The arithmetic is exactly fp32 Adam
   on the stored (bf16) moments; the only rounding added is the one store per moment per
   step. The scratch of a chunk stays in cache, so main memory sees 2 + 2 bytes per moment
   per step instead of 4 + 4 (20 bytes per parameter instead of 28).
-Measured (benchmarks/optim_bench.py, 268 M parameters): on the H200 machine's 16 host
-cores fused fp32 Adam ran at 3.5-4.2 Gparam/s and this route at 2.6-2.8 Gparam/s (chunks
-of 1M-16M elements; 256K: 1.6); on the 2-core test machine about 0.7 for both. The four
-dtype conversions per element (each about 10.6 Gelem/s there) cost more than the saved
-memory traffic: with torch's kernels, bf16 moments save host memory (4 bytes per
+The four dtype conversions per element cost more than the saved memory traffic
+(``python benchmarks/optim_bench.py`` times both moment dtypes; BENCHMARKS.md, Decisions,
+"bf16 moments"): with torch's kernels, bf16 moments save host memory (4 bytes per
 parameter, a third of the host-resident optimizer state), not time. A single-pass kernel
 (fp32 math on bf16 moments) is needed for the speed-up, and torch ships none:
-``HybridAdam(host_kernel="single_pass")`` has one (see single_pass.py); on the 2-core
-machine it steps bf16 moments at 1.1x the rate of fp32 ones (session 18).
+``HybridAdam(host_kernel="single_pass")`` has one (see single_pass.py).
 Round-to-nearest is deterministic (resuming from a checkpoint reproduces the run bit for
 bit); its known cost is that the second moment cannot decay by less than half a bf16 ulp
 (2**-9 relative) per step, so it tracks shrinking gradients with some lag. The loss-curve
@@ -44,20 +40,19 @@ import torch
 
 CHUNK_NUMEL = 4 << 20
 """Elements per chunk of the bf16-moment route: 32 MiB of fp32 scratch for both moments.
-1M to 16M ran equally fast on the H200 host; on a loaded 2-core host every parallel region
-waits for busy cores, and 4M ran 2x faster than 1M there, so fewer, larger chunks win."""
+Each chunk is a few parallel regions, and on a loaded host every parallel region waits
+for busy cores, so fewer, larger chunks win (``python benchmarks/optim_bench.py
+--chunks 1M,4M,16M`` sweeps it)."""
 
 SPECULATE_CHUNK_NUMEL = 1 << 20
 """Elements per chunk of :func:`speculative_adam_`. A chunk's master, gradient and the three
 copies it writes (master backup, next moments) take 20 MiB in fp32: they stay in the host's
 last-level cache between the copies and the fused kernel that re-reads them (server hosts
-have tens of MiB of L3; the H200 host's 16 cores each take 64K elements of a chunk), so
-main memory sees each byte once. Much smaller chunks pay a parallel-region start per chunk
-on every core (256K ran the bf16 route 1.6x slower than 1M on the H200 host; on the
-loaded 2-core test machine 4M ran about 10% faster than 1M). A multiple of
-64 elements: torch's CPU kernel runs a chunk's last ``numel % vector width`` elements
-through a scalar loop whose rounding differs from the vector loop, so chunk edges must fall
-where the unchunked kernel's vector blocks do for the result to be bit-identical."""
+have tens of MiB of L3), so main memory sees each byte once. Much smaller chunks pay a
+parallel-region start per chunk on every core. A multiple of 64 elements: torch's CPU
+kernel runs a chunk's last ``numel % vector width`` elements through a scalar loop whose
+rounding differs from the vector loop, so chunk edges must fall where the unchunked
+kernel's vector blocks do for the result to be bit-identical."""
 
 HOST_KERNELS = ("torch", "single_pass")
 """Kernel families that can step host-resident state: torch's fused CPU Adam, or the
@@ -259,7 +254,7 @@ def speculative_adam_(
     in cache: the overflow check of [Note: overlapping the host step with backward] in
     amp.py. It is non-finite exactly when an element is: the fp32 sum of finite gradients
     of fp16 training cannot overflow by itself (see ``amp._partials_of``), and a plain sum
-    reads about 4x faster than the L1 norm on the CPU (no absolute values).
+    reads faster than the L1 norm on the CPU (no absolute values).
     """
     p, g = param.view(-1), grad.view(-1)
     m, v = exp_avg.view(-1), exp_avg_sq.view(-1)
@@ -314,13 +309,13 @@ def measure_host_step_params_per_s(
 
     What the planner should charge per host-state parameter when the optimizer is not
     torch's fused fp32-moment Adam, e.g. ``memory_optimize(...,
-    host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``: with
-    torch's route bf16 moments run ~0.6x the fp32 rate on the H200 host. An absolute
-    rate measured while the host is slower for a while misleads the plan, and so can the
-    ratio of :func:`measure_host_step_cost` (``memory_optimize(host_step_cost=)``), which
-    leans on the profile's fused rate; the bench and the example give the planner both
-    (the median of three of these readings, and the cost), and it takes the geometric
-    mean of the two rates (BENCHMARKS.md, session 21). Needs about ``(8 + 2 * moment
+    host_step_params_per_s=measure_host_step_params_per_s(torch.bfloat16))``. A single
+    reading taken while the host is slower for a while misleads the plan: the example
+    and the benchmark plan with the median of a few readings of the kernel the optimizer
+    runs, and nothing else (BENCHMARKS.md, Decisions, "Planning from the kernel's own
+    rate samples"). Given :func:`measure_host_step_cost` too
+    (``memory_optimize(host_step_cost=)``), the planner takes the geometric mean of this
+    rate and the profile's fused rate over the cost. Needs about ``(8 + 2 * moment
     bytes) * numel`` bytes of host memory. ``host_kernel="single_pass"`` times
     ``offload_optim.single_pass.adam_`` instead (what ``HybridAdam(host_kernel=...)``
     steps with; needs numba). ``speculative=True`` times the step that keeps undo data
@@ -353,20 +348,15 @@ def measure_host_step_cost(
     The median, over ``pairs`` back-to-back pairs, of this kind's step time over the fused
     fp32 step's (each the median of 3 steps, as in :func:`measure_host_step_params_per_s`),
     both over ``numel`` parameters with torch's current thread count. A ratio taken back
-    to back holds when the host is slower for a while, where an absolute rate does not:
-    on the H200 host the fp16-I/O rate read 3.0-5.9 Gparam/s across benchmark children
-    of one machine, and the plans made with the low readings over-predicted their runs by
-    22-50% (BENCHMARKS.md, session 18). Below 1 when the kind moves fewer bytes (bf16
-    moments with ``host_kernel="single_pass"``: 0.86 there). Needs about ``(16 + 8 + 2 *
-    moment bytes) * numel`` bytes of host memory.
+    to back holds when the host is slower for a while, where an absolute rate does not.
+    Below 1 when the kind moves fewer bytes (bf16 moments with
+    ``host_kernel="single_pass"``). Needs about ``(16 + 8 + 2 * moment bytes) * numel``
+    bytes of host memory.
 
     The two halves of a pair take turns going first, and ``gap_s`` seconds of sleep come
     before each half: torch's and numba's thread pools are separate, and a pool that has
     just finished may keep its threads spinning on the cores the other one needs, which
-    slows whichever runs second. On the H200 host in session 21 two benchmark children
-    read 0.93 and 0.58 for the same kernels with back-to-back halves (3 pairs), and
-    their plans came out +23% and -16% against their runs. About ``2 * pairs * (gap_s +
-    4 steps)`` seconds in all.
+    slows whichever runs second. About ``2 * pairs * (gap_s + 4 steps)`` seconds in all.
     """
     if pairs < 1:
         raise ValueError(f"pairs ({pairs}) must be >= 1")
@@ -479,12 +469,11 @@ def measure_speculative_step_cost(
 
     The median, over ``pairs`` back-to-back pairs on one set of buffers, of the time of
     a speculative step over that of a plain one (each the median of 3 steps, as in
-    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host:
-    1.06x and 1.57x were measured by two benchmark runs on H200 hosts, BENCHMARKS.md
-    session 14). On that host: about 1.5 with
-    ``host_kernel="single_pass"``, 2.5 with torch's kernel. Needs about ``(12 + 4 *
-    moment bytes) * numel`` bytes of host memory. ``fp16_io``: the fp16-I/O kernels'
-    ratio, as in :func:`measure_host_step_params_per_s`.
+    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host).
+    Lower with ``host_kernel="single_pass"``, which writes the undo data in the step's
+    own pass, than with torch's kernel. Needs about ``(12 + 4 * moment bytes) * numel``
+    bytes of host memory. ``fp16_io``: the fp16-I/O kernels' ratio, as in
+    :func:`measure_host_step_params_per_s`.
     """
     if pairs < 1:
         raise ValueError(f"pairs ({pairs}) must be >= 1")

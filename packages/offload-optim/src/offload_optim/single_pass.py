@@ -3,49 +3,40 @@
 [Note: single-pass host Adam]
 torch's fused CPU Adam works in place. An exact undo of a speculative fp16 step (see
 [Note: speculative steps] in hybrid_adam.py) therefore copies the master and moments
-before each chunk's fused step: five parallel passes per chunk, 2.45x the plain step per
-parameter on the H200 host (BENCHMARKS.md, session 11). The kernels here do it in one
-pass: each element's master, gradient and moments are read once, and the step writes the
-master in place, the old master into the backup and the new moments into the spare pair,
-while it checks the gradient for non-finite values. The plain step gets a kernel of the
-same arithmetic, so that a committed speculative step equals the plain step bit for bit.
-The arithmetic is torch's fused AdamW/Adam formula in fp32 (decay or L2, lerp of the first
-moment, the bias-corrected update); it differs from torch's kernel in rounding only (about
-1e-7 of the update: FMA contraction and operation order). So a run steps every host
-region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``. bf16
+before each chunk's fused step: five parallel passes per chunk. The kernels here do it in
+one pass: each element's master, gradient and moments are read once, and the step writes
+the master in place, the old master into the backup and the new moments into the spare
+pair, while it checks the gradient for non-finite values. The plain step gets a kernel of
+the same arithmetic, so that a committed speculative step equals the plain step bit for
+bit. The arithmetic is torch's fused AdamW/Adam formula in fp32 (decay or L2, lerp of the
+first moment, the bias-corrected update); it differs from torch's kernel in rounding only
+(about 1e-7 of the update: FMA contraction and operation order). So a run steps every
+host region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``. bf16
 moments (see [Note: bf16 moments] in kernels.py) are widened and narrowed (round to
 nearest even) element by element inside the same loop, with integer operations that
 vectorize with it (_numba_adam.py), where torch's route makes five parallel passes per
-chunk: 20 bytes per parameter move instead of 28. On the 2-core machine they step at
-1.1x the fp32 moments' rate over 32 M parameters (a first kernel that widened a block
-into a scratch in separate loops ran at 0.67x; BENCHMARKS.md, session 18).
+chunk: 20 bytes per parameter move instead of 28.
 
-On the 2-core development machine (``benchmarks/single_pass_adam_bench.py --numel 64e6``)
-the in-place kernel runs at about torch's rate (0.98-1.06x its time) and the speculative
-one at 1.85-2.02x, against 3.3-3.5x for the copies route. Two details decide that: each
-kernel's loop is written out over slices of one block (a first version with a shared
-inlined helper returning a tuple, or with numba's default error model for division, did
-not vectorize: scalar square roots and divisions in its assembly), and the gradient
-check is an integer OR of ``g - g != 0``, which vectorizes without reassociating
-floating-point sums.
+Two details keep the kernels at the memory rate (measured with
+``python benchmarks/single_pass_adam_bench.py``; BENCHMARKS.md, Decisions, "Single-pass
+host Adam"): each kernel's loop is written out over slices of one block (a shared inlined
+helper returning a tuple, or numba's default error model for division, keeps the loop from
+vectorizing: scalar square roots and divisions), and the gradient check is an integer OR
+of ``g - g != 0``, which vectorizes without reassociating floating-point sums.
 
 Launches hold a module lock: numba's portable thread pool ("workqueue") must not be
 entered from two threads at once, and the optimizer steps from the host worker and the
-main thread. Each launch uses torch's intra-op thread count. The kernels compile on first
-use (a few seconds, cached on disk by numba).
+main thread. Each launch uses torch's intra-op thread count, and its threads claim blocks
+as they free up ([Note: blocks claimed as threads free up] in _numba_adam.py). The
+kernels compile on first use (a few seconds, cached on disk by numba).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import threading
-import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,111 +113,20 @@ def _moments_dtype(exp_avg: torch.Tensor) -> torch.dtype:
     return exp_avg.dtype
 
 
-def claim_blocks() -> int:
-    """Blocks a kernel's thread claims at a time (see [Note: blocks claimed as threads free
-    up] in _numba_adam.py): ``OFFLOAD_HOST_ADAM_CLAIM_BLOCKS``, by default 1; 0 splits the
-    blocks into one equal share a thread, as numba's own schedule (for comparison)."""
-    raw = os.environ.get("OFFLOAD_HOST_ADAM_CLAIM_BLOCKS", "").strip()
-    if not raw:
-        return 1
-    try:
-        value = int(raw)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise ValueError(
-            f"OFFLOAD_HOST_ADAM_CLAIM_BLOCKS={raw!r}: expected a whole number of blocks >= 0"
-        )
-    return value
-
-
-@dataclass(frozen=True)
-class KernelCpu:
-    """One kernel launch as the CPU probe saw it (``OFFLOAD_HOST_ADAM_CPU_PROBE=1``)."""
-
-    wall_s: float
-    """The kernel's wall time (seconds), the launch lock already held."""
-    process_cpu_s: float
-    """CPU time of every thread of this process over it (seconds; ``time.process_time``)."""
-    machine_busy_s: float | None
-    """CPU time of the whole machine over it (seconds, from ``/proc/stat`` in clock ticks,
-    10 ms where ``SC_CLK_TCK`` is 100: coarse for one kernel, a median over many is not);
-    None where ``/proc/stat`` cannot be read."""
-    threads: int
-    """Threads the kernel ran on."""
-    numel: int
-    """Parameters it stepped."""
-
-
-_cpu_samples: deque[KernelCpu] = deque(maxlen=100_000)
-
-
-def cpu_probe() -> bool:
-    """Whether each launch records a :class:`KernelCpu` (``OFFLOAD_HOST_ADAM_CPU_PROBE``:
-    1 on, unset or 0 off). A kernel that runs 3-4 times its usual length (the one running
-    as backward ends on the H200: BENCHMARKS.md, sessions 52-53) with the process's CPU
-    time near ``threads`` times its wall time lost nothing to the machine; with far less,
-    the machine's busy time (``machine_busy_s``) says whether another process took the
-    cores."""
-    raw = os.environ.get("OFFLOAD_HOST_ADAM_CPU_PROBE", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"OFFLOAD_HOST_ADAM_CPU_PROBE={raw!r}: expected 0 or 1")
-    return raw == "1"
-
-
-def kernel_cpu_samples(clear: bool = False) -> list[KernelCpu]:
-    """The launches the CPU probe recorded (:func:`cpu_probe`), oldest first (at most the
-    last 100,000); ``clear`` empties the record after reading it."""
-    out = list(_cpu_samples)
-    if clear:
-        _cpu_samples.clear()
-    return out
-
-
-def _machine_busy_s() -> float | None:
-    """Busy CPU time of the whole machine since boot (seconds: every mode of the
-    ``/proc/stat`` ``cpu`` line but idle and iowait), None where it cannot be read."""
-    try:
-        with Path("/proc/stat").open() as f:
-            ticks = [int(x) for x in f.readline().split()[1:]]
-        per_s = os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError):
-        return None
-    if len(ticks) < 5 or per_s <= 0:
-        return None
-    # guest time is counted inside user time already; the first 8 fields are the modes.
-    modes = ticks[:8]
-    return (sum(modes) - modes[3] - modes[4]) / per_s
-
-
 def _launch(kernel: Callable[..., None], *args: Any) -> None:
-    """Run ``kernel(*args, q)`` on torch's intra-op thread count; ``q`` is its claim
-    counter (``args[0]`` is the master: its length gives the blocks). With the CPU probe
-    on (:func:`cpu_probe`) the launch's :class:`KernelCpu` is recorded."""
+    """Run ``kernel(*args, q)`` on torch's intra-op thread count; ``q`` is (the shared
+    block counter the kernel's threads claim from, the thread count)."""
     import numba
     import numpy as np
 
-    from offload_optim import _numba_adam
-
-    blocks = (args[0].shape[0] + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK
     with _launch_lock:
         most = int(getattr(numba.config, "NUMBA_NUM_THREADS", 1))
         threads = max(1, min(torch.get_num_threads(), most))
         numba.set_num_threads(threads)
-        per = claim_blocks() or max(1, -(-blocks // threads))
-        q = np.array([0, per, threads], dtype=np.int64)
-        probe = cpu_probe()
-        if probe:
-            machine0, cpu0, wall0 = _machine_busy_s(), time.process_time(), time.perf_counter()
+        q = np.array([0, threads], dtype=np.int64)
         # Its own span: a trace tells the wait for the lock from the kernel.
         with torch.profiler.record_function("single-pass kernel"):
             kernel(*args, q)
-        if not probe:
-            return
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-        machine1 = _machine_busy_s()
-        busy = None if machine0 is None or machine1 is None else machine1 - machine0
-        _cpu_samples.append(KernelCpu(wall, cpu, busy, threads, int(args[0].shape[0])))
 
 
 def _check_numel(n: int, **tensors: torch.Tensor) -> None:
