@@ -340,6 +340,186 @@ def reprofile_if_disturbed(
     return {"cached_gparam": cached, "in_process_gparam": in_process_gparam, "now_gparam": again}
 
 
+class HostProbes(NamedTuple):
+    """What a configuration's host Adam kernel measured before planning (:func:`_probe_host`)."""
+
+    rate_samples: list[float]
+    """Three samples of the kernel's rate (parameters/s); empty for torch's fused fp32 step,
+    which the hardware profile times."""
+    cost: float | None
+    """The kernel's step time over the fused fp32 step's, timed back to back."""
+    speculative_cost: float
+    """A speculative step's time over a plain one's (1 where nothing speculates)."""
+
+    @property
+    def fused_gparam(self) -> float | None:
+        """Torch's fused fp32 host Adam rate as this process reads it (Gparam/s)."""
+        if not self.rate_samples or self.cost is None:
+            return None
+        return statistics.median(self.rate_samples) * self.cost / 1e9
+
+
+def _probe_host(config: OursConfig, moments: Any) -> HostProbes:
+    """The host Adam measurements ``config``'s plan is told: a kernel other than torch's
+    fused fp32 Adam runs at its own rate, and the plan takes the median of three samples
+    of it; a speculative step also writes its undo data, and the planner charges the steps
+    taken under backward that many times a plain one."""
+    from offload_optim import (
+        measure_host_step_cost,
+        measure_host_step_params_per_s,
+        measure_speculative_step_cost,
+    )
+
+    kernel: dict[str, Any] = {
+        "host_kernel": "single_pass" if config.fp16_io else "torch",
+        "fp16_io": config.fp16_io,
+    }
+    samples: list[float] = []
+    cost = None
+    if config.samples_host_rate:
+        samples = [
+            measure_host_step_params_per_s(moments, HOST_PROBE_NUMEL, **kernel) for _ in range(3)
+        ]
+        cost = measure_host_step_cost(moments, HOST_PROBE_NUMEL, **kernel)
+    speculative = (
+        measure_speculative_step_cost(moments, HOST_PROBE_NUMEL, **kernel)
+        if config.speculate
+        else 1.0
+    )
+    return HostProbes(samples, cost, speculative)
+
+
+def _build_ours(
+    model: Any,
+    data: dict[str, Any],
+    budget: int,
+    config: OursConfig,
+    moments: Any,
+    probes: HostProbes,
+    limit: int | None,
+    keep_reports: int,
+) -> tuple[Any, Any]:
+    """``memory_optimize`` and ``AMPOptimizer(HybridAdam)`` in ``config``: only what the
+    configuration changes is passed, the rest is the libraries' defaults. ``limit``: the
+    host-state parameters given undo buffers (None: all)."""
+    import torch
+
+    from offload_optim import AMPOptimizer, HybridAdam, streamed_step_costs
+    from offload_runtime import memory_optimize
+
+    plan_args: dict[str, Any] = {}
+    if config.reference:
+        plan_args["state_on_device"] = False
+    if config.speculate:
+        # Speculating fp16 steps run as their gradients land: plan for that.
+        plan_args |= {
+            "host_step_after_backward": False,
+            "speculative_step_cost": probes.speculative_cost,
+            "speculative_params": limit,
+        }
+    if probes.rate_samples:
+        plan_args["host_step_params_per_s"] = statistics.median(probes.rate_samples)
+    if config.fp16_io:
+        plan_args["fp16_io"] = True
+    if config.streamed:
+        # What the optimizer's ring moves and holds, for the planner to weigh.
+        plan_args["streamed"] = streamed_step_costs(moments, config.fp16_io, budget_bytes=budget)
+    module = memory_optimize(
+        model, data, budget, "asyn", dtype=torch.float16, progress=False, **plan_args
+    )
+    opt = AMPOptimizer(
+        HybridAdam(
+            module.parameters(),
+            lr=1e-4,
+            moments_dtype=moments,
+            host_kernel="single_pass" if config.fp16_io else "torch",
+            fp16_io=config.fp16_io,
+        ),
+        module,
+        overlap=not config.reference,
+        speculate_fp16=config.speculate,
+        speculative_params=limit,
+        keep_reports=keep_reports,
+    )
+    return module, opt
+
+
+def _plan_record(
+    module: Any, config: OursConfig, probes: HostProbes, device: str
+) -> dict[str, Any]:
+    """A row's plan: its predictions, and what ``replay_bench.py`` plans it again with (the
+    device traced for, the memory ``memory_optimize`` found in use beside the plan, where
+    dtype conversions run, the speculation and streaming inputs, the planner's defaults
+    of late host work and a fused GELU, and the whole profile planned with)."""
+    from offload_optim import planned_host_busy_s
+    from offload_runtime.hardware import profile_hardware
+
+    plan = module.plan
+    out: dict[str, Any] = {
+        "pred_peak_gib": plan.predicted_peak_bytes / GiB,
+        "pred_step_ms": plan.predicted_step_time_s * 1e3,
+        "pred_host_busy_ms": planned_host_busy_s(plan) * 1e3,
+        "solver_s": plan.solve_time_s,
+        "device": device,
+        "device_bytes_in_use": plan.device_bytes_in_use,
+        "convert_on_device": module.convert_on_device,
+        "late_host_work": True,
+        "fuse_gelu": True,
+        "speculation_thread": config.speculate,
+    }
+    if config.speculate:
+        out["speculative_step_cost"] = probes.speculative_cost
+    if plan.streamed is not None:
+        out["plan_streamed"] = dataclasses.asdict(plan.streamed)
+    hardware = module.hardware or profile_hardware(device, progress=False)
+    out["hardware"] = json.loads(hardware.to_json())
+    if probes.rate_samples:
+        out["host_rate_samples_gparam"] = [r / 1e9 for r in probes.rate_samples]
+        out["host_step_cost"] = probes.cost
+        out["host_fused_gparam"] = probes.fused_gparam
+    return out
+
+
+def _floor_record(module: Any, config: OursConfig, moments: Any, device: str) -> dict[str, Any]:
+    """A row's regions by placement, and the parts of its floor (:func:`issue_floor`): the
+    bytes a step must move and the parameters the host must step, at the measured
+    profile's rates. Offloaded regions come up twice (forward and backward), resident
+    host-state regions once after their host step; host-state gradients go down once;
+    streamed regions' state goes up and down (``stream_copy_bytes``). The host part counts
+    every host-state parameter, streamed ones too, at torch's fused fp32 rate: the floor of
+    a step whose optimizer state lives on the host, whatever the configuration does with
+    it."""
+    from offload_optim import stream_copy_bytes
+    from offload_runtime.hardware import profile_hardware
+    from offload_solver import ParamPlacement, StatePlacement
+
+    plan = module.plan
+    offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
+    host = [rp for rp in plan.regions if rp.state is not StatePlacement.DEVICE]
+    streamed = {st.index for st in module.storages if st.streamed}
+    streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
+    up_b, down_b = stream_copy_bytes(moments, config.fp16_io)
+    h2d = (
+        sum(2 * rp.region.size_bytes for rp in offloaded)
+        + sum(rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT)
+        + streamed_params * up_b
+    )
+    d2h = sum(rp.region.size_bytes for rp in host) + streamed_params * down_b
+    hw = profile_hardware(device, progress=False)  # the measured profile (cached)
+    return {
+        "regions": len(plan.regions),
+        "offloaded_regions": len(offloaded),
+        "host_state_regions": len(host),
+        "streamed_regions": len(streamed),
+        "profile_host_adam_gparam": hw.host_adam_params_per_s / 1e9,
+        "floor_parts_ms": {
+            "h2d": h2d / hw.h2d_bytes_per_s(GiB) * 1e3,
+            "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,
+            "host_adam": sum(rp.region.numel for rp in host) / hw.host_adam_params_per_s * 1e3,
+        },
+    }
+
+
 def _ours(
     workload: str,
     kind: str,
@@ -353,102 +533,35 @@ def _ours(
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
-    from offload_optim import (
-        AMPOptimizer,
-        HybridAdam,
-        measure_host_step_cost,
-        measure_host_step_params_per_s,
-        measure_speculative_step_cost,
-        planned_host_busy_s,
-        stream_copy_bytes,
-        streamed_step_costs,
-    )
-    from offload_runtime import memory_optimize
-    from offload_runtime.hardware import profile_hardware
-    from offload_solver import ParamPlacement, StatePlacement
+    from offload_solver import StatePlacement
 
     config = OURS[kind]
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = int(budget_gib * GiB)
     cuda = torch.device(device).type == "cuda"
     moments = torch.bfloat16 if config.bf16_moments else torch.float32
-    host_kernel = "single_pass" if config.fp16_io else "torch"
-    probe: dict[str, Any] = {"host_kernel": host_kernel, "fp16_io": config.fp16_io}
     data = random_batch(batch, seq, device=device)
 
-    def new_model() -> Any:
+    def build(limit: int | None) -> tuple[Any, Any]:
         # Weights drawn on the GPU (fast) and kept on the host: memory_optimize places them.
-        init = device if cuda else None
-        return build_model(name, device="cpu", dtype=torch.float16, seq_len=seq, init_device=init)
-
-    # A kernel other than torch's fused fp32 Adam runs at its own rate: the plan takes the
-    # median of three samples of it. Its cost relative to the fused step (timed back to
-    # back) gives the fused rate as this process reads it, for the floor's host part.
-    rate_samples = (
-        [measure_host_step_params_per_s(moments, HOST_PROBE_NUMEL, **probe) for _ in range(3)]
-        if config.samples_host_rate
-        else []
-    )
-    host_cost = measure_host_step_cost(moments, HOST_PROBE_NUMEL, **probe) if rate_samples else None
-    host_fused_gparam = (
-        statistics.median(rate_samples) * host_cost / 1e9 if host_cost is not None else None
-    )
-    reprofiled = (
-        reprofile_if_disturbed(host_fused_gparam)
-        if cuda and host_fused_gparam is not None
-        else None
-    )
-    # A speculative step also writes its undo data: the planner charges the steps taken
-    # under backward this many times a plain one (measured with the kernel that runs them).
-    spec_cost = (
-        measure_speculative_step_cost(moments, HOST_PROBE_NUMEL, **probe)
-        if config.speculate
-        else 1.0
-    )
-
-    def build(model: Any, limit: int | None) -> tuple[Any, AMPOptimizer]:
-        # Only what the configuration changes is passed: the rest is the libraries' default.
-        plan_args: dict[str, Any] = {}
-        if config.reference:
-            plan_args["state_on_device"] = False
-        if config.speculate:
-            # Speculating fp16 steps run as their gradients land: plan for that.
-            plan_args |= {
-                "host_step_after_backward": False,
-                "speculative_step_cost": spec_cost,
-                "speculative_params": limit,
-            }
-        if rate_samples:
-            plan_args["host_step_params_per_s"] = statistics.median(rate_samples)
-        if config.fp16_io:
-            plan_args["fp16_io"] = True
-        if config.streamed:
-            # What the optimizer's ring moves and holds, for the planner to weigh.
-            plan_args["streamed"] = streamed_step_costs(
-                moments, config.fp16_io, budget_bytes=budget
-            )
-        module = memory_optimize(
-            model, data, budget, "asyn", dtype=torch.float16, progress=False, **plan_args
+        model = build_model(
+            name,
+            device="cpu",
+            dtype=torch.float16,
+            seq_len=seq,
+            init_device=device if cuda else None,
         )
-        opt = AMPOptimizer(
-            HybridAdam(
-                module.parameters(),
-                lr=1e-4,
-                moments_dtype=moments,
-                host_kernel=host_kernel,
-                fp16_io=config.fp16_io,
-            ),
-            module,
-            overlap=not config.reference,
-            speculate_fp16=config.speculate,
-            speculative_params=limit,
-            keep_reports=warmup + 3 * steps,  # every step _timed_steps may take
-        )
-        return module, opt
+        reports = warmup + 3 * steps  # every step _timed_steps may take
+        return _build_ours(model, data, budget, config, moments, probes, limit, reports)
 
     t0 = time.perf_counter()
+    probes = _probe_host(config, moments)
+    # A cached profile whose host Adam reads far slower than this process's was measured
+    # while the host was busy: measured again before planning.
+    fused = probes.fused_gparam
+    reprofiled = reprofile_if_disturbed(fused) if cuda and fused is not None else None
     limit: int | None = None
-    module, opt = build(new_model(), limit)
+    module, opt = build(limit)
     if config.speculate:
         # Undo buffers for every host-state parameter may not fit beside the host state
         # (W4 on a 128 GiB host): then plan again for the regions whose buffers fit.
@@ -461,7 +574,7 @@ def _ours(
             module.close()
             del module, opt
             gc.collect()  # the optimizer's host moments, before the second build allocates
-            module, opt = build(new_model(), limit)
+            module, opt = build(limit)
     setup_s = time.perf_counter() - t0
 
     spans: dict[str, list[float]] | None = None  # collected once the timed steps begin
@@ -486,7 +599,7 @@ def _ours(
         # step_count is settled when step() returns; reading opt.last_step instead would
         # wait for the host steps still queued and take them out of the timed steps.
         skipped, counted[0] = opt.step_count == counted[0], opt.step_count
-        return skipped
+        return bool(skipped)
 
     def before_timing() -> None:
         nonlocal spans
@@ -497,88 +610,36 @@ def _ours(
     waited_before = module.controller.update_wait_s
     skipped_s: list[float] = []
     times = _timed_steps(step, warmup, steps, device, last_skipped, skipped_s, before_timing)
-    out: dict[str, Any] = {**step_times(times), "setup_s": setup_s}
-    out.update(_memory(device))
-    out["config"] = dataclasses.asdict(config)
-    out["budget_gib"] = budget_gib
-    out["timed_steps"] = len(times)
-    out["skipped_steps_ms"] = [t * 1e3 for t in skipped_s]
-    out["cpu_span_ms"] = cpu_span_summary(spans)
-    out["issue_cost_us_reads"] = [issue_before, issue_cost_us(device)]
+    out: dict[str, Any] = {**step_times(times), **_memory(device)}
+    out |= {
+        "config": dataclasses.asdict(config),
+        "budget_gib": budget_gib,
+        "setup_s": setup_s,
+        "timed_steps": len(times),
+        "skipped_steps_ms": [t * 1e3 for t in skipped_s],
+        "cpu_span_ms": cpu_span_summary(spans),
+        "issue_cost_us_reads": [issue_before, issue_cost_us(device)],
+    }
     # Host steps run on past step() into the next forward; what that forward waited for
     # them is the part of the host step that nothing hid.
+    waited = module.controller.update_wait_s - waited_before
     out["forward_waited_for_host_ms_per_step"] = (
-        (module.controller.update_wait_s - waited_before)
-        / (warmup + len(times) + len(skipped_s))
-        * 1e3
+        waited / (warmup + len(times) + len(skipped_s)) * 1e3
     )
     timed = opt.recent_steps()[-len(times) - len(skipped_s) :]
     busy = [r.host_step_s for r in timed if not r.skipped and r.region_steps]
     if busy:
         # The host worker's summed region steps per step (median over the timed steps).
         out["host_busy_ms"] = statistics.median(busy) * 1e3
-
-    plan = module.plan
-    out["pred_peak_gib"] = plan.predicted_peak_bytes / GiB
-    out["pred_step_ms"] = plan.predicted_step_time_s * 1e3
-    out["pred_host_busy_ms"] = planned_host_busy_s(plan) * 1e3
-    out["solver_s"] = plan.solve_time_s
-    # What replay_bench.py plans again with: the device, the memory memory_optimize measured
-    # in use beside the plan, the dtype conversions' side, the speculation and streaming
-    # inputs, the planner's defaults (late host work, fused GELU) and the whole profile.
-    out["device"] = device  # what the model was traced for
-    out["device_bytes_in_use"] = plan.device_bytes_in_use
-    out["convert_on_device"] = module.convert_on_device
-    out["late_host_work"] = True
-    out["fuse_gelu"] = True
-    out["speculation_thread"] = config.speculate
     if config.speculate:
-        out["speculative_step_cost"] = spec_cost
-        # Host-state parameters given undo buffers; None: all of them.
-        out["speculative_params"] = limit
+        out["speculative_params"] = limit  # given undo buffers; None: every one
         out["undone_steps"] = opt.undone_steps
-    if plan.streamed is not None:
-        out["plan_streamed"] = dataclasses.asdict(plan.streamed)
-    hw = profile_hardware(device, progress=False)  # the measured profile, cached
-    plan_hw = module.hardware or hw
-    out["hardware"] = json.loads(plan_hw.to_json())
-    if rate_samples:
-        out["host_rate_samples_gparam"] = [r / 1e9 for r in rate_samples]
-        out["host_step_cost"] = host_cost
-        out["host_fused_gparam"] = host_fused_gparam
     if reprofiled is not None:
         out["reprofiled"] = reprofiled
+    out |= _plan_record(module, config, probes, device)
+    out |= _floor_record(module, config, moments, device)
 
-    offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
-    host = [rp for rp in plan.regions if rp.state is not StatePlacement.DEVICE]
-    streamed = {st.index for st in module.storages if st.streamed}
-    streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
-    out["regions"] = len(plan.regions)
-    out["offloaded_regions"] = len(offloaded)
-    out["host_state_regions"] = len(host)
-    out["streamed_regions"] = len(streamed)
-    # The floor's parts (issue_floor), from the bytes a step must move and the parameters
-    # the host must step at the measured profile's rates: offloaded regions come up twice
-    # (forward and backward), resident host-state regions once after their host step;
-    # host-state gradients go down once; streamed regions' state goes up and down
-    # (stream_copy_bytes). The host part counts every host-state parameter, streamed ones
-    # too, at torch's fused fp32 rate: the floor of a step whose optimizer state lives on
-    # the host, whatever the configuration does with it.
-    up_b, down_b = stream_copy_bytes(moments, config.fp16_io)
-    h2d = (
-        sum(2 * rp.region.size_bytes for rp in offloaded)
-        + sum(rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT)
-        + streamed_params * up_b
-    )
-    d2h = sum(rp.region.size_bytes for rp in host) + streamed_params * down_b
-    out["profile_host_adam_gparam"] = hw.host_adam_params_per_s / 1e9
-    out["floor_parts_ms"] = {
-        "h2d": h2d / hw.h2d_bytes_per_s(GiB) * 1e3,
-        "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,
-        "host_adam": sum(rp.region.numel for rp in host) / hw.host_adam_params_per_s * 1e3,
-    }
-
-    if pair_full_gpu and host:
+    if pair_full_gpu and out["host_state_regions"]:
         # Host steps run on past step() into the next step, which would be the peer's.
         out["paired_full_gpu"] = {"error": "the plan has host-state regions"}
     elif pair_full_gpu:
@@ -845,7 +906,17 @@ def measure(
     except Exception as exc:
         traceback.print_exc()
         result = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+    result |= machine()
     return result
+
+
+def machine() -> dict[str, str]:
+    """The GPU's name and torch's version, as the measuring process sees them (the parent
+    leaves CUDA alone: a context of its own would hold device memory beside each row)."""
+    import torch
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return {"gpu": gpu, "torch": torch.__version__}
 
 
 # --------------------------------------------------------------------------------------
@@ -1040,9 +1111,8 @@ def run_child(
 
 
 def run_meta(argv: Sequence[str]) -> dict[str, str]:
-    """The run's date, commit (BENCH_COMMIT, else git's), GPU, torch and command."""
-    import torch
-
+    """The run's date, commit (BENCH_COMMIT, else git's) and command; each row adds the
+    GPU and torch its process saw (:func:`machine`)."""
     commit = os.environ.get("BENCH_COMMIT") or (
         subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -1056,8 +1126,6 @@ def run_meta(argv: Sequence[str]) -> dict[str, str]:
     return {
         "date": datetime.date.today().isoformat(),
         "commit": commit,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU",
-        "torch": torch.__version__,
         "command": " ".join(["python", "benchmarks/offload_bench.py", *argv]),
     }
 
@@ -1160,7 +1228,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 timeout = min(timeout, left)
             print(f"[bench] {w} {k} ...", file=sys.stderr, flush=True)
             result = run_child(w, k, steps, args, timeout)
-            record = {"meta": meta, "workload": w, "kind": k, "steps": steps, "result": result}
+            seen = {key: str(result.get(key, "unknown")) for key in ("gpu", "torch")}
+            record = {
+                "meta": {**meta, **seen},
+                "workload": w,
+                "kind": k,
+                "steps": steps,
+                "result": result,
+            }
             row_file(args.out, w, k).write_text(json.dumps(record, indent=1) + "\n")
             write_summary(args.out / SUMMARY, [args.out])
             print(

@@ -42,7 +42,7 @@ def cpu_rows(tiny: tuple[str, str]) -> dict[str, dict[str, Any]]:
     patch = pytest.MonkeyPatch()
     # The issue cost probe times a small graph 10 times: not what these rows test.
     patch.setattr(offload_bench, "issue_cost_us", lambda device="cuda": 12.0)
-    torch.set_num_threads(1)  # the host worker beside the main thread, on 2 cores
+    torch.set_num_threads(1)  # the host worker steps beside the main thread, on 2 cores
     try:
         return {
             "ours_io_bf16m_spec1_stream": offload_bench._ours(

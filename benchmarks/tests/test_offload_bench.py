@@ -201,7 +201,7 @@ def test_the_summary_of_several_folders_holds_all_their_rows(
 
 def test_a_failing_measurement_is_a_row_that_says_why(tiny: tuple[str, str]) -> None:
     row = offload_bench.measure(tiny[0], "ours_spec", 1, 5)
-    assert row == {"ok": False, "error": row["error"]}
+    assert row == {"ok": False, "error": row["error"], "gpu": "no GPU", "torch": row["torch"]}
     assert "unknown kind 'ours_spec'" in row["error"]
 
 
