@@ -4,15 +4,16 @@
 #
 #   bash benchmarks/gpu_session.sh PHASE [OUT_DIR]
 #
-# PHASE (times measured on one H100 or H200 with 16 cores):
+# PHASE (times from the rows' wall times on an H200 host with 16 cores; an H100 host
+# with 16 cores is alike; each bench row also starts a process, about 10 s):
 #   tests   nox -s gpu_tests: every package's gpu-marked tests (gpu_tests.log)     ~5 min
-#   bench1  the report's rows of W1 (ours and full GPU, also stepped in turn), W2 and W3
-#           (the fastest fp32-state configuration, full GPU, FSDP2, torchao at W3), and
-#           W4's torchao row                                                     ~7 min
-#   bench2  W4's rows of ours (fp32 state, bf16 moments) and FSDP2 (FSDP2 last: it has
-#           taken 2 to 4.5 min alone, and is cut at the phase's limit)         ~7-9 min
-#   bench3  the libraries' defaults (kind "ours") at W2, W3 and W4, beside the rows
-#           above                                                                ~4 min
+#   bench1  the report's rows of W1 (ours and full GPU, also stepped in turn: ~1.2 min),
+#           W2 (the fastest fp32-state configuration, full GPU and FSDP2: ~2.5 min), W3
+#           (the same and torchao: ~2.7 min) and W4's torchao row (~1 min)      ~7.5 min
+#   bench2  W4's rows of ours, fp32 state (~2.5 min) and bf16 moments (~2 min), then
+#           FSDP2 (2 to 4.5 min; cut at the phase's limit)                      ~7-9 min
+#   bench3  the libraries' defaults (kind "ours") at W2 (~1 min), W3 (~1 min) and W4
+#           (~2.5 min)                                                          ~4.5 min
 #   bench   bench1, bench2 and bench3 in turn (a machine without the 10-minute limit)
 #   all     tests, then bench
 # A bench phase writes each row to OUT_DIR/<workload>_<kind>.json as it is measured and

@@ -135,8 +135,9 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
     "W3": ("ours_io_spec1_stream", FULL_GPU, "fsdp2", "torchao"),
     "W4": ("ours_io_spec1_stream", "ours_io_bf16m_spec1_stream", "torchao", "fsdp2"),
 }
-"""The rows each workload's targets need (``targets.py``), in the order they run; W4 has no
-full-GPU row (fp32 masters and Adam state of 6 B parameters do not fit one GPU)."""
+"""The rows each workload's targets need (``targets.py``), in the order they run. W4 has no
+full-GPU row: the fp32 masters, gradients and Adam state of its 6 B parameters alone take
+about 120 GB."""
 REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10}
 """Timed steps per row: more where steps are short and bound by issuing operations."""
 
