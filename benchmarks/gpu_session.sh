@@ -4,8 +4,8 @@
 #
 #   bash benchmarks/gpu_session.sh PHASE [OUT_DIR]
 #
-# PHASE (times from the rows' wall times on an H200 host with 16 cores; an H100 host
-# with 16 cores is alike; each bench row also starts a process, about 10 s):
+# PHASE (times from the rows' wall times, process start included, on an H200 host with 16
+# cores; an H100 host with 16 cores is alike):
 #   tests   nox -s gpu_tests: every package's gpu-marked tests (gpu_tests.log)     ~5 min
 #   bench1  the report's rows of W1 (ours and full GPU, also stepped in turn: ~1.2 min),
 #           W2 (the fastest fp32-state configuration, full GPU and FSDP2: ~2.5 min), W3

@@ -445,6 +445,14 @@ def _build_ours(
     return module, opt
 
 
+def planned_host_busy_s(plan: Any) -> float:
+    """The host's busy time in ``plan``'s simulated step (seconds): its host steps and
+    publishes, beside what a row's loop measured (``host_busy_ms``)."""
+    from offload_solver import Stream
+
+    return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
+
+
 def _plan_record(
     module: Any, config: OursConfig, probes: HostProbes, device: str
 ) -> dict[str, Any]:
@@ -452,7 +460,6 @@ def _plan_record(
     device traced for, the memory ``memory_optimize`` found in use beside the plan, where
     dtype conversions run, the speculation and streaming inputs, the planner's defaults
     of late host work and a fused GELU, and the whole profile planned with)."""
-    from offload_optim import planned_host_busy_s
     from offload_runtime.hardware import profile_hardware
 
     plan = module.plan

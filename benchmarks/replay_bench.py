@@ -13,7 +13,7 @@ prints the measured step (the mean of the 5 fastest timed steps, and the run mea
 peak beside what the row's plan predicted and what this tree predicts. Under a row, the
 host's wall time in its ``backward(loss)`` beside the replayed backward's span, and the
 backward issue factor at which issuing the plan's operations takes that time
-(``offload_optim.BackwardIssueCheck``). The last lines count the rows whose replayed step
+(:func:`backward_issue_factor`). The last lines count the rows whose replayed step
 is within 15% of their run mean, in all and by workload.
 
 Fitting the cost model's factors (``offload_runtime``'s ``BACKWARD_ISSUE_FACTOR``,
@@ -39,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import OURS, SUMMARY, WORKLOADS, OursConfig
+from offload_bench import OURS, SUMMARY, WORKLOADS, OursConfig, planned_host_busy_s
 
 GiB = 2**30
 WITHIN = 0.15
@@ -150,6 +150,13 @@ def loop_busy_ms(row: dict[str, Any]) -> float | None:
         if value:
             return float(value)
     return None
+
+
+def backward_issue_factor(backward_s: float, operations: int, op_overhead_s: float) -> float:
+    """The ``backward_issue_factor`` at which issuing ``operations`` at ``op_overhead_s``
+    each takes ``backward_s``, the host's time in a row's ``backward(loss)`` (at least 1):
+    what the row's loop says the factor is, where its backward is bound by issuing."""
+    return max(1.0, backward_s / (operations * op_overhead_s))
 
 
 def _issue_cost_arg(text: str) -> float | str:
@@ -328,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from offload_optim import BackwardIssueCheck, planned_host_busy_s, streamed_step_costs
+    from offload_optim import streamed_step_costs
     from offload_runtime.api import device_conversion_profile
     from offload_solver import ParamPlacement, StatePlacement, StreamedStepCosts, solve
 
@@ -421,16 +428,11 @@ def main(argv: list[str] | None = None) -> int:
                 sim = simulated_pass_spans(steady)
                 factor = ""
                 if hw.op_overhead_s > 0 and host:
-                    check = BackwardIssueCheck(
-                        planned_factor=hw.backward_issue_factor,
-                        operations=len(variant.operations),
-                        op_overhead_s=hw.op_overhead_s,
-                        measured_s=cpu["backward"] / 1e3,
-                        steps=int(cpu.get("calls", 1)),
-                    )
+                    ops = len(variant.operations)
+                    loop = backward_issue_factor(cpu["backward"] / 1e3, ops, hw.op_overhead_s)
                     factor = (
-                        f"; as a backward issue factor {check.loop_factor:.1f} "
-                        f"({check.operations} operations at {check.op_overhead_s * 1e6:.1f} us)"
+                        f"; as a backward issue factor {loop:.1f} ({ops} operations at "
+                        f"{hw.op_overhead_s * 1e6:.1f} us)"
                     )
                 print(
                     f"    host span of backward(loss) {cpu['backward']:.1f} ms, forward "

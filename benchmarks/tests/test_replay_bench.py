@@ -13,6 +13,7 @@ import replay_bench
 from offload_bench import OURS, OursConfig
 from replay_bench import (
     _issue_cost_arg,
+    backward_issue_factor,
     host_rate,
     iter_rows,
     loop_busy_ms,
@@ -61,6 +62,12 @@ def test_the_host_rate_is_the_recorded_or_the_samples_median() -> None:
     assert loop_busy_ms({"host_cycle": {"busy_ms": 80.0}}) == 80.0
     assert loop_busy_ms({"host_step_ms_in_loop": 90.0}) == 90.0
     assert loop_busy_ms({}) is None
+
+
+def test_the_loops_backward_issue_factor_is_its_backward_over_issuing_the_plan() -> None:
+    # 1600 operations at 25 us take 40 ms to issue: a backward of 140 ms is 3.5 of that.
+    assert backward_issue_factor(0.140, 1600, 25e-6) == pytest.approx(3.5)
+    assert backward_issue_factor(0.020, 1600, 25e-6) == 1.0  # never below issuing alone
 
 
 def test_the_profile_is_the_rows_with_each_figure_given_in_its_place() -> None:
