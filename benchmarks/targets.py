@@ -9,9 +9,12 @@ its row files - from one machine, and prints the targets as a markdown table (on
 target: each row's figure and whether the target is met), or with ``--table`` the rows
 themselves, as BENCHMARKS.md's results table. Nothing is allocated; no GPU is needed.
 
-Step times are the mean of each row's 5 fastest timed steps, the run mean's ratio beside
-it in brackets. A ratio sets a row of ours against the median of the peer's rows of the
-same workload. The targets:
+The targets judge the rows of ours of the kinds each workload's report runs
+(``offload_bench.REPORT_KINDS``: the libraries' defaults at W1, the fastest configuration
+with fp32 state at W2-W4, and with bf16 moments at W4), or of the kinds ``--kind`` names;
+other rows are only tabulated. Step times are the mean of each row's 5 fastest timed steps,
+the run mean's ratio beside it in brackets. A ratio sets a row of ours against the median
+of the peer's rows of the same workload. The targets:
 
 - every peak allocated of ours within its workload's budget;
 - each predicted peak within 5% of the measured, each predicted step within 15% of the
@@ -42,7 +45,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from offload_bench import FULL_GPU, OURS, WORKLOADS, issue_floor, read_rows, sorted_rows, trained
+from offload_bench import (
+    FULL_GPU,
+    OURS,
+    REPORT_KINDS,
+    WORKLOADS,
+    issue_floor,
+    read_rows,
+    sorted_rows,
+    trained,
+)
 
 Row = dict[str, Any]
 
@@ -75,13 +87,14 @@ class Run:
         return rows
 
     def ours(self, kinds: set[str] | None = None) -> list[Row]:
-        """The rows of ours that ran (of ``kinds`` where given; never the ablation)."""
+        """The rows of ours that ran, of ``kinds`` where given, else of the kinds their
+        workload's report runs (``offload_bench.REPORT_KINDS``); never the ablation."""
         return [
             r
             for r in self.ok
             if r["kind"] in OURS
             and not OURS[r["kind"]].reference
-            and (kinds is None or r["kind"] in kinds)
+            and r["kind"] in (REPORT_KINDS.get(r["workload"], ()) if kinds is None else kinds)
         ]
 
     def peer(self, workload: str, kind: str) -> tuple[float, float] | None:
@@ -156,7 +169,8 @@ def against(run: Run, kind: str, rows: list[Row]) -> list[Ratio]:
 
 
 def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict]:
-    """Every target over one run's ``rows`` (of ours, only ``kinds`` where given)."""
+    """Every target over one run's ``rows`` (of ours, those of ``kinds`` where given, else
+    of the report's kinds)."""
     run = Run(rows)
     ours = run.ours(kinds)
     out = [
@@ -324,8 +338,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--kind",
         action="append",
         metavar="KIND",
-        help="judge only our rows of this kind (may be repeated); default: every kind of "
-        "ours but the ablation",
+        help="judge our rows of this kind (may be repeated); default: the kinds of each "
+        "workload's report rows",
     )
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.paths if not p.exists()]

@@ -127,6 +127,15 @@ def test_failed_rows_and_the_ablation_answer_no_target(rows: list[Row]) -> None:
     )
 
 
+def test_the_report_kinds_are_judged_unless_kinds_are_named(rows: list[Row]) -> None:
+    # The defaults at W2, slower than the fastest configuration: tabulated, not judged.
+    defaults = {**find(rows, "W2", "ours_io_spec1_stream"), "kind": "ours", "step_ms": 450.0}
+    assert by_target([*rows, defaults]) == by_target(rows)
+    assert "| W2 gpt2_xl 64x8 | ours | 450.0 (411.4) |" in targets.results_table([*rows, defaults])
+    named = by_target([*rows, defaults], {"ours"})["W2 fp32 state <= 1.15x floor"]
+    assert named.cells[0].startswith("W2 ours: 1.271x")  # 450.0 / 354.1
+
+
 def test_kinds_limit_the_rows_of_ours_judged(rows: list[Row]) -> None:
     got = by_target(rows, {"ours_io_bf16m_spec1_stream"})
     assert got["W4 bf16 moments faster than torchao"].status == "met"
