@@ -36,6 +36,7 @@ trained.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -117,6 +118,12 @@ class Run:
         return issue_floor(row, self.compute_ms(row["workload"]), self.host_gparam)
 
 
+def error(predicted: float, measured: float) -> float:
+    """``predicted``'s error against ``measured``, a fraction (nan where nothing was
+    measured: a row run on the CPU records no device peak)."""
+    return predicted / measured - 1 if measured else math.nan
+
+
 def label(row: Row) -> str:
     return f"{row['workload']} {row['kind']}"
 
@@ -188,9 +195,9 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
     ]
     pred_peak, pred_step = [], []
     for r in ours:
-        err = r["pred_peak_gib"] / r["peak_alloc_gib"] - 1
+        err = error(r["pred_peak_gib"], r["peak_alloc_gib"])
         pred_peak.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.05))
-        err = r["pred_step_ms"] / r["step_mean_ms"] - 1
+        err = error(r["pred_step_ms"], r["step_mean_ms"])
         pred_step.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.15))
     out.append(bound_verdict("predicted peak within 5%", pred_peak))
     out.append(bound_verdict("predicted step within 15% of the run mean", pred_step))
@@ -302,8 +309,8 @@ def results_table(rows: Sequence[Row]) -> str:
             f"{r['peak_alloc_gib']:.2f} / {r['budget_gib']:g}",
         ]
         if r["kind"] in OURS:
-            step_err = 100 * (r["pred_step_ms"] / r["step_mean_ms"] - 1)
-            peak_err = 100 * (r["pred_peak_gib"] / r["peak_alloc_gib"] - 1)
+            step_err = 100 * error(r["pred_step_ms"], r["step_mean_ms"])
+            peak_err = 100 * error(r["pred_peak_gib"], r["peak_alloc_gib"])
             found = run.floor(r)
             full = _ratio_cell(run, r, FULL_GPU)
             pair = r.get("paired_full_gpu")
