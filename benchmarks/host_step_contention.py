@@ -1,12 +1,11 @@
-"""Why the host optimizer step runs slower inside training than alone: a measurement.
+"""The host Adam step's rate alone and beside what runs with it in training: a probe.
 
-In session 12 the host step of W2-W4 took 8-17% longer inside the training loop than the
-hardware profile's fused-Adam rate predicts (BENCHMARKS.md). While the host steps run,
-two other things happen on the same machine: the main thread issues the next forward's
-kernels (one core busy in Python and the CUDA driver), and pinned copies of the next
-forward's uploads (and the last gradients) read and write host memory. This script steps
-``--params`` fp32 parameters region by region (``--region`` parameters each) on a worker
-thread, as the optimizer does, under each condition and thread count:
+While the host steps optimizer state in training, two other things use the same machine:
+the main thread issues the next forward's kernels (one core busy in Python and the CUDA
+driver), and pinned copies (the next forward's uploads, the last gradients, the streamed
+regions' state) read and write host memory. This script steps ``--params`` fp32
+parameters region by region (``--region`` parameters each) on a worker thread with
+torch's fused Adam, as the optimizer does, under each condition and thread count:
 
 - ``alone``: nothing else runs;
 - ``issue``: the main thread launches small CUDA kernels in a loop meanwhile;
@@ -57,6 +56,24 @@ def memory_rates(params_per_s: float, copy_rates: list[float]) -> dict[str, floa
     return rates
 
 
+def fused_adam_(
+    params: list[Any],
+    grads: list[Any],
+    exp_avgs: list[Any],
+    exp_avg_sqs: list[Any],
+    steps: list[Any],
+) -> None:
+    """One in-place fused Adam step over same-device fp32 tensors (torch's kernel, what
+    ``HybridAdam(host_kernel="torch")`` runs; lr 1e-4, betas 0.9/0.999, eps 1e-8)."""
+    import torch
+
+    torch._fused_adam_(
+        params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=1e-4, beta1=0.9, beta2=0.999,
+        weight_decay=0.0, eps=1e-8, amsgrad=False, maximize=False, grad_scale=None,
+        found_inf=None,
+    )  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=float, default=400e6, help="parameters in all")
@@ -71,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("need --params >= --region >= 1 and --repeats >= 1")
 
     import torch
-    from _adam import fused_adam_
 
     cuda = torch.cuda.is_available()
     region = int(args.region)

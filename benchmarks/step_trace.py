@@ -109,10 +109,10 @@ def summarise_trace(trace: dict[str, Any]) -> dict[str, Any]:
 
 def all_threads_config() -> Any:
     """torch.profiler's setting that records every thread's ranges, not only the
-    profiling thread's (``_ExperimentalConfig(profile_all_threads=True)``, torch 2.7 on),
-    for ``profile(experimental_config=...)``. The host worker's ``record_function``
-    ranges are on its own thread, and session 21's bench traces, taken without it, had
-    none of them. None where this torch lacks it (then only the profiling thread)."""
+    profiling thread's (``_ExperimentalConfig(profile_all_threads=True)``), for
+    ``profile(experimental_config=...)``. The host worker's ``record_function`` ranges are
+    on its own thread, and a trace taken without it has none of them. None where this
+    torch lacks it (then only the profiling thread)."""
     import torch
 
     try:

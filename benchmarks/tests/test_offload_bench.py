@@ -1,0 +1,246 @@
+"""offload_bench.py without a GPU: its command line, its table of kinds, the rows and the
+summary it writes, and the floor it defines."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import offload_bench
+import pytest
+from offload_bench import (
+    FULL_GPU,
+    KINDS,
+    OURS,
+    PEERS,
+    REPORT_KINDS,
+    REPORT_STEPS,
+    SUMMARY,
+    WORKLOADS,
+    OursConfig,
+    compact_row,
+    issue_floor,
+    parse_args,
+    read_rows,
+    trained,
+)
+
+
+def test_the_kinds_are_ours_configurations_and_the_peers() -> None:
+    assert (*OURS, *PEERS) == KINDS
+    assert OURS["ours"] == OursConfig()  # the libraries' defaults: nothing passed
+    assert OURS["ablation"].reference
+    fast, bf16 = OURS["ours_io_spec1_stream"], OURS["ours_io_bf16m_spec1_stream"]
+    assert fast.fp16_io and fast.speculate and fast.streamed and not fast.bf16_moments
+    assert bf16 == OursConfig(fp16_io=True, bf16_moments=True, speculate=True, streamed=True)
+    # Only a kernel other than torch's fused fp32 step samples its own host rate.
+    assert [k for k, c in OURS.items() if c.samples_host_rate] == [
+        "ours_io_spec1_stream",
+        "ours_io_bf16m_spec1_stream",
+    ]
+
+
+def test_the_report_runs_every_row_its_targets_need() -> None:
+    assert set(REPORT_KINDS) == set(REPORT_STEPS) == {"W1", "W2", "W3", "W4"} <= set(WORKLOADS)
+    assert all(k in KINDS for kinds in REPORT_KINDS.values() for k in kinds)
+    assert REPORT_KINDS["W1"] == ("ours", FULL_GPU)
+    for w in ("W2", "W3", "W4"):
+        kinds = REPORT_KINDS[w]
+        assert "fsdp2" in kinds
+        assert any(k in OURS and not OURS[k].bf16_moments for k in kinds)  # fp32 state
+    assert FULL_GPU in REPORT_KINDS["W2"] and FULL_GPU in REPORT_KINDS["W3"]  # the floor
+    assert "torchao" in REPORT_KINDS["W3"]
+    assert {"ours_io_bf16m_spec1_stream", "torchao"} <= set(REPORT_KINDS["W4"])
+    assert all(steps >= 5 for steps in REPORT_STEPS.values())
+
+
+def test_the_command_line_defaults_to_the_reports_rows(tmp_path: Path) -> None:
+    args = parse_args([])
+    assert args.workloads == list(WORKLOADS)
+    assert args.kinds is None and args.steps is None  # REPORT_KINDS, REPORT_STEPS
+    assert args.out == Path("bench_out") and args.summary is None
+    args = parse_args(["--workloads", "W3,W1", "--kinds", "ours,fsdp2", "--steps", "7"])
+    assert args.workloads == ["W3", "W1"] and args.kinds == ["ours", "fsdp2"]
+    assert args.steps == 7
+    args = parse_args(["--summary", str(tmp_path / "s.json"), str(tmp_path)])
+    assert args.summary == tmp_path / "s.json" and args.folders == [tmp_path]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--workloads", "W9"], "unknown or no workloads ['W9']"),
+        (["--kinds", "ours,ours_spec"], "unknown or no kinds ['ours_spec']"),
+        (["--kinds", "full_gpu"], "unknown or no kinds ['full_gpu']"),
+        (["--steps", "4"], "--steps must be at least 5"),
+        (["--warmup", "-1"], "--warmup must be >= 0"),
+        (["--summary", "s.json"], "--summary FILE needs the output folders"),
+        (["--summary", "s.json", "/no/such/folder"], "no such folder: /no/such/folder"),
+        (["some_folder"], "output folders are read only with --summary"),
+    ],
+)
+def test_bad_command_lines_are_refused_with_the_reason(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def fake_result(workload: str, kind: str) -> dict[str, Any]:
+    """What a child prints for a row, as far as the summary reads it (and more)."""
+    out: dict[str, Any] = {
+        "ok": True,
+        "step_ms": 100.0,
+        "step_mean_ms": 110.0,
+        "steps_ms": [100.0] * 10,
+        "timed_steps": 10,
+        "peak_alloc_gib": 2.5,
+    }
+    if kind in OURS:
+        out |= {
+            "pred_step_ms": 105.0,
+            "pred_peak_gib": 2.4,
+            "budget_gib": WORKLOADS[workload][3],
+            "floor_parts_ms": {"h2d": 10.0, "d2h": 20.0, "host_adam": 90.0},
+            "profile_host_adam_gparam": 4.0,
+            "hardware": {"name": "a profile"},
+            "cpu_span_ms": {"forward": 1.0, "backward": 2.0, "step": 0.5, "calls": 10},
+        }
+    if kind == FULL_GPU:
+        out |= {"fwd_bwd_ms": 80.0, "loss_before": 7.0, "loss_after": 6.5}
+    return out
+
+
+def test_a_run_writes_each_row_as_it_comes_and_a_compact_summary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[tuple[str, str, int, float]] = []
+
+    def run_child(
+        workload: str, kind: str, steps: int, args: argparse.Namespace, timeout_s: float
+    ) -> dict[str, Any]:
+        calls.append((workload, kind, steps, timeout_s))
+        if kind == "fsdp2":
+            return {"ok": False, "error": "timed out after 600 s"}
+        return fake_result(workload, kind)
+
+    monkeypatch.setattr(offload_bench, "run_child", run_child)
+    monkeypatch.setenv("BENCH_COMMIT", "abc1234")
+    out = tmp_path / "out"
+    assert offload_bench.main(["--workloads", "W1,W2", "--out", str(out)]) == 0
+    expected = [(w, k) for w in ("W1", "W2") for k in REPORT_KINDS[w]]
+    assert [(w, k) for w, k, _, _ in calls] == expected
+    assert [s for _, _, s, _ in calls] == [REPORT_STEPS[w] for w, _ in expected]
+    assert all(t == 600 for *_, t in calls)
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted([f"{w}_{k}.json" for w, k in expected] + [SUMMARY])
+    record = json.loads((out / "W2_ours_io_spec1_stream.json").read_text())
+    assert record["result"]["steps_ms"] == [100.0] * 10  # the row file keeps everything
+    assert record["meta"]["commit"] == "abc1234"
+    assert record["meta"]["command"] == "python benchmarks/offload_bench.py --workloads W1,W2 " + (
+        f"--out {out}"
+    )
+    rows = json.loads((out / SUMMARY).read_text())["rows"]
+    assert [(r["workload"], r["kind"]) for r in rows] == expected
+    ours = rows[2]
+    assert ours["kind"] == "ours_io_spec1_stream" and ours["ok"]
+    assert ours["step_ms"] == 100.0 and ours["step_mean_ms"] == 110.0
+    assert ours["pred_step_ms"] == 105.0 and ours["budget_gib"] == 3
+    assert ours["floor_parts_ms"] == {"h2d": 10.0, "d2h": 20.0, "host_adam": 90.0}
+    assert {"date", "commit", "gpu", "torch", "command"} <= ours.keys()
+    assert not {"steps_ms", "hardware", "cpu_span_ms"} & ours.keys()  # no per-step data
+    assert rows[4] == {**rows[4], "ok": False, "error": "timed out after 600 s"}
+    assert rows[3]["fwd_bwd_ms"] == 80.0 and rows[3]["budget_gib"] == 3  # full GPU's
+    assert read_rows(out) == rows == read_rows(out / SUMMARY)
+
+
+def test_under_a_time_limit_rows_start_only_with_time_left_and_are_cut_at_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    timeouts: list[float] = []
+
+    def run_child(
+        workload: str, kind: str, steps: int, args: argparse.Namespace, timeout_s: float
+    ) -> dict[str, Any]:
+        timeouts.append(timeout_s)
+        return fake_result(workload, kind)
+
+    monkeypatch.setattr(offload_bench, "run_child", run_child)
+    out = tmp_path / "out"
+    offload_bench.main(["--workloads", "W1", "--out", str(out), "--time-limit-s", "100"])
+    assert len(timeouts) == 2 and all(90 < t <= 100 for t in timeouts)
+    timeouts.clear()
+    offload_bench.main(["--workloads", "W3", "--out", str(out), "--time-limit-s", "20"])
+    assert timeouts == [] and not list(out.glob("W3_*.json"))
+
+
+def test_the_summary_of_several_folders_holds_all_their_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        offload_bench, "run_child", lambda w, k, steps, args, timeout: fake_result(w, k)
+    )
+    a, b = tmp_path / "a", tmp_path / "b"
+    offload_bench.main(["--workloads", "W1", "--out", str(a)])
+    offload_bench.main(["--workloads", "W3", "--kinds", "torchao", "--out", str(b)])
+    (b / "notes.json").write_text("[1, 2]")  # other JSON in a folder is not a row
+    summary = tmp_path / "results" / SUMMARY
+    assert offload_bench.main(["--summary", str(summary), str(a), str(b)]) == 0
+    rows = json.loads(summary.read_text())["rows"]
+    assert [(r["workload"], r["kind"]) for r in rows] == [
+        ("W1", "ours"),
+        ("W1", FULL_GPU),
+        ("W3", "torchao"),
+    ]
+    with pytest.raises(ValueError, match="neither a summary file"):
+        read_rows(b / "notes.json")
+
+
+def test_a_failing_measurement_is_a_row_that_says_why(tiny: tuple[str, str]) -> None:
+    row = offload_bench.measure(tiny[0], "ours_spec", 1, 5)
+    assert row == {"ok": False, "error": row["error"], "gpu": "no GPU", "torch": row["torch"]}
+    assert "unknown kind 'ours_spec'" in row["error"]
+
+
+def test_the_floor_is_its_largest_part_with_the_host_at_the_faster_rate() -> None:
+    row = {
+        "floor_parts_ms": {"h2d": 100.0, "d2h": 80.0, "host_adam": 300.0},
+        "profile_host_adam_gparam": 3.0,
+    }
+    assert issue_floor(row) == (300.0, "host_adam")
+    # Full GPU's compute sets it where it is the largest part.
+    assert issue_floor(row, compute_ms=350.0) == (350.0, "gpu_compute")
+    # The run's processes read the host at 4 Gparam/s where its profile read 3: a floor is
+    # a lower bound, so the host part is taken at the faster rate (300 * 3 / 4 = 225).
+    assert issue_floor(row, host_gparam=4.0) == (pytest.approx(225.0), "host_adam")
+    assert issue_floor(row, host_gparam=2.0) == (300.0, "host_adam")  # slower: the profile's
+    # W1 without full GPU: nothing crosses PCIe or steps on the host, so no floor.
+    assert issue_floor({"floor_parts_ms": {"h2d": 0.0, "d2h": 0.0, "host_adam": 0.0}}) is None
+    assert issue_floor({}) is None
+
+
+def test_trained_needs_a_finite_loss_that_fell() -> None:
+    assert trained({"loss_before": 7.0, "loss_after": 6.0})
+    assert trained({"loss_before": 7.0, "loss_after": 8.0}) is False
+    assert trained({"loss_before": 7.0, "loss_after": float("nan")}) is False
+    assert trained({"step_ms": 1.0}) is None
+
+
+def test_a_compact_row_of_a_measured_row_is_small(cpu_rows: dict[str, dict[str, Any]]) -> None:
+    meta = {k: "x" for k in ("date", "commit", "gpu", "torch", "command")}
+    for kind, result in cpu_rows.items():
+        record = {"meta": meta, "workload": "T", "kind": kind, "result": {**result, "ok": True}}
+        row = compact_row(record)
+        assert set(row) <= {
+            "workload",
+            "kind",
+            "ok",
+            "paired_full_gpu",
+            *offload_bench.SUMMARY_KEYS,
+            *offload_bench.META_KEYS,
+        }
+        assert row["step_ms"] == pytest.approx(result["step_ms"], abs=1e-4)
+        assert len(json.dumps(row)) < 1000 < len(json.dumps(result))
