@@ -161,7 +161,7 @@ def bench(session: nox.Session) -> None:
     """GPU benchmark against full-GPU training, FSDP2 and torchao (benchmarks/offload_bench.py).
 
     Runs in the current interpreter (CUDA torch; no network needed). Arguments after ``--``
-    go to the script, e.g. ``nox -s bench -- --workloads W1 --append BENCHMARKS.md``.
+    go to the script, e.g. ``nox -s bench -- --workloads W1 --out bench_out``.
     """
     env = _cuda_env(session, "benchmarks")
     session.run("python", str(ROOT / "benchmarks/offload_bench.py"), *session.posargs, env=env)

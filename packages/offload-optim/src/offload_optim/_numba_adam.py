@@ -41,8 +41,7 @@ writing them out (48 KiB for three fp32 arrays: the scratch stays in the core's 
 # 64-byte boundary, aligned 64-byte non-temporal vector stores, a scalar tail.
 # Non-temporal stores are weakly ordered: _store_fence (a sequentially consistent fence:
 # mfence on x86, which orders them) ends every block, before the parallel loop's join
-# publishes it to other threads. (``python benchmarks/nontemporal_probe.py`` measures the
-# stores.)
+# publishes it to other threads.
 _LINE = 64
 """Bytes per non-temporal vector store (one cache line)."""
 

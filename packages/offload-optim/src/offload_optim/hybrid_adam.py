@@ -50,7 +50,7 @@ speculative step: the caller publishes after the commit
 ``load_state_dict`` and other steps of the region refuse to run.
 With torch's kernels each of a chunk's copies and its fused step is a parallel pass of its
 own, so the chunk leaves each core's cache between them and the speculative step costs
-well over the plain one (``python benchmarks/single_pass_adam_bench.py`` times both;
+well over the plain one (``python benchmarks/host_adam_bench.py`` times both;
 BENCHMARKS.md, Decisions, "Speculative fp16 host steps"). A slower step still pays where
 it runs, in host time that backward leaves idle: a region whose gradients land after
 backward has ended takes the plain step (amp.py's SPECULATIVE tail rule).

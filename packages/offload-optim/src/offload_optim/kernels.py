@@ -16,7 +16,7 @@ moments. The routes considered for keeping host-resident moments in bf16:
   step. The scratch of a chunk stays in cache, so main memory sees 2 + 2 bytes per moment
   per step instead of 4 + 4 (20 bytes per parameter instead of 28).
 The four dtype conversions per element cost more than the saved memory traffic
-(``python benchmarks/optim_bench.py`` times both moment dtypes; BENCHMARKS.md, Decisions,
+(``python benchmarks/host_adam_bench.py`` times both moment dtypes; BENCHMARKS.md, Decisions,
 "bf16 moments"): with torch's kernels, bf16 moments save host memory (4 bytes per
 parameter, a third of the host-resident optimizer state), not time. A single-pass kernel
 (fp32 math on bf16 moments) is needed for the speed-up, and torch ships none:
@@ -41,8 +41,8 @@ import torch
 CHUNK_NUMEL = 4 << 20
 """Elements per chunk of the bf16-moment route: 32 MiB of fp32 scratch for both moments.
 Each chunk is a few parallel regions, and on a loaded host every parallel region waits
-for busy cores, so fewer, larger chunks win (``python benchmarks/optim_bench.py
---chunks 1M,4M,16M`` sweeps it)."""
+for busy cores, so fewer, larger chunks win (``python benchmarks/host_adam_bench.py
+--configs torch_bf16m`` times the route)."""
 
 SPECULATE_CHUNK_NUMEL = 1 << 20
 """Elements per chunk of :func:`speculative_adam_`. A chunk's master, gradient and the three

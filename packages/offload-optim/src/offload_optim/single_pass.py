@@ -18,7 +18,7 @@ vectorize with it (_numba_adam.py), where torch's route makes five parallel pass
 chunk: 20 bytes per parameter move instead of 28.
 
 Two details keep the kernels at the memory rate (measured with
-``python benchmarks/single_pass_adam_bench.py``; BENCHMARKS.md, Decisions, "Single-pass
+``python benchmarks/host_adam_bench.py``; BENCHMARKS.md, Decisions, "Single-pass
 host Adam"): each kernel's loop is written out over slices of one block (a shared inlined
 helper returning a tuple, or numba's default error model for division, keeps the loop from
 vectorizing: scalar square roots and divisions), and the gradient check is an integer OR

@@ -18,8 +18,7 @@ Per parameter with bf16 moments and fp16 I/O that is 10 bytes up and 10 down ove
 and no host pass at all, against the host kernel's 20 bytes of host-memory traffic. So
 the device and the host step different regions at the same time, which is the point:
 the host is the bound of a step whose state is mostly on the host, and the PCIe link is
-mostly idle while the host steps (``python benchmarks/split_step_bench.py`` measures the
-split; BENCHMARKS.md, Decisions, "Streamed host state").
+mostly idle while the host steps (BENCHMARKS.md, Decisions, "Streamed host state").
 
 step()'s host task hands its streamed regions to a thread of their own, the *issuing
 thread* (made at the first use), which issues them in forward order while the host

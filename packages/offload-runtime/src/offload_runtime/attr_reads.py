@@ -22,10 +22,9 @@ def flatten_attribute_reads(gm: fx.GraphModule) -> None:
     fx generates ``getattr(self.m.transformer.h, "0").ln_1.weight`` for a dotted target:
     one ``nn.Module.__getattr__`` per dot, a Python call each, several per parameter of a
     deep model, issued before any of its kernels: on a step bound by issuing operations
-    that is the host's time (``benchmarks/cpu_overhead.py`` times a forward against plain
-    PyTorch's). An instance attribute is found by the ordinary lookup, without that call (a
-    top-level buffer's ``self.scale`` makes one, so it is moved too). The
-    tensors stay registered where they were; the new attribute is another reference to
+    that is the host's time. An instance attribute is found by the ordinary lookup,
+    without that call (a top-level buffer's ``self.scale`` makes one, so it is moved too).
+    The tensors stay registered where they were; the new attribute is another reference to
     the same object (parameters and buffers are updated in place, never replaced)."""
     changed = False
     for node in gm.graph.nodes:

@@ -379,8 +379,8 @@ class HardwareProfile:
     """Fraction of the pinned host-to-device rate (``h2d``) that a STREAMED step's state
     copies up reach (0 < f <= 1; 1 when not known). They run while the host steps other
     regions and the ring's copies down run, which share host memory with them, so they
-    can run well under the profiled rate (``benchmarks/ring_rate.py`` measures them beside
-    a host Adam step)."""
+    can run well under the profiled rate (``python benchmarks/replay_bench.py ROWS
+    --stream-up-fraction F`` fits the fraction to recorded benchmark rows)."""
     stream_host_charge: float = 1.0
     """Share (0 <= s <= 1) of the ``host_copy_contention`` charge that a STREAMED region's
     pinned copies of the step put on the host lane ([Note: streamed steps] in

@@ -294,8 +294,7 @@ KINDS = (
 # In a step with host-state regions the backward is issued beside work the probe behind
 # ``op_overhead_s`` does not have: the regions' gradient hooks (per parameter, a copy down
 # and its stream bookkeeping; per region, the overflow check's norms) and the host Adam's
-# threads on every core, which slow the thread issuing the backward
-# (``benchmarks/issue_under_load.py`` measures the probe's cost beside a host Adam).
+# threads on every core, which slow the thread issuing the backward.
 # ``HardwareProfile.backward_issue_factor`` scales the backward's issue cost in such steps,
 # and that backward is issued ahead of the device ([Note: issuing ahead]): priced per
 # operation at the factor, a backward bound by its kernels would also pay the factor for
