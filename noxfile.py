@@ -22,7 +22,7 @@ BENCH_TEST_DIR = "benchmarks/tests"
 # The README's commands, run and checked against the output it shows.
 DOC_TEST_DIR = "tests"
 SRC_DIRS = [f"{d}/src" for d in PACKAGE_DIRS]
-TEST_TOOLS = ["pytest", "hypothesis"]
+TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
 # Optional extras installed with the packages, so that their tests and types are checked.
 EXTRAS = {"packages/offload-optim": "[single-pass]"}
 
@@ -39,10 +39,19 @@ def _install_all(session: nox.Session, *extra: str) -> None:
 @nox.session
 def tests(session: nox.Session) -> None:
     """CPU tests of every package, of the benchmark scripts and of the README's commands, in
-    one virtualenv (tests marked ``gpu`` are left out)."""
+    one virtualenv (tests marked ``gpu`` are left out), one worker per core (pytest-xdist;
+    ``nox -s tests -- -n 0`` runs them in one process)."""
     _install_all(session)
     session.run(
-        "pytest", "-m", "not gpu", *TEST_DIRS, BENCH_TEST_DIR, DOC_TEST_DIR, *session.posargs
+        "pytest",
+        "-m",
+        "not gpu",
+        "-n",
+        "auto",
+        *TEST_DIRS,
+        BENCH_TEST_DIR,
+        DOC_TEST_DIR,
+        *session.posargs,
     )
 
 
