@@ -465,7 +465,7 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     assert io.host_adam_params_per_s == by_cost.host_adam_params_per_s
     # Told both ways: the geometric mean of the rate and the profile's rate over the cost.
     # Nine times apart is more than HOST_RATES_DISAGREE: told, with how to re-profile.
-    with pytest.warns(RuntimeWarning, match=r"9\.0x apart.*OFFLOAD_REPROFILE=1"):
+    with pytest.warns(RuntimeWarning, match=r"9\.0x apart.*force=True"):
         both = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 9)
     assert both.host_adam_params_per_s == pytest.approx(rate * 3)
     # Within it (the spread of one host's readings), quietly.

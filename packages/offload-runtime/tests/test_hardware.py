@@ -19,19 +19,23 @@ from offload_runtime import hardware
 from offload_runtime.hardware import (
     DEFAULT_COMPUTE_EFFICIENCY,
     DeviceIdentity,
+    cache,
     default_cache_dir,
     default_cpu_profile,
     device_identity,
     host_adam_median,
+    issue_cost,
     measure_attention_flop_per_s,
     measure_device_memory_bytes_per_s,
     measure_host_adam_params_per_s,
     measure_host_convert_elems_per_s,
     measure_host_copy_contention,
     measure_op_overhead_s,
+    probes,
     profile_hardware,
 )
 from offload_runtime.hardware import measure_hardware as real_measure_hardware
+from offload_runtime.hardware import profile as hw_profile
 from offload_solver import BandwidthPoint, HardwareProfile
 
 FAKE_IDENTITY = DeviceIdentity(
@@ -72,10 +76,9 @@ class FakeCuda:
         self.efficiency_calls = 0
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-        monkeypatch.setattr(hardware, "device_identity", lambda device=None: FAKE_IDENTITY)
-        monkeypatch.setattr(hardware, "measure_hardware", self._measure)
-        monkeypatch.setattr(hardware, "measure_matmul_efficiency", self._efficiency)
-        monkeypatch.delenv("OFFLOAD_REPROFILE", raising=False)
+        monkeypatch.setattr(hw_profile, "device_identity", lambda device=None: FAKE_IDENTITY)
+        monkeypatch.setattr(hw_profile, "measure_hardware", self._measure)
+        monkeypatch.setattr(hw_profile, "measure_matmul_efficiency", self._efficiency)
 
     def _measure(self, device: torch.device, **kwargs: object) -> HardwareProfile:
         assert device == torch.device("cuda", 0)
@@ -204,7 +207,7 @@ def test_profiles_cached_before_the_conversion_rate_are_measured_again(
     assert profile.host_convert_elems_per_s == 10.5e9
     new_files = [f for f in _cache_files(tmp_path) if f != old_path]
     assert len(new_files) == 1
-    assert new_files[0].name.startswith(f"hardware-{hardware._CACHE_FORMAT}-")
+    assert new_files[0].name.startswith(f"hardware-{cache.CACHE_FORMAT}-")
     assert HardwareProfile.from_json(new_files[0].read_text()) == FAKE_PROFILE
 
 
@@ -228,8 +231,8 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
         calls["overhead"] = (device, dtype)
         return next(reads)
 
-    monkeypatch.setattr(hardware, "measure_copy_bandwidth", lambda dev: (points, points))
-    monkeypatch.setattr(hardware, "measure_peak_matmul_flop_per_s", lambda dev, dtype: 700e12)
+    monkeypatch.setattr(hw_profile, "measure_copy_bandwidth", lambda dev: (points, points))
+    monkeypatch.setattr(hw_profile, "measure_peak_matmul_flop_per_s", lambda dev, dtype: 700e12)
     # The host Adam rate too: one read taken while the host was busy (a third of the
     # others) is dropped.
     adam_reads = iter([1.4e9, 4.4e9, 4.1e9])
@@ -239,13 +242,13 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
         adam_numels.append(numel)
         return next(adam_reads)
 
-    monkeypatch.setattr(hardware, "measure_host_adam_params_per_s", host_adam)
-    monkeypatch.setattr(hardware, "measure_host_copy_contention", lambda dev, numel: 0.7)
-    monkeypatch.setattr(hardware, "measure_device_adam_params_per_s", lambda dev: 90e9)
-    monkeypatch.setattr(hardware, "measure_device_memory_bytes_per_s", lambda dev: 4.2e12)
-    monkeypatch.setattr(hardware, "measure_host_convert_elems_per_s", convert)
-    monkeypatch.setattr(hardware, "measure_op_overhead_s", overhead)
-    monkeypatch.setattr(hardware, "_release_cached_memory", lambda: None)
+    monkeypatch.setattr(hw_profile, "measure_host_adam_params_per_s", host_adam)
+    monkeypatch.setattr(hw_profile, "measure_host_copy_contention", lambda dev, numel: 0.7)
+    monkeypatch.setattr(hw_profile, "measure_device_adam_params_per_s", lambda dev: 90e9)
+    monkeypatch.setattr(hw_profile, "measure_device_memory_bytes_per_s", lambda dev: 4.2e12)
+    monkeypatch.setattr(hw_profile, "measure_host_convert_elems_per_s", convert)
+    monkeypatch.setattr(hw_profile, "measure_op_overhead_s", overhead)
+    monkeypatch.setattr(hw_profile, "release_cached_memory", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (70 * 2**30, 80 * 2**30))
 
@@ -306,18 +309,32 @@ def test_force_remeasures_and_overwrites(fake_cuda: FakeCuda, tmp_path: Path) ->
     assert HardwareProfile.from_json(path.read_text()) == FAKE_PROFILE
 
 
-@pytest.mark.parametrize(("value", "remeasures"), [("1", True), ("0", False), ("", False)])
-def test_reprofile_environment_variable(
-    value: str,
-    remeasures: bool,
-    fake_cuda: FakeCuda,
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+def test_force_drops_the_shape_files_built_on_the_replaced_measurements(
+    fake_cuda: FakeCuda, tmp_path: Path
 ) -> None:
-    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
-    monkeypatch.setenv("OFFLOAD_REPROFILE", value)
-    profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
-    assert fake_cuda.measure_calls == (2 if remeasures else 1)
+    # A shape file copies the device-level measurements: once those are measured again,
+    # a model whose shapes were cached gets its efficiency re-timed on the new ones
+    # instead of reading the old measurements back.
+    model_a, model_b = [(512, 1024, 4096)], [(64, 64, 64)]
+    profile_hardware("cuda:0", cache_dir=tmp_path, matmul_shapes=model_a, progress=False)
+    profile_hardware("cuda:0", cache_dir=tmp_path, matmul_shapes=model_b, progress=False)
+    other_dtype = profile_hardware(
+        "cuda:0", cache_dir=tmp_path, dtype=torch.bfloat16, matmul_shapes=model_a, progress=False
+    )
+    assert (fake_cuda.measure_calls, fake_cuda.efficiency_calls) == (2, 3)
+    assert len(_cache_files(tmp_path)) == 5
+
+    profile_hardware("cuda:0", cache_dir=tmp_path, force=True, progress=False)
+    assert fake_cuda.measure_calls == 3
+    # The float16 device-level file and the two bfloat16 files are left.
+    assert len(_cache_files(tmp_path)) == 3
+    profile_hardware("cuda:0", cache_dir=tmp_path, matmul_shapes=model_a, progress=False)
+    assert (fake_cuda.measure_calls, fake_cuda.efficiency_calls) == (3, 4)
+    again = profile_hardware(
+        "cuda:0", cache_dir=tmp_path, dtype=torch.bfloat16, matmul_shapes=model_a, progress=False
+    )
+    assert again == other_dtype
+    assert (fake_cuda.measure_calls, fake_cuda.efficiency_calls) == (3, 4)
 
 
 @pytest.mark.parametrize(
@@ -445,7 +462,9 @@ def test_host_adam_median_keeps_the_middle_read_quietly_when_reads_agree() -> No
 
 def test_host_adam_median_warns_when_reads_disagree() -> None:
     # One read below the others by more than HOST_ADAM_READS_SPREAD is dropped, and told.
-    with pytest.warns(RuntimeWarning, match="OFFLOAD_REPROFILE=1"):
+    with pytest.warns(
+        RuntimeWarning, match=r"profile_hardware\(device, dtype=\.\.\., force=True\)"
+    ):
         assert host_adam_median([1.4e9, 4.4e9, 4.1e9]) == 4.1e9
     assert hardware.HOST_ADAM_READS_SPREAD * 1.4 < 4.4
 
@@ -479,7 +498,6 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
 ) -> None:
     if not torch.cuda.is_available():
         pytest.fail("this test is marked gpu: run it on a machine with CUDA")
-    monkeypatch.delenv("OFFLOAD_REPROFILE", raising=False)
     shapes = [(512, 1024, 4096), (512, 4096, 1024), (512, 1024, 3072)]
 
     profile = profile_hardware(
@@ -514,8 +532,8 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
     def no_measuring(*args: object, **kwargs: object) -> None:
         raise AssertionError("measured although the profile is cached")
 
-    monkeypatch.setattr(hardware, "measure_hardware", no_measuring)
-    monkeypatch.setattr(hardware, "measure_matmul_efficiency", no_measuring)
+    monkeypatch.setattr(hw_profile, "measure_hardware", no_measuring)
+    monkeypatch.setattr(hw_profile, "measure_matmul_efficiency", no_measuring)
     again = profile_hardware("cuda", cache_dir=tmp_path, matmul_shapes=shapes, progress=False)
     assert again == profile
 
@@ -564,7 +582,7 @@ def test_attention_rates_count_what_the_flop_counter_counts_over_the_time(
         n = next(reads)  # two reads a timed call: forward's first, then both passes'
         return float(n // 2 * 4 + (n % 2) * (1 if n < 2 * reps else 3))
 
-    monkeypatch.setattr(hardware, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    monkeypatch.setattr(probes, "time", types.SimpleNamespace(perf_counter=perf_counter))
     shape = (2, 2, 64, 16)
     fwd, bwd = measure_attention_flop_per_s("cpu", batch=2, heads=2, seq=64, head_dim=16, reps=reps)
     assert fwd == sdpa_flop_count(shape, shape, shape)
@@ -592,10 +610,10 @@ def test_issue_cost_graph_counts_operations_as_the_tracer_does() -> None:
     counts = {}
     traced = {}
     for layers in (1, 2):
-        graph, counts[layers] = hardware._issue_cost_graph(
+        graph, counts[layers] = issue_cost.issue_cost_graph(
             layers, torch.float32, torch.device("cpu")
         )
-        example = (torch.randn(2, 8, hardware._ISSUE_COST_HIDDEN),)
+        example = (torch.randn(2, 8, issue_cost.ISSUE_COST_HIDDEN),)
         profile = trace(graph, example, dtype=torch.float32, target_device="cpu").to_profile()
         traced[layers] = len(profile.operations)
     per_block = counts[2] - counts[1]

@@ -31,12 +31,13 @@ from __future__ import annotations
 
 import statistics
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+
+from offload_runtime.hardware import HostStep, measure_host_step
 
 CHUNK_NUMEL = 4 << 20
 """Elements per chunk of the bf16-moment route: 32 MiB of fp32 scratch for both moments.
@@ -304,8 +305,10 @@ def measure_host_step_params_per_s(
     fp16_io: bool = False,
 ) -> float:
     """Host Adam(W) throughput of :func:`fused_adam_` with ``moments_dtype`` moments:
-    parameters per second (median of ``steps`` timed steps after one untimed step that
-    touches every page), over ``numel`` fp32 parameters with torch's current thread count.
+    parameters per second over ``numel`` fp32 parameters, timed by
+    ``offload_runtime.hardware.measure_host_step`` (one untimed step that touches every
+    page, then the median of ``steps`` timed steps, with torch's current thread count), as
+    the hardware profile's fused Adam rate is.
 
     What the planner should charge per host-state parameter when the optimizer is not
     torch's fused fp32-moment Adam, e.g. ``memory_optimize(...,
@@ -328,8 +331,9 @@ def measure_host_step_params_per_s(
     """
     if steps < 1:
         raise ValueError(f"steps ({steps}) must be >= 1")
-    median_s = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
-    return numel / max(median_s(speculative, steps), 1e-9)
+    kind = _host_steps(moments_dtype, numel, host_kernel, fp16_io)
+    step = kind.speculative if speculative else kind.plain
+    return measure_host_step(step, numel, steps=steps).params_per_s
 
 
 def measure_host_step_cost(
@@ -346,29 +350,28 @@ def measure_host_step_cost(
     optimizer that is not torch's fused fp32 Adam (the hardware profile measures that one).
 
     The median, over ``pairs`` back-to-back pairs, of this kind's step time over the fused
-    fp32 step's (each the median of 3 steps, as in :func:`measure_host_step_params_per_s`),
-    both over ``numel`` parameters with torch's current thread count. A ratio taken back
-    to back holds when the host is slower for a while, where an absolute rate does not.
-    Below 1 when the kind moves fewer bytes (bf16 moments with
-    ``host_kernel="single_pass"``). Needs about ``(16 + 8 + 2 * moment bytes) * numel``
-    bytes of host memory.
+    fp32 step's (each the median of 3 steps by ``offload_runtime.hardware.measure_host_step``,
+    as in :func:`measure_host_step_params_per_s`), both over ``numel`` parameters with
+    torch's current thread count. A ratio taken back to back holds when the host is slower
+    for a while, where an absolute rate does not. Below 1 when the kind moves fewer bytes
+    (bf16 moments with ``host_kernel="single_pass"``). Needs about
+    ``(16 + 8 + 2 * moment bytes) * numel`` bytes of host memory.
 
-    The two halves of a pair take turns going first, and ``gap_s`` seconds of sleep come
-    before each half: torch's and numba's thread pools are separate, and a pool that has
-    just finished may keep its threads spinning on the cores the other one needs, which
-    slows whichever runs second. About ``2 * pairs * (gap_s + 4 steps)`` seconds in all.
+    The two halves of a pair take turns going first, and each sleeps ``gap_s`` seconds
+    after its untimed step (``measure_host_step``'s ``settle_s``): torch's and numba's
+    thread pools are separate, and a pool that has just finished may keep its threads
+    spinning on the cores the other one needs, which slows whichever runs second. About
+    ``2 * pairs * (gap_s + 4 steps)`` seconds in all.
     """
     if pairs < 1:
         raise ValueError(f"pairs ({pairs}) must be >= 1")
     if gap_s < 0:
         raise ValueError(f"gap_s ({gap_s}) must be >= 0")
-    fused = _host_step_timer(torch.float32, numel, "torch")
-    kind = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
+    fused = _host_steps(torch.float32, numel, "torch").plain
+    kind = _host_steps(moments_dtype, numel, host_kernel, fp16_io).plain
 
-    def settled(timer: Callable[[bool, int], float]) -> float:
-        if gap_s:
-            time.sleep(gap_s)
-        return timer(False, 3)
+    def settled(step: HostStep) -> float:
+        return measure_host_step(step, numel, steps=3, settle_s=gap_s).median_s
 
     ratios = []
     for i in range(pairs):
@@ -382,14 +385,53 @@ def measure_host_step_cost(
     return statistics.median(ratios)
 
 
-def _host_step_timer(
+def measure_speculative_step_cost(
+    moments_dtype: torch.dtype = torch.float32,
+    numel: int = 64 << 20,
+    *,
+    host_kernel: str = "torch",
+    pairs: int = 3,
+    fp16_io: bool = False,
+) -> float:
+    """How many times a plain host step a speculative one takes (>= 1): what
+    ``memory_optimize(..., speculative_step_cost=)`` should charge the fp16 host steps
+    that ``AMPOptimizer(speculate_fp16=True)`` takes under backward.
+
+    The median, over ``pairs`` back-to-back pairs on one set of buffers, of the time of
+    a speculative step over that of a plain one (each the median of 3 steps by
+    ``offload_runtime.hardware.measure_host_step``, as in
+    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host).
+    Lower with ``host_kernel="single_pass"``, which writes the undo data in the step's
+    own pass, than with torch's kernel. Needs about ``(12 + 4 * moment bytes) * numel``
+    bytes of host memory. ``fp16_io``: the fp16-I/O kernels' ratio, as in
+    :func:`measure_host_step_params_per_s`.
+    """
+    if pairs < 1:
+        raise ValueError(f"pairs ({pairs}) must be >= 1")
+    kind = _host_steps(moments_dtype, numel, host_kernel, fp16_io)
+
+    def median_s(step: HostStep) -> float:
+        return measure_host_step(step, numel, steps=3).median_s
+
+    ratios = [median_s(kind.speculative) / max(median_s(kind.plain), 1e-9) for _ in range(pairs)]
+    return max(1.0, statistics.median(ratios))
+
+
+class _HostSteps(NamedTuple):
+    """A plain and a speculative host step of one kind over the same buffers."""
+
+    plain: HostStep
+    speculative: HostStep
+
+
+def _host_steps(
     moments_dtype: torch.dtype, numel: int, host_kernel: str, fp16_io: bool = False
-) -> Callable[[bool, int], float]:
-    """Buffers for timing host Adam steps over ``numel`` parameters, allocated once, and
-    a function ``(speculative, steps) -> median seconds`` of ``steps`` timed steps after
-    one untimed one (which touches every page it writes). The spare buffers of the
-    speculative step are allocated at its first use. ``fp16_io``: the single-pass kernels
-    that read an fp16 gradient and write an fp16 copy of the master."""
+) -> _HostSteps:
+    """The steps of one kind of host Adam(W) over ``numel`` parameters, for
+    ``offload_runtime.hardware.measure_host_step`` to time: buffers allocated once (the
+    speculative step's spare buffers at its first call, which the timer does not time);
+    each step is called with its count (bias correction). ``fp16_io``: the single-pass
+    kernels that read an fp16 gradient and write an fp16 copy of the master."""
     if numel < 1:
         raise ValueError(f"numel ({numel}) must be >= 1")
     if moments_dtype not in (torch.float32, torch.bfloat16):
@@ -424,23 +466,17 @@ def _host_step_timer(
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
     spare: list[torch.Tensor] = []
 
-    def median_s(speculative: bool, steps: int) -> float:
-        if speculative and not spare:
+    def plain_step(count: int) -> object:
+        return plain(param, grad, exp_avg, exp_avg_sq, torch.tensor(float(count)), hyper)
+
+    def speculative_step(count: int) -> object:
+        if not spare:
             spare.extend((torch.zeros_like(exp_avg), torch.zeros_like(exp_avg_sq)))
             spare.append(torch.zeros_like(param))
-        samples = []
-        for i in range(steps + 1):
-            step = torch.tensor(float(i + 1))
-            started = time.perf_counter()
-            if speculative:
-                undo(param, grad, exp_avg, exp_avg_sq, *spare, step, hyper)
-            else:
-                plain(param, grad, exp_avg, exp_avg_sq, step, hyper)
-            if i:
-                samples.append(time.perf_counter() - started)
-        return statistics.median(samples)
+        step = torch.tensor(float(count))
+        return undo(param, grad, exp_avg, exp_avg_sq, *spare, step, hyper)
 
-    return median_s
+    return _HostSteps(plain=plain_step, speculative=speculative_step)
 
 
 def _fused_one(
@@ -453,30 +489,3 @@ def _fused_one(
 ) -> None:
     """:func:`fused_adam_` of one tensor, with the signature of ``single_pass.adam_``."""
     fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], [step], hyper)
-
-
-def measure_speculative_step_cost(
-    moments_dtype: torch.dtype = torch.float32,
-    numel: int = 64 << 20,
-    *,
-    host_kernel: str = "torch",
-    pairs: int = 3,
-    fp16_io: bool = False,
-) -> float:
-    """How many times a plain host step a speculative one takes (>= 1): what
-    ``memory_optimize(..., speculative_step_cost=)`` should charge the fp16 host steps
-    that ``AMPOptimizer(speculate_fp16=True)`` takes under backward.
-
-    The median, over ``pairs`` back-to-back pairs on one set of buffers, of the time of
-    a speculative step over that of a plain one (each the median of 3 steps, as in
-    :func:`measure_host_step_params_per_s`; one pair varies a lot on a shared host).
-    Lower with ``host_kernel="single_pass"``, which writes the undo data in the step's
-    own pass, than with torch's kernel. Needs about ``(12 + 4 * moment bytes) * numel``
-    bytes of host memory. ``fp16_io``: the fp16-I/O kernels' ratio, as in
-    :func:`measure_host_step_params_per_s`.
-    """
-    if pairs < 1:
-        raise ValueError(f"pairs ({pairs}) must be >= 1")
-    median_s = _host_step_timer(moments_dtype, numel, host_kernel, fp16_io)
-    ratios = [median_s(True, 3) / max(median_s(False, 3), 1e-9) for _ in range(pairs)]
-    return max(1.0, statistics.median(ratios))

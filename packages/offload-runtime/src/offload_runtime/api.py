@@ -452,7 +452,7 @@ def _warn_host_rates_disagree(by_cost: float, absolute: float) -> None:
             f"({absolute / 1e9:.2f} Gparam/s) are {ratio:.1f}x apart; planning with their "
             f"geometric mean ({math.sqrt(by_cost * absolute) / 1e9:.2f}). A profile "
             "measured while the host was busy stays cached: measure it again on a quiet "
-            "host (OFFLOAD_REPROFILE=1).",
+            "host (offload_runtime.profile_hardware(device, dtype=..., force=True)).",
             RuntimeWarning,
             stacklevel=3,
         )

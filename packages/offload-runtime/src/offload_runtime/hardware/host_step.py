@@ -1,0 +1,187 @@
+"""The rate of a host optimizer step, measured one way for every kernel.
+
+[Note: one host step timer]
+Every plan charges its host Adam steps at a measured rate: the hardware profile's
+``host_adam_params_per_s`` (torch's fused fp32 Adam, :func:`measure_host_adam_params_per_s`)
+and the optimizer's own kernels (``offload_optim.measure_host_step_params_per_s`` and the
+cost ratios built on it: bf16 moments, the single-pass kernels, fp16 I/O, speculative
+steps). All of them are timed by :func:`measure_host_step`, so two rates differ only by
+the kernel and the buffers the caller hands in, never by how they were timed. The caller
+owns the kernel (this package cannot import ``offload_optim``); this module owns the
+method:
+
+- one untimed step first: it touches every page the step writes and lets the kernel
+  allocate what it allocates lazily (a torch optimizer's moments), so no timed step pays a
+  page fault or an allocation;
+- then an optional sleep (``settle_s``): another thread pool that has just run (numba's
+  OpenMP threads, torch's) may keep spinning on the cores the step needs;
+- then the median wall time of ``steps`` timed steps, with the number of CPU threads torch
+  runs with (the single-pass kernels use as many, see ``offload_optim.single_pass``)
+  recorded beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "HOST_ADAM_READS_SPREAD",
+    "HostStep",
+    "HostStepTiming",
+    "host_adam_median",
+    "measure_host_adam_params_per_s",
+    "measure_host_step",
+    "torch_fused_adam_step",
+]
+
+HOST_ADAM_NUMEL = 32 * 2**20
+"""Parameters of the profile's host Adam read (and of the copy-contention probe)."""
+_ADAM_CHUNK_NUMEL = 8 * 2**20
+"""Adam is timed over several tensors, as a model's parameter list is, not one."""
+
+HostStep = Callable[[int], object]
+"""One step of a host optimizer over buffers it owns, called with the step's count (1 for
+the first call), which a kernel that takes Adam's step count for bias correction uses."""
+
+
+@dataclass(frozen=True)
+class HostStepTiming:
+    """What :func:`measure_host_step` read."""
+
+    numel: int
+    """Parameters one step updates."""
+    samples_s: tuple[float, ...]
+    """Wall time of each timed step, in order (the untimed first step is not among them)."""
+    threads: int
+    """``torch.get_num_threads()`` while the steps ran."""
+
+    @property
+    def median_s(self) -> float:
+        """The median of :attr:`samples_s`."""
+        return statistics.median(self.samples_s)
+
+    @property
+    def params_per_s(self) -> float:
+        """Parameters per second at the median step time."""
+        return self.numel / max(self.median_s, 1e-9)
+
+
+def measure_host_step(
+    step: HostStep, numel: int, *, steps: int = 3, settle_s: float = 0.0
+) -> HostStepTiming:
+    """Time ``step``, a host optimizer step over ``numel`` parameters (see [Note: one host
+    step timer]): ``step(1)`` untimed, then ``settle_s`` seconds of sleep, then ``steps``
+    timed calls ``step(2)``, ..., ``step(steps + 1)``; the wall time of each with
+    ``time.perf_counter``.
+
+    The caller allocates the step's buffers (once, and may time the same step again);
+    what the step writes is touched by the untimed call. Rates taken one after another on
+    the same buffers (a ratio of two kinds of step) each get their own untimed call.
+    """
+    if numel < 1 or steps < 1:
+        raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
+    if settle_s < 0:
+        raise ValueError(f"settle_s ({settle_s}) must be >= 0")
+    step(1)
+    if settle_s:
+        time.sleep(settle_s)
+    samples = []
+    for count in range(2, steps + 2):
+        started = time.perf_counter()
+        step(count)
+        samples.append(time.perf_counter() - started)
+    return HostStepTiming(numel=numel, samples_s=tuple(samples), threads=torch.get_num_threads())
+
+
+def adam_params(numel: int, device: torch.device) -> list[torch.Tensor]:
+    """``numel`` fp32 parameters with gradients on ``device``, in tensors of at most
+    8 Mi elements (Adam's cost does not depend on the values)."""
+    params = []
+    remaining = numel
+    while remaining > 0:
+        size = min(remaining, _ADAM_CHUNK_NUMEL)
+        p = torch.zeros(size, dtype=torch.float32, device=device, requires_grad=True)
+        p.grad = torch.full_like(p, 1e-3)  # only its presence matters
+        params.append(p)
+        remaining -= size
+    return params
+
+
+def fit_adam_numel(numel: int, room_bytes: int) -> int:
+    """Shrink an Adam measurement (16 bytes per element) to a quarter of ``room_bytes``."""
+    if room_bytes <= 0:
+        return numel
+    return max(2**16, min(numel, room_bytes // 4 // 16))
+
+
+def torch_fused_adam_step(numel: int) -> HostStep:
+    """A fused ``torch.optim.Adam`` over ``numel`` fp32 host parameters (in 8 Mi-element
+    tensors); the step it returns allocates the moments on its first call. Needs about
+    ``16 * numel`` bytes."""
+    optimizer = torch.optim.Adam(adam_params(numel, torch.device("cpu")), lr=1e-3, fused=True)
+
+    def step(count: int) -> object:
+        return optimizer.step()
+
+    return step
+
+
+def measure_host_adam_params_per_s(
+    numel: int = HOST_ADAM_NUMEL, *, steps: int = 5, settle_s: float = 0.25
+) -> float:
+    """Fused ``torch.optim.Adam`` steps over ``numel`` fp32 host parameters: elements/s.
+
+    :func:`measure_host_step` of :func:`torch_fused_adam_step`: the median of ``steps``
+    timed steps after one untimed step and ``settle_s`` seconds of sleep, with torch's
+    current number of CPU threads. Needs about ``16 * numel`` bytes. The sleep lets
+    another thread pool that has just run (numba's, whose OpenMP threads may spin for a
+    while after a kernel) go idle: torch's fused step runs slower right after such a
+    kernel than alone, and this rate is what every plan's host steps are charged against.
+    """
+    if numel < 1 or steps < 1:
+        raise ValueError(f"numel ({numel}) and steps ({steps}) must be >= 1")
+    if settle_s < 0:
+        raise ValueError(f"settle_s ({settle_s}) must be >= 0")
+    timing = measure_host_step(torch_fused_adam_step(numel), numel, steps=steps, settle_s=settle_s)
+    return timing.params_per_s
+
+
+HOST_ADAM_READS_SPREAD = 1.5
+"""Ratio of the fastest to the slowest of a profile's host Adam reads above which
+:func:`host_adam_median` warns: wider than the spread of reads on a quiet host, so a
+warning means that something else used the host while it was profiled."""
+
+
+def host_adam_median(reads: Sequence[float]) -> float:
+    """The median of a profile's host Adam reads (parameters/s), warning when they
+    disagree by more than :data:`HOST_ADAM_READS_SPREAD`.
+
+    One read is a few fused steps over tens of milliseconds, and every plan charges its
+    host steps at this rate: a read taken while the host is busy with something else
+    (a fraction of the quiet rate) is cached with the profile and misleads every plan
+    after it, which then streams too many regions and predicts too long a step. The median
+    of reads taken first, midway and last through the profile drops one such read. A
+    larger spread is told, with how to measure again.
+    """
+    if not reads or any(not (r > 0 and math.isfinite(r)) for r in reads):
+        raise ValueError(f"host Adam reads must be positive and finite, got {list(reads)}")
+    median = statistics.median(reads)
+    if max(reads) > HOST_ADAM_READS_SPREAD * min(reads):
+        warnings.warn(
+            "the hardware profile's host Adam reads disagree ("
+            + ", ".join(f"{r / 1e9:.2f}" for r in reads)
+            + f" Gparam/s); keeping the median, {median / 1e9:.2f}. Something else was "
+            "using the host while it was profiled: measure again on a quiet host "
+            "(offload_runtime.profile_hardware(device, dtype=..., force=True)), or tell "
+            "memory_optimize the rate (host_step_params_per_s=).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return median

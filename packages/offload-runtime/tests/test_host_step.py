@@ -1,0 +1,101 @@
+"""The one timer of host optimizer steps: what it calls, in what order, and what it reads.
+
+Every time here is read from a fake clock, so the numbers are the same on any machine (up
+to the rounding of the clock's float arithmetic).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from offload_runtime.hardware import host_step, measure_host_adam_params_per_s, measure_host_step
+
+
+class FakeClock:
+    """``time.perf_counter`` and ``time.sleep`` for :mod:`host_step`: each timed call
+    (a pair of clock reads) takes the next of ``durations_s``; a sleep advances the clock.
+    ``events`` records the sleeps and, through :meth:`step`, the steps, in order."""
+
+    def __init__(self, durations_s: list[float]) -> None:
+        self.durations_s = list(durations_s)
+        self.now = 0.0
+        self.timing = False
+        self.events: list[tuple[str, float]] = []
+
+    def perf_counter(self) -> float:
+        if self.timing:
+            self.now += self.durations_s.pop(0)
+        self.timing = not self.timing
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.events.append(("sleep", seconds))
+        self.now += seconds
+
+    def step(self, count: int) -> None:
+        self.events.append(("step", count))
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock([])
+    namespace = types.SimpleNamespace(perf_counter=fake.perf_counter, sleep=fake.sleep)
+    monkeypatch.setattr(host_step, "time", namespace)
+    return fake
+
+
+def test_one_untimed_step_then_the_settle_then_the_median_of_the_timed_steps(
+    clock: FakeClock,
+) -> None:
+    clock.durations_s = [3e-3, 1e-3, 2e-3]
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        timing = measure_host_step(clock.step, 4096, steps=3, settle_s=0.5)
+    finally:
+        torch.set_num_threads(threads)
+    assert clock.events == [("step", 1), ("sleep", 0.5), ("step", 2), ("step", 3), ("step", 4)]
+    assert (timing.numel, timing.threads) == (4096, 1)
+    assert timing.samples_s == pytest.approx((3e-3, 1e-3, 2e-3), rel=1e-9)
+    assert timing.median_s == pytest.approx(2e-3, rel=1e-9)
+    assert timing.params_per_s == pytest.approx(4096 / 2e-3, rel=1e-9)
+    assert not clock.durations_s  # every timed call read the clock twice, no more
+
+
+def test_no_settle_means_no_sleep(clock: FakeClock) -> None:
+    clock.durations_s = [5e-3]
+    timing = measure_host_step(clock.step, 10, steps=1)
+    assert clock.events == [("step", 1), ("step", 2)]
+    assert timing.samples_s == pytest.approx((5e-3,), rel=1e-9)
+
+
+def test_the_profiles_host_adam_rate_is_the_timer_over_torchs_fused_adam(
+    clock: FakeClock,
+) -> None:
+    # Five timed fused steps after one untimed one and the settle: the median's rate.
+    clock.durations_s = [4e-3, 9e-3, 2e-3, 4e-3, 5e-3]
+    rate = measure_host_adam_params_per_s(1 << 12, steps=5, settle_s=0.25)
+    assert rate == pytest.approx((1 << 12) / 4e-3, rel=1e-9)
+    assert clock.events == [("sleep", 0.25)]
+    assert not clock.durations_s
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"numel": 0}, "numel"),
+        ({"steps": 0}, "steps"),
+        ({"settle_s": -1.0}, "settle_s"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs: dict[str, float], match: str) -> None:
+    args: dict[str, float] = {"numel": 16, "steps": 1, "settle_s": 0.0, **kwargs}
+    calls: list[int] = []
+    with pytest.raises(ValueError, match=match):
+        measure_host_step(
+            calls.append, int(args["numel"]), steps=int(args["steps"]), settle_s=args["settle_s"]
+        )
+    assert not calls  # rejected before any step runs
