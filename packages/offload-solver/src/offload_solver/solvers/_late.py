@@ -31,7 +31,7 @@ plan can end longer once both are streamed.
 
 from __future__ import annotations
 
-from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.plan import ParamPlacement, StatePlacement
 from offload_solver.simulators._engine import STEADY_REL_TOL, RegionAssignment, SimulationContext
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers._search import Candidate, SolveStats, evaluate

@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.plan import ParamPlacement, StatePlacement
 from offload_solver.simulators._engine import (
     ASYNC,
     RESIDENT,
