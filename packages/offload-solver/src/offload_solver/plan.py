@@ -215,7 +215,7 @@ class Plan:
     predicted_peak_bytes: int
     predicted_step_time_s: float
     """Seconds per training step once steps repeat (the host steps of one step run under
-    the next forward; see [Note: steady state] in ``offload_solver.simulators._engine``)."""
+    the next forward; see [Note: steady state] in ``offload_solver.simulators._steady``)."""
     timeline: tuple[TimelineInterval, ...]
     """One step started on an idle machine (the cold step): its span can differ from
     ``predicted_step_time_s``."""

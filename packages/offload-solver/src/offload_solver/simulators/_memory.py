@@ -26,39 +26,34 @@ def backward_level(
     dyn: int,
 ) -> tuple[int, int]:
     """Region r's backward, from ``start`` to ``end`` with its operations at ``offsets``,
-    against the dynamic peak ``dyn``: its activations plus ``level``, the bytes of the
-    gradients still waiting for their copy (``in_flight``: (copy end, bytes), in copy
-    order). A copy ending at or before an operation's start frees its bytes for that
-    operation; the copies that end by ``end`` leave ``in_flight``. Returns (``level``,
-    ``dyn``) after the region."""
-    op_start, op_end = ctx.op_start, ctx.op_end
-    if in_flight and in_flight[0][0] <= end:
-        n_ops = len(offsets)
-        hi_op = op_end[r]
-        pos = 0
-        while in_flight and in_flight[0][0] <= end:
-            g_end, g_bytes = in_flight.popleft()
-            if g_end > start:
-                # First operation (in backward order) starting at or after g_end.
-                lo_k, hi_k = pos, n_ops
-                while lo_k < hi_k:
-                    mid = (lo_k + hi_k) // 2
-                    if g_end <= start + offsets[mid]:
-                        hi_k = mid
-                    else:
-                        lo_k = mid + 1
-                if lo_k > pos:
-                    m = ctx.act_bwd_max(hi_op - lo_k, hi_op - pos) + level
-                    if m > dyn:
-                        dyn = m
-                    pos = lo_k
-            level -= g_bytes
-        if pos < n_ops:
-            m = ctx.act_bwd_max(hi_op - n_ops, hi_op - pos) + level
-            if m > dyn:
-                dyn = m
-    elif op_end[r] > op_start[r]:
-        m = ctx.act_bwd_region_max[r] + level
+    while gradient copies end in it (``in_flight``: (copy end, bytes) of the gradients
+    waiting on the device, in copy order, the first ending by ``end``), against the
+    dynamic peak ``dyn``: its activations plus ``level``, the waiting gradients' bytes. A
+    copy ending at or before an operation's start frees its bytes for that operation; the
+    copies that end by ``end`` leave ``in_flight``. Returns (``level``, ``dyn``) after the
+    region."""
+    n_ops = len(offsets)
+    hi_op = ctx.op_end[r]
+    pos = 0
+    while in_flight and in_flight[0][0] <= end:
+        g_end, g_bytes = in_flight.popleft()
+        if g_end > start:
+            # First operation (in backward order) starting at or after g_end.
+            lo_k, hi_k = pos, n_ops
+            while lo_k < hi_k:
+                mid = (lo_k + hi_k) // 2
+                if g_end <= start + offsets[mid]:
+                    hi_k = mid
+                else:
+                    lo_k = mid + 1
+            if lo_k > pos:
+                m = ctx.act_bwd_max(hi_op - lo_k, hi_op - pos) + level
+                if m > dyn:
+                    dyn = m
+                pos = lo_k
+        level -= g_bytes
+    if pos < n_ops:
+        m = ctx.act_bwd_max(hi_op - n_ops, hi_op - pos) + level
         if m > dyn:
             dyn = m
     return level, dyn

@@ -230,23 +230,23 @@ class _Step:
         optimizer_step = self.optimizer_step
         after_backward = ctx.host_step_after_backward
         up, bwd_s, add = ctx.upload_s, self.bwd_s, lanes.add
-        saved_prefix, op_start = ctx.saved_prefix, ctx.op_start
+        saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
+        region_max, pf_issue = ctx.act_bwd_region_max, self.pf_issue
         by_host: list[list[int]] = [[] for _ in range(n_reg)]
         for i in range(n_reg - 1, -1, -1):
             if codes[i] == ASYNC:
                 by_host[out.prefetch_at[i]].append(i)
-        self.in_flight: deque[tuple[float, int]] = deque()
-        """Gradients waiting on the device for their copy: (copy end, bytes), in copy order."""
-        self.level = 0
-        """Bytes of the gradients waiting for their copy."""
-        self.dyn = ctx.act_fwd_max
-        """The dynamic peak so far: activations plus waiting gradients."""
+        # Gradients waiting on the device for their copy, (copy end, bytes) in copy order;
+        # their bytes; the dynamic peak so far (activations plus waiting gradients).
+        in_flight: deque[tuple[float, int]] = deque()
+        level, dyn = 0, ctx.act_fwd_max
         self.landed: deque[tuple[int, float, int]] = deque()
         """Host-state regions whose gradients are copied and whose host work is not placed
         yet: (region, copy end, d2h task), in copy order (the host worker's FIFO order)."""
         self.deferred: list[int] = []
         """Regions whose step waits to be queued in forward order."""
         self.hooks_ran = False
+        landed = self.landed
         # Regions from this index down still copy gradients after their backward; below it
         # the last copy is known (``d2h_free``) and may already have landed at an issue
         # point, as when only device-state regions remain.
@@ -255,7 +255,7 @@ class _Step:
         for r in range(n_reg - 1, -1, -1):
             reach = lanes.t
             out.reach_b[r] = reach
-            if self.landed and optimizer_step and not after_backward:
+            if landed and optimizer_step and not after_backward:
                 # While a copy is still to come it lands at or after this issue point; once
                 # none is, the hooks that run after the last one (even before this point)
                 # leave their regions to step(): the runtime's backward-done event is on
@@ -266,7 +266,7 @@ class _Step:
             if streams.stage_issue <= reach:
                 streams.place_stage()
             for i in by_host[r]:
-                self.pf_issue[i] = reach
+                pf_issue[i] = reach
                 s = reach if reach > lanes.h2d_free else lanes.h2d_free
                 e = s + up[i]
                 lanes.last_h = out.pf_b_task[i] = add(
@@ -285,7 +285,7 @@ class _Step:
                 lanes.t = e
             elif c == ASYNC:
                 wait_task = out.pf_b_task[r]
-                life_start = self.pf_issue[r]
+                life_start = pf_issue[r]
                 pe = lanes.end[wait_task]
                 if pe > lanes.t:
                     lanes.t = pe
@@ -296,34 +296,45 @@ class _Step:
             )
             lanes.t = out.ce_b[r] = end
             # Activations of this region's backward plus gradients still waiting for their
-            # copy.
-            self.level, self.dyn = backward_level(
-                ctx, out.bwd_offsets[r], self.in_flight, r, start, end, self.level, self.dyn
-            )
+            # copy; a copy ending at or before an operation's start frees its bytes for it.
+            if in_flight and in_flight[0][0] <= end:
+                level, dyn = backward_level(
+                    ctx, out.bwd_offsets[r], in_flight, r, start, end, level, dyn
+                )
+            elif op_end[r] > op_start[r]:
+                m = region_max[r] + level
+                if m > dyn:
+                    dyn = m
             if not device[r] and numel[r] > 0:
-                self._copy_gradient(r, end)
-            gap = saved_prefix[op_start[r]] + self.level
-            if gap > self.dyn:
-                self.dyn = gap
+                waiting = self._copy_gradient(r, end)
+                if waiting:
+                    in_flight.append((lanes.d2h_free, waiting))
+                    level += waiting
+            gap = saved_prefix[op_start[r]] + level
+            if gap > dyn:
+                dyn = gap
             if c:
                 out.lifetimes[r].append((life_start, end))
+        self.dyn = dyn
+        """The dynamic peak of the step: activations plus gradients waiting for their copy."""
 
-    def _copy_gradient(self, r: int, end: float) -> None:
-        """Region r's gradient copy down after its backward ends at ``end``; its bytes wait
-        on the device until the copy ends. Its host work is placed by :meth:`hooks_before`
-        at the next issue points, or after the backward: whether a region steps as it
-        lands depends on when the backward ends."""
+    def _copy_gradient(self, r: int, end: float) -> int:
+        """Region r's gradient copy down after its backward ends at ``end``; returns the
+        bytes that wait on the device until the copy ends (0 for a copy that takes no
+        time). Its host work is placed by :meth:`hooks_before` at the next issue points,
+        or after the backward: whether a region steps as it lands depends on when the
+        backward ends."""
         lanes, size = self.lanes, self.ctx.size[r]
         s = end if end > lanes.d2h_free else lanes.d2h_free
         e = s + self.ctx.grad_d2h_s[r]
         lanes.last_d = lanes.add(LANE_D2H, r, KIND_GRAD_OFFLOAD, s, e, lanes.last_d, lanes.last_c)
         lanes.d2h_free = e
-        if size and e > end:  # a copy that takes no time leaves nothing waiting
-            self.in_flight.append((e, size))
-            self.out.grads.append((r, end, e, size))
-            self.level += size
         self.landed.append((r, e, lanes.last_d))
         self.hooks_ran = True
+        if size and e > end:
+            self.out.grads.append((r, end, e, size))
+            return size
+        return 0
 
     # ---- host work
 

@@ -18,7 +18,7 @@ host-state region ``r`` (earliest first) and a resident device-state region ``s 
 (latest first), it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
 issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
 resident. The first such swap whose repeating step ([Note: steady state] in
-``simulators._engine``) is shorter by more than the steady state's tolerance and whose
+``simulators._steady``) is shorter by more than the steady state's tolerance and whose
 peak fits the cap is kept, and the search starts again from it. Each kept swap moves
 host work to a later region, so the sum of the host-state regions' indices rises and the
 search ends. Every simulation counts in ``num_simulations``.
