@@ -20,6 +20,8 @@ _T = TypeVar("_T")
 
 
 def to_jsonable(obj: object) -> Any:
+    """``obj`` as JSON values: a dataclass as an object of its fields, an enum as its
+    value, a tuple or list as a list."""
     if isinstance(obj, Enum):
         return obj.value
     if hasattr(obj, "__dataclass_fields__"):
@@ -30,6 +32,8 @@ def to_jsonable(obj: object) -> Any:
 
 
 def load_document(text: str, kind: str) -> dict[str, Any]:
+    """The JSON object in ``text``, a ``kind`` document of :data:`SCHEMA_VERSION`;
+    ``ValueError`` naming ``kind`` otherwise."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -49,6 +53,8 @@ _MISSING = object()
 
 
 def get_field(data: Mapping[str, Any], key: str, typ: Any, default: Any = _MISSING) -> Any:
+    """``data[key]``, which must be of type ``typ`` (a bool is no number); ``default``
+    where the key is missing, ``ValueError`` without one."""
     if key not in data:
         if default is _MISSING:
             raise ValueError(f"JSON field {key!r} is missing")
@@ -60,6 +66,7 @@ def get_field(data: Mapping[str, Any], key: str, typ: Any, default: Any = _MISSI
 
 
 def str_list(value: object, where: str) -> list[str]:
+    """``value`` as a list of strings; ``ValueError`` naming ``where`` otherwise."""
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise ValueError(f"JSON field {where} must be a list of strings")
     return value
@@ -83,6 +90,8 @@ def record(cls: type[_T], value: object, where: str) -> _T:
 
 
 def enum_value(cls: type[Enum], value: object, where: str) -> Any:
+    """The member of ``cls`` whose value is ``value``; ``ValueError`` naming ``where`` and
+    the allowed values otherwise."""
     try:
         return cls(value)
     except ValueError:

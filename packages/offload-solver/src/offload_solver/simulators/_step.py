@@ -106,6 +106,16 @@ class _Step:
         """When each region's current prefetch was issued."""
         self.lanes = Lanes(out, ctx.upload_s)
         self.streams = StreamWork(ctx, out, self.lanes, self.streamed)
+        self.landed: deque[tuple[int, float, int]] = deque()
+        """Host-state regions whose gradients are copied and whose host work is not placed
+        yet: (region, copy end, d2h task), in copy order (the host worker's FIFO order)."""
+        self.deferred: list[int] = []
+        """Regions whose step waits to be queued in forward order."""
+        self.hooks_ran = False
+        """Whether a gradient hook ran in this step."""
+        self.dyn = 0
+        """The step's dynamic peak once the backward is placed: activations plus the
+        gradients waiting for their copy."""
         self.gated = carry is not None
         self.gate: Sequence[float] = ()
         if carry is not None:
@@ -240,12 +250,6 @@ class _Step:
         # their bytes; the dynamic peak so far (activations plus waiting gradients).
         in_flight: deque[tuple[float, int]] = deque()
         level, dyn = 0, ctx.act_fwd_max
-        self.landed: deque[tuple[int, float, int]] = deque()
-        """Host-state regions whose gradients are copied and whose host work is not placed
-        yet: (region, copy end, d2h task), in copy order (the host worker's FIFO order)."""
-        self.deferred: list[int] = []
-        """Regions whose step waits to be queued in forward order."""
-        self.hooks_ran = False
         landed = self.landed
         # Regions from this index down still copy gradients after their backward; below it
         # the last copy is known (``d2h_free``) and may already have landed at an issue
@@ -316,7 +320,6 @@ class _Step:
             if c:
                 out.lifetimes[r].append((life_start, end))
         self.dyn = dyn
-        """The dynamic peak of the step: activations plus gradients waiting for their copy."""
 
     def _copy_gradient(self, r: int, end: float) -> int:
         """Region r's gradient copy down after its backward ends at ``end``; returns the
