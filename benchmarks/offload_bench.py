@@ -459,7 +459,8 @@ def _plan_record(
     """A row's plan: its predictions, and what ``replay_bench.py`` plans it again with (the
     device traced for, the memory ``memory_optimize`` found in use beside the plan, where
     dtype conversions run, the speculation and streaming inputs, the planner's defaults
-    of late host work and a fused GELU, and the whole profile planned with)."""
+    of late host work and a fused GELU, the whole profile and the cost model planned
+    with)."""
     from offload_runtime.hardware import profile_hardware
 
     plan = module.plan
@@ -479,6 +480,7 @@ def _plan_record(
         out["speculative_step_cost"] = probes.speculative_cost
     if plan.streamed is not None:
         out["plan_streamed"] = dataclasses.asdict(plan.streamed)
+    out["cost_model"] = dataclasses.asdict(plan.cost_model)
     hardware = module.hardware or profile_hardware(device, progress=False)
     out["hardware"] = json.loads(hardware.to_json())
     if probes.rate_samples:

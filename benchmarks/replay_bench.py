@@ -16,9 +16,9 @@ backward issue factor at which issuing the plan's operations takes that time
 (:func:`backward_issue_factor`). The last lines count the rows whose replayed step
 is within 15% of their run mean, in all and by workload.
 
-Fitting the cost model's factors (``offload_runtime``'s ``BACKWARD_ISSUE_FACTOR``,
-``STREAM_UP_FRACTION`` and ``STREAM_HOST_CHARGE``): replay every row on record at
-candidate values (``--backward-issue-factor``, ``--stream-up-fraction``,
+Fitting the cost model's factors (``offload_solver.CostModel``'s defaults of
+``backward_issue_factor``, ``stream_up_fraction`` and ``stream_host_charge``): replay every
+row on record at candidate values (``--backward-issue-factor``, ``--stream-up-fraction``,
 ``--stream-host-charge``) and keep the value under which the most rows predict their run
 mean within 15%; ``--hold-plan`` simulates each row's own plan under the values instead of
 planning again (what the value predicts for the measured plan, apart from what it would
@@ -88,29 +88,50 @@ def row_hardware(
     host_adam_params_per_s: float | None = None,
     *,
     op_overhead_us: float | None = None,
-    backward_issue: float | None = None,
-    stream_up: float | None = None,
-    stream_charge: float | None = None,
 ) -> Any:
     """The ``HardwareProfile`` a row's plan was made with (its ``hardware``), with each
-    figure given here in place of the row's: the host Adam rate, the per-operation issue
-    cost (us), and the fitted factors ``backward_issue_factor``, ``stream_up_fraction`` and
-    ``stream_host_charge``."""
-    from offload_solver import HardwareProfile
+    figure given here in place of the row's: the host Adam rate and the per-operation issue
+    cost (us). The cost model's factors that older rows' profiles carry are left to
+    :func:`row_cost_model`."""
+    from offload_solver import CostModel, HardwareProfile
 
-    hw = HardwareProfile.from_json(json.dumps(row["hardware"]))
+    factors = {f.name for f in dataclasses.fields(CostModel)}
+    measured = {k: v for k, v in row["hardware"].items() if k not in factors}
+    hw = HardwareProfile.from_json(json.dumps(measured))
     changes: dict[str, Any] = {}
     if host_adam_params_per_s is not None:
         changes["host_adam_params_per_s"] = host_adam_params_per_s
     if op_overhead_us is not None:
         changes["op_overhead_s"] = op_overhead_us * 1e-6
+    return dataclasses.replace(hw, **changes)
+
+
+def row_cost_model(
+    row: dict[str, Any],
+    *,
+    backward_issue: float | None = None,
+    stream_up: float | None = None,
+    stream_charge: float | None = None,
+) -> Any:
+    """The ``CostModel`` a row's plan was made with (its ``cost_model``; a row written
+    before rows recorded one: the factors its ``hardware`` carried, 1 for any it lacks),
+    with each factor given here in place of the row's: ``backward_issue_factor``,
+    ``stream_up_fraction`` and ``stream_host_charge``."""
+    from offload_solver import CostModel
+
+    recorded = row.get("cost_model")
+    if isinstance(recorded, dict):
+        model = CostModel.from_json(json.dumps({"schema_version": 1, **recorded}))
+    else:
+        model = CostModel.from_hardware_json(json.dumps(row["hardware"]))
+    changes: dict[str, Any] = {}
     if backward_issue is not None:
         changes["backward_issue_factor"] = backward_issue
     if stream_up is not None:
         changes["stream_up_fraction"] = stream_up
     if stream_charge is not None:
         changes["stream_host_charge"] = stream_charge
-    return dataclasses.replace(hw, **changes)
+    return dataclasses.replace(model, **changes)
 
 
 def host_rate(row: dict[str, Any], how: str) -> float | None:
@@ -191,8 +212,9 @@ def workload_profile(workload: str, *, fuse_gelu: bool, device: str = "cuda") ->
 
 def steady_run(variant: Any, hardware: Any, plan: Any, **simulation: Any) -> Any:
     """The repeating step of ``plan``'s placements simulated on ``hardware`` with the
-    keyword arguments it was solved with (``offload_solver.simulators._engine``'s
-    ``SteadyState``: the simulator's internals, read here to set them beside a run)."""
+    keyword arguments it was solved with, its cost model among them
+    (``offload_solver.simulators._engine``'s ``SteadyState``: the simulator's internals,
+    read here to set them beside a run)."""
     from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
     from offload_solver.simulators._engine import steady_state
 
@@ -281,8 +303,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="F",
         help="replan every row with each backward operation of a step with host-state "
-        "regions issued at F (>= 1) times the issue cost (HardwareProfile."
-        "backward_issue_factor; the rows' own otherwise)",
+        "regions issued at F (>= 1) times the issue cost (CostModel.backward_issue_factor; "
+        "the rows' own otherwise)",
     )
     parser.add_argument(
         "--stream-up-fraction",
@@ -290,7 +312,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="F",
         help="replan every row with streamed copies up at this fraction (0, 1] of the H2D "
-        "rate (HardwareProfile.stream_up_fraction)",
+        "rate (CostModel.stream_up_fraction)",
     )
     parser.add_argument(
         "--stream-host-charge",
@@ -298,7 +320,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         metavar="S",
         help="replan every row with this share [0, 1] of the streamed copies' host-memory "
-        "contention charged to the host (HardwareProfile.stream_host_charge)",
+        "contention charged to the host (CostModel.stream_host_charge)",
     )
     parser.add_argument(
         "--hold-plan",
@@ -387,23 +409,30 @@ def main(argv: list[str] | None = None) -> int:
                 "state_on_device": not config.reference,
             }
             rate = host_rate(row, "samples" if args.host_rate == "samples" else "recorded")
-            overrides = {
-                "op_overhead_us": row_issue_cost_us(row, args.op_overhead_us),
-                "backward_issue": args.backward_issue_factor,
-                "stream_up": args.stream_up_fraction,
-                "stream_charge": args.stream_host_charge,
-            }
-            hw = row_hardware(row, rate, **overrides)
+            issue_us = row_issue_cost_us(row, args.op_overhead_us)
+            cost = row_cost_model(
+                row,
+                backward_issue=args.backward_issue_factor,
+                stream_up=args.stream_up_fraction,
+                stream_charge=args.stream_host_charge,
+            )
+            # With --hold-plan the row's plan: its own profile and cost model.
+            plan_cost = row_cost_model(row) if args.hold_plan else cost
+            hw = row_hardware(row, rate, op_overhead_us=issue_us)
             plan = solve(
-                variant, row_hardware(row, rate) if args.hold_plan else hw, budget, **planning
+                variant,
+                row_hardware(row, rate) if args.hold_plan else hw,
+                budget,
+                cost_model=plan_cost,
+                **planning,
             )
             in_loop = loop_busy_ms(row)
             if args.host_rate == "loop" and in_loop:
                 scaled = hw.host_adam_params_per_s * planned_host_busy_s(plan) * 1e3 / in_loop
-                hw = row_hardware(row, scaled, **overrides)
+                hw = row_hardware(row, scaled, op_overhead_us=issue_us)
                 plan_hw = row_hardware(row, scaled) if args.hold_plan else hw
-                plan = solve(variant, plan_hw, budget, **planning)
-            steady = steady_run(variant, hw, plan, **simulation)
+                plan = solve(variant, plan_hw, budget, cost_model=plan_cost, **planning)
+            steady = steady_run(variant, hw, plan, cost_model=cost, **simulation)
             replayed = (steady.period_s if args.hold_plan else plan.predicted_step_time_s) * 1e3
             run = float(row["step_mean_ms"])
             errors.setdefault(workload, []).append(replayed / run - 1)

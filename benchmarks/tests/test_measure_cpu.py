@@ -28,6 +28,11 @@ def test_each_row_of_ours_records_its_steps_plan_and_floor(
         assert row["config"] == offload_bench.dataclasses.asdict(offload_bench.OURS[kind])
         assert set(row["floor_parts_ms"]) == {"h2d", "d2h", "host_adam"}
         assert row["hardware"]["host_adam_params_per_s"] > 0  # the plan's whole profile
+        assert row["cost_model"] == {  # and the cost model it was planned with
+            "backward_issue_factor": 4.0,
+            "stream_up_fraction": 0.78,
+            "stream_host_charge": 0.5,
+        }
         assert len(row["issue_cost_us_reads"]) == 2
         spans = row["cpu_span_ms"]
         assert spans["calls"] == 5 and spans["backward"] > 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from replay_bench import (
     iter_rows,
     loop_busy_ms,
     row_config,
+    row_cost_model,
     row_hardware,
     row_issue_cost_us,
 )
@@ -74,18 +76,31 @@ def test_the_profile_is_the_rows_with_each_figure_given_in_its_place() -> None:
     from offload_solver.hardware import default_hardware
 
     row = {"hardware": json.loads(default_hardware().to_json())}
-    hw = row_hardware(
-        row,
-        3e9,
-        op_overhead_us=20.0,
-        backward_issue=2.5,
-        stream_up=0.7,
-        stream_charge=0.25,
-    )
+    hw = row_hardware(row, 3e9, op_overhead_us=20.0)
     assert hw.host_adam_params_per_s == 3e9 and hw.op_overhead_s == pytest.approx(20e-6)
-    assert hw.backward_issue_factor == 2.5
-    assert (hw.stream_up_fraction, hw.stream_host_charge) == (0.7, 0.25)
     assert row_hardware(row) == default_hardware()
+
+
+def test_the_cost_model_is_the_rows_with_each_factor_given_in_its_place() -> None:
+    from offload_solver import CostModel
+    from offload_solver.hardware import default_hardware
+
+    # A row that records its cost model; the factors its hardware carries are ignored.
+    recorded = {"backward_issue_factor": 3.0, "stream_up_fraction": 0.6, "stream_host_charge": 0.4}
+    older = {**json.loads(default_hardware().to_json()), "backward_issue_factor": 4.0}
+    row = {"hardware": older, "cost_model": recorded}
+    assert row_cost_model(row) == CostModel(**recorded)
+    told = row_cost_model(row, backward_issue=2.5, stream_up=0.7, stream_charge=0.25)
+    assert told == CostModel(
+        backward_issue_factor=2.5, stream_up_fraction=0.7, stream_host_charge=0.25
+    )
+    # A row written before rows recorded one: the factors its profile carried (1 for any
+    # it lacks), and its profile without them, read without a warning.
+    row = {"hardware": older}
+    assert row_cost_model(row) == CostModel(4.0, 1.0, 1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert row_hardware(row) == default_hardware()
 
 
 def test_rows_are_read_from_row_files_folders_and_older_files(tmp_path: Path) -> None:

@@ -437,7 +437,7 @@ def test_plan_only_chooses_where_conversions_run_as_memory_optimize_does(
 ) -> None:
     """--plan_only solves both places for the dtype conversions (choose_plan, which
     memory_optimize calls) for the default GPU profile, with the arguments a run uses."""
-    from offload_runtime import BACKWARD_ISSUE_FACTOR, choose_plan
+    from offload_runtime import choose_plan
     from offload_solver import default_hardware
     from offload_trace import trace
 
@@ -463,10 +463,8 @@ def test_plan_only_chooses_where_conversions_run_as_memory_optimize_does(
         fuse_gelu=False,
     ).to_profile(name="gpt2_medium")
     kwargs = dict(host_step_after_backward=True, micro_batches=2)
-    # memory_optimize's default backward issue factor (no region streams, so the streamed
-    # copies' defaults change nothing).
-    hw = dataclasses.replace(default_hardware(), backward_issue_factor=BACKWARD_ISSUE_FACTOR)
-    on_device, _, want, times = choose_plan(profile, hw, 13 * GB, **kwargs)
+    # memory_optimize's default cost model, as choose_plan's.
+    on_device, _, want, times = choose_plan(profile, default_hardware(), 13 * GB, **kwargs)
     # Converting on the device is predicted faster here, so a plan of the traced (host
     # conversion) profile alone would differ.
     assert on_device and times[True] < times[False]
@@ -637,31 +635,22 @@ def test_stream_flag_tells_the_planner_what_streaming_costs(
     assert code == 0, err
 
 
-def test_stream_plans_with_the_runtimes_contention_split(
+def test_stream_leaves_the_contention_split_to_the_cost_model(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--stream leaves the split of the streamed copies' host-memory contention to
-    memory_optimize's defaults, and --plan_only's profile carries the same split."""
+    """--stream leaves the cost model's split of the streamed copies' host-memory
+    contention to memory_optimize's defaults (CostModel()), and --plan_only's profile is
+    the hardware alone, the cost model planned with apart from it."""
     from dataclasses import replace
 
     from offload_gpt_example.__main__ import HostSteps
-    from offload_runtime import STREAM_HOST_CHARGE, STREAM_UP_FRACTION
     from offload_solver import default_hardware
 
     plain = HostSteps("torch", False, None, None)
     streamed = replace(plain, stream=True)
-    assert streamed.optimize_kwargs.keys().isdisjoint({"stream_host_charge", "stream_up_fraction"})
+    assert streamed.optimize_kwargs.keys().isdisjoint({"cost_model"})
     for steps in (plain, streamed):
-        hw = steps.plan_hardware(default_hardware(), measured=False)
-        assert (hw.stream_host_charge, hw.stream_up_fraction) == (
-            STREAM_HOST_CHARGE,
-            STREAM_UP_FRACTION,
-        )
-    assert (STREAM_HOST_CHARGE, STREAM_UP_FRACTION) == (0.5, 0.78)
-    # --plan_only's profile carries --backward_issue_factor, memory_optimize's by default.
-    assert plain.plan_hardware(default_hardware(), measured=False).backward_issue_factor == 4.0
-    told = plain.plan_hardware(default_hardware(), measured=False, backward_issue_factor=2.5)
-    assert told.backward_issue_factor == 2.5
+        assert steps.plan_hardware(default_hardware(), measured=False) == default_hardware()
     base = [*TINY, *FINE, "--batch_size", "2", "--steps", "2", "--log_dir", str(tmp_path)]
     code, _, err = _run([*base, "--stream", "--stream_split", "--plan_only"], capsys)
     assert code == 2
@@ -701,10 +690,9 @@ def test_the_backward_issue_factor_the_loop_read_plans_the_next_run(
     host's time in backward(loss) beside issuing the plan's operations at that cost, and
     the factor that matches; --backward_issue_factor plans the next run with it. (The
     CPU's default profile charges no issue cost: 20 us an operation is set here.)"""
-    import dataclasses
-
     import offload_runtime.api as api
-    from offload_runtime import BACKWARD_ISSUE_FACTOR, default_cpu_profile
+    from offload_runtime import default_cpu_profile
+    from offload_solver import CostModel
 
     profile = dataclasses.replace(default_cpu_profile(), op_overhead_s=20e-6)
     monkeypatch.setattr(api, "profile_hardware", lambda *a, **k: profile)
@@ -717,7 +705,7 @@ def test_the_backward_issue_factor_the_loop_read_plans_the_next_run(
     assert line is not None, out
     planned, loop_ms, steps, ops, issue_us, factor, suggested = line.groups()
     # Planned at memory_optimize's default factor.
-    assert float(planned) == BACKWARD_ISSUE_FACTOR and int(steps) == 3
+    assert float(planned) == CostModel().backward_issue_factor and int(steps) == 3
     assert float(issue_us) == 20.0
     expected = max(1.0, float(loop_ms) / (int(ops) * 0.02))
     assert float(factor) == pytest.approx(expected, rel=1e-2, abs=2e-3)

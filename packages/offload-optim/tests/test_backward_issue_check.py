@@ -16,8 +16,8 @@ from offload_optim import (
     StepReport,
     check_backward_issue,
 )
-from offload_runtime import BACKWARD_ISSUE_FACTOR, OffloadModule, default_cpu_profile
-from offload_solver import StatePlacement
+from offload_runtime import OffloadModule, default_cpu_profile
+from offload_solver import CostModel, StatePlacement
 
 ISSUE_S = 20e-6
 """The made-up profile's cost of issuing one operation."""
@@ -60,7 +60,7 @@ def test_the_factor_issues_the_plans_operations_in_the_measured_backward() -> No
     check = check_backward_issue(amp)
     assert check is not None
     assert (check.operations, check.op_overhead_s, check.steps) == (ops, ISSUE_S, 3)
-    assert check.planned_factor == BACKWARD_ISSUE_FACTOR  # memory_optimize's default
+    assert check.planned_factor == CostModel().backward_issue_factor  # memory_optimize's
     assert check.measured_s == pytest.approx(ops * ISSUE_S * 4)  # the median
     assert check.loop_factor == pytest.approx(4.0)
     last = check_backward_issue(amp, last=1)

@@ -1,5 +1,5 @@
 """check_stream_rate: the rate the ring's copies up ran at in the loop, against the plan's
-stream_up_fraction ([Note: timing the ring's copies up] in streamed.py), on CPU plans
+cost model's stream_up_fraction ([Note: timing the ring's copies up] in streamed.py), on CPU plans
 with made-up timings (the CPU times no copy), and the ring's timing helpers."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_the_check_takes_the_medians_of_the_steps_read() -> None:
     assert check.steps == 3
     assert check.up_bytes == 6 << 30 and check.measured_s == pytest.approx(0.15)
     assert check.profile_s == hardware.h2d_time_s(6 << 30)
-    assert check.planned_fraction == hardware.stream_up_fraction
+    assert check.planned_fraction == module.plan.cost_model.stream_up_fraction == 0.78
     assert check.loop_fraction == pytest.approx(min(1.0, check.profile_s / 0.15))
     last = check_stream_rate(amp, last=1)
     assert last is not None and last.steps == 1 and last.measured_s == pytest.approx(0.2)

@@ -30,16 +30,13 @@ import offload_runtime.api
 import offload_runtime.controller
 import offload_runtime.module
 from offload_runtime import (
-    BACKWARD_ISSUE_FACTOR,
-    STREAM_HOST_CHARGE,
-    STREAM_UP_FRACTION,
     OffloadModule,
     measure_device_bytes_in_use,
     memory_optimize,
     planning_hardware,
 )
 from offload_runtime.hardware import default_cpu_profile
-from offload_solver import InfeasibleBudgetError
+from offload_solver import CostModel, InfeasibleBudgetError
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt2": tiny_gpt2,
@@ -437,25 +434,10 @@ def test_modules_are_freed_and_close_releases_device_memory() -> None:
 def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     """The host Adam rate replaced (as a rate, as a cost against the profile's, or as the
     geometric mean of both), no conversion passes with fp16 I/O, and the same refusals as
-    memory_optimize's."""
+    memory_optimize's; told nothing, the profile as measured (the cost model's factors
+    travel apart from it)."""
     hw = default_cpu_profile()
-    # By default the streamed copies' contention is split (STREAM_HOST_CHARGE and
-    # STREAM_UP_FRACTION) and the backward beside host-state regions issues at
-    # BACKWARD_ISSUE_FACTOR; None for all three plans with the profile as it is.
-    as_is = {"stream_up_fraction": None, "stream_host_charge": None, "backward_issue_factor": None}
-    assert planning_hardware(hw, **as_is) == hw
-    split = planning_hardware(hw)
-    assert (split.stream_host_charge, split.stream_up_fraction, split.backward_issue_factor) == (
-        STREAM_HOST_CHARGE,
-        STREAM_UP_FRACTION,
-        BACKWARD_ISSUE_FACTOR,
-    )
-    assert BACKWARD_ISSUE_FACTOR == 4.0
-    unsplit = {"stream_host_charge": 1.0, "stream_up_fraction": 1.0, "backward_issue_factor": 1.0}
-    assert dataclasses.replace(split, **unsplit) == hw
-    sig = inspect.signature(memory_optimize).parameters
-    assert sig["stream_host_charge"].default == STREAM_HOST_CHARGE
-    assert sig["stream_up_fraction"].default == STREAM_UP_FRACTION
+    assert planning_hardware(hw) == hw
     rate = hw.host_adam_params_per_s / 4
     by_cost = planning_hardware(hw, host_step_cost=4.0)
     assert by_cost.host_adam_params_per_s == pytest.approx(rate)
@@ -481,44 +463,38 @@ def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
     for kwargs in bad:
         with pytest.raises(ValueError, match="host_step"):
             planning_hardware(hw, **kwargs)
-    # The backward's issue cost beside host-state regions, set when given (the profile's
-    # with None, 1); memory_optimize takes it too, with the same default.
-    assert planning_hardware(hw, backward_issue_factor=2.5).backward_issue_factor == 2.5
-    assert planning_hardware(hw, **as_is).backward_issue_factor == hw.backward_issue_factor == 1.0
-    assert sig["backward_issue_factor"].default == BACKWARD_ISSUE_FACTOR
-    with pytest.raises(ValueError, match="backward_issue_factor"):
-        planning_hardware(hw, backward_issue_factor=0.5)
-    # The streamed copies' share of the H2D rate, set when given (the profile's otherwise).
-    assert planning_hardware(hw, stream_up_fraction=0.7).stream_up_fraction == 0.7
-    assert planning_hardware(hw, **as_is).stream_up_fraction == hw.stream_up_fraction == 1.0
-    for fraction in (0.0, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="stream_up_fraction"):
-            planning_hardware(hw, stream_up_fraction=fraction)
-    # The share of the streamed copies' contention charged to the host, likewise.
-    both_sides = planning_hardware(hw, stream_up_fraction=0.78, stream_host_charge=0.5)
-    assert (both_sides.stream_up_fraction, both_sides.stream_host_charge) == (0.78, 0.5)
-    assert planning_hardware(hw, stream_host_charge=0.0).stream_host_charge == 0.0
-    assert planning_hardware(hw, **as_is).stream_host_charge == hw.stream_host_charge == 1.0
-    for charge in (-0.5, 1.5, float("nan")):
-        with pytest.raises(ValueError, match="stream_host_charge"):
-            planning_hardware(hw, stream_host_charge=charge)
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"stream_up_fraction": 0.0}, {"stream_host_charge": 2.0}], ids=["up", "charge"]
-)
-def test_bad_stream_planning_arguments_are_refused_before_tracing(
-    monkeypatch: pytest.MonkeyPatch, kwargs: dict[str, float]
+@pytest.mark.usefixtures("trace_once")
+def test_memory_optimize_plans_with_the_cost_model_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import offload_runtime.api as api
+    # All optimizer state on the host and an issue cost of 20 us an operation: the
+    # backward beside the host issues at CostModel()'s factor unless memory_optimize is
+    # told another, and the plan records the one it was made with. Anything but a
+    # CostModel is refused before tracing.
+    hw = dataclasses.replace(default_cpu_profile(), op_overhead_s=20e-6)
+    kwargs: dict[str, Any] = dict(
+        dtype=torch.float32, hardware=hw, device="cpu", progress=False, state_on_device=False
+    )
+    model, inp = tiny_gpt2(), inputs()
+    fitted = memory_optimize(model, inp, 2**30, "asyn", **kwargs)
+    unfitted_model = CostModel(backward_issue_factor=1.0)
+    unfitted = memory_optimize(model, inp, 2**30, "asyn", cost_model=unfitted_model, **kwargs)
+    assert inspect.signature(memory_optimize).parameters["cost_model"].default is None
+    assert fitted.plan.cost_model == CostModel()
+    assert unfitted.plan.cost_model == unfitted_model
+    assert unfitted.plan.predicted_step_time_s < fitted.plan.predicted_step_time_s
+    fitted.close()
+    unfitted.close()
 
     def no_trace(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("traced before the arguments were checked")
 
-    monkeypatch.setattr(api, "trace", no_trace)
-    with pytest.raises(ValueError, match=next(iter(kwargs))):
+    monkeypatch.setattr(offload_runtime.api, "trace", no_trace)
+    with pytest.raises(ValueError, match="cost_model must be None or"):
         memory_optimize(
-            tiny_gpt2(), inputs(), 2**30, "asyn", device="cpu", progress=False, **kwargs
+            model, inp, 2**30, "asyn", cost_model={"backward_issue_factor": 1.0}, **kwargs
         )
 
 

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from offload_solver import (
     BandwidthPoint,
+    CostModel,
     HardwareProfile,
     ModelProfile,
     Operation,
@@ -23,6 +24,10 @@ from offload_solver import (
     StatePlacement,
 )
 from offload_solver.regions import RegionLayout
+
+UNFITTED = CostModel(backward_issue_factor=1.0, stream_up_fraction=1.0, stream_host_charge=1.0)
+"""Every factor of the cost model at 1: the simulator prices from the hardware's
+measurements alone, as the hand arithmetic of the tests that use it does."""
 
 
 def flat_hardware(

@@ -1,8 +1,8 @@
-"""``HardwareProfile.backward_issue_factor`` ([Note: the backward beside the host] in the
-engine): in a step with host-state regions each backward operation costs the host that
-many times ``op_overhead_s`` to issue, issued ahead of the device ([Note: issuing ahead])
-where that takes longer than the pass priced alone; a step whose regions all keep their
-state on the device keeps ``op_overhead_s``."""
+"""``CostModel.backward_issue_factor`` ([Note: the backward beside the host] in
+``simulators._context``): in a step with host-state regions each backward operation costs
+the host that many times ``op_overhead_s`` to issue, issued ahead of the device ([Note:
+issuing ahead]) where that takes longer than the pass priced alone; a step whose regions
+all keep their state on the device keeps ``op_overhead_s``."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import dataclasses
 import math
 
 import pytest
-from solver_helpers import flat_hardware, viewed_chain
+from solver_helpers import UNFITTED, flat_hardware, viewed_chain
 
 from offload_solver import (
+    CostModel,
     HardwareProfile,
     ModelProfile,
     ParamPlacement,
@@ -20,8 +21,10 @@ from offload_solver import (
     SimulationContext,
     StatePlacement,
     get_simulator,
+    solve,
 )
-from offload_solver.simulators._engine import KINDS, issued_starts
+from offload_solver.simulators._context import issued_starts
+from offload_solver.simulators._timeline import KINDS
 
 
 def test_views_cost_nothing_behind_a_busy_device() -> None:
@@ -52,8 +55,11 @@ def _small_kernels(regions: int, views: int) -> ModelProfile:
     )
 
 
-def _backward_s(profile: ModelProfile, hw: HardwareProfile, state: StatePlacement) -> float:
-    ctx = SimulationContext.build(profile, hw)
+def _backward_s(
+    profile: ModelProfile, hw: HardwareProfile, state: StatePlacement, factor: float = 1.0
+) -> float:
+    cost_model = dataclasses.replace(UNFITTED, backward_issue_factor=factor)
+    ctx = SimulationContext.build(profile, hw, cost_model=cost_model)
     asg = [RegionAssignment(ParamPlacement.RESIDENT, state)] * len(ctx.regions)
     run = get_simulator("sync").run(ctx, asg)
     bwd = [i for i, kind in enumerate(run.kind) if KINDS[kind] == "bwd"]
@@ -62,13 +68,12 @@ def _backward_s(profile: ModelProfile, hw: HardwareProfile, state: StatePlacemen
 
 def test_host_state_steps_issue_their_backward_at_the_factor() -> None:
     profile = _small_kernels(3, 3)  # 12 operations, each backward one issue-bound
-    base = dataclasses.replace(flat_hardware(flop_per_s=1e9), op_overhead_s=0.2)
-    beside = dataclasses.replace(base, backward_issue_factor=3.0)
+    hw = dataclasses.replace(flat_hardware(flop_per_s=1e9), op_overhead_s=0.2)
     for state in (StatePlacement.DEVICE, StatePlacement.HOST):
-        assert _backward_s(profile, base, state) == pytest.approx(12 * 0.2, rel=1e-3)
+        assert _backward_s(profile, hw, state) == pytest.approx(12 * 0.2, rel=1e-3)
     # All on the device: 0.2 s each whatever the factor. Host state: each issued at 0.6 s.
-    assert _backward_s(profile, beside, StatePlacement.DEVICE) == pytest.approx(12 * 0.2, rel=1e-3)
-    assert _backward_s(profile, beside, StatePlacement.HOST) == pytest.approx(12 * 0.6, rel=1e-3)
+    assert _backward_s(profile, hw, StatePlacement.DEVICE, 3.0) == pytest.approx(12 * 0.2, rel=1e-3)
+    assert _backward_s(profile, hw, StatePlacement.HOST, 3.0) == pytest.approx(12 * 0.6, rel=1e-3)
 
 
 def test_the_factor_issues_ahead_of_a_busy_device() -> None:
@@ -77,13 +82,12 @@ def test_the_factor_issues_ahead_of_a_busy_device() -> None:
     profile = viewed_chain(
         2, 3, size_bytes=20, saved_bytes=10, flop=1000, bwd_flop=10_000, name="busy"
     )
-    base = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
-    beside = dataclasses.replace(base, backward_issue_factor=3.0)
-    priced = _backward_s(profile, base, StatePlacement.HOST)  # 2 x 10 + 6 x 0.2
+    hw = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
+    priced = _backward_s(profile, hw, StatePlacement.HOST)  # 2 x 10 + 6 x 0.2
     assert priced == pytest.approx(21.2, rel=1e-3)
     # Issued ahead at 0.6 s: the first kernel's issue, its 10 s (the views issued under
     # it), the second kernel's 10 s, then the last three views' issues after it.
-    assert _backward_s(profile, beside, StatePlacement.HOST) == pytest.approx(
+    assert _backward_s(profile, hw, StatePlacement.HOST, 3.0) == pytest.approx(
         0.6 + 10 + 10 + 3 * 0.6, rel=1e-3
     )
 
@@ -96,25 +100,51 @@ def test_beside_the_host_the_backward_is_never_shorter_than_alone() -> None:
     profile = viewed_chain(
         2, 3, size_bytes=20, saved_bytes=10, flop=1000, bwd_flop=10_000, name="busy"
     )
-    base = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
-    alone = _backward_s(profile, base, StatePlacement.HOST)
+    hw = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
+    alone = _backward_s(profile, hw, StatePlacement.HOST)
     assert alone == pytest.approx(21.2, rel=1e-3)
     for factor in (1.0, 1.001, 1.01, 1.5):
-        hw = dataclasses.replace(base, backward_issue_factor=factor)
-        assert _backward_s(profile, hw, StatePlacement.HOST) == pytest.approx(alone, rel=1e-6)
+        assert _backward_s(profile, hw, StatePlacement.HOST, factor) == pytest.approx(
+            alone, rel=1e-6
+        )
     # Above 1.5 the issued-ahead pass is the longer.
     for factor in (2.0, 3.0, 5.0):
-        hw = dataclasses.replace(base, backward_issue_factor=factor)
-        assert _backward_s(profile, hw, StatePlacement.HOST) == pytest.approx(
+        assert _backward_s(profile, hw, StatePlacement.HOST, factor) == pytest.approx(
             20 + 0.8 * factor, rel=1e-6
         )
 
 
-def test_the_factor_survives_json_defaults_to_one_and_refuses_the_rest() -> None:
-    hw = dataclasses.replace(flat_hardware(), backward_issue_factor=4.0)
-    assert HardwareProfile.from_json(hw.to_json()).backward_issue_factor == 4.0
-    assert flat_hardware().backward_issue_factor == 1.0
-    assert HardwareProfile.from_json(flat_hardware().to_json()).backward_issue_factor == 1.0
+def test_the_factor_survives_json_defaults_to_the_fitted_one_and_refuses_the_rest() -> None:
+    model = CostModel(backward_issue_factor=2.5)
+    assert CostModel.from_json(model.to_json()).backward_issue_factor == 2.5
+    assert CostModel().backward_issue_factor == 4.0
+    assert CostModel.from_json('{"schema_version": 1}').backward_issue_factor == 4.0
     for bad in (0.5, 0.0, math.inf, math.nan):
         with pytest.raises(ValueError, match="backward_issue_factor"):
-            dataclasses.replace(flat_hardware(), backward_issue_factor=bad)
+            CostModel(backward_issue_factor=bad)
+
+
+def test_solve_plans_with_the_fitted_factor_unless_told_otherwise() -> None:
+    # A bare solve() prices the backward beside host-state regions at CostModel()'s
+    # factor, and records it: the busy chain's host-state backward is the pass issued
+    # ahead at 4 x 0.2 s, 20 + 0.8 x 4 s (as in the test above), and at factor 1 the
+    # pass priced alone, 21.2 s.
+    profile = viewed_chain(
+        2, 3, size_bytes=20, saved_bytes=10, flop=1000, bwd_flop=10_000, name="busy"
+    )
+    hw = dataclasses.replace(flat_hardware(), op_overhead_s=0.2)
+    fitted = solve(profile, hw, 10**6, state_on_device=False, block_search_range_bytes=0)
+    unfitted = solve(
+        profile,
+        hw,
+        10**6,
+        state_on_device=False,
+        block_search_range_bytes=0,
+        cost_model=UNFITTED,
+    )
+    assert fitted.cost_model == CostModel() and unfitted.cost_model == UNFITTED
+    spans = []
+    for plan in (fitted, unfitted):
+        bwd = [iv for iv in plan.timeline if iv.kind == "bwd"]
+        spans.append(max(iv.end_s for iv in bwd) - min(iv.start_s for iv in bwd))
+    assert spans == pytest.approx([20 + 0.8 * 4, 21.2], rel=1e-6)

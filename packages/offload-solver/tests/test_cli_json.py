@@ -17,6 +17,7 @@ from solver_helpers import chain, flat_hardware, hardware_profiles, profiles
 
 import offload_solver
 from offload_solver import (
+    CostModel,
     HardwareProfile,
     ModelProfile,
     Operation,
@@ -108,38 +109,79 @@ def test_hardware_json_with_the_retired_issue_ahead_key_loads() -> None:
         assert HardwareProfile.from_json(json.dumps(doc)) == hw
 
 
-@pytest.mark.parametrize(
-    ("field", "value"),
-    [
-        # Without the field the streamed copies up run at the full H2D rate,
-        ("stream_up_fraction", 0.7),
-        # and charge the host for their contention in full.
-        ("stream_host_charge", 0.5),
-    ],
-)
-def test_hardware_json_without_a_streaming_field_loads_as_it_was_planned(
-    field: str, value: float
-) -> None:
-    hw = dataclasses.replace(default_hardware(), **{field: value})
-    assert HardwareProfile.from_json(hw.to_json()) == hw
-    old = json.loads(hw.to_json())
-    del old[field]
-    assert getattr(HardwareProfile.from_json(json.dumps(old)), field) == 1.0
+def test_cost_model_json_round_trips_and_fills_defaults() -> None:
+    model = CostModel(backward_issue_factor=2.5, stream_up_fraction=0.7, stream_host_charge=0.0)
+    assert CostModel.from_json(model.to_json()) == model
+    assert json.loads(CostModel().to_json()) == {
+        "schema_version": 1,
+        "backward_issue_factor": 4.0,
+        "stream_up_fraction": 0.78,
+        "stream_host_charge": 0.5,
+    }
+    # A factor the document leaves out takes its default.
+    partial = CostModel.from_json('{"schema_version": 1, "stream_up_fraction": 0.6}')
+    assert partial == CostModel(stream_up_fraction=0.6)
 
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("stream_up_fraction", v) for v in (0.0, -0.5, 1.5, float("nan"))]
+    [("backward_issue_factor", v) for v in (0.5, float("inf"), float("nan"), True, "4")]
+    + [("stream_up_fraction", v) for v in (0.0, -0.5, 1.5, float("nan"))]
     + [("stream_host_charge", v) for v in (-0.1, 1.5, float("nan"))],
 )
-def test_bad_streaming_field_is_named(field: str, value: float) -> None:
+def test_bad_cost_model_factor_is_named(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=f"CostModel.{field} is"):
+        CostModel(**{field: value})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=field):
-        dataclasses.replace(flat_hardware(), **{field: value})
+        CostModel.from_json(json.dumps({"schema_version": 1, field: value}))
 
 
-def test_no_host_charge_for_streamed_copies_is_allowed() -> None:
-    # 0: the streamed copies cost the host nothing (their contention left to the copies).
-    assert dataclasses.replace(flat_hardware(), stream_host_charge=0.0).stream_host_charge == 0
+def test_a_misspelt_cost_model_factor_is_named() -> None:
+    with pytest.raises(ValueError, match=r"unknown keys \['stream_up_fractoin'\]"):
+        CostModel.from_json('{"schema_version": 1, "stream_up_fractoin": 0.5}')
+
+
+def test_hardware_json_with_fitted_factors_loads_without_them_and_warns() -> None:
+    # A HardwareProfile written while it held the cost model's factors: they load into no
+    # field. Set ones (not 1) warn, naming them and the way to keep them; those at 1,
+    # which every profile wrote when they were not set, load silently.
+    hw = default_hardware()
+    doc = json.loads(hw.to_json())
+    doc.update(backward_issue_factor=1.0, stream_up_fraction=1.0, stream_host_charge=1.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert HardwareProfile.from_json(json.dumps(doc)) == hw
+    assert CostModel.from_hardware_json(json.dumps(doc)) == CostModel(1.0, 1.0, 1.0)
+    doc.update(backward_issue_factor=4.0, stream_up_fraction=0.78, stream_host_charge=0.5)
+    with pytest.warns(UserWarning, match="backward_issue_factor=4.0, stream_up_fraction=0.78"):
+        assert HardwareProfile.from_json(json.dumps(doc)) == hw
+    with pytest.warns(UserWarning, match=r"CostModel.from_hardware_json\(text\)"):
+        HardwareProfile.from_json(json.dumps(doc))
+    # Mapped: the factors it carries, 1 for any it lacks (as that profile read them).
+    assert CostModel.from_hardware_json(json.dumps(doc)) == CostModel()
+    del doc["stream_host_charge"]
+    assert CostModel.from_hardware_json(json.dumps(doc)) == CostModel(4.0, 0.78, 1.0)
+    assert "backward_issue_factor" not in json.loads(hw.to_json())
+
+
+def test_plans_record_their_cost_model_and_older_plans_read_with_the_defaults() -> None:
+    profile = chain([200, 300, 150, 250], fwd_flop=100, bwd_flop=400)
+    hardware = flat_hardware(h2d_bytes_per_s=100.0, flop_per_s=100.0)
+    model = CostModel(backward_issue_factor=2.0, stream_up_fraction=0.5)
+    plan = solve(profile, hardware, 5200, cost_model=model)
+    assert plan.cost_model == model
+    doc = json.loads(plan.to_json())
+    assert doc["cost_model"] == {
+        "backward_issue_factor": 2.0,
+        "stream_up_fraction": 0.5,
+        "stream_host_charge": 0.5,
+    }
+    assert Plan.from_json(plan.to_json()) == plan
+    del doc["cost_model"]  # a plan written before plans recorded their cost model
+    assert Plan.from_json(json.dumps(doc)) == dataclasses.replace(plan, cost_model=CostModel())
+    doc["cost_model"] = {"backward_issue_factor": 0.5}
+    with pytest.raises(ValueError, match=r"CostModel\.backward_issue_factor is 0\.5"):
+        Plan.from_json(json.dumps(doc))
 
 
 @pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
@@ -185,14 +227,18 @@ def test_bad_upload_bytes_per_param_is_named() -> None:
         ModelProfile.from_json(json.dumps(doc))
 
 
-@pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, Plan])
-def test_wrong_schema_version_is_named(kind: type[ModelProfile | HardwareProfile | Plan]) -> None:
+@pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, CostModel, Plan])
+def test_wrong_schema_version_is_named(
+    kind: type[ModelProfile | HardwareProfile | CostModel | Plan],
+) -> None:
     with pytest.raises(ValueError, match="schema_version 99; this solver reads version 1"):
         kind.from_json(json.dumps({"schema_version": 99}))
 
 
-@pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, Plan])
-def test_malformed_json_is_named(kind: type[ModelProfile | HardwareProfile | Plan]) -> None:
+@pytest.mark.parametrize("kind", [ModelProfile, HardwareProfile, CostModel, Plan])
+def test_malformed_json_is_named(
+    kind: type[ModelProfile | HardwareProfile | CostModel | Plan],
+) -> None:
     with pytest.raises(ValueError, match="is not valid JSON"):
         kind.from_json("{not json")
     with pytest.raises(ValueError, match="must be an object"):
@@ -285,6 +331,37 @@ def test_cli_host_step_options_reach_the_solver(
     assert len(set(steps)) == 3, steps
 
 
+def test_cli_plans_with_a_cost_model_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Host state and an issue cost: the backward issue factor changes the step. Without
+    # --cost-model the CLI plans with CostModel(); with one, with its factors (those it
+    # leaves out at their defaults), and the plan records them.
+    profile = chain([300, 400, 500, 400, 300], fwd_flop=100, bwd_flop=1000)
+    hardware = dataclasses.replace(flat_hardware(), op_overhead_s=0.5)
+    path, hw_path = tmp_path / "chain.json", tmp_path / "hw.json"
+    path.write_text(profile.to_json())
+    hw_path.write_text(hardware.to_json())
+    cost_path, out = tmp_path / "cost.json", tmp_path / "plan.json"
+    cost_path.write_text('{"schema_version": 1, "backward_issue_factor": 1.0}')
+    base = [str(path), "--budget", "8000", "--hardware", str(hw_path), "-o", str(out)]
+    assert main(base) == 0
+    fitted = Plan.from_json(out.read_text())
+    assert main([*base, "--cost-model", str(cost_path)]) == 0
+    told = Plan.from_json(out.read_text())
+    capsys.readouterr()
+    assert fitted.cost_model == CostModel()
+    assert told.cost_model == CostModel(backward_issue_factor=1.0)
+    for plan in (fitted, told):
+        want = solve(profile, hardware, 8000, cost_model=plan.cost_model)
+        assert plan.regions == want.regions
+        assert plan.predicted_step_time_s == want.predicted_step_time_s
+    assert told.predicted_step_time_s < fitted.predicted_step_time_s
+    cost_path.write_text('{"schema_version": 1, "backward_issue_factor": 0.5}')
+    assert main([*base, "--cost-model", str(cost_path)]) == 2
+    assert "CostModel.backward_issue_factor is 0.5" in capsys.readouterr().err
+
+
 def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     profile = tmp_path / "layers.json"
     sizes = [1000, 24, 1000, 24, 1000, 24, 1000]  # one 4072 B region by default
@@ -309,6 +386,7 @@ def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--budget", "16GiB", "--speculative-step-cost", "0.5"], "speculative_step_cost is"),
         (["--budget", "16GiB", "--solver", "magic"], "Solver 'magic' is not registered"),
         (["--budget", "16GiB", "--hardware", "missing.json"], "cannot read hardware file"),
+        (["--budget", "16GiB", "--cost-model", "missing.json"], "cannot read cost model file"),
     ],
 )
 def test_cli_bad_input_exits_2_without_traceback(

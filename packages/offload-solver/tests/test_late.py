@@ -24,7 +24,7 @@ from offload_solver import (
     solve,
 )
 from offload_solver.cli import main
-from offload_solver.simulators._engine import steady_state
+from offload_solver.simulators._steady import steady_state
 from offload_solver.solve import BUDGET_SAFETY_FACTOR
 from offload_solver.solvers._late import move_host_work_late, swapped
 from offload_solver.solvers._search import Candidate, SolveStats, evaluate

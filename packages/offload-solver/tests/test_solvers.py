@@ -27,7 +27,7 @@ from offload_solver import (
     get_simulator,
     solve,
 )
-from offload_solver.simulators._engine import KIND_HOST_STEP
+from offload_solver.simulators._timeline import KIND_HOST_STEP
 
 A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT
 HOST, DEVICE = StatePlacement.HOST, StatePlacement.DEVICE

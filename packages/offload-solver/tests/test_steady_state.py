@@ -26,7 +26,15 @@ from offload_solver import (
     get_simulator,
     solve,
 )
-from offload_solver.simulators._engine import (
+from offload_solver.simulators._steady import (
+    STEADY_REL_TOL,
+    Carry,
+    carry_from,
+    same_carry,
+    steady_state,
+)
+from offload_solver.simulators._step import run
+from offload_solver.simulators._timeline import (
     KIND_FWD,
     KIND_HOST_STEP,
     KIND_UPLOAD,
@@ -34,13 +42,7 @@ from offload_solver.simulators._engine import (
     LANE_D2H,
     LANE_H2D,
     LANE_HOST,
-    STEADY_REL_TOL,
-    Carry,
     EngineRun,
-    carry_from,
-    run,
-    same_carry,
-    steady_state,
 )
 
 A, S, R = ParamPlacement.ASYNC, ParamPlacement.SYNC, ParamPlacement.RESIDENT

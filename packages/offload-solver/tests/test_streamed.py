@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from hypothesis import strategies as st
-from solver_helpers import assignments, engine_cases, flat_hardware
+from solver_helpers import UNFITTED, assignments, engine_cases, flat_hardware
 
 from offload_solver import (
     HardwareProfile,
@@ -31,14 +31,10 @@ from offload_solver import (
     solve,
 )
 from offload_solver.cli import main
-from offload_solver.simulators._engine import (
-    KINDS,
-    LANES,
-    EngineRun,
-    _stage_split,
-    run,
-    steady_state,
-)
+from offload_solver.simulators._steady import steady_state
+from offload_solver.simulators._step import run
+from offload_solver.simulators._stream import stage_split
+from offload_solver.simulators._timeline import KINDS, LANES, EngineRun
 from offload_solver.solve import BUDGET_SAFETY_FACTOR
 from offload_solver.solvers._streamed import interleave, stream_candidates
 
@@ -111,7 +107,11 @@ def test_a_streamed_region_is_stepped_on_the_device_after_the_answer() -> None:
     #   upload [13.5,13.7] after region 2's [13.2,13.4].
     hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_LIKE,
+        cost_model=UNFITTED,
     )
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -181,7 +181,11 @@ def test_a_resident_streamed_region_written_on_the_device_is_not_uploaded_again(
     # upload, 13.4 against 13.7.
     hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_WRITING
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_WRITING,
+        cost_model=UNFITTED,
     )
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -215,7 +219,11 @@ def test_a_resident_streamed_region_written_on_the_device_is_not_uploaded_again(
     asg_a = [RegionAssignment(R, HOST), RegionAssignment(S, STREAMED), RegionAssignment(R, HOST)]
     for costs in (W4_LIKE, W4_WRITING):
         ctx = SimulationContext.build(
-            three_layers(), hw, host_step_after_backward=True, streamed=costs
+            three_layers(),
+            hw,
+            host_step_after_backward=True,
+            streamed=costs,
+            cost_model=UNFITTED,
         )
         got = {
             (ln, r, k): span
@@ -236,7 +244,11 @@ def test_state_staged_in_the_backward_leaves_the_step_the_gradient() -> None:
     # against 13.7.
     hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_STAGED
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_STAGED,
+        cost_model=UNFITTED,
     )
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -266,7 +278,11 @@ def test_state_staged_in_the_backward_leaves_the_step_the_gradient() -> None:
     assert cold.stage_start == pytest.approx(7.2) and cold.stage_level == 700
     assert res.peak_bytes == 1300
     plain = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_LIKE,
+        cost_model=UNFITTED,
     )
     assert get_simulator("async").simulate(plain, asg).peak_bytes == 1110
     # The repeating step stages in its own backward as well (B1 ends at 10.7, the
@@ -297,8 +313,8 @@ def test_staged_chunks_are_the_streamed_regions_leading_ones_in_forward_order() 
         costs = dataclasses.replace(
             W4_LIKE, staged_chunks=3, staged_chunk_numel=chunk, staged_bytes_per_param=8
         )
-        ctx = SimulationContext.build(layers(), hw, streamed=costs)
-        hook, first, seconds, sup = _stage_split(ctx, costs, streamed)
+        ctx = SimulationContext.build(layers(), hw, streamed=costs, cost_model=UNFITTED)
+        hook, first, seconds, sup = stage_split(ctx, costs, streamed)
         assert (hook, first) == (4, 1)
         assert seconds == pytest.approx(staged)
         assert [sup[r] for r in (1, 3, 4)] == pytest.approx(up)
@@ -310,12 +326,14 @@ def test_streamed_copies_up_run_at_the_profiles_fraction_of_h2d() -> None:
     # instead of 1 [11.4,13.4]; its device step [13.4,13.5], down [13.5,14.5] and post-step
     # upload [14.5,14.7] move with it. Region 2's post-step upload, issued at 13.2, now
     # waits for the copy up on the H2D lane: [13.4,13.6].
-    hw = dataclasses.replace(
-        flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0),
-        stream_up_fraction=0.5,
-    )
+    hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
+    cost_model = dataclasses.replace(UNFITTED, stream_up_fraction=0.5)
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_LIKE,
+        cost_model=cost_model,
     )
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -342,7 +360,11 @@ def test_streamed_copies_cost_the_host_where_its_step_would_run() -> None:
         host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0, host_copy_contention=0.5
     )
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_LIKE,
+        cost_model=UNFITTED,
     )
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -385,14 +407,16 @@ def test_stream_host_charge_scales_only_what_streamed_copies_cost_the_host(
     # The case above with stream_host_charge below 1: region 0's step still pays for its
     # own copies in full (2 s + 0.2 + 0.2), and the streamed copies themselves are
     # untouched (stream_up_fraction is their side of the contention).
-    hw = dataclasses.replace(
-        flat_hardware(
-            host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0, host_copy_contention=0.5
-        ),
-        stream_host_charge=charge,
+    hw = flat_hardware(
+        host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0, host_copy_contention=0.5
     )
+    cost_model = dataclasses.replace(UNFITTED, stream_host_charge=charge)
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_LIKE,
+        cost_model=cost_model,
     )
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -409,7 +433,11 @@ def test_a_streamed_region_landing_after_the_answer_is_issued_in_its_hook() -> N
     # (issued at 11.2) goes before region 0's (11.3).
     hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
     ctx = SimulationContext.build(
-        three_layers(), hw, host_step_after_backward=True, streamed=W4_LIKE
+        three_layers(),
+        hw,
+        host_step_after_backward=True,
+        streamed=W4_LIKE,
+        cost_model=UNFITTED,
     )
     asg = [RegionAssignment(R, STREAMED), RegionAssignment(R, HOST), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
@@ -435,7 +463,7 @@ def test_without_the_answer_a_streamed_region_waits_for_every_hook() -> None:
     # [10.2,10.3], down [10.3,11.3], its upload after region 0's (issued at 11.2):
     # [11.4,11.6]; region 2's upload, issued at 7.2, goes first [7.2,7.4].
     hw = flat_hardware(host_adam_params_per_s=50.0, device_adam_params_per_s=1000.0)
-    ctx = SimulationContext.build(three_layers(), hw, streamed=W4_LIKE)
+    ctx = SimulationContext.build(three_layers(), hw, streamed=W4_LIKE, cost_model=UNFITTED)
     asg = [RegionAssignment(R, HOST), RegionAssignment(R, STREAMED), RegionAssignment(R, HOST)]
     res = get_simulator("async").simulate(ctx, asg)
     after = [t for t in intervals(res.timeline) if t[2] not in ("fwd", "bwd", "grad_offload")]
@@ -464,7 +492,11 @@ def test_the_ring_held_into_the_next_forward_counts_in_the_peak() -> None:
     hw = flat_hardware(device_adam_params_per_s=1000.0)
     costs = StreamedStepCosts(10, 10, 3000)
     ctx = SimulationContext.build(
-        three_layers(saved_bytes=1000), hw, host_step_after_backward=True, streamed=costs
+        three_layers(saved_bytes=1000),
+        hw,
+        host_step_after_backward=True,
+        streamed=costs,
+        cost_model=UNFITTED,
     )
     asg = [RegionAssignment(R, DEVICE), RegionAssignment(R, DEVICE), RegionAssignment(R, STREAMED)]
     cold = get_simulator("async").run(ctx, asg)
@@ -485,6 +517,7 @@ def test_the_ring_held_into_the_next_forward_counts_in_the_peak() -> None:
         host_step_after_backward=True,
         streamed=costs,
         block_search_range_bytes=0,
+        cost_model=UNFITTED,
     )
     assert plan.predicted_peak_bytes >= max(m.bytes for m in plan.memory_curve)
 

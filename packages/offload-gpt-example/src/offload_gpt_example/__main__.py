@@ -72,7 +72,6 @@ from offload_optim import (
     streamed_step_costs,
 )
 from offload_runtime.api import (
-    BACKWARD_ISSUE_FACTOR,
     choose_plan,
     matmul_shapes,
     measure_device_bytes_in_use,
@@ -82,6 +81,7 @@ from offload_runtime.api import (
 )
 from offload_runtime.hardware import profile_hardware
 from offload_solver import (
+    CostModel,
     HardwareProfile,
     InfeasibleBudgetError,
     ModelProfile,
@@ -233,12 +233,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument(
         "--backward_issue_factor",
         type=float,
-        default=BACKWARD_ISSUE_FACTOR,
+        default=CostModel().backward_issue_factor,
         help="how many times the profile's per-operation issue cost each backward "
         "operation costs the host when the plan keeps optimizer state on the host "
-        "(memory_optimize(backward_issue_factor=), >= 1; default %(default)g, fitted by "
-        "benchmarks/replay_bench.py; 1 prices the backward by its operations' issue cost "
-        "alone): e.g. the factor an earlier run's last line (backward: ...) read from its loop",
+        "(memory_optimize(cost_model=CostModel(backward_issue_factor=)), >= 1; default "
+        "%(default)g, fitted by benchmarks/replay_bench.py; 1 prices the backward by its "
+        "operations' issue cost alone): e.g. the factor an earlier run's last line "
+        "(backward: ...) read from its loop",
     )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
@@ -308,25 +309,17 @@ class HostSteps:
             return {"host_step_cost": self.host_cost}
         return {}
 
-    def plan_hardware(
-        self,
-        hardware: HardwareProfile,
-        *,
-        measured: bool,
-        backward_issue_factor: float = BACKWARD_ISSUE_FACTOR,
-    ) -> HardwareProfile:
+    def plan_hardware(self, hardware: HardwareProfile, *, measured: bool) -> HardwareProfile:
         """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``);
         ``measured``: whether it is a GPU's measured profile (not the default), as
         ``planning_hardware(warn_host_rates=)`` takes it (a warning only where two host
-        rates are told, which the example no longer does); ``backward_issue_factor``:
-        ``--backward_issue_factor``."""
+        rates are told, which the example no longer does)."""
         rates = self._host_rate_kwargs
         return planning_hardware(
             hardware,
             host_step_cost=rates.get("host_step_cost"),
             host_step_params_per_s=rates.get("host_step_params_per_s"),
             fp16_io=self.fp16_io,
-            backward_issue_factor=backward_issue_factor,
             warn_host_rates=measured,
         )
 
@@ -581,7 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 micro_batches=args.accumulation_steps,
                 speculative_params=limit,
                 fuse_gelu=args.fuse_gelu,
-                backward_issue_factor=args.backward_issue_factor,
+                cost_model=CostModel(backward_issue_factor=args.backward_issue_factor),
                 **host_steps.optimize_kwargs,
             )
         except InfeasibleBudgetError as exc:
@@ -781,11 +774,7 @@ def plan_only(
     if host_steps is None:
         return EXIT_FAILURE
     plan_kwargs.update(host_steps.plan_kwargs)
-    hardware = host_steps.plan_hardware(
-        hardware,
-        measured=torch.cuda.is_available(),
-        backward_issue_factor=args.backward_issue_factor,
-    )
+    hardware = host_steps.plan_hardware(hardware, measured=torch.cuda.is_available())
     in_use = 0
     if torch.cuda.is_available():
         # As memory_optimize counts them before a training run: the BLAS workspaces and
@@ -806,6 +795,7 @@ def plan_only(
                 convert_on_device=False if host_steps.fp16_io else None,
                 block_search_range_bytes=int(args.block_search_range * MB),
                 device_bytes_in_use=in_use,
+                cost_model=CostModel(backward_issue_factor=args.backward_issue_factor),
                 **plan_kwargs,
             )
     except InfeasibleBudgetError as exc:

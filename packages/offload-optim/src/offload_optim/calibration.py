@@ -18,21 +18,23 @@ runs. It reads :meth:`AMPOptimizer.recent_steps`, so the optimizer needs
 allocate and warm caches.
 
 :func:`check_stream_rate` does the same for the streamed regions' copies up, which the
-planner runs at ``HardwareProfile.stream_up_fraction`` of the profile's H2D rate: it sets
-the device time the loop's ring chunks took going up (timed on CUDA, [Note: timing the
-ring's copies up] in streamed.py) beside the profile's time for their bytes, and gives
-the fraction that makes the two agree (:attr:`StreamRateCheck.loop_fraction`), for
-``memory_optimize(..., stream_up_fraction=...)``.
+planner runs at the cost model's ``stream_up_fraction`` (``Plan.cost_model``) of the
+profile's H2D rate: it sets the device time the loop's ring chunks took going up (timed on
+CUDA, [Note: timing the ring's copies up] in streamed.py) beside the profile's time for
+their bytes, and gives the fraction that makes the two agree
+(:attr:`StreamRateCheck.loop_fraction`), for ``memory_optimize(...,
+cost_model=CostModel(stream_up_fraction=...))``.
 
 :func:`check_backward_issue` does it for the backward of a plan with host-state regions,
-which the planner issues at ``HardwareProfile.backward_issue_factor`` times the profile's
-per-operation issue cost ([Note: the backward beside the host] in the solver's engine):
-it sets the host's time in ``backward(loss)`` (:attr:`StepReport.backward_start_s` to
-:attr:`~StepReport.backward_end_s`) beside issuing the plan's traced operations at that
-cost, and gives the factor at which issuing them takes as long
-(:attr:`BackwardIssueCheck.loop_factor`), for ``memory_optimize(...,
-backward_issue_factor=...)``. Issued ahead of the device, a backward at that factor spans
-at least the measured time, and no more where its kernels take longer.
+which the planner issues at the cost model's ``backward_issue_factor`` times the profile's
+per-operation issue cost ([Note: the backward beside the host] in the solver's
+``simulators._context``): it sets the host's time in ``backward(loss)``
+(:attr:`StepReport.backward_start_s` to :attr:`~StepReport.backward_end_s`) beside issuing
+the plan's traced operations at that cost, and gives the factor at which issuing them
+takes as long (:attr:`BackwardIssueCheck.loop_factor`), for ``memory_optimize(...,
+cost_model=CostModel(backward_issue_factor=...))``. Issued ahead of the device, a backward
+at that factor spans at least the measured time, and no more where its kernels take
+longer.
 """
 
 from __future__ import annotations
@@ -137,8 +139,8 @@ class StreamRateCheck:
     rate the plan assumed ([Note: timing the ring's copies up] in streamed.py)."""
 
     planned_fraction: float
-    """The plan's ``HardwareProfile.stream_up_fraction``: the share of its H2D rate it ran
-    the ring's copies up at."""
+    """The plan's ``CostModel.stream_up_fraction`` (``Plan.cost_model``): the share of the
+    H2D rate it ran the ring's copies up at."""
     up_bytes: int
     """Median over the steps read of the bytes their streamed regions' ring chunks carried
     up (staged ones included)."""
@@ -153,8 +155,8 @@ class StreamRateCheck:
     def loop_fraction(self) -> float:
         """The ``stream_up_fraction`` at which the simulator's copies up take as long as
         the loop's did: the profile's time over the measured, at most 1. Pass it to
-        ``memory_optimize(..., stream_up_fraction=...)`` to plan again for this machine
-        as it runs."""
+        ``memory_optimize(..., cost_model=CostModel(stream_up_fraction=...))`` to plan
+        again for this machine as it runs."""
         return min(1.0, self.profile_s / self.measured_s)
 
 
@@ -191,7 +193,7 @@ def check_stream_rate(optimizer: AMPOptimizer, last: int | None = None) -> Strea
         return None
     up_bytes = int(statistics.median(b for b, _ in timed))
     return StreamRateCheck(
-        planned_fraction=hardware.stream_up_fraction,
+        planned_fraction=optimizer.module.plan.cost_model.stream_up_fraction,
         up_bytes=up_bytes,
         measured_s=statistics.median(s for _, s in timed),
         profile_s=hardware.h2d_time_s(up_bytes),
@@ -205,7 +207,7 @@ class BackwardIssueCheck:
     profile's per-operation cost, in a plan with host-state regions."""
 
     planned_factor: float
-    """The plan's ``HardwareProfile.backward_issue_factor``."""
+    """The plan's ``CostModel.backward_issue_factor`` (``Plan.cost_model``)."""
     operations: int
     """The traced operations the plan's backward issues."""
     op_overhead_s: float
@@ -259,7 +261,7 @@ def check_backward_issue(
     if not spans:
         return None
     return BackwardIssueCheck(
-        planned_factor=hardware.backward_issue_factor,
+        planned_factor=module.plan.cost_model.backward_issue_factor,
         operations=max(rp.region.op_end for rp in regions),
         op_overhead_s=hardware.op_overhead_s,
         measured_s=statistics.median(spans),

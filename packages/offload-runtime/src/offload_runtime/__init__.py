@@ -6,9 +6,6 @@ the graph and returns an :class:`OffloadModule` to train.
 """
 
 from offload_runtime.api import (
-    BACKWARD_ISSUE_FACTOR,
-    STREAM_HOST_CHARGE,
-    STREAM_UP_FRACTION,
     AttentionShape,
     attention_shapes,
     build_offload_module,
@@ -33,9 +30,6 @@ from offload_runtime.passes import apply_plan, insert_async_ops, insert_state_op
 from offload_runtime.storage import RegionStorage, region_of
 
 __all__ = [
-    "BACKWARD_ISSUE_FACTOR",
-    "STREAM_HOST_CHARGE",
-    "STREAM_UP_FRACTION",
     "AttentionShape",
     "DeviceIdentity",
     "OffloadController",

@@ -21,6 +21,7 @@ from offload_runtime.hardware import (
 )
 from offload_runtime.module import OffloadModule
 from offload_solver import (
+    CostModel,
     HardwareProfile,
     InfeasibleBudgetError,
     ModelProfile,
@@ -324,6 +325,7 @@ def choose_plan(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     late_host_work: bool = True,
+    cost_model: CostModel | None = None,
 ) -> tuple[bool, ModelProfile, Plan, dict[bool, float]]:
     """Solve ``profile`` (a traced model's, host conversion) as :func:`memory_optimize`
     does: for each place the dtype conversions may run (``convert_on_device``; None: both,
@@ -356,6 +358,7 @@ def choose_plan(
                 micro_batches=micro_batches,
                 streamed=streamed,
                 late_host_work=late_host_work,
+                cost_model=cost_model,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)
@@ -373,43 +376,6 @@ def _check_host_step(params_per_s: float | None, cost: float | None) -> None:
         raise ValueError(f"host_step_cost must be > 0, got {cost}")
     if params_per_s is not None and not params_per_s > 0:
         raise ValueError(f"host_step_params_per_s must be > 0 parameters/s, got {params_per_s}")
-
-
-STREAM_HOST_CHARGE: float = 0.5
-"""The share of the host-memory contention of streamed regions' pinned copies that
-:func:`memory_optimize` charges the host for by default (``HardwareProfile.stream_host_charge``).
-With :data:`STREAM_UP_FRACTION` it splits the contention between the host steps and the
-copies up; plans made so stream fewer regions and run faster than with the host charged
-in full (measured: BENCHMARKS.md, Decisions, "Streamed host state"). Fitted, not
-measured: ``python benchmarks/replay_bench.py --help`` replays recorded benchmark rows
-through the simulator at chosen factors."""
-
-STREAM_UP_FRACTION: float = 0.78
-"""The fraction of the H2D rate that streamed regions' state copies up reach beside the
-host steps and the copies down, which :func:`memory_optimize` plans with by default
-(``HardwareProfile.stream_up_fraction``). Fitted with :data:`STREAM_HOST_CHARGE`, by
-``python benchmarks/replay_bench.py`` likewise."""
-
-
-BACKWARD_ISSUE_FACTOR: float = 4.0
-"""How many times ``op_overhead_s`` :func:`memory_optimize` charges each backward operation
-for its issue by default in a step with host-state regions
-(``HardwareProfile.backward_issue_factor``; [Note: the backward beside the host] in the
-solver's engine): their gradient hooks and the host Adam's threads slow the thread that
-issues the backward. Fitted, not measured: ``python benchmarks/replay_bench.py --help``
-replays recorded benchmark rows through the simulator at chosen factors (BENCHMARKS.md,
-Decisions, "The backward beside the host"). The factor a training loop shows
-(``offload_optim.check_backward_issue``) varies from machine to machine; plan again with
-it where it is far from this one."""
-
-
-def _check_stream_model(fraction: float | None, charge: float | None) -> None:
-    """ValueError unless the streamed copies' rate up and host charge, where given, are in
-    range."""
-    if fraction is not None and not 0 < fraction <= 1:
-        raise ValueError(f"stream_up_fraction={fraction} must be in (0, 1] (or None)")
-    if charge is not None and not 0 <= charge <= 1:
-        raise ValueError(f"stream_host_charge={charge} must be in [0, 1] (or None)")
 
 
 HOST_RATES_DISAGREE: float = 2.0
@@ -464,32 +430,20 @@ def planning_hardware(
     host_step_params_per_s: float | None = None,
     host_step_cost: float | None = None,
     fp16_io: bool = False,
-    stream_up_fraction: float | None = STREAM_UP_FRACTION,
-    stream_host_charge: float | None = STREAM_HOST_CHARGE,
-    backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
     warn_host_rates: bool = True,
 ) -> HardwareProfile:
     """``hardware`` as :func:`memory_optimize` plans with it, given the same arguments: the
     host Adam rate replaced by the optimizer's own (``host_step_params_per_s`` in
     parameters/s, or ``host_step_cost``, its time over the profile's fused fp32 step; given
-    both, the geometric mean of that rate and the profile's over the cost), no conversion
-    passes charged with ``fp16_io`` (they happen inside the host step), and
-    ``stream_up_fraction`` and ``stream_host_charge`` unless None (by default
-    :data:`STREAM_UP_FRACTION` and :data:`STREAM_HOST_CHARGE`; they only change how
-    streamed regions are simulated), and ``backward_issue_factor`` unless None (by default
-    :data:`BACKWARD_ISSUE_FACTOR`; the profile's own with None).
+    both, the geometric mean of that rate and the profile's over the cost), and no
+    conversion passes charged with ``fp16_io`` (they happen inside the host step). The cost
+    model's fitted factors are no part of it: they go to the solver apart
+    (``choose_plan(cost_model=)``).
     For planning without building, e.g. the example's ``--plan_only``. With
     ``warn_host_rates`` (memory_optimize: on a GPU, whose profile is measured; the CPU's
     default profile holds no measured rate), warns when the two host rates are more than
     :data:`HOST_RATES_DISAGREE` apart."""
     _check_host_step(host_step_params_per_s, host_step_cost)
-    _check_stream_model(stream_up_fraction, stream_host_charge)
-    if backward_issue_factor is not None:
-        hardware = dataclasses.replace(hardware, backward_issue_factor=backward_issue_factor)
-    if stream_up_fraction is not None:
-        hardware = dataclasses.replace(hardware, stream_up_fraction=stream_up_fraction)
-    if stream_host_charge is not None:
-        hardware = dataclasses.replace(hardware, stream_host_charge=stream_host_charge)
     if host_step_cost is not None:
         by_cost = hardware.host_adam_params_per_s / host_step_cost
         if host_step_params_per_s is not None and warn_host_rates:
@@ -531,11 +485,9 @@ def memory_optimize(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     late_host_work: bool = True,
-    stream_up_fraction: float | None = STREAM_UP_FRACTION,
-    stream_host_charge: float | None = STREAM_HOST_CHARGE,
     measure_attention: bool | None = None,
     fuse_gelu: bool = True,
-    backward_issue_factor: float | None = BACKWARD_ISSUE_FACTOR,
+    cost_model: CostModel | None = None,
 ) -> OffloadModule:
     """Plan and apply parameter offload so that training ``model`` fits ``memory_budget``.
 
@@ -632,17 +584,6 @@ def memory_optimize(
             parameters needed last, so its host step waits least
             (``offload_solver.solvers._late``; measured: BENCHMARKS.md, Decisions, "Late
             host work"). Default True; False keeps the greedy phases' placements.
-        stream_up_fraction: with ``streamed``, the fraction of the H2D rate the streamed
-            regions' state copies up reach, beside the host steps and the copies down
-            (``HardwareProfile.stream_up_fraction``, in (0, 1]). Default
-            :data:`STREAM_UP_FRACTION` (0.78); None: the hardware profile's own, which a
-            measured profile leaves at 1 (the full rate).
-        stream_host_charge: with ``streamed``, the share of the host-memory contention
-            that the streamed regions' pinned copies charge the host for, in [0, 1]
-            (``HardwareProfile.stream_host_charge``). Default :data:`STREAM_HOST_CHARGE`
-            (0.5), which with the default ``stream_up_fraction`` splits the contention
-            between the host and the copies up; None: the profile's own, 1 (charged to
-            the host in full).
         measure_attention: measure causal fused attention on the training GPU at the
             traced model's own attention shapes (:func:`attention_shapes`, a second or
             so) and plan with those rates (``HardwareProfile.attention_fwd_flop_per_s``
@@ -661,14 +602,13 @@ def memory_optimize(
             then has room for. Results differ from the model as written by rounding.
             Default True (measured: BENCHMARKS.md, Decisions, "Fused tanh GELU"). A model
             without that chain is traced unchanged; False traces every model as written.
-        backward_issue_factor: how many times ``op_overhead_s`` each backward operation
-            costs the host to issue when the plan keeps some regions' optimizer state on
-            the host (``HardwareProfile.backward_issue_factor``, >= 1; the backward is
-            then simulated as issued ahead of the device where that takes longer than
-            it is priced alone). Default :data:`BACKWARD_ISSUE_FACTOR` (4, fitted: see
-            there); None: the profile's own (1 unless it says otherwise).
-            ``offload_optim.check_backward_issue`` reads the factor a training loop
-            shows, to plan again with.
+        cost_model: the simulator's fitted factors (``offload_solver.CostModel``: how
+            slowly the host issues the backward beside host-state regions, how fast the
+            streamed regions' state copies go up and how much of their host-memory
+            contention the host is charged); None (default): ``CostModel()``, the fitted
+            defaults. ``offload_optim.check_backward_issue`` and ``check_stream_rate``
+            read what a training loop shows, to plan again with. The plan records it
+            (``Plan.cost_model``).
 
     Raises:
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
@@ -685,7 +625,10 @@ def memory_optimize(
             "dtype=torch.float16 and convert_on_device=False (or None)"
         )
     _check_host_step(host_step_params_per_s, host_step_cost)
-    _check_stream_model(stream_up_fraction, stream_host_charge)
+    if cost_model is not None and not isinstance(cost_model, CostModel):
+        raise ValueError(
+            f"cost_model must be None or an offload_solver.CostModel, got {cost_model!r}"
+        )
     dev = resolve_device(device)
     measure_attention = measures_attention(measure_attention, dev, hardware)
     say = _say if progress else _quiet
@@ -735,9 +678,6 @@ def memory_optimize(
         host_step_params_per_s=host_step_params_per_s,
         host_step_cost=host_step_cost,
         fp16_io=fp16_io,
-        stream_up_fraction=stream_up_fraction,
-        stream_host_charge=stream_host_charge,
-        backward_issue_factor=backward_issue_factor,
         warn_host_rates=_profile_is_measured(dev),
     )
     if fp16_io:
@@ -773,6 +713,7 @@ def memory_optimize(
         micro_batches=micro_batches,
         streamed=streamed,
         late_host_work=late_host_work,
+        cost_model=cost_model,
     )
     if len(times) == 2:
         say(

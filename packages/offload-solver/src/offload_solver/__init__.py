@@ -1,19 +1,16 @@
 """offload-solver: a torch-free planner for parameter offload under a memory budget.
 
-Describe a model as a :class:`ModelProfile` and a machine as a :class:`HardwareProfile`,
-then call :func:`solve` to get a :class:`Plan`. Nothing here imports anything outside the
-Python standard library.
+Describe a model as a :class:`ModelProfile` and a machine as a :class:`HardwareProfile`
+(its measurements), then call :func:`solve` to get a :class:`Plan`; the simulator's fitted
+factors are a :class:`CostModel` (``CostModel()``: the fitted defaults). Nothing here
+imports anything outside the Python standard library.
 """
 
-from offload_solver.hardware import default_hardware
-from offload_solver.model import (
-    SCHEMA_VERSION,
-    BandwidthPoint,
-    HardwareProfile,
+from offload_solver._json import SCHEMA_VERSION, parse_bytes
+from offload_solver.cost_model import CostModel
+from offload_solver.hardware import BandwidthPoint, HardwareProfile, default_hardware
+from offload_solver.plan import (
     MemorySample,
-    ModelProfile,
-    Operation,
-    Parameter,
     ParamPlacement,
     Plan,
     Region,
@@ -22,8 +19,8 @@ from offload_solver.model import (
     Stream,
     StreamedStepCosts,
     TimelineInterval,
-    parse_bytes,
 )
+from offload_solver.profile import ModelProfile, Operation, Parameter
 from offload_solver.regions import RegionLayout, build_regions, search_block_size
 from offload_solver.simulators import (
     RegionAssignment,
@@ -45,6 +42,7 @@ __all__ = [
     "BUDGET_SAFETY_FACTOR",
     "SCHEMA_VERSION",
     "BandwidthPoint",
+    "CostModel",
     "HardwareProfile",
     "InfeasibleBudgetError",
     "MemorySample",

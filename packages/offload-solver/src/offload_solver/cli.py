@@ -1,6 +1,7 @@
 """``offload-solve``: plan a profile from the command line.
 
-    offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json] [-o PLAN.json]
+    offload-solve PROFILE.json --budget 16GiB [--solver asyn] [--hardware HW.json]
+                  [--cost-model COST.json] [-o PLAN.json]
                   [--block-search-range 128MiB] [--in-use 64MiB] [--micro-batches K]
                   [--host-step-after-backward | --speculative-step-cost X
                    [--speculative-params N] [--speculation-thread]]
@@ -20,15 +21,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from offload_solver.hardware import default_hardware
-from offload_solver.model import (
-    HardwareProfile,
-    ModelProfile,
-    Plan,
-    StatePlacement,
-    StreamedStepCosts,
-    parse_bytes,
-)
+from offload_solver._json import parse_bytes
+from offload_solver.cost_model import CostModel
+from offload_solver.hardware import HardwareProfile, default_hardware
+from offload_solver.plan import Plan, StatePlacement, StreamedStepCosts
+from offload_solver.profile import ModelProfile
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
 from offload_solver.solvers import SOLVERS
@@ -49,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
         "--hardware",
         type=Path,
         help="HardwareProfile JSON (default: a PCIe Gen5 H200-like machine)",
+    )
+    p.add_argument(
+        "--cost-model",
+        type=Path,
+        help="CostModel JSON: the simulator's fitted factors (default: CostModel(), the "
+        "fitted defaults); factors it leaves out take their defaults",
     )
     p.add_argument(
         "--block-search-range",
@@ -230,6 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             hardware = HardwareProfile.from_json(_read(args.hardware, "hardware"))
         else:
             hardware = default_hardware()
+        cost_model = (
+            None
+            if args.cost_model is None
+            else CostModel.from_json(_read(args.cost_model, "cost model"))
+        )
         search_range = (
             BLOCK_SEARCH_RANGE_BYTES
             if args.block_search_range is None
@@ -249,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             speculation_thread=args.speculation_thread,
             streamed=_streamed_costs(args.streamed, args.streamed_staged),
             late_host_work=args.late_host_work,
+            cost_model=cost_model,
         )
         if args.output is not None:
             try:

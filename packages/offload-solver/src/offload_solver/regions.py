@@ -36,7 +36,8 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from offload_solver.model import ModelProfile, Region
+from offload_solver.plan import Region
+from offload_solver.profile import ModelProfile
 
 BLOCK_SEARCH_STEP_BYTES = 1024
 """Granularity of the block-size search (the reference's 1 KiB)."""

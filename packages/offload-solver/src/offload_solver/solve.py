@@ -30,26 +30,30 @@ All planning is against ``budget * BUDGET_SAFETY_FACTOR``, less ``device_bytes_i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
-from offload_solver.model import (
-    HardwareProfile,
+from offload_solver.cost_model import CostModel
+from offload_solver.hardware import HardwareProfile
+from offload_solver.plan import (
     MemorySample,
-    ModelProfile,
     ParamPlacement,
     Plan,
     RegionPlan,
     StatePlacement,
     StreamedStepCosts,
 )
+from offload_solver.profile import ModelProfile
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES, BLOCK_SEARCH_STEP_BYTES
 from offload_solver.simulators import RegionAssignment, SimulationContext, get_simulator
 from offload_solver.simulators._engine import steady_state, to_result
+from offload_solver.simulators.base import Simulator
 from offload_solver.solvers import get_solver
 from offload_solver.solvers._late import move_host_work_late
 from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
+from offload_solver.solvers.base import Solver
 
 BUDGET_SAFETY_FACTOR = 0.95
 """Solvers plan against this fraction of the budget: the simulator's estimates of memory
@@ -115,6 +119,7 @@ def solve(
     micro_batches: int = 1,
     streamed: StreamedStepCosts | None = None,
     late_host_work: bool = True,
+    cost_model: CostModel | None = None,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -129,7 +134,7 @@ def solve(
     region steps as its gradients land, while they are still landing (see [Note: step
     model] in ``simulators._engine``). The plan's ``predicted_step_time_s`` is the period
     of the repeating step, whose host steps run under the next forward ([Note: steady
-    state]); its timeline is one step on an idle machine.
+    state] in ``simulators._steady``); its timeline is one step on an idle machine.
     ``state_on_device=False`` keeps every region's optimizer state on the host (the
     reference's behaviour, for ablations).
     ``speculative_step_cost`` (>= 1): how much longer a host step taken in a gradient hook
@@ -169,6 +174,8 @@ def solve(
     later resident device-state regions while that shortens the repeating step (step 3;
     [Note: host work late] in ``solvers._late``). True (default); False keeps the greedy
     phases' placements.
+    ``cost_model``: the simulator's fitted factors (:class:`CostModel`); None (default):
+    ``CostModel()``, the fitted defaults. The plan records them (``Plan.cost_model``).
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -194,54 +201,94 @@ def solve(
         speculation_thread=speculation_thread,
         micro_batches=micro_batches,
         streamed=streamed,
+        cost_model=cost_model,
     )
     cap = budget * BUDGET_SAFETY_FACTOR - in_use
     stats = SolveStats()
-    n_reg = ctx.num_regions
-
-    on_device = [RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)] * n_reg
-    stats.num_simulations += 1
-    first = simulator.run(ctx, on_device)
-    if state_on_device and first.peak_bytes <= cap:
-        chosen, result = on_device, first
-        steady = steady_state(ctx, chosen, result)
-    else:
-        start = [RegionAssignment()] * n_reg
-        search = GreedySearch(ctx, simulator, cap, stats, start)
-        all_resident_peak = search.peak_bytes
-        if not strategy.offload(search):
-            floor = [
-                RegionAssignment(ParamPlacement.SYNC)
-                if not ctx.pinned[r] and ctx.size[r] > 0
-                else RegionAssignment()
-                for r in range(n_reg)
-            ]
-            floor_run = search.simulate(floor)
-            if floor_run.peak_bytes > cap:
-                floor_peak = min(floor_run.peak_bytes, all_resident_peak) + in_use
-                raise InfeasibleBudgetError(budget, least_budget_bytes(floor_peak), floor_peak)
-            search.reset(floor, floor_run)
-        if state_on_device:
-            search.place_optimizer_state()
-            search.make_room_for_state(strategy.offload)
-        chosen, result = search.assignment, search.current
-        steady = search.steady()
-    if streamed is not None or chosen is not on_device:
-        options = [Candidate(list(chosen), result, steady)]
-        if late_host_work and state_on_device and chosen is not on_device:
-            moved = move_host_work_late(ctx, simulator, cap, stats, options[0])
-            if moved is not options[0]:
+    found, all_device = _greedy_plan(
+        ctx,
+        strategy,
+        simulator,
+        cap,
+        stats,
+        state_on_device=state_on_device,
+        budget=budget,
+        in_use=in_use,
+    )
+    if streamed is not None or not all_device:
+        options = [found]
+        if late_host_work and state_on_device and not all_device:
+            moved = move_host_work_late(ctx, simulator, cap, stats, found)
+            if moved is not found:
                 options.append(moved)
         if streamed is not None:
             options = [place_streamed(ctx, simulator, cap, stats, c) for c in options]
         # The moved plan only where it is still the shorter once regions are streamed
         # (it can leave the streamed search less to gain); the greedy one on a tie.
         found = min(options, key=lambda c: c.period_s)
-        chosen, result, steady = found.assignment, found.cold, found.steady
+    plan = _plan_of(ctx, found, strategy.name, budget, in_use, streamed)
+    return dataclasses.replace(
+        plan,
+        model_name=profile.name,
+        hardware_name=hardware.name,
+        solve_time_s=time.perf_counter() - t0,
+        num_simulations=stats.num_simulations,
+    )
 
-    # The timeline and memory curves are the cold step's; the step time is the period of
-    # the repeating step (see [Note: steady state] in ``simulators._engine``).
-    detail = to_result(ctx, result, steady.period_s, steady.last.stream_peak_bytes)
+
+def _greedy_plan(
+    ctx: SimulationContext,
+    strategy: Solver,
+    simulator: Simulator,
+    cap: float,
+    stats: SolveStats,
+    *,
+    state_on_device: bool,
+    budget: int,
+    in_use: int,
+) -> tuple[Candidate, bool]:
+    """Steps 1 to 4 of the module docstring, before host work moves late: the plan, and
+    whether it keeps every region and its state on the device (step 1)."""
+    n_reg = ctx.num_regions
+    on_device = [RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)] * n_reg
+    stats.num_simulations += 1
+    first = simulator.run(ctx, on_device)
+    if state_on_device and first.peak_bytes <= cap:
+        return Candidate(list(on_device), first, steady_state(ctx, on_device, first)), True
+    start = [RegionAssignment()] * n_reg
+    search = GreedySearch(ctx, simulator, cap, stats, start)
+    all_resident_peak = search.peak_bytes
+    if not strategy.offload(search):
+        floor = [
+            RegionAssignment(ParamPlacement.SYNC)
+            if not ctx.pinned[r] and ctx.size[r] > 0
+            else RegionAssignment()
+            for r in range(n_reg)
+        ]
+        floor_run = search.simulate(floor)
+        if floor_run.peak_bytes > cap:
+            floor_peak = min(floor_run.peak_bytes, all_resident_peak) + in_use
+            raise InfeasibleBudgetError(budget, least_budget_bytes(floor_peak), floor_peak)
+        search.reset(floor, floor_run)
+    if state_on_device:
+        search.place_optimizer_state()
+        search.make_room_for_state(strategy.offload)
+    return Candidate(list(search.assignment), search.current, search.steady()), False
+
+
+def _plan_of(
+    ctx: SimulationContext,
+    found: Candidate,
+    solver: str,
+    budget: int,
+    in_use: int,
+    streamed: StreamedStepCosts | None,
+) -> Plan:
+    """The plan of ``found``: the cold step's timeline and memory curves, the repeating
+    step's period (see [Note: steady state] in ``simulators._steady``), and ``in_use``
+    device bytes on top of the simulated ones."""
+    chosen, steady = found.assignment, found.steady
+    detail = to_result(ctx, found.cold, steady.period_s, steady.last.stream_peak_bytes)
     any_streamed = any(a.state is StatePlacement.STREAMED for a in chosen)
     regions = tuple(
         RegionPlan(
@@ -254,7 +301,7 @@ def solve(
         for r, (a, b) in enumerate(zip(chosen, detail.pool_blocks, strict=True))
     )
     return Plan(
-        solver=strategy.name,
+        solver=solver,
         budget_bytes=budget,
         regions=regions,
         predicted_peak_bytes=detail.peak_bytes + in_use,
@@ -263,11 +310,8 @@ def solve(
         memory_curve=tuple(MemorySample(m.time_s, m.bytes + in_use) for m in detail.memory_curve),
         pool_size_bytes=detail.pool_size_bytes,
         device_bytes_in_use=in_use,
-        model_name=profile.name,
-        hardware_name=hardware.name,
-        solve_time_s=time.perf_counter() - t0,
-        num_simulations=stats.num_simulations,
         streamed=streamed if any_streamed else None,
+        cost_model=ctx.cost_model,
     )
 
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from offload_solver.model import HardwareProfile, ModelProfile
+from offload_solver.cost_model import CostModel
+from offload_solver.hardware import HardwareProfile
+from offload_solver.profile import ModelProfile
 from offload_solver.simulators._engine import (
     RegionAssignment,
     SimulationContext,
@@ -41,14 +43,17 @@ def simulate(
     hardware: HardwareProfile,
     assignment: Sequence[RegionAssignment],
     simulator: str = "async",
+    *,
+    cost_model: CostModel | None = None,
 ) -> SimulationResult:
-    """Simulate one training step of ``profile`` on ``hardware``.
+    """Simulate one training step of ``profile`` on ``hardware`` with ``cost_model``'s
+    factors (``CostModel()`` when None).
 
     ``assignment`` has one entry per region of ``build_regions(profile)``. For many
     simulations of one profile, build a :class:`SimulationContext` once and call
     ``get_simulator(name).simulate(ctx, assignment)``.
     """
-    ctx = SimulationContext.build(profile, hardware)
+    ctx = SimulationContext.build(profile, hardware, cost_model=cost_model)
     return get_simulator(simulator).simulate(ctx, assignment)
 
 

@@ -33,7 +33,7 @@ class Simulator:
         self, ctx: SimulationContext, assignment: Sequence[RegionAssignment]
     ) -> SimulationResult:
         """Simulate the cold step and expand it into timelines and memory curves, with the
-        steady state's period (see [Note: steady state] in ``_engine``)."""
+        steady state's period (see [Note: steady state] in ``_steady``)."""
         cold = self.run(ctx, assignment)
         steady = steady_state(ctx, assignment, cold)
         return to_result(ctx, cold, steady.period_s, steady.last.stream_peak_bytes)

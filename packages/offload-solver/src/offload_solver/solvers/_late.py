@@ -18,7 +18,7 @@ host-state region ``r`` (earliest first) and a resident device-state region ``s 
 (latest first), it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
 issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
 resident. The first such swap whose repeating step ([Note: steady state] in
-``simulators._engine``) is shorter by more than the steady state's tolerance and whose
+``simulators._steady``) is shorter by more than the steady state's tolerance and whose
 peak fits the cap is kept, and the search starts again from it. Each kept swap moves
 host work to a later region, so the sum of the host-state regions' indices rises and the
 search ends. Every simulation counts in ``num_simulations``.
@@ -31,7 +31,7 @@ plan can end longer once both are streamed.
 
 from __future__ import annotations
 
-from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.plan import ParamPlacement, StatePlacement
 from offload_solver.simulators._engine import STEADY_REL_TOL, RegionAssignment, SimulationContext
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers._search import Candidate, SolveStats, evaluate

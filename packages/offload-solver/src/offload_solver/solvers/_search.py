@@ -27,7 +27,7 @@ into the plan, only into which candidate is tried.
 All of this reads the cold step (one step on an idle machine), which is cheap to
 simulate and to analyse. Where a change is accepted for making the step shorter (moving
 optimizer state to the device), the steady-state periods are compared instead ([Note:
-steady state] in ``_engine``: host work the next forward hides gains nothing); their
+steady state] in ``_steady``: host work the next forward hides gains nothing); their
 gated steps count as simulations too.
 """
 
@@ -37,7 +37,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from offload_solver.model import ParamPlacement, StatePlacement
+from offload_solver.plan import ParamPlacement, StatePlacement
 from offload_solver.simulators._engine import (
     ASYNC,
     RESIDENT,

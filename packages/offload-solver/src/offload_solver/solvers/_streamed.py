@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from offload_solver.model import StatePlacement
+from offload_solver.plan import StatePlacement
 from offload_solver.simulators._engine import (
     STEADY_REL_TOL,
     EngineRun,

@@ -12,7 +12,7 @@ lowers the peak.
 
 from __future__ import annotations
 
-from offload_solver.model import ParamPlacement
+from offload_solver.plan import ParamPlacement
 from offload_solver.solvers._search import GreedySearch, Move
 from offload_solver.solvers.base import Solver
 

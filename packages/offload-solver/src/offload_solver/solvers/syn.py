@@ -7,7 +7,7 @@ regions never overlap, so one pool block serves them all.
 
 from __future__ import annotations
 
-from offload_solver.model import ParamPlacement
+from offload_solver.plan import ParamPlacement
 from offload_solver.solvers._search import GreedySearch, Move
 from offload_solver.solvers.base import Solver
 
