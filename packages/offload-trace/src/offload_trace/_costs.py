@@ -22,7 +22,7 @@ kernel workspaces aside):
   stand-ins (see [Note: kernel models] in ``_kernels.py``).
 
 The numbers are then expressed in the solver's memory model (see [Note: memory model] in
-``offload_solver.model``): ``fwd_tmp_bytes`` / ``bwd_tmp_bytes`` take whatever is alive
+``offload_solver.profile``): ``fwd_tmp_bytes`` / ``bwd_tmp_bytes`` take whatever is alive
 beyond the saved bytes and the operation's own outputs, so that the formula gives the live
 bytes measured here.
 """
