@@ -5,7 +5,7 @@ the path CUDA machines take) over a plan that mixes every region kind. ``overlap
 the synchronous reference: every region steps in ``step()``, which waits for them. With
 ``overlap=True``, ``step()`` returns while host-state regions still step on the worker, and
 the next forward waits for each region (see [Note: overlapping the host step with
-backward] in amp.py). Region steps are independent of each other, so the results must be
+backward] in overlap.py). Region steps are independent of each other, so the results must be
 equal bit for bit, whatever the threads' timing.
 """
 

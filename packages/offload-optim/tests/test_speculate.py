@@ -395,7 +395,7 @@ def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
     trainer = Trainer(True, hysteresis=1, speculation_thread=True)
     head = trainer.train(range(2))
     optimizer = trainer.amp.optimizer
-    real = optimizer._speculate
+    real = optimizer._speculation.speculate
     gate = threading.Event()
     held: list[int] = []
 
@@ -406,7 +406,7 @@ def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
             assert gate.wait(30.0), "the test never released the speculative step"
         return part
 
-    optimizer._speculate = held_speculation  # type: ignore[method-assign]
+    optimizer._speculation.speculate = held_speculation  # type: ignore[method-assign]
     if poison:
         trainer.poison_steps = {2}
     trainer.amp.zero_grad()
@@ -438,7 +438,7 @@ def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
     head.step_counts.append(trainer.amp.step_count)
     head.skipped.append(report.skipped)
     head.undone.append(report.undone_regions)
-    optimizer._speculate = real  # type: ignore[method-assign]
+    optimizer._speculation.speculate = real  # type: ignore[method-assign]
     trainer.poison_steps = set()
     spec = trainer.train(range(3, 6), head)
     trainer.close()
