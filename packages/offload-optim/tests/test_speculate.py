@@ -578,6 +578,34 @@ def test_hybrid_adam_state_dict_refused_while_speculated() -> None:
     trainer.close()
 
 
+def test_speculative_steps_run_on_the_modules_thread_which_closes_with_it() -> None:
+    """[Note: streams and threads] in offload_runtime/streams.py: the optimizer makes no
+    thread of its own; a speculative step runs on the speculation thread of the module
+    it is bound to, and closing the module stops that thread."""
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
+    optimizer = HybridAdam(module.parameters(), lr=LR, module=module, speculation_thread=True)
+    b = batch(0)
+    module.backward(loss_of(module(**b), b["input_ids"]))
+    optimizer.prepare_speculation()
+    r = next(st.index for st in module.storages if st.host_state)
+    threads: list[str] = []
+    optimizer.submit_speculation(
+        r,
+        None,
+        hypers=optimizer.hypers(),
+        timings=[],
+        stepped=lambda region, part: threads.append(threading.current_thread().name),
+    )
+    optimizer.wait_speculation()
+    assert optimizer.speculated_regions == {r}
+    assert [name.split("_")[0] for name in threads] == ["offload-speculate"]
+    optimizer.undo_speculation()
+    thread = module.streams.speculation_thread()
+    module.close()
+    with pytest.raises(RuntimeError):
+        thread.submit(lambda: None)
+
+
 def spared_regions(amp: AMPOptimizer) -> list[int]:
     return [r for r in host_state_regions(amp) if amp.optimizer.can_speculate(r)]
 

@@ -12,9 +12,10 @@ and run in program order):
 - *compute*: the caller's current stream. Forward, backward, synchronous uploads (which
   block compute by design), the device-state regions' optimizer step and the optimizer's
   device partials of the step's answer run there.
-- *h2d*: asynchronous prefetches of offloaded regions and the upload of a host-state
-  region's new parameters after its host step. They overlap compute: the forward of the
-  regions before, and the backward of the regions after, the one copied.
+- *h2d*: asynchronous prefetches of offloaded regions (issued ahead of their use, as the
+  plan says) and the upload of a resident host-state region's new parameters after its
+  host step (its publish, on the host worker). They overlap forward and backward
+  compute; the compute stream waits for each on the device, by its event.
 - *d2h*: each region's gradients to pinned host memory as soon as its backward ends,
   overlapping the backward of the regions before it in forward order.
 - the ring's *up*, *step* and *down* streams (:meth:`StreamSet.ring_streams`; streamed
