@@ -1,5 +1,5 @@
 """fp16 I/O host steps: gradients read from the fp16 staging buffer, the upload copy written
-in the same pass (``HybridAdam(fp16_io=True)``, [Note: fp16 I/O steps]).
+in the same pass (``HybridAdam(fp16_io=True)``, [Note: fp16 I/O steps] in stepping.py).
 
 The contract is bit-identity with the three-pass route it replaces (widen, single-pass
 step, narrow): every loss, master, moment, step count and loss scale of a run equals the

@@ -276,13 +276,14 @@ def test_cuda_streamed_regions_step_on_the_device(
     rounding (torch's CUDA update against the single-pass host kernel), the overflow at
     step 5 is skipped in both, and 8 steps stay within 1e-3 of its losses. step()'s
     streamed regions are issued from the issuing thread, which waits on the host for each
-    slot's CUDA event ([Note: paced ring] in streamed.py). With ``speculation_thread``
+    slot's CUDA event ([Note: paced ring] in streamed/ring.py). With ``speculation_thread``
     the speculative steps run on their own thread; with ``stage_in_backward`` the
     backward's first streamed hook stages the leading chunks' master weights and moments,
-    and the step copies up their gradients ([Note: staging the state in backward])."""
+    and the step copies up their gradients ([Note: staging the state in backward] in
+    streamed/ring.py)."""
     import threading
 
-    import offload_optim.streamed as streamed_module
+    import offload_optim.streamed.costs as stream_costs
     from offload_optim.streamed import StreamRing
 
     issued: dict[str, Any] = {"pieces": 0, "threads": set(), "state_staged": 0}
@@ -300,7 +301,7 @@ def test_cuda_streamed_regions_step_on_the_device(
 
     monkeypatch.setattr(StreamRing, "issue", counting)
     monkeypatch.setattr(StreamRing, "stage", staging)
-    monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)  # ragged chunks
+    monkeypatch.setattr(stream_costs, "STREAM_CHUNK_NUMEL", 1000)  # ragged chunks
     model = tiny_gpt2()
     runs: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
     first: dict[bool, dict[str, torch.Tensor]] = {}
@@ -364,7 +365,8 @@ def test_cuda_streamed_regions_step_on_the_device(
             assert (issued["state_staged"] > 0) == stage_in_backward
             assert "offload-stream-issue" in issued["threads"]
             # The ring's copies up were timed on the device ([Note: timing the ring's
-            # copies up]): bytes and seconds for some regions (how fast is the bench's).
+            # copies up] in streamed/ring.py): bytes and seconds for some regions (how
+            # fast is the bench's).
             up = [
                 (t.up_bytes, t.up_s)
                 for rep in amp.recent_steps()
@@ -402,7 +404,7 @@ def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
     assert opt.region_indices  # lays the regions out: their moments are made now
     after = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     for st in big:
-        rs = opt._regions[st.index]
+        rs = opt._layout.regions[st.index]
         for moment in (rs.exp_avg, rs.exp_avg_sq):
             assert moment.is_pinned() and moment.numel() == st.numel
             assert int(torch.count_nonzero(moment)) == 0

@@ -5,7 +5,7 @@ the path CUDA machines take) over a plan that mixes every region kind. ``overlap
 the synchronous reference: every region steps in ``step()``, which waits for them. With
 ``overlap=True``, ``step()`` returns while host-state regions still step on the worker, and
 the next forward waits for each region (see [Note: overlapping the host step with
-backward] in amp.py). Region steps are independent of each other, so the results must be
+backward] in overlap.py). Region steps are independent of each other, so the results must be
 equal bit for bit, whatever the threads' timing.
 """
 
@@ -30,6 +30,7 @@ from optim_helpers import (
 )
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_optim.overlap import transition
 from offload_runtime.module import OffloadModule
 
 LR = 1e-2
@@ -473,3 +474,16 @@ def test_zero_grad_keeping_tensors_zeroes_every_gradient_after_the_queued_steps(
     reference.close()
     for name, value in expected.masters.items():
         assert torch.equal(got[name], value), name
+
+
+def test_a_window_enters_one_overlapping_mode_and_leaves_it_only_by_closing() -> None:
+    """[Note: the overlap state machine] in overlap.py: from NONE a backward may enter any
+    mode, any mode closes back to NONE, and nothing else is in the table."""
+    for mode in OverlapMode:
+        assert transition(OverlapMode.NONE, mode) is mode
+        assert transition(mode, OverlapMode.NONE) is OverlapMode.NONE
+    for current in OverlapMode:
+        for new in OverlapMode:
+            if OverlapMode.NONE not in (current, new):
+                with pytest.raises(AssertionError, match=f"{current.name} -> {new.name}"):
+                    transition(current, new)

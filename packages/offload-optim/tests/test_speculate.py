@@ -395,7 +395,7 @@ def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
     trainer = Trainer(True, hysteresis=1, speculation_thread=True)
     head = trainer.train(range(2))
     optimizer = trainer.amp.optimizer
-    real = optimizer._speculate
+    real = optimizer._speculation.speculate
     gate = threading.Event()
     held: list[int] = []
 
@@ -406,7 +406,7 @@ def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
             assert gate.wait(30.0), "the test never released the speculative step"
         return part
 
-    optimizer._speculate = held_speculation  # type: ignore[method-assign]
+    optimizer._speculation.speculate = held_speculation  # type: ignore[method-assign]
     if poison:
         trainer.poison_steps = {2}
     trainer.amp.zero_grad()
@@ -438,7 +438,7 @@ def test_a_speculative_step_in_flight_does_not_hold_step(poison: bool) -> None:
     head.step_counts.append(trainer.amp.step_count)
     head.skipped.append(report.skipped)
     head.undone.append(report.undone_regions)
-    optimizer._speculate = real  # type: ignore[method-assign]
+    optimizer._speculation.speculate = real  # type: ignore[method-assign]
     trainer.poison_steps = set()
     spec = trainer.train(range(3, 6), head)
     trainer.close()
@@ -576,6 +576,34 @@ def test_hybrid_adam_state_dict_refused_while_speculated() -> None:
     trainer.amp.step()
     assert set(trainer.amp.optimizer.state_dict()) == {"state", "param_groups"}
     trainer.close()
+
+
+def test_speculative_steps_run_on_the_modules_thread_which_closes_with_it() -> None:
+    """[Note: streams and threads] in offload_runtime/streams.py: the optimizer makes no
+    thread of its own; a speculative step runs on the speculation thread of the module
+    it is bound to, and closing the module stops that thread."""
+    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
+    optimizer = HybridAdam(module.parameters(), lr=LR, module=module, speculation_thread=True)
+    b = batch(0)
+    module.backward(loss_of(module(**b), b["input_ids"]))
+    optimizer.prepare_speculation()
+    r = next(st.index for st in module.storages if st.host_state)
+    threads: list[str] = []
+    optimizer.submit_speculation(
+        r,
+        None,
+        hypers=optimizer.hypers(),
+        timings=[],
+        stepped=lambda region, part: threads.append(threading.current_thread().name),
+    )
+    optimizer.wait_speculation()
+    assert optimizer.speculated_regions == {r}
+    assert [name.split("_")[0] for name in threads] == ["offload-speculate"]
+    optimizer.undo_speculation()
+    thread = module.streams.speculation_thread()
+    module.close()
+    with pytest.raises(RuntimeError):
+        thread.submit(lambda: None)
 
 
 def spared_regions(amp: AMPOptimizer) -> list[int]:

@@ -1,6 +1,6 @@
 """check_stream_rate: the rate the ring's copies up ran at in the loop, against the plan's
-cost model's stream_up_fraction ([Note: timing the ring's copies up] in streamed.py), on CPU plans
-with made-up timings (the CPU times no copy), and the ring's timing helpers."""
+cost model's stream_up_fraction ([Note: timing the ring's copies up] in streamed/ring.py), on
+CPU plans with made-up timings (the CPU times no copy), and the ring's timing helpers."""
 
 from __future__ import annotations
 

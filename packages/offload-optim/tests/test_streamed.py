@@ -1,4 +1,4 @@
-"""Host-state regions stepped on the device ([Note: streamed steps] in streamed.py).
+"""Host-state regions stepped on the device ([Note: streamed steps] in streamed/__init__.py).
 
 On the CPU the "device" is the CPU, so a streamed step is the copies into the ring's
 buffers, the widening, torch's fused step and the copies back. The contract: with
@@ -27,11 +27,14 @@ from optim_helpers import batch, loss_of, masters, offload_module, tiny_gpt2
 from test_speculate import assert_same, run
 
 import offload_optim.streamed as streamed_module
+import offload_optim.streamed.costs as stream_costs
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
 from offload_optim.hybrid_adam import RegionStepTiming
 from offload_optim.kernels import AdamHyper
+from offload_optim.stepping import Stepper
 from offload_optim.streamed import (
     STREAM_CHUNK_NUMEL,
+    StreamedSteps,
     StreamPiece,
     StreamRing,
     chunk_numel_for,
@@ -95,7 +98,7 @@ def streaming(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(StreamRing, "issue", counting)
     monkeypatch.setattr(StreamRing, "close", closing)
     monkeypatch.setattr(StreamRing, "stage", staging)
-    monkeypatch.setattr(streamed_module, "STREAM_CHUNK_NUMEL", 1000)
+    monkeypatch.setattr(stream_costs, "STREAM_CHUNK_NUMEL", 1000)
     yield seen
 
 
@@ -145,16 +148,17 @@ def test_streaming_equals_host_steps_bit_for_bit(name: str, streaming: dict[str,
     assert streaming["pieces"] == 0
     assert_same(out, plain)
     # Staged chunks were stepped from their slots, staged by the backward's hooks with
-    # stage_in_backward ([Note: staging the state in backward]), and only then.
+    # stage_in_backward ([Note: staging the state in backward] in streamed/ring.py), and only then.
     staging = bool(kwargs.get("stage_in_backward"))
     assert (streaming["staged_used"] > 0) == staging, out.modes
     assert (streaming["staged_state"] > 0) == staging
     if "dtype" not in kwargs:
         assert out.skipped[2] and not any(out.skipped[3:])
     # step()'s streamed regions are issued from the issuing thread, which alone paces
-    # ([Note: paced ring]); a hook issues its region (one landing after the answer) on the
-    # host worker, unpaced. Without overlap every streamed region is step()'s; with it,
-    # which ones land after the answer is timing, so there the values are what is checked.
+    # ([Note: paced ring] in streamed/ring.py); a hook issues its region (one landing
+    # after the answer) on the host worker, unpaced. Without overlap every streamed
+    # region is step()'s; with it, which ones land after the answer is timing, so there
+    # the values are what is checked.
     paced_by = {thread for thread, paced in streaming["paced"] if paced}
     assert paced_by <= {"offload-stream-issue"}
     if kwargs.get("overlap") is False:
@@ -306,20 +310,20 @@ def test_the_ring_is_freed_once_its_regions_landed(monkeypatch: pytest.MonkeyPat
     host[1].streamed = True
     opt = HybridAdam(module.parameters(), lr=1e-2)
     issued: list[Future[None]] = []
-    elsewhere = HybridAdam._issue_elsewhere
-    step_segments = HybridAdam._step_segments
+    elsewhere = StreamedSteps.issue_elsewhere
+    step_segments = Stepper.step_segments
 
-    def kept(self: HybridAdam, issue: Callable[[], None]) -> Future[None]:
+    def kept(self: StreamedSteps, issue: Callable[[], None]) -> Future[None]:
         issued.append(elsewhere(self, issue))
         return issued[-1]
 
-    def after_issuing(self: HybridAdam, r: int, *args: Any) -> None:
+    def after_issuing(self: Stepper, r: int, *args: Any) -> None:
         if r == host[2].index and issued:
             issued[-1].result()
         step_segments(self, r, *args)
 
-    monkeypatch.setattr(HybridAdam, "_issue_elsewhere", kept)
-    monkeypatch.setattr(HybridAdam, "_step_segments", after_issuing)
+    monkeypatch.setattr(StreamedSteps, "issue_elsewhere", kept)
+    monkeypatch.setattr(Stepper, "step_segments", after_issuing)
     amp = AMPOptimizer(opt, module)
     try:
         amp.zero_grad()
@@ -406,7 +410,7 @@ def test_staging_in_backward_is_planned_as_the_optimizer_stages() -> None:
 
     on = streamed_step_costs(torch.float32, False, chunk_numel=1000)
     assert (on.staged_chunks, on.staged_chunk_numel, on.staged_bytes_per_param) == (
-        streamed_module.STREAM_SLOTS,
+        stream_costs.STREAM_SLOTS,
         1000,
         12.0,
     )
@@ -416,7 +420,7 @@ def test_staging_in_backward_is_planned_as_the_optimizer_stages() -> None:
     assert with_stage_in_backward(on, torch.float32, False, stage=False) == off
     assert streamed_step_costs(torch.bfloat16, True, chunk_numel=1000).staged_bytes_per_param == 8
     assert HybridAdam([torch.zeros(2, requires_grad=True)]).stage_in_backward is (
-        streamed_module.STAGE_IN_BACKWARD
+        stream_costs.STAGE_IN_BACKWARD
     )
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
     module.plan = dataclasses.replace(module.plan, streamed=off)
@@ -440,12 +444,12 @@ def test_a_ring_of_more_slots_is_planned_and_shaped_from_the_plan() -> None:
     assert (five.staged_chunks, five.staged_chunk_numel) == (5, 1000)
     assert ring_shape(five, torch.float32, True) == (1000, 5)
     three = streamed_step_costs(torch.float32, True, chunk_numel=1000)
-    assert ring_shape(three, torch.float32, True) == (1000, streamed_module.STREAM_SLOTS)
+    assert ring_shape(three, torch.float32, True) == (1000, stream_costs.STREAM_SLOTS)
     unstaged = streamed_step_costs(torch.float32, True, chunk_numel=1000, stage_in_backward=False)
-    assert ring_shape(unstaged, torch.float32, True) == (1000, streamed_module.STREAM_SLOTS)
+    assert ring_shape(unstaged, torch.float32, True) == (1000, stream_costs.STREAM_SLOTS)
     assert ring_shape(None, torch.float32, True) == (
-        streamed_module.STREAM_CHUNK_NUMEL,
-        streamed_module.STREAM_SLOTS,
+        stream_costs.STREAM_CHUNK_NUMEL,
+        stream_costs.STREAM_SLOTS,
     )
     # Under 3 GiB the ring keeps its tenth: more slots, smaller chunks.
     w2 = streamed_step_costs(torch.float32, True, budget_bytes=3 * gib)
@@ -652,9 +656,9 @@ class _SlotGate(_Gate):
 
 @pytest.mark.parametrize("paced", [True, False])
 def test_a_paced_issue_takes_a_chunk_only_once_its_slot_is_free(paced: bool) -> None:
-    """[Note: paced ring]: paced (the issuing thread), the issue polls the slot's event
-    (sleeping, not spinning on the GIL) and issues the chunk after it lands; unpaced (a
-    hook's issue on the host worker), it issues at once."""
+    """[Note: paced ring] in streamed/ring.py: paced (the issuing thread), the issue polls
+    the slot's event (sleeping, not spinning on the GIL) and issues the chunk after it
+    lands; unpaced (a hook's issue on the host worker), it issues at once."""
     ring = StreamRing(torch.device("cpu"), torch.float32, False, chunk_numel=4, slots=2)
     n = 8  # two chunks: one per slot
     master = torch.zeros(n)
@@ -706,10 +710,11 @@ def _ring_pieces(*sizes: int) -> list[StreamPiece]:
 
 @pytest.mark.parametrize("order", ["as_staged", "reversed"])
 def test_a_ring_staged_without_gradients_copies_them_up_at_the_step(order: str) -> None:
-    """[Note: staging the state in backward]: master and moments staged before the
-    gradient exists; the step copies up the gradient its piece has then, and the values
-    are the unstaged ring's, bit for bit. Asked in another order, the ring drops them.
-    Staging stops when the slots run out and once the ring has issued a chunk."""
+    """[Note: staging the state in backward] in streamed/ring.py: master and moments staged
+    before the gradient exists; the step copies up the gradient its piece has then, and
+    the values are the unstaged ring's, bit for bit. Asked in another order, the ring
+    drops them. Staging stops when the slots run out and once the ring has issued a
+    chunk."""
     ring_of = functools.partial(StreamRing, torch.device("cpu"), torch.float32, False)
     plain, staged = _ring_pieces(10, 3), _ring_pieces(10, 3)
     ring_of(chunk_numel=4, slots=3).issue(plain, 2.0)
@@ -806,12 +811,12 @@ def test_a_paced_wait_calls_between_until_the_slot_is_free() -> None:
 def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """[Note: publishing while issuing]: step()'s task, its host steps done, publishes a
-    streamed region once it lands even while the issuing thread is still busy with a later
-    one, instead of waiting for the issuing thread first. Here the first streamed region's
-    downloads land only after every host-stepped region is published, and the issuing
-    thread is held before the second streamed region until the test has seen the first
-    one published (or given up)."""
+    """[Note: publishing while issuing] in streamed/queue.py: step()'s task, its host steps
+    done, publishes a streamed region once it lands even while the issuing thread is
+    still busy with a later one, instead of waiting for the issuing thread first. Here
+    the first streamed region's downloads land only after every host-stepped region is
+    published, and the issuing thread is held before the second streamed region until the
+    test has seen the first one published (or given up)."""
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
     host = [st for st in module.storages if st.host_state]
     assert len(host) >= 3, "the mixed plan has three host-state regions"
@@ -819,15 +824,15 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     host[1].streamed = host[2].streamed = True
     host_stepped = {st.index for st in host if not st.streamed}
     landed, release = threading.Event(), threading.Event()
-    issue_streamed = HybridAdam._issue_streamed
+    issue_streamed = StreamedSteps.issue_streamed
 
-    def gated(self: HybridAdam, ring: StreamRing, r: int, *args: Any) -> Any:
+    def gated(self: StreamedSteps, ring: StreamRing, r: int, *args: Any) -> Any:
         if r == second:
             assert release.wait(timeout=20.0), "the test never let the issuing go on"
         _, written = issue_streamed(self, ring, r, *args)  # on the CPU: done here
         return (_Gate(landed) if r == first else None), written
 
-    monkeypatch.setattr(HybridAdam, "_issue_streamed", gated)
+    monkeypatch.setattr(StreamedSteps, "issue_streamed", gated)
     records = _record_publishes(module.controller)
 
     def published() -> list[int]:
@@ -858,27 +863,27 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
 def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
     fp16_io: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """[Note: the issuing thread publishes]: an offloaded streamed region that lands while
-    the host worker is inside a host step is published by the issuing thread then, not
-    after that step. Without fp16 I/O its publish casts the new master on the host, and
-    the host worker publishes it once the step ends. Here the first host-state region's
-    host step is held until the test has seen the streamed one published (or given up);
-    on the CPU its downloads land as it is issued."""
+    """[Note: the issuing thread publishes] in streamed/queue.py: an offloaded streamed
+    region that lands while the host worker is inside a host step is published by the
+    issuing thread then, not after that step. Without fp16 I/O its publish casts the new
+    master on the host, and the host worker publishes it once the step ends. Here the
+    first host-state region's host step is held until the test has seen the streamed one
+    published (or given up); on the CPU its downloads land as it is issued."""
     module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
     host = [st for st in module.storages if st.host_state]
     assert len(host) >= 2 and host[1].offloaded, "the mixed plan offloads region 1"
     held, streamed_r = host[0].index, host[1].index
     host[1].streamed = True
     entered, release = threading.Event(), threading.Event()
-    step_segments = HybridAdam._step_segments
+    step_segments = Stepper.step_segments
 
-    def holding(self: HybridAdam, r: int, *args: Any, **kwargs: Any) -> Any:
+    def holding(self: Stepper, r: int, *args: Any, **kwargs: Any) -> Any:
         if r == held:
             entered.set()
             assert release.wait(timeout=20.0), "the test never let the host step go on"
         return step_segments(self, r, *args, **kwargs)
 
-    monkeypatch.setattr(HybridAdam, "_step_segments", holding)
+    monkeypatch.setattr(Stepper, "step_segments", holding)
     published = _record_publishes(module.controller)
     io: dict[str, Any] = {"host_kernel": "single_pass", "fp16_io": True} if fp16_io else {}
     amp = AMPOptimizer(
@@ -1000,7 +1005,7 @@ def test_an_error_on_the_issuing_thread_reaches_the_training_loop(
         assert "offload-stream-issue" in {n.split("_")[0] for n in streaming["threads"]}
         hy = trainer.amp.optimizer
         assert isinstance(hy, HybridAdam)
-        assert hy._streaming is None and hy._issuing == 0  # the ring was let go
+        assert hy._streamed.open is None and hy._streamed.issuing == 0  # the ring was let go
     finally:
         with contextlib.suppress(RuntimeError):
             trainer.close()
@@ -1045,7 +1050,7 @@ def test_the_queue_publishes_in_issue_order_while_another_thread_adds() -> None:
 
 
 # --------------------------------------------------------------------------------------
-# [Note: writing resident parameters]
+# [Note: writing resident parameters] in streamed/steps.py
 # --------------------------------------------------------------------------------------
 
 
@@ -1058,7 +1063,7 @@ def test_resident_streamed_regions_are_written_on_the_device(
     ``WRITE_RESIDENT`` off (a plan whose costs say so) it is uploaded after its downloads.
     Offloaded ones always are. Both runs equal the host-stepped one bit for
     bit, overflow skip included."""
-    monkeypatch.setattr(streamed_module, "WRITE_RESIDENT", write)
+    monkeypatch.setattr(stream_costs, "WRITE_RESIDENT", write)
     how: dict[int, set[str]] = {}
     publish, publish_written = OffloadController.publish, OffloadController.publish_written
 
@@ -1101,13 +1106,13 @@ def test_a_written_regions_next_forward_does_not_wait_for_its_downloads(
     target.streamed = True
     r = target.index
     landed = threading.Event()
-    issue_streamed = HybridAdam._issue_streamed
+    issue_streamed = StreamedSteps.issue_streamed
 
-    def gated(self: HybridAdam, ring: StreamRing, q: int, *args: Any) -> Any:
+    def gated(self: StreamedSteps, ring: StreamRing, q: int, *args: Any) -> Any:
         got, written = issue_streamed(self, ring, q, *args)  # on the CPU: done here
         return (_Gate(landed) if q == r else got), written
 
-    monkeypatch.setattr(HybridAdam, "_issue_streamed", gated)
+    monkeypatch.setattr(StreamedSteps, "issue_streamed", gated)
     controller = module.controller
     published: list[int] = []
     publish_written = controller.publish_written

@@ -20,7 +20,7 @@ allocate and warm caches.
 :func:`check_stream_rate` does the same for the streamed regions' copies up, which the
 planner runs at the cost model's ``stream_up_fraction`` (``Plan.cost_model``) of the
 profile's H2D rate: it sets the device time the loop's ring chunks took going up (timed on
-CUDA, [Note: timing the ring's copies up] in streamed.py) beside the profile's time for
+CUDA, [Note: timing the ring's copies up] in streamed/ring.py) beside the profile's time for
 their bytes, and gives the fraction that makes the two agree
 (:attr:`StreamRateCheck.loop_fraction`), for ``memory_optimize(...,
 cost_model=CostModel(stream_up_fraction=...))``.
@@ -136,7 +136,7 @@ def check_host_rate(optimizer: AMPOptimizer, last: int | None = None) -> HostRat
 @dataclass(frozen=True)
 class StreamRateCheck:
     """How fast the ring's copies up of streamed regions ran in the loop, against the
-    rate the plan assumed ([Note: timing the ring's copies up] in streamed.py)."""
+    rate the plan assumed ([Note: timing the ring's copies up] in streamed/ring.py)."""
 
     planned_fraction: float
     """The plan's ``CostModel.stream_up_fraction`` (``Plan.cost_model``): the share of the

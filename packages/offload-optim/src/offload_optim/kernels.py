@@ -253,8 +253,8 @@ def speculative_adam_(
 
     Returns the sum of the gradient before the step (0-dim fp32), read while each chunk is
     in cache: the overflow check of [Note: overlapping the host step with backward] in
-    amp.py. It is non-finite exactly when an element is: the fp32 sum of finite gradients
-    of fp16 training cannot overflow by itself (see ``amp._partials_of``), and a plain sum
+    overlap.py. It is non-finite exactly when an element is: the fp32 sum of finite gradients
+    of fp16 training cannot overflow by itself (see ``clipping.partials_of``), and a plain sum
     reads faster than the L1 norm on the CPU (no absolute values).
     """
     p, g = param.view(-1), grad.view(-1)

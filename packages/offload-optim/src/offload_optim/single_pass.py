@@ -2,7 +2,7 @@
 
 [Note: single-pass host Adam]
 torch's fused CPU Adam works in place. An exact undo of a speculative fp16 step (see
-[Note: speculative steps] in hybrid_adam.py) therefore copies the master and moments
+[Note: speculative steps] in speculation.py) therefore copies the master and moments
 before each chunk's fused step: five parallel passes per chunk. The kernels here do it in
 one pass: each element's master, gradient and moments are read once, and the step writes
 the master in place, the old master into the backup and the new moments into the spare

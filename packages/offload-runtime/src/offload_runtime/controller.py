@@ -9,7 +9,7 @@ graph; the backward side is driven by autograd itself:
   exist: the region's gradients are then moved out (to the host on the d2h stream, or into
   the device fp32 accumulator), and an offloaded region's slot is released;
 - a callback queued on the autograd engine closes the backward pass.
-See [Note: streams] in streams.py and [Note: region storage] in storage.py.
+See [Note: streams and threads] in streams.py and [Note: region storage] in storage.py.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from enum import Enum
 from typing import Any
 
@@ -165,8 +165,8 @@ class OffloadController:
         convert_on_device: bool = False,
     ) -> None:
         """``host_worker``: run host-side gradient work (and optimizer steps hung off the
-        grad-ready hooks) on a worker thread; default: on CUDA only. On the CPU it exists so
-        that tests exercise the threaded path.
+        grad-ready hooks) on the host worker thread that ``streams`` owns; default: on CUDA
+        only. On the CPU it exists so that tests exercise the threaded path.
 
         ``batch_device_grads``: fold the training-dtype gradients of every device-state
         region into the fp32 accumulators in one batched operation at the end of backward,
@@ -223,10 +223,10 @@ class OffloadController:
         self._grad_hooks: list[GradReadyHook] = []
         self._device_grad_hooks: list[DeviceGradHook] = []
         self._lock = threading.Lock()
-        # One host worker keeps host-side gradient work (and optimizer steps that hang off
-        # the grad-ready hooks) in backward order and off the thread that launches kernels.
-        threaded = streams.is_cuda if host_worker is None else host_worker
-        self._executor = ThreadPoolExecutor(1, "offload-host") if threaded else None
+        # Host-side gradient work (and optimizer steps that hang off the grad-ready hooks)
+        # runs on the host worker that ``streams`` owns, or inline (see [Note: streams and
+        # threads] in streams.py).
+        self._threaded = streams.is_cuda if host_worker is None else host_worker
         self._futures: list[Future[None]] = []
         # Host gradient work (accumulation and the grad-ready hooks) not yet waited for.
         self._grad_work: list[Future[None]] = []
@@ -620,10 +620,10 @@ class OffloadController:
             st.grad_stale = True
 
     def _submit(self, fn: Callable[[], None]) -> Future[None] | None:
-        if self._executor is None:
+        if not self._threaded:
             fn()
             return None
-        fut = self._executor.submit(fn)
+        fut = self.streams.host_worker().submit(fn)
         self._futures.append(fut)
         return fut
 
@@ -723,7 +723,7 @@ class OffloadController:
         ``set_exception``) once that region's master is stepped and published, and must
         complete every one of them even when it fails. Until then the region's next
         :meth:`begin_forward`, :meth:`upload` or :meth:`prefetch` waits for it on the host
-        (see [Note: overlapping the host step with backward] in offload_optim/amp.py), and
+        (see [Note: overlapping the host step with backward] in offload_optim/overlap.py), and
         :meth:`wait_host` waits for all. Main thread only.
         """
         futures: dict[int, Future[None]] = {}
@@ -844,7 +844,7 @@ class OffloadController:
                 torch._foreach_copy_(targets, sources)
 
     def close(self) -> None:
-        """Stop the host worker after its queued work; re-raise that work's first error."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=True)
+        """Stop the worker threads after their queued work (``StreamSet.close``: the host
+        worker and the optimizer's threads); re-raise the host work's first error."""
+        self.streams.close()
         self.wait_host()

@@ -178,7 +178,7 @@ class RegionStorage:
         """Master and moments live in host memory (HOST or STREAMED)."""
         self.streamed = plan.state is StatePlacement.STREAMED
         """STREAMED: host state whose optimizer step runs on the device (see [Note:
-        streamed steps] in offload_optim/streamed.py); its moments are pinned."""
+        streamed steps] in offload_optim/streamed/__init__.py); its moments are pinned."""
         if self.offloaded:
             assert pool_slot is not None and pool_slot.numel() >= self.numel
             self.device_params = pool_slot[: self.numel]

@@ -1,22 +1,61 @@
-"""Every stream and event the runtime uses, created in one place.
+"""Every stream and worker thread of offloaded training, created in one place.
 
-[Note: streams]
-Three streams order the device work of an offloaded step:
-- the *compute* stream is the caller's current stream: forward, backward, synchronous
-  uploads (which block compute by design) and device optimizer steps run there;
-- the *h2d* stream carries asynchronous prefetches of offloaded regions and the upload of
-  updated parameters after a host optimizer step, so that they overlap compute;
-- the *d2h* stream carries gradients to pinned host memory as each region finishes its
-  backward, so that the copies overlap the backward of earlier regions.
-Cross-stream order is kept with events only (``wait_event``), never with a host
-synchronisation. On a machine without CUDA every stream is a no-op and every event is
-complete at once: "copies" are host-to-host and run in program order.
+[Note: streams and threads]
+One :class:`StreamSet` per ``OffloadModule`` owns them all; the runtime reaches it as
+``controller.streams``, and an optimizer bound to the module asks it for the ones it
+uses, never making its own. Each is made at its first use (the compute stream is the
+caller's, taken when the module is built) and lives as long as the module;
+:meth:`StreamSet.close` (``OffloadModule.close``) stops the threads, in one place.
+
+Streams (device work; no-ops on a machine without CUDA, where "copies" are host-to-host
+and run in program order):
+- *compute*: the caller's current stream. Forward, backward, synchronous uploads (which
+  block compute by design), the device-state regions' optimizer step and the optimizer's
+  device partials of the step's answer run there.
+- *h2d*: asynchronous prefetches of offloaded regions (issued ahead of their use, as the
+  plan says) and the upload of a resident host-state region's new parameters after its
+  host step (its publish, on the host worker). They overlap forward and backward
+  compute; the compute stream waits for each on the device, by its event.
+- *d2h*: each region's gradients to pinned host memory as soon as its backward ends,
+  overlapping the backward of the regions before it in forward order.
+- the ring's *up*, *step* and *down* streams (:meth:`StreamSet.ring_streams`; streamed
+  host-state regions, ``offload_optim.streamed``): a chunk's state copied into a ring slot,
+  stepped by the fused device Adam, and copied back, so that one slot uploads while
+  another steps and a third downloads. They overlap the host steps of the other host-state
+  regions and the next forward. One triple for the module's life: the caching allocator
+  reuses a freed block only on the stream it was allocated on, so a ring on new streams
+  each step would allocate anew each step, its reserved memory growing past the budget.
+Cross-stream order is kept with events only (``wait_event``), never by a host
+synchronisation, except where a comment flags a host sync point.
+
+Threads (host work; each a one-thread executor, so its tasks run in submission order):
+- the *host worker* (``offload-host``, :meth:`StreamSet.host_worker`): all host-side
+  gradient work (wait for a region's d2h copy, widen or add it into the fp32
+  accumulator), the optimizer's gradient-ready hooks that run behind it, and the
+  optimizer steps ``step()`` queues. One FIFO thread keeps that work in backward order
+  and off the thread that launches kernels, so the host step of a region overlaps the
+  backward of the regions before it and, after backward, the next forward. A module built
+  with ``host_worker=False`` (the default without CUDA) runs that work inline instead.
+- the *speculation thread* (``offload-speculate``, :meth:`StreamSet.speculation_thread`;
+  ``HybridAdam(speculation_thread=True)``): the speculative fp16 host steps the hooks
+  submit, so that the host worker keeps taking landed gradients while one runs and
+  ``step()`` has its answer without waiting for the step in flight.
+- the *issuing thread* (``offload-stream-issue``, :meth:`StreamSet.issuing_thread`): issues
+  a step's streamed regions on the ring's streams (pacing the ring, which blocks it) and
+  publishes those that land and cast nothing on the host, while the host worker steps the
+  other host-state regions from the start.
+What each optimizer thread may touch and when is in offload_optim/host_steps.py (the
+order of a step's host work), [Note: speculative steps] in offload_optim/speculation.py
+and [Note: streamed steps] in offload_optim/streamed/__init__.py. The hardware probes
+(``offload_runtime.hardware``) make streams of their own to measure copy rates: that is
+measurement, not training, and not owned here.
 """
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
 
 import torch
 
@@ -66,31 +105,126 @@ class Stream:
         return torch.cuda.stream(self.cuda)
 
 
-@dataclass(frozen=True)
-class StreamSet:
-    """The compute, h2d and d2h streams of one device (see [Note: streams])."""
+RingStreams = tuple[Stream, Stream, Stream]
+"""(up, step, down): the streams a streamed-state ring runs on ([Note: streams and
+threads])."""
 
-    device: torch.device
-    compute: Stream
-    h2d: Stream
-    d2h: Stream
+NO_STREAM = Stream(None)
+"""The stream of a machine without CUDA: every operation on it is a no-op."""
+
+HOST_WORKER_NAME = "offload-host"
+SPECULATION_THREAD_NAME = "offload-speculate"
+ISSUING_THREAD_NAME = "offload-stream-issue"
+"""Thread name prefixes, as ``threading.current_thread().name`` shows them."""
+
+
+class StreamSet:
+    """The streams and worker threads of one OffloadModule (see [Note: streams and
+    threads]): the one place that creates them, each at its first use, and closes them.
+
+    Any thread may ask for any of them; creation is under a lock, so each is made once.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._cuda = device.type == "cuda"
+        # Compute is whatever stream the caller runs the model on (usually the default),
+        # taken now, when the module is built.
+        self.compute = Stream(torch.cuda.current_stream(device)) if self._cuda else NO_STREAM
+        self._lock = threading.Lock()
+        self._h2d: Stream | None = None
+        self._d2h: Stream | None = None
+        self._ring: RingStreams | None = None
+        self._host_worker: ThreadPoolExecutor | None = None
+        self._speculation: ThreadPoolExecutor | None = None
+        self._issuing: ThreadPoolExecutor | None = None
+        self._closed = False
 
     @property
     def is_cuda(self) -> bool:
-        return self.device.type == "cuda"
+        return self._cuda
+
+    def _new_stream(self) -> Stream:
+        if not self._cuda:
+            return NO_STREAM
+        return Stream(torch.cuda.Stream(self.device))  # type: ignore[no-untyped-call]
+
+    @property
+    def h2d(self) -> Stream:
+        """Prefetches and post-step uploads; overlaps forward and backward compute."""
+        stream = self._h2d
+        if stream is None:
+            with self._lock:
+                if self._h2d is None:
+                    self._h2d = self._new_stream()
+                stream = self._h2d
+        return stream
+
+    @property
+    def d2h(self) -> Stream:
+        """Gradients to the host; overlaps the backward of the regions that come after."""
+        stream = self._d2h
+        if stream is None:
+            with self._lock:
+                if self._d2h is None:
+                    self._d2h = self._new_stream()
+                stream = self._d2h
+        return stream
+
+    def ring_streams(self) -> RingStreams:
+        """(up, step, down) of the streamed-state ring: one triple for the module's life,
+        shared by every ring built on it (so that each ring reuses the last one's freed
+        device memory)."""
+        ring = self._ring
+        if ring is None:
+            with self._lock:
+                if self._ring is None:
+                    self._ring = (self._new_stream(), self._new_stream(), self._new_stream())
+                ring = self._ring
+        return ring
+
+    def _executor(self, attr: str, name: str) -> ThreadPoolExecutor:
+        executor: ThreadPoolExecutor | None = getattr(self, attr)
+        if executor is not None:
+            return executor
+        with self._lock:
+            executor = getattr(self, attr)
+            if executor is None:
+                if self._closed:
+                    raise RuntimeError(
+                        f"the {name} thread is asked for after the module was closed; "
+                        "build a new module (memory_optimize) to train again"
+                    )
+                executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+                setattr(self, attr, executor)
+            return executor
+
+    def host_worker(self) -> ThreadPoolExecutor:
+        """The host worker: host gradient work, gradient-ready hooks and queued optimizer
+        steps, in submission order."""
+        return self._executor("_host_worker", HOST_WORKER_NAME)
+
+    def speculation_thread(self) -> ThreadPoolExecutor:
+        """The thread speculative host steps run on, in submission order."""
+        return self._executor("_speculation", SPECULATION_THREAD_NAME)
+
+    def issuing_thread(self) -> ThreadPoolExecutor:
+        """The thread a step's streamed regions are issued (and partly published) from."""
+        return self._executor("_issuing", ISSUING_THREAD_NAME)
+
+    def close(self) -> None:
+        """Stop every worker thread once its queued work is done (blocks for it): the host
+        worker first, since its tasks may wait for the other two, then the issuing and
+        speculation threads. Later requests for a thread raise; closing twice is
+        harmless."""
+        with self._lock:
+            self._closed = True
+            executors = (self._host_worker, self._issuing, self._speculation)
+        for executor in executors:
+            if executor is not None:
+                executor.shutdown(wait=True)
 
 
 def make_streams(device: torch.device) -> StreamSet:
-    """Create the runtime's streams for ``device``; called once per OffloadModule."""
-    if device.type != "cuda":
-        none = Stream(None)
-        return StreamSet(device=device, compute=none, h2d=none, d2h=none)
-    return StreamSet(
-        device=device,
-        # Compute is whatever stream the caller runs the model on (usually the default).
-        compute=Stream(torch.cuda.current_stream(device)),
-        # Overlaps prefetches and post-step parameter uploads with forward/backward compute.
-        h2d=Stream(torch.cuda.Stream(device)),  # type: ignore[no-untyped-call]
-        # Overlaps gradient offload with the backward of the regions that come after.
-        d2h=Stream(torch.cuda.Stream(device)),  # type: ignore[no-untyped-call]
-    )
+    """The owner of the streams and worker threads for ``device``; one per OffloadModule."""
+    return StreamSet(device)
