@@ -41,8 +41,9 @@ BENCHMARKS.md, Decisions, "Staging streamed state in backward".
 
 [Note: timing the ring's copies up]
 The planner runs the ring's copies up at the cost model's ``stream_up_fraction`` of the
-profile's H2D rate (``offload_solver.CostModel``; 0.78 by default). In the training loop they share the PCIe link with the ring's copies down and the runtime's
-uploads, so the fraction they reach depends on the plan and the machine. A ring built
+profile's H2D rate (``offload_solver.CostModel``; 0.78 by default). In the training loop
+they share the PCIe link with the ring's copies down and the runtime's uploads, so the
+fraction they reach depends on the plan and the machine. A ring built
 ``timed`` (``HybridAdam``'s rings on CUDA) records a pair of timing events around each
 chunk's copies up on its up stream, the first after the chunk's wait for its slot, so
 the pair spans the copies alone (with whatever else shares the link then), and the bytes
