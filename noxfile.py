@@ -23,8 +23,6 @@ BENCH_TEST_DIR = "benchmarks/tests"
 DOC_TEST_DIR = "tests"
 SRC_DIRS = [f"{d}/src" for d in PACKAGE_DIRS]
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
-# Optional extras installed with the packages, so that their tests and types are checked.
-EXTRAS = {"packages/offload-optim": "[single-pass]"}
 
 nox.options.sessions = ["tests", "solver_only", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -32,7 +30,7 @@ nox.options.reuse_existing_virtualenvs = True
 
 def _install_all(session: nox.Session, *extra: str) -> None:
     """Install every package editable, torch pinned to the CPU build."""
-    editable = [arg for d in PACKAGE_DIRS for arg in ("-e", d + EXTRAS.get(d, ""))]
+    editable = [arg for d in PACKAGE_DIRS for arg in ("-e", d)]
     session.install("-c", CONSTRAINTS, *editable, *TEST_TOOLS, *extra)
 
 

@@ -15,7 +15,7 @@ in G parameters/s (1e9 per second) and its time against torch's fused fp32 step:
   writing the fp16 parameters in the pass;
 - ``single_speculative``: the single-pass step that also writes its undo data.
 
-The single-pass rows need numba (``pip install 'offload-optim[single-pass]'``) and are
+The single-pass rows need numba (``pip install numba``) and are
 left out, with a note, where it cannot load. Host Adam is bound by host memory bandwidth
 on a many-core host: compare the rows within one run, on an otherwise idle machine.
 """
@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from offload_optim import single_pass
 from offload_optim.kernels import measure_host_step_params_per_s
+from offload_runtime.host_kernels import single_pass
 
 # name: (host kernel, moments dtype, fp16 I/O, speculative)
 CONFIGS: dict[str, tuple[str, torch.dtype, bool, bool]] = {

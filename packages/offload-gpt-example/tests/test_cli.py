@@ -294,7 +294,7 @@ def test_speculate_plans_again_for_the_undo_buffers_that_fit(
 def test_fp16_io_trains_as_the_conversion_passes_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    pytest.importorskip("numba", reason="--fp16_io needs offload-optim[single-pass]")
+    pytest.importorskip("numba", reason="--fp16_io needs numba")
     base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "4"]
     base += ["--log_dir", str(tmp_path)]
     budget = repr(_least_budget_gb(base, capsys) * 1.5)
@@ -330,9 +330,7 @@ def test_bf16_moments_train_as_fp32_moments_do(
     """--bf16_moments alone, with --fp16_io, and with both and --speculate: planned at the
     host rate measured for bf16 moments, and training as with fp32 moments up to the
     moments' rounding (the kernels' exactness is tested in offload-optim)."""
-    pytest.importorskip(
-        "numba", reason="the fused bf16-moment step needs offload-optim[single-pass]"
-    )
+    pytest.importorskip("numba", reason="the fused bf16-moment step needs numba")
     base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "4"]
     base += ["--log_dir", str(tmp_path)]
     budget = repr(_least_budget_gb(base, capsys) * 1.5)

@@ -10,16 +10,13 @@ import torch
 from optim_helpers import batch, fell, offload_module, tiny_gpt2, train_offload
 
 from offload_optim import (
-    CHUNK_NUMEL,
-    AdamHyper,
     AMPOptimizer,
     HybridAdam,
-    fused_adam_,
     measure_host_step_cost,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
-    single_pass,
 )
+from offload_runtime.host_kernels import CHUNK_NUMEL, AdamHyper, fused_adam_, single_pass
 
 STEP_TOLERANCE = 0.03
 """Largest relative difference of one step's loss, bf16 against fp32 moments, over 50
@@ -104,7 +101,7 @@ def test_single_pass_kernels_round_bf16_moments_as_torch_does() -> None:
     operations: the bits must be torch's ``.bfloat16()`` (round to nearest even) at every
     rounding case, and a NaN stays a NaN. With zero moments, beta1 = beta2 = 0 and no decay, the
     new moments are exactly the gradient and its square in fp32."""
-    from offload_optim._numba_adam import BLOCK  # imports numba
+    from offload_runtime.host_kernels._numba_adam import BLOCK  # imports numba
 
     ulp_ends = torch.arange(-(2**15), 2**15, 997, dtype=torch.int32).to(torch.int16)
     grid = ulp_ends.view(torch.bfloat16).float()

@@ -11,8 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from offload_optim import single_pass
-from offload_optim.kernels import AdamHyper
+from offload_runtime.host_kernels import AdamHyper, single_pass
 
 pytestmark = pytest.mark.skipif(
     not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"

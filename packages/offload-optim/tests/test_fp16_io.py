@@ -18,8 +18,8 @@ import torch
 from optim_helpers import batch, loss_of, offload_module, tiny_gpt2
 from test_speculate import Trainer, assert_same, run
 
-from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
-from offload_optim.kernels import AdamHyper
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_runtime.host_kernels import AdamHyper, single_pass
 
 pytestmark = pytest.mark.skipif(
     not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"

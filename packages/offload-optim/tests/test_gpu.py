@@ -23,7 +23,8 @@ from optim_helpers import (
     tiny_gpt2,
 )
 
-from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, check_stream_rate, single_pass
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, check_stream_rate
+from offload_runtime.host_kernels import single_pass
 from offload_runtime.module import OffloadModule
 
 pytestmark = pytest.mark.gpu

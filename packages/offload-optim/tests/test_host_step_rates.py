@@ -13,9 +13,9 @@ from offload_optim import (
     measure_host_step_cost,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
-    single_pass,
 )
 from offload_runtime.hardware import host_step, measure_host_adam_params_per_s
+from offload_runtime.host_kernels import single_pass
 
 NUMEL = 1 << 12
 KINDS = [("torch", False)]

@@ -28,9 +28,8 @@ from test_speculate import assert_same, run
 
 import offload_optim.streamed as streamed_module
 import offload_optim.streamed.costs as stream_costs
-from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, single_pass
+from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
 from offload_optim.hybrid_adam import RegionStepTiming
-from offload_optim.kernels import AdamHyper
 from offload_optim.stepping import Stepper
 from offload_optim.streamed import (
     STREAM_CHUNK_NUMEL,
@@ -44,6 +43,7 @@ from offload_optim.streamed import (
     streamed_step_costs,
 )
 from offload_runtime.controller import OffloadController
+from offload_runtime.host_kernels import AdamHyper, single_pass
 
 
 @pytest.fixture

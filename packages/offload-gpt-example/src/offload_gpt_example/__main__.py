@@ -68,7 +68,6 @@ from offload_optim import (
     measure_host_step_cost,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
-    single_pass,
     streamed_step_costs,
 )
 from offload_runtime.api import (
@@ -80,6 +79,7 @@ from offload_runtime.api import (
     planning_hardware,
 )
 from offload_runtime.hardware import profile_hardware
+from offload_runtime.host_kernels import single_pass
 from offload_solver import (
     CostModel,
     HardwareProfile,
@@ -179,7 +179,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         action="store_true",
         help="fp16 only: step host-resident regions under backward, speculatively, undone "
         "exactly when the gradients overflow (AMPOptimizer(speculate_fp16=True)); uses the "
-        "single-pass host Adam when numba is installed (offload-optim[single-pass]); costs "
+        "single-pass host Adam when numba is installed; costs "
         "12 more bytes of host memory per host-resident parameter (8 with --bf16_moments)",
     )
     p.add_argument(
@@ -187,14 +187,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         action="store_true",
         help="fp16 only: host steps read fp16 gradients and write fp16 parameters in one "
         "pass, with no conversion passes (HybridAdam(fp16_io=True), memory_optimize("
-        "fp16_io=True)); needs the single-pass host Adam (offload-optim[single-pass])",
+        "fp16_io=True)); needs the single-pass host Adam (numba)",
     )
     p.add_argument(
         "--bf16_moments",
         action="store_true",
         help="keep the Adam moments of host-resident state in bf16 (HybridAdam(moments_dtype="
         "torch.bfloat16)): 4 fewer bytes of host memory per parameter, and with the "
-        "single-pass host Adam (offload-optim[single-pass]) a faster host step; planned "
+        "single-pass host Adam (numba) a faster host step; planned "
         "at its cost against torch's fused fp32 step, measured now",
     )
     p.add_argument(
@@ -349,14 +349,14 @@ class HostSteps:
             print(
                 "--speculate: numba is not installed, so speculative steps copy their undo "
                 "data with torch's kernels in extra passes over host memory instead of one; "
-                "pip install 'offload-optim[single-pass]'",
+                "pip install numba",
                 file=sys.stderr,
             )
         if kernel == "torch" and bf16_moments:
             print(
                 "--bf16_moments: numba is not installed, so bf16 moments step by torch's "
                 "chunked route, slower than torch's fused fp32 step (the single-pass kernel "
-                "is faster than it); pip install 'offload-optim[single-pass]'",
+                "is faster than it); pip install numba",
                 file=sys.stderr,
             )
         host_cost = None

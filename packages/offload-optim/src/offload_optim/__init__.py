@@ -27,14 +27,9 @@ from offload_optim.calibration import (
 )
 from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
 from offload_optim.kernels import (
-    CHUNK_NUMEL,
-    SPECULATE_CHUNK_NUMEL,
-    AdamHyper,
-    fused_adam_,
     measure_host_step_cost,
     measure_host_step_params_per_s,
     measure_speculative_step_cost,
-    speculative_adam_,
 )
 from offload_optim.scaler import DynamicLossScaler
 from offload_optim.streamed import (
@@ -45,10 +40,7 @@ from offload_optim.streamed import (
 )
 
 __all__ = [
-    "CHUNK_NUMEL",
-    "SPECULATE_CHUNK_NUMEL",
     "AMPOptimizer",
-    "AdamHyper",
     "BackwardIssueCheck",
     "DynamicLossScaler",
     "HostRateCheck",
@@ -60,12 +52,10 @@ __all__ = [
     "check_backward_issue",
     "check_host_rate",
     "check_stream_rate",
-    "fused_adam_",
     "measure_host_step_cost",
     "measure_host_step_params_per_s",
     "measure_speculative_step_cost",
     "planned_host_busy_s",
-    "speculative_adam_",
     "stream_copy_bytes",
     "stream_slot_bytes",
     "streamed_step_costs",

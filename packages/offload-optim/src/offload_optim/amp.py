@@ -25,7 +25,6 @@ import torch
 
 from offload_optim.clipping import clip_coefficient, combine
 from offload_optim.hybrid_adam import HybridAdam
-from offload_optim.kernels import AdamHyper
 from offload_optim.overlap import (
     EARLY_STEPS,
     Answer,
@@ -37,6 +36,7 @@ from offload_optim.overlap import (
 )
 from offload_optim.reports import Pending, RegionStepTiming, StepReport, completed
 from offload_optim.scaler import DynamicLossScaler
+from offload_runtime.host_kernels import AdamHyper
 from offload_runtime.module import OffloadModule
 from offload_solver import check_speculative_params
 

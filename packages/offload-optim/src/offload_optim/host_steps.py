@@ -23,13 +23,13 @@ from functools import partial
 
 import torch
 
-from offload_optim.kernels import AdamHyper
 from offload_optim.layout import ParamState, Segment, StateLayout
 from offload_optim.reports import RegionStepTiming
 from offload_optim.speculation import Speculation, wait_calling
 from offload_optim.stepping import Stepper
 from offload_optim.streamed.queue import PUBLISH_POLL_S
 from offload_optim.streamed.steps import Jobs, StreamedSteps
+from offload_runtime.host_kernels import AdamHyper
 
 
 class HostSteps:

@@ -23,15 +23,15 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
-from offload_optim import single_pass, streamed
+from offload_optim import streamed
 from offload_optim.host_steps import HostSteps
-from offload_optim.kernels import HOST_KERNELS, AdamHyper
 from offload_optim.layout import MOMENT_DTYPES, StateLayout
 from offload_optim.reports import RegionStepTiming
 from offload_optim.speculation import SPECULATION_HOST_SHARE, Speculation
 from offload_optim.stepping import Stepper
 from offload_optim.streamed import StreamedSteps
 from offload_runtime.hardware import available_host_memory_bytes
+from offload_runtime.host_kernels import HOST_KERNELS, AdamHyper, single_pass
 from offload_runtime.storage import RegionStorage
 
 if TYPE_CHECKING:
@@ -65,18 +65,19 @@ class HybridAdam(torch.optim.Optimizer):
         moments_dtype: dtype of the Adam moments of host-resident state (host-state regions
             and plain fp32 CPU tensors): ``torch.float32`` or ``torch.bfloat16``. bf16 halves
             the moments' host memory; with torch's kernels it makes the host step slower,
-            not faster (see [Note: bf16 moments] in kernels.py); with
+            not faster (see [Note: bf16 moments] in host_kernels/torch_adam.py); with
             ``host_kernel="single_pass"`` it moves 8 fewer bytes per parameter (20
             instead of 28) and steps faster (BENCHMARKS.md, Decisions, "bf16 moments").
             Device-resident moments stay fp32.
         host_kernel: the kernels that step host-resident state. ``"torch"`` (default):
             torch's fused CPU Adam. ``"single_pass"``: one-pass kernels compiled by numba
-            (``pip install 'offload-optim[single-pass]'``; fp32 or bf16 moments), whose
-            speculative fp16 step keeps its undo data in the same pass instead of copying
-            it first (see [Note: single-pass host Adam] in single_pass.py). Both compute
-            torch's Adam formula; they differ in rounding (about 1e-7 of an update), so a
-            run uses one of them for every host step. Device-resident state always steps
-            with torch's fused CUDA kernel.
+            (``pip install numba``; fp32 or bf16 moments), whose
+            speculative fp16 step keeps its undo data in the same pass instead of copying it
+            first (see [Note: single-pass host Adam] in
+            offload_runtime/host_kernels/single_pass.py). Both compute torch's Adam formula;
+            they differ in rounding (about 1e-7 of an update), so a run uses one of them for
+            every host step. Device-resident state always steps with torch's fused CUDA
+            kernel.
         fp16_io: with ``host_kernel="single_pass"`` (fp32 or bf16 moments) and an fp16
             module that converts on the host (``convert_on_device=False``): each
             host-state region steps straight from the fp16 gradients in its pinned
@@ -535,7 +536,7 @@ class HybridAdam(torch.optim.Optimizer):
 
         Returns the region's overflow partial: the sum of its whole gradient before the
         step (0-dim fp32, finite exactly when every element is; see
-        ``kernels.speculative_adam_``), or None when the region had no gradients (nothing
+        ``host_kernels.speculative_adam_``), or None when the region had no gradients (nothing
         stepped).
         """
         self._ensure_laid_out()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload_optim.kernels import AdamHyper
+from offload_runtime.host_kernels import AdamHyper
 from offload_runtime.storage import RegionStorage, alloc_host, region_of
 
 if TYPE_CHECKING:

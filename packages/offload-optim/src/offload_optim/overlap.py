@@ -25,7 +25,7 @@ Both answers exist only once the last region's gradients are in. Options:
    and made fp16 steps slower, so it stays off by default (measured: BENCHMARKS.md,
    Decisions, "Speculative fp16 host steps"). See [Note: speculative steps] in speculation.py. With
    ``HybridAdam(host_kernel="single_pass")`` the undo data is written in the step's own
-   pass ([Note: single-pass host Adam] in single_pass.py).
+   pass ([Note: single-pass host Adam] in offload_runtime/host_kernels/single_pass.py).
 2. speculate only where no answer is needed, and otherwise overlap only the
    answer-independent work (the default):
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
@@ -168,7 +168,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from offload_optim.clipping import partials_of
-from offload_optim.kernels import AdamHyper
+from offload_runtime.host_kernels import AdamHyper
 
 if TYPE_CHECKING:
     from offload_optim.hybrid_adam import HybridAdam

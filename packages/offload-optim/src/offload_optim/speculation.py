@@ -6,8 +6,8 @@ A host-state region can be stepped before it is known whether the step should ha
 1) and the step undone exactly if not. Adam is not invertible in floating point, so the
 undo needs what the step overwrote. :meth:`HybridAdam.speculate_region` keeps it at
 little memory traffic: per chunk of about 1M elements
-(``kernels.SPECULATE_CHUNK_NUMEL``), in cache, it copies the master into a backup and the
-moments into a *spare* pair of moment buffers, then runs the fused kernel on (master,
+(``host_kernels.SPECULATE_CHUNK_NUMEL``), in cache, it copies the master into a backup and
+the moments into a *spare* pair of moment buffers, then runs the fused kernel on (master,
 gradient, spare moments). Main memory sees the master, gradient and moments read once and
 the master, backup and spare moments written once: about 32 bytes per parameter (36
 counting the unscaled gradient the kernel writes back) against 28 (32) for the plain
@@ -35,7 +35,8 @@ it runs, in host time that backward leaves idle: a region whose gradients land a
 backward has ended takes the plain step (overlap.py's SPECULATIVE tail rule).
 ``HybridAdam(host_kernel="single_pass")`` replaces the copies and the fused kernel with
 one compiled pass that writes the backup, the stepped master and the spare moments (see
-[Note: single-pass host Adam] in single_pass.py); commit and undo are the same.
+[Note: single-pass host Adam] in offload_runtime/host_kernels/single_pass.py); commit and
+undo are the same.
 """
 
 from __future__ import annotations
@@ -48,8 +49,6 @@ from concurrent.futures import wait as futures_wait
 
 import torch
 
-from offload_optim import single_pass
-from offload_optim.kernels import AdamHyper, scale_tensor, speculative_adam_
 from offload_optim.layout import (
     ParamState,
     RegionAdamState,
@@ -61,6 +60,7 @@ from offload_optim.layout import (
 )
 from offload_optim.reports import RegionStepTiming
 from offload_optim.stepping import Stepper, consumed
+from offload_runtime.host_kernels import AdamHyper, scale_tensor, single_pass, speculative_adam_
 
 SPECULATION_HOST_SHARE = 0.9
 """Share of the host memory available at the first speculative backward that

@@ -33,9 +33,8 @@ from typing import cast
 
 import torch
 
-from offload_optim import single_pass
-from offload_optim.kernels import AdamHyper, fused_adam_, scale_tensor
 from offload_optim.layout import RegionAdamState, Segment, StateLayout
+from offload_runtime.host_kernels import AdamHyper, fused_adam_, scale_tensor, single_pass
 from offload_runtime.storage import RegionStorage
 
 IO = tuple[torch.Tensor, torch.Tensor]

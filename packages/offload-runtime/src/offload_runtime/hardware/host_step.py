@@ -28,14 +28,25 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
+
+from offload_runtime.host_kernels import (
+    HOST_KERNELS,
+    AdamHyper,
+    fused_adam_,
+    single_pass,
+    speculative_adam_,
+)
 
 __all__ = [
     "HOST_ADAM_READS_SPREAD",
     "HostStep",
     "HostStepTiming",
+    "KernelSteps",
     "host_adam_median",
+    "kernel_steps",
     "measure_host_adam_params_per_s",
     "measure_host_step",
     "torch_fused_adam_step",
@@ -185,3 +196,78 @@ def host_adam_median(reads: Sequence[float]) -> float:
             stacklevel=2,
         )
     return median
+
+
+class KernelSteps(NamedTuple):
+    """A plain and a speculative host step of one kernel configuration over the same
+    buffers (:func:`kernel_steps`)."""
+
+    plain: HostStep
+    speculative: HostStep
+
+
+def kernel_steps(
+    moments_dtype: torch.dtype, numel: int, host_kernel: str, fp16_io: bool = False
+) -> KernelSteps:
+    """The steps of one host Adam(W) kernel configuration over ``numel`` fp32 parameters,
+    for :func:`measure_host_step` to time: ``host_kernel`` (``"torch"``: torch's fused
+    Adam, bf16 moments by its chunked route; ``"single_pass"``: the numba kernels), the
+    moments' dtype, and ``fp16_io`` (the single-pass kernels that read an fp16 gradient and
+    write an fp16 copy of the master). Buffers are allocated once (the speculative step's
+    spare buffers at its first call, which the timer does not time); each step is called
+    with its count (bias correction). Needs about ``(8 + 2 * moment bytes) * numel`` bytes
+    of host memory, ``4 + 2 * moment bytes`` more once the speculative step has run."""
+    if numel < 1:
+        raise ValueError(f"numel ({numel}) must be >= 1")
+    if moments_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"moments_dtype must be float32 or bfloat16, not {moments_dtype}")
+    if host_kernel not in HOST_KERNELS:
+        raise ValueError(f"host_kernel must be one of {HOST_KERNELS}, not {host_kernel!r}")
+    if fp16_io and host_kernel != "single_pass":
+        raise ValueError("fp16_io times the single-pass kernels (host_kernel='single_pass')")
+    kernels: tuple[Callable[..., Any], Callable[..., Any]] = (_fused_one, speculative_adam_)
+    if host_kernel == "single_pass":
+        single_pass.require()
+        kernels = (single_pass.adam_, single_pass.speculative_adam_)
+    plain, undo = kernels
+    param = torch.zeros(numel)
+    grad = torch.full((numel,), 1e-3, dtype=torch.float16 if fp16_io else torch.float32)
+    if fp16_io:
+        single_pass.require_fp16_io()
+        upload = torch.empty(numel, dtype=torch.float16)  # the fp16 copy the kernels write
+
+        def plain_io(p: Any, g: Any, m: Any, v: Any, step: Any, hyper: Any) -> None:
+            single_pass.adam_fp16_io_(p, g, m, v, upload, step, hyper)
+
+        def undo_io(p: Any, g: Any, m: Any, v: Any, nm: Any, nv: Any, b: Any, *rest: Any) -> Any:
+            return single_pass.speculative_adam_fp16_io_(p, g, m, v, nm, nv, b, upload, *rest)
+
+        plain, undo = plain_io, undo_io
+    exp_avg = torch.zeros(numel, dtype=moments_dtype)
+    exp_avg_sq = torch.zeros(numel, dtype=moments_dtype)
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    spare: list[torch.Tensor] = []
+
+    def plain_step(count: int) -> object:
+        return plain(param, grad, exp_avg, exp_avg_sq, torch.tensor(float(count)), hyper)
+
+    def speculative_step(count: int) -> object:
+        if not spare:
+            spare.extend((torch.zeros_like(exp_avg), torch.zeros_like(exp_avg_sq)))
+            spare.append(torch.zeros_like(param))
+        step = torch.tensor(float(count))
+        return undo(param, grad, exp_avg, exp_avg_sq, *spare, step, hyper)
+
+    return KernelSteps(plain=plain_step, speculative=speculative_step)
+
+
+def _fused_one(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+) -> None:
+    """:func:`fused_adam_` of one tensor, with the signature of ``single_pass.adam_``."""
+    fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], [step], hyper)

@@ -1,4 +1,5 @@
-"""The numba kernels behind :mod:`offload_optim.single_pass` (imported only when used).
+"""The numba kernels behind :mod:`offload_runtime.host_kernels.single_pass` (imported only
+when used).
 
 See [Note: single-pass host Adam] in single_pass.py. ``c`` holds, in fp32: decay, l2,
 1 - beta1, beta2, 1 - beta2, step size, sqrt(bias correction 2), eps, grad scale (1:
@@ -265,7 +266,7 @@ def speculative(
             bad[blk] = flag
 
 
-# fp16 gradients in, fp16 upload copy out (HybridAdam(fp16_io=True)): the gradient is read
+# fp16 gradients in, fp16 upload copy out (the plan's fp16 I/O): the gradient is read
 # as fp16 bits and widened, and the new master is narrowed into the training-dtype copy
 # that the runtime uploads, in the same pass. numba has no float16 type; these two
 # intrinsics emit LLVM's half conversions, which x86 CPUs with F16C run as vcvtph2ps /

@@ -1,18 +1,19 @@
-"""Single-pass host Adam kernels, compiled with numba (optional: ``offload-optim[single-pass]``).
+"""Single-pass host Adam kernels, compiled with numba (a dependency of offload-runtime where
+numba has wheels: x86_64 and aarch64).
 
 [Note: single-pass host Adam]
-torch's fused CPU Adam works in place. An exact undo of a speculative fp16 step (see
-[Note: speculative steps] in speculation.py) therefore copies the master and moments
-before each chunk's fused step: five parallel passes per chunk. The kernels here do it in
-one pass: each element's master, gradient and moments are read once, and the step writes
-the master in place, the old master into the backup and the new moments into the spare
-pair, while it checks the gradient for non-finite values. The plain step gets a kernel of
-the same arithmetic, so that a committed speculative step equals the plain step bit for
-bit. The arithmetic is torch's fused AdamW/Adam formula in fp32 (decay or L2, lerp of the
-first moment, the bias-corrected update); it differs from torch's kernel in rounding only
-(about 1e-7 of the update: FMA contraction and operation order). So a run steps every
-host region with one family of kernels: ``HybridAdam(host_kernel="single_pass")``. bf16
-moments (see [Note: bf16 moments] in kernels.py) are widened and narrowed (round to
+torch's fused CPU Adam works in place. An exact undo of a speculative fp16 step (see [Note:
+speculative steps] in ``offload_optim/speculation.py``) therefore copies the master and
+moments before each chunk's fused step: five parallel passes per chunk. The kernels here do
+it in one pass: each element's master, gradient and moments are read once, and the step
+writes the master in place, the old master into the backup and the new moments into the
+spare pair, while it checks the gradient for non-finite values. The plain step gets a
+kernel of the same arithmetic, so that a committed speculative step equals the plain step
+bit for bit. The arithmetic is torch's fused AdamW/Adam formula in fp32 (decay or L2, lerp
+of the first moment, the bias-corrected update); it differs from torch's kernel in rounding
+only (about 1e-7 of the update: FMA contraction and operation order). So a run steps every
+host region with one family of kernels (the plan's ``PlanOptions.host_kernel``). bf16
+moments (see [Note: bf16 moments] in torch_adam.py) are widened and narrowed (round to
 nearest even) element by element inside the same loop, with integer operations that
 vectorize with it (_numba_adam.py), where torch's route makes five parallel passes per
 chunk: 20 bytes per parameter move instead of 28.
@@ -35,13 +36,14 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 from collections.abc import Callable
 from functools import cache
 from typing import Any
 
 import torch
 
-from offload_optim.kernels import AdamHyper
+from offload_runtime.host_kernels.torch_adam import AdamHyper
 
 _launch_lock = threading.Lock()
 
@@ -55,12 +57,32 @@ def available() -> bool:
     return True
 
 
+UNAVAILABLE = (
+    "numba cannot be imported here, so host optimizer steps run torch's fused CPU Adam: "
+    "the single-pass host step is lost, and with it fp16 gradients and parameters read and "
+    "written inside the host step (fp16 I/O), speculative fp16 host steps at little more "
+    "than a plain step's cost, and faster bf16 moments. Install numba (pip install numba; "
+    "offload-runtime depends on it on x86_64 and aarch64) to get them."
+)
+"""What :func:`warn_unavailable` says."""
+
+_warned = threading.Event()
+
+
+def warn_unavailable() -> None:
+    """Warn once per process (:data:`UNAVAILABLE`) that the single-pass kernels cannot
+    load: the planner then plans torch's kernels."""
+    if not _warned.is_set():
+        _warned.set()
+        warnings.warn(UNAVAILABLE, RuntimeWarning, stacklevel=2)
+
+
 def require() -> None:
     """Raise ImportError, saying how to install it, when numba is missing."""
     if not available():
         raise ImportError(
-            "host_kernel='single_pass' needs numba: pip install 'offload-optim[single-pass]' "
-            "(or pip install numba)"
+            "the single-pass host kernels need numba, which cannot be imported here: "
+            "pip install numba"
         )
 
 
@@ -156,7 +178,7 @@ def adam_(
     require()
     _check_numel(param.numel(), grad=grad, exp_avg=exp_avg, exp_avg_sq=exp_avg_sq)
     moments = _moments_dtype(exp_avg)
-    from offload_optim import _numba_adam  # imports numba: only once it is needed
+    from offload_runtime.host_kernels import _numba_adam  # imports numba: only once it is needed
 
     arrays = [
         _flat(param, "param"),
@@ -202,7 +224,7 @@ def speculative_adam_(
     import numpy as np
 
     moments = _moments_dtype(exp_avg)
-    from offload_optim import _numba_adam
+    from offload_runtime.host_kernels import _numba_adam
 
     bad = np.zeros((n + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK, dtype=np.uint8)  # per block
     f32 = torch.float32
@@ -234,7 +256,7 @@ def fp16_io_available() -> bool:
     import numpy as np
 
     try:
-        from offload_optim import _numba_adam
+        from offload_runtime.host_kernels import _numba_adam
 
         every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
         halves = every.view(torch.float16)
@@ -277,8 +299,8 @@ def require_fp16_io() -> None:
     if not fp16_io_available():
         raise RuntimeError(
             "fp16_io needs the CPU's half-precision conversions in numba's kernels, and "
-            "they failed to compile or to match torch's rounding on this machine; build "
-            "HybridAdam without fp16_io (the host then widens and narrows in separate passes)"
+            "they failed to compile or to match torch's rounding on this machine; plan "
+            "without fp16 I/O (the host then widens and narrows in separate passes)"
         )
 
 
@@ -316,7 +338,7 @@ def adam_fp16_io_(
         _flat(exp_avg_sq, "exp_avg_sq", moments),
         _flat(param16, "param16", torch.float16),
     ]
-    from offload_optim import _numba_adam
+    from offload_runtime.host_kernels import _numba_adam
 
     _launch(_numba_adam.in_place_fp16_io, *arrays, _constants(hyper, float(step), grad_scale))
 
@@ -342,7 +364,7 @@ def speculative_adam_fp16_io_(
     _check_numel(param.numel(), next_avg=next_avg, next_avg_sq=next_avg_sq, backup=backup)
     import numpy as np
 
-    from offload_optim import _numba_adam
+    from offload_runtime.host_kernels import _numba_adam
 
     n = param.numel()
     bad = np.zeros((n + _numba_adam.BLOCK - 1) // _numba_adam.BLOCK, dtype=np.uint8)
