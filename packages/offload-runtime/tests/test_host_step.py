@@ -99,3 +99,48 @@ def test_bad_arguments_are_named(kwargs: dict[str, float], match: str) -> None:
             calls.append, int(args["numel"]), steps=int(args["steps"]), settle_s=args["settle_s"]
         )
     assert not calls  # rejected before any step runs
+
+
+def test_every_host_step_is_timed_by_the_timer_and_the_fused_rate_is_not_timed_again(
+    clock: FakeClock,
+) -> None:
+    """``measure_host_step_rates`` times each configuration's own step (one untimed step,
+    the settle, the median of the timed ones) and records torch's fused fp32 plain step at
+    the rate it is given: the profile's host Adam rate, read once."""
+    configurations = [
+        ("torch", "fp32", False, False),
+        ("torch", "fp32", False, True),
+        ("torch", "bf16", False, False),
+    ]
+    # Two configurations timed, three timed steps each: medians 2 ms and 4 ms.
+    clock.durations_s = [1e-3, 2e-3, 3e-3, 4e-3, 8e-3, 1e-3]
+    rates = host_step.measure_host_step_rates(
+        4096, 5e9, steps=3, settle_s=0.5, configurations=configurations
+    )
+    assert [r.key for r in rates] == configurations
+    assert rates[0].params_per_s == 5e9
+    assert rates[1].params_per_s == pytest.approx(4096 / 2e-3, rel=1e-9)
+    assert rates[2].params_per_s == pytest.approx(4096 / 4e-3, rel=1e-9)
+    assert all(r.threads == torch.get_num_threads() for r in rates)
+    assert clock.events == [("sleep", 0.5), ("sleep", 0.5)]
+    assert not clock.durations_s
+
+
+def test_the_configurations_are_those_the_optimizer_can_run_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch's kernels everywhere (fp32 and bf16 moments, plain and speculative); the
+    single-pass ones only where numba loads, with fp16 I/O only where its conversions
+    compile."""
+    from offload_runtime.host_kernels import single_pass
+
+    monkeypatch.setattr(single_pass, "available", lambda: False)
+    assert {c[0] for c in host_step.host_step_configurations()} == {"torch"}
+    assert len(host_step.host_step_configurations()) == 4
+    monkeypatch.setattr(single_pass, "available", lambda: True)
+    monkeypatch.setattr(single_pass, "fp16_io_available", lambda: False)
+    found = host_step.host_step_configurations()
+    assert len(found) == 8
+    assert not any(io for _, _, io, _ in found)
+    monkeypatch.setattr(single_pass, "fp16_io_available", lambda: True)
+    assert len(host_step.host_step_configurations()) == 12

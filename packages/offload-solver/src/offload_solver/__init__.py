@@ -9,6 +9,7 @@ imports anything outside the Python standard library.
 from offload_solver._json import SCHEMA_VERSION, parse_bytes
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import BandwidthPoint, HardwareProfile, default_hardware
+from offload_solver.host_rates import HostStepRate, default_host_step_rates
 from offload_solver.plan import (
     MemorySample,
     ParamPlacement,
@@ -44,6 +45,7 @@ __all__ = [
     "BandwidthPoint",
     "CostModel",
     "HardwareProfile",
+    "HostStepRate",
     "InfeasibleBudgetError",
     "MemorySample",
     "ModelProfile",
@@ -64,6 +66,7 @@ __all__ = [
     "build_regions",
     "check_speculative_params",
     "default_hardware",
+    "default_host_step_rates",
     "get_simulator",
     "get_solver",
     "least_budget_bytes",

@@ -17,6 +17,13 @@ from dataclasses import dataclass
 
 from offload_solver._json import SCHEMA_VERSION, get_field, load_document, record, to_jsonable
 from offload_solver.cost_model import COST_MODEL_FIELDS
+from offload_solver.host_rates import (
+    DEFAULT_HOST_STEP_TIMES,
+    HOST_KERNELS,
+    HOST_MOMENTS,
+    HostStepRate,
+    default_host_step_rates,
+)
 from offload_solver.profile import Operation
 
 GiB = 2**30
@@ -73,7 +80,9 @@ class HardwareProfile:
     device_memory_bytes: int
     host_memory_bytes: int
     host_adam_params_per_s: float = 4.4e9
-    """Host optimizer throughput, parameter elements per second (fused CPU Adam)."""
+    """Host optimizer throughput, parameter elements per second: torch's fused CPU Adam
+    with fp32 moments, the step the simulator charges host-state regions (a planner that
+    runs another kernel plans with that kernel's rate here, :meth:`host_step_params_per_s`)."""
     device_adam_params_per_s: float = 50e9
     """Device optimizer throughput, parameter elements per second (fused CUDA Adam)."""
     op_overhead_s: float = 0.0
@@ -101,6 +110,11 @@ class HardwareProfile:
     short of (``offload_runtime.hardware.measure_attention_flop_per_s`` measures it)."""
     attention_bwd_flop_per_s: float = 0.0
     """The same for fused attention's backward."""
+    host_step_rates: tuple[HostStepRate, ...] = ()
+    """The measured rate of each configuration of the host Adam step the optimizer can run
+    on this machine (kernel, moments, fp16 I/O, speculative; see
+    ``offload_solver.host_rates``), at most one each; empty where none was measured.
+    :meth:`host_step_params_per_s` reads them."""
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -147,11 +161,35 @@ class HardwareProfile:
                 f"HardwareProfile.host_copy_contention is {self.host_copy_contention}; "
                 "must be in (0, 1] (1 when not measured)"
             )
+        keys = [rate.key for rate in self.host_step_rates]
+        if len(set(keys)) != len(keys):
+            raise ValueError(
+                "HardwareProfile.host_step_rates has two rates of one configuration "
+                "(kernel, moments, fp16_io, speculative); keep one each"
+            )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
                 f"HardwareProfile.schema_version is {self.schema_version}; "
                 f"this solver reads version {SCHEMA_VERSION}"
             )
+
+    def host_step_params_per_s(
+        self, kernel: str, moments: str, fp16_io: bool = False, speculative: bool = False
+    ) -> float:
+        """Parameters per second of the host Adam step in this configuration (``kernel``
+        in ``HOST_KERNELS``, ``moments`` in ``HOST_MOMENTS``): its rate in
+        :attr:`host_step_rates` where measured, else :attr:`host_adam_params_per_s` over
+        its documented time ratio (``offload_solver.host_rates.DEFAULT_HOST_STEP_TIMES``)."""
+        key = (kernel, moments, fp16_io, speculative)
+        if key not in DEFAULT_HOST_STEP_TIMES:
+            raise ValueError(
+                f"no host step {key}: kernel in {HOST_KERNELS}, moments in {HOST_MOMENTS}, "
+                "fp16_io only with the single_pass kernel"
+            )
+        for rate in self.host_step_rates:
+            if rate.key == key:
+                return rate.params_per_s
+        return self.host_adam_params_per_s / DEFAULT_HOST_STEP_TIMES[key]
 
     def h2d_bytes_per_s(self, size_bytes: int) -> float:
         return _interp_bandwidth(self.h2d, size_bytes)
@@ -256,6 +294,10 @@ class HardwareProfile:
                 attention_bwd_flop_per_s=float(
                     get_field(data, "attention_bwd_flop_per_s", (int, float), default=0.0)
                 ),
+                host_step_rates=tuple(
+                    record(HostStepRate, r, f"host_step_rates[{i}]")
+                    for i, r in enumerate(get_field(data, "host_step_rates", list, default=[]))
+                ),
             )
         except TypeError as exc:
             raise ValueError(f"malformed HardwareProfile JSON: {exc}") from exc
@@ -293,7 +335,9 @@ def default_hardware() -> HardwareProfile:
       small matrix products with memory-bound operations, so most of the peak is out of
       reach.
     - 140 GiB device memory, 128 GiB host memory.
-    - Host Adam 4.4e9 parameters/s (fused CPU Adam); device Adam 50e9/s.
+    - Host Adam 4.4e9 parameters/s (fused CPU Adam); device Adam 50e9/s; the other host
+      kernels' rates derived from it by their documented ratios
+      (:func:`~offload_solver.host_rates.default_host_step_rates`).
     - Host fp16 <-> fp32 conversion 11e9 elements/s.
     - No per-operation issue cost (``op_overhead_s`` 0): it depends on the host's Python
       speed, so only a measured profile has one.
@@ -329,7 +373,8 @@ def default_hardware() -> HardwareProfile:
         host_convert_elems_per_s=11e9,
         device_memory_bytes_per_s=4.2e12,
         host_copy_contention=0.55,
+        host_step_rates=default_host_step_rates(4.4e9),
     )
 
 
-__all__ = ["BandwidthPoint", "HardwareProfile", "default_hardware"]
+__all__ = ["BandwidthPoint", "HardwareProfile", "HostStepRate", "default_hardware"]

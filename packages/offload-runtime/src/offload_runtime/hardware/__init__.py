@@ -11,8 +11,8 @@ responsibility:
 - ``probes.py``: one function per device measurement (copy sweep, matmul peak and
   efficiency, device Adam, host conversion, copy contention, device memory, attention);
 - ``host_step.py``: :func:`measure_host_step`, the one timer of host optimizer steps,
-  used for the profile's host Adam rate and by ``offload_optim`` for its own kernels
-  ([Note: one host step timer]);
+  used for the profile's host Adam rate and every host kernel's
+  (:func:`measure_host_step_rates`; [Note: one host step timer]);
 - ``issue_cost.py``: the host cost of issuing one operation of a traced graph;
 - ``host_memory.py``: the host's total and available memory;
 - ``profile.py``: :func:`profile_hardware` (cache or measure) and
@@ -32,9 +32,11 @@ from offload_runtime.hardware.host_step import (
     HostStepTiming,
     KernelSteps,
     host_adam_median,
+    host_step_configurations,
     kernel_steps,
     measure_host_adam_params_per_s,
     measure_host_step,
+    measure_host_step_rates,
     torch_fused_adam_step,
 )
 from offload_runtime.hardware.identity import DeviceIdentity, device_identity, nvml_handle
@@ -72,6 +74,7 @@ __all__ = [
     "default_cpu_profile",
     "device_identity",
     "host_adam_median",
+    "host_step_configurations",
     "kernel_steps",
     "measure_attention_flop_per_s",
     "measure_copy_bandwidth",
@@ -82,6 +85,7 @@ __all__ = [
     "measure_host_convert_elems_per_s",
     "measure_host_copy_contention",
     "measure_host_step",
+    "measure_host_step_rates",
     "measure_matmul_efficiency",
     "measure_op_overhead_s",
     "measure_peak_matmul_flop_per_s",

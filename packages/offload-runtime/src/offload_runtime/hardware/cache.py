@@ -6,7 +6,8 @@ Profiles live in :func:`default_cache_dir` (``$OFFLOAD_CACHE_DIR``, else
 document per file:
 
 - ``hardware-<format>-<identity key>-<dtype>.json``: the device-level measurements (copy
-  sweep, peak matmul rate, Adam rates, host conversion rate, per-operation issue cost) with
+  sweep, peak matmul rate, Adam rates and every host step's rate, host conversion rate,
+  per-operation issue cost) with
   ``DEFAULT_COMPUTE_EFFICIENCY``;
 - ``hardware-<format>-<identity key>-<dtype>-mm<digest>.json``: the same with the
   efficiency measured on one set of matrix shapes. A new model only costs the matmul
@@ -49,7 +50,7 @@ __all__ = [
     "store",
 ]
 
-CACHE_FORMAT = "p5"
+CACHE_FORMAT = "p6"
 """Version of what a cached profile measures, part of its file name. It changes whenever a
 probe is added or changes what it measures, so that files of another version are not
 read but measured again."""

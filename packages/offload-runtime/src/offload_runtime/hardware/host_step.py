@@ -3,12 +3,12 @@
 [Note: one host step timer]
 Every plan charges its host Adam steps at a measured rate: the hardware profile's
 ``host_adam_params_per_s`` (torch's fused fp32 Adam, :func:`measure_host_adam_params_per_s`)
-and the optimizer's own kernels (``offload_optim.measure_host_step_params_per_s`` and the
-cost ratios built on it: bf16 moments, the single-pass kernels, fp16 I/O, speculative
-steps). All of them are timed by :func:`measure_host_step`, so two rates differ only by
-the kernel and the buffers the caller hands in, never by how they were timed. The caller
-owns the kernel (this package cannot import ``offload_optim``); this module owns the
-method:
+and its ``host_step_rates``, one per configuration of the kernels the optimizer can run
+(torch's or the single-pass ones of ``offload_runtime.host_kernels``; fp32 or bf16 moments;
+fp16 I/O; plain or speculative: :func:`measure_host_step_rates` over :func:`kernel_steps`).
+All of them are timed by :func:`measure_host_step`, so two rates differ only by the kernel
+and the buffers the caller hands in, never by how they were timed; torch's fused fp32 rate
+is read once and recorded in both places. This module owns the method:
 
 - one untimed step first: it touches every page the step writes and lets the kernel
   allocate what it allocates lazily (a torch optimizer's moments), so no timed step pays a
@@ -16,7 +16,7 @@ method:
 - then an optional sleep (``settle_s``): another thread pool that has just run (numba's
   OpenMP threads, torch's) may keep spinning on the cores the step needs;
 - then the median wall time of ``steps`` timed steps, with the number of CPU threads torch
-  runs with (the single-pass kernels use as many, see ``offload_optim.single_pass``)
+  runs with (the single-pass kernels use as many, see ``host_kernels/single_pass.py``)
   recorded beside it.
 """
 
@@ -39,6 +39,7 @@ from offload_runtime.host_kernels import (
     single_pass,
     speculative_adam_,
 )
+from offload_solver import HostStepRate
 
 __all__ = [
     "HOST_ADAM_READS_SPREAD",
@@ -125,11 +126,13 @@ def adam_params(numel: int, device: torch.device) -> list[torch.Tensor]:
     return params
 
 
-def fit_adam_numel(numel: int, room_bytes: int) -> int:
-    """Shrink an Adam measurement (16 bytes per element) to a quarter of ``room_bytes``."""
+def fit_adam_numel(numel: int, room_bytes: int, bytes_per_param: int = 16) -> int:
+    """Shrink an Adam measurement (``bytes_per_param`` bytes per element: 16 for torch's
+    fused fp32 step, 28 for the most a :func:`kernel_steps` step holds) to a quarter of
+    ``room_bytes``."""
     if room_bytes <= 0:
         return numel
-    return max(2**16, min(numel, room_bytes // 4 // 16))
+    return max(2**16, min(numel, room_bytes // 4 // bytes_per_param))
 
 
 def torch_fused_adam_step(numel: int) -> HostStep:
@@ -271,3 +274,61 @@ def _fused_one(
 ) -> None:
     """:func:`fused_adam_` of one tensor, with the signature of ``single_pass.adam_``."""
     fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], [step], hyper)
+
+
+MOMENTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+"""The moments' dtype of each ``HostStepRate.moments`` name."""
+
+
+def host_step_configurations() -> list[tuple[str, str, bool, bool]]:
+    """(kernel, moments, fp16_io, speculative) of every host step the optimizer can run
+    here: torch's kernels always; the single-pass ones where numba loads, with fp16 I/O
+    where its half-precision conversions compile and match torch's
+    (``single_pass.fp16_io_available``)."""
+    kernels = [("torch", False)]
+    if single_pass.available():
+        kernels.append(("single_pass", False))
+        if single_pass.fp16_io_available():
+            kernels.append(("single_pass", True))
+    return [
+        (kernel, moments, io, speculative)
+        for kernel, io in kernels
+        for moments in MOMENTS_DTYPES
+        for speculative in (False, True)
+    ]
+
+
+def measure_host_step_rates(
+    numel: int,
+    fused_params_per_s: float,
+    *,
+    steps: int = 3,
+    settle_s: float = 0.05,
+    configurations: Sequence[tuple[str, str, bool, bool]] | None = None,
+) -> tuple[HostStepRate, ...]:
+    """The rate of every host step the optimizer can run here
+    (:func:`host_step_configurations`, or ``configurations``), each timed by
+    :func:`measure_host_step` over its own kernel and buffers (:func:`kernel_steps`,
+    ``numel`` parameters; the median of ``steps`` timed steps after ``settle_s`` of sleep,
+    which lets the other kernel family's thread pool go idle). torch's fused fp32 plain
+    step is not timed again: its rate is ``fused_params_per_s``, the profile's
+    ``host_adam_params_per_s``, so that the two never disagree. Needs about ``28 * numel``
+    bytes of host memory at a time."""
+    if not fused_params_per_s > 0:
+        raise ValueError(f"fused_params_per_s must be > 0, got {fused_params_per_s}")
+    rates = []
+    threads = torch.get_num_threads()
+    for kernel, moments, io, speculative in configurations or host_step_configurations():
+        if (kernel, moments, io, speculative) == ("torch", "fp32", False, False):
+            rates.append(
+                HostStepRate(kernel, moments, io, speculative, fused_params_per_s, threads)
+            )
+            continue
+        built = kernel_steps(MOMENTS_DTYPES[moments], numel, kernel, io)
+        step = built.speculative if speculative else built.plain
+        timing = measure_host_step(step, numel, steps=steps, settle_s=settle_s)
+        rates.append(
+            HostStepRate(kernel, moments, io, speculative, timing.params_per_s, timing.threads)
+        )
+        del built, step
+    return tuple(rates)

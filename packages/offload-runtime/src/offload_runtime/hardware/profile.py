@@ -28,6 +28,7 @@ from offload_runtime.hardware.host_step import (
     fit_adam_numel,
     host_adam_median,
     measure_host_adam_params_per_s,
+    measure_host_step_rates,
 )
 from offload_runtime.hardware.identity import DeviceIdentity, device_identity, resolve_device
 from offload_runtime.hardware.issue_cost import measure_op_overhead_s
@@ -49,7 +50,7 @@ from offload_runtime.hardware.probes import (
     measure_peak_matmul_flop_per_s,
     release_cached_memory,
 )
-from offload_solver import BandwidthPoint, HardwareProfile
+from offload_solver import BandwidthPoint, HardwareProfile, default_host_step_rates
 
 __all__ = ["default_cpu_profile", "measure_hardware", "profile_hardware"]
 
@@ -65,7 +66,10 @@ def default_cpu_profile() -> HardwareProfile:
     - compute: 100 GFLOP/s at efficiency 0.5;
     - memory: 16 GiB "device", 64 GiB host (not this machine's; use
       :func:`available_host_memory_bytes` for that);
-    - Adam: 1e9 parameters/s on host and "device".
+    - Adam: 1e9 parameters/s on host and "device"; the other host kernels' rates derived
+      from it by their documented ratios (``offload_solver.default_host_step_rates``:
+      BENCHMARKS.md, Decisions, "Single-pass host Adam"), so that a CPU plan chooses among
+      them as a GPU machine's would.
     """
     flat = (BandwidthPoint(size_bytes=2**10, bytes_per_s=10e9), BandwidthPoint(2**30, 10e9))
     return HardwareProfile(
@@ -78,6 +82,7 @@ def default_cpu_profile() -> HardwareProfile:
         host_memory_bytes=64 * 2**30,
         host_adam_params_per_s=1e9,
         device_adam_params_per_s=1e9,
+        host_step_rates=default_host_step_rates(1e9),
     )
 
 
@@ -170,9 +175,10 @@ def measure_hardware(
     """Measure a CUDA device now, without the cache; ``compute_efficiency`` is the default.
 
     Copies, peak matmul, both Adam rates, host copy contention, device memory and
-    conversion rates, and the per-operation issue cost; the host Adam rate and the issue
-    cost are each the median of three reads (first, midway and last;
-    :func:`host_adam_median`). A few seconds on a current GPU.
+    conversion rates, the per-operation issue cost, and the rate of every host step the
+    optimizer can run here (:func:`measure_host_step_rates`); the host Adam rate and the
+    issue cost are each the median of three reads (first, midway and last;
+    :func:`host_adam_median`). Several seconds on a current GPU machine.
     """
     dev = resolve_device(device)
     if dev.type != "cuda":
@@ -223,6 +229,18 @@ def measure_hardware(
                 f"{', '.join(f'{x / 1e9:.2f}' for x in host_adams)} Gparam/s read first, "
                 f"midway and last, with {torch.get_num_threads()} CPU threads)"
             )
+            host_steps = measure_host_step_rates(
+                fit_adam_numel(HOST_ADAM_NUMEL, available_host_memory_bytes(), 28), host_adam
+            )
+            say(
+                "host steps "
+                + ", ".join(
+                    f"{r.kernel}/{r.moments}{'/fp16_io' if r.fp16_io else ''}"
+                    f"{'/speculative' if r.speculative else ''} {r.params_per_s / 1e9:.2f}"
+                    for r in host_steps
+                )
+                + " Gparam/s"
+            )
             overhead = statistics.median(overheads)
             say(
                 f"per-operation issue cost {overhead * 1e6:.1f} us (GPT-2-like graph; the "
@@ -246,4 +264,5 @@ def measure_hardware(
         host_convert_elems_per_s=host_convert,
         device_memory_bytes_per_s=device_memory,
         host_copy_contention=contention,
+        host_step_rates=host_steps,
     )
