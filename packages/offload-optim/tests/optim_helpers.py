@@ -22,6 +22,7 @@ from offload_solver import (
     InfeasibleBudgetError,
     ParamPlacement,
     Plan,
+    PlanOptions,
     Region,
     RegionPlan,
     StatePlacement,
@@ -216,6 +217,7 @@ def offload_module(
         timeline=(),
         memory_curve=(),
         pool_size_bytes=0,
+        options=PlanOptions(convert_on_device=convert_on_device),
     )
     targets = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
     return OffloadModule(
@@ -231,7 +233,6 @@ def offload_module(
         op_names=op_names,
         tied_groups=tied,
         host_worker=host_worker,
-        convert_on_device=convert_on_device,
     )
 
 

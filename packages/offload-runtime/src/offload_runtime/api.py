@@ -272,7 +272,6 @@ def build_offload_module(
     device: torch.device,
     *,
     host_worker: bool | None = None,
-    convert_on_device: bool = False,
 ) -> OffloadModule:
     """Region storage from the model's real weights, passes applied to both graph modes."""
     named = dict(model.named_parameters(remove_duplicate=False))
@@ -298,7 +297,6 @@ def build_offload_module(
         op_names=tuple(traced.operation_names),
         tied_groups=profile.tied_groups,
         host_worker=host_worker,
-        convert_on_device=convert_on_device,
     )
 
 
@@ -727,15 +725,18 @@ def memory_optimize(
         f"predicted peak {plan.predicted_peak_bytes / MiB:.1f} MB, step "
         f"{plan.predicted_step_time_s * 1e3:.1f} ms ({time.perf_counter() - t1:.2f} s)"
     )
-    module = build_offload_module(
-        model,
-        traced,
-        profile,
+    plan = dataclasses.replace(
         plan,
-        dev,
-        host_worker=host_worker,
-        convert_on_device=on_device,
+        options=dataclasses.replace(
+            plan.options,
+            host_kernel="single_pass" if fp16_io else "torch",
+            fp16_io=fp16_io,
+            convert_on_device=on_device,
+            speculative=dtype == torch.float16 and not after_backward,
+            stage_in_backward=streamed is None or streamed.staged_chunks > 0,
+        ),
     )
+    module = build_offload_module(model, traced, profile, plan, dev, host_worker=host_worker)
     module.profile = profile
     module.hardware = hardware
     s = plan_summary(profile, plan)

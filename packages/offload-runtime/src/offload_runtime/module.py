@@ -53,7 +53,6 @@ class OffloadModule:
         op_names: tuple[str, ...],
         tied_groups: tuple[tuple[str, ...], ...] = (),
         host_worker: bool | None = None,
-        convert_on_device: bool = False,
     ) -> None:
         self.plan = plan
         self.device = device
@@ -66,8 +65,17 @@ class OffloadModule:
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         requires_grad = {name: bool(state[name].requires_grad) for name in shapes}
+        options = plan.options
+        if options.fp16_io and dtype != torch.float16:
+            raise ValueError(
+                f"the plan steps host regions by fp16 I/O (PlanOptions.fp16_io), which reads "
+                f"fp16 gradients, but the module trains in {dtype}: plan fp16 I/O for float16 "
+                "training only"
+            )
+        convert_on_device = options.convert_on_device
         self.convert_on_device = convert_on_device
-        """Host-state regions convert dtypes on the device (see ``OffloadController``)."""
+        """Host-state regions convert dtypes on the device (the plan's
+        ``PlanOptions.convert_on_device``; see ``OffloadController``)."""
         self.storages, self.pool = build_storage(
             plan,
             shapes,
@@ -103,6 +111,9 @@ class OffloadModule:
             batch_device_grads=device_grad_bytes <= room,
             convert_on_device=convert_on_device,
         )
+        # fp16 I/O: a host-state region's fp16 gradient stays in its pinned staging buffer,
+        # where the host step reads it ([Note: fp16 I/O steps] in offload_optim/stepping.py).
+        self.controller.keep_staged_grads = options.fp16_io
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.
         self._buffers = {

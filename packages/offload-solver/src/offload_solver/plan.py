@@ -18,6 +18,7 @@ from offload_solver._json import (
     to_jsonable,
 )
 from offload_solver.cost_model import CostModel
+from offload_solver.plan_options import PlanOptions
 
 
 class ParamPlacement(str, Enum):
@@ -237,6 +238,10 @@ class Plan:
     """The cost model's factors the plan was made with (``solve(..., cost_model=)``). A plan
     document without them (one written before plans recorded them) reads with
     ``CostModel()``."""
+    options: PlanOptions = field(default_factory=PlanOptions)
+    """The speed-only choices the plan was made with, which the runtime and the optimizer
+    execute: ``solve`` records those it was given, the runtime's planner the rest. A plan
+    document without them reads with ``PlanOptions()``."""
 
     def to_json(self) -> str:
         data = to_jsonable(self)
@@ -313,6 +318,11 @@ class Plan:
                     if data.get("cost_model") is None
                     else record(CostModel, data["cost_model"], "cost_model")
                 ),
+                options=(
+                    PlanOptions()
+                    if data.get("options") is None
+                    else record(PlanOptions, data["options"], "options")
+                ),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed Plan JSON: missing or mistyped field {exc}") from exc
@@ -322,6 +332,7 @@ __all__ = [
     "MemorySample",
     "ParamPlacement",
     "Plan",
+    "PlanOptions",
     "Region",
     "RegionPlan",
     "StatePlacement",

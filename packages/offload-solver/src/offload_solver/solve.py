@@ -40,6 +40,7 @@ from offload_solver.plan import (
     MemorySample,
     ParamPlacement,
     Plan,
+    PlanOptions,
     RegionPlan,
     StatePlacement,
     StreamedStepCosts,
@@ -175,7 +176,9 @@ def solve(
     [Note: host work late] in ``solvers._late``). True (default); False keeps the greedy
     phases' placements.
     ``cost_model``: the simulator's fitted factors (:class:`CostModel`); None (default):
-    ``CostModel()``, the fitted defaults. The plan records them (``Plan.cost_model``).
+    ``CostModel()``, the fitted defaults. The plan records them (``Plan.cost_model``), and
+    the arguments above that a runtime executes (``Plan.options``: :class:`PlanOptions`,
+    whose other fields a runtime's planner fills).
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -227,8 +230,18 @@ def solve(
         # (it can leave the streamed search less to gain); the greedy one on a tie.
         found = min(options, key=lambda c: c.period_s)
     plan = _plan_of(ctx, found, strategy.name, budget, in_use, streamed)
+    given = PlanOptions(
+        host_step_after_backward=host_step_after_backward,
+        speculative_params=speculative_params,
+        speculative_step_cost=speculative_step_cost,
+        speculation_thread=speculation_thread,
+        state_on_device=state_on_device,
+        late_host_work=late_host_work,
+        micro_batches=micro_batches,
+    )
     return dataclasses.replace(
         plan,
+        options=given,
         model_name=profile.name,
         hardware_name=hardware.name,
         solve_time_s=time.perf_counter() - t0,
