@@ -4,9 +4,10 @@
     python benchmarks/host_adam_bench.py --numel 256e6 --repeats 5 --json host_adam.json
 
 Each configuration steps ``--numel`` fp32 master parameters on the CPU with the kernel the
-optimizer would run (``offload_optim.measure_host_step_params_per_s``: one untimed step
-that touches every page, then the median of ``--repeats`` timed steps) and prints its rate
-in G parameters/s (1e9 per second) and its time against torch's fused fp32 step:
+optimizer would run, built and timed as the hardware profile's probes do
+(``offload_runtime.hardware.kernel_steps`` and ``measure_host_step``: one untimed step
+that touches every page, then the median of ``--repeats`` timed steps), and prints its
+rate in G parameters/s (1e9 per second) and its time against torch's fused fp32 step:
 
 - ``torch``: torch's fused Adam over fp32 moments (what the hardware profile measures);
 - ``torch_bf16m``: bf16 moments by torch's chunked route;
@@ -15,8 +16,8 @@ in G parameters/s (1e9 per second) and its time against torch's fused fp32 step:
   writing the fp16 parameters in the pass;
 - ``single_speculative``: the single-pass step that also writes its undo data.
 
-The single-pass rows need numba (``pip install numba``) and are
-left out, with a note, where it cannot load. Host Adam is bound by host memory bandwidth
+The single-pass rows need numba (``pip install numba``) and are left out, with a note,
+where it cannot load. Host Adam is bound by host memory bandwidth
 on a many-core host: compare the rows within one run, on an otherwise idle machine.
 """
 
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from offload_optim.kernels import measure_host_step_params_per_s
+from offload_runtime.hardware import kernel_steps, measure_host_step
 from offload_runtime.host_kernels import single_pass
 
 # name: (host kernel, moments dtype, fp16 I/O, speculative)
@@ -54,14 +55,9 @@ def measure(numel: int, repeats: int, names: list[str]) -> list[dict[str, Any]]:
         if kernel == "single_pass" and not single_pass.available():
             print(f"{name}: skipped, numba cannot load here", file=sys.stderr)
             continue
-        rate = measure_host_step_params_per_s(
-            moments,
-            numel,
-            steps=repeats,
-            host_kernel=kernel,
-            speculative=speculative,
-            fp16_io=fp16_io,
-        )
+        built = kernel_steps(moments, numel, kernel, fp16_io)
+        step = built.speculative if speculative else built.plain
+        rate = measure_host_step(step, numel, steps=repeats).params_per_s
         if name == "torch":
             base = rate
         rows.append(

@@ -80,32 +80,48 @@ WORKLOADS: dict[str, tuple[str, int, int, float]] = {
 
 @dataclasses.dataclass(frozen=True)
 class OursConfig:
-    """One configuration of ours: how the optimizer is built and what the plan is told."""
+    """One configuration of ours: the user's configuration and the planner's choices it
+    forces (``offload_runtime.PlanForce``); all False is ``memory_optimize`` as a user
+    calls it."""
 
     fp16_io: bool = False
-    """``HybridAdam(host_kernel="single_pass", fp16_io=True)``: gradients and parameters
-    cross PCIe in fp16, widened and narrowed inside the host step (BENCHMARKS.md,
-    Decisions, "fp16 I/O host steps")."""
+    """``PlanForce(fp16_io=True)``: gradients and parameters cross PCIe in fp16, widened
+    and narrowed inside the single-pass host step (BENCHMARKS.md, Decisions, "fp16 I/O
+    host steps")."""
     bf16_moments: bool = False
-    """``HybridAdam(moments_dtype=torch.bfloat16)``: 4 fewer bytes a parameter of host
+    """``OffloadConfig(host_moments=torch.bfloat16)``: 4 fewer bytes a parameter of host
     state ("bf16 moments")."""
     speculate: bool = False
-    """``AMPOptimizer(speculate_fp16=True)``: fp16 host steps start under backward and are
-    undone exactly on overflow ("Speculative fp16 host steps")."""
+    """``PlanForce(speculative=True)``: fp16 host steps start under backward and are undone
+    exactly on overflow ("Speculative fp16 host steps")."""
     streamed: bool = False
-    """``memory_optimize(streamed=streamed_step_costs(...))``: the planner may step some
-    host-state regions on the device, their state streamed through a ring ("Streamed
-    host state")."""
+    """``PlanForce(streamed=True)``: the planner may step some host-state regions on the
+    device, their state streamed through a ring ("Streamed host state")."""
     reference: bool = False
-    """The reference's behaviour: every region's optimizer state on the host, stepped
-    after backward (``state_on_device=False``, ``AMPOptimizer(overlap=False)``)."""
+    """The reference's behaviour: every region's optimizer state on the host, stepped by
+    torch's kernel after backward, converted on the host, nothing streamed
+    (``PlanForce(state_on_device=False, overlap=False, ...)``)."""
 
-    @property
-    def samples_host_rate(self) -> bool:
-        """Whether the plan takes the host Adam rate from this kernel's own samples: the
-        hardware profile times torch's fused fp32 step, another kernel runs at its own
-        rate."""
-        return self.fp16_io or self.bf16_moments
+    def force(self) -> Any:
+        """The ``PlanForce`` of this configuration, or None for the defaults (``ours``)."""
+        from offload_runtime import PlanForce
+
+        if self.reference:
+            return PlanForce(
+                host_kernel="torch",
+                fp16_io=False,
+                convert_on_device=False,
+                overlap=False,
+                state_on_device=False,
+                streamed=False,
+            )
+        if not (self.fp16_io or self.speculate or self.streamed):
+            return None
+        return PlanForce(
+            fp16_io=True if self.fp16_io else None,
+            speculative=True if self.speculate else None,
+            streamed=True if self.streamed else None,
+        )
 
 
 OURS: dict[str, OursConfig] = {
@@ -142,7 +158,7 @@ REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10}
 """Timed steps per row: more where steps are short and bound by issuing operations."""
 
 HOST_PROBE_NUMEL = 64 << 20
-"""Parameters the host Adam probes step (``offload_optim.measure_*``' default)."""
+"""Parameters of this process's fused host Adam read (:func:`reprofile_if_disturbed`)."""
 RESULT_TAG = "BENCH_RESULT "
 SUMMARY = "summary.json"
 MIN_ROW_S = 30
@@ -341,107 +357,27 @@ def reprofile_if_disturbed(
     return {"cached_gparam": cached, "in_process_gparam": in_process_gparam, "now_gparam": again}
 
 
-class HostProbes(NamedTuple):
-    """What a configuration's host Adam kernel measured before planning (:func:`_probe_host`)."""
-
-    rate_samples: list[float]
-    """Three samples of the kernel's rate (parameters/s); empty for torch's fused fp32 step,
-    which the hardware profile times."""
-    cost: float | None
-    """The kernel's step time over the fused fp32 step's, timed back to back."""
-    speculative_cost: float
-    """A speculative step's time over a plain one's (1 where nothing speculates)."""
-
-    @property
-    def fused_gparam(self) -> float | None:
-        """Torch's fused fp32 host Adam rate as this process reads it (Gparam/s)."""
-        if not self.rate_samples or self.cost is None:
-            return None
-        return statistics.median(self.rate_samples) * self.cost / 1e9
-
-
-def _probe_host(config: OursConfig, moments: Any) -> HostProbes:
-    """The host Adam measurements ``config``'s plan is told: a kernel other than torch's
-    fused fp32 Adam runs at its own rate, and the plan takes the median of three samples
-    of it; a speculative step also writes its undo data, and the planner charges the steps
-    taken under backward that many times a plain one."""
-    from offload_optim import (
-        measure_host_step_cost,
-        measure_host_step_params_per_s,
-        measure_speculative_step_cost,
-    )
-
-    kernel: dict[str, Any] = {
-        "host_kernel": "single_pass" if config.fp16_io else "torch",
-        "fp16_io": config.fp16_io,
-    }
-    samples: list[float] = []
-    cost = None
-    if config.samples_host_rate:
-        samples = [
-            measure_host_step_params_per_s(moments, HOST_PROBE_NUMEL, **kernel) for _ in range(3)
-        ]
-        cost = measure_host_step_cost(moments, HOST_PROBE_NUMEL, **kernel)
-    speculative = (
-        measure_speculative_step_cost(moments, HOST_PROBE_NUMEL, **kernel)
-        if config.speculate
-        else 1.0
-    )
-    return HostProbes(samples, cost, speculative)
-
-
 def _build_ours(
-    model: Any,
-    data: dict[str, Any],
-    budget: int,
-    config: OursConfig,
-    moments: Any,
-    probes: HostProbes,
-    limit: int | None,
-    keep_reports: int,
+    model: Any, data: dict[str, Any], budget: int, config: OursConfig, keep_reports: int
 ) -> tuple[Any, Any]:
-    """``memory_optimize`` and ``AMPOptimizer(HybridAdam)`` in ``config``: only what the
-    configuration changes is passed, the rest is the libraries' defaults. ``limit``: the
-    host-state parameters given undo buffers (None: all)."""
+    """``memory_optimize`` as a user calls it (``ours``), or the planner with the choices
+    ``config`` forces, and ``AMPOptimizer(HybridAdam)`` over the module, which reads the
+    rest from it."""
     import torch
 
-    from offload_optim import AMPOptimizer, HybridAdam, streamed_step_costs
-    from offload_runtime import memory_optimize
+    from offload_optim import AMPOptimizer, HybridAdam
+    from offload_runtime import OffloadConfig, memory_optimize
+    from offload_runtime.planning import build_offload_module, plan_model
 
-    plan_args: dict[str, Any] = {}
-    if config.reference:
-        plan_args["state_on_device"] = False
-    if config.speculate:
-        # Speculating fp16 steps run as their gradients land: plan for that.
-        plan_args |= {
-            "host_step_after_backward": False,
-            "speculative_step_cost": probes.speculative_cost,
-            "speculative_params": limit,
-        }
-    if probes.rate_samples:
-        plan_args["host_step_params_per_s"] = statistics.median(probes.rate_samples)
-    if config.fp16_io:
-        plan_args["fp16_io"] = True
-    if config.streamed:
-        # What the optimizer's ring moves and holds, for the planner to weigh.
-        plan_args["streamed"] = streamed_step_costs(moments, config.fp16_io, budget_bytes=budget)
-    module = memory_optimize(
-        model, data, budget, "asyn", dtype=torch.float16, progress=False, **plan_args
-    )
-    opt = AMPOptimizer(
-        HybridAdam(
-            module.parameters(),
-            lr=1e-4,
-            moments_dtype=moments,
-            host_kernel="single_pass" if config.fp16_io else "torch",
-            fp16_io=config.fp16_io,
-        ),
-        module,
-        overlap=not config.reference,
-        speculate_fp16=config.speculate,
-        speculative_params=limit,
-        keep_reports=keep_reports,
-    )
+    moments = torch.bfloat16 if config.bf16_moments else torch.float32
+    user = None if moments == torch.float32 else OffloadConfig(host_moments=moments)
+    force = config.force()
+    if force is None:
+        module = memory_optimize(model, data, budget, "asyn", config=user, progress=False)
+    else:
+        planned = plan_model(model, data, budget, "asyn", config=user, progress=False, force=force)
+        module = build_offload_module(model, planned)
+    opt = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-4), module, keep_reports=keep_reports)
     return module, opt
 
 
@@ -453,13 +389,11 @@ def planned_host_busy_s(plan: Any) -> float:
     return float(sum(iv.end_s - iv.start_s for iv in plan.timeline if iv.stream is Stream.HOST))
 
 
-def _plan_record(
-    module: Any, config: OursConfig, probes: HostProbes, device: str
-) -> dict[str, Any]:
+def _plan_record(module: Any, device: str) -> dict[str, Any]:
     """A row's plan: its predictions, and what ``replay_bench.py`` plans it again with (the
-    device traced for, the memory ``memory_optimize`` found in use beside the plan, where
-    dtype conversions run, the speculation and streaming inputs, the planner's defaults
-    of late host work and a fused GELU, the whole profile and the cost model planned
+    device traced for, the memory the planner found in use beside the plan, the options
+    the plan was made with: where dtype conversions run, the speculation and streaming
+    inputs, late host work; a fused GELU, the whole profile and the cost model planned
     with)."""
     from offload_runtime.hardware import profile_hardware
 
@@ -472,25 +406,23 @@ def _plan_record(
         "device": device,
         "device_bytes_in_use": plan.device_bytes_in_use,
         "convert_on_device": module.convert_on_device,
-        "late_host_work": True,
-        "fuse_gelu": True,
-        "speculation_thread": config.speculate,
+        "late_host_work": plan.options.late_host_work,
+        "fuse_gelu": module.config.fuse_gelu,
+        "speculation_thread": plan.options.speculation_thread,
+        "plan_options": dataclasses.asdict(plan.options),
     }
-    if config.speculate:
-        out["speculative_step_cost"] = probes.speculative_cost
+    if plan.options.speculative:
+        out["speculative_step_cost"] = plan.options.speculative_step_cost
+        out["speculative_params"] = plan.options.speculative_params
     if plan.streamed is not None:
         out["plan_streamed"] = dataclasses.asdict(plan.streamed)
     out["cost_model"] = dataclasses.asdict(plan.cost_model)
     hardware = module.hardware or profile_hardware(device, progress=False)
     out["hardware"] = json.loads(hardware.to_json())
-    if probes.rate_samples:
-        out["host_rate_samples_gparam"] = [r / 1e9 for r in probes.rate_samples]
-        out["host_step_cost"] = probes.cost
-        out["host_fused_gparam"] = probes.fused_gparam
     return out
 
 
-def _floor_record(module: Any, config: OursConfig, moments: Any, device: str) -> dict[str, Any]:
+def _floor_record(module: Any, device: str) -> dict[str, Any]:
     """A row's regions by placement, and the parts of its floor (:func:`issue_floor`): the
     bytes a step must move and the parameters the host must step, at the measured
     profile's rates. Offloaded regions come up twice (forward and backward), resident
@@ -499,8 +431,8 @@ def _floor_record(module: Any, config: OursConfig, moments: Any, device: str) ->
     every host-state parameter, streamed ones too, at torch's fused fp32 rate: the floor of
     a step whose optimizer state lives on the host, whatever the configuration does with
     it."""
-    from offload_optim import stream_copy_bytes
     from offload_runtime.hardware import profile_hardware
+    from offload_runtime.planning import stream_copy_bytes
     from offload_solver import ParamPlacement, StatePlacement
 
     plan = module.plan
@@ -508,7 +440,7 @@ def _floor_record(module: Any, config: OursConfig, moments: Any, device: str) ->
     host = [rp for rp in plan.regions if rp.state is not StatePlacement.DEVICE]
     streamed = {st.index for st in module.storages if st.streamed}
     streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
-    up_b, down_b = stream_copy_bytes(moments, config.fp16_io)
+    up_b, down_b = stream_copy_bytes(module.config.host_moments, module.plan.options.fp16_io)
     h2d = (
         sum(2 * rp.region.size_bytes for rp in offloaded)
         + sum(rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT)
@@ -543,48 +475,27 @@ def _ours(
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss, random_batch
-    from offload_solver import StatePlacement
+    from offload_runtime.hardware import measure_host_adam_params_per_s
 
     config = OURS[kind]
     name, batch, seq, budget_gib = WORKLOADS[workload]
     budget = int(budget_gib * GiB)
     cuda = torch.device(device).type == "cuda"
-    moments = torch.bfloat16 if config.bf16_moments else torch.float32
     data = random_batch(batch, seq, device=device)
-
-    def build(limit: int | None) -> tuple[Any, Any]:
-        # Weights drawn on the GPU (fast) and kept on the host: memory_optimize places them.
-        model = build_model(
-            name,
-            device="cpu",
-            dtype=torch.float16,
-            seq_len=seq,
-            init_device=device if cuda else None,
-        )
-        reports = warmup + 3 * steps  # every step _timed_steps may take
-        return _build_ours(model, data, budget, config, moments, probes, limit, reports)
-
     t0 = time.perf_counter()
-    probes = _probe_host(config, moments)
-    # A cached profile whose host Adam reads far slower than this process's was measured
-    # while the host was busy: measured again before planning.
-    fused = probes.fused_gparam
-    reprofiled = reprofile_if_disturbed(fused) if cuda and fused is not None else None
-    limit: int | None = None
-    module, opt = build(limit)
-    if config.speculate:
-        # Undo buffers for every host-state parameter may not fit beside the host state
-        # (W4 on a 128 GiB host): then plan again for the regions whose buffers fit.
-        host_params = sum(
-            rp.region.numel for rp in module.plan.regions if rp.state is StatePlacement.HOST
-        )
-        fit = opt.optimizer.speculative_params_that_fit()
-        if fit < host_params:
-            limit = fit
-            module.close()
-            del module, opt
-            gc.collect()  # the optimizer's host moments, before the second build allocates
-            module, opt = build(limit)
+    reprofiled = None
+    if cuda:
+        # A cached profile whose host Adam reads far slower than this process times the
+        # same step was measured while the host was busy: measured again before planning.
+        fused = measure_host_adam_params_per_s(HOST_PROBE_NUMEL) / 1e9
+        reprofiled = reprofile_if_disturbed(fused)
+    # Weights drawn on the GPU (fast) and kept on the host: the module places them.
+    model = build_model(
+        name, device="cpu", dtype=torch.float16, seq_len=seq, init_device=device if cuda else None
+    )
+    reports = warmup + 3 * steps  # every step _timed_steps may take
+    module, opt = _build_ours(model, data, budget, config, reports)
+    del model
     setup_s = time.perf_counter() - t0
 
     spans: dict[str, list[float]] | None = None  # collected once the timed steps begin
@@ -641,13 +552,12 @@ def _ours(
     if busy:
         # The host worker's summed region steps per step (median over the timed steps).
         out["host_busy_ms"] = statistics.median(busy) * 1e3
-    if config.speculate:
-        out["speculative_params"] = limit  # given undo buffers; None: every one
+    if module.plan.options.speculative:
         out["undone_steps"] = opt.undone_steps
     if reprofiled is not None:
         out["reprofiled"] = reprofiled
-    out |= _plan_record(module, config, probes, device)
-    out |= _floor_record(module, config, moments, device)
+    out |= _plan_record(module, device)
+    out |= _floor_record(module, device)
 
     if pair_full_gpu and out["host_state_regions"]:
         # Host steps run on past step() into the next step, which would be the peer's.

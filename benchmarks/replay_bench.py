@@ -357,8 +357,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from offload_optim import streamed_step_costs
-    from offload_runtime.api import device_conversion_profile
+    from offload_runtime import PlanForce
+    from offload_runtime.planning import device_conversion_profile, streamed_step_costs
+    from offload_runtime.planning.planner import block_search_range
     from offload_solver import ParamPlacement, StatePlacement, StreamedStepCosts, solve
 
     traced: dict[tuple[str, bool, str], Any] = {}
@@ -387,12 +388,19 @@ def main(argv: list[str] | None = None) -> int:
             variant = device_conversion_profile(base) if row.get("convert_on_device") else base
             budget = int(float(row.get("budget_gib", WORKLOADS[workload][3])) * GiB)
             simulation: dict[str, Any] = {
+                # The planner's pool block-size search range for this model.
+                "block_search_range_bytes": block_search_range(base, PlanForce()),
                 "host_step_after_backward": not config.speculate,
                 "speculative_step_cost": row.get("speculative_step_cost", 1.0),
                 "speculative_params": row.get("speculative_params"),
                 "speculation_thread": config.speculate and bool(row.get("speculation_thread")),
             }
-            if config.streamed:
+            options = row.get("plan_options")
+            if options:
+                # A row that records its plan's options (the planner chose them).
+                simulation["host_step_after_backward"] = options["host_step_after_backward"]
+                simulation["speculation_thread"] = options["speculation_thread"]
+            if config.streamed or row.get("plan_streamed"):
                 recorded = row.get("plan_streamed")
                 moments = torch.bfloat16 if config.bf16_moments else torch.float32
                 simulation["streamed"] = (
@@ -408,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                 "late_host_work": bool(row.get("late_host_work", False)),
                 "state_on_device": not config.reference,
             }
+            if options:
+                planning["state_on_device"] = options["state_on_device"]
             rate = host_rate(row, "samples" if args.host_rate == "samples" else "recorded")
             issue_us = row_issue_cost_us(row, args.op_overhead_us)
             cost = row_cost_model(

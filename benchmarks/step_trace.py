@@ -292,9 +292,7 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
     from offload_optim import AMPOptimizer, HybridAdam
     from offload_runtime import memory_optimize
 
-    module = memory_optimize(
-        model, data, int(args.budget_gib * GiB), solver, dtype=torch.float16, progress=False
-    )
+    module = memory_optimize(model, data, int(args.budget_gib * GiB), solver, progress=False)
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-5), module)
     phases: dict[str, list[float]] = {"forward": [], "backward": [], "host": [], "step": []}
     torch.cuda.reset_peak_memory_stats()

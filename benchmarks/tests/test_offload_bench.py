@@ -35,11 +35,12 @@ def test_the_kinds_are_ours_configurations_and_the_peers() -> None:
     fast, bf16 = OURS["ours_io_spec1_stream"], OURS["ours_io_bf16m_spec1_stream"]
     assert fast.fp16_io and fast.speculate and fast.streamed and not fast.bf16_moments
     assert bf16 == OursConfig(fp16_io=True, bf16_moments=True, speculate=True, streamed=True)
-    # Only a kernel other than torch's fused fp32 step samples its own host rate.
-    assert [k for k, c in OURS.items() if c.samples_host_rate] == [
-        "ours_io_spec1_stream",
-        "ours_io_bf16m_spec1_stream",
-    ]
+    # The defaults force nothing; the others force what they name.
+    assert OURS["ours"].force() is None
+    forced = fast.force()
+    assert forced.fp16_io and forced.speculative and forced.streamed
+    reference = OURS["ablation"].force()
+    assert reference.overlap is False and reference.state_on_device is False
 
 
 def test_the_report_runs_every_row_its_targets_need() -> None:

@@ -6,6 +6,7 @@ import torch
 from optim_helpers import batch, offload_module, tiny_gpt2
 
 from offload_optim import AMPOptimizer, HybridAdam
+from offload_runtime import OffloadConfig
 from offload_runtime.module import OffloadModule
 
 
@@ -13,8 +14,9 @@ def build_run(
     seed: int,
 ) -> tuple[AMPOptimizer, OffloadModule, torch.optim.lr_scheduler.StepLR]:
     """fp16 training (so the scaler state matters), bf16 host moments, a StepLR schedule."""
-    module = offload_module(tiny_gpt2(seed=seed), batch(0), dtype=torch.float16)
-    opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01, moments_dtype=torch.bfloat16)
+    config = OffloadConfig(host_moments=torch.bfloat16)
+    module = offload_module(tiny_gpt2(seed=seed), batch(0), dtype=torch.float16, config=config)
+    opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01)
     amp = AMPOptimizer(opt, module, initial_scale=2.0**20, growth_interval=4, clipping_norm=1.0)
     sched = torch.optim.lr_scheduler.StepLR(amp, step_size=3, gamma=0.7)
     return amp, module, sched

@@ -10,15 +10,18 @@ the host worker, device-state regions are stepped on the main thread).
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from offload_runtime import memory_optimize
+from offload_runtime import OffloadConfig, PlanForce
 from offload_runtime.module import OffloadModule
+from offload_runtime.planning import build_offload_module, plan_model
 from offload_solver import (
+    HardwareProfile,
     InfeasibleBudgetError,
     ParamPlacement,
     Plan,
@@ -141,6 +144,8 @@ def offload_module(
     all_resident: bool = False,
     host_worker: bool | None = None,
     convert_on_device: bool = False,
+    options: PlanOptions | None = None,
+    config: OffloadConfig | None = None,
 ) -> OffloadModule:
     """An OffloadModule over a copy of ``model`` with a hand-made mixed plan.
 
@@ -148,7 +153,9 @@ def offload_module(
     ``all_host_state`` / ``all_resident`` override the mix: every region keeps its optimizer
     state on the host / its parameters on the device. ``host_worker=True`` runs host work on
     the runtime's worker thread even on the CPU (the threaded path CUDA machines take).
-    ``convert_on_device`` is the runtime's option of that name. A causal mask that export
+    ``options``: the plan's options (default ``PlanOptions()``), with
+    ``convert_on_device`` set; ``config``: the module's (default ``OffloadConfig(dtype=
+    dtype)``; its dtype must be ``dtype``). A causal mask that export
     materialised is rewritten to ``is_causal=True`` as ``offload_trace.trace`` does, so
     that attention runs the fused kernels on CUDA.
     """
@@ -217,7 +224,9 @@ def offload_module(
         timeline=(),
         memory_curve=(),
         pool_size_bytes=0,
-        options=PlanOptions(convert_on_device=convert_on_device),
+        options=dataclasses.replace(
+            PlanOptions() if options is None else options, convert_on_device=convert_on_device
+        ),
     )
     targets = {n.target: n.target for n in gm.graph.nodes if n.op == "get_attr"}
     return OffloadModule(
@@ -233,6 +242,7 @@ def offload_module(
         op_names=op_names,
         tied_groups=tied,
         host_worker=host_worker,
+        config=config,
     )
 
 
@@ -321,14 +331,38 @@ def plan_at_least_budget(
     example: dict[str, torch.Tensor],
     solver: str = "asyn",
     scale: int = 1,
-    **options: Any,
+    *,
+    dtype: torch.dtype | None = None,
+    config: OffloadConfig | None = None,
+    hardware: HardwareProfile | None = None,
+    device: torch.device | str | None = "cpu",
+    **force: Any,
 ) -> OffloadModule:
-    """``memory_optimize`` at ``scale`` times the least budget ``solver`` accepts for
-    ``model`` (asked for with a 1-byte budget); at scale 1 it offloads all it can."""
+    """The planner at ``scale`` times the least budget ``solver`` accepts for ``model``
+    (asked for with a 1-byte budget), ``force``'s fields (``PlanForce``) fixed, and the
+    module built; at scale 1 it offloads all it can. ``dtype``: ``OffloadConfig(dtype=)``
+    when no ``config`` is given."""
+    forced = PlanForce(**force)
+    if config is None and dtype is not None:
+        config = OffloadConfig(dtype=dtype)
+
+    def planned(budget: int) -> Any:
+        return plan_model(
+            model,
+            example,
+            budget,
+            solver,
+            config=config,
+            hardware=hardware,
+            device=device,
+            progress=False,
+            force=forced,
+        )
+
     try:
-        memory_optimize(model, example, 1, solver, **options)
+        planned(1)
     except InfeasibleBudgetError as exc:
         least = exc.least_budget_bytes
     else:
-        raise AssertionError("memory_optimize accepted a 1-byte budget")
-    return memory_optimize(model, example, scale * least, solver, **options)
+        raise AssertionError("the planner accepted a 1-byte budget")
+    return build_offload_module(model, planned(scale * least))

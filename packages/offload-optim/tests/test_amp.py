@@ -28,14 +28,19 @@ from optim_helpers import (
 )
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_runtime import OffloadConfig
 from offload_runtime.module import OffloadModule
+from offload_solver import PlanOptions
 
 LR = 1e-2
 WD = 0.01
 
 
-def make(model: torch.nn.Module, **amp_kwargs: Any) -> tuple[AMPOptimizer, OffloadModule]:
-    module = offload_module(model, batch(0))
+def make(
+    model: torch.nn.Module, *, overlap: bool = True, **amp_kwargs: Any
+) -> tuple[AMPOptimizer, OffloadModule]:
+    """An AMPOptimizer over the mixed plan of ``model``; ``overlap``: the plan's."""
+    module = offload_module(model, batch(0), options=PlanOptions(overlap=overlap))
     opt = HybridAdam(module.parameters(), lr=LR, weight_decay=WD)
     return AMPOptimizer(opt, module, **amp_kwargs), module
 
@@ -163,10 +168,11 @@ def test_clip_grad_norm_after_speculative_backward_raises() -> None:
 def test_accumulated_micro_batches_equal_one_big_batch() -> None:
     model = tiny_gpt2()
     reference = copy.deepcopy(model)
-    module = offload_module(model, batch(0, size=4))
-    amp = AMPOptimizer(
-        HybridAdam(module.parameters(), lr=LR, weight_decay=WD), module, accumulation_steps=4
+    module = offload_module(
+        model, batch(0, size=4), config=OffloadConfig(dtype=torch.float32, accumulation_steps=4)
     )
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=LR, weight_decay=WD), module)
+    assert amp.accumulation_steps == 4, "the module's configuration"
     opt = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=WD)
     losses, expected = [], []
     for step in range(4):
@@ -198,7 +204,10 @@ def test_accumulated_micro_batches_equal_one_big_batch() -> None:
 
 
 def test_accumulation_misuse_raises() -> None:
-    module = offload_module(tiny_gpt2(), batch(0))
+    config = OffloadConfig(dtype=torch.float32, accumulation_steps=2)
+    module = offload_module(tiny_gpt2(), batch(0), config=config)
+    with pytest.raises(ValueError, match=r"accumulation_steps=3\).*planned for 2"):
+        AMPOptimizer(HybridAdam(module.parameters()), module, accumulation_steps=3)
     amp = AMPOptimizer(HybridAdam(module.parameters()), module, accumulation_steps=2)
     b = batch(0)
     amp.backward(loss_of(module(**b), b["input_ids"]))
@@ -253,7 +262,7 @@ def test_rejects_other_optimizers() -> None:
 def test_unbound_hybrid_adam_on_masters_names_the_fix() -> None:
     module = offload_module(tiny_gpt2(), batch(0))
     opt = HybridAdam(module.parameters())
-    with pytest.raises(RuntimeError, match="module="):
+    with pytest.raises(RuntimeError, match="AMPOptimizer"):
         opt.step()
 
 

@@ -32,7 +32,6 @@ def _trained(*, state_on_device: bool, issue_s: float = ISSUE_S) -> AMPOptimizer
         scale=100 if state_on_device else 1,
         hardware=dataclasses.replace(default_cpu_profile(), op_overhead_s=issue_s),
         device="cpu",
-        progress=False,
         block_search_range_bytes=0,
         dtype=torch.float32,
         state_on_device=state_on_device,

@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
 import torch
 from optim_helpers import batch, fell, offload_module, tiny_gpt2, train_offload
 
-from offload_optim import (
-    AMPOptimizer,
-    HybridAdam,
-    measure_host_step_cost,
-    measure_host_step_params_per_s,
-    measure_speculative_step_cost,
-)
+from offload_optim import AMPOptimizer, HybridAdam
+from offload_runtime import OffloadConfig
 from offload_runtime.host_kernels import CHUNK_NUMEL, AdamHyper, fused_adam_, single_pass
 
 STEP_TOLERANCE = 0.03
@@ -45,8 +39,11 @@ def test_chunked_route_is_fp32_adam_on_the_stored_moments() -> None:
 
 
 def test_bf16_moments_live_only_in_host_state() -> None:
-    module = offload_module(tiny_gpt2(), batch(0))
-    opt = HybridAdam(module.parameters(), moments_dtype=torch.bfloat16, module=module)
+    config = OffloadConfig(dtype=torch.float32, host_moments=torch.bfloat16)
+    module = offload_module(tiny_gpt2(), batch(0), config=config)
+    opt = HybridAdam(module.parameters())
+    opt.bind(module)
+    assert opt.moments_dtype == torch.bfloat16, "the module's configuration"
     for name, p in module.named_parameters():
         st = next(s for s in module.storages if name in s.master_views)
         want = torch.bfloat16 if st.host_state else torch.float32
@@ -57,8 +54,9 @@ def test_bf16_moments_live_only_in_host_state() -> None:
 def test_bf16_moments_train_close_to_fp32_moments() -> None:
     curves = {}
     for dtype in (torch.float32, torch.bfloat16):
-        module = offload_module(tiny_gpt2(), batch(0), all_host_state=True)
-        opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01, moments_dtype=dtype)
+        config = OffloadConfig(dtype=torch.float32, host_moments=dtype)
+        module = offload_module(tiny_gpt2(), batch(0), all_host_state=True, config=config)
+        opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01)
         curves[dtype] = train_offload(AMPOptimizer(opt, module), module, range(50))
     fp32, bf16 = curves[torch.float32], curves[torch.bfloat16]
     assert fell(bf16, 0.3), "bf16 moments must train"
@@ -67,32 +65,6 @@ def test_bf16_moments_train_close_to_fp32_moments() -> None:
     tail = abs(sum(bf16[-10:]) - sum(fp32[-10:])) / sum(fp32[-10:])
     assert tail < TAIL_TOLERANCE, tail
     assert bf16 != fp32, "the option must actually change the moments' precision"
-
-
-def test_host_step_throughput_is_measured_for_both_moment_dtypes() -> None:
-    """Every kind of host step has a rate (parameters per second) and a speculative cost
-    (a ratio, at least 1); what they read is this machine's and is not checked here."""
-    kernels = ["torch"] + (["single_pass"] if single_pass.available() else [])
-    for dtype, kernel, speculative in itertools.product(
-        (torch.float32, torch.bfloat16), kernels, (False, True)
-    ):
-        rate = measure_host_step_params_per_s(
-            dtype, numel=1 << 12, steps=1, host_kernel=kernel, speculative=speculative
-        )
-        assert math.isfinite(rate) and rate > 0, (dtype, kernel, speculative, rate)
-    for kernel in kernels:
-        cost = measure_speculative_step_cost(numel=1 << 12, host_kernel=kernel, pairs=1)
-        assert math.isfinite(cost) and cost >= 1.0, (kernel, cost)
-    with pytest.raises(ValueError, match="pairs"):
-        measure_speculative_step_cost(numel=16, pairs=0)
-    with pytest.raises(ValueError, match="host_kernel must be"):
-        measure_host_step_params_per_s(torch.float32, numel=16, host_kernel="numba")
-    with pytest.raises(ValueError, match="moments_dtype"):
-        measure_host_step_params_per_s(torch.float16, numel=16)
-    with pytest.raises(ValueError, match="numel"):
-        measure_host_step_params_per_s(torch.float32, numel=0)
-    with pytest.raises(ValueError, match="steps"):
-        measure_host_step_params_per_s(torch.float32, numel=16, steps=0)
 
 
 @pytest.mark.skipif(not single_pass.available(), reason="numba missing")
@@ -133,28 +105,3 @@ def test_single_pass_kernels_round_bf16_moments_as_torch_does() -> None:
         nan = want.isnan()
         assert torch.equal(got.isnan(), nan) and bool(nan.any())
         assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
-
-
-def test_host_step_cost_is_the_time_over_the_fused_fp32_steps() -> None:
-    """What memory_optimize(host_step_cost=) takes: a ratio to torch's fused fp32 step,
-    measured in pairs, for every kind of host step; what it reads is this machine's and is
-    not checked here (the benchmark's job), only that it is a ratio."""
-    kinds: list[tuple[torch.dtype, str, bool]] = [
-        (torch.float32, "torch", False),
-        (torch.bfloat16, "torch", False),
-    ]
-    if single_pass.available():
-        kinds.append((torch.bfloat16, "single_pass", False))
-    if single_pass.fp16_io_available():
-        kinds += [(torch.float32, "single_pass", True), (torch.bfloat16, "single_pass", True)]
-    for dtype, kernel, io in kinds:
-        cost = measure_host_step_cost(
-            dtype, numel=1 << 12, host_kernel=kernel, fp16_io=io, pairs=2, gap_s=0.001
-        )
-        assert math.isfinite(cost) and cost > 0, (dtype, kernel, io, cost)
-    with pytest.raises(ValueError, match="pairs"):
-        measure_host_step_cost(numel=16, pairs=0)
-    with pytest.raises(ValueError, match="gap_s"):
-        measure_host_step_cost(numel=16, gap_s=-1.0)
-    with pytest.raises(ValueError, match="single_pass"):
-        measure_host_step_cost(numel=16, fp16_io=True)

@@ -35,7 +35,6 @@ def _all_host(model: torch.nn.Module, **kwargs: Any) -> OffloadModule:
     options: dict[str, Any] = {
         "hardware": default_cpu_profile(),
         "device": "cpu",
-        "progress": False,
         "block_search_range_bytes": 0,
         "dtype": torch.float32,
         "state_on_device": False,
@@ -134,7 +133,6 @@ def test_planning_again_mid_training_continues_exactly() -> None:
         hardware=first.hardware,
         host_step_params_per_s=check.loop_params_per_s,
         device="cpu",
-        progress=False,
         block_search_range_bytes=0,
         dtype=torch.float32,
     )

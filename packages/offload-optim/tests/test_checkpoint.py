@@ -14,6 +14,7 @@ from checkpoint_run import build_run
 from optim_helpers import batch, loss_of, offload_module, tiny_gpt2, train_offload
 
 from offload_optim import AMPOptimizer, HybridAdam
+from offload_runtime import OffloadConfig
 
 HERE = Path(__file__).parent
 
@@ -72,8 +73,9 @@ def test_loading_into_a_mismatched_optimizer_names_the_problem() -> None:
 
 
 def test_state_dict_refused_mid_accumulation() -> None:
-    module = offload_module(tiny_gpt2(), batch(0))
-    amp = AMPOptimizer(HybridAdam(module.parameters()), module, accumulation_steps=2)
+    config = OffloadConfig(dtype=torch.float32, accumulation_steps=2)
+    module = offload_module(tiny_gpt2(), batch(0), config=config)
+    amp = AMPOptimizer(HybridAdam(module.parameters()), module)
     b = batch(0)
     amp.backward(loss_of(module(**b), b["input_ids"]))
     with pytest.raises(RuntimeError, match="accumulation window"):

@@ -1,5 +1,5 @@
 """fp16 I/O host steps: gradients read from the fp16 staging buffer, the upload copy written
-in the same pass (``HybridAdam(fp16_io=True)``, [Note: fp16 I/O steps] in stepping.py).
+in the same pass (a plan's ``PlanOptions.fp16_io``, [Note: fp16 I/O steps] in stepping.py).
 
 The contract is bit-identity with the three-pass route it replaces (widen, single-pass
 step, narrow): every loss, master, moment, step count and loss scale of a run equals the
@@ -19,7 +19,9 @@ from optim_helpers import batch, loss_of, offload_module, tiny_gpt2
 from test_speculate import Trainer, assert_same, run
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_runtime import OffloadConfig
 from offload_runtime.host_kernels import AdamHyper, single_pass
+from offload_solver import PlanOptions
 
 pytestmark = pytest.mark.skipif(
     not single_pass.fp16_io_available(), reason="numba or the CPU's fp16 conversions missing"
@@ -226,9 +228,16 @@ def test_overflow_undo_restores_the_offloaded_upload_copy(
 
 
 def _module_and_amp(fp16_io: bool) -> tuple[Any, AMPOptimizer]:
-    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=True)
-    opt = HybridAdam(module.parameters(), lr=1e-2, host_kernel="single_pass", fp16_io=fp16_io)
-    return module, AMPOptimizer(opt, module, accumulation_steps=3)
+    module = offload_module(
+        tiny_gpt2(),
+        batch(0),
+        dtype=torch.float16,
+        host_worker=True,
+        options=PlanOptions(host_kernel="single_pass", fp16_io=fp16_io),
+        config=OffloadConfig(accumulation_steps=3),
+    )
+    opt = HybridAdam(module.parameters(), lr=1e-2)
+    return module, AMPOptimizer(opt, module)
 
 
 def test_gradients_read_between_backward_and_step_are_widened() -> None:
@@ -262,34 +271,12 @@ def test_gradients_read_between_backward_and_step_are_widened() -> None:
 
 
 def test_fp16_io_refuses_what_it_cannot_step() -> None:
-    params = [torch.zeros(4)]
+    """fp16 I/O is a plan of the single-pass kernel converting on the host (the plan's
+    options refuse the rest), for an fp16 module (the module refuses another dtype)."""
     with pytest.raises(ValueError, match="host_kernel='single_pass'"):
-        HybridAdam(params, fp16_io=True)
-    for dtype, on_device in ((torch.bfloat16, False), (torch.float16, True)):
-        module = offload_module(tiny_gpt2(), batch(0), dtype=dtype, convert_on_device=on_device)
-        try:
-            with pytest.raises(ValueError, match="convert_on_device=False"):
-                HybridAdam(
-                    module.parameters(), host_kernel="single_pass", fp16_io=True, module=module
-                )
-        finally:
-            module.close()
-
-
-def test_measurements_time_the_fp16_io_kernels() -> None:
-    """What the bench plans ``ours_io`` and ``ours_io_bf16m`` with: the fp16-I/O
-    kernels' rate and the cost of their speculative step; only the single-pass kernels
-    have them."""
-    from offload_optim import measure_host_step_params_per_s, measure_speculative_step_cost
-
-    for moments in MOMENTS:
-        rate = measure_host_step_params_per_s(
-            moments, numel=1 << 12, steps=1, host_kernel="single_pass", fp16_io=True
-        )
-        assert rate > 0
-        cost = measure_speculative_step_cost(
-            moments, numel=1 << 12, host_kernel="single_pass", fp16_io=True, pairs=1
-        )
-        assert cost >= 1.0
-    with pytest.raises(ValueError, match="host_kernel='single_pass'"):
-        measure_host_step_params_per_s(numel=16, fp16_io=True)
+        PlanOptions(fp16_io=True)
+    with pytest.raises(ValueError, match="convert_on_device=False"):
+        PlanOptions(host_kernel="single_pass", fp16_io=True, convert_on_device=True)
+    io = PlanOptions(host_kernel="single_pass", fp16_io=True)
+    with pytest.raises(ValueError, match="float16 training only"):
+        offload_module(tiny_gpt2(), batch(0), dtype=torch.bfloat16, options=io)

@@ -24,8 +24,10 @@ from optim_helpers import (
 )
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode, check_stream_rate
+from offload_runtime import OffloadConfig
 from offload_runtime.host_kernels import single_pass
 from offload_runtime.module import OffloadModule
+from offload_solver import PlanOptions
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
@@ -49,9 +51,10 @@ def test_cuda_mixed_plan_matches_adamw_and_overlap_changes_nothing() -> None:
     reference = copy.deepcopy(model).to(CUDA)
     runs = {}
     for overlap in (True, False):
-        module = offload_module(model, batch(0), device=CUDA)
+        options = PlanOptions(overlap=overlap)
+        module = offload_module(model, batch(0), device=CUDA, options=options)
         opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01)
-        amp = AMPOptimizer(opt, module, overlap=overlap)
+        amp = AMPOptimizer(opt, module)
         losses = []
         for step in range(10):
             amp.zero_grad()
@@ -130,7 +133,14 @@ def test_cuda_fp16_device_answer_equals_synchronous_training(micro: int) -> None
     model = tiny_gpt2()
     results: Runs = {}
     for overlap in (True, False):
-        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
+        module = offload_module(
+            model,
+            batch(0),
+            dtype=torch.float16,
+            device=CUDA,
+            options=PlanOptions(overlap=overlap),
+            config=OffloadConfig(accumulation_steps=micro),
+        )
         target = next(st.index for st in module.storages if st.host_state and st.index > 0)
         poison = {"now": False, "region": target}
 
@@ -144,8 +154,6 @@ def test_cuda_fp16_device_answer_equals_synchronous_training(micro: int) -> None
             module,
             initial_scale=2.0**10,
             hysteresis=1,
-            accumulation_steps=micro,
-            overlap=overlap,
         )
         losses: list[torch.Tensor] = []
         skipped: list[bool] = []
@@ -175,16 +183,16 @@ def test_cuda_fp16_host_steps_overlapping_the_next_forward_change_nothing() -> N
     model = tiny_gpt2()
     runs: dict[bool, list[float]] = {}
     for overlap in (True, False):
-        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
-        opt = HybridAdam(module.parameters(), lr=1e-3, weight_decay=0.01)
-        amp = AMPOptimizer(
-            opt,
-            module,
-            initial_scale=2.0**10,
-            clipping_norm=1.0,
-            accumulation_steps=2,
-            overlap=overlap,
+        module = offload_module(
+            model,
+            batch(0),
+            dtype=torch.float16,
+            device=CUDA,
+            options=PlanOptions(overlap=overlap),
+            config=OffloadConfig(accumulation_steps=2),
         )
+        opt = HybridAdam(module.parameters(), lr=1e-3, weight_decay=0.01)
+        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, clipping_norm=1.0)
         sched = torch.optim.lr_scheduler.LambdaLR(amp, lambda s: 1.0 / (1.0 + s))
         losses: list[torch.Tensor] = []  # read after the loop: .item() would sync each step
         for step in range(8):
@@ -221,7 +229,7 @@ def test_cuda_fp16_host_steps_overlapping_the_next_forward_change_nothing() -> N
 @pytest.mark.parametrize("moments", [torch.float32, torch.bfloat16], ids=["fp32m", "bf16m"])
 @pytest.mark.parametrize("speculate", [False, True], ids=["after_backward", "speculate"])
 def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torch.dtype) -> None:
-    """fp16 on CUDA with HybridAdam(fp16_io=True): the host steps read the fp16 gradients
+    """fp16 on CUDA with a plan of fp16 I/O: the host steps read the fp16 gradients
     from the pinned staging buffers the d2h copies filled and write the upload copies the
     h2d copies read. Losses, masters and skip decisions equal the single-pass run without
     fp16 I/O bit for bit over 8 steps, one of them overflowing on the device (undone, when
@@ -229,21 +237,25 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
     model = tiny_gpt2()
     results: Runs = {}
     for fp16_io in (True, False):
-        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
+        options = PlanOptions(
+            host_kernel="single_pass",
+            fp16_io=fp16_io,
+            speculative=speculate,
+            speculation_thread=speculate,
+        )
+        module = offload_module(
+            model,
+            batch(0),
+            dtype=torch.float16,
+            device=CUDA,
+            options=options,
+            config=OffloadConfig(host_moments=moments),
+        )
         assert any(st.host_state and st.offloaded for st in module.storages)
         assert any(st.host_state and not st.offloaded for st in module.storages)
         poison = poison_region(module, 0)
-        opt = HybridAdam(
-            module.parameters(),
-            lr=1e-3,
-            weight_decay=0.01,
-            host_kernel="single_pass",
-            fp16_io=fp16_io,
-            moments_dtype=moments,
-        )
-        amp = AMPOptimizer(
-            opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=speculate
-        )
+        opt = HybridAdam(module.parameters(), lr=1e-3, weight_decay=0.01)
+        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1)
         losses: list[torch.Tensor] = []
         skipped: list[bool] = []
         for step in range(8):
@@ -284,7 +296,7 @@ def test_cuda_streamed_regions_step_on_the_device(
     streamed/ring.py)."""
     import threading
 
-    import offload_optim.streamed.costs as stream_costs
+    import offload_runtime.planning.streamed_costs as stream_costs
     from offload_optim.streamed import StreamRing
 
     issued: dict[str, Any] = {"pieces": 0, "threads": set(), "state_staged": 0}
@@ -307,26 +319,29 @@ def test_cuda_streamed_regions_step_on_the_device(
     runs: dict[bool, tuple[list[float], dict[str, torch.Tensor], list[bool]]] = {}
     first: dict[bool, dict[str, torch.Tensor]] = {}
     for stream in (True, False):
-        module = offload_module(model, batch(0), dtype=torch.float16, device=CUDA)
+        options = PlanOptions(
+            host_kernel="single_pass",
+            fp16_io=True,
+            speculative=True,
+            speculation_thread=speculation_thread,
+            stage_in_backward=stage_in_backward,
+        )
+        module = offload_module(
+            model,
+            batch(0),
+            dtype=torch.float16,
+            device=CUDA,
+            options=options,
+            config=OffloadConfig(host_moments=torch.bfloat16),
+        )
         host = [st for st in module.storages if st.host_state]
         assert len(host) >= 2 and host[0].index == 0
         if stream:
             for st in host[1:]:
                 st.streamed = True
         poison = poison_region(module, 0)
-        opt = HybridAdam(
-            module.parameters(),
-            lr=1e-3,
-            weight_decay=0.01,
-            host_kernel="single_pass",
-            fp16_io=True,
-            moments_dtype=torch.bfloat16,
-            speculation_thread=speculation_thread,
-            stage_in_backward=stage_in_backward,
-        )
-        amp = AMPOptimizer(
-            opt, module, initial_scale=2.0**10, hysteresis=1, speculate_fp16=True, keep_reports=8
-        )
+        opt = HybridAdam(module.parameters(), lr=1e-3, weight_decay=0.01)
+        amp = AMPOptimizer(opt, module, initial_scale=2.0**10, hysteresis=1, keep_reports=8)
         losses: list[float] = []
         skipped: list[bool] = []
         for step in range(8):
@@ -393,7 +408,11 @@ def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
     rounds each buffer up to a power of two (up to twice the host memory; see [Note:
     exact-size pinned memory] in offload_runtime.storage)."""
     module = offload_module(
-        tiny_gpt2(layers=1, width=512), batch(0), dtype=torch.float16, device=CUDA
+        tiny_gpt2(layers=1, width=512),
+        batch(0),
+        dtype=torch.float16,
+        device=CUDA,
+        config=OffloadConfig(host_moments=torch.bfloat16),
     )
     big = [st for st in module.storages if st.host_state and st.numel * 2 >= 1 << 20]
     assert big, "the plan has host-state regions of at least 1 MiB of bf16 moments"
@@ -401,7 +420,8 @@ def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
         assert st.master.is_pinned()
         st.streamed = True
     before = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
-    opt = HybridAdam(module.parameters(), lr=1e-3, moments_dtype=torch.bfloat16, module=module)
+    opt = HybridAdam(module.parameters(), lr=1e-3)
+    opt.bind(module)
     assert opt.region_indices  # lays the regions out: their moments are made now
     after = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     for st in big:
@@ -428,7 +448,6 @@ def test_cuda_host_rate_check_reads_the_loop_and_plans_again_with_it() -> None:
         options: dict[str, Any] = {
             "hardware": default_hardware(),
             "device": CUDA,
-            "progress": False,
             "block_search_range_bytes": 0,
             "state_on_device": False,
             **kwargs,

@@ -9,6 +9,7 @@ import torch
 from optim_helpers import batch, loss_of, offload_module, tiny_gpt2
 
 from offload_optim import HybridAdam
+from offload_solver import PlanOptions
 
 
 def tensors(seed: int) -> list[torch.Tensor]:
@@ -46,23 +47,18 @@ def test_plain_tensors_step_like_torch_fused(adamw: bool) -> None:
 
 @pytest.mark.parametrize("adamw", [True, False])
 def test_single_pass_kernel_steps_like_torch_up_to_rounding(adamw: bool) -> None:
-    """host_kernel="single_pass" on plain tensors and region masters: torch's Adam(W) up to
-    rounding, over several steps. A non-contiguous plain tensor takes torch's kernel (its
-    result is then torch's, bit for bit)."""
+    """A plan of the single-pass kernel, on plain tensors and region masters: torch's
+    Adam(W) up to rounding, over several steps. A non-contiguous plain tensor takes torch's
+    kernel (its result is then torch's, bit for bit)."""
     base = torch.randn(6, 4, generator=torch.Generator().manual_seed(9))
     ours, theirs = [*tensors(2), base.t()], [*tensors(2), base.clone().t()]
     assert not ours[-1].is_contiguous()
-    module = offload_module(tiny_gpt2(), batch(0))
+    module = offload_module(tiny_gpt2(), batch(0), options=PlanOptions(host_kernel="single_pass"))
     masters = [p for _, p in module.named_parameters()]
     copies = [p.detach().clone() for p in masters]
-    opt = HybridAdam(
-        [*ours, *masters],
-        lr=1e-2,
-        weight_decay=0.1,
-        adamw_mode=adamw,
-        host_kernel="single_pass",
-        module=module,
-    )
+    opt = HybridAdam([*ours, *masters], lr=1e-2, weight_decay=0.1, adamw_mode=adamw)
+    opt.bind(module)
+    assert opt.host_kernel == "single_pass", "the plan's kernel"
     cls = torch.optim.AdamW if adamw else torch.optim.Adam
     ref = cls([*theirs, *copies], lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(4):
@@ -109,7 +105,8 @@ def test_region_masters_step_like_per_parameter_torch_adamw() -> None:
     module = offload_module(tiny_gpt2(), batch(0))
     masters = [p for _, p in module.named_parameters()]
     copies = [p.detach().clone() for p in masters]
-    opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.1, module=module)
+    opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.1)
+    opt.bind(module)
     ref = torch.optim.AdamW(copies, lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(3):
         set_grads(masters, step)
@@ -128,7 +125,8 @@ def test_region_masters_step_like_per_parameter_torch_adamw() -> None:
 def test_regions_without_gradients_are_not_stepped() -> None:
     """Like torch: parameters whose .grad is None are left alone, the others step."""
     module = offload_module(tiny_gpt2(), batch(0))
-    opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.1, module=module)
+    opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.1)
+    opt.bind(module)
     b = batch(0)
     before = [st.master.clone() for st in module.storages]
     module.backward(loss_of(module(**b), b["input_ids"]))
@@ -141,7 +139,8 @@ def test_regions_without_gradients_are_not_stepped() -> None:
 
 def test_some_gradients_none_inside_a_region_is_an_error() -> None:
     module = offload_module(tiny_gpt2(), batch(0))
-    opt = HybridAdam(module.parameters(), module=module)
+    opt = HybridAdam(module.parameters())
+    opt.bind(module)
     b = batch(0)
     module.backward(loss_of(module(**b), b["input_ids"]))
     st = next(s for s in module.storages if len(s.master_views) > 1 and not s.host_state)
@@ -152,8 +151,6 @@ def test_some_gradients_none_inside_a_region_is_an_error() -> None:
 
 def test_bad_arguments_are_named() -> None:
     p = [torch.zeros(3)]
-    with pytest.raises(ValueError, match="moments_dtype"):
-        HybridAdam(p, moments_dtype=torch.float16)
     with pytest.raises(ValueError, match="lr=-1"):
         HybridAdam(p, lr=-1.0)
     with pytest.raises(ValueError, match="betas"):

@@ -31,7 +31,9 @@ from optim_helpers import (
 
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
 from offload_optim.overlap import transition
+from offload_runtime import OffloadConfig
 from offload_runtime.module import OffloadModule
+from offload_solver import PlanOptions
 
 LR = 1e-2
 WD = 0.01
@@ -73,7 +75,12 @@ class Trainer:
     def __init__(self, opts: Options, overlap: bool, *, host_worker: bool = True) -> None:
         self.opts = opts
         self.module = offload_module(
-            tiny_gpt2(), batch(0), dtype=opts.dtype, host_worker=host_worker
+            tiny_gpt2(),
+            batch(0),
+            dtype=opts.dtype,
+            host_worker=host_worker,
+            options=PlanOptions(overlap=overlap),
+            config=OffloadConfig(dtype=opts.dtype, accumulation_steps=opts.micro),
         )
         self.target = next(st.index for st in self.module.storages if st.host_state and st.index)
         self.poison = False
@@ -83,8 +90,6 @@ class Trainer:
             self.module,
             hysteresis=1,
             clipping_norm=opts.clipping,
-            accumulation_steps=opts.micro,
-            overlap=overlap,
         )
         self.sched = (
             torch.optim.lr_scheduler.LambdaLR(self.amp, lambda s: 1.0 / (1.0 + s))

@@ -1,7 +1,7 @@
 """fp16 host steps that speculate under backward and are undone exactly on overflow.
 
-``AMPOptimizer(..., speculate_fp16=True)`` steps each host-state region in its grad-ready
-hook (OverlapMode.SPECULATIVE_UNDO) before the overflow answer exists, and commits or
+A speculative plan (``PlanOptions.speculative``) steps each host-state region in its
+grad-ready hook (OverlapMode.SPECULATIVE_UNDO) before the overflow answer exists, and commits or
 undoes those steps in ``step()``. Whatever happens, the run must be the default (PARTIALS)
 run bit for bit: losses, masters, moments, step counts and loss scales. Modules use the
 mixed plan of optim_helpers (every region kind); region 0, host-state and holding the
@@ -31,7 +31,9 @@ from optim_helpers import (
 import offload_optim.hybrid_adam as hybrid_adam_module
 import offload_runtime.host_kernels.torch_adam as kernels
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
+from offload_runtime import OffloadConfig
 from offload_runtime.host_kernels import AdamHyper, fused_adam_, single_pass, speculative_adam_
+from offload_solver import PlanOptions
 
 LR = 1e-2
 WD = 0.01
@@ -71,12 +73,23 @@ class Trainer:
         **amp_kwargs: Any,
     ) -> None:
         self.micro = micro
+        options = PlanOptions(
+            host_kernel=host_kernel,
+            fp16_io=fp16_io,
+            speculative=speculate,
+            speculative_params=amp_kwargs.pop("speculative_params", None),
+            speculation_thread=speculation_thread,
+            stage_in_backward=stage_in_backward,
+            overlap=amp_kwargs.pop("overlap", True),
+        )
         self.module = offload_module(
             tiny_gpt2(),
             batch(0),
             dtype=dtype,
             host_worker=host_worker,
             convert_on_device=convert_on_device,
+            options=options,
+            config=OffloadConfig(dtype=dtype, host_moments=moments, accumulation_steps=micro),
         )
         assert self.module.storages[0].host_state, "the plan keeps region 0's state on the host"
         self.poison_steps: set[int] = set()
@@ -86,20 +99,9 @@ class Trainer:
             self.module, lambda r: self._step in self.poison_steps and r == self.poison_region
         )
         self.amp = AMPOptimizer(
-            HybridAdam(
-                self.module.parameters(),
-                lr=LR,
-                weight_decay=WD,
-                moments_dtype=moments,
-                host_kernel=host_kernel,
-                fp16_io=fp16_io,
-                speculation_thread=speculation_thread,
-                stage_in_backward=stage_in_backward,
-            ),
+            HybridAdam(self.module.parameters(), lr=LR, weight_decay=WD),
             self.module,
             clipping_norm=clipping,
-            accumulation_steps=micro,
-            speculate_fp16=speculate,
             **amp_kwargs,
         )
 
@@ -288,12 +290,16 @@ def test_single_pass_refuses_what_it_cannot_step(monkeypatch: pytest.MonkeyPatch
         single_pass.adam_(x, x.clone(), x.half(), x.half(), torch.tensor(1.0), hyper)
     with pytest.raises(ValueError, match="exp_avg has 4 elements, not 8"):
         single_pass.adam_(x, x.clone(), x[:4].clone(), x.clone(), torch.tensor(1.0), hyper)
-    params = [torch.nn.Parameter(torch.zeros(4))]
-    with pytest.raises(ValueError, match="host_kernel='cuda'"):
-        HybridAdam(params, host_kernel="cuda")
+    with pytest.raises(ValueError, match="host_kernel is 'cuda'"):
+        PlanOptions(host_kernel="cuda")
+    # A plan that steps with the single-pass kernels, bound where numba cannot load.
+    module = offload_module(
+        tiny_gpt2(), batch(0), host_worker=False, options=PlanOptions(host_kernel="single_pass")
+    )
     monkeypatch.setattr(single_pass, "available", lambda: False)
     with pytest.raises(ImportError, match="pip install numba"):
-        HybridAdam(params, host_kernel="single_pass")
+        HybridAdam(module.parameters()).bind(module)
+    module.close()
 
 
 # ---- training ------------------------------------------------------------------------------
@@ -582,8 +588,12 @@ def test_speculative_steps_run_on_the_modules_thread_which_closes_with_it() -> N
     """[Note: streams and threads] in offload_runtime/streams.py: the optimizer makes no
     thread of its own; a speculative step runs on the speculation thread of the module
     it is bound to, and closing the module stops that thread."""
-    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
-    optimizer = HybridAdam(module.parameters(), lr=LR, module=module, speculation_thread=True)
+    options = PlanOptions(speculative=True, speculation_thread=True)
+    module = offload_module(
+        tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False, options=options
+    )
+    optimizer = HybridAdam(module.parameters(), lr=LR)
+    optimizer.bind(module)
     b = batch(0)
     module.backward(loss_of(module(**b), b["input_ids"]))
     optimizer.prepare_speculation()
@@ -668,16 +678,9 @@ def test_speculative_params_bound_the_regions_that_speculate(host_kernel: str) -
         assert report is not None and report.speculated_regions == len(want)
         trainer.close()
         assert_same(spec, plain)
-    trainer = Trainer(False)
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="speculative_params"):
-            AMPOptimizer(  # refused before it binds the module
-                HybridAdam(trainer.module.parameters()),
-                trainer.module,
-                speculate_fp16=True,
-                speculative_params=bad,  # type: ignore[arg-type]
-            )
-    trainer.close()
+            PlanOptions(speculative=True, speculative_params=bad)  # type: ignore[arg-type]
 
 
 def test_bf16_moments_need_eight_bytes_per_parameter() -> None:

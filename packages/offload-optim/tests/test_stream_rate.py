@@ -29,7 +29,6 @@ def _module() -> OffloadModule:
         batch(0),
         hardware=default_cpu_profile(),
         device="cpu",
-        progress=False,
         block_search_range_bytes=0,
         dtype=torch.float32,
         state_on_device=False,

@@ -27,23 +27,22 @@ from optim_helpers import batch, loss_of, masters, offload_module, tiny_gpt2
 from test_speculate import assert_same, run
 
 import offload_optim.streamed as streamed_module
-import offload_optim.streamed.costs as stream_costs
+import offload_runtime.planning.streamed_costs as stream_costs
 from offload_optim import AMPOptimizer, HybridAdam, OverlapMode
 from offload_optim.hybrid_adam import RegionStepTiming
 from offload_optim.stepping import Stepper
-from offload_optim.streamed import (
+from offload_optim.streamed import StreamedSteps, StreamPiece, StreamRing
+from offload_runtime.controller import OffloadController
+from offload_runtime.host_kernels import AdamHyper, single_pass
+from offload_runtime.planning.streamed_costs import (
     STREAM_CHUNK_NUMEL,
-    StreamedSteps,
-    StreamPiece,
-    StreamRing,
     chunk_numel_for,
     ring_shape,
     stream_copy_bytes,
     stream_slot_bytes,
     streamed_step_costs,
 )
-from offload_runtime.controller import OffloadController
-from offload_runtime.host_kernels import AdamHyper, single_pass
+from offload_solver import PlanOptions
 
 
 @pytest.fixture
@@ -383,30 +382,11 @@ def test_the_ring_is_sized_to_the_budget() -> None:
         streamed_step_costs(torch.float32, True, budget_bytes=0)
 
 
-def test_a_plan_for_other_streaming_costs_is_warned_about() -> None:
-    """A plan made with one optimizer's streaming costs and stepped by another's: the
-    ring moves other bytes than the plan counted, so the optimizer says so."""
-    import dataclasses
-
-    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
-    module.plan = dataclasses.replace(
-        module.plan, streamed=streamed_step_costs(torch.bfloat16, True, chunk_numel=1000)
-    )
-    try:
-        with pytest.warns(RuntimeWarning, match="bytes up and 10 down per parameter"):
-            AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
-    finally:
-        module.close()
-
-
 def test_staging_in_backward_is_planned_as_the_optimizer_stages() -> None:
     """streamed_step_costs counts one chunk per ring slot of master weights and moments
-    going up in the backward when the optimizer stages there (its default); a plan that
-    differs from the optimizer in that is warned about, one that agrees is not."""
-    import dataclasses
-    import warnings
-
-    from offload_optim import with_stage_in_backward
+    going up in the backward when the optimizer stages there (the planner's default); the
+    optimizer stages as its module's plan says."""
+    from offload_runtime.planning.streamed_costs import with_stage_in_backward
 
     on = streamed_step_costs(torch.float32, False, chunk_numel=1000)
     assert (on.staged_chunks, on.staged_chunk_numel, on.staged_bytes_per_param) == (
@@ -419,19 +399,15 @@ def test_staging_in_backward_is_planned_as_the_optimizer_stages() -> None:
     assert with_stage_in_backward(off, torch.float32, False) == on
     assert with_stage_in_backward(on, torch.float32, False, stage=False) == off
     assert streamed_step_costs(torch.bfloat16, True, chunk_numel=1000).staged_bytes_per_param == 8
-    assert HybridAdam([torch.zeros(2, requires_grad=True)]).stage_in_backward is (
-        stream_costs.STAGE_IN_BACKWARD
-    )
-    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16)
-    module.plan = dataclasses.replace(module.plan, streamed=off)
-    try:
-        with pytest.warns(RuntimeWarning, match="does not stage streamed state in the backward"):
-            AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, stage_in_backward=True), module)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, stage_in_backward=False), module)
-    finally:
-        module.close()
+    assert not HybridAdam([torch.zeros(2, requires_grad=True)]).stage_in_backward, "unbound"
+    for stage in (True, False):
+        options = PlanOptions(stage_in_backward=stage)
+        module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, options=options)
+        try:
+            amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
+            assert amp.optimizer.stage_in_backward is stage
+        finally:
+            module.close()
 
 
 def test_a_ring_of_more_slots_is_planned_and_shaped_from_the_plan() -> None:
@@ -869,7 +845,12 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
     master on the host, and the host worker publishes it once the step ends. Here the
     first host-state region's host step is held until the test has seen the streamed one
     published (or given up); on the CPU its downloads land as it is issued."""
-    module = offload_module(tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False)
+    # Without overlap every host-state region steps in step()'s task.
+    io = {"host_kernel": "single_pass", "fp16_io": True} if fp16_io else {}
+    options = PlanOptions(overlap=False, **io)
+    module = offload_module(
+        tiny_gpt2(), batch(0), dtype=torch.float16, host_worker=False, options=options
+    )
     host = [st for st in module.storages if st.host_state]
     assert len(host) >= 2 and host[1].offloaded, "the mixed plan offloads region 1"
     held, streamed_r = host[0].index, host[1].index
@@ -885,12 +866,7 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
 
     monkeypatch.setattr(Stepper, "step_segments", holding)
     published = _record_publishes(module.controller)
-    io: dict[str, Any] = {"host_kernel": "single_pass", "fp16_io": True} if fp16_io else {}
-    amp = AMPOptimizer(
-        HybridAdam(module.parameters(), lr=1e-2, **io),
-        module,
-        overlap=False,  # every host-state region steps in step()'s task
-    )
+    amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2), module)
     stepping, errors = _step_on_a_thread(amp)
     by_issuer = fp16_io
     try:

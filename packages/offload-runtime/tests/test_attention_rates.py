@@ -1,5 +1,5 @@
 """Fused attention's rates from the traced model's own shapes (``attention_shapes``,
-``with_attention_rates``, ``memory_optimize(measure_attention=True)``), on the CPU with a
+``with_attention_rates``, ``PlanForce(measure_attention=True)``), on the CPU with a
 made-up measurement: what is read from the graph, how shapes are weighted, and the errors."""
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from tiny_models import tiny_gpt2
 from torch.nn import functional as F
 from torch.utils.flop_counter import sdpa_flop_count
 
-from offload_runtime import (
+from offload_runtime import OffloadConfig, OffloadModule, PlanForce, default_cpu_profile
+from offload_runtime.planning import (
     AttentionShape,
-    OffloadModule,
     attention_shapes,
-    default_cpu_profile,
-    memory_optimize,
+    build_offload_module,
+    plan_model,
     with_attention_rates,
 )
 from offload_trace import trace
@@ -83,29 +83,31 @@ def test_no_attention_leaves_the_profile_alone_and_a_bad_rate_is_named() -> None
 
 
 def _planned_on_the_cpu(**kwargs: Any) -> OffloadModule:
-    """A two-layer tiny GPT-2 planned on the CPU under 1 GiB."""
-    return memory_optimize(
-        tiny_gpt2(layers=2),
+    """A two-layer tiny GPT-2 planned on the CPU under 1 GiB, ``kwargs`` forced."""
+    model = tiny_gpt2(layers=2)
+    planned = plan_model(
+        model,
         {"input_ids": torch.zeros(2, 8, dtype=torch.long)},
         2**30,
         "asyn",
-        dtype=torch.float32,
+        config=OffloadConfig(dtype=torch.float32),
         device="cpu",
         progress=False,
-        **kwargs,
+        force=PlanForce(**kwargs),
     )
+    return build_offload_module(model, planned)
 
 
 def test_measure_attention_on_the_cpu_is_a_named_error() -> None:
-    with pytest.raises(ValueError, match=r"measure_attention=True .* leave it False on the CPU"):
+    with pytest.raises(ValueError, match=r"measure_attention=True\) .* leave it False on the CPU"):
         _planned_on_the_cpu(measure_attention=True)
 
 
 def test_attention_is_measured_by_default_on_cuda_unless_the_profile_has_rates() -> None:
-    """``memory_optimize(measure_attention=None)``, the default:
+    """``PlanForce(measure_attention=None)``, the default:
     measured on a CUDA device, not on the CPU, and not where the profile given already
     carries both rates (a plan saved with them, planned again the same way)."""
-    from offload_runtime.api import measures_attention
+    from offload_runtime.planning.attention import measures_attention
 
     cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
     hw = default_cpu_profile()

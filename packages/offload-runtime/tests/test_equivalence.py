@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import inspect
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +14,6 @@ from tiny_models import (
     ThreeWayTied,
     forcing_budget,
     inputs,
-    least_budget,
     loss_of,
     offloaded_half,
     tiny_bert,
@@ -26,17 +22,11 @@ from tiny_models import (
     uploads_per_step,
 )
 
-import offload_runtime.api
 import offload_runtime.controller
 import offload_runtime.module
-from offload_runtime import (
-    OffloadModule,
-    measure_device_bytes_in_use,
-    memory_optimize,
-    planning_hardware,
-)
+from offload_runtime import OffloadConfig, OffloadModule, PlanForce
 from offload_runtime.hardware import default_cpu_profile
-from offload_solver import CostModel, InfeasibleBudgetError
+from offload_runtime.planning import build_offload_module, plan_model
 
 MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "gpt2": tiny_gpt2,
@@ -44,6 +34,35 @@ MODELS: dict[str, Callable[[], torch.nn.Module]] = {
     "llama": tiny_llama,
     "tied3": ThreeWayTied,
 }
+
+
+FP32 = OffloadConfig(dtype=torch.float32, fuse_gelu=False)
+"""fp32 training of exactly the model's operations (no GELU fusion): plain training's
+results."""
+
+
+def offload(
+    model: torch.nn.Module,
+    inp: dict[str, torch.Tensor],
+    budget: int,
+    solver: str,
+    config: OffloadConfig = FP32,
+    **force: Any,
+) -> OffloadModule:
+    """``model`` planned on the CPU's default profile, with the planner's choices that
+    ``force`` (``PlanForce``'s fields) leaves open, and built."""
+    planned = plan_model(
+        model,
+        inp,
+        budget,
+        solver,
+        config=config,
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        force=PlanForce(**force),
+    )
+    return build_offload_module(model, planned)
 
 
 def build(
@@ -62,54 +81,22 @@ def build(
         param.requires_grad_(pname not in frozen)
     inp = inputs()
     budget = forcing_budget(model, inp, solver, torch.float32, default_cpu_profile())
-    module = memory_optimize(
+    module = offload(
         model,
         inp,
         budget,
         solver,
-        dtype=torch.float32,
-        hardware=default_cpu_profile(),
-        device="cpu",
-        progress=False,
         block_search_range_bytes=0,
         host_worker=host_worker,
         convert_on_device=convert,
-        fuse_gelu=False,  # exactly the model's operations, so plain training's results
     )
     return model, module, inp
-
-
-@pytest.fixture
-def trace_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """memory_optimize traces each model object once per test (per dtype, target and
-    GELU fusion): for tests of planning arguments, which plan one model many times."""
-    real = offload_runtime.api.trace
-    traced: dict[tuple[Any, ...], Any] = {}
-
-    def trace(model: torch.nn.Module, example: Any, **kwargs: Any) -> Any:
-        shapes = tuple((k, tuple(v.shape)) for k, v in dict(example).items())
-        key = (id(model), shapes, *sorted(kwargs.items(), key=str))
-        if key not in traced:
-            traced[key] = real(model, example, **kwargs)
-        return traced[key]
-
-    monkeypatch.setattr(offload_runtime.api, "trace", trace)
 
 
 def roomy(model: torch.nn.Module, inp: dict[str, torch.Tensor]) -> OffloadModule:
     """``model`` planned in fp32 on the CPU with room for everything (16 GiB): every
     region stays on the device with its optimizer state."""
-    return memory_optimize(
-        model,
-        inp,
-        2**34,
-        "asyn",
-        dtype=torch.float32,
-        hardware=default_cpu_profile(),
-        device="cpu",
-        progress=False,
-        block_search_range_bytes=0,
-    )
+    return offload(model, inp, 2**34, "asyn", block_search_range_bytes=0)
 
 
 @pytest.mark.parametrize("chunk", [None, 37])
@@ -132,15 +119,12 @@ def test_converting_on_the_device_changes_no_bit_in_bf16(
         inp = inputs()
         hw = default_cpu_profile()
         budget = forcing_budget(model, inp, "asyn", torch.bfloat16, hw)
-        module = memory_optimize(
+        module = offload(
             model,
             inp,
             budget,
             "asyn",
-            dtype=torch.bfloat16,
-            hardware=hw,
-            device="cpu",
-            progress=False,
+            OffloadConfig(dtype=torch.bfloat16),
             block_search_range_bytes=0,
             host_worker=True,
             convert_on_device=convert,
@@ -431,316 +415,20 @@ def test_modules_are_freed_and_close_releases_device_memory() -> None:
     assert all(ref() is None for ref in storages)
 
 
-def test_planning_hardware_is_the_profile_memory_optimize_plans_with() -> None:
-    """The host Adam rate replaced (as a rate, as a cost against the profile's, or as the
-    geometric mean of both), no conversion passes with fp16 I/O, and the same refusals as
-    memory_optimize's; told nothing, the profile as measured (the cost model's factors
-    travel apart from it)."""
-    hw = default_cpu_profile()
-    assert planning_hardware(hw) == hw
-    rate = hw.host_adam_params_per_s / 4
-    by_cost = planning_hardware(hw, host_step_cost=4.0)
-    assert by_cost.host_adam_params_per_s == pytest.approx(rate)
-    assert by_cost == planning_hardware(hw, host_step_params_per_s=by_cost.host_adam_params_per_s)
-    io = planning_hardware(hw, host_step_cost=4.0, fp16_io=True)
-    assert io.host_convert_elems_per_s == 0.0
-    assert io.host_adam_params_per_s == by_cost.host_adam_params_per_s
-    # Told both ways: the geometric mean of the rate and the profile's rate over the cost.
-    # Nine times apart is more than HOST_RATES_DISAGREE: told, with how to re-profile.
-    with pytest.warns(RuntimeWarning, match=r"9\.0x apart.*force=True"):
-        both = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 9)
-    assert both.host_adam_params_per_s == pytest.approx(rate * 3)
-    # Within it (the spread of one host's readings), quietly.
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        near = planning_hardware(hw, host_step_cost=4.0, host_step_params_per_s=rate * 1.96)
-    assert near.host_adam_params_per_s == pytest.approx(rate * 1.4)
-    bad: list[dict[str, Any]] = [
-        {"host_step_cost": 0.0},
-        {"host_step_params_per_s": -1.0},
-        {"host_step_cost": 2.0, "host_step_params_per_s": 0.0},
-    ]
-    for kwargs in bad:
-        with pytest.raises(ValueError, match="host_step"):
-            planning_hardware(hw, **kwargs)
-
-
-@pytest.mark.usefixtures("trace_once")
-def test_memory_optimize_plans_with_the_cost_model_it_is_given(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # All optimizer state on the host and an issue cost of 20 us an operation: the
-    # backward beside the host issues at CostModel()'s factor unless memory_optimize is
-    # told another, and the plan records the one it was made with. Anything but a
-    # CostModel is refused before tracing.
-    hw = dataclasses.replace(default_cpu_profile(), op_overhead_s=20e-6)
-    kwargs: dict[str, Any] = dict(
-        dtype=torch.float32, hardware=hw, device="cpu", progress=False, state_on_device=False
-    )
-    model, inp = tiny_gpt2(), inputs()
-    fitted = memory_optimize(model, inp, 2**30, "asyn", **kwargs)
-    unfitted_model = CostModel(backward_issue_factor=1.0)
-    unfitted = memory_optimize(model, inp, 2**30, "asyn", cost_model=unfitted_model, **kwargs)
-    assert inspect.signature(memory_optimize).parameters["cost_model"].default is None
-    assert fitted.plan.cost_model == CostModel()
-    assert unfitted.plan.cost_model == unfitted_model
-    assert unfitted.plan.predicted_step_time_s < fitted.plan.predicted_step_time_s
-    fitted.close()
-    unfitted.close()
-
-    def no_trace(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("traced before the arguments were checked")
-
-    monkeypatch.setattr(offload_runtime.api, "trace", no_trace)
-    with pytest.raises(ValueError, match="cost_model must be None or"):
-        memory_optimize(
-            model, inp, 2**30, "asyn", cost_model={"backward_issue_factor": 1.0}, **kwargs
-        )
-
-
-@pytest.mark.usefixtures("trace_once")
-def test_a_cached_profile_far_from_the_host_rates_told_is_measured_again(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # The cached profile's host Adam rate over the cost is 3x below the absolute rate
-    # told (as for a profile measured while the host was busy): measured again, with
-    # force, before planning; a profile passed in is never measured again.
-    hw, model, inp = default_cpu_profile(), tiny_gpt2(), inputs()
-    disturbed = dataclasses.replace(hw, host_adam_params_per_s=hw.host_adam_params_per_s / 3)
-    calls: list[bool] = []
-
-    def profile(device: object, **kwargs: Any) -> Any:
-        calls.append(bool(kwargs.get("force")))
-        return hw if kwargs.get("force") else disturbed
-
-    monkeypatch.setattr(offload_runtime.api, "profile_hardware", profile)
-    # As on a GPU, whose profile is measured (the CPU's default profile is not checked).
-    monkeypatch.setattr(offload_runtime.api, "_profile_is_measured", lambda dev: True)
-    told: dict[str, Any] = {
-        "host_step_cost": 1.0,
-        "host_step_params_per_s": hw.host_adam_params_per_s,
-    }
-    kwargs: dict[str, Any] = dict(
-        dtype=torch.float32, device="cpu", progress=False, state_on_device=False
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # agreeing after the new profile: no warning
-        again = memory_optimize(model, inp, 2**30, "asyn", **told, **kwargs)
-    assert calls == [False, True]
-    direct = memory_optimize(model, inp, 2**30, "asyn", hardware=hw, **kwargs)
-    assert again.plan.predicted_step_time_s == pytest.approx(direct.plan.predicted_step_time_s)
-    # Within HOST_RATES_DISAGREE: the cached profile is planned with as it is.
-    calls.clear()
-    near: dict[str, Any] = {
-        "host_step_cost": 1.0,
-        "host_step_params_per_s": hw.host_adam_params_per_s / 2.5,
-    }
-    memory_optimize(model, inp, 2**30, "asyn", **near, **kwargs).close()
-    assert calls == [False]
-    # Given a profile, it is the caller's: warned about, not measured again.
-    calls.clear()
-    with pytest.warns(RuntimeWarning, match="3.0x apart"):
-        memory_optimize(model, inp, 2**30, "asyn", hardware=disturbed, **told, **kwargs).close()
-    assert calls == []
-    for m in (again, direct):
-        m.close()
-
-
-def test_the_cpu_default_profiles_host_rate_is_not_checked_against_the_rates_told() -> None:
-    # On the CPU the profile is a default, not a measurement: rates told 100x from it are
-    # planned with (their geometric mean) without a warning or a second profile.
-    hw = default_cpu_profile()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        module = memory_optimize(
-            tiny_gpt2(),
-            inputs(),
-            2**30,
-            "asyn",
-            dtype=torch.float32,
-            device="cpu",
-            progress=False,
-            state_on_device=False,
-            host_step_cost=100.0,
-            host_step_params_per_s=hw.host_adam_params_per_s,
-        )
-    module.close()
-
-
-@pytest.mark.usefixtures("trace_once")
-def test_a_slower_host_optimizer_is_planned_for(monkeypatch: pytest.MonkeyPatch) -> None:
-    # All optimizer state on the host: a host optimizer at a tenth of the profile's Adam
-    # rate makes the predicted step longer; a non-positive rate is refused.
-    model, inp, hw = tiny_gpt2(), inputs(), default_cpu_profile()
-    kwargs: dict[str, Any] = dict(
-        dtype=torch.float32, hardware=hw, device="cpu", progress=False, state_on_device=False
-    )
-    fast = memory_optimize(model, inp, 2**30, "asyn", **kwargs)
-    slow = memory_optimize(
-        model, inp, 2**30, "asyn", host_step_params_per_s=hw.host_adam_params_per_s / 10, **kwargs
-    )
-    assert slow.plan.predicted_step_time_s > fast.plan.predicted_step_time_s
-    with pytest.raises(ValueError, match="host_step_params_per_s"):
-        memory_optimize(model, inp, 2**30, "asyn", host_step_params_per_s=0.0, **kwargs)
-    # The same told as a cost relative to the profile's rate: the same plan and prediction.
-    costly = memory_optimize(model, inp, 2**30, "asyn", host_step_cost=10.0, **kwargs)
-    assert costly.plan.predicted_step_time_s == pytest.approx(slow.plan.predicted_step_time_s)
-    placements = [[(rp.placement, rp.state) for rp in m.plan.regions] for m in (costly, slow)]
-    assert placements[0] == placements[1]
-    for bad in ({"host_step_cost": 0.0}, {"host_step_cost": -2.0, "host_step_params_per_s": 1e9}):
-        with pytest.raises(ValueError, match="host_step_cost"):
-            memory_optimize(model, inp, 2**30, "asyn", **bad, **kwargs)
-    # Told both ways, a cost of 100 and a rate of the profile's: planned at a tenth of it
-    # (the geometric mean), as the slow plan is; 100x apart, which memory_optimize tells
-    # where the profile is a measurement (on a GPU; here the given one, as if it were).
-    monkeypatch.setattr(offload_runtime.api, "_profile_is_measured", lambda dev: True)
-    with pytest.warns(RuntimeWarning, match="100.0x apart"):
-        both = memory_optimize(
-            model,
-            inp,
-            2**30,
-            "asyn",
-            host_step_cost=100.0,
-            host_step_params_per_s=hw.host_adam_params_per_s,
-            **kwargs,
-        )
-    assert both.plan.predicted_step_time_s == pytest.approx(slow.plan.predicted_step_time_s)
-    for m in (fast, slow, costly, both):
-        m.close()
-    # Host steps under backward for none of the parameters: the step waits for more.
-    unspeculated = memory_optimize(
-        model, inp, 2**30, "asyn", host_step_after_backward=False, speculative_params=0, **kwargs
-    )
-    assert unspeculated.plan.predicted_step_time_s > fast.plan.predicted_step_time_s
-    with pytest.raises(ValueError, match="speculative_params"):
-        memory_optimize(model, inp, 2**30, "asyn", speculative_params=-1, **kwargs)
-    fast.close()
-    slow.close()
-    unspeculated.close()
-
-
-@pytest.mark.parametrize(
-    ("dtype", "after_backward", "told", "planned"),
-    [
-        (torch.float16, False, None, True),  # fp16 speculating: HybridAdam's default
-        (torch.float16, False, False, False),
-        (torch.float16, None, None, False),  # fp16 waits for the answer: nothing early
-        (torch.float16, True, True, False),
-        (torch.bfloat16, None, None, False),  # bf16 hooks step in place
-        (torch.bfloat16, None, True, True),
-    ],
-)
-def test_the_planner_is_told_whether_speculative_steps_have_their_own_thread(
-    monkeypatch: pytest.MonkeyPatch,
-    dtype: torch.dtype,
-    after_backward: bool | None,
-    told: bool | None,
-    planned: bool,
-) -> None:
-    import offload_runtime.api as api
-
-    seen: list[bool] = []
-    real = api.choose_plan
-
-    def spy(*args: Any, **kwargs: Any) -> Any:
-        seen.append(kwargs["speculation_thread"])
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(api, "choose_plan", spy)
-    module = memory_optimize(
-        tiny_gpt2(),
-        inputs(),
-        2**30,
-        "asyn",
-        dtype=dtype,
-        hardware=default_cpu_profile(),
-        device="cpu",
-        progress=False,
-        host_step_after_backward=after_backward,
-        speculation_thread=told,
-    )
-    module.close()
-    assert seen == [planned]
-
-
-@pytest.mark.usefixtures("trace_once")
-def test_device_bytes_in_use_come_off_the_budget() -> None:
-    # On the CPU nothing is measured in use; bytes given are planned around and counted in
-    # the predicted peak, and a budget they leave too little of names the least one.
-    model, inp, hw = tiny_gpt2(), inputs(), default_cpu_profile()
-    kwargs: dict[str, Any] = dict(dtype=torch.float32, hardware=hw, device="cpu", progress=False)
-    assert measure_device_bytes_in_use(torch.device("cpu"), model) == 0
-    plain = memory_optimize(model, inp, 2**30, "asyn", **kwargs)
-    shifted = memory_optimize(model, inp, 2**30, "asyn", device_bytes_in_use=4096, **kwargs)
-    assert shifted.plan.predicted_peak_bytes == plain.plan.predicted_peak_bytes + 4096
-    with pytest.raises(InfeasibleBudgetError) as info:
-        memory_optimize(model, inp, 2**30, "asyn", device_bytes_in_use=2**30, **kwargs)
-    assert info.value.least_budget_bytes > 2**30
-    # Accumulating over micro-batches: the predicted step covers them all.
-    accumulating = memory_optimize(model, inp, 2**30, "asyn", micro_batches=3, **kwargs)
-    assert accumulating.plan.predicted_step_time_s > 2 * plain.plan.predicted_step_time_s
-    plain.close()
-    shifted.close()
-    accumulating.close()
-
-
-def test_bad_inputs_get_named_errors(monkeypatch: pytest.MonkeyPatch) -> None:
-    model = tiny_gpt2()
-    inp = inputs()
-    with pytest.raises(ValueError, match="memory_budget"):
-        memory_optimize(model, inp, 0, "syn", dtype=torch.float32, device="cpu", progress=False)
-    with pytest.raises(ValueError, match="not registered"):
-        memory_optimize(
-            model, inp, 2**30, "nope", dtype=torch.float32, device="cpu", progress=False
-        )
-    with pytest.raises(InfeasibleBudgetError) as info:
-        memory_optimize(model, inp, 1000, "syn", dtype=torch.float32, device="cpu", progress=False)
-    assert str(info.value.least_budget_bytes) in str(info.value).replace(",", "")
-    with torch.device("meta"):
-        meta_model = tiny_gpt2()
-    with pytest.raises(ValueError, match="meta"):
-        memory_optimize(
-            meta_model, inp, 2**30, "syn", dtype=torch.float32, device="cpu", progress=False
-        )
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="CUDA is not available"):
-            memory_optimize(model, inp, 2**30, "syn", device="cuda", progress=False)
-    import offload_runtime.storage as storage
-
-    monkeypatch.setattr(storage, "available_host_memory_bytes", lambda: 1)
-    with pytest.raises(RuntimeError, match="host memory too small"):
-        memory_optimize(
-            model,
-            inp,
-            least_budget(model, inp, "syn", torch.float32, default_cpu_profile()),
-            "syn",
-            dtype=torch.float32,
-            device="cpu",
-            progress=False,
-            block_search_range_bytes=0,
-        )
-
-
 @pytest.mark.parametrize("solver", ["syn", "asyn"])
 def test_fused_gelu_trains_like_plain_training_with_less_saved(solver: str) -> None:
-    """``fuse_gelu=True``, the default: GPT-2's written-out GELUs run as one ``aten.gelu``
-    each in the offloaded graph; logits and gradients equal plain training's to float32
-    rounding (the fused kernel rounds once, the chain eight times), and the plan counts
-    fewer saved bytes than the written-out form's (``fuse_gelu=False``)."""
+    """``OffloadConfig(fuse_gelu=True)``, the default: GPT-2's written-out GELUs run as one
+    ``aten.gelu`` each in the offloaded graph; logits and gradients equal plain training's
+    to float32 rounding (the fused kernel rounds once, the chain eight times), and the plan
+    counts fewer saved bytes than the written-out form's (``fuse_gelu=False``)."""
     torch.manual_seed(0)
     model = tiny_gpt2()
     inp = inputs()
     hw = default_cpu_profile()
     budget = forcing_budget(model, inp, solver, torch.float32, hw)
-    kwargs: dict[str, Any] = {
-        "dtype": torch.float32,
-        "hardware": hw,
-        "device": "cpu",
-        "progress": False,
-        "block_search_range_bytes": 0,
-    }
-    plain = memory_optimize(model, inp, budget, solver, fuse_gelu=False, **kwargs)
-    module = memory_optimize(model, inp, budget, solver, **kwargs)
+    plain = offload(model, inp, budget, solver, FP32, block_search_range_bytes=0)
+    fused = OffloadConfig(dtype=torch.float32)
+    module = offload(model, inp, budget, solver, fused, block_search_range_bytes=0)
     gelus = [n for n in module.graph_module.graph.nodes if n.target is torch.ops.aten.gelu.default]
     layers = sum(1 for n in model.modules() if type(n).__name__ == "NewGELUActivation")
     assert layers > 0 and len(gelus) == layers

@@ -22,11 +22,13 @@ from tiny_models import (
 )
 
 from offload_runtime import (
+    OffloadConfig,
     OffloadModule,
-    measure_device_bytes_in_use,
+    PlanForce,
     memory_optimize,
     profile_hardware,
 )
+from offload_runtime.planning import build_offload_module, measure_device_bytes_in_use, plan_model
 from offload_runtime.storage import alloc_host
 from offload_solver import HardwareProfile, ParamPlacement
 from offload_solver.solve import BUDGET_SAFETY_FACTOR
@@ -88,19 +90,19 @@ def test_fp16_gradients_match_plain_fp16_training(solver: str) -> None:
     hardware = profile_hardware("cuda", progress=False)
     # Traced as memory_optimize traces it by default: GPT-2's GELU fused.
     budget = forcing_budget(model, inp, solver, torch.float16, hardware, fuse_gelu=True)
-    module = memory_optimize(
+    planned = plan_model(
         model,
         inp,
         budget,
         solver,
-        dtype=torch.float16,
+        config=OffloadConfig(),
         hardware=hardware,
         progress=False,
-        block_search_range_bytes=0,
         # The reference model beside it is not the module's: this budget only forces
         # offload, so nothing in use comes off it.
-        device_bytes_in_use=0,
+        force=PlanForce(block_search_range_bytes=0, device_bytes_in_use=0),
     )
+    module = build_offload_module(model, planned)
     assert offloaded_half(module.plan, solver)
     before = dict(module.controller.stats)
     logits = module(**inp)
@@ -153,7 +155,7 @@ def test_measured_peak_stays_within_budget(solver: str) -> None:
     # (that, the inputs and the BLAS workspaces) and plans the module in the rest.
     base = torch.cuda.memory_allocated()
     budget = budget_beside(base, int(1.0 * GiB))
-    module = memory_optimize(model, inp, budget, solver, dtype=torch.float16, progress=False)
+    module = memory_optimize(model, inp, budget, solver, progress=False)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
     # Training is what the budget is for: hardware profiling inside memory_optimize uses
     # large scratch buffers once (and frees them), so the peak is counted from here; the
@@ -215,7 +217,7 @@ def test_attention_rates_are_measured_at_the_zoo_gpt2_xl_shape() -> None:
 
 
 def test_measure_attention_plans_with_the_models_own_attention_rates() -> None:
-    """``memory_optimize(measure_attention=True)`` on two layers of the zoo's GPT-2 XL
+    """``PlanForce(measure_attention=True)`` on two layers of the zoo's GPT-2 XL
     (32 heads of 50) at 8 x 1024 tokens (causal, no mask: the fused kernels) plans with
     attention rates measured on this GPU (the profile the module was planned with carries
     them); without it the rates stay unset (the matmul rate). The default (None) measures
@@ -224,16 +226,16 @@ def test_measure_attention_plans_with_the_models_own_attention_rates() -> None:
     inp = batch(8, 1024, mask=False)
 
     def planned(measure: bool | None, hardware: HardwareProfile | None = None) -> OffloadModule:
-        return memory_optimize(
+        planned = plan_model(
             model,
             inp,
             8 * GiB,
             "asyn",
-            dtype=torch.float16,
-            progress=False,
-            measure_attention=measure,
             hardware=hardware,
+            progress=False,
+            force=PlanForce(measure_attention=measure),
         )
+        return build_offload_module(model, planned)
 
     plain = planned(False)
     assert plain.hardware is not None and plain.hardware.attention_fwd_flop_per_s == 0.0

@@ -144,3 +144,20 @@ def test_the_configurations_are_those_the_optimizer_can_run_here(
     assert not any(io for _, _, io, _ in found)
     monkeypatch.setattr(single_pass, "fp16_io_available", lambda: True)
     assert len(host_step.host_step_configurations()) == 12
+
+
+def test_every_configuration_here_has_a_step_the_timer_can_time() -> None:
+    """Each kernel configuration the optimizer can run here is built and timed over a few
+    thousand parameters; what it reads is this machine's and is not checked, only that it
+    is a rate; bad configurations are named."""
+    rates = host_step.measure_host_step_rates(4096, 1e9, steps=1, settle_s=0.0)
+    assert [r.key for r in rates] == host_step.host_step_configurations()
+    assert all(r.params_per_s > 0 for r in rates)
+    with pytest.raises(ValueError, match="host_kernel must be"):
+        host_step.kernel_steps(torch.float32, 16, "numba")
+    with pytest.raises(ValueError, match="moments_dtype"):
+        host_step.kernel_steps(torch.float16, 16, "torch")
+    with pytest.raises(ValueError, match="numel"):
+        host_step.kernel_steps(torch.float32, 0, "torch")
+    with pytest.raises(ValueError, match="single-pass"):
+        host_step.kernel_steps(torch.float32, 16, "torch", fp16_io=True)

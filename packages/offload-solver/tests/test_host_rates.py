@@ -39,6 +39,11 @@ def test_the_lookup_reads_a_measured_rate_and_derives_the_others() -> None:
     # Not measured: the fused rate over the documented time ratio.
     assert hw.host_step_params_per_s("single_pass", "bf16") == pytest.approx(4e9 / 0.73)
     assert hw.host_step_params_per_s("torch", "fp32", speculative=True) == pytest.approx(4e9 / 2.53)
+    # torch's fused fp32 step is the profile's reference rate, whatever a record says.
+    fused = HostStepRate("torch", "fp32", False, False, 1e9)
+    assert dataclasses.replace(hw, host_step_rates=(fused,)).host_step_params_per_s(
+        "torch", "fp32"
+    ) == pytest.approx(4e9)
     with pytest.raises(ValueError, match="fp16_io only with the single_pass kernel"):
         hw.host_step_params_per_s("torch", "fp32", fp16_io=True)
 

@@ -36,16 +36,13 @@ simulated step.
 from __future__ import annotations
 
 import argparse
-import gc
+import dataclasses
 import math
-import statistics
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -60,36 +57,11 @@ from offload_gpt_example.models import (
     random_batch,
 )
 from offload_gpt_example.plot import save_plan_png
-from offload_optim import (
-    AMPOptimizer,
-    HybridAdam,
-    check_backward_issue,
-    check_host_rate,
-    measure_host_step_cost,
-    measure_host_step_params_per_s,
-    measure_speculative_step_cost,
-    streamed_step_costs,
-)
-from offload_runtime.api import (
-    choose_plan,
-    matmul_shapes,
-    measure_device_bytes_in_use,
-    memory_optimize,
-    plan_summary,
-    planning_hardware,
-)
-from offload_runtime.hardware import profile_hardware
-from offload_runtime.host_kernels import single_pass
-from offload_solver import (
-    CostModel,
-    HardwareProfile,
-    InfeasibleBudgetError,
-    ModelProfile,
-    Plan,
-    StatePlacement,
-    default_hardware,
-)
-from offload_trace import trace
+from offload_optim import AMPOptimizer, HybridAdam, check_backward_issue, check_host_rate
+from offload_runtime import OffloadConfig, PlanForce
+from offload_runtime.api import print_summary
+from offload_runtime.planning import build_offload_module, measure_device_bytes_in_use, plan_model
+from offload_solver import CostModel, HardwareProfile, InfeasibleBudgetError, Plan, default_hardware
 
 # -----------------------------------------------------------------------------
 # config (the reference's defaults; every one is a command-line flag)
@@ -177,33 +149,30 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument(
         "--speculate",
         action="store_true",
-        help="fp16 only: step host-resident regions under backward, speculatively, undone "
-        "exactly when the gradients overflow (AMPOptimizer(speculate_fp16=True)); uses the "
-        "single-pass host Adam when numba is installed; costs "
-        "12 more bytes of host memory per host-resident parameter (8 with --bf16_moments)",
+        help="fp16 only: force speculative host steps under backward, undone exactly when "
+        "the gradients overflow (PlanForce(speculative=True)); the planner speculates by "
+        "itself with the single-pass host Adam where undo buffers fit in host memory",
     )
     p.add_argument(
         "--fp16_io",
         action="store_true",
-        help="fp16 only: host steps read fp16 gradients and write fp16 parameters in one "
-        "pass, with no conversion passes (HybridAdam(fp16_io=True), memory_optimize("
-        "fp16_io=True)); needs the single-pass host Adam (numba)",
+        help="fp16 only: force host steps that read fp16 gradients and write fp16 "
+        "parameters in one pass (PlanForce(fp16_io=True)); needs the single-pass host Adam "
+        "(numba)",
     )
     p.add_argument(
         "--bf16_moments",
         action="store_true",
-        help="keep the Adam moments of host-resident state in bf16 (HybridAdam(moments_dtype="
-        "torch.bfloat16)): 4 fewer bytes of host memory per parameter, and with the "
-        "single-pass host Adam (numba) a faster host step; planned "
-        "at its cost against torch's fused fp32 step, measured now",
+        help="keep the Adam moments of host-resident state in bf16 (OffloadConfig("
+        "host_moments=torch.bfloat16)): 4 fewer bytes of host memory per parameter, and "
+        "with the single-pass host Adam (numba) a faster host step",
     )
     p.add_argument(
         "--stream",
         action="store_true",
         help="let the planner step some host-resident regions on the GPU instead "
-        "(memory_optimize(streamed=...)): their state stays in host memory and is copied "
-        "up and back around a device step, while the host steps the others; pays when the "
-        "host step bounds the training step and PCIe has time to spare",
+        "(PlanForce(streamed=True), as the planner does by default): their state stays in "
+        "host memory and is copied up and back around a device step",
     )
     gelu = p.add_mutually_exclusive_group()
     gelu.add_argument(
@@ -211,7 +180,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         dest="fuse_gelu",
         action="store_true",
         help="trace GPT-2's tanh GELU, written out in eight element-wise operations, as one "
-        "aten.gelu(approximate='tanh') (memory_optimize(fuse_gelu=True)): the same formula "
+        "aten.gelu(approximate='tanh') (OffloadConfig(fuse_gelu=True)): the same formula "
         "in one kernel, fewer operations to issue and three fewer MLP-width activations "
         "kept per layer for backward; results differ by rounding (the default)",
     )
@@ -219,16 +188,17 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "--no_fuse_gelu",
         dest="fuse_gelu",
         action="store_false",
-        help="trace the model's GELU as written (memory_optimize(fuse_gelu=False))",
+        help="trace the model's GELU as written (OffloadConfig(fuse_gelu=False))",
     )
     p.set_defaults(fuse_gelu=True)
     p.add_argument(
         "--host_rate",
         type=float,
         default=None,
-        help="G parameters/s (1e9) of the host Adam step to plan with, instead of the rate "
-        "measured now or the hardware profile's: e.g. the rate an earlier run's last line "
-        "(host_adam: ...) says its training loop ran at",
+        help="G parameters/s (1e9) of the host Adam step to plan with, instead of the "
+        "hardware profile's rate of the kernel the plan chooses (PlanForce("
+        "host_step_params_per_s=)): e.g. the rate an earlier run's last line (host_adam: "
+        "...) says its training loop ran at",
     )
     p.add_argument(
         "--backward_issue_factor",
@@ -236,7 +206,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         default=CostModel().backward_issue_factor,
         help="how many times the profile's per-operation issue cost each backward "
         "operation costs the host when the plan keeps optimizer state on the host "
-        "(memory_optimize(cost_model=CostModel(backward_issue_factor=)), >= 1; default "
+        "(PlanForce(cost_model=CostModel(backward_issue_factor=)), >= 1; default "
         "%(default)g, fitted by benchmarks/replay_bench.py; 1 prices the backward by its "
         "operations' issue cost alone): e.g. the factor an earlier run's last line "
         "(backward: ...) read from its loop",
@@ -247,167 +217,26 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     return p, p.parse_args(argv)
 
 
-@dataclass(frozen=True)
-class HostSteps:
-    """How host-state regions step (``--speculate``, ``--fp16_io``, ``--bf16_moments``),
-    and what the planner is told about it."""
-
-    host_kernel: str
-    """``HybridAdam``'s host kernel: ``"single_pass"`` with ``--fp16_io``, or with
-    ``--speculate`` or ``--bf16_moments`` when numba is installed; else ``"torch"``."""
-    fp16_io: bool
-    """``HybridAdam(fp16_io=True)``: fp16 gradients in, fp16 parameters out of the host
-    step, with no conversion passes."""
-    speculative_cost: float | None
-    """A speculative host step's time over a plain one's (measured); None: off."""
-    host_cost: float | None
-    """The host step's time over torch's fused fp32 Adam step's, measured back to back
-    (fp16 I/O or bf16 moments); None: 1, the hardware profile's rate."""
-    moments: torch.dtype = torch.float32
-    """``HybridAdam(moments_dtype=)`` of host-resident state."""
-    host_rate: float | None = None
-    """The host step's own rate, parameters/s (median of three measurements, or
-    ``--host_rate``): the planner takes it as it is, and :attr:`host_cost` is then only
-    reported (BENCHMARKS.md, Decisions, "Planning from the kernel's own rate samples")."""
-    stream: bool = False
-    """``--stream``: the planner may step host-state regions on the device (STREAMED)."""
-    budget_bytes: int | None = None
-    """The device budget, which sizes the ring of a streamed step (a tenth at most)."""
-
-    @property
-    def plan_kwargs(self) -> dict[str, Any]:
-        """Extra ``solve`` arguments: with speculation, host steps start as gradients land,
-        each taken under backward costing ``speculative_cost`` plain ones; with
-        ``--stream``, what a streamed region moves and holds."""
-        kwargs: dict[str, Any] = {}
-        if self.speculative_cost is not None:
-            kwargs["host_step_after_backward"] = False
-            kwargs["speculative_step_cost"] = self.speculative_cost
-        if self.stream:
-            kwargs["streamed"] = streamed_step_costs(
-                self.moments, self.fp16_io, budget_bytes=self.budget_bytes
-            )
-        return kwargs
-
-    @property
-    def optimize_kwargs(self) -> dict[str, Any]:
-        """Extra ``memory_optimize`` arguments: :attr:`plan_kwargs`, fp16 I/O, and the
-        measured host rate (fp16 I/O or bf16 moments) to plan with."""
-        kwargs = dict(self.plan_kwargs)
-        if self.fp16_io:
-            kwargs["fp16_io"] = True
-        kwargs.update(self._host_rate_kwargs)
-        return kwargs
-
-    @property
-    def _host_rate_kwargs(self) -> dict[str, float]:
-        """The host step's rate as the planner is told it: the measured rate alone where
-        there is one (:attr:`host_rate`), else the cost against the profile's rate."""
-        if self.host_rate is not None:
-            return {"host_step_params_per_s": self.host_rate}
-        if self.host_cost is not None:
-            return {"host_step_cost": self.host_cost}
-        return {}
-
-    def plan_hardware(self, hardware: HardwareProfile, *, measured: bool) -> HardwareProfile:
-        """``hardware`` as ``memory_optimize`` plans with it (for ``--plan_only``);
-        ``measured``: whether it is a GPU's measured profile (not the default), as
-        ``planning_hardware(warn_host_rates=)`` takes it (a warning only where two host
-        rates are told, which the example no longer does)."""
-        rates = self._host_rate_kwargs
-        return planning_hardware(
-            hardware,
-            host_step_cost=rates.get("host_step_cost"),
-            host_step_params_per_s=rates.get("host_step_params_per_s"),
-            fp16_io=self.fp16_io,
-            warn_host_rates=measured,
-        )
-
-    @classmethod
-    def choose(
-        cls,
-        speculate: bool,
-        fp16_io: bool,
-        measure_big: bool,
-        bf16_moments: bool = False,
-        host_rate: float | None = None,
-    ) -> HostSteps:
-        """None of them: torch's kernel and the defaults. Otherwise the single-pass kernel
-        (torch's when numba is missing and ``fp16_io`` is off, said on stderr), its rates
-        measured now over 64 M parameters when ``measure_big`` (a GPU run), else 1 M
-        (about a second each). ``host_rate`` (parameters/s, ``--host_rate``) replaces the
-        measured host rate and the profile's: the planner takes it as it is. Raises
-        ImportError or RuntimeError when ``fp16_io`` cannot run here."""
-        moments = torch.bfloat16 if bf16_moments else torch.float32
-        if not speculate and not fp16_io and not bf16_moments:
-            return cls("torch", False, None, None, host_rate=host_rate)
-        numel = (64 if measure_big else 1) << 20
-        if fp16_io:
-            single_pass.require_fp16_io()
-        kernel = "single_pass" if single_pass.available() else "torch"
-        if kernel == "torch" and speculate:
-            print(
-                "--speculate: numba is not installed, so speculative steps copy their undo "
-                "data with torch's kernels in extra passes over host memory instead of one; "
-                "pip install numba",
-                file=sys.stderr,
-            )
-        if kernel == "torch" and bf16_moments:
-            print(
-                "--bf16_moments: numba is not installed, so bf16 moments step by torch's "
-                "chunked route, slower than torch's fused fp32 step (the single-pass kernel "
-                "is faster than it); pip install numba",
-                file=sys.stderr,
-            )
-        host_cost = None
-        if host_rate is None and (fp16_io or bf16_moments):
-            host_cost = measure_host_step_cost(
-                moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
-            )
-            host_rate = statistics.median(
-                measure_host_step_params_per_s(
-                    moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
-                )
-                for _ in range(3)
-            )
-            what = " + ".join(
-                n for n, on in (("fp16_io", fp16_io), ("bf16_moments", bf16_moments)) if on
-            )
-            print(
-                f"{what}: a host step takes {host_cost:.2f}x torch's fused fp32 step, "
-                f"{host_rate / 1e9:.2f} G parameters/s",
-                flush=True,
-            )
-        cost = None
-        if speculate:
-            cost = measure_speculative_step_cost(
-                moments, numel=numel, host_kernel=kernel, fp16_io=fp16_io
-            )
-            print(
-                f"speculate: host kernel {kernel}, a speculative step costs {cost:.2f}x a plain one"
-            )
-        return cls(kernel, fp16_io, cost, host_cost, moments, host_rate)
-
-
-def _host_rate(args: argparse.Namespace) -> float | None:
-    """``--host_rate`` in parameters/s, or None."""
-    return None if args.host_rate is None else args.host_rate * 1e9
-
-
-def _host_steps(args: argparse.Namespace, measure_big: bool, budget_bytes: int) -> HostSteps | None:
-    """:meth:`HostSteps.choose` for the parsed flags, with ``--stream`` and the device
-    budget (bytes); None, said on stderr, where ``--fp16_io``'s kernel cannot run."""
-    try:
-        return replace(
-            HostSteps.choose(
-                args.speculate, args.fp16_io, measure_big, args.bf16_moments, _host_rate(args)
-            ),
-            stream=args.stream,
-            budget_bytes=budget_bytes,
-        )
-    except (ImportError, RuntimeError) as exc:
-        print(f"error: --fp16_io cannot run here: {exc}", file=sys.stderr)
-        return None
+def plan_choices(args: argparse.Namespace) -> tuple[OffloadConfig, PlanForce]:
+    """The user's choices (``OffloadConfig``) and the planner's choices that the flags
+    force (``PlanForce``): ``--speculate``, ``--fp16_io``, ``--host_rate``,
+    ``--backward_issue_factor`` and ``--block_search_range``; ``--stream`` forces what the
+    planner offers anyway (streamed regions where they shorten the step)."""
+    config = OffloadConfig(
+        dtype=DTYPES[args.dtype],
+        host_moments=torch.bfloat16 if args.bf16_moments else torch.float32,
+        accumulation_steps=args.accumulation_steps,
+        fuse_gelu=args.fuse_gelu,
+    )
+    force = PlanForce(
+        block_search_range_bytes=int(args.block_search_range * MB),
+        speculative=True if args.speculate else None,
+        fp16_io=True if args.fp16_io else None,
+        streamed=True if args.stream else None,
+        host_step_params_per_s=None if args.host_rate is None else args.host_rate * 1e9,
+        cost_model=CostModel(backward_issue_factor=args.backward_issue_factor),
+    )
+    return config, force
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
@@ -447,16 +276,6 @@ def write_plan_files(plan: Plan, log_dir: Path, stem: str, title: str) -> tuple[
     png_path = save_plan_png(plan, log_dir / f"{stem}.plan.png", title=title)
     print(f"plan written to {json_path} and {png_path}", flush=True)
     return json_path, png_path
-
-
-def print_summary(profile: ModelProfile, plan: Plan) -> None:
-    s = plan_summary(profile, plan)
-    print(
-        f"act_peak_mem={s['act_peak_mem_mb']:.3f} MB | "
-        f"max_param_mem={s['max_param_mem_mb']:.3f} MB | "
-        f"total_param_mem={s['total_param_mem_mb']:.3f} MB",
-        flush=True,
-    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -519,7 +338,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     on_cuda = device.type == "cuda"
 
-    # ---- build the model in the training dtype on the CPU; memory_optimize copies the
+    # ---- build the model in the training dtype on the CPU; building the module copies the
     # weights into fp32 masters (pinned host or device, as the plan says)
     t0 = time.perf_counter()
     with phase(f"build {model_type}", show):
@@ -539,7 +358,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"init_model_time={init_model_time:.3f} s",
         flush=True,
     )
-    # One batch per micro-batch, drawn once; memory_optimize traces the first (all share
+    # One batch per micro-batch, drawn once; the planner traces the first (all share
     # its shapes).
     batches = [
         random_batch(batch_size, args.seq_len, device=device)
@@ -548,89 +367,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     data = batches[0]
     labels = [labels_for(b) for b in batches]  # shaped from the batch, not a fixed (64, 8)
 
-    # ---- trace, profile the hardware, solve, build the offloaded module; memory_optimize
+    # ---- trace, profile the hardware, solve, build the offloaded module; the planner
     # reports each of these phases itself when progress is on
     if show:
         print(
-            f"memory_optimize: {args.solver_type} solver, budget {args.memory_budget:g} GB",
+            f"planning: {args.solver_type} solver, budget {args.memory_budget:g} GB",
             file=sys.stderr,
         )
-    host_steps = _host_steps(args, on_cuda, budget_bytes)
-    if host_steps is None:
-        return EXIT_FAILURE
+    config, force = plan_choices(args)
     t0 = time.perf_counter()
-    limit: int | None = None  # host-state parameters that may speculate; None: all
-    while True:
-        try:
-            module = memory_optimize(
-                model,
-                data,
-                budget_bytes,
-                args.solver_type,
-                dtype=dtype,
-                device=device,
-                progress=show,
-                block_search_range_bytes=int(args.block_search_range * MB),
-                micro_batches=args.accumulation_steps,
-                speculative_params=limit,
-                fuse_gelu=args.fuse_gelu,
-                cost_model=CostModel(backward_issue_factor=args.backward_issue_factor),
-                **host_steps.optimize_kwargs,
-            )
-        except InfeasibleBudgetError as exc:
-            what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
-            print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
-            return EXIT_FAILURE
-        del model  # the masters now hold the weights; free the half-precision copy
-        optimizer = AMPOptimizer(
-            HybridAdam(
-                module.parameters(),
-                lr=args.lr,
-                host_kernel=host_steps.host_kernel,
-                fp16_io=host_steps.fp16_io,
-                moments_dtype=host_steps.moments,
-            ),
-            module,
-            speculate_fp16=args.speculate,
-            speculative_params=limit,
-            accumulation_steps=args.accumulation_steps,
-            keep_reports=HOST_CHECK_STEPS,
+    try:
+        planned = plan_model(
+            model,
+            data,
+            budget_bytes,
+            args.solver_type,
+            config=config,
+            device=device,
+            progress=show,
+            force=force,
         )
-        if not args.speculate or limit is not None:
-            break
-        host_params = sum(
-            rp.region.numel for rp in module.plan.regions if rp.state is StatePlacement.HOST
-        )
-        fit = optimizer.optimizer.speculative_params_that_fit()
-        if fit >= host_params:
-            break
-        # Host memory holds undo buffers for fewer parameters than the plan keeps on the
-        # host: plan again for the regions that will speculate, so that the prediction
-        # holds (the same seed draws the same weights).
-        print(
-            f"--speculate: host memory holds undo buffers for {fit} of the {host_params} "
-            "host-resident parameters; planning again with the regions whose gradients "
-            "land first speculating and the others stepping after backward",
-            file=sys.stderr,
-        )
-        module.close()
-        del module, optimizer
-        gc.collect()  # the optimizer's host moments, before the second plan allocates
-        limit = fit
-        model = build_model(
-            model_type,
-            device="cpu",
-            dtype=dtype,
-            seq_len=args.seq_len,
-            dropout=args.dropout,
-            seed=args.seed,
-            init_device=device if on_cuda else None,
-        )
-        model.train()
+    except InfeasibleBudgetError as exc:
+        what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
+        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+        return EXIT_FAILURE
+    except (ImportError, RuntimeError) as exc:
+        print(f"error: the forced host kernel cannot run here: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    module = build_offload_module(model, planned)
+    del model  # the masters now hold the weights; free the half-precision copy
+    optimizer = AMPOptimizer(
+        HybridAdam(module.parameters(), lr=args.lr), module, keep_reports=HOST_CHECK_STEPS
+    )
     solver_time = time.perf_counter() - t0
-    if not show:  # memory_optimize printed the summary line itself when progress is on
-        assert module.profile is not None
-        print_summary(module.profile, module.plan)
+    print_summary(planned.profile, planned.plan)
     print(f"solver_time={solver_time:.3f} s", flush=True)
     plan = module.plan
     write_plan_files(
@@ -746,64 +516,48 @@ def plan_only(
         f"init_model_time={init_model_time:.3f} s",
         flush=True,
     )
-    t0 = time.perf_counter()
-    with phase("trace on meta", show):
-        inputs = random_batch(args.batch_size, args.seq_len, device="meta")
-        traced = trace(model, inputs, dtype=dtype, target_device="cuda", fuse_gelu=args.fuse_gelu)
-        profile = traced.to_profile(name=args.model_type)
-    if traced.fused_gelu:
-        print(f"fused {len(traced.fused_gelu)} written-out tanh GELU(s)", flush=True)
-    hardware: HardwareProfile
-    if torch.cuda.is_available():
-        # profile_hardware reports its own phases (or loads the per-device cache).
-        hardware = profile_hardware(
-            torch.device("cuda", torch.cuda.current_device()),
-            dtype=dtype,
-            matmul_shapes=matmul_shapes(traced.graph_module),
-            progress=show,
-        )
-    else:
-        hardware = default_hardware()
-        print(f"no CUDA device: planning for {hardware.name}", flush=True)
-    # As memory_optimize plans: fp16 steps host regions after backward unless it speculates.
-    plan_kwargs: dict[str, Any] = {
-        "host_step_after_backward": dtype == torch.float16,
-        "micro_batches": args.accumulation_steps,
-    }
-    host_steps = _host_steps(args, False, budget_bytes)
-    if host_steps is None:
-        return EXIT_FAILURE
-    plan_kwargs.update(host_steps.plan_kwargs)
-    hardware = host_steps.plan_hardware(hardware, measured=torch.cuda.is_available())
+    inputs = random_batch(args.batch_size, args.seq_len, device="meta")
+    config, force = plan_choices(args)
+    cuda = torch.cuda.is_available()
+    hardware: HardwareProfile | None = None
     in_use = 0
-    if torch.cuda.is_available():
-        # As memory_optimize counts them before a training run: the BLAS workspaces and
-        # the batches and labels the run keeps on the device.
+    if cuda:
+        # As a training run counts them: the BLAS workspaces and the batches and labels
+        # the run keeps on the device (here on meta, so counted by hand).
         dev = torch.device("cuda", torch.cuda.current_device())
         batches = [inputs] * args.accumulation_steps
         in_use = measure_device_bytes_in_use(dev, None, dtype) + sum(
             t.numel() * t.element_size() for b in batches for t in (*b.values(), labels_for(b))
         )
+    else:
+        hardware = default_hardware()
+        print(f"no CUDA device: planning for {hardware.name}", flush=True)
+    t0 = time.perf_counter()
     try:
-        with phase(f"solve ({args.solver_type})", show):
-            # Both places for the dtype conversions, as memory_optimize chooses.
-            _, profile, plan, _ = choose_plan(
-                profile,
-                hardware,
+        with phase(f"plan ({args.solver_type})", show):
+            planned = plan_model(
+                model,
+                inputs,
                 budget_bytes,
                 args.solver_type,
-                convert_on_device=False if host_steps.fp16_io else None,
-                block_search_range_bytes=int(args.block_search_range * MB),
-                device_bytes_in_use=in_use,
-                cost_model=CostModel(backward_issue_factor=args.backward_issue_factor),
-                **plan_kwargs,
+                config=config,
+                hardware=hardware,
+                device="cuda",
+                progress=show,
+                force=dataclasses.replace(force, device_bytes_in_use=in_use),
             )
     except InfeasibleBudgetError as exc:
         what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
         print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
         return EXIT_FAILURE
+    except (ImportError, RuntimeError) as exc:
+        print(f"error: the forced host kernel cannot run here: {exc}", file=sys.stderr)
+        return EXIT_FAILURE
     solver_time = time.perf_counter() - t0
-    print_summary(profile, plan)
+    if planned.traced.fused_gelu:
+        print(f"fused {len(planned.traced.fused_gelu)} written-out tanh GELU(s)", flush=True)
+    plan = planned.plan
+    print_summary(planned.profile, plan)
     print(f"solver_time={solver_time:.3f} s", flush=True)
     write_plan_files(
         plan,
@@ -813,7 +567,8 @@ def plan_only(
     )
     print(
         f"predicted_peak_mem={plan.predicted_peak_bytes / MB:.3f} MB | "
-        f"predicted_step_time={plan.predicted_step_time_s:.5f} s | hardware={hardware.name}",
+        f"predicted_step_time={plan.predicted_step_time_s:.5f} s | "
+        f"hardware={planned.hardware.name}",
         flush=True,
     )
     return 0

@@ -2,11 +2,11 @@
 
 - :class:`HybridAdam`: Adam(W) over an ``OffloadModule``'s fp32 master weights, one fused
   kernel launch per region (CPU for host-resident state, CUDA for device-resident state),
-  with optional bf16 moments for host-resident state;
+  torch's ``AdamW`` surface; the host kernel, fp16 I/O and moments' dtype come from the
+  module's plan and configuration;
 - :class:`AMPOptimizer`: fp16 loss scaling with overflow skip, bf16 / fp32 without scaling,
   global-norm clipping, gradient accumulation, checkpoints, and host steps that overlap
-  backward (in fp16 too with ``speculate_fp16=True``: speculative steps, undone exactly on
-  overflow);
+  backward (in fp16 too where the plan speculates: steps undone exactly on overflow);
 - streamed host-state regions (``StatePlacement.STREAMED``): host-resident state stepped
   on the device, chunk by chunk (:mod:`offload_optim.streamed`);
 - :func:`check_host_rate`: the host Adam rate the training loop ran at, against the one
@@ -26,18 +26,7 @@ from offload_optim.calibration import (
     planned_host_busy_s,
 )
 from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
-from offload_optim.kernels import (
-    measure_host_step_cost,
-    measure_host_step_params_per_s,
-    measure_speculative_step_cost,
-)
 from offload_optim.scaler import DynamicLossScaler
-from offload_optim.streamed import (
-    stream_copy_bytes,
-    stream_slot_bytes,
-    streamed_step_costs,
-    with_stage_in_backward,
-)
 
 __all__ = [
     "AMPOptimizer",
@@ -52,12 +41,5 @@ __all__ = [
     "check_backward_issue",
     "check_host_rate",
     "check_stream_rate",
-    "measure_host_step_cost",
-    "measure_host_step_params_per_s",
-    "measure_speculative_step_cost",
     "planned_host_busy_s",
-    "stream_copy_bytes",
-    "stream_slot_bytes",
-    "streamed_step_costs",
-    "with_stage_in_backward",
 ]

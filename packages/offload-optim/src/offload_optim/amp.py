@@ -38,7 +38,6 @@ from offload_optim.reports import Pending, RegionStepTiming, StepReport, complet
 from offload_optim.scaler import DynamicLossScaler
 from offload_runtime.host_kernels import AdamHyper
 from offload_runtime.module import OffloadModule
-from offload_solver import check_speculative_params
 
 __all__ = ["AMPOptimizer", "OverlapMode", "StepReport"]
 
@@ -81,25 +80,17 @@ class AMPOptimizer(torch.optim.Optimizer):
     - Accumulation: ``accumulation_steps=k`` means ``k`` calls of ``backward`` per ``step``;
       gradients are summed in fp32 and nothing steps in between. Divide each micro-batch
       loss by ``k`` yourself if you want the mean.
-    - Overlap (``overlap=True``): host steps overlap backward and the next forward; see
-      [Note: overlapping the host step with backward] in overlap.py. ``overlap=False``
-      steps everything after backward and waits (the reference's behaviour).
-    - ``speculate_fp16=True`` (off by default: BENCHMARKS.md, Decisions, "Speculative fp16
-      host steps"): in fp16 without
-      clipping, host-state regions step speculatively under backward, as bf16 does, and
-      are undone exactly in a step that overflows (:attr:`OverlapMode.SPECULATIVE_UNDO`);
-      the results are those of the default bit for bit. It costs 12 bytes of pageable host
-      memory per speculating parameter (8 with bf16 moments: a master backup and a spare
-      pair of moments, allocated at the first speculative backward) and a little more host
-      memory traffic per step. Regions get those buffers in the order their gradients land,
-      up to ``speculative_params`` parameters (None: all host-state regions) and 90% of
-      the host memory available then (a RuntimeWarning names what that left out); the
-      others step after backward. Give ``solve``/``memory_optimize`` the same
-      ``speculative_params`` so that the plan assumes the same regions.
-      Turn it on when the fp16 host step is what the step waits for after backward (host
-      state dominates and backward is long enough to hide it) and host memory has room.
-      No effect in bf16 / fp32 (they speculate without it), with clipping (every step
-      would be undone: the answer is taken as without it), or with ``overlap=False``.
+    - What the plan chose (``module.plan.options``): whether host steps overlap backward
+      and the next forward (``overlap``; see [Note: overlapping the host step with
+      backward] in overlap.py; without it everything steps after backward and the step
+      waits, the reference's behaviour), and whether fp16 host-state regions step
+      speculatively under backward (``speculative``: undone exactly in a step that
+      overflows, :attr:`OverlapMode.SPECULATIVE_UNDO`; results are those of the plain
+      steps bit for bit; for the ``speculative_params`` parameters of the regions whose
+      gradients land first, and within 90% of the host memory available at the first
+      speculative backward, which a RuntimeWarning names when it leaves any out). No
+      speculation with clipping (every step would be undone: the answer is taken as
+      without it).
     - ``keep_reports=n`` keeps the last ``n`` steps' :class:`StepReport` for
       :meth:`recent_steps` (with every region step's start and end), where
       :attr:`last_step` holds one; for finding where the host idles between steps.
@@ -112,6 +103,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         self,
         optimizer: HybridAdam,
         module: OffloadModule,
+        *,
+        clipping_norm: float = 0.0,
+        norm_type: float = 2.0,
+        accumulation_steps: int | None = None,
         initial_scale: float = 2.0**16,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
@@ -119,13 +114,6 @@ class AMPOptimizer(torch.optim.Optimizer):
         hysteresis: int = 2,
         min_scale: float = 1.0,
         max_scale: float = 2.0**32,
-        clipping_norm: float = 0.0,
-        norm_type: float = 2.0,
-        *,
-        accumulation_steps: int = 1,
-        overlap: bool = True,
-        speculate_fp16: bool = False,
-        speculative_params: int | None = None,
         keep_reports: int = 0,
     ) -> None:
         if not isinstance(optimizer, HybridAdam):
@@ -137,9 +125,18 @@ class AMPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"clipping_norm={clipping_norm} must be >= 0 (0 disables clipping)")
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
+        planned_steps = module.config.accumulation_steps
+        if accumulation_steps is None:
+            accumulation_steps = planned_steps
+        elif accumulation_steps != planned_steps:
+            raise ValueError(
+                f"AMPOptimizer(accumulation_steps={accumulation_steps}), but the module was "
+                f"planned for {planned_steps} (OffloadConfig(accumulation_steps="
+                f"{planned_steps})): plan with OffloadConfig(accumulation_steps="
+                f"{accumulation_steps}), or leave accumulation_steps out to take the module's"
+            )
         if accumulation_steps < 1:
             raise ValueError(f"accumulation_steps={accumulation_steps} must be >= 1")
-        check_speculative_params(speculative_params)
         if isinstance(keep_reports, bool) or not isinstance(keep_reports, int) or keep_reports < 0:
             raise ValueError(f"keep_reports={keep_reports!r} must be an int >= 0 (0 keeps none)")
         self._initialized = False
@@ -165,9 +162,14 @@ class AMPOptimizer(torch.optim.Optimizer):
         self.clipping_norm = float(clipping_norm)
         self.norm_type = float(norm_type)
         self.accumulation_steps = int(accumulation_steps)
-        self.overlap = overlap
-        self.speculate_fp16 = bool(speculate_fp16)
-        self.speculative_params = speculative_params
+        options = module.plan.options
+        self.overlap = options.overlap
+        """Host steps overlap backward and the next forward (the plan's choice)."""
+        self.speculate_fp16 = options.speculative
+        """fp16 host steps start under backward, undone exactly on overflow (the plan's
+        choice)."""
+        self.speculative_params = options.speculative_params
+        """Host-state parameters given undo buffers (None: all that fit)."""
         self.step_count = 0
         """Optimizer steps taken (skipped steps excluded)."""
         self.undone_steps = 0
@@ -355,8 +357,8 @@ class AMPOptimizer(torch.optim.Optimizer):
                 raise RuntimeError(
                     "hyperparameters changed between backward() and step(), but host regions "
                     "step during backward with the old ones; change the lr (e.g. "
-                    "scheduler.step()) after step() and before the next backward(), or build "
-                    "AMPOptimizer(..., overlap=False)"
+                    "scheduler.step()) after step() and before the next backward(), or plan "
+                    "without overlap (PlanForce(overlap=False))"
                 )
             out.speculated = len(w.stepped)
             out.futures = self._step_regions(w.notified - w.stepped, None, hypers, w.timings)
@@ -541,7 +543,8 @@ class AMPOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "clip_grad_norm() after a backward whose host regions already stepped (the "
                 "overlap speculates when no clipping is configured): pass "
-                "clipping_norm=max_norm to AMPOptimizer, or build it with overlap=False"
+                "clipping_norm=max_norm to AMPOptimizer, or plan without overlap "
+                "(PlanForce(overlap=False))"
             )
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")

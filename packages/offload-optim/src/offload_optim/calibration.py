@@ -1,19 +1,19 @@
 """How fast the host optimizer stepped in training, against the rate the plan assumed.
 
-The planner prices every host-state region's step at the hardware profile's host Adam
-rate (``HardwareProfile.host_adam_params_per_s``, or what ``memory_optimize`` was told with
-``host_step_params_per_s`` / ``host_step_cost``), slowed by the pinned copies it expects
-beside it. That rate is measured once, alone, in seconds; inside the training loop the
-host shares memory bandwidth with the copies and cores with the thread issuing kernels,
-by amounts that differ from machine to machine, so the loop's host steps can take more or
-less time than the plan simulated.
+The planner prices every host-state region's step at the hardware profile's rate of the
+kernel the plan chose (``HardwareProfile.host_step_params_per_s``, or
+``PlanForce.host_step_params_per_s``), slowed by the pinned copies it expects beside it.
+That rate is measured once, alone, in seconds; inside the training loop the host shares
+memory bandwidth with the copies and cores with the thread issuing kernels, by amounts that
+differ from machine to machine, so the loop's host steps can take more or less time than the
+plan simulated.
 
 :func:`check_host_rate` sets the host busy time the training loop measured
 (:attr:`StepReport.host_step_s`, median over the steps read) beside the time the plan's
 simulated host worker is busy in one step (:func:`planned_host_busy_s`), and gives the
-rate that would make the two agree (:attr:`HostRateCheck.loop_params_per_s`): pass it to
-``memory_optimize(..., host_step_params_per_s=...)`` to plan again for this machine as it
-runs. It reads :meth:`AMPOptimizer.recent_steps`, so the optimizer needs
+rate that would make the two agree (:attr:`HostRateCheck.loop_params_per_s`): plan again
+with ``offload_runtime.planning.plan_model(..., force=PlanForce(host_step_params_per_s=...))``
+for this machine as it runs. It reads :meth:`AMPOptimizer.recent_steps`, so the optimizer needs
 ``keep_reports`` of at least the steps to read; leave out the first step or two, which
 allocate and warm caches.
 
@@ -22,8 +22,8 @@ planner runs at the cost model's ``stream_up_fraction`` (``Plan.cost_model``) of
 profile's H2D rate: it sets the device time the loop's ring chunks took going up (timed on
 CUDA, [Note: timing the ring's copies up] in streamed/ring.py) beside the profile's time for
 their bytes, and gives the fraction that makes the two agree
-(:attr:`StreamRateCheck.loop_fraction`), for ``memory_optimize(...,
-cost_model=CostModel(stream_up_fraction=...))``.
+(:attr:`StreamRateCheck.loop_fraction`), for ``PlanForce(cost_model=CostModel(
+stream_up_fraction=...))``.
 
 :func:`check_backward_issue` does it for the backward of a plan with host-state regions,
 which the planner issues at the cost model's ``backward_issue_factor`` times the profile's
@@ -31,8 +31,8 @@ per-operation issue cost ([Note: the backward beside the host] in the solver's
 ``simulators._context``): it sets the host's time in ``backward(loss)``
 (:attr:`StepReport.backward_start_s` to :attr:`~StepReport.backward_end_s`) beside issuing
 the plan's traced operations at that cost, and gives the factor at which issuing them
-takes as long (:attr:`BackwardIssueCheck.loop_factor`), for ``memory_optimize(...,
-cost_model=CostModel(backward_issue_factor=...))``. Issued ahead of the device, a backward
+takes as long (:attr:`BackwardIssueCheck.loop_factor`), for ``PlanForce(cost_model=
+CostModel(backward_issue_factor=...))``. Issued ahead of the device, a backward
 at that factor spans at least the measured time, and no more where its kernels take
 longer.
 """
@@ -155,7 +155,7 @@ class StreamRateCheck:
     def loop_fraction(self) -> float:
         """The ``stream_up_fraction`` at which the simulator's copies up take as long as
         the loop's did: the profile's time over the measured, at most 1. Pass it to
-        ``memory_optimize(..., cost_model=CostModel(stream_up_fraction=...))`` to plan
+        ``PlanForce(cost_model=CostModel(stream_up_fraction=...))`` to plan
         again for this machine as it runs."""
         return min(1.0, self.profile_s / self.measured_s)
 

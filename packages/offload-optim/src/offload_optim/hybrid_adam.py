@@ -15,7 +15,6 @@ streams and threads] in offload_runtime/streams.py).
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from functools import partial
@@ -23,15 +22,15 @@ from typing import TYPE_CHECKING, Any, cast, overload
 
 import torch
 
-from offload_optim import streamed
 from offload_optim.host_steps import HostSteps
 from offload_optim.layout import MOMENT_DTYPES, StateLayout
 from offload_optim.reports import RegionStepTiming
-from offload_optim.speculation import SPECULATION_HOST_SHARE, Speculation
+from offload_optim.speculation import Speculation
 from offload_optim.stepping import Stepper
 from offload_optim.streamed import StreamedSteps
 from offload_runtime.hardware import available_host_memory_bytes
-from offload_runtime.host_kernels import HOST_KERNELS, AdamHyper, single_pass
+from offload_runtime.host_kernels import AdamHyper, single_pass
+from offload_runtime.planning.speculation import SPECULATION_HOST_SHARE
 from offload_runtime.storage import RegionStorage
 
 if TYPE_CHECKING:
@@ -55,65 +54,39 @@ def _available_host_bytes() -> int | None:
 
 
 class HybridAdam(torch.optim.Optimizer):
-    """Adam(W) over OffloadModule master weights (by region) and ordinary tensors.
+    """Adam(W) over OffloadModule master weights (by region) and ordinary tensors, with
+    torch's ``AdamW`` surface.
 
     Args:
         params: tensors or parameter groups, as for any ``torch.optim`` optimizer; usually
             ``module.parameters()`` of an ``OffloadModule`` (its fp32 master weights).
         lr, betas, eps, weight_decay: Adam's hyperparameters (per group, like torch's).
         adamw_mode: decoupled weight decay (AdamW) when true, L2 regularisation when false.
-        moments_dtype: dtype of the Adam moments of host-resident state (host-state regions
-            and plain fp32 CPU tensors): ``torch.float32`` or ``torch.bfloat16``. bf16 halves
-            the moments' host memory; with torch's kernels it makes the host step slower,
-            not faster (see [Note: bf16 moments] in host_kernels/torch_adam.py); with
-            ``host_kernel="single_pass"`` it moves 8 fewer bytes per parameter (20
-            instead of 28) and steps faster (BENCHMARKS.md, Decisions, "bf16 moments").
-            Device-resident moments stay fp32.
-        host_kernel: the kernels that step host-resident state. ``"torch"`` (default):
-            torch's fused CPU Adam. ``"single_pass"``: one-pass kernels compiled by numba
-            (``pip install numba``; fp32 or bf16 moments), whose
-            speculative fp16 step keeps its undo data in the same pass instead of copying it
-            first (see [Note: single-pass host Adam] in
-            offload_runtime/host_kernels/single_pass.py). Both compute torch's Adam formula;
-            they differ in rounding (about 1e-7 of an update), so a run uses one of them for
-            every host step. Device-resident state always steps with torch's fused CUDA
-            kernel.
-        fp16_io: with ``host_kernel="single_pass"`` (fp32 or bf16 moments) and an fp16
-            module that converts on the host (``convert_on_device=False``): each
-            host-state region steps straight from the fp16 gradients in its pinned
-            staging buffer and writes the new master's fp16 upload copy in the same pass,
-            so the host makes no separate widening and narrowing passes (see [Note: fp16
-            I/O steps] in stepping.py). Values are those of the separate passes, bit for
-            bit. The fp32 accumulator of such a region is then filled only on demand
-            (``module.named_gradients()``, ``AMPOptimizer.clip_grad_norm``); the region's
-            step consumes the gradient, so a resident host-state region's ``.grad`` reads
-            zero after the step. Needs the CPU's half-precision conversions
-            (``single_pass.fp16_io_available()``).
-        module: the OffloadModule whose masters are among ``params``; needed to step them
-            (its controller orders the step after the host gradient work and publishes the
-            new weights). ``AMPOptimizer`` binds it for you.
-        speculation_thread: run the speculative steps that grad-ready hooks submit
-            (:meth:`submit_speculation`, ``AMPOptimizer(speculate_fp16=True)``) on a
-            thread of their own instead of in the hook. The host worker then keeps taking
-            landed gradients while one runs, so ``AMPOptimizer.step()`` has its answer
-            and queues its task without waiting for the speculative step in flight when
-            backward ends, and that task issues the streamed regions before it waits for
-            the speculative steps and commits them. Values are the same either way. On
-            by default (measured: BENCHMARKS.md, Decisions, "Threads that issue, publish
-            and speculate"). Pass the same to ``memory_optimize(speculation_thread=)``,
-            whose default follows this one.
-        stage_in_backward: the first streamed region's gradient hook in the backward
-            before a step (the last micro-batch's, with overlap) has the host worker
-            issue the copies up of the streamed regions' leading chunks' master weights
-            and moments (12 of a chunk's 14 bytes a parameter with fp32 moments and fp16
-            gradients), while the backward still runs and the H2D link is mostly idle;
-            the step then copies up only their gradients (see [Note: staging the state
-            in backward] in streamed/ring.py). The ring's device memory is then held from
-            that hook on, which the planner counts when planned with
-            ``streamed_step_costs(stage_in_backward=True)`` (the default follows this
-            one's, ``streamed.STAGE_IN_BACKWARD``; a plan that differs is warned
-            about). Values are the same either way. On by default (measured:
-            BENCHMARKS.md, Decisions, "Staging streamed state in backward").
+
+    Everything else comes from the module the optimizer is bound to (:meth:`bind`, which
+    ``AMPOptimizer`` calls), before the state is laid out, so that the optimizer executes
+    what the plan priced:
+
+    - from ``module.config`` (``offload_runtime.OffloadConfig``): the dtype of
+      host-resident moments (``host_moments``; host-state regions and plain fp32 CPU
+      tensors; device-resident moments stay fp32; [Note: bf16 moments] in
+      ``offload_runtime/host_kernels/torch_adam.py``);
+    - from ``module.plan.options`` (``offload_solver.PlanOptions``): the host kernel
+      (torch's fused CPU Adam, or the single-pass numba kernels: [Note: single-pass host
+      Adam] in ``offload_runtime/host_kernels/single_pass.py``; both compute torch's Adam
+      formula and differ in rounding by about 1e-7 of an update), fp16 I/O (host-state
+      regions step straight from the fp16 gradients in pinned staging and write the fp16
+      upload copy in the same pass: [Note: fp16 I/O steps] in stepping.py; bit for bit the
+      separate passes' values; the fp32 accumulator of such a region is filled only on
+      demand, ``module.named_gradients()`` or ``AMPOptimizer.clip_grad_norm``), whether
+      speculative steps run on a thread of their own (``speculation_thread``: the host
+      worker keeps taking landed gradients meanwhile; BENCHMARKS.md, Decisions, "Threads
+      that issue, publish and speculate"), and whether streamed regions' state is staged
+      in the backward (``stage_in_backward``: [Note: staging the state in backward] in
+      streamed/ring.py; BENCHMARKS.md, Decisions, "Staging streamed state in backward").
+
+    Unbound (plain tensors only): torch's fused kernel, fp32 moments. Device-resident
+    state always steps with torch's fused CUDA kernel.
 
     Streamed regions (see [Note: streamed steps] in streamed/__init__.py) of a step are
     issued from a thread of their own, which paces the ring and publishes the regions whose
@@ -132,13 +105,6 @@ class HybridAdam(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         adamw_mode: bool = True,
-        *,
-        moments_dtype: torch.dtype = torch.float32,
-        host_kernel: str = "torch",
-        fp16_io: bool = False,
-        module: OffloadModule | None = None,
-        speculation_thread: bool = True,
-        stage_in_backward: bool = streamed.STAGE_IN_BACKWARD,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"lr={lr} must be >= 0")
@@ -148,24 +114,12 @@ class HybridAdam(torch.optim.Optimizer):
             raise ValueError(f"eps={eps} must be >= 0")
         if not weight_decay >= 0:
             raise ValueError(f"weight_decay={weight_decay} must be >= 0")
-        if moments_dtype not in MOMENT_DTYPES:
-            raise ValueError(
-                f"moments_dtype={moments_dtype} is not supported; use torch.float32 or "
-                "torch.bfloat16"
-            )
-        if host_kernel not in HOST_KERNELS:
-            raise ValueError(f"host_kernel={host_kernel!r}; use one of {HOST_KERNELS}")
-        if host_kernel == "single_pass":
-            single_pass.require()
-        if fp16_io:
-            if host_kernel != "single_pass":
-                raise ValueError("fp16_io=True needs host_kernel='single_pass'")
-            single_pass.require_fp16_io()
-        # Set before Optimizer.__init__, which calls add_param_group.
-        self._layout = StateLayout(moments_dtype)
-        self._stepper = Stepper(self._layout, host_kernel, fp16_io)
-        self._speculation = Speculation(self._layout, self._stepper, speculation_thread)
-        self._streamed = StreamedSteps(self._layout, self._stepper, stage_in_backward)
+        # Set before Optimizer.__init__, which calls add_param_group; bind() sets what the
+        # module's plan and configuration say, before the state is laid out.
+        self._layout = StateLayout(torch.float32)
+        self._stepper = Stepper(self._layout, "torch", False)
+        self._speculation = Speculation(self._layout, self._stepper, False)
+        self._streamed = StreamedSteps(self._layout, self._stepper, False)
         self._steps = HostSteps(
             self._layout,
             self._stepper,
@@ -184,43 +138,38 @@ class HybridAdam(torch.optim.Optimizer):
             "adamw_mode": adamw_mode,
         }
         super().__init__(params, defaults)
-        if module is not None:
-            self.bind(module)
 
-    # ---- the choices it was built with -----------------------------------------------
+    # ---- what the bound module's plan and configuration say --------------------------
 
     @property
     def moments_dtype(self) -> torch.dtype:
-        """Dtype of host-resident moments (device-resident ones are fp32)."""
+        """Dtype of host-resident moments (``module.config.host_moments``; fp32 unbound;
+        device-resident ones are fp32)."""
         return self._layout.moments_dtype
 
     @property
     def host_kernel(self) -> str:
-        """``"torch"`` or ``"single_pass"``: the kernels that step host-resident state."""
+        """``"torch"`` or ``"single_pass"``: the kernels that step host-resident state
+        (``module.plan.options.host_kernel``)."""
         return self._stepper.host_kernel
 
     @property
     def fp16_io(self) -> bool:
-        """Whether host-state regions step from their fp16 gradients in staging."""
+        """Whether host-state regions step from their fp16 gradients in staging
+        (``module.plan.options.fp16_io``)."""
         return self._stepper.fp16_io
 
     @property
     def speculation_thread(self) -> bool:
-        """Whether submitted speculative steps run on the module's speculation thread."""
+        """Whether submitted speculative steps run on the module's speculation thread
+        (``module.plan.options.speculation_thread``)."""
         return self._speculation.use_thread
-
-    @speculation_thread.setter
-    def speculation_thread(self, value: bool) -> None:
-        self._speculation.use_thread = value
 
     @property
     def stage_in_backward(self) -> bool:
-        """Whether :meth:`stage_streamed_state` stages anything (see the constructor)."""
+        """Whether :meth:`stage_streamed_state` stages anything
+        (``module.plan.options.stage_in_backward``)."""
         return self._streamed.stage_in_backward
-
-    @stage_in_backward.setter
-    def stage_in_backward(self, value: bool) -> None:
-        self._streamed.stage_in_backward = value
 
     @property
     def staged_chunks(self) -> int:
@@ -241,7 +190,9 @@ class HybridAdam(torch.optim.Optimizer):
         self._layout.ensure(self.param_groups, self.state)
 
     def bind(self, module: OffloadModule) -> None:
-        """Step ``module``'s masters through its controller (required to step regions)."""
+        """Step ``module``'s masters through its controller (required to step regions),
+        with the moments its configuration and the kernels its plan say (see the class
+        docstring). ``AMPOptimizer`` calls it; call it yourself to step without one."""
         layout = self._layout
         if layout.controller is not None:
             if layout.controller is module.controller:
@@ -259,25 +210,22 @@ class HybridAdam(torch.optim.Optimizer):
                 if id(seg.param) in masters:
                     raise ValueError(
                         "HybridAdam treated master weights of the module as plain tensors; "
-                        "pass module=... when building it"
+                        "bind(module) before the first step"
                     )
-        if self.fp16_io:
-            host = [st for st in module.storages if st.host_state]
-            if any(st.dtype != torch.float16 for st in host) or module.controller.convert_on_device:
-                raise ValueError(
-                    "fp16_io=True steps fp16 gradients converted on the host: build the "
-                    "module in float16 with convert_on_device=False, or drop fp16_io"
-                )
+        options = module.plan.options
+        if options.host_kernel == "single_pass":
+            single_pass.require()
+        if options.fp16_io:
+            single_pass.require_fp16_io()
+        if not layout.laid_out:
+            layout.moments_dtype = module.config.host_moments
+        self._stepper.host_kernel = options.host_kernel
+        self._stepper.fp16_io = options.fp16_io
+        self._speculation.use_thread = options.speculation_thread
+        self._streamed.stage_in_backward = options.stage_in_backward
         layout.masters = masters
         layout.controller = module.controller
         self._streamed.planned = module.plan.streamed
-        if module.plan.streamed is not None:
-            for message in streamed.costs.plan_mismatches(
-                module.plan.streamed, self.moments_dtype, self.fp16_io, self.stage_in_backward
-            ):
-                warnings.warn(message, RuntimeWarning, stacklevel=2)
-        if self.fp16_io:
-            module.controller.keep_staged_grads = True
         self._ensure_laid_out()
 
     # ---- introspection used by AMPOptimizer ----------------------------------------

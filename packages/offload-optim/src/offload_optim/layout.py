@@ -195,8 +195,8 @@ class StateLayout:
         if self.controller is None:
             raise RuntimeError(
                 "HybridAdam steps OffloadModule master weights only when bound to the module: "
-                "pass module=... to HybridAdam, call optimizer.bind(module), or wrap the "
-                "optimizer in AMPOptimizer(optimizer, module)"
+                "call optimizer.bind(module), or wrap the optimizer in "
+                "AMPOptimizer(optimizer, module)"
             )
         return self.controller
 
@@ -219,9 +219,9 @@ class StateLayout:
             found = True
         if found:
             raise RuntimeError(
-                "HybridAdam got OffloadModule master weights but no module: pass "
-                "module=... to HybridAdam, call optimizer.bind(module), or wrap the optimizer "
-                "in AMPOptimizer(optimizer, module)"
+                "HybridAdam got OffloadModule master weights but no module: call "
+                "optimizer.bind(module), or wrap the optimizer in "
+                "AMPOptimizer(optimizer, module)"
             )
         return None
 

@@ -17,15 +17,15 @@ Both answers exist only once the last region's gradients are in. Options:
    master backup, and the new moments written to a spare pair so that the old ones stay),
    main memory sees about 32 bytes per parameter instead of 28 (plus the write-allocate
    reads of the three fresh destinations on CPUs that do not stream them), and the commit
-   is a swap of references. Offered for fp16 overflow only, as
-   ``AMPOptimizer(..., speculate_fp16=True)`` (:attr:`OverlapMode.SPECULATIVE_UNDO`); it
-   costs 12 bytes per host-state parameter of host memory (8 with bf16 moments). Clipping
-   is not speculated: its factor changes the gradients of every step, so every step would
-   be undone. With torch's kernels the speculative step costs well over the plain one
-   and made fp16 steps slower, so it stays off by default (measured: BENCHMARKS.md,
-   Decisions, "Speculative fp16 host steps"). See [Note: speculative steps] in speculation.py. With
-   ``HybridAdam(host_kernel="single_pass")`` the undo data is written in the step's own
-   pass ([Note: single-pass host Adam] in offload_runtime/host_kernels/single_pass.py).
+   is a swap of references. Used for fp16 overflow only, where the plan says so
+   (``PlanOptions.speculative``: :attr:`OverlapMode.SPECULATIVE_UNDO`); it costs 12 bytes
+   per host-state parameter of host memory (8 with bf16 moments). Clipping is not
+   speculated: its factor changes the gradients of every step, so every step would be
+   undone. With torch's kernels the speculative step costs well over the plain one; the
+   single-pass kernel writes the undo data in the step's own pass ([Note: single-pass host
+   Adam] in offload_runtime/host_kernels/single_pass.py), and the planner speculates with
+   it (measured: BENCHMARKS.md, Decisions, "Speculative fp16 host steps"). See [Note:
+   speculative steps] in speculation.py.
 2. speculate only where no answer is needed, and otherwise overlap only the
    answer-independent work (the default):
    - bf16 / fp32 training without clipping (:attr:`OverlapMode.SPECULATIVE`): each
@@ -60,7 +60,7 @@ Both answers exist only once the last region's gradients are in. Options:
      the regions step then.
    Device-state regions always step after backward, all in one batch: their step is GPU
    work that would queue behind backward on the same stream anyway.
-SPECULATIVE_UNDO (fp16 without clipping, ``speculate_fp16=True``): each host-state
+SPECULATIVE_UNDO (fp16 without clipping, a speculative plan): each host-state
 region's hook steps it speculatively and returns its overflow partial, read in the same
 pass (``HybridAdam.speculate_region``: the sum of the gradients, not their L1 norm, since
 only finiteness matters here and a sum reads faster); the step divides by the loss scale
@@ -71,7 +71,7 @@ region, with no host pass over the gradients. No overflow: the host task ``step(
 queues issues the streamed regions first, then commits the speculative steps (a swap of
 moment references) and publishes them in forward order together with the steps of the
 regions that did not speculate (the tail, below; nothing else changes), and the scale
-grows as usual. With ``HybridAdam(speculation_thread=True)`` the hooks hand their
+grows as usual. With ``PlanOptions.speculation_thread`` the hooks hand their
 speculative steps to a thread of their own (``HybridAdam.submit_speculation``), so the
 host worker keeps taking landed gradients meanwhile: ``step()`` then waits for the
 gradients, not for the speculative step in flight when backward ends, and its task waits
@@ -130,8 +130,8 @@ After backward, the host steps also overlap the *next forward* (with ``overlap``
   the next forward can start while the others step. SPECULATIVE_UNDO keeps the same
   rule: such a hook steps nothing (and computes no partial: the device took it), and
   the region steps after the answer, as in PARTIALS.
-``overlap=False`` is the reference's behaviour: every host region steps in ``step()``,
-after backward, and ``step()`` waits for them.
+Without overlap (``PlanOptions.overlap`` False: the reference's behaviour) every host
+region steps in ``step()``, after backward, and ``step()`` waits for them.
 
 [Note: the overlap state machine]
 The modes above are the states of one machine, :class:`OverlapMode`, whose state is the
@@ -141,7 +141,7 @@ through :func:`transition`, which asserts the change is in :data:`TRANSITIONS`:
   the last one without ``overlap``; also ``step()`` or ``zero_grad()`` of such a window;
 - NONE -> SPECULATIVE | PARTIALS | SPECULATIVE_UNDO | DEVICE_ANSWER: the window's last
   backward, as :func:`choose_mode` picks it (bf16/fp32 without clipping: SPECULATIVE;
-  fp16 with ``speculate_fp16`` and no clipping: SPECULATIVE_UNDO; an answer the device
+  fp16 with a speculative plan and no clipping: SPECULATIVE_UNDO; an answer the device
   can give: DEVICE_ANSWER; clipping over accumulated micro-batches: PARTIALS);
 - any of those four -> NONE: ``step()`` or ``zero_grad()`` closes the window.
 So a window enters at most one overlapping mode, once, and leaves it only by closing.
@@ -190,7 +190,7 @@ class OverlapMode(str, Enum):
     the region steps after backward."""
     SPECULATIVE_UNDO = "speculative_undo"
     """fp16: step the region speculatively and compute its overflow partial; the step is
-    committed, or undone exactly on overflow, after backward (``speculate_fp16``)."""
+    committed, or undone exactly on overflow, after backward (``PlanOptions.speculative``)."""
     DEVICE_ANSWER = "device_answer"
     """fp16 or clipping with one micro-batch per step, or fp16 without clipping over any
     number (the default there): the region's partials of the answer are taken on the
@@ -440,7 +440,7 @@ class Overlap:
         buffers for it; its partial of the answer is the device's, else taken here."""
         done = w.done_box[0]
         if self.optimizer.can_speculate(r) and (done is None or not done.query()):
-            # The window's own containers: with HybridAdam(speculation_thread=True)
+            # The window's own containers: with the speculation thread
             # the step may end after step() has started the next window.
             early_steps, partials = w.stepped, w.partials
 

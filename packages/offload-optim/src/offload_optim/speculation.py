@@ -61,10 +61,7 @@ from offload_optim.layout import (
 from offload_optim.reports import RegionStepTiming
 from offload_optim.stepping import Stepper, consumed
 from offload_runtime.host_kernels import AdamHyper, scale_tensor, single_pass, speculative_adam_
-
-SPECULATION_HOST_SHARE = 0.9
-"""Share of the host memory available at the first speculative backward that
-``HybridAdam.prepare_speculation`` may take for its buffers."""
+from offload_runtime.planning.speculation import SPECULATION_HOST_SHARE
 
 HostBytes = Callable[[], int | None]
 """Host bytes allocatable now, or None where nothing could be read."""

@@ -10,6 +10,7 @@ import torch
 from torch import fx
 
 from offload_runtime.attr_reads import flatten_attribute_reads
+from offload_runtime.config import OffloadConfig
 from offload_runtime.controller import OffloadController
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
@@ -53,7 +54,19 @@ class OffloadModule:
         op_names: tuple[str, ...],
         tied_groups: tuple[tuple[str, ...], ...] = (),
         host_worker: bool | None = None,
+        config: OffloadConfig | None = None,
     ) -> None:
+        if config is None:
+            config = OffloadConfig(dtype=dtype)
+        if config.dtype != dtype:
+            raise ValueError(
+                f"the module trains in {dtype} but its OffloadConfig says {config.dtype}; "
+                "build it with one dtype"
+            )
+        self.config = config
+        """The user's choices the module was planned with (the optimizer reads its host
+        moments and accumulation steps here); ``OffloadConfig(dtype=dtype)`` for a module
+        built from a plan made by hand."""
         self.plan = plan
         self.device = device
         self.dtype = dtype

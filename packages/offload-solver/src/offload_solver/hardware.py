@@ -177,18 +177,21 @@ class HardwareProfile:
         self, kernel: str, moments: str, fp16_io: bool = False, speculative: bool = False
     ) -> float:
         """Parameters per second of the host Adam step in this configuration (``kernel``
-        in ``HOST_KERNELS``, ``moments`` in ``HOST_MOMENTS``): its rate in
-        :attr:`host_step_rates` where measured, else :attr:`host_adam_params_per_s` over
-        its documented time ratio (``offload_solver.host_rates.DEFAULT_HOST_STEP_TIMES``)."""
+        in ``HOST_KERNELS``, ``moments`` in ``HOST_MOMENTS``): torch's fused fp32 plain
+        step at :attr:`host_adam_params_per_s`, the profile's reference rate; another
+        configuration at its rate in :attr:`host_step_rates` where measured, else at
+        :attr:`host_adam_params_per_s` over its documented time ratio
+        (``offload_solver.host_rates.DEFAULT_HOST_STEP_TIMES``)."""
         key = (kernel, moments, fp16_io, speculative)
         if key not in DEFAULT_HOST_STEP_TIMES:
             raise ValueError(
                 f"no host step {key}: kernel in {HOST_KERNELS}, moments in {HOST_MOMENTS}, "
                 "fp16_io only with the single_pass kernel"
             )
-        for rate in self.host_step_rates:
-            if rate.key == key:
-                return rate.params_per_s
+        if key != ("torch", "fp32", False, False):
+            for rate in self.host_step_rates:
+                if rate.key == key:
+                    return rate.params_per_s
         return self.host_adam_params_per_s / DEFAULT_HOST_STEP_TIMES[key]
 
     def h2d_bytes_per_s(self, size_bytes: int) -> float:

@@ -54,8 +54,8 @@ one's blocks. On a machine without CUDA the "device" is the CPU and every copy r
 once, in order: the same values, for tests.
 
 The package, by job:
-- :mod:`~offload_optim.streamed.costs`: what a ring moves and holds, for the planner
-  (:func:`streamed_step_costs`) and for the ring the optimizer builds to the plan;
+- ``offload_runtime.planning.streamed_costs``: what a ring moves and holds, for the
+  planner (``streamed_step_costs``) and for the ring the optimizer builds to the plan;
 - :mod:`~offload_optim.streamed.ring`: :class:`StreamRing`, the device buffers and the
   copies and kernels of each chunk;
 - :mod:`~offload_optim.streamed.queue`: :class:`StreamedQueue`, the regions issued and
@@ -65,21 +65,6 @@ The package, by job:
   hook), staged in backward and published.
 """
 
-from offload_optim.streamed.costs import (
-    MIN_CHUNK_NUMEL,
-    RING_BUDGET_SHARE,
-    STAGE_IN_BACKWARD,
-    STREAM_CHUNK_NUMEL,
-    STREAM_SLOTS,
-    WRITE_RESIDENT,
-    chunk_numel_for,
-    resident_down_bytes,
-    ring_shape,
-    stream_copy_bytes,
-    stream_slot_bytes,
-    streamed_step_costs,
-    with_stage_in_backward,
-)
 from offload_optim.streamed.queue import PUBLISH_POLL_S, StreamedQueue
 from offload_optim.streamed.ring import (
     PACE_POLL_S,
@@ -92,26 +77,13 @@ from offload_optim.streamed.ring import (
 from offload_optim.streamed.steps import StreamedSteps
 
 __all__ = [
-    "MIN_CHUNK_NUMEL",
     "PACE_POLL_S",
     "PUBLISH_POLL_S",
-    "RING_BUDGET_SHARE",
-    "STAGE_IN_BACKWARD",
-    "STREAM_CHUNK_NUMEL",
-    "STREAM_SLOTS",
-    "WRITE_RESIDENT",
     "StreamPiece",
     "StreamRing",
     "StreamedQueue",
     "StreamedSteps",
     "UpCopy",
-    "chunk_numel_for",
-    "resident_down_bytes",
-    "ring_shape",
-    "stream_copy_bytes",
-    "stream_slot_bytes",
-    "streamed_step_costs",
     "up_copy_time",
     "wait_polling",
-    "with_stage_in_backward",
 ]

@@ -64,8 +64,8 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_optim.streamed.costs import STREAM_CHUNK_NUMEL, STREAM_SLOTS
 from offload_runtime.host_kernels import AdamHyper, fused_adam_, scale_tensor
+from offload_runtime.planning.streamed_costs import STREAM_CHUNK_NUMEL, STREAM_SLOTS
 from offload_runtime.streams import NO_STREAM, Event, RingStreams
 
 PACE_POLL_S = 1e-4

@@ -33,10 +33,10 @@ import torch
 from offload_optim.layout import Segment, StateLayout, hyper_of
 from offload_optim.reports import RegionStepTiming
 from offload_optim.stepping import Stepper, consumed
-from offload_optim.streamed import costs
 from offload_optim.streamed.queue import PUBLISH_POLL_S, StreamedQueue
 from offload_optim.streamed.ring import StreamPiece, StreamRing, UpCopy, up_copy_time
 from offload_runtime.host_kernels import AdamHyper
+from offload_runtime.planning import streamed_costs as costs
 from offload_runtime.streams import Event
 from offload_solver import StreamedStepCosts
 

@@ -1,6 +1,6 @@
-"""What a streamed-state ring moves and holds: the costs the planner is told
-(:func:`streamed_step_costs`) and the ring a ``HybridAdam`` builds to a plan
-(:func:`ring_shape`). See [Note: streamed steps] in streamed/__init__.py.
+"""What a streamed-state ring moves and holds: the costs the planner offers the solver
+(:func:`streamed_step_costs`) and the ring ``offload_optim``'s ``HybridAdam`` builds to a
+plan (:func:`ring_shape`). See [Note: streamed steps] in ``offload_optim/streamed/__init__.py``.
 
 [Note: more slots to stage]
 The backward stages one chunk per ring slot, so with :data:`STREAM_SLOTS` (3) it stages 3
@@ -11,7 +11,8 @@ backward, the ring's N slots of device memory held from the staging hook, which 
 planner counts. The optimizer builds its ring as the plan says (:func:`ring_shape`:
 ``staged_chunks`` slots of ``staged_chunk_numel``). A slot count other than the default
 needs staging: a plan that stages nothing records no slot count. Values do not depend on
-it. The simulator models the ring unpaced ([Note: paced ring] in streamed/ring.py) and so
+it. The simulator models the ring unpaced ([Note: paced ring] in
+``offload_optim/streamed/ring.py``) and so
 predicts no change from more slots (``python benchmarks/replay_bench.py --stream-slots
 N`` replays recorded runs with N slots); whether the paced ring gains from them is for a
 GPU run to say.
@@ -52,7 +53,7 @@ def stream_slot_bytes(
     chunk_numel: int = STREAM_CHUNK_NUMEL,
     slots: int = STREAM_SLOTS,
 ) -> int:
-    """Device bytes a :class:`StreamRing` holds while it streams: per slot, master,
+    """Device bytes the optimizer's ``StreamRing`` holds while it streams: per slot, master,
     moments, gradient (and the fp16 copy with ``fp16_io``) of ``chunk_numel`` elements,
     plus one set of fp32 work buffers for what is narrower than fp32."""
     moment, grad = _sizes(moments_dtype, fp16_io)
@@ -68,23 +69,23 @@ def streamed_step_costs(
     budget_bytes: int | None = None,
     chunk_numel: int | None = None,
     write_resident: bool = True,
-    stage_in_backward: bool | None = None,
+    stage_in_backward: bool = True,
     slots: int = STREAM_SLOTS,
 ) -> StreamedStepCosts:
-    """What :class:`StreamRing` moves per parameter and holds on the device, for the
-    planner (``memory_optimize(streamed=...)``): pass the ``HybridAdam``'s moments dtype
-    and ``fp16_io``, and the device budget in bytes so that the ring takes at most
+    """What the optimizer's ``StreamRing`` moves per parameter and holds on the device,
+    for the solver (``solve(streamed=...)``): pass the host moments' dtype and the plan's
+    ``fp16_io``, and the device budget in bytes so that the ring takes at most
     ``RING_BUDGET_SHARE`` of it (chunks of ``STREAM_CHUNK_NUMEL`` elements at most,
     ``MIN_CHUNK_NUMEL`` at least). ``chunk_numel`` sets the chunk instead. The optimizer
     builds its rings to the plan's ``slot_bytes`` (:func:`chunk_numel_for`).
     ``write_resident`` (default True): a resident region's device step writes its new
     parameters on the device ([Note: writing resident parameters] in streamed/steps.py);
     False: they come down with its state and go up again after it. The optimizer follows
-    the plan's choice. ``stage_in_backward`` (None: :data:`STAGE_IN_BACKWARD`,
-    ``HybridAdam``'s default): the optimizer is built with
-    ``HybridAdam(stage_in_backward=True)``, so the planner counts the master weights and
-    moments of one chunk per ring slot going up in the backward, and the ring held from
-    there ([Note: staging the state in backward] in streamed/ring.py). ``slots`` (default
+    the plan's choice. ``stage_in_backward`` (default True, the plan's
+    ``PlanOptions.stage_in_backward``): the optimizer stages state in the backward, so the
+    solver counts the master weights and moments of one chunk per ring slot going up in the
+    backward, and the ring held from there ([Note: staging the state in backward] in
+    ``offload_optim/streamed/ring.py``). ``slots`` (default
     :data:`STREAM_SLOTS`): buffer sets in the ring, and so, with staging, chunks staged
     in the backward; the optimizer builds its ring with the plan's (``staged_chunks``).
     Another count than the default needs ``stage_in_backward``: a plan without staging
@@ -109,7 +110,7 @@ def streamed_step_costs(
         if write_resident
         else None,
     )
-    stage = STAGE_IN_BACKWARD if stage_in_backward is None else stage_in_backward
+    stage = stage_in_backward
     if slots != STREAM_SLOTS and not stage:
         raise ValueError(
             f"slots={slots} needs stage_in_backward: a plan that stages nothing records "
@@ -126,11 +127,11 @@ def with_stage_in_backward(
     *,
     slots: int = STREAM_SLOTS,
 ) -> StreamedStepCosts:
-    """``costs`` as a ``HybridAdam(stage_in_backward=stage)`` with these moments and
-    ``fp16_io`` moves them, its ring ``slots`` buffer sets of ``costs.slot_bytes`` in all:
-    with ``stage``, one chunk per ring slot (the chunk its ring builds from
-    ``costs.slot_bytes``, :func:`chunk_numel_for`) of master weights and moments going up
-    in the backward ([Note: staging the state in backward] in streamed/ring.py); without, none."""
+    """``costs`` as an optimizer that stages (``stage``) with these moments and ``fp16_io``
+    moves them, its ring ``slots`` buffer sets of ``costs.slot_bytes`` in all: with
+    ``stage``, one chunk per ring slot (the chunk its ring builds from ``costs.slot_bytes``,
+    :func:`chunk_numel_for`) of master weights and moments going up in the backward ([Note:
+    staging the state in backward] in ``offload_optim/streamed/ring.py``); without, none."""
     if not stage:
         return dataclasses.replace(
             costs, staged_chunks=0, staged_chunk_numel=0, staged_bytes_per_param=0.0
@@ -146,7 +147,7 @@ def with_stage_in_backward(
 def ring_shape(
     costs: StreamedStepCosts | None, moments_dtype: torch.dtype, fp16_io: bool
 ) -> tuple[int, int]:
-    """(chunk elements, slots) of the ring a ``HybridAdam`` builds for a plan with these
+    """(chunk elements, slots) of the ring the optimizer builds for a plan with these
     streaming ``costs``: a staging plan's ``staged_chunks`` slots of its
     ``staged_chunk_numel`` elements (what the planner counted going up in the backward);
     otherwise :data:`STREAM_SLOTS` slots sized to ``costs.slot_bytes``; with no costs
@@ -189,40 +190,6 @@ def resident_down_bytes(moments_dtype: torch.dtype) -> int:
 
 
 WRITE_RESIDENT = True
-"""Whether a ``HybridAdam`` whose plan recorded no streaming costs (streamed regions set
-by hand, as tests do) writes resident streamed regions' parameters on the device; with
-costs it does what they say (``StreamedStepCosts.resident_down_bytes_per_param``)."""
-
-STAGE_IN_BACKWARD = True
-"""``HybridAdam(stage_in_backward=)``'s default, and what :func:`streamed_step_costs` plans
-for unless told ([Note: staging the state in backward] in streamed/ring.py; measured: BENCHMARKS.md,
-Decisions, "Staging streamed state in backward")."""
-
-
-def plan_mismatches(
-    planned: StreamedStepCosts, moments_dtype: torch.dtype, fp16_io: bool, stage_in_backward: bool
-) -> list[str]:
-    """Why a plan's streaming costs would not hold for a ``HybridAdam`` with these
-    ``moments_dtype``, ``fp16_io`` and ``stage_in_backward``: its bytes per parameter, and
-    whether it stages in the backward. Empty when the plan holds."""
-    messages = []
-    up, down = stream_copy_bytes(moments_dtype, fp16_io)
-    planned_bytes = (planned.up_bytes_per_param, planned.down_bytes_per_param)
-    if planned_bytes != (up, down):
-        messages.append(
-            f"the plan streams regions at {planned_bytes[0]:g} bytes up and "
-            f"{planned_bytes[1]:g} down per parameter, but this optimizer moves {up} and "
-            f"{down} (moments_dtype={moments_dtype}, fp16_io={fp16_io}); plan "
-            "with memory_optimize(streamed=streamed_step_costs(moments_dtype, "
-            "fp16_io)) of the optimizer you build, or the prediction will not hold"
-        )
-    if bool(planned.staged_chunks) != stage_in_backward:
-        planned_staging = "stages" if planned.staged_chunks else "does not stage"
-        messages.append(
-            f"the plan {planned_staging} streamed state in the backward, but this "
-            f"optimizer has stage_in_backward={stage_in_backward}; plan with "
-            "memory_optimize(streamed=streamed_step_costs(..., stage_in_backward=...)) "
-            "as the optimizer you build, or the prediction (the ring's memory in the "
-            "backward included) will not hold"
-        )
-    return messages
+"""Whether the optimizer, given a plan that recorded no streaming costs (streamed regions
+set by hand, as tests do), writes resident streamed regions' parameters on the device;
+with costs it does what they say (``StreamedStepCosts.resident_down_bytes_per_param``)."""

@@ -1,0 +1,63 @@
+"""How many host-state parameters may step speculatively: their undo buffers must fit in
+the host memory the plan's host-resident state leaves (``OffloadConfig.host_memory_bytes``,
+or what the machine has available)."""
+
+from __future__ import annotations
+
+import torch
+
+from offload_solver import Plan, StatePlacement
+
+SPECULATION_HOST_SHARE = 0.9
+"""Share of the host memory left over that undo buffers may take: at plan time here, and
+when ``offload_optim``'s ``HybridAdam.prepare_speculation`` allocates them (of the memory
+available then)."""
+
+
+def undo_bytes_per_param(moments: torch.dtype) -> int:
+    """Host bytes of a speculative step's undo buffers per parameter: an fp32 master backup
+    and a spare pair of moments (12 with fp32 moments, 8 with bf16)."""
+    return 4 + 2 * moments.itemsize
+
+
+def host_state_bytes_per_param(moments: torch.dtype, dtype: torch.dtype) -> int:
+    """Host bytes a host-state parameter takes beside its undo buffers: the fp32 master and
+    gradient accumulator, both moments, and up to two training-dtype copies (the pinned
+    gradient staging and an offloaded region's upload source)."""
+    return 8 + 2 * moments.itemsize + 2 * dtype.itemsize
+
+
+def speculative_params_that_fit(
+    plan: Plan, moments: torch.dtype, dtype: torch.dtype, host_bytes: int | None
+) -> int | None:
+    """Host-state parameters of ``plan`` whose undo buffers fit in
+    :data:`SPECULATION_HOST_SHARE` of ``host_bytes`` less the plan's host-resident state,
+    as whole regions in the order their gradients land (the last region in forward order
+    first), up to the first that does not fit: the regions ``HybridAdam.prepare_speculation``
+    gives buffers to. None when every host-stepped region fits, or ``host_bytes`` is None
+    (unknown)."""
+    host = sorted(
+        (rp.region for rp in plan.regions if rp.state is StatePlacement.HOST),
+        key=lambda r: -r.index,
+    )
+    if host_bytes is None:
+        return None
+    state = sum(
+        rp.region.numel for rp in plan.regions if rp.state is not StatePlacement.DEVICE
+    ) * host_state_bytes_per_param(moments, dtype)
+    room = int((host_bytes - state) * SPECULATION_HOST_SHARE)
+    per = undo_bytes_per_param(moments)
+    params = 0
+    for region in host:
+        if (params + region.numel) * per > room:
+            return params
+        params += region.numel
+    return None
+
+
+__all__ = [
+    "SPECULATION_HOST_SHARE",
+    "host_state_bytes_per_param",
+    "speculative_params_that_fit",
+    "undo_bytes_per_param",
+]
