@@ -22,7 +22,7 @@ from tiny_models import (
     uploads_per_step,
 )
 
-import offload_runtime.controller
+import offload_runtime.conversions
 import offload_runtime.module
 from offload_runtime import OffloadConfig, OffloadModule, PlanForce
 from offload_runtime.hardware import default_cpu_profile
@@ -107,7 +107,7 @@ def test_converting_on_the_device_changes_no_bit_in_bf16(
     # parameters (and parameters span chunks) in both directions: uploads narrowed per
     # chunk, gradients packed and widened per chunk before their copy.
     if chunk is not None:
-        monkeypatch.setattr(offload_runtime.controller, "_CONVERT_CHUNK_NUMEL", chunk)
+        monkeypatch.setattr(offload_runtime.conversions, "CONVERT_CHUNK_NUMEL", chunk)
     # bf16 on the CPU: narrowing the fp32 master after the upload (convert_on_device) rounds
     # exactly as casting it on the host first does, and widening gradients before or after
     # the copy is exact, so logits and fp32 gradients agree bit for bit; no training-dtype
@@ -155,14 +155,14 @@ def test_widen_down_packs_gradients_into_chunks_exactly(
 ) -> None:
     # Sizes 3, 5, 1, 7 (16 elements): chunk 4 splits the 5 and the 7 and ends exactly on a
     # chunk boundary; 5 and 9 leave a partial last chunk; 64 holds everything in one.
-    monkeypatch.setattr(offload_runtime.controller, "_CONVERT_CHUNK_NUMEL", chunk)
+    monkeypatch.setattr(offload_runtime.conversions, "CONVERT_CHUNK_NUMEL", chunk)
     gen = torch.Generator().manual_seed(chunk)
     flats = [torch.randn(n, generator=gen).to(torch.float16) for n in (3, 5, 1, 7)]
     dst = torch.full((16,), float("nan"))
-    offload_runtime.controller._widen_down(flats, dst)
+    offload_runtime.conversions.widen_down(flats, dst)
     assert torch.equal(dst, torch.cat(flats).float())
     with pytest.raises(AssertionError, match="cover 15 of 16"):
-        offload_runtime.controller._widen_down([*flats[:-1], flats[-1][:6]], dst)
+        offload_runtime.conversions.widen_down([*flats[:-1], flats[-1][:6]], dst)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -58,7 +58,7 @@ from offload_gpt_example.models import (
 )
 from offload_gpt_example.plot import save_plan_png
 from offload_optim import AMPOptimizer, HybridAdam, check_backward_issue, check_host_rate
-from offload_runtime import OffloadConfig, PlanForce
+from offload_runtime import OffloadConfig, OffloadModule, PlanForce
 from offload_runtime.api import print_summary
 from offload_runtime.planning import build_offload_module, measure_device_bytes_in_use, plan_model
 from offload_solver import CostModel, HardwareProfile, InfeasibleBudgetError, Plan, default_hardware
@@ -413,10 +413,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.reset_peak_memory_stats(device)
 
     # ---- the training loop
+    step_times, loss = train(module, optimizer, batches, labels, args.steps, device, show)
+    report_run(args, module, optimizer, step_times, loss, device)
+    return 0
+
+
+def train(
+    module: OffloadModule,
+    optimizer: AMPOptimizer,
+    batches: list[dict[str, torch.Tensor]],
+    labels: list[torch.Tensor],
+    steps: int,
+    device: torch.device,
+    show: bool,
+) -> tuple[list[float], float]:
+    """``steps`` optimizer steps over ``batches`` (one micro-batch each): each step's
+    time, end to end, and the last step's loss (the mean over its micro-batches)."""
     step_times: list[float] = []
-    bar = tqdm(range(args.steps), desc="train", unit="step", disable=not show, file=sys.stderr)
+    bar = tqdm(range(steps), desc="train", unit="step", disable=not show, file=sys.stderr)
     for _ in bar:
-        if on_cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)  # a sync point: the timer starts on an idle device
         t0 = time.perf_counter()
         optimizer.zero_grad()
@@ -428,15 +444,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             micro_losses.append(micro.detach())
         optimizer.step()
         loss = micro_losses[0] if len(batches) == 1 else torch.stack(micro_losses).mean()
-        if on_cuda:
+        if device.type == "cuda":
             torch.cuda.synchronize(device)  # a sync point: wait for the step's last kernels
         step_times.append(time.perf_counter() - t0)
         # .item() is another sync point, outside the timed region.
         bar.set_postfix(loss=f"{loss.item():.4f}", step_ms=f"{step_times[-1] * 1e3:.1f}")
     bar.close()
+    return step_times, float(loss.item())
 
+
+def report_run(
+    args: argparse.Namespace,
+    module: OffloadModule,
+    optimizer: AMPOptimizer,
+    step_times: list[float],
+    loss: float,
+    device: torch.device,
+) -> None:
+    """The run's result lines: the reference's, the predictions beside the measurements,
+    and what the loop read of the host against the plan (to plan the next run with)."""
+    plan = module.plan
     fastest = sorted(step_times)[:FASTEST_STEPS]
     exec_time = sum(fastest) / len(fastest)
+    on_cuda = device.type == "cuda"
     if on_cuda:
         peak_alc = torch.cuda.max_memory_allocated(device) / MB
         peak_res = torch.cuda.max_memory_reserved(device) / MB
@@ -444,7 +474,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         peak_alc = peak_res = 0.0
     assert module.profile is not None
     param_size = module.profile.total_param_bytes / MB
-    print(f"final_loss={loss.item():.6f}", flush=True)
+    print(f"final_loss={loss:.6f}", flush=True)
     report = optimizer.last_step
     if args.speculate and report is not None:
         print(
@@ -492,7 +522,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(--backward_issue_factor {backward.loop_factor:.3f} plans with it)",
             flush=True,
         )
-    return 0
 
 
 def plan_only(

@@ -33,8 +33,8 @@ well over the plain one (``python benchmarks/host_adam_bench.py`` times both;
 BENCHMARKS.md, Decisions, "Speculative fp16 host steps"). A slower step still pays where
 it runs, in host time that backward leaves idle: a region whose gradients land after
 backward has ended takes the plain step (overlap.py's SPECULATIVE tail rule).
-``HybridAdam(host_kernel="single_pass")`` replaces the copies and the fused kernel with
-one compiled pass that writes the backup, the stepped master and the spare moments (see
+The single-pass kernel (``PlanOptions.host_kernel``) replaces the copies and the fused
+kernel with one compiled pass that writes the backup, the stepped master and the spare moments (see
 [Note: single-pass host Adam] in offload_runtime/host_kernels/single_pass.py); commit and
 undo are the same.
 """
@@ -89,8 +89,8 @@ class Speculation:
         self.layout = layout
         self.stepper = stepper
         self.use_thread = use_thread
-        """``HybridAdam(speculation_thread=)``: submitted steps run on the module's
-        speculation thread, in submission order."""
+        """The plan's ``PlanOptions.speculation_thread``: submitted steps run on the
+        module's speculation thread, in submission order."""
         self.speculated: set[int] = set()
         """Regions with an uncommitted speculative step."""
         self.prepared = False
@@ -181,7 +181,7 @@ class Speculation:
                 "and a second pair of Adam moments: 12 bytes, 8 with bf16 moments); with "
                 f"{have} available, {len(picked)} of {len(order)} regions ({got} of {total} "
                 "parameters) may step under backward and the others step after it. Plan "
-                "with solve(speculative_params=...) to predict that, or free host memory",
+                "with OffloadConfig(host_memory_bytes=...) to predict that, or free host memory",
                 RuntimeWarning,
                 stacklevel=3,  # HybridAdam.prepare_speculation's caller
             )

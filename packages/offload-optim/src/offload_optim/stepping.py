@@ -1,18 +1,18 @@
 """How a HybridAdam steps a list of segments: which kernel, and fp16 I/O.
 
-One fused launch per (parameter group, device) over the segments given (see [Note:
-region segments] in layout.py): torch's fused Adam(W) on either device, or on the host
-the single-pass kernels with ``host_kernel="single_pass"`` ([Note: single-pass host
-Adam] in single_pass.py). A host-state region whose fp16 gradient waits in its staging
-buffer steps from there (below).
+One fused launch per (parameter group, device) over the segments given (see [Note: region
+segments] in layout.py): torch's fused Adam(W) on either device, or on the host the
+single-pass kernels where the plan says so (``PlanOptions.host_kernel``; [Note: single-pass
+host Adam] in offload_runtime/host_kernels/single_pass.py). A host-state region whose fp16
+gradient waits in its staging buffer steps from there (below).
 
 [Note: fp16 I/O steps]
 An fp16 module that converts on the host moves fp16 across PCIe: a host-state region's
 gradients land in its pinned fp16 staging buffer, and its next upload reads an fp16 host
 copy (``host_params`` when offloaded, the staging buffer when resident). Without fp16 I/O
 the host makes three passes per region and step: widen the gradients into the fp32
-accumulator, step, narrow the master into the upload copy. ``HybridAdam(fp16_io=True)``
-makes one: the runtime leaves the gradients in the staging buffer
+accumulator, step, narrow the master into the upload copy. A plan with fp16 I/O
+(``PlanOptions.fp16_io``) makes one: the runtime leaves the gradients in the staging buffer
 (``OffloadController.keep_staged_grads``, ``RegionStorage.grad_in_staging``), and the
 single-pass kernel reads them there and writes the upload copy as it steps
 (``single_pass.adam_fp16_io_``), which the publish then uploads without a cast

@@ -29,17 +29,12 @@ from torch._C._autograd import (
     _push_saved_tensors_default_hooks,
 )
 
+from offload_runtime.conversions import copy_up, widen_down
 from offload_runtime.storage import RegionStorage
 from offload_runtime.streams import Event, StreamSet
 from offload_solver import ParamPlacement, Plan
 
 log = logging.getLogger(__name__)
-
-_CONVERT_CHUNK_NUMEL = 4 << 20
-"""Elements converted at a time on the device with ``convert_on_device``: gradients widened
-to fp32 before their d2h copy, fp32 masters uploaded before they are narrowed. One chunk's
-fp32 copy, 16 MiB of device memory, exists at a time on each stream that converts (the
-planner's 5% budget margin covers it)."""
 
 GradReadyHook = Callable[[int], None]
 """Called with a region index once that region's fp32 gradients of a backward are complete.
@@ -75,69 +70,6 @@ def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (tuple, list)):
         for item in value:
             yield from _tensors_in(item)
-
-
-def _copy_up(st: RegionStorage, source: torch.Tensor | None = None) -> None:
-    """Queue, on the current stream, the copy of region ``st``'s parameters to the device.
-
-    ``source``: the host buffer to upload; default: the training-dtype host copy, or the
-    fp32 master when there is none (``convert_on_device``). An fp32 source crosses in
-    chunks of ``_CONVERT_CHUNK_NUMEL`` elements that are narrowed on the device: each
-    chunk's fp32 block is allocated on the current stream and dropped at once, so the next
-    chunk reuses it in stream order and one chunk is all the device memory it takes.
-    """
-    if source is None:
-        source = st.host_params if st.host_params is not None else st.master
-    dst = st.device_params
-    with torch.no_grad():
-        if source.dtype == dst.dtype:
-            dst.copy_(source, non_blocking=True)
-            return
-        for a in range(0, st.numel, _CONVERT_CHUNK_NUMEL):
-            b = min(st.numel, a + _CONVERT_CHUNK_NUMEL)
-            wide = source[a:b].to(dst.device, non_blocking=True)
-            dst[a:b].copy_(wide)
-
-
-def _widen_down(flats: list[torch.Tensor], dst: torch.Tensor) -> None:
-    """Queue, on the current stream, the copy of a region's flat training-dtype gradients
-    (layout order, together exactly ``dst``'s elements) into ``dst``, its fp32 host
-    accumulator, widened on the device.
-
-    They are packed ``_CONVERT_CHUNK_NUMEL`` elements at a time into one fp32 device block
-    (one ``_foreach_copy_`` widens every piece of a chunk), which crosses in one copy. Each
-    block is allocated on the current stream and dropped at once, so the next chunk reuses
-    it in stream order and one chunk is all the device memory it takes. Per chunk that is
-    a handful of calls instead of several per parameter: this runs on the thread that
-    drives backward, between its kernels, and backward waits for it.
-    """
-    start = 0  # dst offset of the chunk being packed
-    pieces: list[torch.Tensor] = []
-    packed = 0
-    for flat in flats:
-        a = 0
-        n = flat.numel()
-        while a < n:
-            take = min(n - a, _CONVERT_CHUNK_NUMEL - packed)
-            pieces.append(flat if take == n else flat[a : a + take])
-            packed += take
-            a += take
-            if packed == _CONVERT_CHUNK_NUMEL:
-                _widen_chunk(pieces, packed, dst[start : start + packed])
-                start += packed
-                pieces, packed = [], 0
-    if packed:
-        _widen_chunk(pieces, packed, dst[start : start + packed])
-        start += packed
-    if start != dst.numel():
-        raise AssertionError(f"gradients cover {start} of {dst.numel()} accumulator elements")
-
-
-def _widen_chunk(pieces: list[torch.Tensor], numel: int, dst: torch.Tensor) -> None:
-    wide = torch.empty(numel, dtype=dst.dtype, device=pieces[0].device)
-    slots = torch.split_with_sizes(wide, [p.numel() for p in pieces])
-    torch._foreach_copy_(list(slots), pieces)
-    dst.copy_(wide, non_blocking=True)
 
 
 class RegionState(Enum):
@@ -188,7 +120,8 @@ class OffloadController:
         """Leave a host-state region's training-dtype gradients in its staging buffer when
         they replace the accumulator's content, instead of widening them into it
         (``RegionStorage.grad_in_staging``): set by an optimizer whose host step reads
-        fp16 gradients itself (``HybridAdam(fp16_io=True)``). Whatever else reads the
+        fp16 gradients itself (the module sets it from ``PlanOptions.fp16_io``). Whatever
+        else reads the
         gradient widens it first (``RegionStorage.materialize_grad``)."""
         self.plan = plan
         self.storages = storages
@@ -289,7 +222,7 @@ class OffloadController:
         self._claim_slot(r)
         self.streams.compute.wait(self.slot_free_event.get(st.slot))
         # Queued on the compute stream: compute waits for it, the host does not.
-        _copy_up(st)
+        copy_up(st)
         self.state[r] = RegionState.ON_DEVICE
         self.stats["sync_uploads"] += 1
 
@@ -310,7 +243,7 @@ class OffloadController:
         with h2d.context():
             # Do not overwrite the slot before compute has finished with its last occupant.
             h2d.wait(self.slot_free_event.get(st.slot))
-            _copy_up(st)
+            copy_up(st)
             self.ready_event[r] = h2d.record()
         self.state[r] = RegionState.IN_FLIGHT
         self.stats["prefetches"] += 1
@@ -542,7 +475,7 @@ class OffloadController:
                     flats = [g.reshape(-1) for g in grads]
                     torch._foreach_copy_(slots, flats, non_blocking=True)
             else:
-                _widen_down([g.reshape(-1) for g in grads], st.grad)
+                widen_down([g.reshape(-1) for g in grads], st.grad)
             done = d2h.record()
         if self.streams.is_cuda:
             for g in grads:
@@ -818,7 +751,7 @@ class OffloadController:
                         source.copy_(st.master)
                 h2d = self.streams.h2d
                 with h2d.context():
-                    _copy_up(st, source)
+                    copy_up(st, source)
                     self.ready_event[r] = h2d.record()
             else:
                 st.device_params.copy_(st.master)

@@ -37,7 +37,7 @@ Threads (host work; each a one-thread executor, so its tasks run in submission o
   backward of the regions before it and, after backward, the next forward. A module built
   with ``host_worker=False`` (the default without CUDA) runs that work inline instead.
 - the *speculation thread* (``offload-speculate``, :meth:`StreamSet.speculation_thread`;
-  ``HybridAdam(speculation_thread=True)``): the speculative fp16 host steps the hooks
+  ``PlanOptions.speculation_thread``): the speculative fp16 host steps the hooks
   submit, so that the host worker keeps taking landed gradients while one runs and
   ``step()`` has its answer without waiting for the step in flight.
 - the *issuing thread* (``offload-stream-issue``, :meth:`StreamSet.issuing_thread`): issues

@@ -117,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
         help="with --streamed: the first streamed gradient hook in the backward sends up "
         "the state of the streamed regions' leading CHUNKS chunks of NUMEL parameters, "
         "BYTES bytes per parameter (master weights and moments), and the step the rest; "
-        "e.g. 3,16777216,12 (offload_optim's HybridAdam(stage_in_backward=True); default: "
-        "none staged)",
+        "e.g. 3,16777216,12 (a runtime that stages state in the backward, as "
+        "offload_runtime's planner plans by default; default here: none staged)",
     )
     p.add_argument(
         "--no-late-host-work",

@@ -88,11 +88,11 @@ class StreamedStepCosts:
     state and fp16 parameters: 12 bytes down instead of 14, and 2 fewer up)."""
     staged_chunks: int = 0
     """How many chunks of state the runtime sends up in the backward, ahead of the step
-    (``offload_optim``'s ``HybridAdam(stage_in_backward=True)``: one per slot of its
-    ring); 0 (the default): none. The first streamed region's gradient hook in the
-    backward sends the master weights and moments of the streamed regions' leading chunks
-    up, in forward order, and the step then sends only the rest of each such chunk (its
-    gradient). See [Note: streamed steps] in ``offload_solver.simulators._engine``."""
+    (``PlanOptions.stage_in_backward``: one per slot of the optimizer's ring); 0 (the
+    default): none. The first streamed region's gradient hook in the backward sends the
+    master weights and moments of the streamed regions' leading chunks up, in forward
+    order, and the step then sends only the rest of each such chunk (its gradient). See
+    [Note: streamed steps] in ``offload_solver.simulators._engine``."""
     staged_chunk_numel: int = 0
     """Parameter elements per staged chunk: each streamed region is cut into chunks of at
     most this many (the ring's chunk). Needed when ``staged_chunks`` is set."""

@@ -141,7 +141,8 @@ def solve(
     ``speculative_step_cost`` (>= 1): how much longer a host step taken in a gradient hook
     before backward ends takes than a plain one. 1 (default) when such steps are exact
     (bf16, fp32 training); an fp16 optimizer that speculates and keeps undo data pays more
-    (``offload_optim.measure_speculative_step_cost``, timed alone: the simulator also runs
+    (a hardware profile's speculative step rate over its plain one,
+    ``HardwareProfile.host_step_params_per_s``, timed alone: the simulator also runs
     such steps at the host's contended rate, since copies stream both ways under
     backward). Only used without ``host_step_after_backward``.
     ``speculative_params``: without ``host_step_after_backward``, how many host-state
@@ -149,11 +150,11 @@ def solve(
     optimizer that speculates needs undo buffers for them (12 bytes each with fp32
     moments); when host memory holds fewer, the regions whose gradients land first take
     them, up to the first that does not fit, and the rest step after the last hook.
-    ``offload_optim.AMPOptimizer(speculative_params=)`` follows the same rule.
+    ``offload_optim``'s optimizer follows the same rule (``PlanOptions.speculative_params``).
     ``speculation_thread``: without ``host_step_after_backward``, the steps taken in
     gradient hooks run on a thread of their own, so that ``step()`` does not wait for the
-    one in flight when backward ends (``offload_optim``'s fp16 speculation, by default:
-    ``HybridAdam(speculation_thread=True)``). False (default): the hooks run them.
+    one in flight when backward ends (``offload_runtime``'s planner sets it for fp16
+    speculation: ``PlanOptions.speculation_thread``). False (default): the hooks run them.
     ``device_bytes_in_use``: device bytes allocated outside the plan for the whole step,
     as a runtime measures them before training (libraries' workspaces, the inputs, the
     caller's tensors). They are exact, so they come off the planning share of the budget

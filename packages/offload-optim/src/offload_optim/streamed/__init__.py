@@ -38,7 +38,7 @@ hook does not wait for the device: the copies of one region take longer than its
 step would.
 
 Values: widening is exact and the narrowing rounds to nearest even, as the host kernels
-do, and the update is torch's fused kernel: bit for bit what ``host_kernel="torch"``
+do, and the update is torch's fused kernel: bit for bit what torch's host kernel
 computes, and within rounding (about 1e-7 of an update) of ``"single_pass"``. A streamed
 region never steps speculatively (it steps after the step's answer, so nothing needs
 undoing), and after its step the region's fp32 gradient accumulator still holds the

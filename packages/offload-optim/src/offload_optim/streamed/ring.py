@@ -19,7 +19,7 @@ regions' uploads, while late in the backward it is mostly idle and most activati
 freed (backward frees them as it goes). Of a chunk's copies up only the gradient (2 of
 its 14 bytes a parameter, fp32 moments and fp16 gradients) is made by that backward; the
 master weights and moments are final once the last step's downloads landed. With
-``HybridAdam(stage_in_backward=True)`` (the default, :data:`STAGE_IN_BACKWARD`), the
+``PlanOptions.stage_in_backward`` (the planner's default), the
 gradient hook of the first streamed region to land in the backward before a step (the
 host worker's, in the last micro-batch, with overlap) opens the ring and issues the
 copies up of the master weights and moments of the streamed regions' leading chunks in
@@ -33,8 +33,8 @@ drops the staged chunks and copies up again. Host-state regions stepped in their
 after it (bf16 training) publish what has landed: a ring holding staged chunks and
 nothing else is closed only by a waiting publish (the end of the step's task, or
 :meth:`HybridAdam.drop_staged`, which a skipped step calls). The planner models it when
-the costs say so (:func:`streamed_step_costs` with ``stage_in_backward``,
-:func:`with_stage_in_backward`: ``StreamedStepCosts.staged_chunks``): one copy up of the
+the costs say so (``offload_runtime.planning.streamed_step_costs`` with
+``stage_in_backward``: ``StreamedStepCosts.staged_chunks``): one copy up of the
 staged state from the hook, the ring held from there, and the step's copies up without
 it ([Note: streamed steps] in ``offload_solver.simulators._engine``). Measured:
 BENCHMARKS.md, Decisions, "Staging streamed state in backward".

@@ -2,23 +2,22 @@
 (see [Note: streamed steps] in streamed/__init__.py).
 
 [Note: writing resident parameters]
-A resident streamed region's parameters live on the device, and its device step has the
-new master there. With ``StreamedStepCosts.resident_down_bytes_per_param`` set (the
-default of :func:`streamed_step_costs`), the step writes the region's device parameters
-in place (``StreamPiece.device_out``, cast from the fp32 master on the step stream, as
-the upload copy's narrowing rounds): nothing of them comes down, and the region is not
-uploaded again. Otherwise (``write_resident=False``) the new master is narrowed into the
-slot's fp16 copy, copied down into the region's upload copy and uploaded once the region
-is published: 2 more bytes per parameter each way, and the next forward waits for the
-copy down and the upload. When step()'s host task issues a written region, it hands the
+A resident streamed region's parameters live on the device, and its device step has the new
+master there. With ``StreamedStepCosts.resident_down_bytes_per_param`` set (the default of
+``offload_runtime.planning.streamed_step_costs``), the step writes the region's device
+parameters in place (``StreamPiece.device_out``, cast from the fp32 master on the step
+stream, as the upload copy's narrowing rounds): nothing of them comes down, and the region
+is not uploaded again. Otherwise (``write_resident=False``) the new master is narrowed into
+the slot's fp16 copy, copied down into the region's upload copy and uploaded once the
+region is published: 2 more bytes per parameter each way, and the next forward waits for
+the copy down and the upload. When step()'s host task issues a written region, it hands the
 runtime the step stream's event after the write (``OffloadController.ready_early``): the
-region's next forward waits for that on the device instead of for its downloads and
-publish on the host. The copies down of master and moments still land, and the region
-is published (its host state complete); the next step's work on it waits for that. The
-device parameters are free to overwrite then: the region's backward ran before its
-gradients came down, which the host saw before issuing. Offloaded regions keep their
-fp16 copy coming down (their parameters live on the host).
-"""
+region's next forward waits for that on the device instead of for its downloads and publish
+on the host. The copies down of master and moments still land, and the region is published
+(its host state complete); the next step's work on it waits for that. The device parameters
+are free to overwrite then: the region's backward ran before its gradients came down, which
+the host saw before issuing. Offloaded regions keep their fp16 copy coming down (their
+parameters live on the host)."""
 
 from __future__ import annotations
 

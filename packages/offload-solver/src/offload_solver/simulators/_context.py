@@ -143,11 +143,11 @@ class SimulationContext:
         in their gradient hooks (None: all). Host-state regions qualify in the order their
         gradients land (the last in forward order first) until the first that would pass
         the limit; the others step after the last hook, as the runtime does for regions
-        without speculative buffers (``AMPOptimizer(speculative_params=)``)."""
+        without speculative buffers (``PlanOptions.speculative_params``)."""
         self.speculation_thread = speculation_thread
         """Without ``host_step_after_backward``: the runtime runs the steps its gradient
-        hooks take early on a thread of their own (``offload_optim``'s
-        ``HybridAdam(speculation_thread=True)``, its default), so the hooks, and
+        hooks take early on a thread of their own (``PlanOptions.speculation_thread``,
+        which ``offload_runtime``'s planner sets for fp16 speculation), so the hooks, and
         ``step()`` after them, do not wait for them. See [Note: step model] in
         ``_engine``."""
         self.hardware = hardware

@@ -165,8 +165,8 @@ resident), but is stepped on the device, as ``offload_optim``'s ``HybridAdam`` d
   ``numel * resident_down_bytes_per_param`` bytes, it has no ``param_upload``, and its
   next forward waits (on the device) for the ``stream_step`` alone, the copy down running
   beside the forward.
-- Staging in the backward (``StreamedStepCosts.staged_chunks``; ``offload_optim``'s
-  ``HybridAdam(stage_in_backward=True)``): the gradient hook of the last streamed region
+- Staging in the backward (``StreamedStepCosts.staged_chunks``; a plan's
+  ``PlanOptions.stage_in_backward``): the gradient hook of the last streamed region
   in forward order, the first to run in the backward, opens the ring and sends up the
   master weights and moments (``staged_bytes_per_param``) of the streamed regions'
   leading ``staged_chunks`` chunks of ``staged_chunk_numel`` parameters, in forward
