@@ -254,7 +254,7 @@ def test_speculation_is_planned_for_the_undo_buffers_that_fit(
     as without --speculate."""
     import offload_runtime.planning.planner as planner
     from offload_runtime.planning import SPECULATION_HOST_SHARE
-    from offload_runtime.planning.speculation import host_state_bytes_per_param
+    from offload_runtime.planning.speculation import host_state_bytes
 
     base = [*TINY, *FINE, "--batch_size", "2", "--dtype", "fp16", "--steps", "3"]
     base += ["--log_dir", str(tmp_path)]
@@ -268,8 +268,7 @@ def test_speculation_is_planned_for_the_undo_buffers_that_fit(
     host = [rp.region for rp in first.regions if rp.state.value == "host"]
     assert len(host) >= 2
     last = max(host, key=lambda r: r.index)
-    state = sum(rp.region.numel for rp in first.regions if rp.state.value != "device")
-    state *= host_state_bytes_per_param(torch.float32, torch.float16)
+    state = host_state_bytes(first, torch.float32, torch.float16)
     room = state + math.ceil(12 * last.numel / SPECULATION_HOST_SHARE) + 1
     monkeypatch.setattr(planner, "available_host_memory_bytes", lambda: room)
     code, out, err = _run([*base, "--memory_budget", budget, "--speculate"], capsys)

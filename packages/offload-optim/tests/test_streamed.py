@@ -193,7 +193,7 @@ def test_speculation_on_its_thread_beside_streamed_regions_is_exact(
 
 
 def test_streamed_regions_do_not_speculate(streaming: dict[str, Any]) -> None:
-    """With speculate_fp16 only the host-stepped region speculates; the streamed ones step
+    """With a speculative plan only the host-stepped region speculates; the streamed ones step
     after the answer. The run still equals the plain one, overflow undo included."""
     # Inline host work: each hook runs during backward, so region 0 always speculates (on
     # the worker thread its hook may come after backward's end and step after the answer).

@@ -196,7 +196,7 @@ def forcing_budget(
 ) -> int:
     """The least budget above the infeasible one at which the plan offloads half the
     regions (with async prefetches for ``asyn``, which need a little room to coexist),
-    for the model traced as ``memory_optimize(fuse_gelu=fuse_gelu)`` traces it."""
+    for the model traced as the planner traces it with ``OffloadConfig(fuse_gelu=fuse_gelu)``."""
     profile = _profile(model, inp, dtype, fuse_gelu)
     least = _least_budget_of(profile, solver, hardware)
     for step in range(60):

@@ -50,7 +50,7 @@ W4_STAGED = dataclasses.replace(
     W4_LIKE, staged_chunks=1, staged_chunk_numel=100, staged_bytes_per_param=8
 )
 """W4_LIKE, with one chunk of 100 parameters' master weights and moments (8 bytes each)
-sent up in the backward (``HybridAdam(stage_in_backward=True)``)."""
+sent up in the backward (``PlanOptions.stage_in_backward``)."""
 
 
 def three_layers(saved_bytes: int = 10) -> ModelProfile:

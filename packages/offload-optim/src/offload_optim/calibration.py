@@ -100,7 +100,7 @@ def check_host_rate(optimizer: AMPOptimizer, last: int | None = None) -> HostRat
     """The host rate the training loop ran at, from ``optimizer``'s recent step reports.
 
     Args:
-        optimizer: an :class:`AMPOptimizer` over a module that ``memory_optimize`` built
+        optimizer: an :class:`AMPOptimizer` over a module the planner built
             (it knows the profile the plan was made with), constructed with
             ``keep_reports`` >= 1.
         last: read only the last ``last`` kept steps (default: all of them). Steps that
@@ -109,7 +109,7 @@ def check_host_rate(optimizer: AMPOptimizer, last: int | None = None) -> HostRat
 
     Returns:
         None when the module has no hardware profile (a plan not made by
-        ``memory_optimize``), the plan's host worker has nothing to do, or no step read
+        the planner), the plan's host worker has nothing to do, or no step read
         stepped a region on the host.
 
     Raises:
@@ -166,7 +166,7 @@ def check_stream_rate(optimizer: AMPOptimizer, last: int | None = None) -> Strea
     :attr:`~RegionStepTiming.up_s`, timed on the device on CUDA).
 
     Args:
-        optimizer: an :class:`AMPOptimizer` over a module that ``memory_optimize`` built,
+        optimizer: an :class:`AMPOptimizer` over a module the planner built,
             constructed with ``keep_reports`` >= 1.
         last: read only the last ``last`` kept steps (default: all of them).
 
@@ -232,7 +232,7 @@ def check_backward_issue(
     step reports, against issuing the plan's operations at the profile's cost.
 
     Args:
-        optimizer: an :class:`AMPOptimizer` over a module that ``memory_optimize`` built,
+        optimizer: an :class:`AMPOptimizer` over a module the planner built,
             constructed with ``keep_reports`` >= 1.
         last: read only the last ``last`` kept steps (default: all of them). Skipped
             steps count: their backward ran as any other.

@@ -438,9 +438,9 @@ class HybridAdam(torch.optim.Optimizer):
     def speculative_params_that_fit(self) -> int:
         """Host-state parameters whose speculative buffers fit in host memory now: the
         count :meth:`prepare_speculation` would give buffers to without a limit (whole
-        regions, from the last in forward order down). Pass it as ``speculative_params``
-        to ``memory_optimize`` and :class:`~offload_optim.AMPOptimizer` so that the plan
-        assumes the regions that will speculate."""
+        regions, from the last in forward order down). The planner counts the same
+        regions from the host memory its host state leaves (``PlanOptions.
+        speculative_params``), before anything is allocated."""
         self._ensure_laid_out()
         return self._speculation.params_that_fit(_available_host_bytes)
 
@@ -452,7 +452,8 @@ class HybridAdam(torch.optim.Optimizer):
         ``max_params`` parameters (None: no limit) and within
         ``SPECULATION_HOST_SHARE`` of the host memory available now. The first region
         that does not fit ends the run, so the regions that may speculate are the same
-        suffix the planner assumes (``solve(speculative_params=)``). The others step after
+        suffix the planner assumes (``PlanOptions.speculative_params``, which
+        ``AMPOptimizer`` passes). The others step after
         the answer, as without speculation. A warning names what host memory left out.
         Main thread.
         """

@@ -72,9 +72,9 @@ class OffloadModule:
         self.dtype = dtype
         self.training = True
         self.profile: ModelProfile | None = None
-        """The traced model profile the plan was made from, when built by memory_optimize."""
+        """The traced model profile the plan was made from, when built by the planner."""
         self.hardware: HardwareProfile | None = None
-        """The hardware profile the plan was made with, when built by memory_optimize."""
+        """The hardware profile the plan was solved on, when built by the planner."""
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         requires_grad = {name: bool(state[name].requires_grad) for name in shapes}

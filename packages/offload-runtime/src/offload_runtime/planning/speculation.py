@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from offload_solver import Plan, StatePlacement
+from offload_solver import ParamPlacement, Plan, StatePlacement
 
 SPECULATION_HOST_SHARE = 0.9
 """Share of the host memory left over that undo buffers may take: at plan time here, and
@@ -20,18 +20,28 @@ def undo_bytes_per_param(moments: torch.dtype) -> int:
     return 4 + 2 * moments.itemsize
 
 
-def host_state_bytes_per_param(moments: torch.dtype, dtype: torch.dtype) -> int:
-    """Host bytes a host-state parameter takes beside its undo buffers: the fp32 master and
-    gradient accumulator, both moments, and up to two training-dtype copies (the pinned
-    gradient staging and an offloaded region's upload source)."""
-    return 8 + 2 * moments.itemsize + 2 * dtype.itemsize
+def host_state_bytes(plan: Plan, moments: torch.dtype, dtype: torch.dtype) -> int:
+    """Host bytes of ``plan``'s host-resident state beside undo buffers: per parameter of
+    a region whose state is on the host (stepped there or streamed), its fp32 master and
+    gradient accumulator and both moments, and, converting on the host, the training-dtype
+    gradient staging and an offloaded region's training-dtype upload source."""
+    total = 0
+    for rp in plan.regions:
+        if rp.state is StatePlacement.DEVICE:
+            continue
+        per = 8 + 2 * moments.itemsize
+        if not plan.options.convert_on_device:
+            per += dtype.itemsize * (1 if rp.placement is ParamPlacement.RESIDENT else 2)
+        total += rp.region.numel * per
+    return total
 
 
 def speculative_params_that_fit(
     plan: Plan, moments: torch.dtype, dtype: torch.dtype, host_bytes: int | None
 ) -> int | None:
     """Host-state parameters of ``plan`` whose undo buffers fit in
-    :data:`SPECULATION_HOST_SHARE` of ``host_bytes`` less the plan's host-resident state,
+    :data:`SPECULATION_HOST_SHARE` of ``host_bytes`` less the plan's host-resident state
+    (:func:`host_state_bytes`),
     as whole regions in the order their gradients land (the last region in forward order
     first), up to the first that does not fit: the regions ``HybridAdam.prepare_speculation``
     gives buffers to. None when every host-stepped region fits, or ``host_bytes`` is None
@@ -42,10 +52,7 @@ def speculative_params_that_fit(
     )
     if host_bytes is None:
         return None
-    state = sum(
-        rp.region.numel for rp in plan.regions if rp.state is not StatePlacement.DEVICE
-    ) * host_state_bytes_per_param(moments, dtype)
-    room = int((host_bytes - state) * SPECULATION_HOST_SHARE)
+    room = int((host_bytes - host_state_bytes(plan, moments, dtype)) * SPECULATION_HOST_SHARE)
     per = undo_bytes_per_param(moments)
     params = 0
     for region in host:
@@ -57,7 +64,7 @@ def speculative_params_that_fit(
 
 __all__ = [
     "SPECULATION_HOST_SHARE",
-    "host_state_bytes_per_param",
+    "host_state_bytes",
     "speculative_params_that_fit",
     "undo_bytes_per_param",
 ]
