@@ -4,18 +4,20 @@
 #
 #   bash benchmarks/gpu_session.sh PHASE [OUT_DIR]
 #
-# PHASE (times from the rows' wall times, process start included, on an H200 host with 16
-# cores; an H100 host with 16 cores is alike):
-#   tests   nox -s gpu_tests: every package's gpu-marked tests (gpu_tests.log)     ~5 min
-#   bench1  the report's rows of W1 (ours and full GPU, also stepped in turn: ~1.2 min),
-#           W2 (the fastest fp32-state configuration, full GPU and FSDP2: ~2.5 min), W3
-#           (the same and torchao: ~2.7 min) and W4's torchao row (~1 min)      ~7.5 min
-#   bench2  W4's rows of ours, fp32 state (~2.5 min) and bf16 moments (~2 min), then
-#           FSDP2 (2 to 4.5 min; cut at the phase's limit)                      ~7-9 min
-#   bench3  the libraries' defaults (kind "ours") at W2 (~1 min), W3 (~1 min) and W4
-#           (~2.5 min)                                                          ~4.5 min
-#   bench   bench1, bench2 and bench3 in turn (a machine without the 10-minute limit)
-#   all     tests, then bench
+# PHASE (times from the rows' wall times, process start included, on an H100 host with 16
+# cores; an H200 host with 16 cores is alike):
+#   tests    nox -s gpu_tests: every package's gpu-marked tests (gpu_tests.log)    ~3.5 min
+#   configs1 W1's defaults (stepped in turn with full GPU too) and full GPU (~1.5 min);
+#            W2's defaults and the other configurations of the same numerics: the
+#            planner's two fp16 candidates forced, streaming off (~1 min each)     ~5.5 min
+#   configs2 the same four configurations at W3 (~1 min each)                      ~4 min
+#   configs3 W4's defaults and the two candidates forced (~2.5 min each)           ~7.5 min
+#   peers1   full GPU and FSDP2 at W2, full GPU, FSDP2 and torchao at W3, torchao
+#            at W4                                                                 ~4.5 min
+#   peers2   W4's defaults with bf16 moments (~2 min), then FSDP2 (2 to 4.5 min; cut
+#            at the phase's limit)                                                 ~4-7 min
+#   bench    every phase above but tests, in turn (a machine without the 10-minute limit)
+#   all      tests, then bench
 # A bench phase writes each row to OUT_DIR/<workload>_<kind>.json as it is measured and
 # OUT_DIR/summary.json after each; then the results table (table.md) and the targets
 # (targets.md) over the folder. The rows of several phases' folders make one summary:
@@ -30,7 +32,7 @@
 # torchao are installed from WHEELS (default shared/device-wheels, its bench/ for
 # torchao) when the interpreter lacks them.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|bench1|bench2|bench3|bench|all [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|bench|all [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 root=$(cd "$(dirname "$0")/.." && pwd)
 limit=${LIMIT:-570}
@@ -84,23 +86,27 @@ case "$phase" in
     need nox "$wheels"
     run python3 -m nox -f "$root/noxfile.py" -s gpu_tests -- -q -rA -p no:cacheprovider --durations=15 2>&1 \
       | tee "$out/gpu_tests.log" | tail -40 ;;
-  bench1)
-    need torchao "$wheels/bench"
+  configs1)
     bench W1 ours,full_gpu_master --pair-full-gpu
-    bench W2 ours_io_spec1_stream,full_gpu_master,fsdp2
-    bench W3 ours_io_spec1_stream,full_gpu_master,fsdp2,torchao
+    bench W2 ours,ours_io_spec1_stream,ours_device_conv,ours_no_stream
+    report ;;
+  configs2)
+    bench W3 ours,ours_io_spec1_stream,ours_device_conv,ours_no_stream
+    report ;;
+  configs3)
+    bench W4 ours,ours_io_spec1_stream,ours_device_conv
+    report ;;
+  peers1)
+    need torchao "$wheels/bench"
+    bench W2 full_gpu_master,fsdp2
+    bench W3 full_gpu_master,fsdp2,torchao
     bench W4 torchao
     report ;;
-  bench2)
-    bench W4 ours_io_spec1_stream,ours_io_bf16m_spec1_stream,fsdp2
-    report ;;
-  bench3)
-    bench W2 ours
-    bench W3 ours
-    bench W4 ours
+  peers2)
+    bench W4 ours_bf16m,fsdp2
     report ;;
   bench | all)
     if [ "$phase" = all ]; then bash "$0" tests "$out"; fi
-    for p in bench1 bench2 bench3; do bash "$0" "$p" "$out"; done ;;
-  *) echo "unknown phase $phase; known: tests bench1 bench2 bench3 bench all" >&2; exit 2 ;;
+    for p in configs1 configs2 configs3 peers1 peers2; do bash "$0" "$p" "$out"; done ;;
+  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 bench all" >&2; exit 2 ;;
 esac

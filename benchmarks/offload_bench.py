@@ -82,7 +82,7 @@ WORKLOADS: dict[str, tuple[str, int, int, float]] = {
 class OursConfig:
     """One configuration of ours: the user's configuration and the planner's choices it
     forces (``offload_runtime.PlanForce``); all False is ``memory_optimize`` as a user
-    calls it."""
+    calls it. Every field but ``bf16_moments`` changes speed only, not the trained result."""
 
     fp16_io: bool = False
     """``PlanForce(fp16_io=True)``: gradients and parameters cross PCIe in fp16, widened
@@ -90,20 +90,27 @@ class OursConfig:
     host steps")."""
     bf16_moments: bool = False
     """``OffloadConfig(host_moments=torch.bfloat16)``: 4 fewer bytes a parameter of host
-    state ("bf16 moments")."""
+    state ("bf16 moments"); changes numerics, so it is set beside torchao, not against the
+    defaults."""
     speculate: bool = False
     """``PlanForce(speculative=True)``: fp16 host steps start under backward and are undone
     exactly on overflow ("Speculative fp16 host steps")."""
     streamed: bool = False
     """``PlanForce(streamed=True)``: the planner may step some host-state regions on the
     device, their state streamed through a ring ("Streamed host state")."""
+    device_conversions: bool = False
+    """The planner's other fp16 candidate forced: torch's host kernel, dtype conversions
+    on the device, host steps after the overflow answer (``PlanForce(host_kernel="torch",
+    convert_on_device=True, speculative=False)``; "Dtype conversions on the device")."""
+    no_stream: bool = False
+    """``PlanForce(streamed=False)``: no region's state streamed through the device."""
     reference: bool = False
     """The reference's behaviour: every region's optimizer state on the host, stepped by
     torch's kernel after backward, converted on the host, nothing streamed
     (``PlanForce(state_on_device=False, overlap=False, ...)``)."""
 
     def force(self) -> Any:
-        """The ``PlanForce`` of this configuration, or None for the defaults (``ours``)."""
+        """The ``PlanForce`` of this configuration, or None where it forces nothing."""
         from offload_runtime import PlanForce
 
         if self.reference:
@@ -115,27 +122,38 @@ class OursConfig:
                 state_on_device=False,
                 streamed=False,
             )
-        if not (self.fp16_io or self.speculate or self.streamed):
-            return None
-        return PlanForce(
-            fp16_io=True if self.fp16_io else None,
-            speculative=True if self.speculate else None,
-            streamed=True if self.streamed else None,
-        )
+        fields: dict[str, Any] = {}
+        if self.fp16_io:
+            fields["fp16_io"] = True
+        if self.speculate:
+            fields["speculative"] = True
+        if self.streamed or self.no_stream:
+            fields["streamed"] = not self.no_stream
+        if self.device_conversions:
+            fields |= {"host_kernel": "torch", "convert_on_device": True, "speculative": False}
+        return PlanForce(**fields) if fields else None
+
+    @property
+    def speed_only(self) -> bool:
+        """Trains as the defaults do (same numerics): one of the configurations that the
+        defaults are set against ("ours within 3% of the fastest configuration")."""
+        return not (self.bf16_moments or self.reference)
 
 
 OURS: dict[str, OursConfig] = {
     "ours": OursConfig(),
     "ours_io_spec1_stream": OursConfig(fp16_io=True, speculate=True, streamed=True),
-    "ours_io_bf16m_spec1_stream": OursConfig(
-        fp16_io=True, bf16_moments=True, speculate=True, streamed=True
-    ),
+    "ours_device_conv": OursConfig(device_conversions=True),
+    "ours_no_stream": OursConfig(no_stream=True),
+    "ours_bf16m": OursConfig(bf16_moments=True),
     "ablation": OursConfig(reference=True),
 }
-"""Our configurations by kind: ``ours`` the libraries' defaults; ``ours_io_spec1_stream``
-the fastest with fp32 optimizer state; ``ours_io_bf16m_spec1_stream`` the same with bf16
-moments (set beside torchao, whose host state is bf16); ``ablation`` the reference's
-behaviour."""
+"""Our configurations by kind, as data: ``ours`` the libraries' defaults (nothing
+passed); ``ours_io_spec1_stream`` and ``ours_device_conv`` the planner's two fp16
+candidates, each forced (fp16 I/O with speculative host steps and streaming; torch's kernel
+with conversions on the device); ``ours_no_stream`` the defaults without streamed state;
+``ours_bf16m`` the defaults with bf16 moments (set beside torchao, whose host state is
+bf16); ``ablation`` the reference's behaviour."""
 
 FULL_GPU = "full_gpu_master"
 PEERS = (FULL_GPU, "fsdp2", "torchao")
@@ -147,13 +165,23 @@ so that every kind runs the same operations."""
 
 REPORT_KINDS: dict[str, tuple[str, ...]] = {
     "W1": ("ours", FULL_GPU),
-    "W2": ("ours_io_spec1_stream", FULL_GPU, "fsdp2"),
-    "W3": ("ours_io_spec1_stream", FULL_GPU, "fsdp2", "torchao"),
-    "W4": ("ours_io_spec1_stream", "ours_io_bf16m_spec1_stream", "torchao", "fsdp2"),
+    "W2": ("ours", "ours_io_spec1_stream", "ours_device_conv", "ours_no_stream", FULL_GPU, "fsdp2"),
+    "W3": (
+        "ours",
+        "ours_io_spec1_stream",
+        "ours_device_conv",
+        "ours_no_stream",
+        FULL_GPU,
+        "fsdp2",
+        "torchao",
+    ),
+    "W4": ("ours", "ours_io_spec1_stream", "ours_device_conv", "ours_bf16m", "torchao", "fsdp2"),
 }
-"""The rows each workload's targets need (``targets.py``), in the order they run. W4 has no
-full-GPU row: the fp32 masters, gradients and Adam state of its 6 B parameters alone take
-about 120 GB."""
+"""The rows each workload's targets need (``targets.py``), in the order they run: the
+defaults, the other configurations the benchmark builds with the same numerics (the
+defaults' target is the fastest of them), and the peers. W1's plan keeps every region's
+state on the device, where every configuration plans alike. W4 has no full-GPU row: the
+fp32 masters, gradients and Adam state of its 6 B parameters alone take about 120 GB."""
 REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10}
 """Timed steps per row: more where steps are short and bound by issuing operations."""
 

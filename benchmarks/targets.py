@@ -9,16 +9,19 @@ its row files - from one machine, and prints the targets as a markdown table (on
 target: each row's figure and whether the target is met), or with ``--table`` the rows
 themselves, as BENCHMARKS.md's results table. Nothing is allocated; no GPU is needed.
 
-The targets judge the rows of ours of the kinds each workload's report runs
-(``offload_bench.REPORT_KINDS``: the libraries' defaults at W1, the fastest configuration
-with fp32 state at W2-W4, and with bf16 moments at W4), or of the kinds ``--kind`` names;
-other rows are only tabulated. Step times are the mean of each row's 5 fastest timed steps,
-the run mean's ratio beside it in brackets. A ratio sets a row of ours against the median
-of the peer's rows of the same workload. The targets:
+The targets judge the libraries' defaults (kind ``ours``, and ``ours_bf16m`` beside
+torchao), or the kinds ``--kind`` names; the budget and prediction targets judge every row
+of ours that the workload's report runs (``offload_bench.REPORT_KINDS``). Step times are
+the mean of each row's 5 fastest timed steps, the run mean's ratio beside it in brackets.
+A ratio sets a row of ours against the median of the peer's rows of the same workload.
+The targets:
 
 - every peak allocated of ours within its workload's budget;
 - each predicted peak within 5% of the measured, each predicted step within 15% of the
   run mean;
+- at each workload, the defaults within 3% of the fastest configuration of the same
+  numerics that ran (``OursConfig.speed_only``: the planner's candidates forced, streaming
+  off);
 - W1 at most 1.05x full-GPU training (``full_gpu_master``), and, where a row of ours
   stepped full-GPU training in turn (``offload_bench.py --pair-full-gpu``), by those
   steps too;
@@ -58,6 +61,11 @@ from offload_bench import (
 )
 
 Row = dict[str, Any]
+JUDGED = ("ours", "ours_bf16m")
+"""The kinds the peer and floor targets judge: the defaults, with bf16 moments beside
+torchao."""
+FASTEST_WITHIN = 1.03
+"""The defaults' bound against the fastest configuration of the same numerics."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,15 @@ class Run:
             and not OURS[r["kind"]].reference
             and r["kind"] in (REPORT_KINDS.get(r["workload"], ()) if kinds is None else kinds)
         ]
+
+    def judged(self, kinds: set[str] | None = None) -> list[Row]:
+        """The rows the peer and floor targets judge: of ``kinds`` where given, else the
+        defaults' (:data:`JUDGED`)."""
+        return [r for r in self.ours(kinds) if kinds is not None or r["kind"] in JUDGED]
+
+    def of_kind(self, kind: str) -> list[Row]:
+        """The rows of ``kind`` that ran, at every workload."""
+        return [r for r in self.ok if r["kind"] == kind]
 
     def peer(self, workload: str, kind: str) -> tuple[float, float] | None:
         """The median step and run mean of ``kind``'s rows at ``workload``."""
@@ -165,6 +182,32 @@ def bound_verdict(target: str, checks: list[tuple[str, str, bool]]) -> Verdict:
     return Verdict(target, cells, "met" if not failed else f"missed by {failed} of {len(checks)}")
 
 
+def fastest_verdict(run: Run) -> Verdict:
+    """The defaults (``ours``) against the fastest row of the same numerics at their
+    workload (``OursConfig.speed_only``: the defaults' own row counts, so a workload where
+    only the defaults ran is at 1.000x), by the 5 fastest steps; the run means' ratio, to
+    the fastest run mean, in brackets."""
+    ratios: list[Ratio] = []
+    ends: list[str] = []
+    for row in run.of_kind("ours"):
+        same = [
+            r
+            for r in run.ok
+            if r["workload"] == row["workload"] and r["kind"] in OURS and OURS[r["kind"]].speed_only
+        ]
+        best = min(same, key=lambda r: r["step_ms"])
+        best_mean = min(r["step_mean_ms"] for r in same)
+        ratios.append((row, row["step_ms"] / best["step_ms"], row["step_mean_ms"] / best_mean))
+        ends.append(f" of {best['kind']} {best['step_ms']:.1f} ms ({len(same)} configurations)")
+    target = f"defaults within {100 * (FASTEST_WITHIN - 1):.0f}% of the fastest configuration"
+    verdict = ratio_verdict(target, FASTEST_WITHIN, ratios, False)
+    if not ratios:
+        return verdict
+    return Verdict(
+        verdict.target, [c + e for c, e in zip(verdict.cells, ends, strict=True)], verdict.status
+    )
+
+
 def against(run: Run, kind: str, rows: list[Row]) -> list[Ratio]:
     """Each row's ratios to the median of ``kind``'s rows at its workload."""
     out = []
@@ -179,7 +222,8 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
     """Every target over one run's ``rows`` (of ours, those of ``kinds`` where given, else
     of the report's kinds)."""
     run = Run(rows)
-    ours = run.ours(kinds)
+    every = run.ours(kinds)
+    ours = run.judged(kinds)
     out = [
         bound_verdict(
             "peak allocated <= budget",
@@ -189,18 +233,19 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
                     f"{r['peak_alloc_gib']:.2f} / {r['budget_gib']:g} GiB",
                     r["peak_alloc_gib"] <= r["budget_gib"],
                 )
-                for r in ours
+                for r in every
             ],
         )
     ]
     pred_peak, pred_step = [], []
-    for r in ours:
+    for r in every:
         err = error(r["pred_peak_gib"], r["peak_alloc_gib"])
         pred_peak.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.05))
         err = error(r["pred_step_ms"], r["step_mean_ms"])
         pred_step.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.15))
     out.append(bound_verdict("predicted peak within 5%", pred_peak))
     out.append(bound_verdict("predicted step within 15% of the run mean", pred_step))
+    out.append(fastest_verdict(run))
 
     w1 = [r for r in ours if r["workload"] == "W1"]
     out.append(ratio_verdict("W1 <= 1.05x full GPU", 1.05, against(run, FULL_GPU, w1), False))

@@ -45,9 +45,7 @@ def cpu_rows(tiny: tuple[str, str]) -> dict[str, dict[str, Any]]:
     torch.set_num_threads(1)  # the host worker steps beside the main thread, on 2 cores
     try:
         return {
-            "ours_io_bf16m_spec1_stream": offload_bench._ours(
-                host, "ours_io_bf16m_spec1_stream", 1, 5, device="cpu"
-            ),
+            "ours_bf16m": offload_bench._ours(host, "ours_bf16m", 1, 5, device="cpu"),
             "ours": offload_bench._ours(device, "ours", 1, 5, pair_full_gpu=True, device="cpu"),
             "ablation": offload_bench._ours(host, "ablation", 0, 5, device="cpu"),
         }

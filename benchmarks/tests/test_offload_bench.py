@@ -32,15 +32,26 @@ def test_the_kinds_are_ours_configurations_and_the_peers() -> None:
     assert (*OURS, *PEERS) == KINDS
     assert OURS["ours"] == OursConfig()  # the libraries' defaults: nothing passed
     assert OURS["ablation"].reference
-    fast, bf16 = OURS["ours_io_spec1_stream"], OURS["ours_io_bf16m_spec1_stream"]
+    fast, bf16 = OURS["ours_io_spec1_stream"], OURS["ours_bf16m"]
     assert fast.fp16_io and fast.speculate and fast.streamed and not fast.bf16_moments
-    assert bf16 == OursConfig(fp16_io=True, bf16_moments=True, speculate=True, streamed=True)
+    assert bf16 == OursConfig(bf16_moments=True)
     # The defaults force nothing; the others force what they name.
-    assert OURS["ours"].force() is None
+    assert OURS["ours"].force() is None and bf16.force() is None
     forced = fast.force()
     assert forced.fp16_io and forced.speculative and forced.streamed
+    device = OURS["ours_device_conv"].force()
+    assert device.host_kernel == "torch" and device.convert_on_device
+    assert device.speculative is False and device.fp16_io is None
+    assert OURS["ours_no_stream"].force().streamed is False
     reference = OURS["ablation"].force()
     assert reference.overlap is False and reference.state_on_device is False
+    # What the defaults are set against: every configuration of the same numerics.
+    assert {k for k, c in OURS.items() if c.speed_only} == {
+        "ours",
+        "ours_io_spec1_stream",
+        "ours_device_conv",
+        "ours_no_stream",
+    }
 
 
 def test_the_report_runs_every_row_its_targets_need() -> None:
@@ -49,11 +60,12 @@ def test_the_report_runs_every_row_its_targets_need() -> None:
     assert REPORT_KINDS["W1"] == ("ours", FULL_GPU)
     for w in ("W2", "W3", "W4"):
         kinds = REPORT_KINDS[w]
-        assert "fsdp2" in kinds
-        assert any(k in OURS and not OURS[k].bf16_moments for k in kinds)  # fp32 state
+        assert kinds[0] == "ours" and "fsdp2" in kinds
+        # The defaults, and the planner's two fp16 candidates forced.
+        assert {"ours_io_spec1_stream", "ours_device_conv"} <= set(kinds)
     assert FULL_GPU in REPORT_KINDS["W2"] and FULL_GPU in REPORT_KINDS["W3"]  # the floor
     assert "torchao" in REPORT_KINDS["W3"]
-    assert {"ours_io_bf16m_spec1_stream", "torchao"} <= set(REPORT_KINDS["W4"])
+    assert {"ours_bf16m", "torchao"} <= set(REPORT_KINDS["W4"])
     assert all(steps >= 5 for steps in REPORT_STEPS.values())
 
 
@@ -138,7 +150,7 @@ def test_a_run_writes_each_row_as_it_comes_and_a_compact_summary(
     assert all(t == 600 for *_, t in calls)
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted([f"{w}_{k}.json" for w, k in expected] + [SUMMARY])
-    record = json.loads((out / "W2_ours_io_spec1_stream.json").read_text())
+    record = json.loads((out / "W2_ours.json").read_text())
     assert record["result"]["steps_ms"] == [100.0] * 10  # the row file keeps everything
     assert record["meta"]["commit"] == "abc1234"
     assert record["meta"]["command"] == "python benchmarks/offload_bench.py --workloads W1,W2 " + (
@@ -147,14 +159,15 @@ def test_a_run_writes_each_row_as_it_comes_and_a_compact_summary(
     rows = json.loads((out / SUMMARY).read_text())["rows"]
     assert [(r["workload"], r["kind"]) for r in rows] == expected
     ours = rows[2]
-    assert ours["kind"] == "ours_io_spec1_stream" and ours["ok"]
+    assert ours["kind"] == "ours" and ours["ok"]
     assert ours["step_ms"] == 100.0 and ours["step_mean_ms"] == 110.0
     assert ours["pred_step_ms"] == 105.0 and ours["budget_gib"] == 3
     assert ours["floor_parts_ms"] == {"h2d": 10.0, "d2h": 20.0, "host_adam": 90.0}
     assert {"date", "commit", "gpu", "torch", "command"} <= ours.keys()
     assert not {"steps_ms", "hardware", "cpu_span_ms"} & ours.keys()  # no per-step data
-    assert rows[4] == {**rows[4], "ok": False, "error": "timed out after 600 s"}
-    assert rows[3]["fwd_bwd_ms"] == 80.0 and rows[3]["budget_gib"] == 3  # full GPU's
+    by_kind = {r["kind"]: r for r in rows if r["workload"] == "W2"}
+    assert by_kind["fsdp2"] == {**by_kind["fsdp2"], "ok": False, "error": "timed out after 600 s"}
+    assert by_kind[FULL_GPU]["fwd_bwd_ms"] == 80.0 and by_kind[FULL_GPU]["budget_gib"] == 3
     assert read_rows(out) == rows == read_rows(out / SUMMARY)
 
 

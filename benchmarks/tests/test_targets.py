@@ -37,6 +37,7 @@ def test_the_fixture_runs_verdicts(rows: list[Row]) -> None:
         "peak allocated <= budget": "met",
         "predicted peak within 5%": "met",
         "predicted step within 15% of the run mean": "missed by 1 of 5",
+        "defaults within 3% of the fastest configuration": "met",
         "W1 <= 1.05x full GPU": "met",
         "W1 <= 1.05x full GPU, stepped in turn": "met",
         "W2 fp32 state <= 1.15x floor": "met",
@@ -50,37 +51,33 @@ def test_the_fixture_runs_verdicts(rows: list[Row]) -> None:
         "full-GPU rows trained (loss fell, finite)": "met",
     }
     # W2's step is 383.0 ms, its run mean 411.4, predicted 312.2: -24.1% of the run mean.
-    assert (
-        "W2 ours_io_spec1_stream: -24.1%" in got["predicted step within 15% of the run mean"].cells
-    )
+    assert "W2 ours: -24.1%" in got["predicted step within 15% of the run mean"].cells
     # Each ratio by the 5 fastest steps, the run means' beside it.
     assert got["W1 <= 1.05x full GPU"].cells == ["W1 ours: 0.941x (run 1.014x)"]
     assert got["W1 <= 1.05x full GPU, stepped in turn"].cells == ["W1 ours: 0.902x (run 0.929x)"]
-    assert got["W3 fp32 state <= 0.55x FSDP2"].cells == [
-        "W3 ours_io_spec1_stream: 0.273x (run 0.276x)"
-    ]
+    assert got["W3 fp32 state <= 0.55x FSDP2"].cells == ["W3 ours: 0.273x (run 0.276x)"]
     # W3's floor is full GPU's forward and backward; W2's and W4's are their host parts,
     # with no full-GPU row to set the compute part beside them.
     w3 = got["W3 fp32 state <= 1.15x floor"].cells
-    assert w3 == ["W3 ours_io_spec1_stream: 1.094x (run 1.115x) of gpu_compute 208.5 ms"]
+    assert w3 == ["W3 ours: 1.094x (run 1.115x) of gpu_compute 208.5 ms"]
     w4 = got["W4 fp32 state <= 1.15x floor"].cells
-    assert w4[0] == "W4 ours_io_spec1_stream: 0.954x (run 0.962x) of host_adam 1313.6 ms"
+    assert w4[0] == "W4 ours: 0.954x (run 0.962x) of host_adam 1313.6 ms"
     assert w4[1] == "no full-GPU row: the floor lacks its compute part"
 
 
 def test_a_ratio_target_is_met_by_the_median_or_missed_by_its_distance(rows: list[Row]) -> None:
-    slower = copy.deepcopy(find(rows, "W3", "ours_io_spec1_stream"))
+    slower = copy.deepcopy(find(rows, "W3", "ours"))
     slower["step_ms"] = 260.0  # 1.247x its floor of 208.5 ms
     two = by_target([*rows, slower])["W3 fp32 state <= 1.15x floor"]
     assert two.status == "missed: median 1.171x, 1.8% over 1.15x"
-    three = by_target([*rows, slower, find(rows, "W3", "ours_io_spec1_stream")])
+    three = by_target([*rows, slower, find(rows, "W3", "ours")])
     assert three["W3 fp32 state <= 1.15x floor"].status == (
         "met by the median (1.094x; 2 of 3 rows)"
     )
 
 
 def test_faster_than_is_strict_and_at_most_is_not(rows: list[Row]) -> None:
-    w3 = find(rows, "W3", "ours_io_spec1_stream")
+    w3 = find(rows, "W3", "ours")
     w3["step_ms"] = find(rows, "W3", "torchao")["step_ms"]
     assert by_target(rows)["W3 faster than torchao"].status.startswith("missed")
     w1 = find(rows, "W1", "ours")
@@ -92,7 +89,7 @@ def test_a_peer_is_the_median_of_its_rows(rows: list[Row]) -> None:
     fsdp = find(rows, "W3", "fsdp2")
     faster, slower = dict(fsdp, step_ms=500.0), dict(fsdp, step_ms=2000.0)
     cells = by_target([*rows, faster, slower])["W3 fp32 state <= 0.55x FSDP2"].cells
-    assert cells[0].startswith("W3 ours_io_spec1_stream: 0.273x")  # 228.1 / 835.5
+    assert cells[0].startswith("W3 ours: 0.273x")  # 228.1 / 835.5
 
 
 def test_full_gpu_that_did_not_train_is_no_reference(rows: list[Row]) -> None:
@@ -120,7 +117,7 @@ def test_the_floors_host_part_takes_the_runs_faster_reading(rows: list[Row]) -> 
 
 def test_failed_rows_and_the_ablation_answer_no_target(rows: list[Row]) -> None:
     failed = {"workload": "W2", "kind": "ours", "ok": False, "error": "exit 1: boom"}
-    ablation = {**find(rows, "W2", "ours_io_spec1_stream"), "kind": "ablation", "step_ms": 9e3}
+    ablation = {**find(rows, "W2", "ours"), "kind": "ablation", "step_ms": 9e3}
     assert by_target([*rows, failed, ablation]) == by_target(rows)
     assert "| W2 gpt2_xl 64x8 | ours | failed: exit 1: boom |" in targets.results_table(
         [*rows, failed]
@@ -128,21 +125,45 @@ def test_failed_rows_and_the_ablation_answer_no_target(rows: list[Row]) -> None:
 
 
 def test_the_report_kinds_are_judged_unless_kinds_are_named(rows: list[Row]) -> None:
-    # The defaults at W2, slower than the fastest configuration: tabulated, not judged.
-    defaults = {**find(rows, "W2", "ours_io_spec1_stream"), "kind": "ours", "step_ms": 450.0}
-    assert by_target([*rows, defaults]) == by_target(rows)
-    assert "| W2 gpt2_xl 64x8 | ours | 450.0 (411.4) |" in targets.results_table([*rows, defaults])
-    named = by_target([*rows, defaults], {"ours"})["W2 fp32 state <= 1.15x floor"]
-    assert named.cells[0].startswith("W2 ours: 1.271x")  # 450.0 / 354.1
+    # A forced configuration at W2: its budget and predictions judged, the floor and peer
+    # targets judge the defaults alone, unless kinds are named.
+    forced = {**find(rows, "W2", "ours"), "kind": "ours_device_conv", "step_ms": 450.0}
+    got = by_target([*rows, forced])
+    assert "W2 ours_device_conv: -24.1%" in got["predicted step within 15% of the run mean"].cells
+    assert got["W2 fp32 state <= 1.15x floor"] == by_target(rows)["W2 fp32 state <= 1.15x floor"]
+    assert "| W2 gpt2_xl 64x8 | ours_device_conv | 450.0 (411.4) |" in targets.results_table(
+        [*rows, forced]
+    )
+    named = by_target([*rows, forced], {"ours_device_conv"})["W2 fp32 state <= 1.15x floor"]
+    assert named.cells[0].startswith("W2 ours_device_conv: 1.271x")  # 450.0 / 354.1
+
+
+def test_the_defaults_are_set_against_the_fastest_configuration_of_their_numerics(
+    rows: list[Row],
+) -> None:
+    target = "defaults within 3% of the fastest configuration"
+    # Only the defaults ran: each is its own fastest.
+    alone = by_target(rows)[target]
+    assert alone.cells[1] == "W2 ours: 1.000x (run 1.000x) of ours 383.0 ms (1 configurations)"
+    # A configuration 2% faster at W2: met; 10% faster: missed, by the median of four.
+    near = {**find(rows, "W2", "ours"), "kind": "ours_no_stream", "step_ms": 383.0 / 1.02}
+    assert by_target([*rows, near])[target].status == "met"
+    fast = {**near, "kind": "ours_device_conv", "step_ms": 383.0 / 1.10, "step_mean_ms": 400.0}
+    got = by_target([*rows, near, fast])[target]
+    assert got.cells[1] == (
+        "W2 ours: 1.100x (run 1.028x) of ours_device_conv 348.2 ms (3 configurations)"
+    )
+    assert got.status == "met by the median (1.000x; 3 of 4 rows)"
+    # Rows of other numerics (bf16 moments) are not among them.
+    bf16 = {**near, "kind": "ours_bf16m", "step_ms": 100.0}
+    assert by_target([*rows, bf16])[target] == alone
 
 
 def test_kinds_limit_the_rows_of_ours_judged(rows: list[Row]) -> None:
-    got = by_target(rows, {"ours_io_bf16m_spec1_stream"})
+    got = by_target(rows, {"ours_bf16m"})
     assert got["W4 bf16 moments faster than torchao"].status == "met"
     assert got["W3 faster than torchao"].status == "not measured"
-    assert got["peak allocated <= budget"].cells == [
-        "W4 ours_io_bf16m_spec1_stream: 22.81 / 24 GiB"
-    ]
+    assert got["peak allocated <= budget"].cells == ["W4 ours_bf16m: 22.81 / 24 GiB"]
 
 
 def test_the_results_table_has_a_line_a_row_and_the_runs_provenance(rows: list[Row]) -> None:
@@ -152,9 +173,9 @@ def test_the_results_table_has_a_line_a_row_and_the_runs_provenance(rows: list[R
         lines[0] == "Rows of 2026-12-03, commit 129887a, NVIDIA H200, torch 2.11.0+cu130. Commands:"
     )
     assert sum(ln.startswith("| W") for ln in lines) == len(rows) == 12
-    w3 = next(ln for ln in lines if ln.startswith("| W3 gpt2_xl 8x1024 | ours_io_spec1_stream"))
+    w3 = next(ln for ln in lines if ln.startswith("| W3 gpt2_xl 8x1024 | ours"))
     assert w3 == (
-        "| W3 gpt2_xl 8x1024 | ours_io_spec1_stream | 228.1 (232.4) | 38.09 / 40 | "
+        "| W3 gpt2_xl 8x1024 | ours | 228.1 (232.4) | 38.09 / 40 | "
         "250.9 (+7.9%) | 37.79 (-0.8%) | 208.5 (gpu_compute) | 1.094x (1.115x) | "
         "0.992x (1.006x) | 0.273x (0.276x) | 0.516x (0.511x) |"
     )
