@@ -154,11 +154,12 @@ def describe_plan(plan: Plan) -> str:
             rows.append((rp.region.index, rp.region.index, rp.region.size_bytes, *key))
     lines = [
         f"plan: {describe_options(plan)}",
-        f"{'regions':>9}  {'param MB':>10}  {'parameters':<17}  {'state':<8}  speculative",
+        f"{'regions':>9}  {'param MB':>10}  {'parameters':<17}  {'optimizer state':<15}  "
+        "speculative",
     ]
     for first, last, size, where, state, spec in rows:
         span = str(first) if first == last else f"{first}-{last}"
-        lines.append(f"{span:>9}  {size / MiB:>10.3f}  {where:<17}  {state:<8}  {spec}")
+        lines.append(f"{span:>9}  {size / MiB:>10.3f}  {where:<17}  {state:<15}  {spec}")
     return "\n".join(lines)
 
 
