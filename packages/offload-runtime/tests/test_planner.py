@@ -31,6 +31,7 @@ from offload_runtime.planning import (
     speculative_params_that_fit,
 )
 from offload_runtime.planning.candidates import planning_hardware
+from offload_runtime.planning.device import model_bytes_on
 from offload_runtime.planning.planner import BLOCK_SEARCH_MODEL_SHARE, block_search_range
 from offload_runtime.planning.speculation import host_state_bytes
 from offload_solver import CostModel, InfeasibleBudgetError, PlanOptions, StatePlacement
@@ -262,6 +263,44 @@ def test_host_memory_in_the_config_bounds_the_parameters_that_speculate() -> Non
     assert roomy.plan.options.speculative_params is None
     forced = planned(model, config=config, speculative=True, speculative_params=5, **force)
     assert forced.plan.options.speculative_params == 5
+
+
+@pytest.mark.usefixtures("trace_once")
+@pytest.mark.skipif(not single_pass.available(), reason="numba cannot load here")
+def test_the_models_own_host_weights_count_as_free_host_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host memory that bounds speculation is what is available plus the model's own
+    weights in host memory (the module's storage replaces them, as on the device): a
+    model planned on meta where its weights would be free, and the same model with host
+    weights taking that memory, get the same plan."""
+    model = tiny_gpt2()
+    with torch.device("meta"):
+        meta_model = tiny_gpt2()
+    own = model_bytes_on(model, torch.device("cpu"))
+    assert own == sum(p.numel() * 4 for p in model.parameters()) + sum(
+        b.numel() * b.element_size() for b in model.buffers()
+    )
+    assert model_bytes_on(meta_model, torch.device("cpu")) == 0
+    force: dict[str, Any] = {"speculative": True, "state_on_device": False}
+    force["block_search_range_bytes"] = 0
+    config = OffloadConfig(fuse_gelu=False)
+    roomy = planned(meta_model, config=config, **force).plan
+    host = [rp.region for rp in roomy.regions if rp.state is StatePlacement.HOST]
+    assert len(host) > 2
+    # Room for the undo buffers of the last host-state region only, beside the host state.
+    state = host_state_bytes(roomy, torch.float32, torch.float16)
+    room = state + int(12 * host[-1].numel / SPECULATION_HOST_SHARE) + 1
+    monkeypatch.setattr(planner, "available_host_memory_bytes", lambda: room)
+    assert planner.host_bytes_available(meta_model) == room
+    on_meta = planned(meta_model, config=config, **force).plan
+    monkeypatch.setattr(planner, "available_host_memory_bytes", lambda: room - own)
+    assert planner.host_bytes_available(model) == room
+    on_host = planned(model, config=config, **force).plan
+    assert on_meta.options.speculative_params == host[-1].numel
+    assert on_host.options == on_meta.options and on_host.regions == on_meta.regions
+    monkeypatch.setattr(planner, "available_host_memory_bytes", lambda: 0)
+    assert planner.host_bytes_available(model) is None  # unknown: no limit planned
 
 
 def test_each_candidate_is_priced_at_its_own_kernels_rate() -> None:

@@ -5,21 +5,32 @@ Run it (defaults are the reference's: gpt2_medium, batch 64, 16 GB, the asyn sol
     python -m offload_gpt_example
     python -m offload_gpt_example --model_type gpt2_10b --batch_size 16 --memory_budget 24
     MODEL_TYPE=gpt2_xl MEMORY_BUDGET=8 bash packages/offload-gpt-example/run.sh   # logged
-    python -m offload_gpt_example --model_type gpt2_xl --memory_budget 3 --fp16_io --speculate
+    python -m offload_gpt_example --model_type gpt2_xl --memory_budget 3
     python -m offload_gpt_example --model_type gpt2_6b --batch_size 4 --seq_len 512 \
-        --memory_budget 24 --fp16_io --bf16_moments --speculate
+        --memory_budget 24 --bf16_moments
+
+The flags choose what changes the numbers trained (``--dtype``, ``--bf16_moments``,
+``--no_fuse_gelu``) and the run's shape; everything that only changes speed (where each
+region's parameters and optimizer state live, the host kernel, fp16 I/O, speculative host
+steps, streamed state) is the planner's (``offload_runtime.memory_optimize``), and the
+log names what it chose: a ``plan:`` line and a table of the regions.
 
 Plan only, on any machine (the model is built on the meta device; no weights allocated):
 
     python -m offload_gpt_example --model_type gpt2_24b --plan_only
 
-Without a GPU, ``--device auto`` (the default) trains gpt2_tiny at a small batch on the
-CPU instead and says so; ``--device cpu`` trains the model you name on the CPU.
+``--plan_only`` prints the plan a training run with the same flags would use on this
+machine (``offload_runtime.plan``). Without a GPU, ``--device auto`` (the default) trains
+gpt2_tiny at a small batch on the CPU instead and says so, and plans the model you name
+for the default GPU (``offload_solver.default_hardware()``); ``--device cpu`` trains the
+model you name on the CPU. A CPU run plans for the default GPU's profile too.
 
 What it prints, in the reference's words (MB = 2**20 bytes, GB = 2**30 bytes):
 
     init_param_size=... MB | init_model_time=... s
     act_peak_mem=... MB | max_param_mem=... MB | total_param_mem=... MB
+    plan: <the options the planner chose>
+    <a table of the regions: parameters resident or offloaded, optimizer state, speculation>
     solver_time=... s
     | exec_time=... s | param_size=... MB | runtime_peak_mem_alc=... MB| \
 runtime_peak_mem_res=... MB|
@@ -36,12 +47,12 @@ simulated step.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,10 +69,15 @@ from offload_gpt_example.models import (
 )
 from offload_gpt_example.plot import save_plan_png
 from offload_optim import AMPOptimizer, HybridAdam, check_backward_issue, check_host_rate
-from offload_runtime import OffloadConfig, OffloadModule, PlanForce
-from offload_runtime.api import print_summary
-from offload_runtime.planning import build_offload_module, measure_device_bytes_in_use, plan_model
-from offload_solver import CostModel, HardwareProfile, InfeasibleBudgetError, Plan, default_hardware
+from offload_runtime import (
+    OffloadConfig,
+    OffloadModule,
+    describe_plan,
+    memory_optimize,
+    plan,
+    summary_line,
+)
+from offload_solver import HardwareProfile, InfeasibleBudgetError, Plan, default_hardware
 
 # -----------------------------------------------------------------------------
 # config (the reference's defaults; every one is a command-line flag)
@@ -86,10 +102,6 @@ FASTEST_STEPS = 5  # exec_time is the mean of this many fastest steps
 # The host_adam line at the end reads the host's busy time over at most this many of the
 # last steps (the first step, which allocates, left out).
 HOST_CHECK_STEPS = 20
-# The pool block-size search looks this far above the largest region (the reference's
-# 128 MiB); regions packed into one block merge, so a model smaller than this becomes one
-# region. 0 keeps regions at parameter boundaries (for tiny models and tests).
-BLOCK_SEARCH_RANGE_MB = 128.0
 # -----------------------------------------------------------------------------
 
 MB = 1024**2
@@ -103,7 +115,9 @@ EXIT_FAILURE = 1  # a valid command that cannot run here (no CUDA, budget too sm
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
     p = argparse.ArgumentParser(
         prog="offload-gpt-example",
-        description="Train GPT-2 under a GPU memory budget with automatic parameter offload.",
+        description="Train GPT-2 under a GPU memory budget with automatic parameter offload. "
+        "The flags choose what changes the numbers trained and the run's shape; the planner "
+        "chooses everything that only changes speed, and the log names what it chose.",
     )
     p.add_argument(
         "--model_type",
@@ -133,33 +147,13 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument(
         "--plan_only",
         action="store_true",
-        help="trace on the meta device, solve, write the plan and its picture; no training",
+        help="trace on the meta device, solve, write the plan and its picture; no training. "
+        "The plan is the one a training run with the same flags uses on this machine",
     )
     p.add_argument("--log_dir", default=LOG_DIR, help="folder for the plan JSON and PNG")
     p.add_argument("--lr", type=float, default=LEARNING_RATE)
     p.add_argument("--dropout", type=float, default=DROPOUT)
     p.add_argument("--seed", type=int, default=SEED)
-    p.add_argument(
-        "--block_search_range",
-        type=float,
-        default=BLOCK_SEARCH_RANGE_MB,
-        help="MB (2**20 bytes) above the largest region searched for the pool block size; "
-        f"0 keeps the finest regions (default {BLOCK_SEARCH_RANGE_MB:g})",
-    )
-    p.add_argument(
-        "--speculate",
-        action="store_true",
-        help="fp16 only: force speculative host steps under backward, undone exactly when "
-        "the gradients overflow (PlanForce(speculative=True)); the planner speculates by "
-        "itself with the single-pass host Adam where undo buffers fit in host memory",
-    )
-    p.add_argument(
-        "--fp16_io",
-        action="store_true",
-        help="fp16 only: force host steps that read fp16 gradients and write fp16 "
-        "parameters in one pass (PlanForce(fp16_io=True)); needs the single-pass host Adam "
-        "(numba)",
-    )
     p.add_argument(
         "--bf16_moments",
         action="store_true",
@@ -168,48 +162,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
         "with the single-pass host Adam (numba) a faster host step",
     )
     p.add_argument(
-        "--stream",
-        action="store_true",
-        help="let the planner step some host-resident regions on the GPU instead "
-        "(PlanForce(streamed=True), as the planner does by default): their state stays in "
-        "host memory and is copied up and back around a device step",
-    )
-    gelu = p.add_mutually_exclusive_group()
-    gelu.add_argument(
-        "--fuse_gelu",
-        dest="fuse_gelu",
-        action="store_true",
-        help="trace GPT-2's tanh GELU, written out in eight element-wise operations, as one "
-        "aten.gelu(approximate='tanh') (OffloadConfig(fuse_gelu=True)): the same formula "
-        "in one kernel, fewer operations to issue and three fewer MLP-width activations "
-        "kept per layer for backward; results differ by rounding (the default)",
-    )
-    gelu.add_argument(
         "--no_fuse_gelu",
         dest="fuse_gelu",
         action="store_false",
-        help="trace the model's GELU as written (OffloadConfig(fuse_gelu=False))",
-    )
-    p.set_defaults(fuse_gelu=True)
-    p.add_argument(
-        "--host_rate",
-        type=float,
-        default=None,
-        help="G parameters/s (1e9) of the host Adam step to plan with, instead of the "
-        "hardware profile's rate of the kernel the plan chooses (PlanForce("
-        "host_step_params_per_s=)): e.g. the rate an earlier run's last line (host_adam: "
-        "...) says its training loop ran at",
-    )
-    p.add_argument(
-        "--backward_issue_factor",
-        type=float,
-        default=CostModel().backward_issue_factor,
-        help="how many times the profile's per-operation issue cost each backward "
-        "operation costs the host when the plan keeps optimizer state on the host "
-        "(PlanForce(cost_model=CostModel(backward_issue_factor=)), >= 1; default "
-        "%(default)g, fitted by benchmarks/replay_bench.py; 1 prices the backward by its "
-        "operations' issue cost alone): e.g. the factor an earlier run's last line "
-        "(backward: ...) read from its loop",
+        help="trace GPT-2's tanh GELU as written, eight element-wise operations "
+        "(OffloadConfig(fuse_gelu=False)), instead of as one aten.gelu(approximate='tanh'): "
+        "the same formula, which the fused kernel rounds differently",
     )
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
@@ -217,26 +175,64 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     return p, p.parse_args(argv)
 
 
-def plan_choices(args: argparse.Namespace) -> tuple[OffloadConfig, PlanForce]:
-    """The user's choices (``OffloadConfig``) and the planner's choices that the flags
-    force (``PlanForce``): ``--speculate``, ``--fp16_io``, ``--host_rate``,
-    ``--backward_issue_factor`` and ``--block_search_range``; ``--stream`` forces what the
-    planner offers anyway (streamed regions where they shorten the step)."""
-    config = OffloadConfig(
+def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Usage errors (exit code :data:`EXIT_USAGE`) before anything slow happens."""
+    try:
+        get_spec(args.model_type)
+    except ValueError as exc:
+        parser.error(str(exc))
+    for flag in ("batch_size", "seq_len", "steps", "accumulation_steps"):
+        if getattr(args, flag) <= 0:
+            parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
+    if not args.memory_budget > 0:
+        parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
+
+
+def offload_config(args: argparse.Namespace) -> OffloadConfig:
+    """The user's choices the flags make: what changes the numbers trained, and the run's
+    shape. The planner decides the rest."""
+    return OffloadConfig(
         dtype=DTYPES[args.dtype],
         host_moments=torch.bfloat16 if args.bf16_moments else torch.float32,
         accumulation_steps=args.accumulation_steps,
         fuse_gelu=args.fuse_gelu,
     )
-    force = PlanForce(
-        block_search_range_bytes=int(args.block_search_range * MB),
-        speculative=True if args.speculate else None,
-        fp16_io=True if args.fp16_io else None,
-        streamed=True if args.stream else None,
-        host_step_params_per_s=None if args.host_rate is None else args.host_rate * 1e9,
-        cost_model=CostModel(backward_issue_factor=args.backward_issue_factor),
-    )
-    return config, force
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a run plans for: the training device, and the hardware profile to plan with
+    (None: measured on the device, cached)."""
+
+    device: torch.device
+    hardware: HardwareProfile | None
+
+    @property
+    def here(self) -> bool:
+        """Whether the device is on this machine (its memory can be allocated)."""
+        return self.device.type == "cpu" or torch.cuda.is_available()
+
+
+def training_target(device: str) -> Target:
+    """``--device`` resolved on this machine: the current CUDA device, measured, unless
+    ``cpu`` is asked for or there is no CUDA; a CPU run plans for
+    ``offload_solver.default_hardware()`` (the CPU has no GPU profile to measure)."""
+    if device != "cpu" and torch.cuda.is_available():
+        return Target(torch.device("cuda", torch.cuda.current_device()), None)
+    return Target(torch.device("cpu"), default_hardware())
+
+
+def draw_batches(
+    args: argparse.Namespace, batch_size: int, target: Target
+) -> list[dict[str, torch.Tensor]]:
+    """One batch per micro-batch, drawn once, on the training device: a run keeps them
+    there, and the planner counts them among the device bytes in use. (Where the device
+    is not here, on the meta device.)"""
+    device = target.device if target.here else torch.device("meta")
+    return [
+        random_batch(batch_size, args.seq_len, device=device)
+        for _ in range(args.accumulation_steps)
+    ]
 
 
 def run_name(model_type: str, batch_size: int, solver_type: str) -> str:
@@ -278,41 +274,94 @@ def write_plan_files(plan: Plan, log_dir: Path, stem: str, title: str) -> tuple[
     return json_path, png_path
 
 
+def build(
+    args: argparse.Namespace, model_type: str, device: torch.device | str, show: bool
+) -> torch.nn.Module:
+    """The model in the training dtype, in training mode: on the CPU (building the module
+    copies the weights into fp32 masters where the plan places them), or on meta."""
+    t0 = time.perf_counter()
+    where = " on meta" if str(device) == "meta" else ""
+    with phase(f"build {model_type}{where}", show):
+        model = build_model(
+            model_type,
+            device="cpu" if str(device) != "meta" else "meta",
+            dtype=DTYPES[args.dtype],
+            seq_len=args.seq_len,
+            dropout=args.dropout,
+            seed=args.seed,
+            # The GPU draws random weights far faster.
+            init_device=device if torch.device(device).type == "cuda" else None,
+        )
+    model.train()
+    print(
+        f"init_param_size={parameter_bytes(model) / MB:.3f} MB | "
+        f"init_model_time={time.perf_counter() - t0:.3f} s",
+        flush=True,
+    )
+    return model
+
+
+def planned(
+    args: argparse.Namespace,
+    model: torch.nn.Module,
+    inputs: dict[str, torch.Tensor],
+    target: Target,
+    show: bool,
+    what: str,
+) -> tuple[Plan, OffloadModule | None] | None:
+    """Plan (``--plan_only``: ``offload_runtime.plan``) or plan and build
+    (``offload_runtime.memory_optimize``), with the same arguments, and print what the
+    plan chose; None (the error printed) where the budget is below the least feasible."""
+    if show:
+        print(
+            f"planning: {args.solver_type} solver, budget {args.memory_budget:g} GB",
+            file=sys.stderr,
+        )
+    budget = int(args.memory_budget * GB)
+    config = offload_config(args)
+    t0 = time.perf_counter()
+    try:
+        if args.plan_only:
+            module = None
+            found = plan(
+                model,
+                inputs,
+                budget,
+                args.solver_type,
+                config=config,
+                hardware=target.hardware,
+                device=target.device,
+                progress=show,
+            )
+        else:
+            module = memory_optimize(
+                model,
+                inputs,
+                budget,
+                args.solver_type,
+                config=config,
+                hardware=target.hardware,
+                device=target.device,
+                progress=show,
+            )
+            found = module.plan
+    except InfeasibleBudgetError as exc:
+        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+        return None
+    solver_time = time.perf_counter() - t0
+    if module is None or not show:  # memory_optimize prints it with progress on
+        print(summary_line(found, config.dtype), flush=True)
+    print(describe_plan(found), flush=True)
+    print(f"solver_time={solver_time:.3f} s", flush=True)
+    return found, module
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, args = parse_args(argv)
-    # ---- check the command line before anything slow happens
-    try:
-        get_spec(args.model_type)
-    except ValueError as exc:
-        parser.error(str(exc))  # exits with EXIT_USAGE
-    for flag in ("batch_size", "seq_len", "steps", "accumulation_steps"):
-        if getattr(args, flag) <= 0:
-            parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
-    if not args.memory_budget > 0:
-        parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
-    if not args.block_search_range >= 0:
-        parser.error(f"--block_search_range is {args.block_search_range:g}; give MB >= 0")
-    if args.host_rate is not None and not (args.host_rate > 0 and math.isfinite(args.host_rate)):
-        parser.error(f"--host_rate is {args.host_rate:g}; give G parameters/s > 0")
-    factor = args.backward_issue_factor
-    if not (factor >= 1 and math.isfinite(factor)):
-        parser.error(f"--backward_issue_factor is {factor:g}; give a factor >= 1")
-    if args.speculate and args.dtype != "fp16":
-        parser.error(
-            f"--speculate applies to --dtype fp16 only; with {args.dtype} host regions "
-            "already step under backward (nothing waits for an overflow check)"
-        )
-    if args.fp16_io and args.dtype != "fp16":
-        parser.error(f"--fp16_io applies to --dtype fp16 only, not {args.dtype}")
-    budget_bytes = int(args.memory_budget * GB)
-    dtype = DTYPES[args.dtype]
-    stem = run_name(args.model_type, args.batch_size, args.solver_type)
-    log_dir = Path(args.log_dir)
-    show = not args.no_progress
+    check_args(parser, args)  # exits with EXIT_USAGE
     torch.manual_seed(args.seed)
-
     if args.plan_only:
-        return plan_only(args, dtype, budget_bytes, log_dir, stem, show)
+        return plan_only(args)
 
     # ---- pick the device
     has_cuda = torch.cuda.is_available()
@@ -333,88 +382,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"train that on the CPU, or --plan_only to plan it)",
             flush=True,
         )
-    device = torch.device("cuda" if args.device != "cpu" and has_cuda else "cpu")
-    if device.type == "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    on_cuda = device.type == "cuda"
-
-    # ---- build the model in the training dtype on the CPU; building the module copies the
-    # weights into fp32 masters (pinned host or device, as the plan says)
-    t0 = time.perf_counter()
-    with phase(f"build {model_type}", show):
-        model = build_model(
-            model_type,
-            device="cpu",
-            dtype=dtype,
-            seq_len=args.seq_len,
-            dropout=args.dropout,
-            seed=args.seed,
-            init_device=device if on_cuda else None,  # the GPU draws random weights far faster
-        )
-    model.train()
-    init_model_time = time.perf_counter() - t0
-    print(
-        f"init_param_size={parameter_bytes(model) / MB:.3f} MB | "
-        f"init_model_time={init_model_time:.3f} s",
-        flush=True,
-    )
-    # One batch per micro-batch, drawn once; the planner traces the first (all share
-    # its shapes).
-    batches = [
-        random_batch(batch_size, args.seq_len, device=device)
-        for _ in range(args.accumulation_steps)
-    ]
-    data = batches[0]
+    target = training_target(args.device)
+    show = not args.no_progress
+    model = build(args, model_type, target.device, show)
+    batches = draw_batches(args, batch_size, target)
     labels = [labels_for(b) for b in batches]  # shaped from the batch, not a fixed (64, 8)
 
     # ---- trace, profile the hardware, solve, build the offloaded module; the planner
     # reports each of these phases itself when progress is on
-    if show:
-        print(
-            f"planning: {args.solver_type} solver, budget {args.memory_budget:g} GB",
-            file=sys.stderr,
-        )
-    config, force = plan_choices(args)
-    t0 = time.perf_counter()
-    try:
-        planned = plan_model(
-            model,
-            data,
-            budget_bytes,
-            args.solver_type,
-            config=config,
-            device=device,
-            progress=show,
-            force=force,
-        )
-    except InfeasibleBudgetError as exc:
-        what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
-        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+    what = f"{model_type} at batch {batch_size}, seq {args.seq_len}, {args.dtype}"
+    found = planned(args, model, batches[0], target, show, what)
+    if found is None:
         return EXIT_FAILURE
-    except (ImportError, RuntimeError) as exc:
-        print(f"error: the forced host kernel cannot run here: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    module = build_offload_module(model, planned)
-    del model  # the masters now hold the weights; free the half-precision copy
+    del model  # the module's storage now holds the weights; free the model's copy
+    module = found[1]
+    assert module is not None
     optimizer = AMPOptimizer(
         HybridAdam(module.parameters(), lr=args.lr), module, keep_reports=HOST_CHECK_STEPS
     )
-    solver_time = time.perf_counter() - t0
-    print_summary(planned.profile, planned.plan)
-    print(f"solver_time={solver_time:.3f} s", flush=True)
-    plan = module.plan
-    write_plan_files(
-        plan, log_dir, stem, f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
-    )
+    stem = run_name(args.model_type, args.batch_size, args.solver_type)
+    title = f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
+    write_plan_files(module.plan, Path(args.log_dir), stem, title)
     module.train()
-    if on_cuda:
+    if target.device.type == "cuda":
         # Tracing and hardware profiling used device memory too; the budget is about training.
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.synchronize(target.device)
+        torch.cuda.reset_peak_memory_stats(target.device)
 
     # ---- the training loop
-    step_times, loss = train(module, optimizer, batches, labels, args.steps, device, show)
-    report_run(args, module, optimizer, step_times, loss, device)
+    step_times, loss = train(module, optimizer, batches, labels, args.steps, target.device, show)
+    report_run(args, module, optimizer, step_times, loss, target.device)
     return 0
 
 
@@ -462,7 +459,7 @@ def report_run(
     device: torch.device,
 ) -> None:
     """The run's result lines: the reference's, the predictions beside the measurements,
-    and what the loop read of the host against the plan (to plan the next run with)."""
+    and what the loop read of the host against the plan."""
     plan = module.plan
     fastest = sorted(step_times)[:FASTEST_STEPS]
     exec_time = sum(fastest) / len(fastest)
@@ -476,7 +473,7 @@ def report_run(
     param_size = module.profile.total_param_bytes / MB
     print(f"final_loss={loss:.6f}", flush=True)
     report = optimizer.last_step
-    if args.speculate and report is not None:
+    if plan.options.speculative and report is not None:
         print(
             f"speculation: {report.speculated_regions} regions stepped under the last "
             f"backward; {optimizer.undone_steps} steps undone (fp16 overflow)",
@@ -507,8 +504,7 @@ def report_run(
             f"host_adam: planned {check.planned_params_per_s / 1e9:.4g} G parameters/s, "
             f"{check.planned_busy_s * 1e3:.4g} ms busy per step | in the loop "
             f"{check.measured_busy_s * 1e3:.4g} ms busy per step ({check.steps} steps): "
-            f"{check.loop_params_per_s / 1e9:.4g} G parameters/s "
-            f"(--host_rate {check.loop_params_per_s / 1e9:.4g} plans with it)",
+            f"{check.loop_params_per_s / 1e9:.4g} G parameters/s",
             flush=True,
         )
     backward = check_backward_issue(optimizer, last=last)
@@ -518,86 +514,35 @@ def report_run(
             f"backward: planned issue factor {backward.planned_factor:.3f} | in the loop "
             f"{backward.measured_s * 1e3:.3f} ms per backward ({backward.steps} steps) for "
             f"{backward.operations} operations at {backward.op_overhead_s * 1e6:.3f} us: "
-            f"factor {backward.loop_factor:.3f} "
-            f"(--backward_issue_factor {backward.loop_factor:.3f} plans with it)",
+            f"factor {backward.loop_factor:.3f}",
             flush=True,
         )
 
 
-def plan_only(
-    args: argparse.Namespace,
-    dtype: torch.dtype,
-    budget_bytes: int,
-    log_dir: Path,
-    stem: str,
-    show: bool,
-) -> int:
-    """Trace on meta, solve for the GPU (measured if present, else the default), write files."""
-    t0 = time.perf_counter()
-    with phase(f"build {args.model_type} on meta", show):
-        model = build_model(
-            args.model_type, device="meta", dtype=dtype, seq_len=args.seq_len, dropout=args.dropout
-        )
-    model.train()
-    init_model_time = time.perf_counter() - t0
-    print(
-        f"init_param_size={parameter_bytes(model) / MB:.3f} MB | "
-        f"init_model_time={init_model_time:.3f} s",
-        flush=True,
-    )
-    inputs = random_batch(args.batch_size, args.seq_len, device="meta")
-    config, force = plan_choices(args)
-    cuda = torch.cuda.is_available()
-    hardware: HardwareProfile | None = None
-    in_use = 0
-    if cuda:
-        # As a training run counts them: the BLAS workspaces and the batches and labels
-        # the run keeps on the device (here on meta, so counted by hand).
-        dev = torch.device("cuda", torch.cuda.current_device())
-        batches = [inputs] * args.accumulation_steps
-        in_use = measure_device_bytes_in_use(dev, None, dtype) + sum(
-            t.numel() * t.element_size() for b in batches for t in (*b.values(), labels_for(b))
-        )
+def plan_only(args: argparse.Namespace) -> int:
+    """Trace on meta, solve as a training run with the same flags would on this machine
+    (for the default GPU where a GPU is asked for and there is none), write the files."""
+    if args.device == "cpu" or torch.cuda.is_available():
+        target = training_target(args.device)
     else:
-        hardware = default_hardware()
-        print(f"no CUDA device: planning for {hardware.name}", flush=True)
-    t0 = time.perf_counter()
-    try:
-        with phase(f"plan ({args.solver_type})", show):
-            planned = plan_model(
-                model,
-                inputs,
-                budget_bytes,
-                args.solver_type,
-                config=config,
-                hardware=hardware,
-                device="cuda",
-                progress=show,
-                force=dataclasses.replace(force, device_bytes_in_use=in_use),
-            )
-    except InfeasibleBudgetError as exc:
-        what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
-        print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
+        target = Target(torch.device("cuda"), default_hardware())
+        print(f"no CUDA device: planning for {default_hardware().name}", flush=True)
+    show = not args.no_progress
+    model = build(args, args.model_type, "meta", show)
+    # The batches a run keeps on the device, there too: the planner counts them in use.
+    batches = draw_batches(args, args.batch_size, target)
+    what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
+    found = planned(args, model, batches[0], target, show, what)
+    if found is None:
         return EXIT_FAILURE
-    except (ImportError, RuntimeError) as exc:
-        print(f"error: the forced host kernel cannot run here: {exc}", file=sys.stderr)
-        return EXIT_FAILURE
-    solver_time = time.perf_counter() - t0
-    if planned.traced.fused_gelu:
-        print(f"fused {len(planned.traced.fused_gelu)} written-out tanh GELU(s)", flush=True)
-    plan = planned.plan
-    print_summary(planned.profile, plan)
-    print(f"solver_time={solver_time:.3f} s", flush=True)
-    write_plan_files(
-        plan,
-        log_dir,
-        stem,
-        f"{args.model_type} bs {args.batch_size} seq {args.seq_len} {args.dtype}",
-    )
+    plan = found[0]
+    stem = run_name(args.model_type, args.batch_size, args.solver_type)
+    title = f"{args.model_type} bs {args.batch_size} seq {args.seq_len} {args.dtype}"
+    write_plan_files(plan, Path(args.log_dir), stem, title)
     print(
         f"predicted_peak_mem={plan.predicted_peak_bytes / MB:.3f} MB | "
         f"predicted_step_time={plan.predicted_step_time_s:.5f} s | "
-        f"hardware={planned.hardware.name}",
+        f"hardware={plan.hardware_name}",
         flush=True,
     )
     return 0

@@ -3,11 +3,18 @@
 ``memory_optimize(model, inputs, memory_budget, solver_name, config=OffloadConfig(...))``
 traces the model, measures (or loads) the hardware profile, lets the planner choose every
 speed-only option and solve, lays the parameters out in region storage, rewrites the graph
-and returns an :class:`OffloadModule` to train; ``plan(...)`` returns the plan alone.
+and returns an :class:`OffloadModule` to train; ``plan(...)`` returns the plan alone, and
+``describe_plan(plan)`` says what it chose.
 ``offload_runtime.planning`` holds the expert path (``plan_model`` with ``PlanForce``).
 """
 
-from offload_runtime.api import memory_optimize, plan, plan_summary
+from offload_runtime.api import (
+    describe_plan,
+    memory_optimize,
+    plan,
+    plan_summary,
+    summary_line,
+)
 from offload_runtime.config import OffloadConfig
 from offload_runtime.controller import OffloadController, RegionState
 from offload_runtime.hardware import (
@@ -33,6 +40,7 @@ __all__ = [
     "apply_plan",
     "build_offload_module",
     "default_cpu_profile",
+    "describe_plan",
     "device_identity",
     "insert_async_ops",
     "insert_state_ops",
@@ -43,4 +51,5 @@ __all__ = [
     "plan_summary",
     "profile_hardware",
     "region_of",
+    "summary_line",
 ]

@@ -17,17 +17,22 @@ from offload_runtime.config import OffloadConfig
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning import build_offload_module, plan_model
 from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Plan, StatePlacement
+from offload_trace import device_state_bytes_per_param
 
 MiB = 2**20
 
 
 def plan_summary(profile: ModelProfile, plan: Plan) -> dict[str, float]:
     """The reference's summary numbers (MB = 2**20 bytes) for a plan."""
+    return _summary(plan, profile.device_state_bytes_per_param, profile.total_param_bytes)
+
+
+def _summary(plan: Plan, state_bytes_per_param: int, param_bytes: int) -> dict[str, float]:
     resident = sum(
         rp.region.size_bytes for rp in plan.regions if rp.placement is ParamPlacement.RESIDENT
     )
     state = sum(
-        rp.region.numel * profile.device_state_bytes_per_param
+        rp.region.numel * state_bytes_per_param
         for rp in plan.regions
         if rp.state is StatePlacement.DEVICE
     )
@@ -36,20 +41,126 @@ def plan_summary(profile: ModelProfile, plan: Plan) -> dict[str, float]:
     return {
         "act_peak_mem_mb": act / MiB,
         "max_param_mem_mb": max_param / MiB,
-        "total_param_mem_mb": profile.total_param_bytes / MiB,
+        "total_param_mem_mb": param_bytes / MiB,
         "device_state_mem_mb": state / MiB,
     }
 
 
-def print_summary(profile: ModelProfile, plan: Plan) -> None:
-    """The reference's summary line of a plan, on stdout."""
-    s = plan_summary(profile, plan)
-    print(
+def _summary_line(s: dict[str, float]) -> str:
+    return (
         f"act_peak_mem={s['act_peak_mem_mb']:.3f} MB | "
         f"max_param_mem={s['max_param_mem_mb']:.3f} MB | "
-        f"total_param_mem={s['total_param_mem_mb']:.3f} MB",
-        flush=True,
+        f"total_param_mem={s['total_param_mem_mb']:.3f} MB"
     )
+
+
+def print_summary(profile: ModelProfile, plan: Plan) -> None:
+    """The reference's summary line of a plan, on stdout."""
+    print(_summary_line(plan_summary(profile, plan)), flush=True)
+
+
+def summary_line(plan: Plan, dtype: torch.dtype) -> str:
+    """The reference's summary line of a plan made for training in ``dtype``, from the
+    plan alone (as :func:`plan` returns it): the line :func:`print_summary` prints."""
+    param_bytes = sum(rp.region.size_bytes for rp in plan.regions)
+    return _summary_line(_summary(plan, device_state_bytes_per_param(dtype), param_bytes))
+
+
+def speculating_regions(plan: Plan) -> frozenset[int]:
+    """Indices of the regions whose host steps ``plan`` takes speculatively under backward:
+    with ``plan.options.speculative``, the regions whose optimizer state is stepped on the
+    host, from the last in forward order (whose gradients land first) down, as long as
+    their parameters stay within ``plan.options.speculative_params`` (None: all). The
+    solver prices the same regions, and the optimizer gives them undo buffers."""
+    options = plan.options
+    if not options.speculative:
+        return frozenset()
+    left = options.speculative_params
+    found: set[int] = set()
+    for rp in reversed(plan.regions):
+        if rp.state is not StatePlacement.HOST or rp.region.numel == 0:
+            continue
+        if left is not None:
+            if rp.region.numel > left:
+                break
+            left -= rp.region.numel
+        found.add(rp.region.index)
+    return frozenset(found)
+
+
+def describe_options(plan: Plan) -> str:
+    """``plan``'s options (``plan.options``, and which regions stream their state) in a
+    line of words, e.g. ``single_pass host kernel, fp16 I/O, conversions on the host,
+    speculative host steps (undo buffers for all host-state parameters, 1.18x a plain
+    step, own thread), no streamed state, late host work``."""
+    o = plan.options
+    parts = [f"{o.host_kernel} host kernel"]
+    if o.fp16_io:
+        parts.append("fp16 I/O")
+    parts.append(f"conversions on the {'device' if o.convert_on_device else 'host'}")
+    if not o.overlap:
+        parts.append("host steps after backward, waited for")
+    elif o.speculative:
+        limit = (
+            "all host-state parameters"
+            if o.speculative_params is None
+            else f"{o.speculative_params} parameters"
+        )
+        thread = ", own thread" if o.speculation_thread else ""
+        parts.append(
+            f"speculative host steps (undo buffers for {limit}, "
+            f"{o.speculative_step_cost:.2f}x a plain step{thread})"
+        )
+    elif o.host_step_after_backward:
+        parts.append("host steps after backward")
+    else:
+        parts.append("host steps under backward")
+    streamed = sum(rp.state is StatePlacement.STREAMED for rp in plan.regions)
+    if streamed:
+        staged = "staged in backward" if o.stage_in_backward else "staged at the step"
+        parts.append(f"streamed state in {streamed} regions ({staged})")
+    else:
+        parts.append("no streamed state")
+    if not o.state_on_device:
+        parts.append("all optimizer state on the host")
+    parts.append("late host work" if o.late_host_work else "no late host work")
+    if o.micro_batches > 1:
+        parts.append(f"{o.micro_batches} micro-batches per step")
+    return ", ".join(parts)
+
+
+def describe_plan(plan: Plan) -> str:
+    """What ``plan`` chose, for a log: a line ``plan: <options>`` (:func:`describe_options`)
+    and a table of its regions, consecutive regions that agree sharing a row: their
+    indices, parameter MB (2**20 bytes, training dtype), where the parameters live
+    (``resident``, or offloaded ``async``: prefetched, or ``sync``: uploaded when needed),
+    where the optimizer state lives and steps (``device``, ``host`` or ``streamed``), and
+    whether the host steps speculatively under backward (``yes``, ``no``; ``-`` where the
+    host takes no step)."""
+    speculating = speculating_regions(plan)
+    rows: list[tuple[int, int, int, str, str, str]] = []  # first, last, bytes, ...
+    for rp in plan.regions:
+        where = rp.placement.value
+        where = where if rp.placement is ParamPlacement.RESIDENT else f"offloaded ({where})"
+        if rp.state is not StatePlacement.HOST:
+            spec = "-"
+        else:
+            spec = "yes" if rp.region.index in speculating else "no"
+        key = (where, rp.state.value, spec)
+        if rows and rows[-1][3:] == key and rows[-1][1] == rp.region.index - 1:
+            first, _, size, *_ = rows[-1]
+            rows[-1] = (first, rp.region.index, size + rp.region.size_bytes, *key)
+        else:
+            rows.append((rp.region.index, rp.region.index, rp.region.size_bytes, *key))
+    lines = [
+        f"plan: {describe_options(plan)}",
+        f"{'regions':>9}  {'param MB':>10}  {'parameters':<17}  {'optimizer state':<15}  "
+        "speculative",
+    ]
+    for first, last, size, where, state, spec in rows:
+        span = str(first) if first == last else f"{first}-{last}"
+        lines.append(f"{span:>9}  {size / MiB:>10.3f}  {where:<17}  {state:<15}  {spec}")
+    return "\n".join(lines)
 
 
 def plan(
@@ -141,4 +252,13 @@ def memory_optimize(
     return module
 
 
-__all__ = ["memory_optimize", "plan", "plan_summary", "print_summary"]
+__all__ = [
+    "describe_options",
+    "describe_plan",
+    "memory_optimize",
+    "plan",
+    "plan_summary",
+    "print_summary",
+    "speculating_regions",
+    "summary_line",
+]

@@ -9,7 +9,8 @@ the optimizer execute. By job:
 - ``speculation.py``: how many parameters' undo buffers fit in host memory;
 - ``streamed_costs.py``: what a streamed region's ring moves and holds;
 - ``attention.py``: fused attention's rates at the model's own shapes;
-- ``device.py``: device bytes in use, the traced model's matrix products.
+- ``device.py``: device bytes in use, the model's own bytes on a device, the traced
+  model's matrix products.
 """
 
 from offload_runtime.planning.attention import (
@@ -19,7 +20,11 @@ from offload_runtime.planning.attention import (
     with_attention_rates,
 )
 from offload_runtime.planning.candidates import Candidate, candidates
-from offload_runtime.planning.device import matmul_shapes, measure_device_bytes_in_use
+from offload_runtime.planning.device import (
+    matmul_shapes,
+    measure_device_bytes_in_use,
+    model_bytes_on,
+)
 from offload_runtime.planning.force import PlanForce
 from offload_runtime.planning.planner import (
     PlannedModel,
@@ -50,6 +55,7 @@ __all__ = [
     "matmul_shapes",
     "measure_attention_at",
     "measure_device_bytes_in_use",
+    "model_bytes_on",
     "plan_model",
     "speculative_params_that_fit",
     "stream_copy_bytes",

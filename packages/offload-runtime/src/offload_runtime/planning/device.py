@@ -36,15 +36,22 @@ def measure_device_bytes_in_use(
         del x, bias, out
         torch.cuda.synchronize(device)  # sync point: backward's frees are done
         used = torch.cuda.memory_allocated(device)
-    own = 0
-    if model is not None:
-        seen: set[int] = set()
-        for t in (*model.parameters(), *model.buffers()):
-            storage = t.untyped_storage()
-            if t.device == device and storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                own += storage.nbytes()
+    own = 0 if model is None else model_bytes_on(model, device)
     return max(0, used - own)
+
+
+def model_bytes_on(model: torch.nn.Module, device: torch.device) -> int:
+    """Bytes of ``model``'s parameters and buffers stored on ``device``, each storage
+    once: what the offloaded module's own storage replaces once the caller lets the model
+    go (the planner counts them as free, on the device and in host memory alike)."""
+    own = 0
+    seen: set[int] = set()
+    for t in (*model.parameters(), *model.buffers()):
+        storage = t.untyped_storage()
+        if t.device == device and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            own += storage.nbytes()
+    return own
 
 
 def matmul_shapes(gm: fx.GraphModule) -> list[MatmulShape]:
@@ -69,4 +76,4 @@ def matmul_shapes(gm: fx.GraphModule) -> list[MatmulShape]:
     return out
 
 
-__all__ = ["matmul_shapes", "measure_device_bytes_in_use"]
+__all__ = ["matmul_shapes", "measure_device_bytes_in_use", "model_bytes_on"]

@@ -31,7 +31,11 @@ from offload_runtime.planning.attention import (
     with_attention_rates,
 )
 from offload_runtime.planning.candidates import Candidate, candidates, planning_hardware
-from offload_runtime.planning.device import matmul_shapes, measure_device_bytes_in_use
+from offload_runtime.planning.device import (
+    matmul_shapes,
+    measure_device_bytes_in_use,
+    model_bytes_on,
+)
 from offload_runtime.planning.force import PlanForce
 from offload_runtime.planning.speculation import speculative_params_that_fit
 from offload_runtime.planning.streamed_costs import streamed_step_costs
@@ -175,8 +179,9 @@ def plan_model(
                 "(library workspaces, the inputs, other tensors): planning for the rest"
             )
     t1 = time.perf_counter()
+    host_bytes = config.host_memory_bytes or host_bytes_available(model)
     solved = _solve_candidates(
-        chosen, base, hardware, memory_budget, solver_name, config, force, in_use
+        chosen, base, hardware, memory_budget, solver_name, config, force, (in_use, host_bytes)
     )
     kept = min(range(len(solved)), key=lambda i: (solved[i][1].predicted_step_time_s, i))
     winner, plan, profile, planned_on = solved[kept]
@@ -202,6 +207,19 @@ def plan_model(
         host_worker=force.host_worker,
         predictions_s=predictions,
     )
+
+
+def host_bytes_available(model: torch.nn.Module) -> int | None:
+    """Host memory, in bytes, that the plan's host state and undo buffers may take when
+    ``OffloadConfig.host_memory_bytes`` is None: what the host has available now, plus
+    ``model``'s own parameters and buffers in host memory, which the module's storage
+    replaces once the caller lets the model go (as ``measure_device_bytes_in_use`` counts
+    its device copies): a model planned on the meta device and the same model with host
+    weights get the same plan. None where the host memory is unknown."""
+    available = available_host_memory_bytes()
+    if not available:
+        return None
+    return available + model_bytes_on(model, torch.device("cpu"))
 
 
 def _with_measured_attention(
@@ -235,11 +253,12 @@ def _solve_candidates(
     solver_name: str,
     config: OffloadConfig,
     force: PlanForce,
-    in_use: int,
+    room: tuple[int, int | None],
 ) -> list[tuple[Candidate, Plan, ModelProfile, HardwareProfile]]:
     """Each candidate that fits: solved (its options recorded in its plan), with the
     profile and hardware it was solved for; the ``InfeasibleBudgetError`` with the
-    smallest least budget when none fits."""
+    smallest least budget when none fits. ``room``: the device bytes in use beside the
+    plan, and the host bytes its host state may take (None: unknown)."""
     solved: list[tuple[Candidate, Plan, ModelProfile, HardwareProfile]] = []
     errors: list[InfeasibleBudgetError] = []
     search_range = block_search_range(base, force)
@@ -256,7 +275,7 @@ def _solve_candidates(
                 solver_name,
                 config,
                 force,
-                in_use,
+                room,
                 search_range,
             )
         except InfeasibleBudgetError as exc:
@@ -277,14 +296,16 @@ def _solve_one(
     solver_name: str,
     config: OffloadConfig,
     force: PlanForce,
-    in_use: int,
+    room: tuple[int, int | None],
     search_range: int,
 ) -> Plan:
     """Candidate ``c`` solved on ``planned`` (its own host rate; ``spec_cost``: its
     speculative step's time over its plain one's), its options recorded
     (``Plan.options``). A speculative one whose undo buffers do not all fit in host memory
     is solved again with the regions whose buffers fit speculating
-    (:func:`speculative_params_that_fit`)."""
+    (:func:`speculative_params_that_fit`) in ``room``'s host bytes; ``room``'s device
+    bytes are in use beside the plan."""
+    in_use, host_bytes = room
     fp16 = config.dtype == torch.float16
     overlap = force.overlap is not False
     stage = force.stage_in_backward is not False
@@ -332,7 +353,6 @@ def _solve_one(
 
     plan = solved(options.speculative_params)
     if c.speculative and force.speculative_params is None:
-        host_bytes = config.host_memory_bytes or available_host_memory_bytes() or None
         fit = speculative_params_that_fit(plan, config.host_moments, config.dtype, host_bytes)
         if fit is not None:
             plan = solved(fit)
@@ -385,5 +405,6 @@ __all__ = [
     "block_search_range",
     "build_offload_module",
     "device_conversion_profile",
+    "host_bytes_available",
     "plan_model",
 ]
