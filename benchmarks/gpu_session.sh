@@ -94,7 +94,7 @@ case "$phase" in
     bench W3 ours,ours_io_spec1_stream,ours_device_conv,ours_no_stream
     report ;;
   configs3)
-    bench W4 ours,ours_io_spec1_stream,ours_device_conv
+    bench W4 ours,ours_device_conv,ours_io_spec1_stream
     report ;;
   peers1)
     need torchao "$wheels/bench"

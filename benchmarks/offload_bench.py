@@ -175,7 +175,7 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "fsdp2",
         "torchao",
     ),
-    "W4": ("ours", "ours_io_spec1_stream", "ours_device_conv", "ours_bf16m", "torchao", "fsdp2"),
+    "W4": ("ours", "ours_device_conv", "ours_io_spec1_stream", "ours_bf16m", "torchao", "fsdp2"),
 }
 """The rows each workload's targets need (``targets.py``), in the order they run: the
 defaults, the other configurations the benchmark builds with the same numerics (the

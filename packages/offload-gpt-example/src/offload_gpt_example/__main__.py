@@ -529,13 +529,16 @@ def plan_only(args: argparse.Namespace) -> int:
         print(f"no CUDA device: planning for {default_hardware().name}", flush=True)
     show = not args.no_progress
     model = build(args, args.model_type, "meta", show)
-    # The batches a run keeps on the device, there too: the planner counts them in use.
+    # The batches and labels a run keeps on the device, there too: the planner counts
+    # them in use.
     batches = draw_batches(args, args.batch_size, target)
+    labels = [labels_for(b) for b in batches]
     what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
     found = planned(args, model, batches[0], target, show, what)
     if found is None:
         return EXIT_FAILURE
     plan = found[0]
+    del labels
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
     title = f"{args.model_type} bs {args.batch_size} seq {args.seq_len} {args.dtype}"
     write_plan_files(plan, Path(args.log_dir), stem, title)

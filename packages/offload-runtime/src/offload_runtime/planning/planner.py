@@ -153,6 +153,12 @@ def plan_model(
     if config.host_threads is not None and config.host_threads != torch.get_num_threads():
         torch.set_num_threads(config.host_threads)  # process-wide: see OffloadConfig
         say(f"host threads: {config.host_threads} (torch.set_num_threads)")
+    # What the caller holds on the device, read before tracing and measuring allocate
+    # anything: the same whatever the planner's own work leaves in the allocator, so a plan
+    # of a model on meta (``plan``) and of the model itself (``memory_optimize``) agree.
+    in_use = force.device_bytes_in_use
+    if in_use is None:
+        in_use = measure_device_bytes_in_use(dev, model, config.dtype) if here else 0
     t0 = time.perf_counter()
     traced = trace(
         model, inputs, dtype=config.dtype, target_device=dev.type, fuse_gelu=config.fuse_gelu
@@ -170,14 +176,11 @@ def plan_model(
         )
     if measure_attention:
         hardware = _with_measured_attention(hardware, traced, dev, config.dtype, say)
-    in_use = force.device_bytes_in_use
-    if in_use is None:
-        in_use = measure_device_bytes_in_use(dev, model, config.dtype) if here else 0
-        if in_use:
-            say(
-                f"{in_use / MiB:.1f} MiB of device memory are in use beside the plan "
-                "(library workspaces, the inputs, other tensors): planning for the rest"
-            )
+    if force.device_bytes_in_use is None and in_use:
+        say(
+            f"{in_use / MiB:.1f} MiB of device memory are in use beside the plan "
+            "(library workspaces, the inputs, other tensors): planning for the rest"
+        )
     t1 = time.perf_counter()
     host_bytes = config.host_memory_bytes or host_bytes_available(model)
     solved = _solve_candidates(
