@@ -18,6 +18,7 @@ import torch
 from offload_runtime import hardware
 from offload_runtime.hardware import (
     DEFAULT_COMPUTE_EFFICIENCY,
+    AttentionShape,
     DeviceIdentity,
     cache,
     default_cache_dir,
@@ -395,6 +396,45 @@ def test_matmul_shapes_reuse_the_device_measurements(fake_cuda: FakeCuda, tmp_pa
     plain = profile_hardware("cuda:0", cache_dir=tmp_path, progress=False)
     assert plain.compute_efficiency == DEFAULT_COMPUTE_EFFICIENCY
     assert fake_cuda.measure_calls == 1
+
+
+def test_attention_rates_are_measured_once_per_model_shape_and_cached(
+    fake_cuda: FakeCuda, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model's attention rates live in its shapes' file: every later plan of the model on
+    the machine reads the same rates instead of timing attention again."""
+    timed: list[AttentionShape] = []
+
+    def measure(device: object, shape: AttentionShape, **kwargs: object) -> tuple[float, float]:
+        timed.append(shape)
+        return 300e12, 200e12
+
+    monkeypatch.setattr(hw_profile, "measure_attention_at", measure)
+    matmuls = [(512, 1024, 4096)]
+    attention = [AttentionShape(8, 25, 1024, 64, 0.0, calls=48)]
+
+    def profile() -> HardwareProfile:
+        return profile_hardware(
+            "cuda:0",
+            cache_dir=tmp_path,
+            matmul_shapes=matmuls,
+            attention_shapes=attention,
+            progress=False,
+        )
+
+    first = profile()
+    assert timed == attention
+    assert first.attention_fwd_flop_per_s == pytest.approx(300e12)
+    assert first.attention_bwd_flop_per_s == pytest.approx(200e12)
+    assert first.compute_efficiency == FAKE_EFFICIENCY
+    assert profile() == first and len(timed) == 1  # from the cache: nothing timed again
+    # The matrix shapes alone are another file, without attention's rates.
+    plain = profile_hardware("cuda:0", cache_dir=tmp_path, matmul_shapes=matmuls, progress=False)
+    assert plain.attention_fwd_flop_per_s == 0 and len(timed) == 1
+    # Another attention shape is timed into a file of its own.
+    attention = [AttentionShape(8, 25, 512, 64, 0.0, calls=48)]
+    profile()
+    assert len(timed) == 2 and len(_cache_files(tmp_path)) == 4
 
 
 def test_progress_lines_go_to_stderr_only_when_asked(

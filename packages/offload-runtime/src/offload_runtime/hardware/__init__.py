@@ -14,6 +14,8 @@ responsibility:
   used for the profile's host Adam rate and every host kernel's
   (:func:`measure_host_step_rates`; [Note: one host step timer]);
 - ``issue_cost.py``: the host cost of issuing one operation of a traced graph;
+- ``attention.py``: fused attention's rates at a model's own shapes, kept with its
+  matrix shapes' profile;
 - ``host_memory.py``: the host's total and available memory;
 - ``profile.py``: :func:`profile_hardware` (cache or measure) and
   :func:`default_cpu_profile`.
@@ -21,6 +23,11 @@ responsibility:
 
 from __future__ import annotations
 
+from offload_runtime.hardware.attention import (
+    AttentionShape,
+    measure_attention_at,
+    with_attention_rates,
+)
 from offload_runtime.hardware.cache import default_cache_dir
 from offload_runtime.hardware.host_memory import (
     available_host_memory_bytes,
@@ -64,6 +71,7 @@ __all__ = [
     "DEFAULT_COMPUTE_EFFICIENCY",
     "HOST_ADAM_READS_SPREAD",
     "SWEEP_SIZES_BYTES",
+    "AttentionShape",
     "DeviceIdentity",
     "HostStep",
     "HostStepTiming",
@@ -76,6 +84,7 @@ __all__ = [
     "host_adam_median",
     "host_step_configurations",
     "kernel_steps",
+    "measure_attention_at",
     "measure_attention_flop_per_s",
     "measure_copy_bandwidth",
     "measure_device_adam_params_per_s",
@@ -93,4 +102,5 @@ __all__ = [
     "profile_hardware",
     "torch_fused_adam_step",
     "total_host_memory_bytes",
+    "with_attention_rates",
 ]

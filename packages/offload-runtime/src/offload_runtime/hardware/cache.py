@@ -10,10 +10,13 @@ document per file:
   per-operation issue cost) with
   ``DEFAULT_COMPUTE_EFFICIENCY``;
 - ``hardware-<format>-<identity key>-<dtype>-mm<digest>.json``: the same with the
-  efficiency measured on one set of matrix shapes. A new model only costs the matmul
-  timing (about a second for a few shapes), not a new copy sweep and the host probes (a
-  few seconds, more in a process that has not built a torch optimizer yet: that lazily
-  imports ``torch._dynamo``).
+  efficiency measured on one set of matrix shapes and, where the model has fused
+  attention, attention's rates at its shapes (the digest covers both). A new model only
+  costs the matmul and attention timing (about a second for a few shapes), not a new copy
+  sweep and the host probes (a few seconds, more in a process that has not built a torch
+  optimizer yet: that lazily imports ``torch._dynamo``). Every plan of one model on one
+  machine then prices its products and its attention alike, whether planned from the
+  model or from a copy on the meta device.
 
 The identity key (``DeviceIdentity.cache_key``) names the GPU model, its UUID (or PCI
 bus id) and the torch version, so a different card, or a torch upgrade that may change the
@@ -43,6 +46,7 @@ from offload_solver import HardwareProfile
 
 __all__ = [
     "CACHE_FORMAT",
+    "AttentionKeys",
     "CacheFiles",
     "cache_files",
     "default_cache_dir",
@@ -58,6 +62,8 @@ CACHE_DIR_ENV = "OFFLOAD_CACHE_DIR"
 
 MatmulCounts = tuple[tuple[tuple[int, int, int], int], ...]
 """Distinct matrix-product shapes ``(m, k, n)`` with how often each occurs, sorted."""
+AttentionKeys = tuple[tuple[int, int, int, int, float, int], ...]
+"""Fused attention shapes ``(batch, heads, seq, head_dim, dropout_p, calls)``, sorted."""
 
 
 def default_cache_dir() -> Path:
@@ -79,7 +85,7 @@ class CacheFiles:
     stem: str
     """``hardware-<format>-<identity key>-<dtype>``."""
     shapes_digest: str | None
-    """Digest of the set of matrix shapes; ``None`` without shapes."""
+    """Digest of the set of matrix and attention shapes; ``None`` without shapes."""
 
     @property
     def base(self) -> Path:
@@ -101,19 +107,26 @@ class CacheFiles:
 
 
 def cache_files(
-    folder: Path | None, identity_key: str, dtype_name: str, shapes: MatmulCounts
+    folder: Path | None,
+    identity_key: str,
+    dtype_name: str,
+    shapes: MatmulCounts,
+    attention: AttentionKeys = (),
 ) -> CacheFiles:
     """The cache files of a device (``identity_key``) and dtype in ``folder`` (default
     :func:`default_cache_dir`)."""
     return CacheFiles(
         folder=folder if folder is not None else default_cache_dir(),
         stem=f"hardware-{CACHE_FORMAT}-{identity_key}-{dtype_name}",
-        shapes_digest=_shapes_digest(shapes) if shapes else None,
+        shapes_digest=_shapes_digest(shapes, attention) if shapes or attention else None,
     )
 
 
-def _shapes_digest(shapes: MatmulCounts) -> str:
-    text = json.dumps([[list(s), c] for s, c in shapes])
+def _shapes_digest(shapes: MatmulCounts, attention: AttentionKeys) -> str:
+    doc: list[object] = [[list(s), c] for s, c in shapes]
+    if attention:  # a file without attention keeps the digest it had before
+        doc.append({"attention": [list(a) for a in attention]})
+    text = json.dumps(doc)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 

@@ -19,6 +19,11 @@ from pathlib import Path
 import torch
 
 from offload_runtime.hardware import cache
+from offload_runtime.hardware.attention import (
+    AttentionShape,
+    measure_attention_at,
+    with_attention_rates,
+)
 from offload_runtime.hardware.host_memory import (
     available_host_memory_bytes,
     total_host_memory_bytes,
@@ -93,6 +98,7 @@ def profile_hardware(
     cache_dir: Path | None = None,
     dtype: torch.dtype = torch.float16,
     matmul_shapes: Sequence[MatmulShape] = (),
+    attention_shapes: Sequence[AttentionShape] = (),
     progress: bool = True,
 ) -> HardwareProfile:
     """The hardware profile of ``device``, from the cache when present, else measured.
@@ -119,6 +125,10 @@ def profile_hardware(
             each time they occur. Each is timed with the two products of its backward pass,
             and ``compute_efficiency`` is their FLOP-weighted rate over the peak. Empty:
             :data:`DEFAULT_COMPUTE_EFFICIENCY`.
+        attention_shapes: the model's fused attention calls; their rates
+            (``attention_fwd_flop_per_s`` / ``attention_bwd_flop_per_s``) are measured at
+            these shapes and cached with the matrix shapes' profile. Empty: the profile's
+            (unknown, 0: priced at the matrix products' rate).
         progress: print one line per phase to stderr.
 
     Raises:
@@ -133,7 +143,12 @@ def profile_hardware(
 
     say = Progress(enabled=progress)
     identity = device_identity(dev)
-    files = cache.cache_files(cache_dir, identity.cache_key, dtype_label, shapes)
+    attention = tuple(
+        sorted(
+            (a.batch, a.heads, a.seq, a.head_dim, a.dropout_p, a.calls) for a in attention_shapes
+        )
+    )
+    files = cache.cache_files(cache_dir, identity.cache_key, dtype_label, shapes, attention)
 
     base: HardwareProfile | None = None
     if not force:
@@ -157,10 +172,23 @@ def profile_hardware(
     if files.shapes is None:
         return base
 
-    efficiency = measure_matmul_efficiency(
-        dev, matmul_shapes, peak_flop_per_s=base.compute_flop_per_s, dtype=dtype, progress=progress
-    )
-    profile = dataclasses.replace(base, compute_efficiency=efficiency)
+    profile = base
+    if shapes:
+        efficiency = measure_matmul_efficiency(
+            dev,
+            matmul_shapes,
+            peak_flop_per_s=base.compute_flop_per_s,
+            dtype=dtype,
+            progress=progress,
+        )
+        profile = dataclasses.replace(base, compute_efficiency=efficiency)
+    if attention_shapes:
+        say(f"timing fused attention at {len(attention)} shape(s)")
+        profile = with_attention_rates(
+            profile,
+            list(attention_shapes),
+            lambda shape: measure_attention_at(dev, shape, dtype=dtype),
+        )
     cache.store(files.shapes, profile, say)
     return profile
 

@@ -8,17 +8,18 @@ the optimizer execute. By job:
 - ``force.py``: :class:`PlanForce`, choices fixed by tests, the benchmark and experts;
 - ``speculation.py``: how many parameters' undo buffers fit in host memory;
 - ``streamed_costs.py``: what a streamed region's ring moves and holds;
-- ``attention.py``: fused attention's rates at the model's own shapes;
+- ``attention.py``: the traced model's fused attention shapes, and whether the plan
+  prices them at measured rates;
 - ``device.py``: device bytes in use, the model's own bytes on a device, the traced
   model's matrix products.
 """
 
-from offload_runtime.planning.attention import (
+from offload_runtime.hardware.attention import (
     AttentionShape,
-    attention_shapes,
     measure_attention_at,
     with_attention_rates,
 )
+from offload_runtime.planning.attention import attention_shapes
 from offload_runtime.planning.candidates import Candidate, candidates
 from offload_runtime.planning.device import (
     matmul_shapes,

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,16 +20,13 @@ import torch
 from offload_runtime.config import OffloadConfig
 from offload_runtime.hardware import (
     available_host_memory_bytes,
+    measure_attention_at,
     profile_hardware,
+    with_attention_rates,
 )
 from offload_runtime.hardware.identity import resolve_device
 from offload_runtime.module import OffloadModule
-from offload_runtime.planning.attention import (
-    attention_shapes,
-    measure_attention_at,
-    measures_attention,
-    with_attention_rates,
-)
+from offload_runtime.planning.attention import attention_shapes, measures_attention
 from offload_runtime.planning.candidates import Candidate, candidates, planning_hardware
 from offload_runtime.planning.device import (
     matmul_shapes,
@@ -167,15 +164,27 @@ def plan_model(
     say(f"traced {len(base.operations)} operations in {time.perf_counter() - t0:.1f} s")
     if traced.fused_gelu:
         say(f"fused {len(traced.fused_gelu)} written-out tanh GELU(s) into one operation each")
+    attention = attention_shapes(traced.graph_module) if measure_attention else []
     if hardware is None:
+        # Attention's rates with the matrix products' efficiency, cached per model shape.
         hardware = profile_hardware(
             dev,
             dtype=config.dtype,
             matmul_shapes=matmul_shapes(traced.graph_module),
+            attention_shapes=attention,
             progress=progress,
         )
-    if measure_attention:
-        hardware = _with_measured_attention(hardware, traced, dev, config.dtype, say)
+    elif attention:
+        hardware = with_attention_rates(
+            hardware, attention, lambda shape: measure_attention_at(dev, shape, dtype=config.dtype)
+        )
+    if attention:
+        say(
+            f"fused attention at {len(attention)} shape(s) of the model: forward "
+            f"{hardware.attention_fwd_flop_per_s / 1e12:.0f} TFLOP/s, backward "
+            f"{hardware.attention_bwd_flop_per_s / 1e12:.0f} TFLOP/s (matrix products "
+            f"{hardware.compute_flop_per_s / 1e12:.0f})"
+        )
     if force.device_bytes_in_use is None and in_use:
         say(
             f"{in_use / MiB:.1f} MiB of device memory are in use beside the plan "
@@ -223,29 +232,6 @@ def host_bytes_available(model: torch.nn.Module) -> int | None:
     if not available:
         return None
     return available + model_bytes_on(model, torch.device("cpu"))
-
-
-def _with_measured_attention(
-    hardware: HardwareProfile,
-    traced: TracedModel,
-    dev: torch.device,
-    dtype: torch.dtype,
-    say: Callable[[str], None],
-) -> HardwareProfile:
-    """``hardware`` with fused attention's rates measured on ``dev`` at the traced model's
-    own attention shapes."""
-    shapes = attention_shapes(traced.graph_module)
-    measured = with_attention_rates(
-        hardware, shapes, lambda shape: measure_attention_at(dev, shape, dtype=dtype)
-    )
-    if shapes:
-        say(
-            f"fused attention at {len(shapes)} shape(s) of the model: forward "
-            f"{measured.attention_fwd_flop_per_s / 1e12:.0f} TFLOP/s, backward "
-            f"{measured.attention_bwd_flop_per_s / 1e12:.0f} TFLOP/s (matrix products "
-            f"{measured.compute_flop_per_s / 1e12:.0f})"
-        )
-    return measured
 
 
 def _solve_candidates(
