@@ -380,7 +380,7 @@ def test_cli_block_search_range(tmp_path: Path, capsys: pytest.CaptureFixture[st
         (["--budget", "lots"], "cannot parse size 'lots'"),
         (["--budget", "0"], "budget_bytes is 0"),
         (["--budget", "1KB"], "least budget that works is"),
-        (["--budget", "16GiB", "--in-use", "-5"], "device_bytes_in_use must be >= 0"),
+        (["--budget", "16GiB", "--in-use", "-5"], "size '-5' is not a finite, non-negative number"),
         (["--budget", "16GiB", "--micro-batches", "0"], "micro_batches is 0"),
         (["--budget", "16GiB", "--speculative-params", "-1"], "speculative_params must be"),
         (["--budget", "16GiB", "--speculative-step-cost", "0.5"], "speculative_step_cost is"),

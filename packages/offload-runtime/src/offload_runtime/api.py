@@ -166,7 +166,7 @@ def describe_plan(plan: Plan) -> str:
 def plan(
     model: torch.nn.Module,
     inputs: Mapping[str, torch.Tensor] | tuple[Any, ...],
-    memory_budget: int,
+    memory_budget: float,
     solver_name: str = "asyn",
     *,
     config: OffloadConfig | None = None,
@@ -195,7 +195,7 @@ def plan(
 def memory_optimize(
     model: torch.nn.Module,
     inputs: Mapping[str, torch.Tensor] | tuple[Any, ...],
-    memory_budget: int,
+    memory_budget: float,
     solver_name: str = "asyn",
     *,
     config: OffloadConfig | None = None,
@@ -217,7 +217,8 @@ def memory_optimize(
         model: the model with real weights (CPU or GPU); it is traced, not modified.
         inputs: example inputs, a dict of keyword tensors or a tuple of positional ones;
             shapes are fixed at trace time.
-        memory_budget: device memory budget in bytes (the solver plans against 0.95 of it).
+        memory_budget: device memory budget in bytes (the solver plans against 0.95 of it):
+            an int or any integer-like or finite real number, rounded down.
         solver_name: ``"asyn"`` (prefetch on the h2d stream) or ``"syn"``.
         config: the user's choices (:class:`OffloadConfig`: training dtype, host moments,
             host memory and threads, accumulation steps, GELU fusion); None: its defaults

@@ -12,6 +12,7 @@ from torch import fx
 from offload_runtime.attr_reads import flatten_attribute_reads
 from offload_runtime.config import OffloadConfig
 from offload_runtime.controller import OffloadController
+from offload_runtime.inputs import InputSpec
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
 from offload_runtime.streams import make_streams
@@ -75,6 +76,9 @@ class OffloadModule:
         """The traced model profile the plan was made from, when built by the planner."""
         self.hardware: HardwareProfile | None = None
         """The hardware profile the plan was solved on, when built by the planner."""
+        self.inputs: InputSpec | None = None
+        """The input tensors the model was traced with, when built by the planner: a call
+        with others is refused (:meth:`InputSpec.check_call`)."""
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         requires_grad = {name: bool(state[name].requires_grad) for name in shapes}
@@ -154,6 +158,8 @@ class OffloadModule:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.closed:
             raise RuntimeError("this OffloadModule was closed (its device memory is freed)")
+        if self.inputs is not None:
+            self.inputs.check_call(args, kwargs)
         gm = self._graph_train if self.training else self._graph_eval
         try:
             out = gm(*args, **kwargs)

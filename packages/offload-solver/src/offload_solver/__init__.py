@@ -6,7 +6,7 @@ factors are a :class:`CostModel` (``CostModel()``: the fitted defaults). Nothing
 imports anything outside the Python standard library.
 """
 
-from offload_solver._json import SCHEMA_VERSION, parse_bytes
+from offload_solver._json import SCHEMA_VERSION, as_bytes, parse_bytes
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import BandwidthPoint, HardwareProfile, default_hardware
 from offload_solver.host_rates import HostStepRate, default_host_step_rates
@@ -65,6 +65,7 @@ __all__ = [
     "Stream",
     "StreamedStepCosts",
     "TimelineInterval",
+    "as_bytes",
     "build_regions",
     "check_speculative_params",
     "default_hardware",

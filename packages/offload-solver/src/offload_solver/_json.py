@@ -8,6 +8,8 @@ fault in every error.
 from __future__ import annotations
 
 import json
+import math
+import operator
 from collections.abc import Mapping
 from dataclasses import fields
 from enum import Enum
@@ -125,4 +127,29 @@ def parse_bytes(text: str) -> int:
         value = float(num)
     except ValueError:
         raise ValueError(f"cannot parse size {text!r}; write e.g. '16GiB'") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"size {text!r} is not a finite, non-negative number of bytes")
     return int(value * units[unit])
+
+
+def as_bytes(value: object, what: str = "memory_budget") -> int:
+    """``value`` as a positive whole number of bytes, rounded down: an int or any
+    integer-like object (``__index__``: numpy integers), or a finite real number (float,
+    numpy floats, ``Fraction``, ``Decimal``). Anything else, NaN, infinity, zero,
+    negatives and values under one byte are a ``ValueError`` naming ``what``."""
+    if isinstance(value, bool | str | bytes):
+        raise ValueError(f"{what} must be a number of bytes, got {value!r}")
+    out: int
+    if hasattr(value, "__index__"):
+        out = operator.index(value)
+    else:
+        try:
+            number = float(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise ValueError(f"{what} must be a number of bytes, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ValueError(f"{what} must be a finite number of bytes, got {value!r}")
+        out = math.floor(number)
+    if out <= 0:
+        raise ValueError(f"{what} must be a positive number of bytes (at least 1), got {value!r}")
+    return out

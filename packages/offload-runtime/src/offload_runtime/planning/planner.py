@@ -25,6 +25,7 @@ from offload_runtime.hardware import (
     with_attention_rates,
 )
 from offload_runtime.hardware.identity import resolve_device
+from offload_runtime.inputs import InputSpec, input_spec
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning.attention import attention_shapes, measures_attention
 from offload_runtime.planning.candidates import Candidate, candidates, planning_hardware
@@ -43,6 +44,7 @@ from offload_solver import (
     ParamPlacement,
     Plan,
     PlanOptions,
+    as_bytes,
     solve,
 )
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
@@ -81,6 +83,8 @@ class PlannedModel:
     predictions_s: tuple[tuple[str, float], ...] = ()
     """Each candidate solved (:meth:`Candidate.describe`) and its predicted step in
     seconds (``inf`` where it did not fit the budget)."""
+    inputs: InputSpec | None = None
+    """The input tensors traced: the module refuses calls with others."""
 
 
 def device_conversion_profile(profile: ModelProfile) -> ModelProfile:
@@ -113,7 +117,7 @@ def _planning_device(
 def plan_model(
     model: torch.nn.Module,
     inputs: Mapping[str, torch.Tensor] | tuple[Any, ...],
-    memory_budget: int,
+    memory_budget: float,
     solver_name: str = "asyn",
     *,
     config: OffloadConfig | None = None,
@@ -135,14 +139,20 @@ def plan_model(
         ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
             feasible one, which the message names.
     """
-    if isinstance(memory_budget, bool) or not isinstance(memory_budget, int) or memory_budget <= 0:
-        raise ValueError(f"memory_budget must be a positive number of bytes, got {memory_budget!r}")
+    memory_budget = as_bytes(memory_budget, "memory_budget")
     config = OffloadConfig() if config is None else config
     force = PlanForce() if force is None else force
     if not isinstance(config, OffloadConfig):
         raise ValueError(f"config must be an OffloadConfig or None, got {config!r}")
     if not isinstance(force, PlanForce):
         raise ValueError(f"force must be a PlanForce or None, got {force!r}")
+    if not isinstance(inputs, Mapping | tuple):
+        raise ValueError(
+            f"inputs must be a dict of keyword tensors or a tuple of positional ones, got "
+            f"{type(inputs).__name__}"
+        )
+    spec = input_spec(inputs)
+    spec.check_dtype(config.dtype)
     dev, here = _planning_device(device, hardware)
     measure_attention = here and measures_attention(force.measure_attention, dev, hardware)
     chosen = candidates(config, force)
@@ -218,6 +228,7 @@ def plan_model(
         device=dev,
         host_worker=force.host_worker,
         predictions_s=predictions,
+        inputs=spec,
     )
 
 
@@ -381,6 +392,7 @@ def build_offload_module(model: torch.nn.Module, planned: PlannedModel) -> Offlo
     )
     module.profile = planned.profile
     module.hardware = planned.hardware
+    module.inputs = planned.inputs
     return module
 
 
