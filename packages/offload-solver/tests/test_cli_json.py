@@ -219,7 +219,7 @@ def test_upload_bytes_per_param_round_trips_and_defaults_for_old_json() -> None:
 
 def test_bad_upload_bytes_per_param_is_named() -> None:
     base = small_profile()
-    with pytest.raises(ValueError, match="host_upload_bytes_per_param is -4; must be >= 0"):
+    with pytest.raises(ValueError, match="host_upload_bytes_per_param is -4; must be a finite"):
         dataclasses.replace(base, host_upload_bytes_per_param=-4)
     doc = json.loads(base.to_json())
     doc["host_upload_bytes_per_param"] = "fp32"
@@ -442,3 +442,58 @@ def test_python_dash_m_runs_the_cli(tmp_path: Path) -> None:
     )
     assert bad.returncode == 2
     assert "cannot read profile file" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("doc", "path", "value", "message"),
+    [
+        ("profile", ("operations", 0, "saved_bytes"), float("nan"), "saved_bytes is nan"),
+        ("profile", ("operations", 0, "fwd_flop"), -1.5, "fwd_flop is -1.5"),
+        ("profile", ("operations", 0, "fwd_out_bytes"), float("inf"), "fwd_out_bytes is inf"),
+        ("profile", ("parameters", 0, "size_bytes"), 3.5, "size_bytes is 3.5"),
+        ("profile", ("parameters", 0, "size_bytes"), 3, "not numel"),
+        ("profile", ("parameters", 0, "numel"), "10", "numel is '10'"),
+        ("hardware", ("compute_flop_per_s",), float("nan"), "compute_flop_per_s is nan"),
+        ("hardware", ("host_adam_params_per_s",), float("inf"), "host_adam_params_per_s is inf"),
+        ("hardware", ("h2d", 0, "bytes_per_s"), float("nan"), "BandwidthPoint.bytes_per_s is nan"),
+        ("hardware", ("op_overhead_s",), -1e-6, "op_overhead_s is -1e-06"),
+    ],
+)
+def test_every_number_of_a_profile_or_hardware_file_is_checked(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    doc: str,
+    path: tuple[Any, ...],
+    value: Any,
+    message: str,
+) -> None:
+    """NaN, infinite, negative, fractional counts and strings in a JSON file exit 2 with
+    the field named, and write no plan."""
+    profile, hardware = _write_inputs(tmp_path)
+    target = profile if doc == "profile" else hardware
+    data = json.loads(target.read_text())
+    node = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    target.write_text(json.dumps(data))  # NaN and Infinity as Python's json writes them
+    out = tmp_path / "plan.json"
+    argv = [str(profile), "--budget", "1GiB", "--hardware", str(hardware), "-o", str(out)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_the_plan_file_is_replaced_whole(tmp_path: Path) -> None:
+    """The plan is written to a temporary file beside the target and renamed over it: the
+    target holds the old plan or the new one, never a part, and nothing else is left."""
+    profile, hardware = _write_inputs(tmp_path)
+    out = tmp_path / "plan.json"
+    out.write_text("old")
+    argv = [str(profile), "--budget", "1GiB", "--hardware", str(hardware), "-o", str(out)]
+    assert main(argv) == 0
+    assert Plan.from_json(out.read_text()).budget_bytes == 2**30
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [profile.name, hardware.name, out.name]
+    )

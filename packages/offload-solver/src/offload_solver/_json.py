@@ -7,12 +7,16 @@ fault in every error.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import operator
+import os
+import tempfile
 from collections.abc import Mapping
 from dataclasses import fields
 from enum import Enum
+from pathlib import Path
 from typing import Any, TypeVar
 
 SCHEMA_VERSION = 1
@@ -130,6 +134,32 @@ def parse_bytes(text: str) -> int:
     if not (math.isfinite(value) and value >= 0):
         raise ValueError(f"size {text!r} is not a finite, non-negative number of bytes")
     return int(value * units[unit])
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in its folder and a rename, so
+    that a reader, or another writer of the same path, never sees half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        Path(tmp).replace(path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            Path(tmp).unlink()
+        raise
+
+
+def check_numbers(obj: object, where: str) -> None:
+    """Every number among dataclass ``obj``'s fields finite and >= 0 (a bool is no
+    number); ``ValueError`` naming ``where.field`` otherwise. The solver's records hold
+    counts, sizes, rates and times, none of which is negative, NaN or infinite."""
+    for f in fields(obj):  # type: ignore[arg-type]
+        value = getattr(obj, f.name)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{where}.{f.name} is {value!r}; must be a finite number >= 0")
 
 
 def as_bytes(value: object, what: str = "memory_budget") -> int:

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from offload_solver._json import parse_bytes
+from offload_solver._json import parse_bytes, write_atomic
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import HardwareProfile, default_hardware
 from offload_solver.plan import Plan, StatePlacement, StreamedStepCosts
@@ -261,7 +261,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.output is not None:
             try:
-                args.output.write_text(plan.to_json())
+                write_atomic(args.output, plan.to_json())
             except OSError as exc:
                 raise ValueError(
                     f"cannot write plan file {str(args.output)!r}: {exc.strerror}"

@@ -15,7 +15,14 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from offload_solver._json import SCHEMA_VERSION, get_field, load_document, record, to_jsonable
+from offload_solver._json import (
+    SCHEMA_VERSION,
+    check_numbers,
+    get_field,
+    load_document,
+    record,
+    to_jsonable,
+)
 from offload_solver.cost_model import COST_MODEL_FIELDS
 from offload_solver.host_rates import (
     DEFAULT_HOST_STEP_TIMES,
@@ -35,6 +42,9 @@ class BandwidthPoint:
 
     size_bytes: int
     bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "BandwidthPoint")
 
 
 def _interp_bandwidth(points: Sequence[BandwidthPoint], size_bytes: int) -> float:
@@ -118,6 +128,7 @@ class HardwareProfile:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
+        check_numbers(self, "HardwareProfile")
         for lane in ("h2d", "d2h"):
             pts: tuple[BandwidthPoint, ...] = getattr(self, lane)
             if not pts:

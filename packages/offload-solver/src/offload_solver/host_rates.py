@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from offload_solver._json import check_numbers
+
 HOST_KERNELS = ("torch", "single_pass")
 """Kernel families that step host-resident state: torch's fused CPU Adam, and the
 single-pass kernels."""
@@ -66,6 +68,7 @@ class HostStepRate:
     """CPU threads the step ran with; 0 where not measured (documented defaults)."""
 
     def __post_init__(self) -> None:
+        check_numbers(self, "HostStepRate")
         if self.kernel not in HOST_KERNELS:
             raise ValueError(
                 f"HostStepRate.kernel is {self.kernel!r}; use one of {', '.join(HOST_KERNELS)}"

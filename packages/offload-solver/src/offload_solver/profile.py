@@ -25,10 +25,11 @@ the formula above gives the true live bytes.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 from offload_solver._json import (
     SCHEMA_VERSION,
+    check_numbers,
     get_field,
     load_document,
     record,
@@ -208,8 +209,18 @@ def validate_profile(profile: ModelProfile) -> None:
         if p.name in names:
             raise ValueError(f"ModelProfile.parameters: duplicate parameter name {p.name!r}")
         names.add(p.name)
-        if p.numel < 0 or p.size_bytes < 0:
-            raise ValueError(f"Parameter {p.name!r}: numel and size_bytes must be >= 0")
+        for key in ("numel", "size_bytes"):
+            value = getattr(p, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(
+                    f"ModelProfile.parameters ({p.name!r}).{key} is {value!r}; must be a "
+                    "whole number >= 0"
+                )
+        if p.numel and not (p.size_bytes % p.numel == 0 and 1 <= p.size_bytes // p.numel <= 8):
+            raise ValueError(
+                f"ModelProfile.parameters ({p.name!r}): size_bytes {p.size_bytes} is not "
+                f"numel {p.numel} times an element size of 1 to 8 bytes"
+            )
     op_names: set[str] = set()
     for i, op in enumerate(profile.operations):
         if op.name in op_names:
@@ -221,12 +232,7 @@ def validate_profile(profile: ModelProfile) -> None:
                     f"ModelProfile.operations[{i}] ({op.name!r}) uses unknown parameter "
                     f"{pname!r}; add it to ModelProfile.parameters"
                 )
-        for f in fields(Operation):
-            value = getattr(op, f.name)
-            if isinstance(value, int) and value < 0:
-                raise ValueError(
-                    f"ModelProfile.operations[{i}] ({op.name!r}).{f.name} is {value}; must be >= 0"
-                )
+        check_numbers(op, f"ModelProfile.operations[{i}] ({op.name!r})")
     seen: set[str] = set()
     for gi, group in enumerate(profile.tied_groups):
         if len(group) < 2:
@@ -247,16 +253,7 @@ def validate_profile(profile: ModelProfile) -> None:
             raise ValueError(
                 f"ModelProfile.tied_groups[{gi}] members have different sizes {sorted(sizes)}"
             )
-    for field_name in (
-        "device_state_bytes_per_param",
-        "host_grad_bytes_per_param",
-        "host_upload_bytes_per_param",
-    ):
-        value = getattr(profile, field_name)
-        if value < 0:
-            raise ValueError(
-                f"ModelProfile.{field_name} is {value}; must be >= 0 bytes per element"
-            )
+    check_numbers(profile, "ModelProfile")
 
 
 __all__ = [
