@@ -14,7 +14,8 @@ incremental candidate evaluation] in ``_search``), in which no next forward wait
 break ties by the earliest region, so they can leave host work on early regions whose
 next forward then waits for the host (measured: BENCHMARKS.md, Decisions, "Late host
 work"). So this phase, on the finished greedy plan, moves host work later: for a
-host-state region ``r`` (earliest first) and each of the :data:`LATE_SWAP_TARGETS`
+host-state region ``r`` (the :data:`LATE_SWAP_REGIONS` earliest, earliest first) and
+each of the :data:`LATE_SWAP_TARGETS`
 latest resident device-state regions ``s > r`` that can take its placement, it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
 issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
 resident. The first such swap whose repeating step ([Note: steady state] in
@@ -25,9 +26,11 @@ search ends. Every simulation counts in ``num_simulations``.
 
 Trying every later device-state region for every host-state region made the last pass
 (the one that keeps nothing) cost a simulation of each pair, quadratic in the regions
-and so cubic in time: the swaps kept on the traced GPT-2 profiles were all with the
-latest or next-latest device-state region, so only those are tried (the plans
-``benchmarks/solver_bench.py --planner`` solves are unchanged by it).
+and so cubic in time. The swaps kept on traced GPT-2 profiles (gpt2_xl to a
+290-layer model, budgets from 3 to 100 GiB) were all of one of a pass's first two
+host-state regions with the latest or next-latest device-state region, so a pass tries
+only the first few of each, and the plans came out unchanged
+(``benchmarks/solver_bench.py --planner`` solves such profiles).
 
 It runs before streamed regions are placed, and ``solve`` places them on both plans,
 the greedy one and the moved one, keeping the one whose repeating step is shorter in the
@@ -42,6 +45,9 @@ from offload_solver.simulators._engine import STEADY_REL_TOL, RegionAssignment, 
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers._search import Candidate, SolveStats, evaluate
 
+LATE_SWAP_REGIONS = 4
+"""Host-state regions (the earliest first) whose host work each pass tries to move (see
+the note)."""
 LATE_SWAP_TARGETS = 2
 """Device-state regions (the latest first) each host-state region's swap is tried with
 (see the note)."""
@@ -84,7 +90,7 @@ def move_host_work_late(
         asg = best.assignment
         hosts = [
             r for r, a in enumerate(asg) if a.state is not StatePlacement.DEVICE and ctx.numel[r]
-        ]
+        ][:LATE_SWAP_REGIONS]
         devices = [
             s
             for s, a in enumerate(asg)
