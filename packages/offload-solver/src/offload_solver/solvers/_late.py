@@ -15,10 +15,10 @@ break ties by the earliest region, so they can leave host work on early regions 
 next forward then waits for the host (measured: BENCHMARKS.md, Decisions, "Late host
 work"). So this phase, on the finished greedy plan, moves host work later: for a
 host-state region ``r`` (the :data:`LATE_SWAP_REGIONS` earliest, earliest first) and
-each of the :data:`LATE_SWAP_TARGETS`
-latest resident device-state regions ``s > r`` that can take its placement, it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
-issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
-resident. The first such swap whose repeating step ([Note: steady state] in
+each of the :data:`LATE_SWAP_TARGETS` latest resident device-state regions ``s > r``
+that can take its placement, it gives ``s`` the placement and state ``r`` had (an ASYNC
+prefetch issued as many regions after ``s`` as it was after ``r``) and ``r`` device
+state, resident. The first such swap whose repeating step ([Note: steady state] in
 ``simulators._steady``) is shorter by more than the steady state's tolerance and whose
 peak fits the cap is kept, and the search starts again from it. Each kept swap moves
 host work to a later region, so the sum of the host-state regions' indices rises and the
