@@ -1,8 +1,9 @@
-"""Time the offload solver on GPT-2-10B-shaped profiles (a script, not a test).
+"""Time the offload solver on GPT-2-shaped profiles (a script, not a test).
 
     PYTHONPATH=packages/offload-solver/src python benchmarks/solver_bench.py
     PYTHONPATH=packages/offload-solver/src python benchmarks/solver_bench.py \
         --layers 50 --budget 16GiB
+    PYTHONPATH=packages/offload-solver/src python benchmarks/solver_bench.py --planner
 
 It synthesises a profile shaped like gpt2_10b (hidden 4096, 16 heads, batch 64 x sequence
 8, vocabulary 50257 with tied wte / lm_head): per layer about 54 operations as a traced
@@ -12,21 +13,37 @@ a decomposed tanh GELU, ...), with FLOPs and activation bytes from the shapes. I
 solves with the default (H200-like) hardware at a budget that forces offloading and
 prints the solve time on one core and the number of full simulations.
 
-Targets (issue 2): 50 layers (about 2,700 operations) under 2 s; 200 layers under 20 s.
+``--planner`` solves as ``offload_runtime``'s planner does for fp16 training (see
+:func:`planner_solves`): hidden 2048, batch 4 x sequence 512, 37 layers (about 2,000
+operations) at 30 GiB and 183 layers (about 10,000) at 48 GiB by default, each profile
+solved for both candidates (fp16 I/O with speculative host steps, solved a second time
+with none speculating as where host memory holds no undo buffers; conversions on the
+device with host steps after backward), with streamed state and late host work; it
+prints each solve and the total per profile, with the solver's progress lines. The
+synthetic profile splits into fewer regions than a traced model of the same shape (29
+against 182 at about 2,000 operations), so it solves faster than the traced one.
+
+Targets (issue 59): the planner's solves of about 2,000 operations within 10 s on one
+core, of about 10,000 operations within 60 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
+import sys
 import time
+from typing import Any
 
 from offload_solver import (
+    HardwareProfile,
     ModelProfile,
     Operation,
     Parameter,
     ParamPlacement,
     StatePlacement,
+    StreamedStepCosts,
     default_hardware,
     parse_bytes,
     solve,
@@ -41,6 +58,9 @@ def gpt2_profile(
     heads: int = 16,
     batch: int = 64,
     seq: int = 8,
+    *,
+    host_grad_bytes_per_param: int = 2,
+    host_upload_bytes_per_param: int = 0,
     vocab: int = 50257,
     positions: int = 1024,
 ) -> ModelProfile:
@@ -170,6 +190,8 @@ def gpt2_profile(
         parameters=tuple(params),
         operations=tuple(ops),
         tied_groups=(("wte.weight", "lm_head.weight"),),
+        host_grad_bytes_per_param=host_grad_bytes_per_param,
+        host_upload_bytes_per_param=host_upload_bytes_per_param,
     )
 
 
@@ -195,6 +217,82 @@ def bench(layers: int, budget: str, solver: str) -> None:
     )
 
 
+def _streamed(up: int, down: int, slot_mib: int) -> StreamedStepCosts:
+    """Streamed costs with the planner's staging: three 16 Mi-element chunks in backward."""
+    return StreamedStepCosts(
+        up_bytes_per_param=up,
+        down_bytes_per_param=down,
+        slot_bytes=slot_mib * 2**20,
+        resident_down_bytes_per_param=12,
+        staged_chunks=3,
+        staged_chunk_numel=16 * 2**20,
+        staged_bytes_per_param=12.0,
+    )
+
+
+SPECULATIVE_STREAMED = _streamed(14, 14, 832)
+"""The streamed costs ``offload_runtime.planning.streamed_step_costs`` gives fp16 I/O with
+bf16 moments at budgets from 12 GiB up (below, the ring is a share of the budget)."""
+CONVERTING_STREAMED = _streamed(16, 12, 768)
+"""The same for conversions on the device (fp32 masters up, fp32 gradients)."""
+SPECULATIVE_STEP_COST = 1.15
+"""The default hardware's speculative fp16 I/O step time over its plain one."""
+
+
+def planner_solves(
+    layers: int, hardware: HardwareProfile
+) -> list[tuple[str, ModelProfile, HardwareProfile, dict[str, Any]]]:
+    """(name, profile, hardware, ``solve`` keywords) of each solve ``offload_runtime``'s
+    planner makes for fp16 training of a ``layers``-layer, hidden-2048 model (the example
+    models' vocabulary of 1024) at batch 4 x
+    sequence 512 (``planning.candidates``): fp16 I/O with speculative host steps on a
+    thread (no conversion pass charged), then again with no region speculating (the
+    planner's retry where host memory holds no undo buffers), and conversions on the
+    device with host steps after backward."""
+    shape = {"hidden": 2048, "heads": 16, "batch": 4, "seq": 512, "vocab": 1024}
+    host_io = gpt2_profile(layers, **shape)
+    on_device = gpt2_profile(
+        layers, **shape, host_grad_bytes_per_param=4, host_upload_bytes_per_param=4
+    )
+    fp16_io = dataclasses.replace(hardware, host_convert_elems_per_s=0.0)
+    speculative: dict[str, Any] = {
+        "speculative_step_cost": SPECULATIVE_STEP_COST,
+        "speculation_thread": True,
+        "streamed": SPECULATIVE_STREAMED,
+    }
+    return [
+        ("fp16 I/O, speculative", host_io, fp16_io, speculative),
+        ("fp16 I/O, none speculating", host_io, fp16_io, {**speculative, "speculative_params": 0}),
+        (
+            "conversions on the device",
+            on_device,
+            hardware,
+            {"host_step_after_backward": True, "streamed": CONVERTING_STREAMED},
+        ),
+    ]
+
+
+def bench_planner(layers: int, budget: str, verbose: bool) -> None:
+    """Each of :func:`planner_solves`' solves at ``budget``, timed, and their total."""
+    total = 0.0
+    ops = 0
+    for name, profile, hardware, kwargs in planner_solves(layers, default_hardware()):
+        ops = len(profile.operations)
+        say = (lambda line: print(f"    {line}", file=sys.stderr, flush=True)) if verbose else None
+        t0 = time.perf_counter()
+        plan = solve(profile, hardware, parse_bytes(budget), progress=say, **kwargs)
+        seconds = time.perf_counter() - t0
+        total += seconds
+        print(
+            f"{layers:>4} layers, {ops:>6} ops, {len(plan.regions):>4} regions, budget "
+            f"{budget}, {name}: {seconds:.2f} s, {plan.num_simulations} simulations, step "
+            f"{plan.predicted_step_time_s * 1e3:.3f} ms, peak "
+            f"{plan.predicted_peak_bytes / 2**30:.2f} GiB",
+            flush=True,
+        )
+    print(f"{layers:>4} layers, {ops:>6} ops: the planner's solves took {total:.2f} s", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, nargs="*", default=[50, 200])
@@ -205,9 +303,21 @@ def main() -> None:
         help="one budget per --layers entry (default: 16GiB for 50 layers, 48GiB for 200)",
     )
     p.add_argument("--solver", default="asyn")
+    p.add_argument(
+        "--planner",
+        action="store_true",
+        help="solve as the runtime's planner does (default layers 37 at 30GiB, 183 at 48GiB)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no solver progress lines")
     args = p.parse_args()
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
+    if args.planner:
+        layers = args.layers if args.layers != [50, 200] else [37, 183]
+        budgets = args.budget or ["30GiB" if n <= 37 else "48GiB" for n in layers]
+        for n, budget in zip(layers, budgets, strict=True):
+            bench_planner(n, budget, not args.quiet)
+        return
     budgets = args.budget or ["16GiB" if n <= 50 else "48GiB" for n in args.layers]
     for layers, budget in zip(args.layers, budgets, strict=True):
         bench(layers, budget, args.solver)

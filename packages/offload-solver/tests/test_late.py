@@ -189,3 +189,30 @@ def test_no_plan_still_names_the_least_budget() -> None:
     # The pass runs on a plan that fits; an infeasible budget still raises.
     with pytest.raises(InfeasibleBudgetError):
         solve(chain([400] * 4, 100, 200), flat_hardware(), 10, late_host_work=True)
+
+
+@engine_cases(max_examples=30, streamed=st.booleans(), where=st.floats(0.2, 1.2))
+def test_the_bounded_pass_plans_as_well_as_trying_every_pair(
+    data: st.DataObject,
+    profile: ModelProfile,
+    hardware: Any,
+    after_backward: bool,
+    streamed: bool,
+    where: float,
+) -> None:
+    # The pass tries a few early host-state regions with a few late device-state ones
+    # (LATE_SWAP_REGIONS, LATE_SWAP_TARGETS); trying every pair, as it once did, plans
+    # no shorter step on these profiles (within 1%) and the bounded plan fits the budget.
+    from offload_solver.solvers import _late
+
+    kwargs: dict[str, Any] = dict(
+        host_step_after_backward=after_backward, streamed=COSTS if streamed else None
+    )
+    budget, _ = solve_near(profile, hardware, where, late_host_work=False, **kwargs)
+    bounded = solve(profile, hardware, budget, **kwargs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_late, "LATE_SWAP_REGIONS", 10**9)
+        patch.setattr(_late, "LATE_SWAP_TARGETS", 10**9)
+        every = solve(profile, hardware, budget, **kwargs)
+    assert bounded.predicted_step_time_s <= every.predicted_step_time_s * 1.01
+    assert bounded.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR

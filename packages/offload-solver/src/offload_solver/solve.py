@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Callable
 
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import HardwareProfile
@@ -121,6 +122,7 @@ def solve(
     streamed: StreamedStepCosts | None = None,
     late_host_work: bool = True,
     cost_model: CostModel | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
 
@@ -180,6 +182,9 @@ def solve(
     ``CostModel()``, the fitted defaults. The plan records them (``Plan.cost_model``), and
     the arguments above that a runtime executes (``Plan.options``: :class:`PlanOptions`,
     whose other fields a runtime's planner fills).
+    ``progress``: called with a line of text as each phase ends (the greedy placement,
+    host work moved late, streamed regions), with its seconds and simulations so far;
+    None (default): nothing is reported.
 
     Raises:
         ValueError: a non-positive budget or an unknown solver name.
@@ -209,6 +214,7 @@ def solve(
     )
     cap = budget * BUDGET_SAFETY_FACTOR - in_use
     stats = SolveStats()
+    report = _reporter(progress, stats, ctx.num_regions)
     found, all_device = _greedy_plan(
         ctx,
         strategy,
@@ -219,14 +225,17 @@ def solve(
         budget=budget,
         in_use=in_use,
     )
+    report("greedy placement", found)
     if streamed is not None or not all_device:
         options = [found]
         if late_host_work and state_on_device and not all_device:
             moved = move_host_work_late(ctx, simulator, cap, stats, found)
+            report("host work moved late", moved)
             if moved is not found:
                 options.append(moved)
         if streamed is not None:
             options = [place_streamed(ctx, simulator, cap, stats, c) for c in options]
+            report("streamed regions placed", min(options, key=lambda c: c.period_s))
         # The moved plan only where it is still the shorter once regions are streamed
         # (it can leave the streamed search less to gain); the greedy one on a tie.
         found = min(options, key=lambda c: c.period_s)
@@ -248,6 +257,25 @@ def solve(
         solve_time_s=time.perf_counter() - t0,
         num_simulations=stats.num_simulations,
     )
+
+
+def _reporter(
+    progress: Callable[[str], None] | None, stats: SolveStats, num_regions: int
+) -> Callable[[str, Candidate], None]:
+    """A function that reports a phase's end to ``progress`` (nothing where it is None):
+    the phase, its plan's repeating step, the seconds since this was made and the
+    simulations counted so far."""
+    t0 = time.perf_counter()
+
+    def report(phase: str, found: Candidate) -> None:
+        if progress is not None:
+            progress(
+                f"solver: {phase} ({num_regions} regions): step "
+                f"{found.period_s * 1e3:.1f} ms, {time.perf_counter() - t0:.1f} s, "
+                f"{stats.num_simulations} simulations"
+            )
+
+    return report
 
 
 def _greedy_plan(

@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -203,7 +203,15 @@ def plan_model(
     t1 = time.perf_counter()
     host_bytes = config.host_memory_bytes or host_bytes_available(model)
     solved = _solve_candidates(
-        chosen, base, hardware, memory_budget, solver_name, config, force, (in_use, host_bytes)
+        chosen,
+        base,
+        hardware,
+        memory_budget,
+        solver_name,
+        config,
+        force,
+        (in_use, host_bytes),
+        say,
     )
     kept = min(range(len(solved)), key=lambda i: (solved[i][1].predicted_step_time_s, i))
     winner, plan, profile, planned_on = solved[kept]
@@ -254,11 +262,13 @@ def _solve_candidates(
     config: OffloadConfig,
     force: PlanForce,
     room: tuple[int, int | None],
+    say: Callable[[str], None],
 ) -> list[tuple[Candidate, Plan, ModelProfile, HardwareProfile]]:
     """Each candidate that fits: solved (its options recorded in its plan), with the
     profile and hardware it was solved for; the ``InfeasibleBudgetError`` with the
     smallest least budget when none fits. ``room``: the device bytes in use beside the
-    plan, and the host bytes its host state may take (None: unknown)."""
+    plan, and the host bytes its host state may take (None: unknown). ``say`` reports the
+    solver's phases as they end (``solve``'s ``progress``)."""
     solved: list[tuple[Candidate, Plan, ModelProfile, HardwareProfile]] = []
     errors: list[InfeasibleBudgetError] = []
     search_range = block_search_range(base, force)
@@ -277,6 +287,7 @@ def _solve_candidates(
                 force,
                 room,
                 search_range,
+                say,
             )
         except InfeasibleBudgetError as exc:
             errors.append(exc)
@@ -298,6 +309,7 @@ def _solve_one(
     force: PlanForce,
     room: tuple[int, int | None],
     search_range: int,
+    say: Callable[[str], None],
 ) -> Plan:
     """Candidate ``c`` solved on ``planned`` (its own host rate; ``spec_cost``: its
     speculative step's time over its plain one's), its options recorded
@@ -347,6 +359,7 @@ def _solve_one(
             streamed=streamed,
             late_host_work=options.late_host_work,
             cost_model=force.cost_model,
+            progress=lambda line: say(f"{c.describe()}: {line}"),
         )
         recorded = dataclasses.replace(options, speculative_params=speculative_params)
         return dataclasses.replace(plan, options=recorded)

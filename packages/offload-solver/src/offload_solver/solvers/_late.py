@@ -14,14 +14,23 @@ incremental candidate evaluation] in ``_search``), in which no next forward wait
 break ties by the earliest region, so they can leave host work on early regions whose
 next forward then waits for the host (measured: BENCHMARKS.md, Decisions, "Late host
 work"). So this phase, on the finished greedy plan, moves host work later: for a
-host-state region ``r`` (earliest first) and a resident device-state region ``s > r``
-(latest first), it gives ``s`` the placement and state ``r`` had (an ASYNC prefetch
-issued as many regions after ``s`` as it was after ``r``) and ``r`` device state,
-resident. The first such swap whose repeating step ([Note: steady state] in
+host-state region ``r`` (the :data:`LATE_SWAP_REGIONS` earliest, earliest first) and
+each of the :data:`LATE_SWAP_TARGETS` latest resident device-state regions ``s > r``
+that can take its placement, it gives ``s`` the placement and state ``r`` had (an ASYNC
+prefetch issued as many regions after ``s`` as it was after ``r``) and ``r`` device
+state, resident. The first such swap whose repeating step ([Note: steady state] in
 ``simulators._steady``) is shorter by more than the steady state's tolerance and whose
 peak fits the cap is kept, and the search starts again from it. Each kept swap moves
 host work to a later region, so the sum of the host-state regions' indices rises and the
 search ends. Every simulation counts in ``num_simulations``.
+
+Trying every later device-state region for every host-state region made the last pass
+(the one that keeps nothing) cost a simulation of each pair, quadratic in the regions
+and so cubic in time. The swaps kept on traced GPT-2 profiles (gpt2_xl to a
+290-layer model, budgets from 3 to 100 GiB) were all of one of a pass's first two
+host-state regions with the latest or next-latest device-state region, so a pass tries
+only the first few of each, and the plans came out unchanged
+(``benchmarks/solver_bench.py --planner`` solves such profiles).
 
 It runs before streamed regions are placed, and ``solve`` places them on both plans,
 the greedy one and the moved one, keeping the one whose repeating step is shorter in the
@@ -35,6 +44,13 @@ from offload_solver.plan import ParamPlacement, StatePlacement
 from offload_solver.simulators._engine import STEADY_REL_TOL, RegionAssignment, SimulationContext
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers._search import Candidate, SolveStats, evaluate
+
+LATE_SWAP_REGIONS = 4
+"""Host-state regions (the earliest first) whose host work each pass tries to move (see
+the note)."""
+LATE_SWAP_TARGETS = 2
+"""Device-state regions (the latest first) each host-state region's swap is tried with
+(see the note)."""
 
 
 def swapped(
@@ -74,7 +90,7 @@ def move_host_work_late(
         asg = best.assignment
         hosts = [
             r for r, a in enumerate(asg) if a.state is not StatePlacement.DEVICE and ctx.numel[r]
-        ]
+        ][:LATE_SWAP_REGIONS]
         devices = [
             s
             for s, a in enumerate(asg)
@@ -85,12 +101,14 @@ def move_host_work_late(
         threshold = best.period_s * (1.0 - STEADY_REL_TOL)
         found: Candidate | None = None
         for r in hosts:
+            targets = 0
             for s in reversed(devices):
-                if s <= r:
+                if s <= r or targets >= LATE_SWAP_TARGETS:
                     break
                 trial = swapped(ctx, asg, r, s)
                 if trial is None:
                     continue
+                targets += 1
                 c = evaluate(ctx, simulator, stats, trial, cap_bytes)
                 if c is not None and c.peak_bytes <= cap_bytes and c.period_s < threshold:
                     found = c
