@@ -110,3 +110,26 @@ def test_random_batch_follows_the_vocabulary() -> None:
     batch = random_batch(4, 64, generator=torch.Generator().manual_seed(1), vocab_size=32000)
     assert int(batch["input_ids"].max()) >= 1024
     assert int(batch["input_ids"].max()) < 32000
+
+
+def test_llama_3b_at_w5_plans_on_the_default_gpu_profile() -> None:
+    """llama_3b at 2 x 2048 under 24 GiB (the benchmark's W5) traces and plans on meta
+    for the default GPU: a plan that offloads, inside the budget. At 4 x 2048 the
+    activations alone exceed it, and the planner says so."""
+    from offload_runtime import plan
+    from offload_solver import InfeasibleBudgetError, default_hardware
+
+    model = build_model("llama_3b", device="meta", dtype=torch.float16, seq_len=2048)
+    vocab = get_spec("llama_3b").vocab_size
+    budget = 24 << 30
+    kwargs = {"hardware": default_hardware(), "device": "cuda", "progress": False}
+    found = plan(
+        model, random_batch(2, 2048, device="meta", vocab_size=vocab), budget, "asyn", **kwargs
+    )  # type: ignore[arg-type]
+    assert found.predicted_peak_bytes <= budget
+    assert len(found.regions) > 1
+    with pytest.raises(InfeasibleBudgetError) as info:
+        plan(
+            model, random_batch(4, 2048, device="meta", vocab_size=vocab), budget, "asyn", **kwargs
+        )  # type: ignore[arg-type]
+    assert info.value.least_budget_bytes > budget
