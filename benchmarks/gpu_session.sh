@@ -16,6 +16,10 @@
 #            at W4                                                                 ~4.5 min
 #   peers2   W4's defaults with bf16 moments (~2 min), then FSDP2 (2 to 4.5 min; cut
 #            at the phase's limit)                                                 ~4-7 min
+#   w5a      W5 (llama_3b): the defaults, the two candidates forced, streaming off
+#            (estimated from W4's rows, ~2 min each; the last cut at the limit)    ~8 min
+#   w5b      W5's peers: full GPU, torchao, then FSDP2 (estimated; FSDP2 last,
+#            cut at the limit)                                                     ~5-8 min
 #   bench    every phase above but tests, in turn (a machine without the 10-minute limit)
 #   all      tests, then bench
 # A bench phase writes each row to OUT_DIR/<workload>_<kind>.json as it is measured and
@@ -32,7 +36,7 @@
 # torchao are installed from WHEELS (default shared/device-wheels, its bench/ for
 # torchao) when the interpreter lacks them.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|bench|all [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|w5a|w5b|bench|all [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 root=$(cd "$(dirname "$0")/.." && pwd)
 limit=${LIMIT:-570}
@@ -105,8 +109,15 @@ case "$phase" in
   peers2)
     bench W4 ours_bf16m,fsdp2
     report ;;
+  w5a)
+    bench W5 ours,ours_io_spec1_stream,ours_device_conv,ours_no_stream
+    report ;;
+  w5b)
+    need torchao "$wheels/bench"
+    bench W5 full_gpu_master,torchao,fsdp2
+    report ;;
   bench | all)
     if [ "$phase" = all ]; then bash "$0" tests "$out"; fi
-    for p in configs1 configs2 configs3 peers1 peers2; do bash "$0" "$p" "$out"; done ;;
-  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 bench all" >&2; exit 2 ;;
+    for p in configs1 configs2 configs3 peers1 peers2 w5a w5b; do bash "$0" "$p" "$out"; done ;;
+  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 w5a w5b bench all" >&2; exit 2 ;;
 esac

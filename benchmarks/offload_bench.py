@@ -15,9 +15,10 @@ rewritten after each row: one compact record per row (:func:`compact_row`), what
 several output folders (several device calls of one run) into one summary file, without
 a GPU. A row measured again into the same folder replaces its file.
 
-Workloads (fp16, vocabulary 1024; budgets in GiB = 2**30 bytes):
+Workloads (fp16; GPT-2's vocabulary 1024, Llama's 32000; budgets in GiB = 2**30 bytes):
     W1 gpt2_medium 64 x 8    16     W2 gpt2_xl 64 x 8     3
     W3 gpt2_xl     8 x 1024  40     W4 gpt2_6b 4 x 512   24
+    W5 llama_3b    2 x 2048  24     (a current architecture: :data:`WORKLOADS`)
 
 Kinds: ours in the configurations of :data:`OURS` (``memory_optimize(asyn)`` and
 ``AMPOptimizer(HybridAdam)``; ``ours`` is the libraries' defaults), and the peers:
@@ -75,7 +76,16 @@ WORKLOADS: dict[str, tuple[str, int, int, float]] = {
     "W2": ("gpt2_xl", 64, 8, 3),
     "W3": ("gpt2_xl", 8, 1024, 40),
     "W4": ("gpt2_6b", 4, 512, 24),
+    "W5": ("llama_3b", 2, 2048, 24),
 }
+"""W5 is a current architecture: transformers' Llama (rotary embeddings, grouped-query
+attention through SDPA, RMSNorm, SiLU-gated MLP, untied 32000-token head) of 3.0 B
+parameters. Its batch is 2 x 2048: the activations Hugging Face's Llama keeps for backward
+at 4 x 2048 come to about 30 GiB by the trace (RMSNorm keeps its fp32 input, the MLP four
+8192-wide tensors a layer), beyond a 24 GiB budget whatever the plan places where (the
+planner's least budget there is 33.2 GiB: it offloads parameters and state, it does not
+recompute activations), and with full-GPU training's 56 GiB of weights and fp32 state
+beyond an 80 GB card."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,9 +169,27 @@ FULL_GPU = "full_gpu_master"
 PEERS = (FULL_GPU, "fsdp2", "torchao")
 KINDS = (*OURS, *PEERS)
 PEER_ACTIVATION = "gelu_pytorch_tanh"
-"""The peers' MLP activation: GPT-2's tanh GELU as one ``aten.gelu``, the operation that
-``memory_optimize`` traces GPT-2's written-out GELU into by default ("Fused tanh GELU"),
-so that every kind runs the same operations."""
+"""The peers' MLP activation for GPT-2: its tanh GELU as one ``aten.gelu``, the operation
+that ``memory_optimize`` traces GPT-2's written-out GELU into by default ("Fused tanh
+GELU"), so that every kind runs the same operations. Llama's SiLU is one operation
+already: its peers keep it (:func:`peer_activation`)."""
+
+
+def peer_activation(model: str) -> str:
+    """The MLP activation the peers build zoo model ``model`` with: GPT-2's
+    :data:`PEER_ACTIVATION`, Llama's own."""
+    from offload_gpt_example.models import LLAMA_ACTIVATION, LlamaSpec, get_spec
+
+    return LLAMA_ACTIVATION if isinstance(get_spec(model), LlamaSpec) else PEER_ACTIVATION
+
+
+def workload_batch(workload: str, device: str) -> dict[str, Any]:
+    """The workload's random batch on ``device``, in its model's vocabulary."""
+    from offload_gpt_example.models import get_spec, random_batch
+
+    name, batch, seq, _ = WORKLOADS[workload]
+    return random_batch(batch, seq, device=device, vocab_size=get_spec(name).vocab_size)
+
 
 REPORT_KINDS: dict[str, tuple[str, ...]] = {
     "W1": ("ours", FULL_GPU),
@@ -176,13 +204,25 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "torchao",
     ),
     "W4": ("ours", "ours_device_conv", "ours_io_spec1_stream", "ours_bf16m", "torchao", "fsdp2"),
+    "W5": (
+        "ours",
+        "ours_io_spec1_stream",
+        "ours_device_conv",
+        "ours_no_stream",
+        FULL_GPU,
+        "torchao",
+        "fsdp2",
+    ),
 }
 """The rows each workload's targets need (``targets.py``), in the order they run: the
 defaults, the other configurations the benchmark builds with the same numerics (the
 defaults' target is the fastest of them), and the peers. W1's plan keeps every region's
 state on the device, where every configuration plans alike. W4 has no full-GPU row: the
-fp32 masters, gradients and Adam state of its 6 B parameters alone take about 120 GB."""
-REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10}
+fp32 masters, gradients and Adam state of its 6 B parameters alone take about 120 GB.
+W5's full-GPU row holds 20 bytes a parameter (fp16 weights and gradients, fp32 masters,
+their gradients and two moments: 56 GiB for 3.0 B parameters) and about 15 GiB of
+activations: it fits an 80 GB card, not with much to spare."""
+REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10, "W5": 10}
 """Timed steps per row: more where steps are short and bound by issuing operations."""
 
 HOST_PROBE_NUMEL = 64 << 20
@@ -502,14 +542,14 @@ def _ours(
     """One row of ours in the configuration ``OURS[kind]`` (``device`` "cpu": tests)."""
     import torch
 
-    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from offload_gpt_example.models import build_model, lm_loss
     from offload_runtime.hardware import measure_host_adam_params_per_s
 
     config = OURS[kind]
-    name, batch, seq, budget_gib = WORKLOADS[workload]
+    name, _, seq, budget_gib = WORKLOADS[workload]
     budget = int(budget_gib * GiB)
     cuda = torch.device(device).type == "cuda"
-    data = random_batch(batch, seq, device=device)
+    data = workload_batch(workload, device)
     t0 = time.perf_counter()
     reprofiled = None
     if cuda:
@@ -685,13 +725,13 @@ def _full_gpu_steps(workload: str, device: str = "cuda") -> FullGpuSteps:
     masters")."""
     import torch
 
-    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from offload_gpt_example.models import build_model, lm_loss
 
-    name, batch, seq, _ = WORKLOADS[workload]
+    name, _, seq, _ = WORKLOADS[workload]
     model = build_model(
-        name, device=device, dtype=torch.float16, seq_len=seq, activation=PEER_ACTIVATION
+        name, device=device, dtype=torch.float16, seq_len=seq, activation=peer_activation(name)
     )
-    data = random_batch(batch, seq, device=device)
+    data = workload_batch(workload, device)
     params: list[torch.Tensor] = list(model.parameters())
     masters: list[torch.Tensor] = [torch.nn.Parameter(p.detach().float()) for p in params]
     for m in masters:
@@ -758,14 +798,15 @@ def _full_gpu(
 
 
 def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
-    """FSDP2 with every block and the root on ``CPUOffloadPolicy`` (parameters, gradients
-    and Adam state on the host, fused Adam there), fp16 compute, world size 1."""
+    """FSDP2 with every block (GPT-2's ``GPT2Block``, Llama's ``LlamaDecoderLayer``) and
+    the root on ``CPUOffloadPolicy`` (parameters, gradients and Adam state on the host,
+    fused Adam there), fp16 compute, world size 1."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from offload_gpt_example.models import build_model, lm_loss
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     with socket.socket() as s:
@@ -773,22 +814,22 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
     dist.init_process_group("nccl", rank=0, world_size=1)
     torch.cuda.set_device(0)
-    name, batch, seq, _ = WORKLOADS[workload]
+    name, _, seq, _ = WORKLOADS[workload]
     model = build_model(
         name,
         device="cpu",
         dtype=torch.float32,
         seq_len=seq,
         init_device="cuda",
-        activation=PEER_ACTIVATION,
+        activation=peer_activation(name),
     )
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-    for block in model.model.transformer.h:
+    for block in model.blocks():
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
     fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
-    data = random_batch(batch, seq, device="cuda")
+    data = workload_batch(workload, "cuda")
 
     def step() -> None:
         torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
@@ -807,13 +848,13 @@ def _torchao(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     import torch
     from torchao.optim import CPUOffloadOptimizer
 
-    from offload_gpt_example.models import build_model, lm_loss, random_batch
+    from offload_gpt_example.models import build_model, lm_loss
 
-    name, batch, seq, _ = WORKLOADS[workload]
+    name, _, seq, _ = WORKLOADS[workload]
     model = build_model(
-        name, device="cuda", dtype=torch.bfloat16, seq_len=seq, activation=PEER_ACTIVATION
+        name, device="cuda", dtype=torch.bfloat16, seq_len=seq, activation=peer_activation(name)
     )
-    data = random_batch(batch, seq, device="cuda")
+    data = workload_batch(workload, "cuda")
     opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, fused=True, lr=1e-4)
 
     def step() -> None:
@@ -849,7 +890,7 @@ def measure(
         else:
             raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
         if kind not in OURS:
-            result["activation"] = PEER_ACTIVATION
+            result["activation"] = peer_activation(WORKLOADS[workload][0])
         result["ok"] = True
     except Exception as exc:
         traceback.print_exc()

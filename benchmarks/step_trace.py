@@ -363,13 +363,14 @@ def _measure(solver: str, model: Any, data: dict[str, Any], args: argparse.Names
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from offload_gpt_example.models import build_model, random_batch
+    from offload_gpt_example.models import build_model, get_spec, random_batch
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     model = build_model(
         args.model, device="cpu", dtype=torch.float16, seq_len=args.seq, init_device="cuda"
     )
-    data = random_batch(args.batch, args.seq, device="cuda")
+    vocab = get_spec(args.model).vocab_size
+    data = random_batch(args.batch, args.seq, device="cuda", vocab_size=vocab)
     results: dict[str, Any] = {}
     for solver in args.solvers.split(","):
         results[solver] = _measure(solver, model, data, args)

@@ -55,10 +55,11 @@ def test_the_kinds_are_ours_configurations_and_the_peers() -> None:
 
 
 def test_the_report_runs_every_row_its_targets_need() -> None:
-    assert set(REPORT_KINDS) == set(REPORT_STEPS) == {"W1", "W2", "W3", "W4"} <= set(WORKLOADS)
+    assert set(REPORT_KINDS) == set(REPORT_STEPS) == {"W1", "W2", "W3", "W4", "W5"}
+    assert set(REPORT_KINDS) <= set(WORKLOADS)
     assert all(k in KINDS for kinds in REPORT_KINDS.values() for k in kinds)
     assert REPORT_KINDS["W1"] == ("ours", FULL_GPU)
-    for w in ("W2", "W3", "W4"):
+    for w in ("W2", "W3", "W4", "W5"):
         kinds = REPORT_KINDS[w]
         assert kinds[0] == "ours" and "fsdp2" in kinds
         # The defaults, and the planner's two fp16 candidates forced.
@@ -66,7 +67,26 @@ def test_the_report_runs_every_row_its_targets_need() -> None:
     assert FULL_GPU in REPORT_KINDS["W2"] and FULL_GPU in REPORT_KINDS["W3"]  # the floor
     assert "torchao" in REPORT_KINDS["W3"]
     assert {"ours_bf16m", "torchao"} <= set(REPORT_KINDS["W4"])
+    # W5 beside full GPU, FSDP2 and torchao; every configuration of the same numerics.
+    assert {FULL_GPU, "fsdp2", "torchao", "ours_no_stream"} <= set(REPORT_KINDS["W5"])
     assert all(steps >= 5 for steps in REPORT_STEPS.values())
+
+
+def test_w5_is_llama_3b_in_its_own_vocabulary() -> None:
+    from offload_bench import PEER_ACTIVATION, peer_activation, workload_batch
+
+    from offload_gpt_example.models import get_spec
+
+    name, batch, seq, budget = WORKLOADS["W5"]
+    assert (name, batch, seq, budget) == ("llama_3b", 2, 2048, 24)
+    data = workload_batch("W5", "meta")
+    assert data["input_ids"].shape == (batch, seq)
+    assert get_spec(name).vocab_size == 32000
+    cpu = workload_batch("W1", "cpu")
+    assert int(cpu["input_ids"].max()) < get_spec(WORKLOADS["W1"][0]).vocab_size
+    # GPT-2's peers run the fused tanh GELU ours traces; Llama's keep their SiLU.
+    assert peer_activation("gpt2_xl") == PEER_ACTIVATION
+    assert peer_activation("llama_3b") == "silu"
 
 
 def test_the_command_line_defaults_to_the_reports_rows(tmp_path: Path) -> None:

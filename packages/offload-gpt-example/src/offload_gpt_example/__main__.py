@@ -1,4 +1,5 @@
-"""Train GPT-2 on one GPU under a memory budget, with the offload plan chosen automatically.
+"""Train GPT-2 (or Llama) on one GPU under a memory budget, with the offload plan chosen
+automatically.
 
 Run it (defaults are the reference's: gpt2_medium, batch 64, 16 GB, the asyn solver):
 
@@ -223,14 +224,15 @@ def training_target(device: str) -> Target:
 
 
 def draw_batches(
-    args: argparse.Namespace, batch_size: int, target: Target
+    args: argparse.Namespace, model_type: str, batch_size: int, target: Target
 ) -> list[dict[str, torch.Tensor]]:
     """One batch per micro-batch, drawn once, on the training device: a run keeps them
     there, and the planner counts them among the device bytes in use. (Where the device
     is not here, on the meta device.)"""
     device = target.device if target.here else torch.device("meta")
+    vocab = get_spec(model_type).vocab_size
     return [
-        random_batch(batch_size, args.seq_len, device=device)
+        random_batch(batch_size, args.seq_len, device=device, vocab_size=vocab)
         for _ in range(args.accumulation_steps)
     ]
 
@@ -385,7 +387,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     target = training_target(args.device)
     show = not args.no_progress
     model = build(args, model_type, target.device, show)
-    batches = draw_batches(args, batch_size, target)
+    batches = draw_batches(args, model_type, batch_size, target)
     labels = [labels_for(b) for b in batches]  # shaped from the batch, not a fixed (64, 8)
 
     # ---- trace, profile the hardware, solve, build the offloaded module; the planner
@@ -531,7 +533,7 @@ def plan_only(args: argparse.Namespace) -> int:
     model = build(args, args.model_type, "meta", show)
     # The batches and labels a run keeps on the device, there too: the planner counts
     # them in use.
-    batches = draw_batches(args, args.batch_size, target)
+    batches = draw_batches(args, args.model_type, args.batch_size, target)
     labels = [labels_for(b) for b in batches]
     what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
     found = planned(args, model, batches[0], target, show, what)
