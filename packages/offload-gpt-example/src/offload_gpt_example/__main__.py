@@ -59,6 +59,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from offload_gpt_example.interrupt import StopOnInterrupt, load_checkpoint, save_checkpoint
 from offload_gpt_example.models import (
     build_model,
     get_spec,
@@ -78,7 +79,13 @@ from offload_runtime import (
     plan,
     summary_line,
 )
-from offload_solver import HardwareProfile, InfeasibleBudgetError, Plan, default_hardware
+from offload_solver import (
+    HardwareProfile,
+    InfeasibleBudgetError,
+    Plan,
+    default_hardware,
+    write_atomic,
+)
 
 # -----------------------------------------------------------------------------
 # config (the reference's defaults; every one is a command-line flag)
@@ -111,6 +118,7 @@ SOLVERS = ("asyn", "syn")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 EXIT_USAGE = 2  # argparse's code for a bad command line
 EXIT_FAILURE = 1  # a valid command that cannot run here (no CUDA, budget too small)
+EXIT_INTERRUPTED = 130  # stopped by Ctrl-C (128 + SIGINT), the shell's convention
 
 
 def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, argparse.Namespace]:
@@ -173,6 +181,22 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument(
         "--no_progress", action="store_true", help="no progress bars (for logs and tests)"
     )
+    p.add_argument(
+        "--save_on_interrupt",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="on Ctrl-C, finish the step in progress, then save a checkpoint to PATH that "
+        "--resume continues exactly (Ctrl-C always stops cleanly, with the summary)",
+    )
+    p.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="continue the run saved at PATH (same flags): it takes the steps left of "
+        "--steps, as the uninterrupted run would have",
+    )
     return p, p.parse_args(argv)
 
 
@@ -187,6 +211,10 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
     if not args.memory_budget > 0:
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
+    if args.resume is not None and not args.resume.is_file():
+        parser.error(f"--resume {args.resume}: no such checkpoint file")
+    if args.plan_only and (args.resume or args.save_on_interrupt):
+        parser.error("--resume and --save_on_interrupt train; they do not go with --plan_only")
 
 
 def offload_config(args: argparse.Namespace) -> OffloadConfig:
@@ -270,7 +298,7 @@ def write_plan_files(plan: Plan, log_dir: Path, stem: str, title: str) -> tuple[
     """The plan JSON and its picture, beside the run's log."""
     log_dir.mkdir(parents=True, exist_ok=True)
     json_path = log_dir / f"{stem}.plan.json"
-    json_path.write_text(plan.to_json())
+    write_atomic(json_path, plan.to_json())
     png_path = save_plan_png(plan, log_dir / f"{stem}.plan.png", title=title)
     print(f"plan written to {json_path} and {png_path}", flush=True)
     return json_path, png_path
@@ -359,6 +387,17 @@ def planned(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The example's command line (see the module docstring); its exit status. A Ctrl-C
+    before training (while planning, say) ends it with one line instead of a traceback;
+    in training, the step in progress completes first (``--save_on_interrupt``)."""
+    try:
+        return run(argv)
+    except KeyboardInterrupt:
+        print("\ninterrupted; nothing was saved", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def run(argv: Sequence[str] | None = None) -> int:
     parser, args = parse_args(argv)
     check_args(parser, args)  # exits with EXIT_USAGE
     torch.manual_seed(args.seed)
@@ -411,10 +450,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.cuda.synchronize(target.device)
         torch.cuda.reset_peak_memory_stats(target.device)
 
-    # ---- the training loop
-    step_times, loss = train(module, optimizer, batches, labels, args.steps, target.device, show)
-    report_run(args, module, optimizer, step_times, loss, target.device)
-    return 0
+    # ---- the training loop: Ctrl-C stops it between steps
+    done = 0
+    if args.resume is not None:
+        try:
+            done = load_checkpoint(args.resume, optimizer)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return EXIT_FAILURE
+        print(f"resumed from {args.resume} after {done} of {args.steps} steps", flush=True)
+    with StopOnInterrupt() as stop:
+        step_times, loss = train(
+            module, optimizer, batches, labels, args.steps - done, target.device, show, stop
+        )
+    done += len(step_times)
+    if step_times:
+        report_run(args, module, optimizer, step_times, loss, target.device)
+    if not stop.requested:
+        return 0
+    print(f"interrupted after {done} of {args.steps} steps", flush=True)
+    if args.save_on_interrupt is not None:
+        save_checkpoint(args.save_on_interrupt, optimizer, done)
+        print(
+            f"checkpoint saved to {args.save_on_interrupt}; continue with --resume "
+            f"{args.save_on_interrupt}",
+            flush=True,
+        )
+    return EXIT_INTERRUPTED
 
 
 def train(
@@ -425,12 +487,17 @@ def train(
     steps: int,
     device: torch.device,
     show: bool,
+    stop: StopOnInterrupt | None = None,
 ) -> tuple[list[float], float]:
-    """``steps`` optimizer steps over ``batches`` (one micro-batch each): each step's
-    time, end to end, and the last step's loss (the mean over its micro-batches)."""
+    """``steps`` optimizer steps over ``batches`` (one micro-batch each), fewer where
+    ``stop`` is requested (checked after each step): each step's time, end to end, and the
+    last step's loss (the mean over its micro-batches; nan without a step)."""
     step_times: list[float] = []
+    loss = torch.tensor(math.nan)
     bar = tqdm(range(steps), desc="train", unit="step", disable=not show, file=sys.stderr)
     for _ in bar:
+        if stop is not None and stop.requested:
+            break
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a sync point: the timer starts on an idle device
         t0 = time.perf_counter()

@@ -6,7 +6,7 @@ factors are a :class:`CostModel` (``CostModel()``: the fitted defaults). Nothing
 imports anything outside the Python standard library.
 """
 
-from offload_solver._json import SCHEMA_VERSION, as_bytes, parse_bytes
+from offload_solver._json import SCHEMA_VERSION, as_bytes, parse_bytes, write_atomic
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import BandwidthPoint, HardwareProfile, default_hardware
 from offload_solver.host_rates import HostStepRate, default_host_step_rates
@@ -77,4 +77,5 @@ __all__ = [
     "search_block_size",
     "simulate",
     "solve",
+    "write_atomic",
 ]

@@ -1,0 +1,109 @@
+"""Ctrl-C that ends training cleanly, and checkpoints that resume a run exactly.
+
+A ``KeyboardInterrupt`` raised wherever the main thread happens to be (inside backward, or
+while the host Adam runs) would leave an optimizer step half-done. :class:`StopOnInterrupt`
+turns the first Ctrl-C into a request that the training loop reads between steps: the
+step in progress completes, the loop stops, the run prints its summary and may save a
+checkpoint. A second Ctrl-C aborts at once, as Python's default does.
+
+A checkpoint (:func:`save_checkpoint`) holds ``AMPOptimizer.state_dict()`` (the fp32
+masters, the Adam state, the loss scaler and step count), the steps done and torch's CPU
+random state; :func:`load_checkpoint` restores them, so that a resumed run takes the
+steps an uninterrupted one would have, bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+
+from offload_optim import AMPOptimizer
+
+CHECKPOINT_FORMAT = 1
+"""Version of what :func:`save_checkpoint` writes; :func:`load_checkpoint` reads only it."""
+
+
+class StopOnInterrupt:
+    """Within ``with``: the first SIGINT sets :attr:`requested` (and says so on stderr),
+    a second raises ``KeyboardInterrupt``. Outside the main thread it installs nothing
+    (signals reach the main thread only)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+        self._installed = False
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(
+            "\ninterrupt: finishing the step in progress, then stopping "
+            "(Ctrl-C again to abort now)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    def __enter__(self) -> StopOnInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+            self._installed = True
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+            self._installed = False
+
+
+def save_checkpoint(path: Path, optimizer: AMPOptimizer, steps_done: int) -> None:
+    """Write the run's state after ``steps_done`` optimizer steps to ``path``, whole: a
+    temporary file beside it, then a rename (a crash never leaves half a checkpoint)."""
+    state = {
+        "format": CHECKPOINT_FORMAT,
+        "steps_done": steps_done,
+        "amp": optimizer.state_dict(),
+        "cpu_rng": torch.get_rng_state(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        Path(tmp).replace(path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_checkpoint(path: Path, optimizer: AMPOptimizer) -> int:
+    """Restore what :func:`save_checkpoint` wrote into ``optimizer`` (and its module);
+    returns the steps the saved run had done. ``ValueError`` for a file that is not such
+    a checkpoint."""
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise ValueError(f"cannot read checkpoint {str(path)!r}: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(
+            f"{str(path)!r} is not a checkpoint of this example (format {CHECKPOINT_FORMAT})"
+        )
+    optimizer.load_state_dict(state["amp"])
+    torch.set_rng_state(state["cpu_rng"])
+    return int(state["steps_done"])
+
+
+__all__ = ["CHECKPOINT_FORMAT", "StopOnInterrupt", "load_checkpoint", "save_checkpoint"]

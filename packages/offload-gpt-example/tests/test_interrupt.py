@@ -1,0 +1,106 @@
+"""Ctrl-C in training: the step in progress completes, the run prints its summary and
+exits 130, and ``--save_on_interrupt`` writes a checkpoint that ``--resume`` continues
+bit for bit as the uninterrupted run. Run in this process on gpt2_tiny in fp32 on the CPU,
+the interrupt a real SIGINT sent from inside a training step."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import offload_gpt_example.__main__ as example
+from offload_gpt_example.interrupt import StopOnInterrupt, load_checkpoint
+
+TINY = ["--model_type", "gpt2_tiny", "--device", "cpu", "--no_progress", "--dtype", "fp32"]
+BASE = [*TINY, "--batch_size", "2", "--steps", "6", "--memory_budget", "0.004"]
+
+
+def run(
+    argv: list[str],
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    interrupt_at: int | None = None,
+) -> tuple[int, str, dict[str, torch.Tensor]]:
+    """(exit code, stdout, the masters after the last step) of the example; with
+    ``interrupt_at``, SIGINT arrives during that training step's loss (1-based)."""
+    calls = [0]
+    loss_of = example.lm_loss
+
+    def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        if calls[0] == interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)
+        return loss_of(logits, labels)
+
+    masters: dict[str, torch.Tensor] = {}
+    report = example.report_run
+
+    def report_run(args: Any, module: Any, *rest: Any) -> None:
+        masters.update({k: v.clone() for k, v in module.state_dict().items()})
+        report(args, module, *rest)
+
+    monkeypatch.setattr(example, "lm_loss", lm_loss)
+    monkeypatch.setattr(example, "report_run", report_run)
+    code = example.main(argv)
+    out = capsys.readouterr().out
+    return code, out, masters
+
+
+def test_an_interrupted_run_resumed_trains_as_the_uninterrupted_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, straight = run([*BASE, "--log_dir", str(tmp_path / "a")], capsys, monkeypatch)
+    assert code == 0, out
+    final = example_final_loss(out)
+
+    ckpt = tmp_path / "ckpt" / "run.pt"
+    argv = [*BASE, "--log_dir", str(tmp_path / "b"), "--save_on_interrupt", str(ckpt)]
+    code, out, _ = run(argv, capsys, monkeypatch, interrupt_at=3)
+    assert code == example.EXIT_INTERRUPTED
+    # The third step completed (the interrupt arrived inside it); the summary printed.
+    assert "interrupted after 3 of 6 steps" in out and "exec_time=" in out
+    assert f"checkpoint saved to {ckpt}" in out and ckpt.is_file()
+    assert [p.name for p in ckpt.parent.iterdir()] == ["run.pt"]  # written whole
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+    argv = [*BASE, "--log_dir", str(tmp_path / "c"), "--resume", str(ckpt)]
+    code, out, resumed = run(argv, capsys, monkeypatch)
+    assert code == 0, out
+    assert "resumed from" in out and "after 3 of 6 steps" in out
+    assert example_final_loss(out) == final
+    assert straight.keys() == resumed.keys()
+    for name, value in straight.items():
+        assert torch.equal(value, resumed[name]), name
+
+
+def example_final_loss(out: str) -> str:
+    line = next(ln for ln in out.splitlines() if ln.startswith("final_loss="))
+    return line.split("=", 1)[1]
+
+
+def test_a_second_interrupt_aborts_at_once() -> None:
+    with StopOnInterrupt() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_resume_names_a_missing_or_foreign_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        example.main([*BASE, "--resume", str(tmp_path / "none.pt")])
+    assert "no such checkpoint file" in capsys.readouterr().err
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"weights": torch.ones(2)}, foreign)
+    with pytest.raises(ValueError, match="not a checkpoint of this example"):
+        load_checkpoint(foreign, None)  # type: ignore[arg-type]
+    with pytest.raises(SystemExit):
+        example.main([*TINY, "--plan_only", "--resume", str(foreign)])
+    assert "do not go with --plan_only" in capsys.readouterr().err
