@@ -475,3 +475,38 @@ def test_cuda_host_rate_check_reads_the_loop_and_plans_again_with_it() -> None:
     assert again.hardware is not None
     assert again.hardware.host_adam_params_per_s == pytest.approx(check.loop_params_per_s)
     again.close()
+
+
+def test_cuda_a_dropped_module_and_optimizer_return_their_device_memory_at_once() -> None:
+    """``del module, optimizer`` gives their device memory back by reference counts alone,
+    with the cyclic collector off: a next model is planned against the whole device."""
+    import gc
+
+    from optim_helpers import plan_at_least_budget
+
+    from offload_runtime.planning import measure_device_bytes_in_use
+
+    measure_device_bytes_in_use(CUDA)  # the BLAS workspaces, allocated for good
+    before = torch.cuda.memory_allocated(CUDA)
+    module = plan_at_least_budget(
+        tiny_gpt2(), cuda_batch(0), scale=2, dtype=torch.float16, device=CUDA
+    )
+    optimizer = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-3), module)
+    for step in range(3):
+        inp = cuda_batch(step)
+        optimizer.backward(loss_of(module(**inp), inp["input_ids"]))
+        optimizer.step()
+        optimizer.zero_grad()
+    del inp
+    optimizer.synchronize()
+    held = torch.cuda.memory_allocated(CUDA) - before
+    assert held > 0
+    gc.collect()  # planning's own cyclic garbage (traced graphs), as a long run's collector
+    gc.disable()
+    try:
+        del module, optimizer
+        torch.cuda.synchronize(CUDA)
+        left = torch.cuda.memory_allocated(CUDA) - before
+    finally:
+        gc.enable()
+    assert left <= 2**20, f"{left} of {held} bytes still allocated after the drop"

@@ -15,6 +15,7 @@ streams and threads] in offload_runtime/streams.py).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from functools import partial
@@ -120,13 +121,23 @@ class HybridAdam(torch.optim.Optimizer):
         self._stepper = Stepper(self._layout, "torch", False)
         self._speculation = Speculation(self._layout, self._stepper, False)
         self._streamed = StreamedSteps(self._layout, self._stepper, False)
+        # HostSteps reads the optimizer through a weak reference: a bound method or a
+        # closure over self would make a reference cycle, and the optimizer's state (device
+        # moments among it) would then wait for the cyclic collector when dropped.
+        owner = weakref.ref(self)
+
+        def hypers() -> dict[int, AdamHyper]:
+            alive = owner()
+            assert alive is not None, "HostSteps outlived its HybridAdam"
+            return alive.hypers()
+
+        def state() -> Any:
+            alive = owner()
+            assert alive is not None, "HostSteps outlived its HybridAdam"
+            return alive.state
+
         self._steps = HostSteps(
-            self._layout,
-            self._stepper,
-            self._speculation,
-            self._streamed,
-            self.hypers,
-            lambda: self.state,
+            self._layout, self._stepper, self._speculation, self._streamed, hypers, state
         )
         self.timings: list[RegionStepTiming] = []
         """Region steps since this list was last cleared (appended from two threads)."""

@@ -341,11 +341,14 @@ class Overlap:
         """The mode of the backward whose hooks run now (host worker only)."""
         self.host_window: AnswerWindow | None = None
         """DEVICE_ANSWER: the answer window those hooks answer to (host worker only)."""
-        self._host_hooks: dict[OverlapMode, Callable[[int, Window], None]] = {
+        # Functions of the class, not methods bound to self: a dict of bound methods would
+        # make this object a reference cycle, which only the cyclic collector frees (and
+        # with it the controller and the device memory it holds).
+        self._host_hooks: dict[OverlapMode, Callable[[Overlap, int, Window], None]] = {
             OverlapMode.NONE: _nothing,
-            OverlapMode.SPECULATIVE: self._step_early,
-            OverlapMode.PARTIALS: self._host_partial,
-            OverlapMode.SPECULATIVE_UNDO: self._speculate,
+            OverlapMode.SPECULATIVE: Overlap._step_early,
+            OverlapMode.PARTIALS: Overlap._host_partial,
+            OverlapMode.SPECULATIVE_UNDO: Overlap._speculate,
         }
         """What a host-state region's hook does in each mode (DEVICE_ANSWER: see
         :meth:`_answered_landing`)."""
@@ -419,7 +422,7 @@ class Overlap:
             # The backward before a step: its first streamed region to land opens the
             # ring ([Note: staging the state in backward] in streamed/ring.py).
             optimizer.stage_streamed_state()
-        self._host_hooks[mode](r, w)
+        self._host_hooks[mode](self, r, w)
 
     def _step_early(self, r: int, w: Window) -> None:
         """SPECULATIVE: step host-state region ``r`` now, unless backward is over on the
@@ -550,5 +553,5 @@ class Overlap:
             fail_unfinished(handed)
 
 
-def _nothing(r: int, w: Window) -> None:
+def _nothing(overlap: Overlap, r: int, w: Window) -> None:
     """NONE: a host-state region's hook does nothing (accumulating, or no overlap)."""
