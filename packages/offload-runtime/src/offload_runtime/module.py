@@ -194,6 +194,8 @@ class OffloadModule:
                 yield layout.name, st.master_views[layout.name]
 
     def parameters(self) -> Iterator[torch.Tensor]:
+        """The fp32 master weights, frozen ones included (as ``nn.Module.parameters``);
+        ``HybridAdam`` keeps no state for frozen ones and never steps them."""
         for _, p in self.named_parameters():
             yield p
 
@@ -206,6 +208,8 @@ class OffloadModule:
         for st in self.storages:
             st.materialize_grad()
             for layout in st.layouts:
+                if not layout.requires_grad:
+                    continue  # frozen: no gradient
                 for alias in layout.aliases:
                     yield alias, st.grad_views[layout.name]
 
@@ -218,7 +222,8 @@ class OffloadModule:
         for st in self.storages:
             st.grad_stale = True
             for name, master in st.master_views.items():
-                master.grad = st.grad_views[name]
+                if name not in st.frozen:
+                    master.grad = st.grad_views[name]
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._buffers.items()
