@@ -200,7 +200,8 @@ class OffloadModule:
             yield p
 
     def named_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full-precision gradients by original name, every tied alias included.
+        """Full-precision gradients by original name, every tied alias included; frozen
+        parameters (``requires_grad=False``) have none and are left out.
 
         Waits for host-side gradient work first (a host sync point).
         """
