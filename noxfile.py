@@ -23,6 +23,8 @@ BENCH_TEST_DIR = "benchmarks/tests"
 DOC_TEST_DIR = "tests"
 SRC_DIRS = [f"{d}/src" for d in PACKAGE_DIRS]
 TEST_TOOLS = ["pytest", "pytest-xdist", "hypothesis"]
+# Test dependencies that need torch: not in the solver-only environment.
+TORCH_TEST_TOOLS = ["peft"]  # LoRA models (offload-optim's test_frozen.py)
 
 nox.options.sessions = ["tests", "solver_only", "typecheck", "lint"]
 nox.options.reuse_existing_virtualenvs = True
@@ -31,7 +33,7 @@ nox.options.reuse_existing_virtualenvs = True
 def _install_all(session: nox.Session, *extra: str) -> None:
     """Install every package editable, torch pinned to the CPU build."""
     editable = [arg for d in PACKAGE_DIRS for arg in ("-e", d)]
-    session.install("-c", CONSTRAINTS, *editable, *TEST_TOOLS, *extra)
+    session.install("-c", CONSTRAINTS, *editable, *TEST_TOOLS, *TORCH_TEST_TOOLS, *extra)
 
 
 @nox.session

@@ -253,8 +253,8 @@ def test_frozen_parameters_in_host_state_regions_train_like_plain_training(
     """A host-state region with a frozen parameter copies the gradients it has into their
     own slots of the staging buffer (the hook's path for a region with gaps); the others
     copy every gradient into the region's kept slot views. Both accumulate over two
-    backwards exactly as plain training does, and the frozen parameters' gradients stay
-    zero."""
+    backwards exactly as plain training does, and the frozen parameters have no gradient
+    (``named_gradients`` leaves them out, as their ``.grad`` is None in plain training)."""
     frozen = frozenset(
         {"model.transformer.h.1.attn.c_attn.weight", "model.transformer.h.0.ln_1.bias"}
     )
@@ -271,7 +271,7 @@ def test_frozen_parameters_in_host_state_regions_train_like_plain_training(
     for pname, param in model.named_parameters():
         if pname in frozen:
             assert param.grad is None
-            assert float(grads[pname].abs().max()) == 0.0, pname
+            assert pname not in grads, pname
         else:
             assert param.grad is not None
             assert rel_err(grads[pname], param.grad) <= 1e-6, pname

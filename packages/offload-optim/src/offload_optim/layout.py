@@ -19,6 +19,10 @@ views of these buffers: ``step`` is the segment's count, ``exp_avg`` and ``exp_a
 the parameter's slices of its region's moments. A host-state region that may step
 speculatively also has a :class:`Spare` set of buffers (see [Note: speculative steps] in
 speculation.py).
+
+Frozen parameters (``requires_grad=False`` in the model) get no state: their masters are
+left out of the segments, and a region's moments cover only its trainable parameters,
+which the runtime lays out first (see [Note: region storage]).
 """
 
 from __future__ import annotations
@@ -124,12 +128,13 @@ class RegionAdamState:
         # and at their exact size (PyTorch's caching pinned allocator rounds a buffer up
         # to a power of two: up to twice the host memory).
         pin = storage.streamed and storage.master.is_pinned()
+        n = storage.trainable_numel  # frozen parameters lie after it and get no state
         if pin:
-            self.exp_avg = alloc_host(storage.numel, moments_dtype, pin=True).zero_()
-            self.exp_avg_sq = alloc_host(storage.numel, moments_dtype, pin=True).zero_()
+            self.exp_avg = alloc_host(n, moments_dtype, pin=True).zero_()
+            self.exp_avg_sq = alloc_host(n, moments_dtype, pin=True).zero_()
         else:
-            self.exp_avg = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
-            self.exp_avg_sq = torch.zeros(storage.numel, dtype=moments_dtype, device=device)
+            self.exp_avg = torch.zeros(n, dtype=moments_dtype, device=device)
+            self.exp_avg_sq = torch.zeros(n, dtype=moments_dtype, device=device)
         self.segments: list[Segment] = []
         self.spare: Spare | None = None
         """Allocated by ``HybridAdam.prepare_speculation`` (host-state regions only)."""
@@ -137,7 +142,7 @@ class RegionAdamState:
     @property
     def spare_bytes(self) -> int:
         """Host bytes :class:`Spare` takes: an fp32 master backup and two moment buffers."""
-        return self.storage.numel * (4 + 2 * self.exp_avg.element_size())
+        return self.storage.trainable_numel * (4 + 2 * self.exp_avg.element_size())
 
 
 def segment_has_grad(seg: Segment) -> bool:
@@ -233,6 +238,8 @@ class StateLayout:
                 self._add_plain(group, p, state)
                 continue
             st, name = owner
+            if name in st.frozen:
+                continue  # no gradient, no state: never stepped (as torch skips grad None)
             if st.index not in self.regions:
                 dtype = self.moments_dtype if st.host_state else torch.float32
                 self.regions[st.index] = RegionAdamState(st, dtype)

@@ -163,7 +163,7 @@ class Speculation:
         self.prepared = True
         for i, rs in enumerate(picked):
             try:
-                rs.spare = Spare(rs.storage.numel, rs.exp_avg.dtype)
+                rs.spare = Spare(rs.storage.trainable_numel, rs.exp_avg.dtype)
             except RuntimeError:  # the allocator's "can't allocate memory": keep the rest
                 short = True
                 picked = picked[:i]

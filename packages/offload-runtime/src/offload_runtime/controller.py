@@ -30,6 +30,7 @@ from torch._C._autograd import (
 )
 
 from offload_runtime.conversions import copy_up, widen_down
+from offload_runtime.frozen import SavedParams
 from offload_runtime.storage import RegionStorage
 from offload_runtime.streams import Event, StreamSet
 from offload_solver import ParamPlacement, Plan
@@ -151,6 +152,7 @@ class OffloadController:
         self._grads_done: set[int] = set()
         self._received: list[int] = [0] * n
         self._expected = [sum(p.requires_grad for p in st.params.values()) for st in storages]
+        self._saved = SavedParams(storages)  # [Note: releasing regions with frozen parameters]
         self._callback_queued = False
         self._hook_depth = 0
         self._grad_hooks: list[GradReadyHook] = []
@@ -288,13 +290,15 @@ class OffloadController:
     _pushed_region = -1
 
     def _push_hooks(self, r: int) -> None:
-        def pack(t: torch.Tensor) -> tuple[int, torch.Tensor]:
-            return (r, t)
+        def pack(t: torch.Tensor) -> tuple[int, torch.Tensor, bool]:
+            return (r, t, self._saved.packed(r, t))
 
-        def unpack(packed: tuple[int, torch.Tensor]) -> torch.Tensor:
-            region, t = packed
+        def unpack(packed: tuple[int, torch.Tensor, bool]) -> torch.Tensor:
+            region, t, counted = packed
             if region not in self._bwd_started:
                 self.pre_backward(region)
+            if counted:
+                self._saved.unpacked(region, self._expected[region] == 0)
             return t
 
         _push_saved_tensors_default_hooks(pack, unpack)
@@ -315,6 +319,8 @@ class OffloadController:
         """Region ``r``'s backward is about to use its saved tensors."""
         self._bwd_started.add(r)
         self._queue_end_callback()
+        for q in self._saved.take_ready():
+            self.release(q)
         for q in self.prefetch_at.get(r, ()):
             if q not in self._grads_done:
                 self.prefetch(q)
@@ -366,6 +372,8 @@ class OffloadController:
             if controller is None:
                 return
             controller._queue_end_callback()
+            for q in controller._saved.take_ready():
+                controller.release(q)
             controller._received[r] += 1
             if controller._received[r] == controller._expected[r]:
                 controller._finish_region_backward(r)
@@ -389,7 +397,8 @@ class OffloadController:
         else:
             self._fold_device_grads([(st, grads, views)])
             self._notify(r)
-        self.release(r)
+        if not self._saved.holds(r):
+            self.release(r)
 
     def _fold_device_grads(
         self, items: list[tuple[RegionStorage, list[torch.Tensor], list[Any]]]
@@ -546,7 +555,7 @@ class OffloadController:
         """
         lost = False
         for name, master in st.master_views.items():
-            if master.grad is None:
+            if master.grad is None and name not in st.frozen:
                 lost = True
                 master.grad = st.grad_views[name]
         if lost:
@@ -584,6 +593,8 @@ class OffloadController:
         """Autograd-engine callback at the end of a backward pass."""
         if self.batched_device_regions:
             self._finish_device_regions(sorted(self.batched_device_regions))
+        for q in self._saved.reset():
+            self.release(q)
         for st in self.storages:
             r = st.index
             if r not in self._grads_done and (self._received[r] or r in self._bwd_started):

@@ -194,11 +194,14 @@ class OffloadModule:
                 yield layout.name, st.master_views[layout.name]
 
     def parameters(self) -> Iterator[torch.Tensor]:
+        """The fp32 master weights, frozen ones included (as ``nn.Module.parameters``);
+        ``HybridAdam`` keeps no state for frozen ones and never steps them."""
         for _, p in self.named_parameters():
             yield p
 
     def named_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full-precision gradients by original name, every tied alias included.
+        """Full-precision gradients by original name, every tied alias included; frozen
+        parameters (``requires_grad=False``) have none and are left out.
 
         Waits for host-side gradient work first (a host sync point).
         """
@@ -206,6 +209,8 @@ class OffloadModule:
         for st in self.storages:
             st.materialize_grad()
             for layout in st.layouts:
+                if not layout.requires_grad:
+                    continue  # frozen: no gradient
                 for alias in layout.aliases:
                     yield alias, st.grad_views[layout.name]
 
@@ -218,7 +223,8 @@ class OffloadModule:
         for st in self.storages:
             st.grad_stale = True
             for name, master in st.master_views.items():
-                master.grad = st.grad_views[name]
+                if name not in st.frozen:
+                    master.grad = st.grad_views[name]
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self._buffers.items()

@@ -23,6 +23,9 @@ Each region of the plan owns, for its parameters laid out one after another:
   master, so the buffer is only allocated, at first use, when gradients must be *added*
   (accumulation over micro-batches): see :meth:`RegionStorage.staging`.
 Tied parameters appear once, under the group's canonical name; every alias name maps to it.
+Frozen parameters (``requires_grad=False``) come after the trainable ones of their region,
+so that the trainable ones are the prefix ``[0, trainable_numel)`` of every flat buffer:
+the optimizer's moments cover that prefix only. A frozen master has no ``.grad``.
 """
 
 from __future__ import annotations
@@ -167,6 +170,10 @@ class RegionStorage:
         self.index = plan.region.index
         self.layouts = layouts
         self.numel = sum(layout.numel for layout in layouts)
+        self.frozen = frozenset(lay.name for lay in layouts if not lay.requires_grad)
+        """Names of the region's frozen parameters (no gradient, no optimizer state)."""
+        self.trainable_numel = sum(lay.numel for lay in layouts if lay.requires_grad)
+        """Elements of the trainable parameters: the prefix of the flat buffers they fill."""
         self.dtype = dtype
         self.device = device
         pin = device.type == "cuda"
@@ -232,7 +239,8 @@ class RegionStorage:
                 layout.offset : layout.offset + layout.numel
             ].view(layout.shape)
             # Optimizers over the masters read gradients here (see _relink_master_grad).
-            self.master_views[layout.name].grad = self.grad_views[layout.name]
+            if layout.requires_grad:
+                self.master_views[layout.name].grad = self.grad_views[layout.name]
             _OWNER[self.master_views[layout.name]] = weakref.ref(self)
 
     def staging(self) -> torch.Tensor:
@@ -327,7 +335,9 @@ def _layouts(
 ) -> tuple[ParamLayout, ...]:
     out = []
     offset = 0
-    for name in plan.region.param_names:
+    # Trainable parameters first (see [Note: region storage]).
+    names = sorted(plan.region.param_names, key=lambda n: not requires_grad.get(n, True))
+    for name in names:
         shape = shapes[name]
         out.append(
             ParamLayout(
