@@ -4,6 +4,7 @@ AdamW's losses and weights, frozen weights unchanged, no optimizer state for the
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import peft
 import torch
@@ -19,7 +20,10 @@ from optim_helpers import (
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from offload_optim import AMPOptimizer, HybridAdam
-from offload_runtime import OffloadModule, default_cpu_profile
+from offload_runtime import OffloadConfig, OffloadModule, default_cpu_profile
+from offload_runtime.planning.planner import PlanForce, plan_model
+from offload_runtime.storage import required_host_bytes
+from offload_solver import InfeasibleBudgetError, StatePlacement
 
 STEPS = 8
 
@@ -107,3 +111,64 @@ def test_lora_on_tiny_llama_matches_peft_with_adamw() -> None:
     trainable -= {n for st in module.storages for n in st.frozen}
     assert trainable and all("lora_" in n for n in trainable)
     module.close()
+
+
+def _lora_llama() -> torch.nn.Module:
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    return LogitsOnly(peft.get_peft_model(_llama(), config))
+
+
+def _least_budget(model: torch.nn.Module) -> int:
+    try:
+        plan_model(
+            model,
+            batch(0),
+            1,
+            "asyn",
+            device="cpu",
+            progress=False,
+            config=OffloadConfig(dtype=torch.float32),
+            hardware=default_cpu_profile(),
+        )
+    except InfeasibleBudgetError as exc:
+        return exc.least_budget_bytes
+    raise AssertionError("the planner accepted a 1-byte budget")
+
+
+def test_lora_profile_marks_frozen_parameters_and_plans_cheaper() -> None:
+    lora = _lora_llama()
+    full = _lora_llama()
+    for p in full.parameters():
+        p.requires_grad_(True)
+
+    def planned(model: torch.nn.Module, budget: int) -> Any:
+        return plan_model(
+            model,
+            batch(0),
+            budget,
+            "asyn",
+            device="cpu",
+            progress=False,
+            config=OffloadConfig(dtype=torch.float32),
+            hardware=default_cpu_profile(),
+            force=PlanForce(block_search_range_bytes=0),
+        )
+
+    budget = 2**30  # room for everything: all state on the device
+    got, ref = planned(lora, budget), planned(full, budget)
+    frozen = {p.name for p in got.profile.parameters if not p.trainable}
+    assert frozen and not any("lora_" in n for n in frozen)
+    assert {p.name for p in got.profile.parameters if p.trainable} == {
+        n for n, p in lora.named_parameters() if p.requires_grad
+    }
+    assert all(p.trainable for p in ref.profile.parameters)
+    assert got.profile.trainable_param_numel < ref.profile.trainable_param_numel / 10
+    assert got.plan.predicted_peak_bytes < ref.plan.predicted_peak_bytes
+    device_state = [rp for rp in got.plan.regions if rp.state is StatePlacement.DEVICE]
+    assert device_state
+    # The least budget each fits: the LoRA model fits one the all-trainable one does not.
+    least = _least_budget(lora)
+    assert least < _least_budget(full)
+    assert required_host_bytes(got.plan, torch.float32) <= required_host_bytes(
+        ref.plan, torch.float32
+    )

@@ -176,3 +176,14 @@ def test_half_precision_profile_sizes(dtype: torch.dtype) -> None:
     for p in profile.parameters:
         assert p.size_bytes == 2 * p.numel
     assert all(t.dtype == dtype for t in traced.graph_module.parameters())
+
+
+def test_profile_marks_frozen_parameters() -> None:
+    model = ThreeWayTied()
+    model.first.weight.requires_grad_(False)  # the tied group's one storage
+    model.norm.bias.requires_grad_(False)
+    profile = trace(model, (torch.randn(4, 16),), target_device="cpu").to_profile()
+    frozen = {p.name for p in profile.parameters if not p.trainable}
+    assert frozen == {"first.weight", "second.weight", "third.weight", "norm.bias"}
+    assert profile.trainable_param_numel == profile.total_param_numel - 16 * 16 - 16
+    assert ModelProfile.from_json(profile.to_json()) == profile

@@ -117,14 +117,16 @@ class Speculation:
         return rs is not None and rs.spare is not None
 
     def params_that_fit(self, available: HostBytes) -> int:
-        """Host-state parameters with buffers (once prepared), or whose buffers would fit
-        in host memory now."""
+        """Trainable host-state parameters with buffers (once prepared), or whose buffers
+        would fit in host memory now."""
         if self.prepared:
             return sum(
-                rs.storage.numel for rs in self.layout.regions.values() if rs.spare is not None
+                rs.storage.trainable_numel
+                for rs in self.layout.regions.values()
+                if rs.spare is not None
             )
         _, picked, _, _ = self._suffix(None, available)
-        return sum(rs.storage.numel for rs in picked)
+        return sum(rs.storage.trainable_numel for rs in picked)
 
     def _suffix(
         self, max_params: int | None, available: HostBytes
@@ -143,13 +145,13 @@ class Speculation:
         params = nbytes = 0
         short = False
         for rs in order:
-            if max_params is not None and params + rs.storage.numel > max_params:
+            if max_params is not None and params + rs.storage.trainable_numel > max_params:
                 break
             if allowance is not None and nbytes + rs.spare_bytes > allowance:
                 short = True
                 break
             picked.append(rs)
-            params += rs.storage.numel
+            params += rs.storage.trainable_numel
             nbytes += rs.spare_bytes
         return order, picked, short, host_bytes
 
@@ -171,8 +173,8 @@ class Speculation:
             for seg in rs.segments:
                 attach_spare(rs.spare, seg)
         if short:
-            total = sum(rs.storage.numel for rs in order)
-            got = sum(rs.storage.numel for rs in picked)
+            total = sum(rs.storage.trainable_numel for rs in order)
+            got = sum(rs.storage.trainable_numel for rs in picked)
             need = sum(rs.spare_bytes for rs in order)
             have = "unknown" if host_bytes is None else f"{host_bytes / 2**30:.2f} GiB"
             warnings.warn(
@@ -180,8 +182,9 @@ class Speculation:
                 "memory for all host-state regions (per parameter an fp32 master backup "
                 "and a second pair of Adam moments: 12 bytes, 8 with bf16 moments); with "
                 f"{have} available, {len(picked)} of {len(order)} regions ({got} of {total} "
-                "parameters) may step under backward and the others step after it. Plan "
-                "with OffloadConfig(host_memory_bytes=...) to predict that, or free host memory",
+                "trainable parameters) may step under backward and the others step after it. "
+                "Plan with OffloadConfig(host_memory_bytes=...) to predict that, or free host "
+                "memory",
                 RuntimeWarning,
                 stacklevel=3,  # HybridAdam.prepare_speculation's caller
             )

@@ -32,7 +32,7 @@ def _summary(plan: Plan, state_bytes_per_param: int, param_bytes: int) -> dict[s
         rp.region.size_bytes for rp in plan.regions if rp.placement is ParamPlacement.RESIDENT
     )
     state = sum(
-        rp.region.numel * state_bytes_per_param
+        rp.region.stepped_numel * state_bytes_per_param  # frozen parameters hold none
         for rp in plan.regions
         if rp.state is StatePlacement.DEVICE
     )

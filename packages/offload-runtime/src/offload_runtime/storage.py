@@ -367,9 +367,9 @@ def required_host_bytes(plan: Plan, dtype: torch.dtype, *, convert_on_device: bo
         if rp.placement is not ParamPlacement.RESIDENT:
             total += n * copies  # host_params
         if rp.state is not StatePlacement.DEVICE:
-            # master + grad (fp32) + staging (dtype, unless converted on the device) + two
-            # fp32 Adam moments.
-            total += n * (4 + 4 + copies + 8)
+            # master + grad (fp32) + staging (dtype, unless converted on the device), and
+            # two fp32 Adam moments for the trainable parameters only.
+            total += n * (4 + 4 + copies) + rp.region.stepped_numel * 8
     return total
 
 

@@ -164,6 +164,22 @@ class Region:
     size_bytes: int
     """Parameter bytes in the training dtype (the region's flat device buffer)."""
     pinned: bool = False
+    trainable_numel: int | None = None
+    """Elements of its trainable parameters (``Parameter.trainable``): the ones with
+    gradients, optimizer state and optimizer steps. ``None``: all ``numel`` (a region
+    recorded without it); :attr:`stepped_numel` reads it either way."""
+    trainable_size_bytes: int | None = None
+    """Training-dtype bytes of its trainable parameters (``None``: all ``size_bytes``)."""
+
+    @property
+    def stepped_numel(self) -> int:
+        """Elements the optimizer steps: its trainable ones."""
+        return self.numel if self.trainable_numel is None else self.trainable_numel
+
+    @property
+    def stepped_size_bytes(self) -> int:
+        """Training-dtype bytes of its gradients: its trainable parameters'."""
+        return self.size_bytes if self.trainable_size_bytes is None else self.trainable_size_bytes
 
 
 @dataclass(frozen=True)

@@ -40,7 +40,7 @@ class PlanOptions:
     """fp16 training: host steps start under backward and are undone exactly on
     overflow."""
     speculative_params: int | None = None
-    """With ``speculative``: how many host-state parameters have undo buffers (the
+    """With ``speculative``: how many trainable host-state parameters have undo buffers (the
     regions whose gradients land first); None: all."""
     speculative_step_cost: float = 1.0
     """How many plain host steps' time a step taken under backward costs (>= 1)."""

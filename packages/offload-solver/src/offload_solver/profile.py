@@ -9,10 +9,11 @@ The simulator accounts device memory as the sum of
 - parameters in the training dtype (``Parameter.size_bytes``) of every region that is on
   the device at that moment (resident regions always, offloaded ones while in use);
 - per-parameter optimizer bytes (``ModelProfile.device_state_bytes_per_param``: master
-  weights, Adam moments and the full-precision gradient accumulator) of every region whose
-  optimizer state the plan keeps on the device;
-- gradients in the training dtype of host-state regions, from the end of that region's
-  backward until their copy to the host completes;
+  weights, Adam moments and the full-precision gradient accumulator) of every trainable
+  parameter (``Parameter.trainable``) of a region whose optimizer state the plan keeps on
+  the device;
+- gradients in the training dtype of the trainable parameters of host-state regions, from
+  the end of that region's backward until their copy to the host completes;
 - activations: for operation ``i`` in forward, the saved bytes of operations ``< i``,
   plus ``fwd_out_bytes`` and ``fwd_tmp_bytes`` of ``i``; in backward, the saved bytes of
   operations ``<= i`` not yet released, plus ``bwd_out_bytes`` and ``bwd_tmp_bytes`` of
@@ -51,6 +52,11 @@ class Parameter:
     """Number of elements."""
     size_bytes: int
     """Bytes in the training dtype on the device (``numel`` x element size)."""
+    trainable: bool = True
+    """Whether training updates it (``requires_grad``). A frozen parameter (a LoRA
+    fine-tune's base weights) has no gradient and no optimizer state: the solver prices
+    its storage and uploads like any parameter's, but no gradient copy, optimizer state or
+    optimizer step for it. Members of a tied group share one storage and must agree."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,13 @@ class ModelProfile:
         canon = self.canonical_names()
         return sum(p.numel for p in self.parameters if canon[p.name] == p.name)
 
+    @property
+    def trainable_param_numel(self) -> int:
+        """Elements of the trainable parameters (the ones with optimizer state), tied
+        storage counted once."""
+        canon = self.canonical_names()
+        return sum(p.numel for p in self.parameters if canon[p.name] == p.name and p.trainable)
+
     def to_json(self) -> str:
         return json.dumps(to_jsonable(self), indent=1)
 
@@ -221,6 +234,11 @@ def validate_profile(profile: ModelProfile) -> None:
                 f"ModelProfile.parameters ({p.name!r}): size_bytes {p.size_bytes} is not "
                 f"numel {p.numel} times an element size of 1 to 8 bytes"
             )
+        if not isinstance(p.trainable, bool):
+            raise ValueError(
+                f"ModelProfile.parameters ({p.name!r}).trainable is {p.trainable!r}; must be "
+                "true or false"
+            )
     op_names: set[str] = set()
     for i, op in enumerate(profile.operations):
         if op.name in op_names:
@@ -238,6 +256,7 @@ def validate_profile(profile: ModelProfile) -> None:
         if len(group) < 2:
             raise ValueError(f"ModelProfile.tied_groups[{gi}] has fewer than two members")
         sizes = set()
+        trainable = set()
         for member in group:
             if member not in names:
                 raise ValueError(
@@ -249,9 +268,15 @@ def validate_profile(profile: ModelProfile) -> None:
                 )
             seen.add(member)
             sizes.add(profile.parameter_map[member].size_bytes)
+            trainable.add(profile.parameter_map[member].trainable)
         if len(sizes) != 1:
             raise ValueError(
                 f"ModelProfile.tied_groups[{gi}] members have different sizes {sorted(sizes)}"
+            )
+        if len(trainable) != 1:
+            raise ValueError(
+                f"ModelProfile.tied_groups[{gi}] mixes trainable and frozen members; tied "
+                "parameters share one storage"
             )
     check_numbers(profile, "ModelProfile")
 

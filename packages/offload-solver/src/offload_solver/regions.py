@@ -98,6 +98,8 @@ def linearise(profile: ModelProfile) -> tuple[Region, ...]:
             numel=sum(params[c].numel for c in names),
             size_bytes=sum(params[c].size_bytes for c in names),
             pinned=pinned[r],
+            trainable_numel=sum(params[c].numel for c in names if params[c].trainable),
+            trainable_size_bytes=sum(params[c].size_bytes for c in names if params[c].trainable),
         )
         for r, names in enumerate(owned)
     )
@@ -260,6 +262,8 @@ def build_regions(
             numel=sum(reg.numel for reg in group),
             size_bytes=sum(reg.size_bytes for reg in group),
             pinned=group[0].pinned,
+            trainable_numel=sum(reg.stepped_numel for reg in group),
+            trainable_size_bytes=sum(reg.stepped_size_bytes for reg in group),
         )
         for i, group in enumerate(groups)
     ]

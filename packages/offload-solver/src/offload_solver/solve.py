@@ -147,7 +147,7 @@ def solve(
     ``HardwareProfile.host_step_params_per_s``, timed alone: the simulator also runs
     such steps at the host's contended rate, since copies stream both ways under
     backward). Only used without ``host_step_after_backward``.
-    ``speculative_params``: without ``host_step_after_backward``, how many host-state
+    ``speculative_params``: without ``host_step_after_backward``, how many trainable host-state
     parameters may step in their gradient hooks (None, the default: all). An fp16
     optimizer that speculates needs undo buffers for them (12 bytes each with fp32
     moments); when host memory holds fewer, the regions whose gradients land first take

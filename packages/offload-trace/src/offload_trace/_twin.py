@@ -31,6 +31,9 @@ class MetaTwin:
     param_numel: dict[str, int]
     param_dtype: dict[str, torch.dtype]
     """Training dtype of each parameter (non-floating parameters keep theirs)."""
+    param_trainable: dict[str, bool]
+    """Whether each parameter trains (``requires_grad``): a frozen one has no optimizer
+    state."""
     identity_groups: tuple[tuple[str, ...], ...]
     """Original parameter names grouped by tensor identity, groups of two or more only."""
 
@@ -51,9 +54,11 @@ def build_meta_twin(model: nn.Module, dtype: torch.dtype) -> MetaTwin:
     param_names: list[str] = []
     numel: dict[str, int] = {}
     pdtype: dict[str, torch.dtype] = {}
+    trainable: dict[str, bool] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         param_names.append(name)
         numel[name] = p.numel()
+        trainable[name] = p.requires_grad
         twin_param = memo.get(id(p))
         if not isinstance(twin_param, nn.Parameter):
             twin_param = nn.Parameter(_meta_like(p, dtype), requires_grad=p.requires_grad)
@@ -86,5 +91,6 @@ def build_meta_twin(model: nn.Module, dtype: torch.dtype) -> MetaTwin:
         names_by_twin_id=names_by_twin_id,
         param_numel=numel,
         param_dtype=pdtype,
+        param_trainable=trainable,
         identity_groups=groups,
     )

@@ -154,6 +154,7 @@ def trace(
                 name=n,
                 numel=twin.param_numel[n],
                 size_bytes=twin.param_numel[n] * twin.param_dtype[n].itemsize,
+                trainable=twin.param_trainable[n],
             )
             for n in twin.param_names
         ),

@@ -23,23 +23,24 @@ def undo_bytes_per_param(moments: torch.dtype) -> int:
 def host_state_bytes(plan: Plan, moments: torch.dtype, dtype: torch.dtype) -> int:
     """Host bytes of ``plan``'s host-resident state beside undo buffers: per parameter of
     a region whose state is on the host (stepped there or streamed), its fp32 master and
-    gradient accumulator and both moments, and, converting on the host, the training-dtype
-    gradient staging and an offloaded region's training-dtype upload source."""
+    gradient accumulator, both moments for a trainable one, and, converting on the host,
+    the training-dtype gradient staging and an offloaded region's training-dtype upload
+    source."""
     total = 0
     for rp in plan.regions:
         if rp.state is StatePlacement.DEVICE:
             continue
-        per = 8 + 2 * moments.itemsize
+        per = 8
         if not plan.options.convert_on_device:
             per += dtype.itemsize * (1 if rp.placement is ParamPlacement.RESIDENT else 2)
-        total += rp.region.numel * per
+        total += rp.region.numel * per + rp.region.stepped_numel * 2 * moments.itemsize
     return total
 
 
 def speculative_params_that_fit(
     plan: Plan, moments: torch.dtype, dtype: torch.dtype, host_bytes: int | None
 ) -> int | None:
-    """Host-state parameters of ``plan`` whose undo buffers fit in
+    """Trainable host-state parameters of ``plan`` whose undo buffers fit in
     :data:`SPECULATION_HOST_SHARE` of ``host_bytes`` less the plan's host-resident state
     (:func:`host_state_bytes`),
     as whole regions in the order their gradients land (the last region in forward order
@@ -55,10 +56,10 @@ def speculative_params_that_fit(
     room = int((host_bytes - host_state_bytes(plan, moments, dtype)) * SPECULATION_HOST_SHARE)
     per = undo_bytes_per_param(moments)
     params = 0
-    for region in host:
-        if (params + region.numel) * per > room:
+    for region in host:  # counted in trainable parameters, as the solver counts them
+        if (params + region.stepped_numel) * per > room:
             return params
-        params += region.numel
+        params += region.stepped_numel
     return None
 
 

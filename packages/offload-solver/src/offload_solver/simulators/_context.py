@@ -139,7 +139,7 @@ class SimulationContext:
         plain one: 1 when such steps are exact (bf16, fp32); an fp16 speculative step that
         also writes its undo data costs more (measure it with the optimizer's kernel)."""
         self.speculative_params = check_speculative_params(speculative_params)
-        """Without ``host_step_after_backward``: how many host-state parameters may step
+        """Without ``host_step_after_backward``: how many trainable host-state parameters may step
         in their gradient hooks (None: all). Host-state regions qualify in the order their
         gradients land (the last in forward order first) until the first that would pass
         the limit; the others step after the last hook, as the runtime does for regions
@@ -161,6 +161,12 @@ class SimulationContext:
         self.num_regions = len(regions)
         self.size = [r.size_bytes for r in regions]
         self.numel = [r.numel for r in regions]
+        self.trainable = [r.stepped_numel for r in regions]
+        """Per region, the elements of its trainable parameters: everything optimizer-related
+        (gradient copies, state bytes, steps, streamed state) scales with these; a region
+        without any has no optimizer work at all."""
+        self.grad_bytes = [r.stepped_size_bytes for r in regions]
+        """Per region, the training-dtype bytes of its gradients (trainable parameters)."""
         self.pinned = [r.pinned for r in regions]
         self.op_start = [r.op_start for r in regions]
         self.op_end = [r.op_end for r in regions]
@@ -178,8 +184,10 @@ class SimulationContext:
         self.upload_bytes = [n * per_elem for n in self.numel] if per_elem > 0 else list(self.size)
         """Per region, bytes one upload of its parameters moves host-to-device."""
         self.upload_s = [hw.h2d_time_s(b) for b in self.upload_bytes]
-        self.grad_d2h_s = [hw.d2h_time_s(n * profile.host_grad_bytes_per_param) for n in self.numel]
-        self.host_step_s = [n / hw.host_adam_params_per_s for n in self.numel]
+        self.grad_d2h_s = [
+            hw.d2h_time_s(n * profile.host_grad_bytes_per_param) for n in self.trainable
+        ]
+        self.host_step_s = [n / hw.host_adam_params_per_s for n in self.trainable]
         self.copy_contention = (1.0 / hw.host_copy_contention - 1.0) / 2.0
         """Host seconds a second of one-directional pinned copy costs (see the note)."""
         self.stream_copy_contention = self.copy_contention * self.cost_model.stream_host_charge
@@ -191,18 +199,18 @@ class SimulationContext:
         # the contended rate (see the note).
         slow = 1.0 / hw.host_copy_contention
         widens = 0 < profile.host_grad_bytes_per_param < 4
-        self.widen_s = [hw.host_convert_time_s(n) * slow if widens else 0.0 for n in self.numel]
+        self.widen_s = [hw.host_convert_time_s(n) * slow if widens else 0.0 for n in self.trainable]
         # Uploading fp32 masters (narrowed on the device) leaves nothing to publish.
         self.publishes = hw.host_convert_elems_per_s > 0 and per_elem < 4
         """Whether host-state regions get a ``publish`` host task after their Adam step."""
         self.publish_s = [
-            hw.host_convert_time_s(n) * slow if self.publishes else 0.0 for n in self.numel
+            hw.host_convert_time_s(n) * slow if self.publishes else 0.0 for n in self.trainable
         ]
         self.grad_work = [((KIND_GRAD_WIDEN, w),) if w > 0.0 else () for w in self.widen_s]
         """Per region, the host tasks (kind, seconds) run as its gradients land."""
         add_s = [
             hw.host_convert_time_s(n) * slow if hw.host_convert_elems_per_s > 0 else 0.0
-            for n in self.numel
+            for n in self.trainable
         ]
         self.accumulate_work = [
             ((KIND_GRAD_WIDEN, w + a),) if w + a > 0.0 else ()
@@ -217,8 +225,8 @@ class SimulationContext:
         ]
         """Per region, all host-lane seconds of its optimizer work when its state is on
         the host: widening, Adam and publish."""
-        self.device_step_s = [n / hw.device_adam_params_per_s for n in self.numel]
-        self.state_bytes = [n * profile.device_state_bytes_per_param for n in self.numel]
+        self.device_step_s = [n / hw.device_adam_params_per_s for n in self.trainable]
+        self.state_bytes = [n * profile.device_state_bytes_per_param for n in self.trainable]
 
     def _cost_streamed(self) -> None:
         """Per region, a STREAMED step's copies of its state ([Note: streamed steps] in
@@ -227,10 +235,10 @@ class SimulationContext:
         fraction = self.cost_model.stream_up_fraction
         up_pp = streamed.up_bytes_per_param if streamed is not None else 0.0
         down_pp = streamed.down_bytes_per_param if streamed is not None else 0.0
-        self.stream_up_s = [hw.h2d_time_s(math.ceil(n * up_pp)) / fraction for n in self.numel]
+        self.stream_up_s = [hw.h2d_time_s(math.ceil(n * up_pp)) / fraction for n in self.trainable]
         """Per region, seconds of a STREAMED step's state copy up (0 without costs), at
         ``CostModel.stream_up_fraction`` of the H2D rate."""
-        self.stream_down_s = [hw.d2h_time_s(math.ceil(n * down_pp)) for n in self.numel]
+        self.stream_down_s = [hw.d2h_time_s(math.ceil(n * down_pp)) for n in self.trainable]
         """Per region, seconds of a STREAMED step's state copy down (0 without costs)."""
         resident_pp = streamed.resident_down_bytes_per_param if streamed is not None else None
         self.stream_writes_resident = resident_pp is not None
@@ -240,7 +248,7 @@ class SimulationContext:
         self.stream_down_resident_s = (
             self.stream_down_s
             if resident_pp is None
-            else [hw.d2h_time_s(math.ceil(n * resident_pp)) for n in self.numel]
+            else [hw.d2h_time_s(math.ceil(n * resident_pp)) for n in self.trainable]
         )
         """Per region, seconds of a RESIDENT streamed region's copy down."""
         self.stream_slot_bytes = streamed.slot_bytes if streamed is not None else 0

@@ -27,9 +27,12 @@ the optimizer). Every lane runs one task at a time, in the order tasks were issu
   when the compute lane reaches region i-1 (region 0's at the step start). Backward: it is
   issued when the compute lane reaches the backward of region ``prefetch_at`` (> i).
   Region i's compute waits for its prefetch. They are released like SYNC ones.
+- Optimizer work counts a region's trainable parameters only (``Region.stepped_numel``;
+  ``numel`` below stands for it wherever it prices gradients, state or steps): a region
+  without any copies no gradient, holds no state and takes no step, on either side.
 - After region i's backward, a HOST-state region copies its gradients to the host on D2H
-  (``numel * host_grad_bytes_per_param``); its gradient (``size_bytes``) stays on the
-  device until that copy ends. The runtime's host worker (HOST: one FIFO worker) takes
+  (``numel * host_grad_bytes_per_param``); its gradient (``stepped_size_bytes``) stays on
+  the device until that copy ends. The runtime's host worker (HOST: one FIFO worker) takes
   the regions in copy order, waits for each copy and runs:
   1. ``grad_widen``: the copied gradients widened into the fp32 accumulator, ``numel /
      host_convert_elems_per_s``; none when ``0 < host_grad_bytes_per_param < 4`` is false

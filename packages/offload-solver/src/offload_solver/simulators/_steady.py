@@ -158,7 +158,7 @@ def _steady_state(
     ctx: SimulationContext, assignment: Sequence[RegionAssignment], cold: EngineRun
 ) -> SteadyState:
     period = cold.compute_end_s
-    numel, device = ctx.numel, cold.device_state
+    numel, device = ctx.trainable, cold.device_state
     if not any(numel[r] > 0 and not device[r] for r in range(ctx.num_regions)):
         # Nothing runs off the compute lane, so nothing carries over.
         return SteadyState(period, (period,), True, cold)

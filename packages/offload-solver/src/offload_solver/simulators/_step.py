@@ -236,7 +236,7 @@ class _Step:
         and run their hooks as the step model says (see [Note: step model] in
         ``_engine``), tracking the activations' and waiting gradients' peak."""
         ctx, out, lanes, streams = self.ctx, self.out, self.lanes, self.streams
-        n_reg, codes, device, numel = self.n_reg, out.codes, out.device_state, ctx.numel
+        n_reg, codes, device, numel = self.n_reg, out.codes, out.device_state, ctx.trainable
         optimizer_step = self.optimizer_step
         after_backward = ctx.host_step_after_backward
         up, bwd_s, add = ctx.upload_s, self.bwd_s, lanes.add
@@ -327,7 +327,7 @@ class _Step:
         time). Its host work is placed by :meth:`hooks_before` at the next issue points,
         or after the backward: whether a region steps as it lands depends on when the
         backward ends."""
-        lanes, size = self.lanes, self.ctx.size[r]
+        lanes, size = self.lanes, self.ctx.grad_bytes[r]
         s = end if end > lanes.d2h_free else lanes.d2h_free
         e = s + self.ctx.grad_d2h_s[r]
         lanes.last_d = lanes.add(LANE_D2H, r, KIND_GRAD_OFFLOAD, s, e, lanes.last_d, lanes.last_c)
@@ -345,7 +345,7 @@ class _Step:
         """What the host worker's placements read: which regions may step in their hooks,
         and what those steps and copies cost (see [Note: step model] in ``_engine``)."""
         ctx, out = self.ctx, self.out
-        n_reg, device, numel, streamed = self.n_reg, out.device_state, ctx.numel, self.streamed
+        n_reg, device, numel, streamed = self.n_reg, out.device_state, ctx.trainable, self.streamed
         # With the speculation thread, the host worker's own timeline: its gradient work
         # and hooks, not the speculative steps those hand over (which stay on the host
         # lane, whose cores they share). It decides when hooks run and when step() returns.
@@ -531,7 +531,7 @@ class _Step:
         lanes.t = released
         if self.optimizer_step:
             for r in range(self.n_reg):
-                if out.device_state[r]:
+                if out.device_state[r] and ctx.trainable[r]:
                     e = lanes.t + ctx.device_step_s[r]
                     lanes.last_c = lanes.add(
                         LANE_COMPUTE, r, KIND_DEVICE_STEP, lanes.t, e, lanes.last_c, -1

@@ -216,7 +216,7 @@ def stage_split(
     ``costs.staged_chunk_numel``."""
     hw = ctx.hardware
     fraction = ctx.cost_model.stream_up_fraction
-    numel = ctx.numel
+    numel = ctx.trainable
     hook = max((r for r, n in enumerate(numel) if streamed[r] and n > 0), default=-1)
     sup = list(ctx.stream_up_s)
     if hook < 0:

@@ -89,14 +89,16 @@ def move_host_work_late(
     while True:
         asg = best.assignment
         hosts = [
-            r for r, a in enumerate(asg) if a.state is not StatePlacement.DEVICE and ctx.numel[r]
+            r
+            for r, a in enumerate(asg)
+            if a.state is not StatePlacement.DEVICE and ctx.trainable[r]
         ][:LATE_SWAP_REGIONS]
         devices = [
             s
             for s, a in enumerate(asg)
             if a.state is StatePlacement.DEVICE
             and a.placement is ParamPlacement.RESIDENT
-            and ctx.numel[s]
+            and ctx.trainable[s]
         ]
         threshold = best.period_s * (1.0 - STEADY_REL_TOL)
         found: Candidate | None = None

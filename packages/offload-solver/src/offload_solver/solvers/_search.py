@@ -362,7 +362,7 @@ class GreedySearch:
             if (
                 run.codes[r] != RESIDENT
                 or run.device_state[r]
-                or ctx.numel[r] == 0
+                or ctx.trainable[r] == 0
                 or r in excluded
                 or (need_room and run.peak_bytes + ctx.state_bytes[r] > self.cap_bytes)
             ):

@@ -55,7 +55,7 @@ def stream_candidates(
     return [
         r
         for r, a in enumerate(assignment)
-        if a.state is StatePlacement.HOST and ctx.numel[r] > 0 and not cold.stepped_early[r]
+        if a.state is StatePlacement.HOST and ctx.trainable[r] > 0 and not cold.stepped_early[r]
     ]
 
 
@@ -86,7 +86,7 @@ def place_streamed(
     candidates = stream_candidates(ctx, start.assignment, start.cold)
     if not candidates or ctx.streamed is None:
         return start
-    numel = ctx.numel
+    numel = ctx.trainable
     tried: dict[tuple[int, ...], Candidate | None] = {}
 
     def trial(fraction: float) -> Candidate | None:
