@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from offload_runtime import OffloadConfig, PlanForce
 from offload_runtime.module import OffloadModule
@@ -67,6 +67,27 @@ def tiny_gpt2(layers: int = 3, width: int = 32, seed: int = 0) -> torch.nn.Modul
         eos_token_id=0,
     )
     return LogitsOnly(GPT2LMHeadModel(cfg))
+
+
+def tiny_llama(layers: int = 2, seed: int = 0) -> LlamaForCausalLM:
+    """A tiny Llama (hidden 32, 4 heads over 2 key-value heads, untied head, no cache).
+    It has no biases: GPT-2's attention key bias has an exactly zero gradient, whose
+    rounding noise Adam turns into full-size steps, so such weights cannot be compared
+    with plain PyTorch's to 1e-5."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=32,
+        tie_word_embeddings=False,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(cfg)
 
 
 def batch(step: int, size: int = 4) -> dict[str, torch.Tensor]:

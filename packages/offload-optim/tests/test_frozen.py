@@ -9,15 +9,14 @@ from typing import Any
 import peft
 import torch
 from optim_helpers import (
-    VOCAB,
     LogitsOnly,
     batch,
     plan_at_least_budget,
     rel_diff,
+    tiny_llama,
     train_offload,
     train_plain,
 )
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from offload_optim import AMPOptimizer, HybridAdam
 from offload_runtime import OffloadConfig, OffloadModule, default_cpu_profile
@@ -26,22 +25,6 @@ from offload_runtime.storage import required_host_bytes
 from offload_solver import InfeasibleBudgetError, StatePlacement
 
 STEPS = 8
-
-
-def _llama() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-    )
-    return LlamaForCausalLM(cfg)
 
 
 def _train_and_compare(model: torch.nn.Module) -> tuple[OffloadModule, HybridAdam]:
@@ -89,7 +72,7 @@ def _state_only_for_trainable(module: OffloadModule, opt: HybridAdam) -> None:
 
 
 def test_frozen_embeddings_and_first_layer_match_adamw() -> None:
-    llama = _llama()
+    llama = tiny_llama()
     llama.model.embed_tokens.weight.requires_grad_(False)
     llama.model.layers[0].requires_grad_(False)
     module, opt = _train_and_compare(LogitsOnly(llama))
@@ -99,7 +82,7 @@ def test_frozen_embeddings_and_first_layer_match_adamw() -> None:
 
 def test_lora_on_tiny_llama_matches_peft_with_adamw() -> None:
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    lora = peft.get_peft_model(_llama(), config)
+    lora = peft.get_peft_model(tiny_llama(), config)
     # LoRA's B starts at zero; a random start makes every adapter weight's gradient non-zero.
     with torch.no_grad():
         for name, p in lora.named_parameters():
@@ -115,7 +98,7 @@ def test_lora_on_tiny_llama_matches_peft_with_adamw() -> None:
 
 def _lora_llama() -> torch.nn.Module:
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    return LogitsOnly(peft.get_peft_model(_llama(), config))
+    return LogitsOnly(peft.get_peft_model(tiny_llama(), config))
 
 
 def _least_budget(model: torch.nn.Module) -> int:

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
+from optim_helpers import VOCAB, tiny_llama
 from transformers import (
-    LlamaConfig,
     LlamaForCausalLM,
     TrainingArguments,
     default_data_collator,
@@ -21,29 +21,9 @@ from offload_optim.hf import OffloadTrainer, causal_lm_loss, model_inputs
 from offload_runtime import OffloadConfig, plan
 from offload_solver import InfeasibleBudgetError
 
-VOCAB = 96
 SEQ = 16
 STEPS = 8
 LR = 1e-2
-
-
-def _llama() -> LlamaForCausalLM:
-    """No biases: GPT-2's attention key bias has an exactly zero gradient, whose rounding
-    noise Adam turns into full-size steps, so its weights cannot be compared to 1e-5."""
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=32,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-        use_cache=False,
-    )
-    return LlamaForCausalLM(cfg)
 
 
 def _dataset(n: int, seq: int = SEQ) -> list[dict[str, torch.Tensor]]:
@@ -97,7 +77,7 @@ class _Recording(OffloadTrainer):
 
 
 def test_trainer_matches_plain_adamw_with_accumulation(tmp_path: Path) -> None:
-    model = _llama()
+    model = tiny_llama(3)
     reference = copy.deepcopy(model)
     data = _dataset(2 * 2 * STEPS)
     budget = _least_budget(model, default_data_collator(data[:2]))
@@ -156,7 +136,7 @@ def test_trainer_matches_plain_adamw_with_accumulation(tmp_path: Path) -> None:
 
 
 def test_a_batch_of_another_shape_is_refused(tmp_path: Path) -> None:
-    model = _llama()
+    model = tiny_llama(3)
     data = _dataset(6)  # batches of 4, 2: the last is smaller
     trainer = OffloadTrainer(
         model,
@@ -174,4 +154,4 @@ def test_a_batch_of_another_shape_is_refused(tmp_path: Path) -> None:
 
 def test_fp16_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="OffloadConfig"):
-        OffloadTrainer(_llama(), _args(tmp_path, bf16=True), memory_budget=2**30)
+        OffloadTrainer(tiny_llama(3), _args(tmp_path, bf16=True), memory_budget=2**30)
