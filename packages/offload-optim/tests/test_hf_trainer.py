@@ -155,3 +155,11 @@ def test_a_batch_of_another_shape_is_refused(tmp_path: Path) -> None:
 def test_fp16_arguments_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="OffloadConfig"):
         OffloadTrainer(tiny_llama(3), _args(tmp_path, bf16=True), memory_budget=2**30)
+
+
+def test_resuming_from_a_trainer_checkpoint_is_refused_with_the_way_round(
+    tmp_path: Path,
+) -> None:
+    trainer = OffloadTrainer(tiny_llama(3), _args(tmp_path), memory_budget=2**30)
+    with pytest.raises(ValueError, match="does not resume from a Trainer checkpoint"):
+        trainer.train(resume_from_checkpoint=str(tmp_path))

@@ -55,6 +55,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -351,30 +352,16 @@ def planned(
     config = offload_config(args)
     t0 = time.perf_counter()
     try:
-        if args.plan_only:
-            module = None
-            found = plan(
-                model,
-                inputs,
-                budget,
-                args.solver_type,
-                config=config,
-                hardware=target.hardware,
-                device=target.device,
-                progress=show,
-            )
-        else:
-            module = memory_optimize(
-                model,
-                inputs,
-                budget,
-                args.solver_type,
-                config=config,
-                hardware=target.hardware,
-                device=target.device,
-                progress=show,
-            )
-            found = module.plan
+        # One set of arguments for both, so that the plan printed is the plan trained.
+        call = (model, inputs, budget, args.solver_type)
+        options: dict[str, Any] = {
+            "config": config,
+            "hardware": target.hardware,
+            "device": target.device,
+            "progress": show,
+        }
+        module = None if args.plan_only else memory_optimize(*call, **options)
+        found = plan(*call, **options) if module is None else module.plan
     except InfeasibleBudgetError as exc:
         print(infeasible_message(exc, args.memory_budget, what), file=sys.stderr)
         return None

@@ -14,10 +14,8 @@ steps an uninterrupted one would have, bit for bit.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
-import tempfile
 import threading
 from pathlib import Path
 from types import FrameType, TracebackType
@@ -26,6 +24,7 @@ from typing import Any
 import torch
 
 from offload_optim import AMPOptimizer
+from offload_solver import write_atomic
 
 CHECKPOINT_FORMAT = 1
 """Version of what :func:`save_checkpoint` writes; :func:`load_checkpoint` reads only it."""
@@ -79,14 +78,7 @@ def save_checkpoint(path: Path, optimizer: AMPOptimizer, steps_done: int) -> Non
         "cpu_rng": torch.get_rng_state(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        torch.save(state, tmp)
-        Path(tmp).replace(path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, lambda tmp: torch.save(state, tmp))
 
 
 def load_checkpoint(path: Path, optimizer: AMPOptimizer) -> int:

@@ -20,6 +20,7 @@ Llama's (normal(0, 0.02), RMSNorm weights 1).
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -146,7 +147,7 @@ def get_spec(name: str) -> ModelSpec:
         raise ValueError(f"Model {name!r} is not registered; known: {known}") from None
 
 
-class LMModel(nn.Module):
+class LMModel(nn.Module, abc.ABC):
     """A zoo model: ``forward(input_ids, attention_mask=None) -> logits`` over a Hugging
     Face causal LM (``self.model``), its KV cache off. Training never reuses the cache,
     and a cache output would be one more tensor for the tracer to follow."""
@@ -165,9 +166,9 @@ class LMModel(nn.Module):
         logits: torch.Tensor = out.logits
         return logits
 
+    @abc.abstractmethod
     def blocks(self) -> nn.ModuleList:
         """The transformer blocks (decoder layers), in order: the units FSDP shards."""
-        raise NotImplementedError
 
 
 class GPTLMModel(LMModel):

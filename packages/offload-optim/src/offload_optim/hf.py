@@ -214,7 +214,11 @@ class OffloadTrainer(Trainer):
 
     def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
         if resume_from_checkpoint:
-            raise NotImplementedError("OffloadTrainer cannot resume from a Trainer checkpoint")
+            raise ValueError(
+                "OffloadTrainer does not resume from a Trainer checkpoint (its optimizer "
+                "state is not restored): load the weights save_model wrote into the model "
+                "before building the trainer, and train from there"
+            )
         return super().train(None, *args, **kwargs)
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:

@@ -40,8 +40,7 @@ class InputSpec:
     """The input tensors a module was traced with (non-tensor inputs are not recorded)."""
 
     tensors: tuple[InputTensor, ...]
-    by_keyword: bool
-    """The inputs were a mapping of keyword tensors (else a tuple of positional ones)."""
+    """By keyword (a ``str`` key) or position (an ``int`` key)."""
 
     def check_dtype(self, dtype: torch.dtype) -> None:
         """Refuse floating inputs in another dtype than the training ``dtype``: the graph
@@ -82,17 +81,14 @@ def input_spec(inputs: Mapping[str, Any] | tuple[Any, ...]) -> InputSpec:
     ones, as ``memory_optimize`` takes them)."""
     if isinstance(inputs, Mapping):
         items: list[tuple[str | int, Any]] = [(str(k), v) for k, v in inputs.items()]
-        by_keyword = True
     else:
         items = list(enumerate(inputs))
-        by_keyword = False
     return InputSpec(
         tensors=tuple(
             InputTensor(key, tuple(int(d) for d in v.shape), v.dtype)
             for key, v in items
             if isinstance(v, torch.Tensor)
-        ),
-        by_keyword=by_keyword,
+        )
     )
 
 

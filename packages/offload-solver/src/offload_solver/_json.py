@@ -13,7 +13,7 @@ import math
 import operator
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import fields
 from enum import Enum
 from pathlib import Path
@@ -136,13 +136,18 @@ def parse_bytes(text: str) -> int:
     return int(value * units[unit])
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in its folder and a rename, so
-    that a reader, or another writer of the same path, never sees half a file."""
+def write_atomic(path: Path, data: str | Callable[[Path], None]) -> None:
+    """Write ``data`` to ``path`` through a temporary file in its folder and a rename, so
+    that a reader, or another writer of the same path, never sees half a file. ``data``
+    is text (UTF-8), or a function that writes the temporary file it is given (e.g.
+    ``lambda tmp: torch.save(state, tmp)``)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
+            if isinstance(data, str):
+                f.write(data)
+        if callable(data):
+            data(Path(tmp))  # the file exists, empty: the writer replaces its contents
         Path(tmp).replace(path)
     except BaseException:
         with contextlib.suppress(OSError):

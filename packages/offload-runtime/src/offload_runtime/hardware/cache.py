@@ -36,13 +36,12 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload_solver import HardwareProfile
+from offload_solver import HardwareProfile, write_atomic
 
 __all__ = [
     "CACHE_FORMAT",
@@ -147,16 +146,9 @@ def load_cached(path: Path) -> HardwareProfile | None:
 
 def store(path: Path, profile: HardwareProfile, say: Callable[[str], None]) -> None:
     """Write ``profile`` atomically: a reader never sees half a file, even with two writers."""
-    tmp_name: str | None = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(
-            "w", encoding="utf-8", dir=path.parent, prefix=path.name, suffix=".tmp", delete=False
-        ) as tmp:
-            tmp_name = tmp.name
-            tmp.write(profile.to_json())
-        Path(tmp_name).replace(path)
-        tmp_name = None
+        write_atomic(path, profile.to_json())
         say(f"cached at {path}")
     except OSError as exc:
         warnings.warn(
@@ -164,7 +156,3 @@ def store(path: Path, profile: HardwareProfile, say: Callable[[str], None]) -> N
             f"profiled again next time. Set {CACHE_DIR_ENV} to a writable folder to keep it.",
             stacklevel=3,
         )
-    finally:
-        if tmp_name is not None:
-            with contextlib.suppress(OSError):
-                Path(tmp_name).unlink()
