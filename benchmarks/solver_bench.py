@@ -15,13 +15,14 @@ prints the solve time on one core and the number of full simulations.
 
 ``--planner`` solves as ``offload_runtime``'s planner does for fp16 training (see
 :func:`planner_solves`): hidden 2048, batch 4 x sequence 512, 37 layers (about 2,000
-operations) at 30 GiB and 183 layers (about 10,000) at 48 GiB by default, each profile
-solved for both candidates (fp16 I/O with speculative host steps, solved a second time
-with none speculating as where host memory holds no undo buffers; conversions on the
-device with host steps after backward), with streamed state and late host work; it
-prints each solve and the total per profile, with the solver's progress lines. The
-synthetic profile splits into fewer regions than a traced model of the same shape (29
-against 182 at about 2,000 operations), so it solves faster than the traced one.
+operations) at 30 GiB and 183 layers (about 10,000) at 72 GiB (its least budget is
+61.8 GiB) by default, each profile solved for both candidates (fp16 I/O with
+speculative host steps, solved a second time with none speculating as where host memory
+holds no undo buffers; conversions on the device with host steps after backward), with
+streamed state and late host work; it prints each solve and the total per profile, with
+the solver's progress lines. The synthetic profile splits into fewer regions than a
+traced model of the same shape (29 against 182 at about 2,000 operations), so it solves
+faster than the traced one.
 
 Targets (issue 59): the planner's solves of about 2,000 operations within 10 s on one
 core, of about 10,000 operations within 60 s.
@@ -306,7 +307,7 @@ def main() -> None:
     p.add_argument(
         "--planner",
         action="store_true",
-        help="solve as the runtime's planner does (default layers 37 at 30GiB, 183 at 48GiB)",
+        help="solve as the runtime's planner does (default layers 37 at 30GiB, 183 at 72GiB)",
     )
     p.add_argument("--quiet", action="store_true", help="no solver progress lines")
     args = p.parse_args()
@@ -314,7 +315,7 @@ def main() -> None:
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # one core, as the target says
     if args.planner:
         layers = args.layers if args.layers != [50, 200] else [37, 183]
-        budgets = args.budget or ["30GiB" if n <= 37 else "48GiB" for n in layers]
+        budgets = args.budget or ["30GiB" if n <= 37 else "72GiB" for n in layers]
         for n, budget in zip(layers, budgets, strict=True):
             bench_planner(n, budget, not args.quiet)
         return
