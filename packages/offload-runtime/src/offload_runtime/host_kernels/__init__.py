@@ -9,10 +9,26 @@ The hardware profile times every kernel a host-state region can step with
   keeps what an exact undo needs (:func:`speculative_adam_`);
 - ``single_pass.py``: the one-pass host kernels compiled by numba ([Note: single-pass host
   Adam]): plain, speculative, and fp16 I/O;
-- ``_numba_adam.py``: their numba code (imported only when used).
+- ``_numba_adam.py``: their numba code (imported only when used);
+- ``low_precision.py``: the one-pass kernels for bf16 master weights ([Note: bf16 master
+  weights]): bf16 moments (master rounded to nearest or stochastically) or 8-bit
+  block-quantized moments, their torch references, the 8-bit state's (de)quantization,
+  and the bytes each rung moves (:data:`BYTES_PER_PARAMETER`);
+- ``_numba_lowp.py``: their numba code (imported only when used).
 """
 
-from offload_runtime.host_kernels import single_pass
+from offload_runtime.host_kernels import low_precision, single_pass
+from offload_runtime.host_kernels.low_precision import (
+    BYTES_PER_PARAMETER,
+    QBLOCK,
+    adam_bf16_,
+    adam_bf16_8bit_,
+    dequantize_moments,
+    quantize_moments_,
+    quantized_numel,
+    reference_adam_bf16_,
+    reference_adam_bf16_8bit_,
+)
 from offload_runtime.host_kernels.torch_adam import (
     CHUNK_NUMEL,
     HOST_KERNELS,
@@ -25,12 +41,22 @@ from offload_runtime.host_kernels.torch_adam import (
 )
 
 __all__ = [
+    "BYTES_PER_PARAMETER",
     "CHUNK_NUMEL",
     "HOST_KERNELS",
+    "QBLOCK",
     "SPECULATE_CHUNK_NUMEL",
     "SUPPORTED_DEVICE_TYPES",
     "AdamHyper",
+    "adam_bf16_",
+    "adam_bf16_8bit_",
+    "dequantize_moments",
     "fused_adam_",
+    "low_precision",
+    "quantize_moments_",
+    "quantized_numel",
+    "reference_adam_bf16_",
+    "reference_adam_bf16_8bit_",
     "scale_tensor",
     "single_pass",
     "speculative_adam_",

@@ -178,18 +178,31 @@ def _moment_typer(typingctx: Any, x: Any, like: Any) -> Any:
         sig = types.uint16(types.float32, types.uint16)
 
         def narrow(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-            i32 = ir.IntType(32)
-            bits = builder.bitcast(args[0], i32)
-            odd = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
-            biased = builder.add(builder.add(bits, ir.Constant(i32, 0x7FFF)), odd)
-            rounded = builder.lshr(biased, ir.Constant(i32, 16))
-            magnitude = builder.and_(bits, ir.Constant(i32, 0x7FFFFFFF))
-            nan = builder.icmp_unsigned(">", magnitude, ir.Constant(i32, 0x7F800000))
-            out = builder.select(nan, ir.Constant(i32, 0x7FC0), rounded)
-            return builder.trunc(out, ir.IntType(16))
+            return bf16_nearest_ir(builder, builder.bitcast(args[0], ir.IntType(32)))
 
         return sig, narrow
     return None
+
+
+def bf16_nearest_ir(builder: Any, bits: Any) -> Any:
+    """LLVM IR: :func:`bf16_bits_ir` rounding to nearest even."""
+    i32 = ir.IntType(32)
+    odd = builder.and_(builder.lshr(bits, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+    return bf16_bits_ir(builder, bits, builder.add(ir.Constant(i32, 0x7FFF), odd))
+
+
+def bf16_bits_ir(builder: Any, bits: Any, addend: Any) -> Any:
+    """LLVM IR: the bf16 bits (i16) of the fp32 value whose bits are ``bits`` (i32), rounded
+    by adding ``addend`` (i32, below 2**16) to the bits and dropping the low 16. ``0x7FFF``
+    plus the lowest kept bit rounds to nearest even; a uniform random addend rounds
+    stochastically (low_precision.py). Both carry into the exponent as they should: past
+    the largest bf16 value into inf, never from inf into a NaN; a NaN becomes 0x7FC0."""
+    i32 = ir.IntType(32)
+    rounded = builder.lshr(builder.add(bits, addend), ir.Constant(i32, 16))
+    magnitude = builder.and_(bits, ir.Constant(i32, 0x7FFFFFFF))
+    nan = builder.icmp_unsigned(">", magnitude, ir.Constant(i32, 0x7F800000))
+    out = builder.select(nan, ir.Constant(i32, 0x7FC0), rounded)
+    return builder.trunc(out, ir.IntType(16))
 
 
 _wide: Any = intrinsic(_wide_typer)
