@@ -12,14 +12,15 @@
 #            planner's two fp16 candidates forced, streaming off (~1 min each)     ~5.5 min
 #   configs2 the same four configurations at W3 (~1 min each)                      ~4 min
 #   configs3 W4's defaults and the two candidates forced (~2.5 min each)           ~7.5 min
-#   peers1   full GPU and FSDP2 at W2, full GPU, FSDP2 and torchao at W3, torchao
-#            at W4                                                                 ~4.5 min
-#   peers2   W4's defaults with bf16 moments (~2 min), then FSDP2 (2 to 4.5 min; cut
-#            at the phase's limit)                                                 ~4-7 min
+#   peers1   full GPU and FSDP2 at W2 and W3                                      ~3.5 min
+#   peers2   W4's FSDP2 (2 to 4.5 min; cut at the phase's limit)                  ~2-5 min
+#   ladder1  the bf16-master rungs at torchao's numerics and with stochastic
+#            rounding, and torchao, at W3 and W4                                   ~8 min
+#   ladder2  the same at W5                                                        ~6 min
 #   w5a      W5 (llama_3b): the defaults, the two candidates forced, streaming off
 #            (estimated from W4's rows, ~2 min each; the last cut at the limit)    ~8 min
-#   w5b      W5's peers: full GPU, torchao, then FSDP2 (estimated; FSDP2 last,
-#            cut at the limit)                                                     ~5-8 min
+#   w5b      W5's peers: full GPU, then FSDP2 (estimated; FSDP2 last, cut at the
+#            limit)                                                                ~4-7 min
 #   bench    every phase above but tests, in turn (a machine without the 10-minute limit)
 #   all      tests, then bench
 # A bench phase writes each row to OUT_DIR/<workload>_<kind>.json as it is measured and
@@ -36,7 +37,7 @@
 # torchao are installed from WHEELS (default shared/device-wheels, its bench/ for
 # torchao) when the interpreter lacks them.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|w5a|w5b|bench|all [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|ladder1|ladder2|w5a|w5b|bench|all [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 root=$(cd "$(dirname "$0")/.." && pwd)
 limit=${LIMIT:-570}
@@ -103,21 +104,30 @@ case "$phase" in
   peers1)
     need torchao "$wheels/bench"
     bench W2 full_gpu_master,fsdp2
-    bench W3 full_gpu_master,fsdp2,torchao
-    bench W4 torchao
+    bench W3 full_gpu_master,fsdp2
     report ;;
   peers2)
-    bench W4 ours_bf16m,fsdp2
+    bench W4 fsdp2
+    report ;;
+  ladder1)
+    need torchao "$wheels/bench"
+    bench W3 ours_bf16_rn,ours_bf16_sr,torchao
+    bench W4 ours_bf16_rn,ours_bf16_sr,torchao
+    report ;;
+  ladder2)
+    need torchao "$wheels/bench"
+    bench W5 ours_bf16_rn,ours_bf16_sr,torchao
     report ;;
   w5a)
     bench W5 ours,ours_io_spec1_stream,ours_device_conv,ours_no_stream
     report ;;
   w5b)
-    need torchao "$wheels/bench"
-    bench W5 full_gpu_master,torchao,fsdp2
+    bench W5 full_gpu_master,fsdp2
     report ;;
   bench | all)
     if [ "$phase" = all ]; then bash "$0" tests "$out"; fi
-    for p in configs1 configs2 configs3 peers1 peers2 w5a w5b; do bash "$0" "$p" "$out"; done ;;
-  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 w5a w5b bench all" >&2; exit 2 ;;
+    for p in configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 w5a w5b; do
+      bash "$0" "$p" "$out"
+    done ;;
+  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 w5a w5b bench all" >&2; exit 2 ;;
 esac

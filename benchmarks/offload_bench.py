@@ -92,16 +92,16 @@ beyond an 80 GB card."""
 class OursConfig:
     """One configuration of ours: the user's configuration and the planner's choices it
     forces (``offload_runtime.PlanForce``); all False is ``memory_optimize`` as a user
-    calls it. Every field but ``bf16_moments`` changes speed only, not the trained result."""
+    calls it. Every field but ``host_state`` changes speed only, not the trained result."""
 
     fp16_io: bool = False
     """``PlanForce(fp16_io=True)``: gradients and parameters cross PCIe in fp16, widened
     and narrowed inside the single-pass host step (BENCHMARKS.md, Decisions, "fp16 I/O
     host steps")."""
-    bf16_moments: bool = False
-    """``OffloadConfig(host_moments=torch.bfloat16)``: 4 fewer bytes a parameter of host
-    state ("bf16 moments"); changes numerics, so it is set beside torchao, not against the
-    defaults."""
+    host_state: str = "fp32"
+    """``OffloadConfig(host_state=...)``: a rung of the host-state precision ladder, fewer
+    host bytes a parameter; changes numerics, so it is set beside torchao, not against the
+    defaults. The bf16-master rungs train in bf16, as torchao does."""
     speculate: bool = False
     """``PlanForce(speculative=True)``: fp16 host steps start under backward and are undone
     exactly on overflow ("Speculative fp16 host steps")."""
@@ -147,7 +147,12 @@ class OursConfig:
     def speed_only(self) -> bool:
         """Trains as the defaults do (same numerics): one of the configurations that the
         defaults are set against ("ours within 3% of the fastest configuration")."""
-        return not (self.bf16_moments or self.reference)
+        return not (self.host_state != "fp32" or self.reference)
+
+    @property
+    def bf16(self) -> bool:
+        """Trains in bf16 (the bf16-master rungs); fp16 otherwise."""
+        return self.host_state in ("bf16_stochastic", "bf16_8bit", "bf16_nearest")
 
 
 OURS: dict[str, OursConfig] = {
@@ -155,15 +160,20 @@ OURS: dict[str, OursConfig] = {
     "ours_io_spec1_stream": OursConfig(fp16_io=True, speculate=True, streamed=True),
     "ours_device_conv": OursConfig(device_conversions=True),
     "ours_no_stream": OursConfig(no_stream=True),
-    "ours_bf16m": OursConfig(bf16_moments=True),
+    "ours_bf16m": OursConfig(host_state="bf16_moments"),
+    "ours_bf16_sr": OursConfig(host_state="bf16_stochastic"),
+    "ours_bf16_8bit": OursConfig(host_state="bf16_8bit"),
+    "ours_bf16_rn": OursConfig(host_state="bf16_nearest"),
     "ablation": OursConfig(reference=True),
 }
 """Our configurations by kind, as data: ``ours`` the libraries' defaults (nothing
 passed); ``ours_io_spec1_stream`` and ``ours_device_conv`` the planner's two fp16
 candidates, each forced (fp16 I/O with speculative host steps and streaming; torch's kernel
 with conversions on the device); ``ours_no_stream`` the defaults without streamed state;
-``ours_bf16m`` the defaults with bf16 moments (set beside torchao, whose host state is
-bf16); ``ablation`` the reference's behaviour."""
+``ours_bf16m``, ``ours_bf16_sr``, ``ours_bf16_8bit`` and ``ours_bf16_rn`` the rungs of the
+host-state ladder below fp32 (bf16 moments; bf16 masters with stochastic rounding, with
+8-bit moments, and torchao's round-to-nearest numerics), set beside torchao;
+``ablation`` the reference's behaviour."""
 
 FULL_GPU = "full_gpu_master"
 PEERS = (FULL_GPU, "fsdp2", "torchao")
@@ -199,16 +209,28 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "ours_io_spec1_stream",
         "ours_device_conv",
         "ours_no_stream",
+        "ours_bf16_rn",
+        "ours_bf16_sr",
         FULL_GPU,
         "fsdp2",
         "torchao",
     ),
-    "W4": ("ours", "ours_device_conv", "ours_io_spec1_stream", "ours_bf16m", "torchao", "fsdp2"),
+    "W4": (
+        "ours",
+        "ours_device_conv",
+        "ours_io_spec1_stream",
+        "ours_bf16_rn",
+        "ours_bf16_sr",
+        "torchao",
+        "fsdp2",
+    ),
     "W5": (
         "ours",
         "ours_io_spec1_stream",
         "ours_device_conv",
         "ours_no_stream",
+        "ours_bf16_rn",
+        "ours_bf16_sr",
         FULL_GPU,
         "torchao",
         "fsdp2",
@@ -437,8 +459,10 @@ def _build_ours(
     from offload_runtime import OffloadConfig, memory_optimize
     from offload_runtime.planning import build_offload_module, plan_model
 
-    moments = torch.bfloat16 if config.bf16_moments else torch.float32
-    user = None if moments == torch.float32 else OffloadConfig(host_moments=moments)
+    user = None
+    if config.host_state != "fp32":
+        dtype = torch.bfloat16 if config.bf16 else torch.float16
+        user = OffloadConfig(dtype=dtype, host_state=config.host_state)
     force = config.force()
     if force is None:
         module = memory_optimize(model, data, budget, "asyn", config=user, progress=False)
@@ -499,6 +523,8 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
     every host-state parameter, streamed ones too, at torch's fused fp32 rate: the floor of
     a step whose optimizer state lives on the host, whatever the configuration does with
     it."""
+    import torch
+
     from offload_runtime.hardware import profile_hardware
     from offload_runtime.planning import stream_copy_bytes
     from offload_solver import ParamPlacement, StatePlacement
@@ -508,7 +534,8 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
     host = [rp for rp in plan.regions if rp.state is not StatePlacement.DEVICE]
     streamed = {st.index for st in module.storages if st.streamed}
     streamed_params = sum(rp.region.numel for rp in host if rp.region.index in streamed)
-    up_b, down_b = stream_copy_bytes(module.config.host_moments, module.plan.options.fp16_io)
+    streamed_moments = torch.float32 if module.config.host_state == "fp32" else torch.bfloat16
+    up_b, down_b = stream_copy_bytes(streamed_moments, module.plan.options.fp16_io)
     h2d = (
         sum(2 * rp.region.size_bytes for rp in offloaded)
         + sum(rp.region.size_bytes for rp in host if rp.placement is ParamPlacement.RESIDENT)
@@ -558,8 +585,9 @@ def _ours(
         fused = measure_host_adam_params_per_s(HOST_PROBE_NUMEL) / 1e9
         reprofiled = reprofile_if_disturbed(fused)
     # Weights drawn on the GPU (fast) and kept on the host: the module places them.
+    dtype = torch.bfloat16 if config.bf16 else torch.float16
     model = build_model(
-        name, device="cpu", dtype=torch.float16, seq_len=seq, init_device=device if cuda else None
+        name, device="cpu", dtype=dtype, seq_len=seq, init_device=device if cuda else None
     )
     reports = warmup + 3 * steps  # every step _timed_steps may take
     module, opt = _build_ours(model, data, budget, config, reports)

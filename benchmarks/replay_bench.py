@@ -70,14 +70,19 @@ def row_config(kind: str, row: dict[str, Any]) -> OursConfig | None:
     recorded = row.get("config")
     if isinstance(recorded, dict):
         names = {f.name for f in dataclasses.fields(OursConfig)}
-        return OursConfig(**{k: bool(v) for k, v in recorded.items() if k in names})
+        fields: dict[str, Any] = {
+            k: v if k == "host_state" else bool(v) for k, v in recorded.items()
+        }
+        if recorded.get("bf16_moments"):  # rows recorded before the ladder had rungs
+            fields["host_state"] = "bf16_moments"
+        return OursConfig(**{k: v for k, v in fields.items() if k in names})
     if kind in OURS:
         return OURS[kind]
     if not kind.startswith("ours") or kind == "ours_bf16":
         return None
     return OursConfig(
         fp16_io=kind.startswith("ours_io"),
-        bf16_moments="bf16m" in kind,
+        host_state="bf16_moments" if "bf16m" in kind else "fp32",
         speculate="spec" in kind,
         streamed=kind.endswith("_stream"),
     )
@@ -402,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                 simulation["speculation_thread"] = options["speculation_thread"]
             if config.streamed or row.get("plan_streamed"):
                 recorded = row.get("plan_streamed")
-                moments = torch.bfloat16 if config.bf16_moments else torch.float32
+                moments = torch.bfloat16 if config.host_state != "fp32" else torch.float32
                 simulation["streamed"] = (
                     StreamedStepCosts(**{k: v for k, v in recorded.items() if k in cost_fields})
                     if recorded

@@ -9,10 +9,12 @@ its row files - from one machine, and prints the targets as a markdown table (on
 target: each row's figure and whether the target is met), or with ``--table`` the rows
 themselves, as BENCHMARKS.md's results table. Nothing is allocated; no GPU is needed.
 
-The targets judge the libraries' defaults (kind ``ours``, and ``ours_bf16m`` beside
-torchao), or the kinds ``--kind`` names; the budget and prediction targets judge every row
-of ours that the workload's report runs (``offload_bench.REPORT_KINDS``). Step times are
-the mean of each row's 5 fastest timed steps, the run mean's ratio beside it in brackets.
+The targets judge the libraries' defaults (kind ``ours``, and the rungs of the host-state
+ladder beside torchao: ``ours_bf16_rn`` at torchao's numerics, ``ours_bf16_sr`` with
+stochastic rounding), or the kinds ``--kind`` names; the budget and prediction targets
+judge every row of ours that the workload's report runs (``offload_bench.REPORT_KINDS``).
+Step times are the mean of each row's 5 fastest timed steps, the run mean's ratio beside
+it in brackets.
 A ratio sets a row of ours against the median of the peer's rows of the same workload.
 The targets:
 
@@ -26,9 +28,10 @@ The targets:
   stepped full-GPU training in turn (``offload_bench.py --pair-full-gpu``), by those
   steps too;
 - W2 to W5 with fp32 optimizer state at most 1.15x the floor
-  (:func:`offload_bench.issue_floor`) and at most 0.55x FSDP2 CPU offload's step;
-- W3 and W5 with fp32 state faster than torchao's CPU offload optimizer, and W4 with bf16
-  moments faster than torchao.
+  (:func:`offload_bench.issue_floor`), and W3 to W5 at most 0.5x FSDP2 CPU offload's step;
+- W3, W4 and W5 at torchao's numerics (``ours_bf16_rn``) at most 0.75x torchao's
+  ``CPUOffloadOptimizer`` step, and with stochastic rounding (``ours_bf16_sr``) at most
+  0.85x.
 
 A ratio target is "met" when every row meets it, "met by the median" when the median row
 does, else "missed" with the median's distance from it. Full-GPU rows whose loss did not
@@ -61,9 +64,11 @@ from offload_bench import (
 )
 
 Row = dict[str, Any]
-JUDGED = ("ours", "ours_bf16m")
-"""The kinds the peer and floor targets judge: the defaults, with bf16 moments beside
-torchao."""
+JUDGED = ("ours", "ours_bf16_rn", "ours_bf16_sr")
+"""The kinds the peer and floor targets judge: the defaults, and the two bf16-master rungs
+set beside torchao."""
+AGAINST_TORCHAO = {"ours_bf16_rn": 0.75, "ours_bf16_sr": 0.85}
+"""Each rung's bound on its step over torchao's, at W3, W4 and W5."""
 FASTEST_WITHIN = 1.03
 """The defaults' bound against the fastest configuration of the same numerics."""
 
@@ -146,7 +151,7 @@ def label(row: Row) -> str:
 
 
 def fp32_state(row: Row) -> bool:
-    return not OURS[row["kind"]].bf16_moments
+    return OURS[row["kind"]].host_state == "fp32"
 
 
 Ratio = tuple[Row, float, float]
@@ -275,22 +280,23 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
             if run.compute_ms(w) is None:
                 verdict.cells.append("no full-GPU row: the floor lacks its compute part")
         out.append(verdict)
-        out.append(
-            ratio_verdict(
-                f"{w} fp32 state <= 0.55x FSDP2", 0.55, against(run, "fsdp2", fp32), False
+        if w != "W2":
+            out.append(
+                ratio_verdict(
+                    f"{w} fp32 state <= 0.5x FSDP2", 0.5, against(run, "fsdp2", fp32), False
+                )
             )
-        )
-    for w in ("W3", "W5"):
-        fp32 = [r for r in ours if r["workload"] == w and fp32_state(r)]
-        out.append(
-            ratio_verdict(f"{w} faster than torchao", 1.0, against(run, "torchao", fp32), True)
-        )
-    w4m = [r for r in ours if r["workload"] == "W4" and not fp32_state(r)]
-    out.append(
-        ratio_verdict(
-            "W4 bf16 moments faster than torchao", 1.0, against(run, "torchao", w4m), True
-        )
-    )
+    for w in ("W3", "W4", "W5"):
+        for kind, bound in AGAINST_TORCHAO.items():
+            rungs = [r for r in ours if r["workload"] == w and r["kind"] == kind]
+            out.append(
+                ratio_verdict(
+                    f"{w} {kind} <= {bound}x torchao",
+                    bound,
+                    against(run, "torchao", rungs),
+                    False,
+                )
+            )
     full = [r for r in run.ok if r["kind"] == FULL_GPU and trained(r) is not None]
     if full:
         out.append(

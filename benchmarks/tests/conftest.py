@@ -33,7 +33,8 @@ def cpu_rows(tiny: tuple[str, str]) -> dict[str, dict[str, Any]]:
     """Rows of ours measured on the CPU by ``offload_bench._ours`` (1 warm-up and 5 timed
     steps): the fastest configuration with bf16 moments at "T" (host state: probes,
     speculation, fp16 I/O, streamed costs), the defaults at "T1" stepped in turn with
-    full-GPU training's recipe, and the ablation at "T"."""
+    full-GPU training's recipe, the stochastic-rounding rung at "T", and the ablation at
+    "T"."""
     import offload_bench
     import torch
 
@@ -46,6 +47,7 @@ def cpu_rows(tiny: tuple[str, str]) -> dict[str, dict[str, Any]]:
     try:
         return {
             "ours_bf16m": offload_bench._ours(host, "ours_bf16m", 1, 5, device="cpu"),
+            "ours_bf16_sr": offload_bench._ours(host, "ours_bf16_sr", 1, 5, device="cpu"),
             "ours": offload_bench._ours(device, "ours", 1, 5, pair_full_gpu=True, device="cpu"),
             "ablation": offload_bench._ours(host, "ablation", 0, 5, device="cpu"),
         }

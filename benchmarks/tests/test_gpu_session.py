@@ -12,7 +12,17 @@ import pytest
 from offload_bench import REPORT_KINDS, parse_args
 
 SCRIPT = Path(__file__).resolve().parents[1] / "gpu_session.sh"
-PHASES = ("configs1", "configs2", "configs3", "peers1", "peers2", "w5a", "w5b")
+PHASES = (
+    "configs1",
+    "configs2",
+    "configs3",
+    "peers1",
+    "peers2",
+    "ladder1",
+    "ladder2",
+    "w5a",
+    "w5b",
+)
 
 
 def dry_run(phase: str, out: Path) -> list[str]:
@@ -73,7 +83,7 @@ def test_the_tests_phase_runs_the_gpu_session_of_nox(tmp_path: Path) -> None:
 def test_all_runs_the_tests_then_every_bench_phase(tmp_path: Path) -> None:
     commands = dry_run("all", tmp_path)
     assert "-s gpu_tests" in commands[0]
-    assert len(bench_rows(commands)) == len(bench_rows(dry_run("bench", tmp_path))) == 28
+    assert len(bench_rows(commands)) == len(bench_rows(dry_run("bench", tmp_path))) == 33
 
 
 def test_an_unknown_phase_is_refused(tmp_path: Path) -> None:

@@ -49,11 +49,28 @@ def test_the_fastest_configuration_plans_with_the_profiles_rate_of_its_kernel(
     options = row["plan_options"]
     assert options["fp16_io"] and options["speculative"] and options["speculation_thread"]
     # The plan's host rate is the profile's rate of the kernel it runs.
-    rate = default_cpu_profile().host_step_params_per_s("single_pass", "bf16", True)
+    rate = default_cpu_profile().host_step_params_per_s("single_pass", "bf16_moments", True)
     assert row["hardware"]["host_adam_params_per_s"] == pytest.approx(rate)
     assert row["speculative_step_cost"] >= 1 and row["speculation_thread"]
     assert row["floor_parts_ms"]["host_adam"] > 0 and row["floor_parts_ms"]["d2h"] > 0
     assert row["undone_steps"] >= 0
+
+
+def test_a_bf16_master_rung_plans_with_its_own_rate_and_trains_in_bf16(
+    cpu_rows: dict[str, dict[str, Any]],
+) -> None:
+    from offload_runtime import default_cpu_profile
+    from offload_runtime.host_kernels import single_pass
+
+    row = cpu_rows["ours_bf16_sr"]
+    assert row["host_state_regions"] >= 1
+    assert row["config"]["host_state"] == "bf16_stochastic"
+    kernel = "single_pass" if single_pass.available() else "torch"
+    assert row["plan_options"]["host_kernel"] == kernel
+    assert not row["plan_options"]["fp16_io"] and not row["plan_options"]["speculative"]
+    rate = default_cpu_profile().host_step_params_per_s(kernel, "bf16_stochastic")
+    assert row["hardware"]["host_adam_params_per_s"] == pytest.approx(rate)
+    assert row["streamed_regions"] == 0
 
 
 def test_the_defaults_with_all_state_on_the_device_step_in_turn_with_full_gpu(

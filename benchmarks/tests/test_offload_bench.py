@@ -33,8 +33,12 @@ def test_the_kinds_are_ours_configurations_and_the_peers() -> None:
     assert OURS["ours"] == OursConfig()  # the libraries' defaults: nothing passed
     assert OURS["ablation"].reference
     fast, bf16 = OURS["ours_io_spec1_stream"], OURS["ours_bf16m"]
-    assert fast.fp16_io and fast.speculate and fast.streamed and not fast.bf16_moments
-    assert bf16 == OursConfig(bf16_moments=True)
+    assert fast.fp16_io and fast.speculate and fast.streamed and fast.host_state == "fp32"
+    assert bf16 == OursConfig(host_state="bf16_moments") and not bf16.bf16
+    # The bf16-master rungs train in bf16, as torchao does.
+    assert OURS["ours_bf16_rn"].bf16 and OURS["ours_bf16_rn"].host_state == "bf16_nearest"
+    assert OURS["ours_bf16_sr"].host_state == "bf16_stochastic"
+    assert OURS["ours_bf16_8bit"].host_state == "bf16_8bit"
     # The defaults force nothing; the others force what they name.
     assert OURS["ours"].force() is None and bf16.force() is None
     forced = fast.force()
@@ -65,8 +69,9 @@ def test_the_report_runs_every_row_its_targets_need() -> None:
         # The defaults, and the planner's two fp16 candidates forced.
         assert {"ours_io_spec1_stream", "ours_device_conv"} <= set(kinds)
     assert FULL_GPU in REPORT_KINDS["W2"] and FULL_GPU in REPORT_KINDS["W3"]  # the floor
-    assert "torchao" in REPORT_KINDS["W3"]
-    assert {"ours_bf16m", "torchao"} <= set(REPORT_KINDS["W4"])
+    # The two bf16-master rungs the targets set beside torchao, at W3, W4 and W5.
+    for w in ("W3", "W4", "W5"):
+        assert {"ours_bf16_rn", "ours_bf16_sr", "torchao"} <= set(REPORT_KINDS[w])
     # W5 beside full GPU, FSDP2 and torchao; every configuration of the same numerics.
     assert {FULL_GPU, "fsdp2", "torchao", "ours_no_stream"} <= set(REPORT_KINDS["W5"])
     assert all(steps >= 5 for steps in REPORT_STEPS.values())

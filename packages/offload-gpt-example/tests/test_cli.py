@@ -298,14 +298,14 @@ def test_speculation_is_planned_for_the_undo_buffers_that_fit(
 def test_bf16_moments_train_as_fp32_moments_do(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--bf16_moments: planned with host state in bf16 moments, and training as with fp32
-    moments up to the moments' rounding (the kernels' exactness is tested in
+    """--host_state bf16_moments: planned with host state in bf16 moments, and training as
+    with fp32 moments up to the moments' rounding (the kernels' exactness is tested in
     offload-optim); --plan_only plans it too."""
     base = [*TINY, "--batch_size", "2", "--dtype", "fp16", "--steps", "4"]
     base += ["--log_dir", str(tmp_path)]
     budget = repr(_least_budget_gb(base, capsys) * 1.5)
     losses = {}
-    for flags in ([], ["--bf16_moments"]):
+    for flags in ([], ["--host_state", "bf16_moments"]):
         code, out, err = _run([*base, "--memory_budget", budget, *flags], capsys)
         assert code == 0, err
         loss = LOSS_LINE.search(out)
@@ -314,9 +314,9 @@ def test_bf16_moments_train_as_fp32_moments_do(
     plan = Plan.from_json((tmp_path / "gpt2_tiny_bs_2_st_asyn.plan.json").read_text())
     assert any(rp.state is StatePlacement.HOST for rp in plan.regions)
     assert math.isfinite(losses[""]) and losses[""] < math.log(1024)
-    assert losses["--bf16_moments"] == pytest.approx(losses[""], abs=1e-3)
+    assert losses["--host_state bf16_moments"] == pytest.approx(losses[""], abs=1e-3)
     code, out, err = _run(
-        [*base, "--memory_budget", budget, "--bf16_moments", "--plan_only"], capsys
+        [*base, "--memory_budget", budget, "--host_state", "bf16_moments", "--plan_only"], capsys
     )
     assert code == 0, err
     assert re.search(r"^predicted_peak_mem=[0-9.]+ MB \| predicted_step_time=", out, re.M), out
@@ -485,7 +485,7 @@ def test_plan_only_gpt2_24b_allocates_nothing(
 def test_unknown_model_lists_the_valid_ones(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = _run(["--model_type", "gpt5"], capsys)
     assert code == 2
-    assert "Model 'gpt5' is not registered; known: gpt2_tiny, gpt2_medium" in err
+    assert "Model 'gpt5' is not registered; known: gpt2_micro, gpt2_tiny, gpt2_medium" in err
     assert "gpt2_24b" in err
 
 

@@ -14,7 +14,7 @@ def build_run(
     seed: int,
 ) -> tuple[AMPOptimizer, OffloadModule, torch.optim.lr_scheduler.StepLR]:
     """fp16 training (so the scaler state matters), bf16 host moments, a StepLR schedule."""
-    config = OffloadConfig(host_moments=torch.bfloat16)
+    config = OffloadConfig(host_state="bf16_moments")
     module = offload_module(tiny_gpt2(seed=seed), batch(0), dtype=torch.float16, config=config)
     opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01)
     amp = AMPOptimizer(opt, module, initial_scale=2.0**20, growth_interval=4, clipping_norm=1.0)

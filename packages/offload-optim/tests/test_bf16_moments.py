@@ -39,7 +39,7 @@ def test_chunked_route_is_fp32_adam_on_the_stored_moments() -> None:
 
 
 def test_bf16_moments_live_only_in_host_state() -> None:
-    config = OffloadConfig(dtype=torch.float32, host_moments=torch.bfloat16)
+    config = OffloadConfig(dtype=torch.float32, host_state="bf16_moments")
     module = offload_module(tiny_gpt2(), batch(0), config=config)
     opt = HybridAdam(module.parameters())
     opt.bind(module)
@@ -54,7 +54,9 @@ def test_bf16_moments_live_only_in_host_state() -> None:
 def test_bf16_moments_train_close_to_fp32_moments() -> None:
     curves = {}
     for dtype in (torch.float32, torch.bfloat16):
-        config = OffloadConfig(dtype=torch.float32, host_moments=dtype)
+        config = OffloadConfig(
+            dtype=torch.float32, host_state="fp32" if dtype == torch.float32 else "bf16_moments"
+        )
         module = offload_module(tiny_gpt2(), batch(0), all_host_state=True, config=config)
         opt = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01)
         curves[dtype] = train_offload(AMPOptimizer(opt, module), module, range(50))

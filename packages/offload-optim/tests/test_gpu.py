@@ -249,7 +249,7 @@ def test_cuda_fp16_io_equals_the_three_pass_route(speculate: bool, moments: torc
             dtype=torch.float16,
             device=CUDA,
             options=options,
-            config=OffloadConfig(host_moments=moments),
+            config=OffloadConfig(host_state="fp32" if moments == torch.float32 else "bf16_moments"),
         )
         assert any(st.host_state and st.offloaded for st in module.storages)
         assert any(st.host_state and not st.offloaded for st in module.storages)
@@ -332,7 +332,7 @@ def test_cuda_streamed_regions_step_on_the_device(
             dtype=torch.float16,
             device=CUDA,
             options=options,
-            config=OffloadConfig(host_moments=torch.bfloat16),
+            config=OffloadConfig(host_state="bf16_moments"),
         )
         host = [st for st in module.storages if st.host_state]
         assert len(host) >= 2 and host[0].index == 0
@@ -412,7 +412,7 @@ def test_cuda_streamed_moments_are_pinned_at_their_exact_size() -> None:
         batch(0),
         dtype=torch.float16,
         device=CUDA,
-        config=OffloadConfig(host_moments=torch.bfloat16),
+        config=OffloadConfig(host_state="bf16_moments"),
     )
     big = [st for st in module.storages if st.host_state and st.numel * 2 >= 1 << 20]
     assert big, "the plan has host-state regions of at least 1 MiB of bf16 moments"
@@ -510,3 +510,47 @@ def test_cuda_a_dropped_module_and_optimizer_return_their_device_memory_at_once(
     finally:
         gc.enable()
     assert left <= 2**20, f"{left} of {held} bytes still allocated after the drop"
+
+
+def test_cuda_bf16_master_rungs_train_from_their_pinned_bf16_masters() -> None:
+    """The bf16-master rungs on CUDA, every region's state on the host (offloaded and
+    resident regions): the host master is pinned bf16 and is the upload source itself;
+    ``bf16_nearest`` trains as torch's fused AdamW over the bf16 model on the device (the
+    same rounding; the traced graph's gradients differ from eager's by bf16 rounding), and
+    stochastic rounding and 8-bit moments end close to it."""
+    model = tiny_gpt2().to(torch.bfloat16)
+    reference = copy.deepcopy(model).to(CUDA)
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    plain = []
+    for step in range(10):
+        opt.zero_grad()
+        b = cuda_batch(step)
+        loss = loss_of(reference(**b), b["input_ids"])
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        plain.append(loss.item())
+    runs = {}
+    for state in ("bf16_nearest", "bf16_stochastic", "bf16_8bit"):
+        config = OffloadConfig(dtype=torch.bfloat16, host_state=state)
+        module = offload_module(
+            model, batch(0), dtype=torch.bfloat16, device=CUDA, all_host_state=True, config=config
+        )
+        assert any(st.offloaded for st in module.storages)
+        for st in module.storages:
+            assert st.master.dtype == torch.bfloat16 and st.master.is_pinned()
+            assert st.master_is_upload_copy
+        amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01), module)
+        losses = []
+        for step in range(10):
+            amp.zero_grad()
+            b = cuda_batch(step)
+            loss = loss_of(module(**b), b["input_ids"])
+            amp.backward(loss)
+            amp.step()
+            losses.append(loss.item())
+        amp.synchronize()
+        runs[state] = losses
+    assert rel_diff(runs["bf16_nearest"], plain) < 2e-2
+    for state in ("bf16_stochastic", "bf16_8bit"):
+        assert runs[state][-1] < 0.8 * runs[state][0], state
+        assert abs(runs[state][-1] / runs["bf16_nearest"][-1] - 1) < 0.05, state

@@ -89,7 +89,11 @@ class Trainer:
             host_worker=host_worker,
             convert_on_device=convert_on_device,
             options=options,
-            config=OffloadConfig(dtype=dtype, host_moments=moments, accumulation_steps=micro),
+            config=OffloadConfig(
+                dtype=dtype,
+                host_state="fp32" if moments == torch.float32 else "bf16_moments",
+                accumulation_steps=micro,
+            ),
         )
         assert self.module.storages[0].host_state, "the plan keeps region 0's state on the host"
         self.poison_steps: set[int] = set()

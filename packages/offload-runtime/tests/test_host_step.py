@@ -110,7 +110,7 @@ def test_every_host_step_is_timed_by_the_timer_and_the_fused_rate_is_not_timed_a
     configurations = [
         ("torch", "fp32", False, False),
         ("torch", "fp32", False, True),
-        ("torch", "bf16", False, False),
+        ("torch", "bf16_moments", False, False),
     ]
     # Two configurations timed, three timed steps each: medians 2 ms and 4 ms.
     clock.durations_s = [1e-3, 2e-3, 3e-3, 4e-3, 8e-3, 1e-3]
@@ -131,19 +131,26 @@ def test_the_configurations_are_those_the_optimizer_can_run_here(
 ) -> None:
     """torch's kernels everywhere (fp32 and bf16 moments, plain and speculative); the
     single-pass ones only where numba loads, with fp16 I/O only where its conversions
-    compile."""
+    compile; the three bf16-master rungs, plain, with the one family the planner runs
+    them with."""
     from offload_runtime.host_kernels import single_pass
 
+    bf16_master = {"bf16_stochastic", "bf16_8bit", "bf16_nearest"}
     monkeypatch.setattr(single_pass, "available", lambda: False)
-    assert {c[0] for c in host_step.host_step_configurations()} == {"torch"}
-    assert len(host_step.host_step_configurations()) == 4
+    found = host_step.host_step_configurations()
+    assert {c[0] for c in found} == {"torch"}
+    assert len(found) == 4 + 3
+    assert {c[1] for c in found[4:]} == bf16_master
     monkeypatch.setattr(single_pass, "available", lambda: True)
     monkeypatch.setattr(single_pass, "fp16_io_available", lambda: False)
     found = host_step.host_step_configurations()
-    assert len(found) == 8
+    assert len(found) == 8 + 3
     assert not any(io for _, _, io, _ in found)
+    assert [c for c in found if c[1] in bf16_master] == [
+        ("single_pass", s, False, False) for s in ("bf16_stochastic", "bf16_8bit", "bf16_nearest")
+    ]
     monkeypatch.setattr(single_pass, "fp16_io_available", lambda: True)
-    assert len(host_step.host_step_configurations()) == 12
+    assert len(host_step.host_step_configurations()) == 12 + 3
 
 
 def test_every_configuration_here_has_a_step_the_timer_can_time() -> None:

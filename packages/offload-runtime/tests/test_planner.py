@@ -92,7 +92,7 @@ def test_the_candidates_per_precision_where_numba_loads() -> None:
         Candidate("single_pass", io, False, True),
         Candidate("torch", False, True, False),
     ]
-    bf16m = OffloadConfig(host_moments=torch.bfloat16)
+    bf16m = OffloadConfig(host_state="bf16_moments")
     assert candidates(bf16m, PlanForce())[1] == Candidate("single_pass", False, True, False)
     bf16 = OffloadConfig(dtype=torch.bfloat16)
     assert candidates(bf16, PlanForce()) == [
@@ -128,7 +128,7 @@ def test_without_numba_the_planner_warns_once_and_plans_torchs_kernels(
     ]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
-        candidates(OffloadConfig(dtype=torch.bfloat16, host_moments=torch.bfloat16), PlanForce())
+        candidates(OffloadConfig(dtype=torch.bfloat16, host_state="bf16_moments"), PlanForce())
         candidates(FP32, PlanForce())
     with pytest.raises(ImportError, match="pip install numba"):
         candidates(OffloadConfig(), PlanForce(host_kernel="single_pass"))
@@ -435,7 +435,7 @@ def test_streaming_is_offered_unless_forced_off() -> None:
     ("kwargs", "match"),
     [
         ({"dtype": torch.float64}, "OffloadConfig.dtype"),
-        ({"host_moments": torch.float16}, "OffloadConfig.host_moments"),
+        ({"host_state": "fp16"}, "OffloadConfig.host_state"),
         ({"host_memory_bytes": 0}, "OffloadConfig.host_memory_bytes"),
         ({"host_threads": -2}, "OffloadConfig.host_threads"),
         ({"accumulation_steps": 0}, "OffloadConfig.accumulation_steps"),
@@ -503,3 +503,25 @@ def test_a_plan_by_hand_runs_with_the_default_options_and_a_config_of_its_dtype(
     module.close()
     with pytest.raises(ValueError, match=r"OffloadConfig says torch\.float16"):
         build_offload_module(model, dataclasses.replace(found, config=OffloadConfig()))
+
+
+@pytest.mark.parametrize("state", ["bf16_stochastic", "bf16_8bit", "bf16_nearest"])
+def test_a_bf16_master_rung_is_one_candidate_at_its_own_rate(state: str) -> None:
+    """A bf16 master is its own upload copy: one candidate, conversions on the host (none
+    to make: no conversion pass is priced), the rung's measured host rate, and no
+    streamed state (the ring steps fp32 masters)."""
+    config = OffloadConfig(dtype=torch.bfloat16, host_state=state)
+    kernel = "single_pass" if single_pass.available() else "torch"
+    found = candidates(config, PlanForce())
+    assert found == [Candidate(kernel, False, False, False)]
+    with pytest.raises(ValueError, match="keeps bf16 ones"):
+        candidates(config, PlanForce(convert_on_device=True))
+    hw = default_cpu_profile()
+    priced, _ = planning_hardware(found[0], config, hw, PlanForce())
+    assert priced.host_adam_params_per_s == hw.host_step_params_per_s(kernel, state)
+    assert priced.host_convert_elems_per_s == 0.0
+    model = tiny_gpt2()
+    budget = forcing_budget(model, inputs(), "asyn", torch.bfloat16, hw)
+    plan = planned(model, budget, config=config).plan
+    states = {rp.state for rp in plan.regions}
+    assert StatePlacement.HOST in states and StatePlacement.STREAMED not in states

@@ -14,7 +14,7 @@ from offload_solver.host_rates import DEFAULT_HOST_STEP_TIMES
 def test_a_profile_with_host_step_rates_reads_back_from_json() -> None:
     rates = (
         HostStepRate("torch", "fp32", False, False, 4e9, threads=16),
-        HostStepRate("single_pass", "bf16", True, True, 5.5e9, threads=16),
+        HostStepRate("single_pass", "bf16_moments", True, True, 5.5e9, threads=16),
     )
     hw = dataclasses.replace(default_hardware(), host_step_rates=rates)
     back = HardwareProfile.from_json(hw.to_json())
@@ -37,7 +37,7 @@ def test_the_lookup_reads_a_measured_rate_and_derives_the_others() -> None:
     )
     assert hw.host_step_params_per_s("single_pass", "fp32", True, False) == 7e9
     # Not measured: the fused rate over the documented time ratio.
-    assert hw.host_step_params_per_s("single_pass", "bf16") == pytest.approx(4e9 / 0.73)
+    assert hw.host_step_params_per_s("single_pass", "bf16_moments") == pytest.approx(4e9 / 0.73)
     assert hw.host_step_params_per_s("torch", "fp32", speculative=True) == pytest.approx(4e9 / 2.53)
     # torch's fused fp32 step is the profile's reference rate, whatever a record says.
     fused = HostStepRate("torch", "fp32", False, False, 1e9)
@@ -63,7 +63,7 @@ def test_the_default_rates_cover_every_configuration_at_the_documented_ratios() 
     ("kwargs", "match"),
     [
         ({"kernel": "cuda"}, "kernel is 'cuda'"),
-        ({"moments": "fp16"}, "moments is 'fp16'"),
+        ({"state": "fp16"}, "state is 'fp16'"),
         ({"fp16_io": True}, "single_pass kernel"),
         ({"params_per_s": 0.0}, "params_per_s is 0.0"),
         ({"params_per_s": float("inf")}, "params_per_s is inf"),
@@ -73,7 +73,7 @@ def test_the_default_rates_cover_every_configuration_at_the_documented_ratios() 
 def test_a_bad_rate_is_named(kwargs: dict[str, object], match: str) -> None:
     args: dict[str, object] = {
         "kernel": "torch",
-        "moments": "fp32",
+        "state": "fp32",
         "fp16_io": False,
         "speculative": False,
         "params_per_s": 1e9,
@@ -85,8 +85,8 @@ def test_a_bad_rate_is_named(kwargs: dict[str, object], match: str) -> None:
 
 def test_two_rates_of_one_configuration_are_refused() -> None:
     twice = (
-        HostStepRate("torch", "bf16", False, False, 1e9),
-        HostStepRate("torch", "bf16", False, False, 2e9),
+        HostStepRate("torch", "bf16_moments", False, False, 1e9),
+        HostStepRate("torch", "bf16_moments", False, False, 2e9),
     )
     with pytest.raises(ValueError, match="two rates of one configuration"):
         dataclasses.replace(default_hardware(), host_step_rates=twice)

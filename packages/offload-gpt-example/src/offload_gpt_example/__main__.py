@@ -8,9 +8,9 @@ Run it (defaults are the reference's: gpt2_medium, batch 64, 16 GB, the asyn sol
     MODEL_TYPE=gpt2_xl MEMORY_BUDGET=8 bash packages/offload-gpt-example/run.sh   # logged
     python -m offload_gpt_example --model_type gpt2_xl --memory_budget 3
     python -m offload_gpt_example --model_type gpt2_6b --batch_size 4 --seq_len 512 \
-        --memory_budget 24 --bf16_moments
+        --memory_budget 24 --host_state bf16_moments
 
-The flags choose what changes the numbers trained (``--dtype``, ``--bf16_moments``,
+The flags choose what changes the numbers trained (``--dtype``, ``--host_state``,
 ``--no_fuse_gelu``) and the run's shape; everything that only changes speed (where each
 region's parameters and optimizer state live, the host kernel, fp16 I/O, speculative host
 steps, streamed state) is the planner's (``offload_runtime.memory_optimize``), and the
@@ -81,6 +81,8 @@ from offload_runtime import (
     summary_line,
 )
 from offload_solver import (
+    BF16_MASTER_STATES,
+    HOST_STATES,
     HardwareProfile,
     InfeasibleBudgetError,
     Plan,
@@ -165,11 +167,14 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.ArgumentParser, arg
     p.add_argument("--dropout", type=float, default=DROPOUT)
     p.add_argument("--seed", type=int, default=SEED)
     p.add_argument(
-        "--bf16_moments",
-        action="store_true",
-        help="keep the Adam moments of host-resident state in bf16 (OffloadConfig("
-        "host_moments=torch.bfloat16)): 4 fewer bytes of host memory per parameter, and "
-        "with the single-pass host Adam (numba) a faster host step",
+        "--host_state",
+        choices=HOST_STATES,
+        default="fp32",
+        help="precision of host-resident optimizer state (OffloadConfig.host_state): fp32 "
+        "master and moments; bf16_moments; bf16_stochastic (bf16 master, stochastic "
+        "rounding); bf16_8bit (bf16 master, 8-bit moments); bf16_nearest (torchao's "
+        "numerics). Fewer bytes make the host step faster; the bf16-master ones need "
+        "--dtype bf16",
     )
     p.add_argument(
         "--no_fuse_gelu",
@@ -214,6 +219,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
     if args.resume is not None and not args.resume.is_file():
         parser.error(f"--resume {args.resume}: no such checkpoint file")
+    if args.host_state in BF16_MASTER_STATES and args.dtype != "bf16":
+        parser.error(f"--host_state {args.host_state} keeps a bf16 master: add --dtype bf16")
     if args.plan_only and (args.resume or args.save_on_interrupt):
         parser.error("--resume and --save_on_interrupt train; they do not go with --plan_only")
 
@@ -223,7 +230,7 @@ def offload_config(args: argparse.Namespace) -> OffloadConfig:
     shape. The planner decides the rest."""
     return OffloadConfig(
         dtype=DTYPES[args.dtype],
-        host_moments=torch.bfloat16 if args.bf16_moments else torch.float32,
+        host_state=args.host_state,
         accumulation_steps=args.accumulation_steps,
         fuse_gelu=args.fuse_gelu,
     )

@@ -103,6 +103,7 @@ ModelSpec = GPTSpec | LlamaSpec
 _REGISTRY: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
+        GPTSpec("gpt2_micro", hidden_size=64, num_layers=2, num_heads=4),
         GPTSpec("gpt2_tiny", hidden_size=128, num_layers=4, num_heads=4),
         GPTSpec("gpt2_medium", hidden_size=1024, num_layers=24, num_heads=16),
         GPTSpec("gpt2_xl", hidden_size=1600, num_layers=48, num_heads=32),

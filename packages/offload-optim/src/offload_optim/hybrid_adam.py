@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any, cast, overload
 import torch
 
 from offload_optim.host_steps import HostSteps
-from offload_optim.layout import MOMENT_DTYPES, StateLayout
+from offload_optim.layout import MOMENT_DTYPES, Segment, StateLayout
 from offload_optim.reports import RegionStepTiming
 from offload_optim.speculation import Speculation
 from offload_optim.stepping import Stepper
 from offload_optim.streamed import StreamedSteps
 from offload_runtime.hardware import available_host_memory_bytes
-from offload_runtime.host_kernels import AdamHyper, single_pass
+from offload_runtime.host_kernels import AdamHyper, low_precision, single_pass
 from offload_runtime.planning.speculation import SPECULATION_HOST_SHARE
 from offload_runtime.storage import RegionStorage
 
@@ -230,6 +230,7 @@ class HybridAdam(torch.optim.Optimizer):
             single_pass.require_fp16_io()
         if not layout.laid_out:
             layout.moments_dtype = module.config.host_moments
+        self._stepper.host_state = module.config.host_state
         self._stepper.host_kernel = options.host_kernel
         self._stepper.fp16_io = options.fp16_io
         self._speculation.use_thread = options.speculation_thread
@@ -702,6 +703,8 @@ class HybridAdam(torch.optim.Optimizer):
                     for p in seg.views:
                         self.state[p]["exp_avg"].zero_()
                         self.state[p]["exp_avg_sq"].zero_()
+                    for scale in seg.scales or ():
+                        scale.zero_()
                     seg.step.zero_()
                     continue
                 if any(e is None for e in entries):
@@ -715,21 +718,59 @@ class HybridAdam(torch.optim.Optimizer):
                         f"parameters stepped together have different step counts {sorted(steps)}"
                         " in the optimizer state_dict; HybridAdam keeps one count per segment"
                     )
-                for p, e in zip(seg.views, entries, strict=True):
-                    entry = cast(dict[str, torch.Tensor], e)
-                    for key in ("exp_avg", "exp_avg_sq"):
-                        src = entry[key]
-                        dst = self.state[p][key]
-                        if tuple(src.shape) != tuple(dst.shape):
-                            raise ValueError(
-                                f"optimizer state_dict {key} has shape {tuple(src.shape)}, "
-                                f"the parameter {tuple(dst.shape)}"
-                            )
-                        dst.copy_(src)
+                typed = [cast(dict[str, torch.Tensor], e) for e in entries]
+                if seg.scales is not None:
+                    self._load_quantized(seg, typed)
+                else:
+                    for p, entry in zip(seg.views, typed, strict=True):
+                        for key in ("exp_avg", "exp_avg_sq"):
+                            src = entry[key]
+                            dst = self.state[p][key]
+                            if tuple(src.shape) != tuple(dst.shape):
+                                raise ValueError(
+                                    f"optimizer state_dict {key} has shape {tuple(src.shape)}, "
+                                    f"the parameter {tuple(dst.shape)}"
+                                )
+                            dst.copy_(src)
                 step = steps.pop()
                 if not math.isfinite(step) or step < 0:
                     raise ValueError(f"optimizer state_dict step count {step} is invalid")
                 seg.step.fill_(step)
+
+    def _load_quantized(self, seg: Segment, entries: list[dict[str, torch.Tensor]]) -> None:
+        """Load 8-bit segment ``seg``'s moments from its parameters' ``entries``: codes
+        and scales as :meth:`state_dict` saves them, or floating moments (an ``AdamW``
+        state dict, another rung's), quantized as the 8-bit step would."""
+        assert seg.scales is not None
+        for p, entry in zip(seg.views, entries, strict=True):
+            for key in ("exp_avg", "exp_avg_sq"):
+                if entry[key].numel() != p.numel():
+                    raise ValueError(
+                        f"optimizer state_dict {key} has {entry[key].numel()} elements, the "
+                        f"parameter {p.numel()}"
+                    )
+        if all("exp_avg_scale" in e for e in entries):
+            first = entries[0]
+            for key, scale in zip(("exp_avg_scale", "exp_avg_sq_scale"), seg.scales, strict=True):
+                if first[key].shape != scale.shape:
+                    raise ValueError(
+                        f"optimizer state_dict {key} has shape {tuple(first[key].shape)}, "
+                        f"this 8-bit segment {tuple(scale.shape)}: save and load with the "
+                        "same parameter groups"
+                    )
+                scale.copy_(first[key])
+            offset = 0
+            for p, entry in zip(seg.views, entries, strict=True):
+                n = p.numel()
+                seg.exp_avg[offset : offset + n].copy_(entry["exp_avg"].reshape(-1))
+                seg.exp_avg_sq[offset : offset + n].copy_(entry["exp_avg_sq"].reshape(-1))
+                offset += n
+            return
+        m = torch.cat([e["exp_avg"].reshape(-1).float() for e in entries])
+        v = torch.cat([e["exp_avg_sq"].reshape(-1).float() for e in entries])
+        low_precision.quantize_moments_(
+            m, v, seg.exp_avg, seg.scales[0], seg.exp_avg_sq, seg.scales[1]
+        )
 
 
 def _nothing() -> None:

@@ -20,6 +20,13 @@ the parameter's slices of its region's moments. A host-state region that may ste
 speculatively also has a :class:`Spare` set of buffers (see [Note: speculative steps] in
 speculation.py).
 
+On the 8-bit rung (``OffloadConfig.host_state="bf16_8bit"``) a host-state region's moments
+are block-quantized codes with one fp32 scale per block of ``low_precision.QBLOCK``
+elements. A block must not straddle two segments (each launch requantizes whole blocks),
+so there each segment owns its codes and scales (``Segment.scales``) instead of slices of
+region-wide buffers; ``state`` shows each parameter's slice of the codes and the
+segment's scales (``exp_avg_scale``, ``exp_avg_sq_scale``).
+
 Frozen parameters (``requires_grad=False`` in the model) get no state: their masters are
 left out of the segments, and a region's moments cover only its trainable parameters,
 which the runtime lays out first (see [Note: region storage]).
@@ -32,13 +39,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from offload_runtime.host_kernels import AdamHyper
+from offload_runtime.host_kernels import AdamHyper, low_precision
 from offload_runtime.storage import RegionStorage, alloc_host, region_of
 
 if TYPE_CHECKING:
     from offload_runtime.controller import OffloadController
 
-MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16, torch.uint8)
+"""Storage dtypes of host moments: fp32, bf16, and the 8-bit rung's codes (``uint8``
+names that rung; its first moment's codes are ``low_precision.QUANT_DTYPES[0]``)."""
 
 ParamState = MutableMapping[torch.Tensor, Any]
 """The optimizer's ``state``: per parameter, its ``step``, ``exp_avg`` and ``exp_avg_sq``."""
@@ -81,6 +90,9 @@ class Segment:
         step is committed."""
         self.spare_views: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
         """``spare`` cut per parameter of ``views``, shaped like it (what ``state`` shows)."""
+        self.scales: tuple[torch.Tensor, torch.Tensor] | None = None
+        """8-bit moments (see [Note: region segments]): the per-block scales of
+        ``exp_avg`` and ``exp_avg_sq``, which then hold codes."""
 
 
 def hyper_of(seg: Segment, hypers: dict[int, AdamHyper] | None) -> AdamHyper:
@@ -129,6 +141,11 @@ class RegionAdamState:
         # to a power of two: up to twice the host memory).
         pin = storage.streamed and storage.master.is_pinned()
         n = storage.trainable_numel  # frozen parameters lie after it and get no state
+        self.quantized = moments_dtype == torch.uint8
+        """8-bit moments: each segment owns its codes and scales (see the note)."""
+        if self.quantized:
+            n = 0
+            moments_dtype = torch.float32
         if pin:
             self.exp_avg = alloc_host(n, moments_dtype, pin=True).zero_()
             self.exp_avg_sq = alloc_host(n, moments_dtype, pin=True).zero_()
@@ -242,6 +259,8 @@ class StateLayout:
                 continue  # no gradient, no state: never stepped (as torch skips grad None)
             if st.index not in self.regions:
                 dtype = self.moments_dtype if st.host_state else torch.float32
+                if dtype == torch.uint8 and not st.master_is_upload_copy:
+                    dtype = torch.bfloat16  # an fp32 master (streamed): bf16 moments
                 self.regions[st.index] = RegionAdamState(st, dtype)
                 self.region_list = sorted(self.regions)
             layout = next(lay for lay in st.layouts if lay.name == name)
@@ -279,12 +298,23 @@ class StateLayout:
         for run in runs:
             start = run[0][0]
             stop = run[-1][0] + run[-1][2].numel()
+            if rs.quantized:
+                codes = low_precision.QUANT_DTYPES
+                m = torch.zeros(stop - start, dtype=codes[0])
+                v = torch.zeros(stop - start, dtype=codes[1])
+                blocks = low_precision.quantized_numel(stop - start)
+                scales = (torch.zeros(blocks), torch.zeros(blocks))
+                base = start
+            else:
+                m = rs.exp_avg[start:stop]
+                v = rs.exp_avg_sq[start:stop]
+                base = 0
             seg = Segment(
                 group,
                 tuple(p for _, _, p in run),
                 st.master[start:stop],
-                rs.exp_avg[start:stop],
-                rs.exp_avg_sq[start:stop],
+                m,
+                v,
                 grad=st.grad[start:stop],
                 grad_views=tuple(st.grad_views[name] for _, name, _ in run),
                 start=start,
@@ -293,13 +323,21 @@ class StateLayout:
             rs.segments.append(seg)
             if rs.spare is not None:
                 attach_spare(rs.spare, seg)
+            if rs.quantized:
+                seg.scales = scales
+            else:
+                m, v = rs.exp_avg, rs.exp_avg_sq
             for offset, _, p in run:
                 n = p.numel()
+                at = offset - base
                 state[p] = {
                     "step": seg.step,
-                    "exp_avg": rs.exp_avg[offset : offset + n].view(p.shape),
-                    "exp_avg_sq": rs.exp_avg_sq[offset : offset + n].view(p.shape),
+                    "exp_avg": m[at : at + n].view(p.shape),
+                    "exp_avg_sq": v[at : at + n].view(p.shape),
                 }
+                if seg.scales is not None:
+                    state[p]["exp_avg_scale"] = seg.scales[0]
+                    state[p]["exp_avg_sq_scale"] = seg.scales[1]
 
     def segments_with_grad(self, r: int) -> list[Segment]:
         """Region ``r``'s segments whose gradients are present (see

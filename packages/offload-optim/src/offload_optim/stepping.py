@@ -25,6 +25,17 @@ fp16 gradients stay the only copy until something else needs the fp32 accumulato
 (accumulation: the runtime widens them before that backward's copy overwrites the staging
 buffer) widen them first. A region whose step covers only part of it (segments without
 gradients) is widened and stepped by the fp32 kernel.
+
+[Note: bf16 masters]
+On a bf16-master rung (``OffloadConfig.host_state``: ``"bf16_stochastic"``,
+``"bf16_8bit"``, ``"bf16_nearest"``) a host-state region's master is bf16 and is its own
+upload copy (see [Note: region storage] in offload_runtime/storage.py). Its step reads the
+bf16 gradient where it landed (the staging buffer, or the bf16 accumulator after
+micro-batches were added) and rounds the new master to bf16 in the same pass: to nearest
+(torchao's numerics), or stochastically with a counter-based hash of (step, region,
+offset, element) as its random bits, so that a run is reproducible and a resumed run
+continues bit for bit ([Note: low-precision host Adam] in
+offload_runtime/host_kernels/low_precision.py).
 """
 
 from __future__ import annotations
@@ -34,7 +45,13 @@ from typing import cast
 import torch
 
 from offload_optim.layout import RegionAdamState, Segment, StateLayout
-from offload_runtime.host_kernels import AdamHyper, fused_adam_, scale_tensor, single_pass
+from offload_runtime.host_kernels import (
+    AdamHyper,
+    fused_adam_,
+    low_precision,
+    scale_tensor,
+    single_pass,
+)
 from offload_runtime.storage import RegionStorage
 
 IO = tuple[torch.Tensor, torch.Tensor]
@@ -49,6 +66,54 @@ class Stepper:
         self.layout = layout
         self.host_kernel = host_kernel
         self.fp16_io = fp16_io
+        self.host_state = "fp32"
+        """The bound module's host-state rung (``OffloadConfig.host_state``)."""
+
+    def _bf16_master(
+        self, seg: Segment, grad: torch.Tensor, hyper: AdamHyper, scale: torch.Tensor | None
+    ) -> None:
+        """Step segment ``seg`` of a bf16 host master from bf16 ``grad`` (see [Note: bf16
+        masters]); its step count is already this step's."""
+        step = int(seg.step)
+        region = -1 if seg.storage is None else seg.storage.index
+        seed = low_precision.rounding_seed(step, region, seg.start)
+        stochastic = self.host_state != "bf16_nearest"
+        if self.host_state == "bf16_8bit":
+            assert seg.scales is not None
+            kernel8 = (
+                low_precision.adam_bf16_8bit_
+                if self.single_pass(seg.param.device)
+                else low_precision.reference_adam_bf16_8bit_
+            )
+            kernel8(
+                seg.param,
+                grad,
+                seg.exp_avg,
+                seg.scales[0],
+                seg.exp_avg_sq,
+                seg.scales[1],
+                seg.step,
+                hyper,
+                scale,
+                seed=seed,
+            )
+            return
+        kernel = (
+            low_precision.adam_bf16_
+            if self.single_pass(seg.param.device)
+            else low_precision.reference_adam_bf16_
+        )
+        kernel(
+            seg.param,
+            grad,
+            seg.exp_avg,
+            seg.exp_avg_sq,
+            seg.step,
+            hyper,
+            scale,
+            stochastic=stochastic,
+            seed=seed,
+        )
 
     def single_pass(self, device: torch.device) -> bool:
         """Whether segments on ``device`` step by the single-pass kernels."""
@@ -81,6 +146,17 @@ class Stepper:
             torch._foreach_add_(steps, 1.0)
             scale = scale_tensor(grad_scale, device)
             pairs = list(zip(segs, cast(list[torch.Tensor], grads), strict=True))
+            if device.type == "cpu" and self.host_state != "fp32":
+                # bf16 host masters (region segments only: plain tensors keep their dtype).
+                rest = []
+                for seg, g in pairs:
+                    if seg.storage is not None and seg.storage.master_is_upload_copy:
+                        if io is not None:
+                            g = io[0][seg.start : seg.start + seg.param.numel()]
+                        self._bf16_master(seg, g, hyper, scale)
+                    else:
+                        rest.append((seg, g))
+                pairs = rest
             if self.single_pass(device):
                 # Region segments are flat; a plain tensor that is not contiguous (it never
                 # steps speculatively) takes torch's kernel.
@@ -130,6 +206,8 @@ class Stepper:
         if not st.grad_in_staging or st.grad_stale:
             return None
         covered = sum(seg.param.numel() for seg in segments) == st.numel
+        if st.master_is_upload_copy and covered:
+            return st.staging(), st.master  # a bf16 master: see [Note: bf16 masters]
         if not (self.fp16_io and covered and self.single_pass(st.master.device)):
             with torch.no_grad():
                 st.materialize_grad()

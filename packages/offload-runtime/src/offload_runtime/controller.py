@@ -732,6 +732,8 @@ class OffloadController:
         st = self.storages[r]
         if st.upload_copy_fresh:
             return False
+        if st.master_is_upload_copy:
+            return False
         if st.offloaded:
             return st.host_params is not None
         return st.host_state and not st.convert_on_device
@@ -749,11 +751,11 @@ class OffloadController:
         fresh, st.upload_copy_fresh = st.upload_copy_fresh, False
         with torch.no_grad():
             if st.offloaded:
-                if st.host_params is not None and not fresh:
+                if st.host_params is not None and not fresh and not st.master_is_upload_copy:
                     st.host_params.copy_(st.master)
             elif st.host_state:
                 source = st.master
-                if not st.convert_on_device:
+                if not st.convert_on_device and not st.master_is_upload_copy:
                     # Cast on the host into the staging buffer, free until the next backward
                     # (whose copies the next forward's wait for this upload orders after),
                     # unless the optimizer's step wrote it already.

@@ -101,6 +101,8 @@ class OffloadModule:
             device,
             dtype,
             convert_on_device=convert_on_device,
+            host_master_dtype=dtype if config.bf16_master else torch.float32,
+            moment_bytes=config.host_moment_bytes,
         )
         self._by_name: dict[str, RegionStorage] = {}
         for st in self.storages:
@@ -130,7 +132,8 @@ class OffloadModule:
         )
         # fp16 I/O: a host-state region's fp16 gradient stays in its pinned staging buffer,
         # where the host step reads it ([Note: fp16 I/O steps] in offload_optim/stepping.py).
-        self.controller.keep_staged_grads = options.fp16_io
+        # So too on a bf16-master rung: the step reads the bf16 gradient where it landed.
+        self.controller.keep_staged_grads = options.fp16_io or config.bf16_master
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.
         self._buffers = {

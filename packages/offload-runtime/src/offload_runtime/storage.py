@@ -13,9 +13,13 @@ Each region of the plan owns, for its parameters laid out one after another:
   fp32 master is the upload source, narrowed to the training dtype on the device (twice
   the h2d bytes, no host cast after each optimizer step, 2 fewer host bytes per element).
 - ``master``: full-precision (fp32) weights, on the device or in pinned host memory as the
-  plan's ``StatePlacement`` says; the optimizer updates these.
-- ``grad``: the full-precision gradient accumulator, next to the master. Gradients of one
-  backward are added to it, so accumulation over micro-batches sums in fp32.
+  plan's ``StatePlacement`` says; the optimizer updates these. On a bf16-master rung of
+  the host-state ladder (``OffloadConfig.host_state``) a host-state region's master is
+  bf16, the training dtype: it is then its own upload copy (``host_params`` is the master
+  itself, and a resident region uploads from it), so nothing is cast on the host.
+- ``grad``: the gradient accumulator, next to the master, in the master's dtype. Gradients
+  of one backward are added to it, so accumulation over micro-batches sums in fp32 (in
+  bf16 beside a bf16 master, as torch accumulates the gradients of bf16 parameters).
 - ``grad_staging`` (host-state regions): pinned training-dtype buffer that receives the
   region's gradients from the device; also the staging buffer for uploading updated
   resident parameters after a host step. With ``convert_on_device`` gradients normally go
@@ -162,6 +166,7 @@ class RegionStorage:
         slot: int | None = None,
         *,
         convert_on_device: bool = False,
+        host_master_dtype: torch.dtype = MASTER_DTYPE,
     ) -> None:
         self.plan = plan
         self.convert_on_device = convert_on_device
@@ -186,22 +191,35 @@ class RegionStorage:
         self.streamed = plan.state is StatePlacement.STREAMED
         """STREAMED: host state whose optimizer step runs on the device (see [Note:
         streamed steps] in offload_optim/streamed/__init__.py); its moments are pinned."""
+        master_dtype = host_master_dtype if self.host_state and not self.streamed else MASTER_DTYPE
+        self.master_is_upload_copy = master_dtype == dtype and master_dtype != MASTER_DTYPE
+        """The host master is in the training dtype (a bf16-master rung): it is the upload
+        source itself, and no step or publish casts anything on the host."""
+        if self.master_is_upload_copy and convert_on_device:
+            raise ValueError(
+                f"region {self.index}: a {dtype} host master is its own upload copy; it "
+                "cannot convert on the device"
+            )
+        state_device = torch.device("cpu") if self.host_state else device
+        if state_device.type == "cpu":
+            self.master = alloc_host(self.numel, master_dtype, pin)
+            self.grad = alloc_host(self.numel, master_dtype, pin)
+        else:
+            self.master = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
+            self.grad = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
         if self.offloaded:
             assert pool_slot is not None and pool_slot.numel() >= self.numel
             self.device_params = pool_slot[: self.numel]
             self.host_params: torch.Tensor | None = (
-                None if convert_on_device else alloc_host(self.numel, dtype, pin)
+                self.master
+                if self.master_is_upload_copy
+                else None
+                if convert_on_device
+                else alloc_host(self.numel, dtype, pin)
             )
         else:
             self.device_params = torch.empty(self.numel, dtype=dtype, device=device)
             self.host_params = None
-        state_device = torch.device("cpu") if self.host_state else device
-        if state_device.type == "cpu":
-            self.master = alloc_host(self.numel, MASTER_DTYPE, pin)
-            self.grad = alloc_host(self.numel, MASTER_DTYPE, pin)
-        else:
-            self.master = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
-            self.grad = torch.empty(self.numel, dtype=MASTER_DTYPE, device=state_device)
         self.grad.zero_()
         # Zero in memory too, but flagged so that the first backward overwrites rather than
         # adds (for host-state regions: copies straight into it, see the controller).
@@ -282,7 +300,7 @@ class RegionStorage:
             )
         if self.host_params is not None:
             return self.host_params
-        return self.staging()
+        return self.master if self.master_is_upload_copy else self.staging()
 
     def materialize_grad(self) -> None:
         """Make ``grad`` hold the gradient: clear a stale buffer so that it reads as zeros,
@@ -321,7 +339,7 @@ class RegionStorage:
         """
         self.upload_copy_fresh = False
         with torch.no_grad():
-            if self.host_params is not None:
+            if self.host_params is not None and not self.master_is_upload_copy:
                 self.host_params.copy_(self.master)
             if not self.offloaded:
                 self.device_params.copy_(self.master)
@@ -352,24 +370,40 @@ def _layouts(
     return tuple(out)
 
 
-def required_host_bytes(plan: Plan, dtype: torch.dtype, *, convert_on_device: bool = False) -> int:
-    """Host bytes the storage will pin for ``plan`` (fp32 Adam moments included).
+def required_host_bytes(
+    plan: Plan,
+    dtype: torch.dtype,
+    *,
+    convert_on_device: bool = False,
+    host_master_dtype: torch.dtype = MASTER_DTYPE,
+    moment_bytes: float = 4.0,
+) -> int:
+    """Host bytes the storage will pin for ``plan``, the host Adam moments included
+    (``moment_bytes`` each per trainable parameter; the streamed ring's are fp32 or bf16
+    as on the host).
 
     With ``convert_on_device`` neither the training-dtype host copy nor the gradient
     staging buffer exists up front (the staging buffer is allocated if gradients are ever
-    accumulated over micro-batches; not counted here).
+    accumulated over micro-batches; not counted here). A host master in the training
+    dtype (``host_master_dtype``) is its own upload copy.
     """
     elem = torch.empty(0, dtype=dtype).element_size()
     copies = 0 if convert_on_device else elem
     total = 0
     for rp in plan.regions:
         n = rp.region.numel
-        if rp.placement is not ParamPlacement.RESIDENT:
+        own_copy = (
+            rp.state is StatePlacement.HOST
+            and host_master_dtype == dtype
+            and host_master_dtype != MASTER_DTYPE
+        )
+        master = elem if own_copy else 4
+        if rp.placement is not ParamPlacement.RESIDENT and not own_copy:
             total += n * copies  # host_params
         if rp.state is not StatePlacement.DEVICE:
-            # master + grad (fp32) + staging (dtype, unless converted on the device), and
-            # two fp32 Adam moments for the trainable parameters only.
-            total += n * (4 + 4 + copies) + rp.region.stepped_numel * 8
+            # master + grad (its dtype) + staging (dtype, unless converted on the device),
+            # and two Adam moments for the trainable parameters only.
+            total += n * (2 * master + copies) + int(rp.region.stepped_numel * 2 * moment_bytes)
     return total
 
 
@@ -382,13 +416,23 @@ def build_storage(
     dtype: torch.dtype,
     *,
     convert_on_device: bool = False,
+    host_master_dtype: torch.dtype = MASTER_DTYPE,
+    moment_bytes: float = 4.0,
 ) -> tuple[list[RegionStorage], torch.Tensor | None]:
     """Allocate every region's buffers and the device pool for the plan's offloaded regions.
 
-    Raises ``RuntimeError`` before allocating anything when host memory cannot hold the
-    host-resident state.
+    ``host_master_dtype``: the master's dtype in host-state regions that are not streamed
+    (bf16 on the bf16-master rungs); ``moment_bytes``: bytes of one host Adam moment per
+    parameter, for the host memory check. Raises ``RuntimeError`` before allocating
+    anything when host memory cannot hold the host-resident state.
     """
-    needed = required_host_bytes(plan, dtype, convert_on_device=convert_on_device)
+    needed = required_host_bytes(
+        plan,
+        dtype,
+        convert_on_device=convert_on_device,
+        host_master_dtype=host_master_dtype,
+        moment_bytes=moment_bytes,
+    )
     available = available_host_memory_bytes()
     if needed > available:
         raise RuntimeError(
@@ -435,7 +479,14 @@ def build_storage(
         layouts = _layouts(rp, shapes, aliases, requires_grad)
         storages.append(
             RegionStorage(
-                rp, layouts, device, dtype, slot_tensor, s, convert_on_device=convert_on_device
+                rp,
+                layouts,
+                device,
+                dtype,
+                slot_tensor,
+                s,
+                convert_on_device=convert_on_device,
+                host_master_dtype=host_master_dtype,
             )
         )
     return storages, pool

@@ -9,7 +9,13 @@ imports anything outside the Python standard library.
 from offload_solver._json import SCHEMA_VERSION, as_bytes, parse_bytes, write_atomic
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import BandwidthPoint, HardwareProfile, default_hardware
-from offload_solver.host_rates import HostStepRate, default_host_step_rates
+from offload_solver.host_rates import (
+    BF16_MASTER_STATES,
+    HOST_STATE_BYTES,
+    HOST_STATES,
+    HostStepRate,
+    default_host_step_rates,
+)
 from offload_solver.plan import (
     MemorySample,
     ParamPlacement,
@@ -41,7 +47,10 @@ from offload_solver.solve import (
 from offload_solver.solvers import get_solver
 
 __all__ = [
+    "BF16_MASTER_STATES",
     "BUDGET_SAFETY_FACTOR",
+    "HOST_STATES",
+    "HOST_STATE_BYTES",
     "SCHEMA_VERSION",
     "BandwidthPoint",
     "CostModel",

@@ -27,7 +27,7 @@ from offload_solver.cost_model import COST_MODEL_FIELDS
 from offload_solver.host_rates import (
     DEFAULT_HOST_STEP_TIMES,
     HOST_KERNELS,
-    HOST_MOMENTS,
+    HOST_STATES,
     HostStepRate,
     default_host_step_rates,
 )
@@ -122,7 +122,7 @@ class HardwareProfile:
     """The same for fused attention's backward."""
     host_step_rates: tuple[HostStepRate, ...] = ()
     """The measured rate of each configuration of the host Adam step the optimizer can run
-    on this machine (kernel, moments, fp16 I/O, speculative; see
+    on this machine (kernel, host-state rung, fp16 I/O, speculative; see
     ``offload_solver.host_rates``), at most one each; empty where none was measured.
     :meth:`host_step_params_per_s` reads them."""
     schema_version: int = SCHEMA_VERSION
@@ -176,7 +176,7 @@ class HardwareProfile:
         if len(set(keys)) != len(keys):
             raise ValueError(
                 "HardwareProfile.host_step_rates has two rates of one configuration "
-                "(kernel, moments, fp16_io, speculative); keep one each"
+                "(kernel, state, fp16_io, speculative); keep one each"
             )
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(
@@ -185,18 +185,18 @@ class HardwareProfile:
             )
 
     def host_step_params_per_s(
-        self, kernel: str, moments: str, fp16_io: bool = False, speculative: bool = False
+        self, kernel: str, state: str, fp16_io: bool = False, speculative: bool = False
     ) -> float:
         """Parameters per second of the host Adam step in this configuration (``kernel``
-        in ``HOST_KERNELS``, ``moments`` in ``HOST_MOMENTS``): torch's fused fp32 plain
+        in ``HOST_KERNELS``, ``state`` in ``HOST_STATES``): torch's fused fp32 plain
         step at :attr:`host_adam_params_per_s`, the profile's reference rate; another
         configuration at its rate in :attr:`host_step_rates` where measured, else at
         :attr:`host_adam_params_per_s` over its documented time ratio
         (``offload_solver.host_rates.DEFAULT_HOST_STEP_TIMES``)."""
-        key = (kernel, moments, fp16_io, speculative)
+        key = (kernel, state, fp16_io, speculative)
         if key not in DEFAULT_HOST_STEP_TIMES:
             raise ValueError(
-                f"no host step {key}: kernel in {HOST_KERNELS}, moments in {HOST_MOMENTS}, "
+                f"no host step {key}: kernel in {HOST_KERNELS}, state in {HOST_STATES}, "
                 "fp16_io only with the single_pass kernel"
             )
         if key != ("torch", "fp32", False, False):

@@ -53,7 +53,7 @@ __all__ = [
     "store",
 ]
 
-CACHE_FORMAT = "p6"
+CACHE_FORMAT = "p7"
 """Version of what a cached profile measures, part of its file name. It changes whenever a
 probe is added or changes what it measures, so that files of another version are not
 read but measured again."""

@@ -36,16 +36,19 @@ from offload_runtime.host_kernels import (
     HOST_KERNELS,
     AdamHyper,
     fused_adam_,
+    low_precision,
     single_pass,
     speculative_adam_,
 )
 from offload_solver import HostStepRate
+from offload_solver.host_rates import BF16_MASTER_STATES
 
 __all__ = [
     "HOST_ADAM_READS_SPREAD",
     "HostStep",
     "HostStepTiming",
     "KernelSteps",
+    "bf16_master_step",
     "host_adam_median",
     "kernel_steps",
     "measure_host_adam_params_per_s",
@@ -276,26 +279,73 @@ def _fused_one(
     fused_adam_([param], [grad], [exp_avg], [exp_avg_sq], [step], hyper)
 
 
-MOMENTS_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-"""The moments' dtype of each ``HostStepRate.moments`` name."""
+MOMENTS_DTYPES = {"fp32": torch.float32, "bf16_moments": torch.bfloat16}
+"""The moments' dtype of each fp32-master rung (``HostStepRate.state``)."""
+
+
+def bf16_master_step(state: str, numel: int, host_kernel: str) -> HostStep:
+    """The plain host step of a bf16-master rung (``"bf16_stochastic"``, ``"bf16_8bit"``,
+    ``"bf16_nearest"``) over ``numel`` bf16 parameters, reading a bf16 gradient, as the
+    optimizer runs it (``offload_optim``'s [Note: bf16 masters]): the single-pass kernels,
+    or their torch reference (``host_kernel="torch"``). Needs about ``10 * numel`` bytes of
+    host memory."""
+    if state not in BF16_MASTER_STATES:
+        raise ValueError(f"state must be one of {BF16_MASTER_STATES}, not {state!r}")
+    numba = host_kernel == "single_pass"
+    if numba:
+        single_pass.require()
+    param = torch.zeros(numel, dtype=torch.bfloat16)
+    grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
+    hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    if state == "bf16_8bit":
+        codes = low_precision.QUANT_DTYPES
+        m, v = torch.zeros(numel, dtype=codes[0]), torch.zeros(numel, dtype=codes[1])
+        blocks = low_precision.quantized_numel(numel)
+        m_scale, v_scale = torch.zeros(blocks), torch.zeros(blocks)
+        kernel8 = (
+            low_precision.adam_bf16_8bit_ if numba else low_precision.reference_adam_bf16_8bit_
+        )
+
+        def step8(count: int) -> object:
+            step = torch.tensor(float(count))
+            kernel8(param, grad, m, m_scale, v, v_scale, step, hyper, seed=count)
+            return None
+
+        return step8
+    exp_avg = torch.zeros(numel, dtype=torch.bfloat16)
+    exp_avg_sq = torch.zeros(numel, dtype=torch.bfloat16)
+    kernel = low_precision.adam_bf16_ if numba else low_precision.reference_adam_bf16_
+    stochastic = state != "bf16_nearest"
+
+    def step16(count: int) -> object:
+        step = torch.tensor(float(count))
+        kernel(param, grad, exp_avg, exp_avg_sq, step, hyper, stochastic=stochastic, seed=count)
+        return None
+
+    return step16
 
 
 def host_step_configurations() -> list[tuple[str, str, bool, bool]]:
-    """(kernel, moments, fp16_io, speculative) of every host step the optimizer can run
+    """(kernel, state, fp16_io, speculative) of every host step the optimizer can run
     here: torch's kernels always; the single-pass ones where numba loads, with fp16 I/O
     where its half-precision conversions compile and match torch's
-    (``single_pass.fp16_io_available``)."""
+    (``single_pass.fp16_io_available``). The bf16-master rungs are timed with the one
+    kernel family the planner runs them with (the single-pass kernels where numba loads,
+    their torch reference otherwise), plain only: they never speculate."""
+    numba = single_pass.available()
     kernels = [("torch", False)]
-    if single_pass.available():
+    if numba:
         kernels.append(("single_pass", False))
         if single_pass.fp16_io_available():
             kernels.append(("single_pass", True))
-    return [
-        (kernel, moments, io, speculative)
+    found = [
+        (kernel, state, io, speculative)
         for kernel, io in kernels
-        for moments in MOMENTS_DTYPES
+        for state in MOMENTS_DTYPES
         for speculative in (False, True)
     ]
+    family = "single_pass" if numba else "torch"
+    return found + [(family, state, False, False) for state in BF16_MASTER_STATES]
 
 
 def measure_host_step_rates(
@@ -318,17 +368,19 @@ def measure_host_step_rates(
         raise ValueError(f"fused_params_per_s must be > 0, got {fused_params_per_s}")
     rates = []
     threads = torch.get_num_threads()
-    for kernel, moments, io, speculative in configurations or host_step_configurations():
-        if (kernel, moments, io, speculative) == ("torch", "fp32", False, False):
-            rates.append(
-                HostStepRate(kernel, moments, io, speculative, fused_params_per_s, threads)
-            )
+    for kernel, state, io, speculative in configurations or host_step_configurations():
+        if (kernel, state, io, speculative) == ("torch", "fp32", False, False):
+            rates.append(HostStepRate(kernel, state, io, speculative, fused_params_per_s, threads))
             continue
-        built = kernel_steps(MOMENTS_DTYPES[moments], numel, kernel, io)
-        step = built.speculative if speculative else built.plain
+        if state in BF16_MASTER_STATES:
+            step = bf16_master_step(state, numel, kernel)
+        else:
+            built = kernel_steps(MOMENTS_DTYPES[state], numel, kernel, io)
+            step = built.speculative if speculative else built.plain
+            del built
         timing = measure_host_step(step, numel, steps=steps, settle_s=settle_s)
         rates.append(
-            HostStepRate(kernel, moments, io, speculative, timing.params_per_s, timing.threads)
+            HostStepRate(kernel, state, io, speculative, timing.params_per_s, timing.threads)
         )
-        del built, step
+        del step
     return tuple(rates)

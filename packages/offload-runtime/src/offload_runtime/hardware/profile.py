@@ -263,7 +263,7 @@ def measure_hardware(
             say(
                 "host steps "
                 + ", ".join(
-                    f"{r.kernel}/{r.moments}{'/fp16_io' if r.fp16_io else ''}"
+                    f"{r.kernel}/{r.state}{'/fp16_io' if r.fp16_io else ''}"
                     f"{'/speculative' if r.speculative else ''} {r.params_per_s / 1e9:.2f}"
                     for r in host_steps
                 )

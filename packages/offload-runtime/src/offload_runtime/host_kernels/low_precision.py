@@ -111,6 +111,17 @@ _QUANT = (127.0, 127.0**2, 255.0, 255.0**2, 0.5, _FLT_MIN)
 """The quantization's constants, in fp32 for the kernel (``_numba_lowp.in_place_bf16_8bit``)."""
 
 
+QUANT_DTYPES = (torch.int8, torch.uint8)
+"""Dtypes of the 8-bit codes of the first and the second moment."""
+
+
+def rounding_seed(step: int, region: int, start: int) -> int:
+    """The stochastic-rounding seed of one launch: step count ``step`` of the segment at
+    element ``start`` of region ``region`` (any ints; :func:`seed_key` mixes them), so that
+    every step and segment draws other bits and a resumed run draws the same ones."""
+    return ((step & 0xFFFFFFFF) << 32) ^ ((region & 0xFFFF) << 16) ^ (start * 0x9E3779B1)
+
+
 def quantized_numel(n: int) -> int:
     """Scale entries per moment for ``n`` elements: one per block of :data:`QBLOCK`."""
     return (n + QBLOCK - 1) // QBLOCK

@@ -15,14 +15,17 @@ host: training-dtype bytes cross, not fp32). Two solves at most:
 - bf16 training, or fp16 where numba cannot load: conversions on the host, and on the
   device; bf16 and fp32 host steps run under backward without undo (nothing waits for an
   answer), fp16 ones after the answer;
-- fp32 training: one candidate (fp32 has nothing to convert: both places plan alike).
+- fp32 training: one candidate (fp32 has nothing to convert: both places plan alike);
+- a bf16-master rung (``OffloadConfig.host_state``): one candidate, conversions on the
+  host, which has none to make: gradients land in bf16 and the bf16 master is its own
+  upload copy; no streamed state (the streamed ring steps fp32 masters).
 
-The host kernel of a candidate without fp16 I/O or speculation is the single-pass one with
-bf16 moments (0.73x torch's step) and torch's with fp32 moments (the two tie at 1.00x, and
-torch's needs no compilation): BENCHMARKS.md, Decisions, "Single-pass host Adam". Each
-candidate is charged the hardware profile's rate of its own kernel configuration
-(``HardwareProfile.host_step_params_per_s``), a speculative one its speculative step's
-time over its plain step's. Streamed host state is offered to the solver in every
+The host kernel of a candidate without fp16 I/O or speculation is the single-pass one on
+every rung but fp32 (bf16 moments: 0.73x torch's step) and torch's with fp32 moments (the
+two tie at 1.00x, and torch's needs no compilation): BENCHMARKS.md, Decisions,
+"Single-pass host Adam". Each candidate is charged the hardware profile's rate of its own
+kernel configuration (``HardwareProfile.host_step_params_per_s``), a speculative one its
+speculative step's time over its plain step's. Streamed host state is offered to the solver in every
 candidate, which streams a region only where that shortens the step and the ring fits
 (BENCHMARKS.md, Decisions, "Streamed host state"). ``PlanForce`` fixes any of these.
 """
@@ -60,9 +63,9 @@ class Candidate:
 
 
 def plain_kernel(config: OffloadConfig, numba: bool) -> str:
-    """The host kernel of a step without fp16 I/O or speculation: the single-pass one with
-    bf16 moments where numba loads, torch's otherwise."""
-    return "single_pass" if numba and config.host_moments == torch.bfloat16 else "torch"
+    """The host kernel of a step without fp16 I/O or speculation: the single-pass one on
+    every rung but fp32 where numba loads, torch's otherwise."""
+    return "single_pass" if numba and config.host_state != "fp32" else "torch"
 
 
 def candidates(config: OffloadConfig, force: PlanForce) -> list[Candidate]:
@@ -71,7 +74,7 @@ def candidates(config: OffloadConfig, force: PlanForce) -> list[Candidate]:
     have been planned; raises where a forced value cannot run here."""
     numba = single_pass.available()
     fp16 = config.dtype == torch.float16
-    would_run_it = fp16 or config.host_moments == torch.bfloat16
+    would_run_it = fp16 or config.host_state != "fp32"
     if not numba and would_run_it and force.host_kernel is None and not force.fp16_io:
         single_pass.warn_unavailable()
     kernel = plain_kernel(config, numba)
@@ -79,7 +82,7 @@ def candidates(config: OffloadConfig, force: PlanForce) -> list[Candidate]:
     if fp16 and numba:
         io = single_pass.fp16_io_available()
         found = [Candidate("single_pass", io, False, True), Candidate(kernel, False, True, False)]
-    elif config.dtype == torch.float32:
+    elif config.dtype == torch.float32 or config.bf16_master:
         found = [Candidate(kernel, False, False, False)]
     else:
         found = [Candidate(kernel, False, False, False), Candidate(kernel, False, True, False)]
@@ -89,6 +92,11 @@ def candidates(config: OffloadConfig, force: PlanForce) -> list[Candidate]:
         if forced not in out:
             out.append(forced)
     for c in out:
+        if config.bf16_master and c.convert_on_device:
+            raise ValueError(
+                f"PlanForce.convert_on_device uploads fp32 masters, but host_state="
+                f"{config.host_state!r} keeps bf16 ones: leave it None"
+            )
         if c.host_kernel == "single_pass":
             single_pass.require()
         if c.fp16_io:
@@ -131,11 +139,11 @@ def host_rates(
     """(plain host step rate in parameters/s, a speculative step's time over a plain one's)
     of candidate ``c`` on ``hardware``; ``PlanForce.host_step_params_per_s`` replaces the
     plain rate."""
-    moments = config.moments_name
-    plain = hardware.host_step_params_per_s(c.host_kernel, moments, c.fp16_io, False)
+    state = config.host_state
+    plain = hardware.host_step_params_per_s(c.host_kernel, state, c.fp16_io, False)
     cost = 1.0
     if c.speculative:
-        spec = hardware.host_step_params_per_s(c.host_kernel, moments, c.fp16_io, True)
+        spec = hardware.host_step_params_per_s(c.host_kernel, state, c.fp16_io, True)
         cost = max(1.0, plain / spec)
     if force.host_step_params_per_s is not None:
         plain = force.host_step_params_per_s
@@ -146,11 +154,12 @@ def planning_hardware(
     c: Candidate, config: OffloadConfig, hardware: HardwareProfile, force: PlanForce
 ) -> tuple[HardwareProfile, float]:
     """``hardware`` as candidate ``c`` is solved on it: the host Adam rate is the rate of
-    its own kernel configuration (:func:`host_rates`), and with fp16 I/O no conversion pass
-    is charged (they happen inside the host step); and its speculative step cost."""
+    its own kernel configuration (:func:`host_rates`), and with fp16 I/O or a bf16 master
+    no conversion pass is charged (they happen inside the host step, or there are none);
+    and its speculative step cost."""
     plain, cost = host_rates(c, config, hardware, force)
     planned = replace(hardware, host_adam_params_per_s=plain)
-    if c.fp16_io:
+    if c.fp16_io or config.bf16_master:
         planned = replace(planned, host_convert_elems_per_s=0.0)
     return planned, cost
 

@@ -337,7 +337,7 @@ def _solve_one(
         micro_batches=config.accumulation_steps,
     )
     streamed = None
-    if force.streamed is not False:
+    if force.streamed is not False and not config.bf16_master:
         streamed = streamed_step_costs(
             config.host_moments, c.fp16_io, budget_bytes=memory_budget, stage_in_backward=stage
         )
