@@ -157,12 +157,60 @@ def test_clip_grad_norm_method_matches_torch() -> None:
     assert rel_diff(losses, expected) < 1e-5
 
 
-def test_clip_grad_norm_after_speculative_backward_raises() -> None:
-    amp, module = make(tiny_gpt2())
-    b = batch(0)
-    amp.backward(loss_of(module(**b), b["input_ids"]))
-    with pytest.raises(RuntimeError, match="clipping_norm"):
-        amp.clip_grad_norm(1.0)
+def _clipped_run(
+    amp: AMPOptimizer, module: OffloadModule, steps: range, clip_from: int
+) -> tuple[list[float], list[float]]:
+    """Train ``steps``, clipping to 0.3 from step ``clip_from`` on: (losses, norms)."""
+    losses, norms = [], []
+    for step in steps:
+        amp.zero_grad()
+        b = batch(step)
+        loss = loss_of(module(**b), b["input_ids"])
+        amp.backward(loss)
+        if step >= clip_from:
+            norms.append(amp.clip_grad_norm(0.3))
+        amp.step()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def test_clip_grad_norm_with_overlapped_host_steps_clips_exactly() -> None:
+    """With the plan's overlap (bf16/fp32 host steps under backward), a loop that clips
+    from its first step clips every step exactly: the first backward steps nothing early,
+    and once clip_grad_norm() was called no host region steps before step()."""
+    model = tiny_gpt2()
+    plain, plain_module = make(copy.deepcopy(model), overlap=False)
+    expected, expected_norms = _clipped_run(plain, plain_module, range(5), 0)
+    amp, module = make(model)
+    assert amp.overlap
+    losses, norms = _clipped_run(amp, module, range(5), 0)
+    assert losses == expected and norms == expected_norms
+    assert amp.clips_on_demand
+    assert min(norms) > 0.3, "every step must clip for the test to mean something"
+
+
+def test_a_first_clip_after_host_regions_stepped_is_refused_and_clips_nothing() -> None:
+    """Clipping first at step 2, after bf16/fp32 host regions stepped under backward: the
+    call is refused and changes nothing (step() finishes the step unclipped, as an
+    unclipped run takes it); every later step clips exactly."""
+    model = tiny_gpt2()
+    plain, plain_module = make(copy.deepcopy(model), overlap=False)
+    losses_plain = train_offload(plain, plain_module, range(3))
+    expected, _ = _clipped_run(plain, plain_module, range(3, 5), 3)
+    amp, module = make(model)
+    losses = train_offload(amp, module, range(2))
+    amp.zero_grad()
+    b = batch(2)
+    loss = loss_of(module(**b), b["input_ids"])
+    amp.backward(loss)
+    with pytest.raises(RuntimeError, match="from the first step"):
+        amp.clip_grad_norm(0.3)
+    amp.step()
+    losses.append(loss.item())
+    assert losses == losses_plain
+    later, _ = _clipped_run(amp, module, range(3, 5), 3)
+    assert later == expected
+    assert amp.last_step is not None and amp.last_step.overlap is OverlapMode.NONE
 
 
 def test_accumulated_micro_batches_equal_one_big_batch() -> None:
@@ -246,7 +294,8 @@ def test_step_lr_changes_the_lr_the_step_uses() -> None:
 
 def test_lr_change_after_early_step_raises() -> None:
     amp, module = make(tiny_gpt2())
-    b = batch(0)
+    train_offload(amp, module, range(1))  # the first step's backward steps nothing early
+    b = batch(1)
     amp.backward(loss_of(module(**b), b["input_ids"]))
     amp.param_groups[0]["lr"] = LR / 2
     with pytest.raises(RuntimeError, match="hyperparameters changed"):

@@ -397,8 +397,10 @@ def test_speculative_tail_steps_in_forward_order() -> None:
     """bf16/fp32: hooks that run once backward is over leave their region to step(), which
     queues those regions in forward order (region 0, needed first, steps first)."""
     inline = Trainer(Options(), overlap=True, host_worker=False)
-    inline.backward(0)
-    inline.amp.step()
+    for step in range(2):  # the first step's backward steps nothing early
+        inline.amp.zero_grad()
+        inline.backward(step)
+        inline.amp.step()
     in_hooks = inline.amp.last_step
     assert in_hooks is not None
     order = [t.region for t in in_hooks.region_steps if t.host]
@@ -408,9 +410,12 @@ def test_speculative_tail_steps_in_forward_order() -> None:
     inline.close()
 
     threaded = Trainer(Options(), overlap=True)
+    threaded.backward(0)
+    threaded.amp.step()
+    threaded.amp.zero_grad()
     blocker = Blocker()
     threaded.module.controller.submit_host(blocker)
-    threaded.backward(0)  # every hook waits behind the blocker until backward has returned
+    threaded.backward(1)  # every hook waits behind the blocker until backward has returned
     blocker.release.set()
     threaded.amp.step()
     report = threaded.amp.last_step

@@ -333,7 +333,8 @@ def test_speculative_fp16_training_is_bit_identical(name: str) -> None:
     spec = run(True, steps, **kwargs, **growth)
     plain = run(False, steps, **kwargs, **growth)
     assert_same(spec, plain)
-    assert spec.modes == {OverlapMode.SPECULATIVE_UNDO}
+    # The first window answers first and steps nothing early ([Note: clipping on demand]).
+    assert spec.modes == {OverlapMode.DEVICE_ANSWER, OverlapMode.SPECULATIVE_UNDO}
     # fp16 without clipping: the answer from the device, accumulating or not.
     assert plain.modes == {OverlapMode.DEVICE_ANSWER}
     assert spec.scales[-1] > spec.scales[0], "the scale grew: steps were committed"
@@ -507,7 +508,7 @@ def test_clipping_takes_the_device_answer_and_bf16_keeps_speculative() -> None:
     ]
     for kwargs, want in cases:
         trainer = Trainer(True, host_worker=False, **kwargs)
-        trainer.train(range(1))
+        trainer.train(range(2))  # a first step's backward never steps bf16/fp32 early
         report = trainer.amp.last_step
         assert report is not None and report.overlap is want, kwargs
         assert trainer.amp.optimizer.speculation_bytes() > 0, "no spare buffers allocated"
@@ -579,7 +580,8 @@ def test_state_dicts_hold_committed_state_only_and_resume_exactly() -> None:
 
 def test_hybrid_adam_state_dict_refused_while_speculated() -> None:
     trainer = Trainer(True, host_worker=False)
-    trainer.backward(0)
+    trainer.train(range(1))  # the first window speculates nothing
+    trainer.backward(1)
     assert trainer.amp.optimizer.speculated_regions
     with pytest.raises(RuntimeError, match="uncommitted speculative step"):
         trainer.amp.optimizer.state_dict()
@@ -660,7 +662,7 @@ def test_short_host_memory_speculates_the_regions_that_fit(
     trainer.train(range(2, 6), spec)
     trainer.close()
     assert spec.undone[2] == len(spared) and spec.skipped[2]
-    assert spec.modes == {OverlapMode.SPECULATIVE_UNDO}
+    assert spec.modes == {OverlapMode.DEVICE_ANSWER, OverlapMode.SPECULATIVE_UNDO}
     plain = run(False, 6, poison=(2,), host_worker=False, hysteresis=1)
     assert_same(spec, plain)
 
@@ -691,7 +693,7 @@ def test_bf16_moments_need_eight_bytes_per_parameter() -> None:
     trainer = Trainer(True, moments=torch.bfloat16)
     host_numel = sum(st.numel for st in trainer.module.storages if st.host_state)
     assert trainer.amp.optimizer.speculation_bytes() == 8 * host_numel
-    trainer.train(range(1))
+    trainer.train(range(2))  # the first window speculates nothing
     assert trainer.amp.optimizer.speculation_bytes() == 0, "allocated at the first backward"
     trainer.close()
 
@@ -701,7 +703,9 @@ def test_commit_publishes_are_queued_and_the_next_forward_waits_for_them() -> No
     the next forward blocks on them (controller.expect_updates) and then sees the new
     weights: the losses stay those of the non-speculative run."""
     trainer = Trainer(True, host_worker=True)
-    losses = [trainer.backward(0)]
+    trainer.train(range(1))  # the first window speculates nothing
+    trainer.amp.zero_grad()
+    losses = [trainer.backward(1)]
     gate = threading.Event()
     trainer.module.controller.submit_host(lambda: gate.wait(timeout=20.0))
     trainer.amp.step()  # speculative steps done in the hooks; publishes queued behind gate
@@ -709,7 +713,7 @@ def test_commit_publishes_are_queued_and_the_next_forward_waits_for_them() -> No
     waited = trainer.module.controller.update_wait_s
     timer = threading.Timer(1.0, gate.set)
     timer.start()
-    losses.append(trainer.backward(1))  # its forward waits for region publishes
+    losses.append(trainer.backward(2))  # its forward waits for region publishes
     # It could not finish before the gate opened, and it did block (no wall-clock bound:
     # a loaded machine makes those flaky).
     assert gate.is_set()
@@ -723,5 +727,52 @@ def test_commit_publishes_are_queued_and_the_next_forward_waits_for_them() -> No
     assert after == set(host_state_regions(trainer.amp))
     trainer.amp.step()
     trainer.close()
-    plain = run(False, 2)
-    assert losses == plain.losses
+    plain = run(False, 3)
+    assert losses == plain.losses[1:]
+
+
+def _clip_run(trainer: Trainer, clip_from: int, steps: int = 4) -> tuple[Run, list[float]]:
+    """Train ``steps`` steps, clipping on demand (to 0.05) from step ``clip_from``; a step
+    whose clip is refused (its speculative steps undone) runs its batch again."""
+    out, norms = Run(), []
+    for step in range(steps):
+        trainer.amp.zero_grad()
+        loss = trainer.backward(step)
+        if step >= clip_from:
+            try:
+                norms.append(trainer.amp.clip_grad_norm(0.05))
+            except RuntimeError as exc:
+                assert "undone exactly" in str(exc)
+                loss = trainer.backward(step)
+                norms.append(trainer.amp.clip_grad_norm(0.05))
+        trainer.amp.step()
+        out.losses.append(loss)
+        report = trainer.amp.last_step
+        assert report is not None
+        out.modes.add(report.overlap)
+    out.masters = masters(trainer.module)
+    out.state = committed_state(trainer.amp)
+    return out, norms
+
+
+@pytest.mark.parametrize("clip_from", [0, 2])
+def test_clip_grad_norm_with_a_speculative_plan_clips_exactly(clip_from: int) -> None:
+    """fp16 with a speculative plan, clipping on demand: from the first step, nothing ever
+    speculates; from a later step, that step's speculative steps are undone exactly, the
+    batch runs again and is clipped. Either way the values of a plan that never
+    speculates, bit for bit."""
+    spec_trainer, plain_trainer = (
+        Trainer(True, host_worker=False),
+        Trainer(False, host_worker=False),
+    )
+    spec, spec_norms = _clip_run(spec_trainer, clip_from)
+    plain, plain_norms = _clip_run(plain_trainer, clip_from)
+    spec_trainer.close()
+    plain_trainer.close()
+    assert_same(spec, plain)
+    assert spec_norms == plain_norms and min(spec_norms) > 0.05, "every clip must clip"
+    assert spec_trainer.amp.clips_on_demand
+    if clip_from:
+        assert OverlapMode.SPECULATIVE_UNDO in spec.modes
+    else:
+        assert OverlapMode.SPECULATIVE_UNDO not in spec.modes

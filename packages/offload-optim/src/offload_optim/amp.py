@@ -76,7 +76,8 @@ class AMPOptimizer(torch.optim.Optimizer):
       and fp32 train unscaled and never skip.
     - Overflow: inf or nan in any gradient (host or device) skips the whole step.
     - Clipping: ``clipping_norm > 0`` clips the global ``norm_type`` norm of all gradients
-      like ``torch.nn.utils.clip_grad_norm_``; :meth:`clip_grad_norm` does it on demand.
+      like ``torch.nn.utils.clip_grad_norm_``; :meth:`clip_grad_norm` does it on demand
+      (see [Note: clipping on demand]).
     - Accumulation: ``accumulation_steps=k`` means ``k`` calls of ``backward`` per ``step``;
       gradients are summed in fp32 and nothing steps in between. Divide each micro-batch
       loss by ``k`` yourself if you want the mean.
@@ -172,6 +173,11 @@ class AMPOptimizer(torch.optim.Optimizer):
         """Host-state parameters given undo buffers (None: all that fit)."""
         self.step_count = 0
         """Optimizer steps taken (skipped steps excluded)."""
+        self._windows_done = 0
+        """Windows :meth:`step` finished (taken or skipped) by this object."""
+        self.clips_on_demand = False
+        """Whether :meth:`clip_grad_norm` was ever called: from then on no host region
+        steps before :meth:`step` (see [Note: clipping on demand])."""
         self.undone_steps = 0
         """Steps whose speculative host steps were undone because the gradients overflowed
         (SPECULATIVE_UNDO; 0 otherwise)."""
@@ -238,9 +244,16 @@ class AMPOptimizer(torch.optim.Optimizer):
             last=w.micro + 1 == self.accumulation_steps,
             overlap=self.overlap,
             needs_answer=self._needs_answer(),
-            speculate=self.speculate_fp16 and self.scaling and self.clipping_norm == 0,
+            speculate=self.speculate_fp16
+            and self.scaling
+            and self.clipping_norm == 0
+            and not self.clips_on_demand
+            and self._windows_done > 0,
             answer_on_device=self._answer_on_device(),
         )
+        if mode is OverlapMode.SPECULATIVE and (self.clips_on_demand or not self._windows_done):
+            # No undo for these steps: a clip_grad_norm() to come must find them unstepped.
+            mode = OverlapMode.NONE
         # Device partials serve every window whose answer they can give, with or without
         # the overlap, so that both combine the very same partials. SPECULATIVE_UNDO takes
         # them too: a region that lands after backward then needs no host pass over its
@@ -317,6 +330,7 @@ class AMPOptimizer(torch.optim.Optimizer):
             self.scaler.update(outcome.skipped)
         if not outcome.skipped:
             self.step_count += 1
+        self._windows_done += 1
         self._overlap.close()
         report = StepReport(
             step=self.step_count,
@@ -526,28 +540,59 @@ class AMPOptimizer(torch.optim.Optimizer):
 
     # ---- clipping on demand --------------------------------------------------------
 
+    # [Note: clipping on demand]
+    # clip_grad_norm() must find no host region stepped with unclipped gradients. Host
+    # steps taken under backward (SPECULATIVE for bf16/fp32, SPECULATIVE_UNDO for fp16)
+    # therefore never run in the first window (its backward steps nothing early: a loop
+    # that clips clips in its first step), nor after any clip_grad_norm() call (the
+    # object then steps every region in step(), as with a configured clipping_norm's
+    # answer). A loop whose first clip_grad_norm() comes in a later step, after host
+    # regions stepped, is refused: fp16 speculative steps are undone exactly and the
+    # gradients dropped (zero_grad(): their steps divided them by the loss scale, and an
+    # fp16-I/O step of a resident region wrote its new weights over them), so the batch
+    # runs again and nothing has changed; bf16/fp32 steps keep no undo, so the call clips
+    # nothing and step() finishes that step unclipped. Either way every later step clips
+    # exactly, and the message says so.
+
     @torch.no_grad()
     def clip_grad_norm(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the global gradient norm now, like ``torch.nn.utils.clip_grad_norm_``.
 
         Call between :meth:`backward` and :meth:`step`. Returns the (unscaled) total norm
         before clipping; leaves the gradients alone when it is not finite (fp16 overflow:
-        the step will be skipped).
+        the step will be skipped). See [Note: clipping on demand] for how it meets host
+        steps that overlap backward.
         """
         w = self._overlap.window
         if w.micro == 0:
             raise RuntimeError("clip_grad_norm() needs gradients: call it after backward()")
-        self.controller.wait_host()
-        self.optimizer.wait_speculation()  # what the hooks stepped is known
-        if w.stepped:
-            raise RuntimeError(
-                "clip_grad_norm() after a backward whose host regions already stepped (the "
-                "overlap speculates when no clipping is configured): pass "
-                "clipping_norm=max_norm to AMPOptimizer, or plan without overlap "
-                "(PlanForce(overlap=False))"
-            )
         if not (norm_type > 0 or norm_type == math.inf):
             raise ValueError(f"norm_type={norm_type} must be > 0 or math.inf")
+        self.controller.wait_host()
+        self.optimizer.wait_speculation()  # what the hooks stepped is known
+        self.clips_on_demand = True
+        if w.stepped and w.mode is OverlapMode.SPECULATIVE_UNDO:
+            stepped = sorted(w.stepped)
+            self.zero_grad()  # undoes the speculative steps exactly, drops the gradients
+            raise RuntimeError(
+                f"clip_grad_norm() after a backward whose host regions {stepped} had "
+                "stepped speculatively with unclipped gradients, in a loop that did not clip "
+                "in its first step: those steps were undone exactly and the gradients "
+                "dropped (nothing else changed): run this batch's forward and backward "
+                "again. From now on clip_grad_norm() clips exactly; to clip from the first "
+                "step, call it from the first step on, or pass clipping_norm=max_norm to "
+                "AMPOptimizer"
+            )
+        if w.stepped:
+            raise RuntimeError(
+                f"clip_grad_norm() after a backward whose host regions {sorted(w.stepped)} "
+                "already stepped with unclipped gradients (bf16/fp32 host steps overlap "
+                "backward and keep no undo), in a loop that did not clip in its first step; "
+                "nothing was clipped: call step() to finish this step unclipped. To clip "
+                "every step, call clip_grad_norm() from the first step on, or pass "
+                "clipping_norm=max_norm to AMPOptimizer; from the next step on, "
+                "clip_grad_norm() clips exactly"
+            )
         total, _ = combine(
             self.optimizer,
             norm_type,
