@@ -519,10 +519,8 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
     bytes a step must move and the parameters the host must step, at the measured
     profile's rates. Offloaded regions come up twice (forward and backward), resident
     host-state regions once after their host step; host-state gradients go down once;
-    streamed regions' state goes up and down (``stream_copy_bytes``). The host part counts
-    every host-state parameter, streamed ones too, at torch's fused fp32 rate: the floor of
-    a step whose optimizer state lives on the host, whatever the configuration does with
-    it."""
+    streamed regions' state goes up and down (``stream_copy_bytes``). The host's parts
+    count every host-state parameter, streamed ones too (:func:`host_floor_parts_ms`)."""
     import torch
 
     from offload_runtime.hardware import profile_hardware
@@ -543,18 +541,55 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
     )
     d2h = sum(rp.region.size_bytes for rp in host) + streamed_params * down_b
     hw = profile_hardware(device, progress=False)  # the measured profile (cached)
+    host_parts = host_floor_parts_ms(
+        hw,
+        module.config.host_state,
+        sum(rp.region.numel for rp in host),
+        sum(rp.region.stepped_numel for rp in host),
+    )
     return {
         "regions": len(plan.regions),
         "offloaded_regions": len(offloaded),
         "host_state_regions": len(host),
         "streamed_regions": len(streamed),
         "profile_host_adam_gparam": hw.host_adam_params_per_s / 1e9,
+        "profile_host_memory_gbps": hw.host_memory_bytes_per_s / 1e9,
         "floor_parts_ms": {
             "h2d": h2d / hw.h2d_bytes_per_s(GiB) * 1e3,
             "d2h": d2h / hw.d2h_bytes_per_s(GiB) * 1e3,
-            "host_adam": sum(rp.region.numel for rp in host) / hw.host_adam_params_per_s * 1e3,
+            **host_parts,
         },
     }
+
+
+def host_floor_parts_ms(
+    hw: Any, host_state: str, host_numel: int, stepped_numel: int
+) -> dict[str, float]:
+    """The host's parts of a row's floor (ms), for ``host_numel`` host-state parameters
+    (``stepped_numel`` of them trainable) on the rung ``host_state`` of
+    ``OffloadConfig.host_state``, at the rates of the profile ``hw``:
+
+    - ``host_adam``, on the fp32 rung only: every host-state parameter at torch's fused
+      fp32 host Adam rate, the floor of a step whose fp32 optimizer state lives on the
+      host, whatever the configuration does with it. A lower rung moves fewer bytes a
+      parameter, and its kernels can step faster than torch's fp32 step, so that rate is
+      no floor there.
+    - ``host_memory``, where the profile knows the host's memory bandwidth: the trainable
+      host-state parameters times the bytes one host step moves per parameter on the rung
+      (``offload_solver.host_rates.HOST_STATE_BYTES``) over that bandwidth. A streamed
+      region's state crosses host memory too, read by its copies up and written by those
+      down: as many bytes a parameter as a host step on its rung moves
+      (``stream_copy_bytes``).
+    """
+    from offload_solver.host_rates import HOST_STATE_BYTES
+
+    parts: dict[str, float] = {}
+    if host_state == "fp32":
+        parts["host_adam"] = host_numel / hw.host_adam_params_per_s * 1e3
+    if hw.host_memory_bytes_per_s > 0:
+        traffic = stepped_numel * HOST_STATE_BYTES[host_state]
+        parts["host_memory"] = hw.host_memory_time_s(traffic) * 1e3
+    return parts
 
 
 def _ours(
@@ -945,14 +980,16 @@ def floor_parts(
     row: dict[str, Any], compute_ms: float | None = None, host_gparam: float | None = None
 ) -> dict[str, float]:
     """The parts of a row's floor (ms): its ``floor_parts_ms`` (the step's H2D and D2H
-    bytes over the profiled copy rates; every host-state parameter over the profile's
-    fused host Adam rate) and, as ``gpu_compute``, ``compute_ms``: full-GPU training's
-    forward and backward of the workload, where a full-GPU row ran.
+    bytes over the profiled copy rates; with fp32 host state, every host-state parameter
+    over the profile's fused host Adam rate; where the profile knows the host's memory
+    bandwidth, the host steps' memory traffic over it: :func:`host_floor_parts_ms`) and,
+    as ``gpu_compute``, ``compute_ms``: full-GPU training's forward and backward of the
+    workload, where a full-GPU row ran.
 
     ``host_gparam``: torch's fused host Adam rate as the run's processes read it
     (Gparam/s; the rows' ``host_fused_gparam``). Where it is faster than the profile's
-    reading, the host part is taken at it: a floor is a lower bound, and a profile read
-    while the host was busy would set it high."""
+    reading, the host Adam part is taken at it: a floor is a lower bound, and a profile
+    read while the host was busy would set it high. The memory part stays as recorded."""
     parts = {k: float(v) for k, v in (row.get("floor_parts_ms") or {}).items()}
     profile = row.get("profile_host_adam_gparam")
     if host_gparam is not None and profile and host_gparam > float(profile):
@@ -967,12 +1004,14 @@ def floor_parts(
 def issue_floor(
     row: dict[str, Any], compute_ms: float | None = None, host_gparam: float | None = None
 ) -> tuple[float, str] | None:
-    """The issue's floor for a row of ours (ms, and the part that sets it): the larger of
+    """The issue's floor for a row of ours (ms, and the part that sets it): the largest of
     full-GPU training's compute (its forward and backward, ``compute_ms``) and the
-    host/PCIe parts (the step's copies up, its copies down, and the host Adam step of
-    every host-state parameter at the fused rate), each at the measured rates
-    (:func:`floor_parts`). No step can be faster than any of them. None when no part is
-    known or every part is 0 (W1 without a full-GPU row: nothing crosses PCIe)."""
+    host/PCIe parts (the step's copies up, its copies down, the host Adam step of every
+    host-state parameter at the fused fp32 rate where the state is fp32, and the host
+    steps' memory traffic on the row's rung over the host's memory bandwidth where
+    known), each at the measured rates (:func:`floor_parts`). No step can be faster than
+    any of them. None when no part is known or every part is 0 (W1 without a full-GPU
+    row: nothing crosses PCIe)."""
     parts = floor_parts(row, compute_ms, host_gparam)
     if not parts:
         return None
@@ -1001,6 +1040,7 @@ SUMMARY_KEYS = (
     "pred_peak_gib",
     "floor_parts_ms",
     "profile_host_adam_gparam",
+    "profile_host_memory_gbps",
     "host_fused_gparam",
     "fwd_bwd_ms",
     "loss_before",

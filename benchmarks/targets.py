@@ -91,7 +91,8 @@ class Run:
         reads = [float(r["host_fused_gparam"]) for r in self.ok if r.get("host_fused_gparam")]
         self.host_gparam = statistics.median(reads) if reads else None
         """Torch's fused host Adam rate as the run's processes read it (Gparam/s; the
-        median over its rows), for the floor's host part where it beats the profile's."""
+        median over its rows), for the floor's host Adam part where it beats the
+        profile's."""
 
     def of(self, workload: str, kind: str) -> list[Row]:
         """The rows of ``kind`` at ``workload`` that ran; of full GPU, those that trained."""

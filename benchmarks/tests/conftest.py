@@ -3,6 +3,7 @@ measured on the CPU at tiny workloads, for the tests of the scripts that read ro
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CPU_HOST_MEMORY_GBPS = 56.0
+"""The host memory bandwidth (GB/s) the CPU rows' floors read (:func:`cpu_rows`)."""
 
 
 @pytest.fixture(scope="session")
@@ -34,15 +38,27 @@ def cpu_rows(tiny: tuple[str, str]) -> dict[str, dict[str, Any]]:
     steps): the fastest configuration with bf16 moments at "T" (host state: probes,
     speculation, fp16 I/O, streamed costs), the defaults at "T1" stepped in turn with
     full-GPU training's recipe, the stochastic-rounding rung at "T", and the ablation at
-    "T"."""
+    "T". The CPU profile leaves the host's memory bandwidth unknown (0); the rows' floors
+    read it at :data:`CPU_HOST_MEMORY_GBPS`, so that they have their host memory part."""
     import offload_bench
     import torch
+
+    from offload_runtime import hardware
 
     host, device = tiny
     threads = torch.get_num_threads()
     patch = pytest.MonkeyPatch()
     # The issue cost probe times a small graph 10 times: not what these rows test.
     patch.setattr(offload_bench, "issue_cost_us", lambda device="cuda": 12.0)
+    # offload_bench reads the profile through the package's attribute (the planner holds
+    # its own reference, so plans are made with the CPU profile as it is).
+    cpu_profile = hardware.profile_hardware
+
+    def with_host_memory(device: Any = None, **kwargs: Any) -> Any:
+        known = CPU_HOST_MEMORY_GBPS * 1e9
+        return dataclasses.replace(cpu_profile(device, **kwargs), host_memory_bytes_per_s=known)
+
+    patch.setattr(hardware, "profile_hardware", with_host_memory)
     torch.set_num_threads(1)  # the host worker steps beside the main thread, on 2 cores
     try:
         return {

@@ -26,7 +26,12 @@ def test_each_row_of_ours_records_its_steps_plan_and_floor(
         assert 0 < min(row["steps_ms"]) <= row["step_ms"] <= row["step_mean_ms"]
         assert row["pred_step_ms"] > 0 and row["pred_peak_gib"] > 0
         assert row["config"] == offload_bench.dataclasses.asdict(offload_bench.OURS[kind])
-        assert set(row["floor_parts_ms"]) == {"h2d", "d2h", "host_adam"}
+        # Every row's floor has its host memory part (the rows read the bandwidth at
+        # conftest's CPU_HOST_MEMORY_GBPS); only fp32 host state keeps the fused Adam part.
+        fp32 = offload_bench.OURS[kind].host_state == "fp32"
+        parts = {"h2d", "d2h", "host_memory"} | ({"host_adam"} if fp32 else set())
+        assert set(row["floor_parts_ms"]) == parts, kind
+        assert row["profile_host_memory_gbps"] > 0
         assert row["hardware"]["host_adam_params_per_s"] > 0  # the plan's whole profile
         assert row["cost_model"] == {  # and the cost model it was planned with
             "backward_issue_factor": 4.0,
@@ -52,7 +57,10 @@ def test_the_fastest_configuration_plans_with_the_profiles_rate_of_its_kernel(
     rate = default_cpu_profile().host_step_params_per_s("single_pass", "bf16_moments", True)
     assert row["hardware"]["host_adam_params_per_s"] == pytest.approx(rate)
     assert row["speculative_step_cost"] >= 1 and row["speculation_thread"]
-    assert row["floor_parts_ms"]["host_adam"] > 0 and row["floor_parts_ms"]["d2h"] > 0
+    # bf16 moments: the floor's host part is the memory traffic (20 bytes a parameter),
+    # not torch's fused fp32 step.
+    assert row["floor_parts_ms"]["host_memory"] > 0 and row["floor_parts_ms"]["d2h"] > 0
+    assert "host_adam" not in row["floor_parts_ms"]
     assert row["undone_steps"] >= 0
 
 
@@ -78,7 +86,7 @@ def test_the_defaults_with_all_state_on_the_device_step_in_turn_with_full_gpu(
 ) -> None:
     row = cpu_rows["ours"]
     assert row["host_state_regions"] == 0 and "host_rate_samples_gparam" not in row
-    assert row["floor_parts_ms"] == {"h2d": 0.0, "d2h": 0.0, "host_adam": 0.0}
+    assert row["floor_parts_ms"] == {"h2d": 0.0, "d2h": 0.0, "host_adam": 0.0, "host_memory": 0.0}
     pair = row["paired_full_gpu"]
     assert pair["pairs"] == 5 and pair["ratio"] > 0 and pair["pair_ratio_median"] > 0
 
@@ -89,6 +97,12 @@ def test_the_ablation_keeps_every_regions_state_on_the_host(
     row = cpu_rows["ablation"]
     assert row["host_state_regions"] == row["regions"] >= 1
     assert row["streamed_regions"] == 0 and "plan_streamed" not in row
+    # fp32 state: a host step moves 28 bytes of host memory a parameter (every one is
+    # trainable), beside the profile's fused host Adam step of each.
+    parts = row["floor_parts_ms"]
+    memory_s = 28 / (row["profile_host_memory_gbps"] * 1e9)
+    adam_s = 1 / (row["profile_host_adam_gparam"] * 1e9)
+    assert parts["host_memory"] / parts["host_adam"] == pytest.approx(memory_s / adam_s)
 
 
 def test_full_gpu_steps_fp32_masters_and_narrows_them_into_the_weights(

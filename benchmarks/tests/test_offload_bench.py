@@ -21,6 +21,7 @@ from offload_bench import (
     WORKLOADS,
     OursConfig,
     compact_row,
+    host_floor_parts_ms,
     issue_floor,
     parse_args,
     read_rows,
@@ -259,6 +260,45 @@ def test_the_floor_is_its_largest_part_with_the_host_at_the_faster_rate() -> Non
     # W1 without full GPU: nothing crosses PCIe or steps on the host, so no floor.
     assert issue_floor({"floor_parts_ms": {"h2d": 0.0, "d2h": 0.0, "host_adam": 0.0}}) is None
     assert issue_floor({}) is None
+
+
+def test_the_host_parts_of_a_floor_follow_the_rung() -> None:
+    from offload_runtime import default_cpu_profile
+    from offload_solver import default_hardware
+
+    hw = default_hardware()  # fused host Adam 4.4e9 parameters/s, host memory 150e9 bytes/s
+    # fp32 state: torch's fused fp32 step and 28 bytes a trainable parameter.
+    fp32 = host_floor_parts_ms(hw, "fp32", 2 * 10**9, 10**9)
+    assert fp32 == {
+        "host_adam": pytest.approx(2e9 / 4.4e9 * 1e3),
+        "host_memory": pytest.approx(28e9 / 150e9 * 1e3),
+    }
+    # A lower rung: its bytes over the bandwidth; the fused fp32 rate is no floor of it.
+    for rung, nbytes in (("bf16_moments", 20), ("bf16_stochastic", 14), ("bf16_8bit", 10)):
+        parts = host_floor_parts_ms(hw, rung, 2 * 10**9, 10**9)
+        assert parts == {"host_memory": pytest.approx(nbytes * 1e9 / 150e9 * 1e3)}, rung
+    # A profile that does not know the host's memory bandwidth has no memory part.
+    cpu = default_cpu_profile()
+    assert cpu.host_memory_bytes_per_s == 0
+    assert host_floor_parts_ms(cpu, "fp32", 10**9, 10**9) == {"host_adam": 1e3}
+    assert host_floor_parts_ms(cpu, "bf16_stochastic", 10**9, 10**9) == {}
+
+
+def test_the_floor_of_a_lower_rung_is_its_largest_part_with_host_memory() -> None:
+    row = {
+        "floor_parts_ms": {"h2d": 100.0, "d2h": 80.0, "host_memory": 150.0},
+        "profile_host_adam_gparam": 3.0,
+    }
+    assert issue_floor(row) == (150.0, "host_memory")
+    # The faster host Adam read scales the fused-Adam part only, not the memory part.
+    assert issue_floor(row, host_gparam=6.0) == (150.0, "host_memory")
+    assert issue_floor(row, compute_ms=200.0) == (200.0, "gpu_compute")
+    # With fp32 state both host parts stand, and the larger sets the floor.
+    fp32 = {"floor_parts_ms": {"h2d": 100.0, "d2h": 80.0, "host_adam": 300.0, "host_memory": 250.0}}
+    assert issue_floor(fp32) == (300.0, "host_adam")
+    # Read twice as fast in the run's processes, the fused-Adam part halves to 150 ms.
+    read_slow = {**fp32, "profile_host_adam_gparam": 3.0}
+    assert issue_floor(read_slow, host_gparam=6.0) == (250.0, "host_memory")
 
 
 def test_trained_needs_a_finite_loss_that_fell() -> None:

@@ -31,6 +31,7 @@ from offload_runtime.hardware import (
     measure_host_adam_params_per_s,
     measure_host_convert_elems_per_s,
     measure_host_copy_contention,
+    measure_host_memory_bytes_per_s,
     measure_op_overhead_s,
     probes,
     profile_hardware,
@@ -112,6 +113,8 @@ def test_default_cpu_profile_is_valid_constant_and_round_trips() -> None:
     assert 0 < first.h2d_time_s(2**20) < first.h2d_time_s(2**30)
     assert first.d2h_time_s(2**20) > 0
     assert first.compute_time_s(10**9) > 0
+    # Memory bandwidths are left unknown: no constant would describe this machine's.
+    assert first.host_memory_bytes_per_s == 0.0 and first.device_memory_bytes_per_s == 0.0
 
 
 def test_no_cuda_gives_the_default_profile_and_writes_no_cache(
@@ -248,6 +251,12 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     monkeypatch.setattr(hw_profile, "measure_device_adam_params_per_s", lambda dev: 90e9)
     monkeypatch.setattr(hw_profile, "measure_device_memory_bytes_per_s", lambda dev: 4.2e12)
     monkeypatch.setattr(hw_profile, "measure_host_convert_elems_per_s", convert)
+
+    def host_memory(numel: int) -> float:
+        calls["host_memory"] = (numel, None)
+        return 120e9
+
+    monkeypatch.setattr(hw_profile, "measure_host_memory_bytes_per_s", host_memory)
     monkeypatch.setattr(hw_profile, "measure_op_overhead_s", overhead)
     monkeypatch.setattr(hw_profile, "release_cached_memory", lambda: None)
     monkeypatch.setattr(torch.cuda, "device", lambda dev: contextlib.nullcontext())
@@ -265,6 +274,9 @@ def test_measure_hardware_fills_conversion_rate_and_issue_cost(
     assert next(reads, None) is None  # read exactly three times
     assert profile.device_memory_bytes_per_s == 4.2e12
     assert profile.host_copy_contention == 0.7
+    assert profile.host_memory_bytes_per_s == 120e9
+    memory_numel, _ = calls["host_memory"]  # fitted to the host's available memory
+    assert isinstance(memory_numel, int) and 0 < memory_numel <= 64 * 2**20
     numel, dtype = calls["convert"]
     assert dtype == torch.bfloat16
     assert isinstance(numel, int) and 0 < numel <= 32 * 2**20
@@ -554,6 +566,7 @@ def test_cuda_profile_is_measured_plausibly_and_cached(
         profile.device_adam_params_per_s,
         profile.host_convert_elems_per_s,
         profile.device_memory_bytes_per_s,
+        profile.host_memory_bytes_per_s,
         profile.op_overhead_s,
     ]
     assert all(0 < r < math.inf for r in rates), rates
@@ -594,6 +607,22 @@ def test_host_conversion_rate_is_a_positive_rate(dtype: torch.dtype) -> None:
 def test_host_conversion_rejects_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         measure_host_convert_elems_per_s(**kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------- host memory
+
+
+def test_host_memory_bandwidth_is_a_positive_rate() -> None:
+    # 4 MiB buffers: small enough for a test, so this reads caches as much as DRAM; what
+    # is checked is that the probe times a copy and counts its bytes, not the machine.
+    rate = measure_host_memory_bytes_per_s(1 << 20, reps=2)
+    assert 0 < rate < math.inf
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [({"numel": 0}, "numel"), ({"reps": 0}, "reps")])
+def test_host_memory_bandwidth_rejects_bad_arguments(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        measure_host_memory_bytes_per_s(**kwargs)
 
 
 # ---------------------------------------------------------------------------- issue cost

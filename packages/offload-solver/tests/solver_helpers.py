@@ -39,6 +39,7 @@ def flat_hardware(
     host_convert_elems_per_s: float = 0.0,
     device_memory_bytes_per_s: float = 0.0,
     host_copy_contention: float = 1.0,
+    host_memory_bytes_per_s: float = 0.0,
 ) -> HardwareProfile:
     """A machine with size-independent copy rates, for hand arithmetic."""
     return HardwareProfile(
@@ -54,6 +55,7 @@ def flat_hardware(
         host_convert_elems_per_s=host_convert_elems_per_s,
         device_memory_bytes_per_s=device_memory_bytes_per_s,
         host_copy_contention=host_copy_contention,
+        host_memory_bytes_per_s=host_memory_bytes_per_s,
     )
 
 
@@ -70,6 +72,7 @@ def hardware_profiles(draw: st.DrawFn) -> HardwareProfile:
         device_adam_params_per_s=draw(st.sampled_from([1024.0, 2.0**20])),
         host_convert_elems_per_s=draw(st.sampled_from([0.0, 16.0, 256.0, 8192.0])),
         device_memory_bytes_per_s=draw(st.sampled_from([0.0, 64.0, 1024.0])),
+        host_memory_bytes_per_s=draw(st.sampled_from([0.0, 1e11])),
     )
 
 

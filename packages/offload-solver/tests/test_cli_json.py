@@ -54,6 +54,9 @@ def test_default_hardware_round_trips_and_is_h200_like() -> None:
     assert hw.h2d_bytes_per_s(10**6) < hw.h2d_bytes_per_s(16 * 10**6)
     assert hw.device_memory_bytes == 140 * 2**30 and hw.host_memory_bytes == 128 * 2**30
     assert hw.device_memory_bytes_per_s == pytest.approx(4.2e12)
+    # Assumed as the other rates are: a little above what its fp32 host Adam moves.
+    assert hw.host_memory_bytes_per_s == pytest.approx(150e9)
+    assert hw.host_memory_bytes_per_s > 28 * hw.host_adam_params_per_s
 
 
 def test_hardware_json_without_the_conversion_rate_still_loads() -> None:
@@ -81,6 +84,20 @@ def test_hardware_json_without_the_device_memory_rate_loads_as_unknown() -> None
     assert loaded.device_memory_bytes_per_s == 0.0
     assert loaded.op_time_s(0, 10**12) == 0.0
     assert hw.op_time_s(0, 10**12) == pytest.approx(0.25)
+
+
+def test_hardware_json_without_the_host_memory_rate_loads_as_unknown() -> None:
+    # Profiles cached before the field existed: the host's bandwidth is unknown (0).
+    hw = flat_hardware(host_memory_bytes_per_s=100e9)
+    assert HardwareProfile.from_json(hw.to_json()) == hw
+    assert json.loads(hw.to_json())["host_memory_bytes_per_s"] == 100e9
+    assert hw.host_memory_time_s(50 * 10**9) == pytest.approx(0.5)
+    old = json.loads(hw.to_json())
+    del old["host_memory_bytes_per_s"]
+    loaded = HardwareProfile.from_json(json.dumps(old))
+    assert loaded.host_memory_bytes_per_s == 0.0
+    assert loaded.host_memory_time_s(50 * 10**9) == 0.0
+    assert HardwareProfile.from_json(loaded.to_json()) == loaded
 
 
 def test_hardware_json_without_copy_contention_loads_as_none() -> None:
@@ -191,6 +208,16 @@ def test_bad_device_memory_rate_is_named(rate: float) -> None:
     doc = json.loads(flat_hardware().to_json())
     doc["device_memory_bytes_per_s"] = "fast"
     with pytest.raises(ValueError, match="device_memory_bytes_per_s"):
+        HardwareProfile.from_json(json.dumps(doc))
+
+
+@pytest.mark.parametrize("rate", [-1.0, float("inf"), float("nan")])
+def test_bad_host_memory_rate_is_named(rate: float) -> None:
+    with pytest.raises(ValueError, match="host_memory_bytes_per_s"):
+        flat_hardware(host_memory_bytes_per_s=rate)
+    doc = json.loads(flat_hardware().to_json())
+    doc["host_memory_bytes_per_s"] = "fast"
+    with pytest.raises(ValueError, match="host_memory_bytes_per_s"):
         HardwareProfile.from_json(json.dumps(doc))
 
 

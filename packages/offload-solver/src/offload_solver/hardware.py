@@ -107,6 +107,14 @@ class HardwareProfile:
     """Device memory bandwidth, bytes read plus written per second (a large on-device
     copy). Memory-bound operations take at least their estimated traffic over it; 0 means
     unknown: operations are then priced by FLOPs and issue cost alone."""
+    host_memory_bytes_per_s: float = 0.0
+    """Host memory (DRAM) stream bandwidth, bytes read plus written per second (a large
+    host-to-host copy; write-allocate traffic not counted, as STREAM's copy does not count
+    it); 0 means unknown. A host Adam step moves
+    ``offload_solver.host_rates.HOST_STATE_BYTES`` per parameter on its rung of host-state
+    precision, so it takes at least that traffic over this rate
+    (:meth:`host_memory_time_s`): a lower bound a benchmark sets a step against. The
+    simulator prices host steps by their measured rates, not by this."""
     host_copy_contention: float = 1.0
     """Fraction of its standalone rate fused host Adam keeps while pinned copies run in
     both directions at once (0 < c <= 1; 1 when not measured; ``offload_runtime``'s
@@ -165,6 +173,12 @@ class HardwareProfile:
             raise ValueError(
                 "HardwareProfile.device_memory_bytes_per_s is "
                 f"{self.device_memory_bytes_per_s}; must be a finite rate >= 0 bytes/s "
+                "(0 when unknown)"
+            )
+        if not 0 <= self.host_memory_bytes_per_s < math.inf:
+            raise ValueError(
+                "HardwareProfile.host_memory_bytes_per_s is "
+                f"{self.host_memory_bytes_per_s}; must be a finite rate >= 0 bytes/s "
                 "(0 when unknown)"
             )
         if not 0 < self.host_copy_contention <= 1:
@@ -253,6 +267,12 @@ class HardwareProfile:
         rate = self.host_convert_elems_per_s
         return numel / rate if rate > 0 else 0.0
 
+    def host_memory_time_s(self, traffic_bytes: int) -> float:
+        """Seconds host memory takes to move ``traffic_bytes`` (read plus written) at
+        :attr:`host_memory_bytes_per_s`; 0 when the bandwidth is unknown."""
+        rate = self.host_memory_bytes_per_s
+        return traffic_bytes / rate if rate > 0 else 0.0
+
     def to_json(self) -> str:
         return json.dumps(to_jsonable(self), indent=1)
 
@@ -298,6 +318,9 @@ class HardwareProfile:
                 ),
                 device_memory_bytes_per_s=float(
                     get_field(data, "device_memory_bytes_per_s", (int, float), default=0.0)
+                ),
+                host_memory_bytes_per_s=float(
+                    get_field(data, "host_memory_bytes_per_s", (int, float), default=0.0)
                 ),
                 host_copy_contention=float(
                     get_field(data, "host_copy_contention", (int, float), default=1.0)
@@ -357,6 +380,10 @@ def default_hardware() -> HardwareProfile:
       speed, so only a measured profile has one.
     - Device memory 4.2e12 bytes/s read plus written: memory-bound operations take at
       least their traffic over it.
+    - Host memory 150e9 bytes/s read plus written: a little above the 123 GB/s that fused
+      host Adam at 4.4e9 parameters/s moves (28 bytes a parameter,
+      ``offload_solver.host_rates.HOST_STATE_BYTES["fp32"]``), since that step is bound
+      by host memory traffic.
     - Fused host Adam keeps 0.55 of its standalone rate while pinned copies run both ways
       at once (``host_copy_contention``).
     """
@@ -386,6 +413,7 @@ def default_hardware() -> HardwareProfile:
         device_adam_params_per_s=50e9,
         host_convert_elems_per_s=11e9,
         device_memory_bytes_per_s=4.2e12,
+        host_memory_bytes_per_s=150e9,
         host_copy_contention=0.55,
         host_step_rates=default_host_step_rates(4.4e9),
     )

@@ -9,7 +9,8 @@ responsibility:
 - ``cache.py``: where profiles are cached, reading and writing them ([Note: hardware
   cache]); the cache's location is the only environment variable the library reads;
 - ``probes.py``: one function per device measurement (copy sweep, matmul peak and
-  efficiency, device Adam, host conversion, copy contention, device memory, attention);
+  efficiency, device Adam, host conversion, host memory bandwidth, copy contention, device
+  memory, attention);
 - ``host_step.py``: :func:`measure_host_step`, the one timer of host optimizer steps,
   used for the profile's host Adam rate and every host kernel's
   (:func:`measure_host_step_rates`; [Note: one host step timer]);
@@ -58,6 +59,7 @@ from offload_runtime.hardware.probes import (
     measure_device_memory_bytes_per_s,
     measure_host_convert_elems_per_s,
     measure_host_copy_contention,
+    measure_host_memory_bytes_per_s,
     measure_matmul_efficiency,
     measure_peak_matmul_flop_per_s,
 )
@@ -93,6 +95,7 @@ __all__ = [
     "measure_host_adam_params_per_s",
     "measure_host_convert_elems_per_s",
     "measure_host_copy_contention",
+    "measure_host_memory_bytes_per_s",
     "measure_host_step",
     "measure_host_step_rates",
     "measure_matmul_efficiency",

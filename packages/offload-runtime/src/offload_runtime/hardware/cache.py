@@ -7,7 +7,7 @@ document per file:
 
 - ``hardware-<format>-<identity key>-<dtype>.json``: the device-level measurements (copy
   sweep, peak matmul rate, Adam rates and every host step's rate, host conversion rate,
-  per-operation issue cost) with
+  host and device memory bandwidth, copy contention, per-operation issue cost) with
   ``DEFAULT_COMPUTE_EFFICIENCY``;
 - ``hardware-<format>-<identity key>-<dtype>-mm<digest>.json``: the same with the
   efficiency measured on one set of matrix shapes and, where the model has fused
@@ -53,7 +53,7 @@ __all__ = [
     "store",
 ]
 
-CACHE_FORMAT = "p7"
+CACHE_FORMAT = "p8"
 """Version of what a cached profile measures, part of its file name. It changes whenever a
 probe is added or changes what it measures, so that files of another version are not
 read but measured again."""

@@ -9,6 +9,7 @@ The numbers the solver needs are measured on the device itself; this module hold
   rate on the model's own matrix-product shapes relative to it (the efficiency);
 - fused Adam throughput over fp32 tensors on the device;
 - the host's rate of fp16/bf16 <-> fp32 copies (gradient widening and weight publishing);
+- the host's memory (DRAM) bandwidth, read by a large fp32 host-to-host copy;
 - how much of its fused Adam rate the host keeps while pinned copies run both ways (they
   share host memory with it);
 - the device memory bandwidth, and the rate of fused attention at one shape.
@@ -53,6 +54,7 @@ __all__ = [
     "measure_device_memory_bytes_per_s",
     "measure_host_convert_elems_per_s",
     "measure_host_copy_contention",
+    "measure_host_memory_bytes_per_s",
     "measure_matmul_efficiency",
     "measure_peak_matmul_flop_per_s",
 ]
@@ -88,6 +90,9 @@ _MAX_SHAPE_ITERS = 200
 _DEVICE_ADAM_NUMEL = 64 * 2**20
 _DEVICE_COPY_BYTES = 2**30
 HOST_CONVERT_NUMEL = 32 * 2**20
+HOST_MEMORY_NUMEL = 64 * 2**20
+"""fp32 elements of each buffer of the host memory bandwidth probe (256 MiB each, far
+beyond any CPU's last-level cache, so that the copy streams from DRAM)."""
 _CONTENTION_COPY_BYTES = 256 * 2**20
 _COPY_RATE_HIGH_GUESS = 100e9
 """Bytes/s: above the line rate of PCIe Gen5 x16 (64 GB/s each way), so that the copies
@@ -347,6 +352,35 @@ def measure_host_convert_elems_per_s(
     return numel / max((widen_s + publish_s) / 2, 1e-9)
 
 
+def measure_host_memory_bytes_per_s(numel: int = HOST_MEMORY_NUMEL, *, reps: int = 5) -> float:
+    """Host memory (DRAM) stream bandwidth, bytes read plus written per second.
+
+    Copies one preallocated fp32 host tensor of ``numel`` elements into another, as torch
+    copies with its current number of CPU threads (the threads the host optimizer's steps
+    run with): one untimed copy first, which faults the destination's pages in (the
+    source's are written when it is filled), then the median of ``reps`` timed copies
+    (``time.perf_counter``). Each copy moves ``2 * 4 * numel`` bytes: every element read
+    once and written once. Write-allocate traffic (a destination line read into the cache
+    before it is written, on CPUs that do not stream the stores) is not counted, as
+    STREAM's copy does not count it, so the hardware may move up to 1.5x the rate
+    returned. The buffers must far exceed the last-level cache for this to be DRAM's rate
+    (the default, 256 MiB each, does; ``profile_hardware`` lowers it with
+    :func:`fit_convert_numel` to fit available host memory). Needs ``8 * numel`` bytes.
+    """
+    if numel < 1 or reps < 1:
+        raise ValueError(f"numel ({numel}) and reps ({reps}) must be >= 1")
+    src = torch.empty(numel, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    src.fill_(1.0)
+    dst.copy_(src)
+    samples = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        dst.copy_(src)
+        samples.append(time.perf_counter() - started)
+    return 2 * src.nbytes / max(statistics.median(samples), 1e-9)
+
+
 def measure_host_copy_contention(
     device: torch.device,
     numel: int = HOST_ADAM_NUMEL,
@@ -566,8 +600,8 @@ def measure_device_memory_bytes_per_s(
 
 
 def fit_convert_numel(numel: int, room_bytes: int) -> int:
-    """Shrink a conversion measurement (at most 8 bytes per element) to a quarter of
-    ``room_bytes``."""
+    """Shrink a host copy measurement (a conversion, or the host memory bandwidth's copy:
+    at most 8 bytes per element) to a quarter of ``room_bytes``."""
     if room_bytes <= 0:
         return numel
     return max(2**16, min(numel, room_bytes // 4 // 8))

@@ -40,6 +40,7 @@ from offload_runtime.hardware.issue_cost import measure_op_overhead_s
 from offload_runtime.hardware.probes import (
     DEFAULT_COMPUTE_EFFICIENCY,
     HOST_CONVERT_NUMEL,
+    HOST_MEMORY_NUMEL,
     MatmulShape,
     Progress,
     count_shapes,
@@ -51,6 +52,7 @@ from offload_runtime.hardware.probes import (
     measure_device_memory_bytes_per_s,
     measure_host_convert_elems_per_s,
     measure_host_copy_contention,
+    measure_host_memory_bytes_per_s,
     measure_matmul_efficiency,
     measure_peak_matmul_flop_per_s,
     release_cached_memory,
@@ -74,7 +76,9 @@ def default_cpu_profile() -> HardwareProfile:
     - Adam: 1e9 parameters/s on host and "device"; the other host kernels' rates derived
       from it by their documented ratios (``offload_solver.default_host_step_rates``:
       BENCHMARKS.md, Decisions, "Single-pass host Adam"), so that a CPU plan chooses among
-      them as a GPU machine's would.
+      them as a GPU machine's would;
+    - memory bandwidths, host and device: unknown (0), as the conversion rate is: the
+      plans need neither, and no constant would say anything about this machine.
     """
     flat = (BandwidthPoint(size_bytes=2**10, bytes_per_s=10e9), BandwidthPoint(2**30, 10e9))
     return HardwareProfile(
@@ -202,10 +206,10 @@ def measure_hardware(
 ) -> HardwareProfile:
     """Measure a CUDA device now, without the cache; ``compute_efficiency`` is the default.
 
-    Copies, peak matmul, both Adam rates, host copy contention, device memory and
-    conversion rates, the per-operation issue cost, and the rate of every host step the
-    optimizer can run here (:func:`measure_host_step_rates`); the host Adam rate and the
-    issue cost are each the median of three reads (first, midway and last;
+    Copies, peak matmul, both Adam rates, host copy contention, device and host memory
+    bandwidths, the conversion rate, the per-operation issue cost, and the rate of every
+    host step the optimizer can run here (:func:`measure_host_step_rates`); the host Adam
+    rate and the issue cost are each the median of three reads (first, midway and last;
     :func:`host_adam_median`). Several seconds on a current GPU machine.
     """
     dev = resolve_device(device)
@@ -249,6 +253,12 @@ def measure_hardware(
                 dtype=dtype,
             )
             say(f"host {dtype_label} <-> float32 conversion {host_convert / 1e9:.2f} Gelem/s")
+            memory_numel = fit_convert_numel(HOST_MEMORY_NUMEL, available_host_memory_bytes())
+            host_memory = measure_host_memory_bytes_per_s(memory_numel)
+            say(
+                f"host memory {host_memory / 1e9:.1f} GB/s (read + write, a copy of "
+                f"{fmt_size(4 * memory_numel)} with {torch.get_num_threads()} CPU threads)"
+            )
             overheads.append(measure_op_overhead_s(dev, dtype=dtype))
             host_adams.append(measure_host_adam_params_per_s(adam_numel))
             host_adam = host_adam_median(host_adams)
@@ -291,6 +301,7 @@ def measure_hardware(
         op_overhead_s=overhead,
         host_convert_elems_per_s=host_convert,
         device_memory_bytes_per_s=device_memory,
+        host_memory_bytes_per_s=host_memory,
         host_copy_contention=contention,
         host_step_rates=host_steps,
     )
