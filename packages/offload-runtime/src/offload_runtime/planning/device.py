@@ -3,6 +3,8 @@ the traced model's matrix products (the shapes the hardware profile times)."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import fx
 
@@ -23,6 +25,11 @@ def measure_device_bytes_in_use(
     """
     if device.type != "cuda":
         return 0
+    # Garbage first: tensors that only a reference cycle keeps (the frames of an exception
+    # caught by the caller, such as a previous plan's InfeasibleBudgetError, hold the
+    # planner's device tensors until the cyclic collector runs) would otherwise be counted
+    # as in use, and the least budget that error named would not plan.
+    gc.collect()
     with torch.cuda.device(device):
         # cuBLAS keeps a workspace per handle and stream, taken from the caching allocator
         # at the first product and held from then on: one for the thread that runs forward,
