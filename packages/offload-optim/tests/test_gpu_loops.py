@@ -54,7 +54,9 @@ def test_cuda_lora_fine_tune_matches_peft_with_adamw() -> None:
                 p.normal_(0.0, 0.02)  # LoRA's B starts at zero: every adapter then trains
     reference = copy.deepcopy(model).to(CUDA)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
-    module = plan_at_least_budget(model, _cuda_batch(0), dtype=torch.float32, device=CUDA)
+    module = plan_at_least_budget(
+        model, _cuda_batch(0), dtype=torch.float32, device=CUDA, margin_bytes=2**20
+    )
     assert any(st.offloaded and st.frozen for st in module.storages)
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01), module)
     torch.cuda.reset_peak_memory_stats()
