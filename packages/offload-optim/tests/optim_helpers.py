@@ -365,7 +365,7 @@ def plan_at_least_budget(
     (``PlanForce``) fixed, and the module built; at scale 1 it offloads all it can.
     ``dtype``: ``OffloadConfig(dtype=)`` when no ``config`` is given. On a GPU the
     second plan reads the device bytes in use again, which a test's own allocations
-    between the two may have moved by a few bytes: a margin absorbs them."""
+    between the two may have moved by a kilobyte: a margin absorbs it."""
     forced = PlanForce(**force)
     if config is None and dtype is not None:
         config = OffloadConfig(dtype=dtype)

@@ -29,6 +29,9 @@ from offload_solver import InfeasibleBudgetError
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda")
 STEPS = 8
+MARGIN = 64 * 1024
+"""Bytes above the least budget: between the plan that names it and the next, the test's
+own small device tensors (the Trainer's loss accumulator) are in use beside the plan."""
 
 
 def _cuda_batch(step: int) -> dict[str, torch.Tensor]:
@@ -55,7 +58,7 @@ def test_cuda_lora_fine_tune_matches_peft_with_adamw() -> None:
     reference = copy.deepcopy(model).to(CUDA)
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
     module = plan_at_least_budget(
-        model, _cuda_batch(0), dtype=torch.float32, device=CUDA, margin_bytes=2**20
+        model, _cuda_batch(0), dtype=torch.float32, device=CUDA, margin_bytes=MARGIN
     )
     assert any(st.offloaded and st.frozen for st in module.storages)
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01), module)
@@ -106,7 +109,7 @@ def test_cuda_trainer_trains_under_a_budget_that_offloads(tmp_path: Path) -> Non
     try:
         plan(model, example, 1, config=config, device=CUDA, progress=False)
     except InfeasibleBudgetError as exc:
-        budget = exc.least_budget_bytes
+        budget = exc.least_budget_bytes + MARGIN
     else:
         raise AssertionError("the planner accepted a 1-byte budget")
     args = TrainingArguments(
