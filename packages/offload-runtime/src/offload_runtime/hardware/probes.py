@@ -355,30 +355,30 @@ def measure_host_convert_elems_per_s(
 def measure_host_memory_bytes_per_s(numel: int = HOST_MEMORY_NUMEL, *, reps: int = 5) -> float:
     """Host memory (DRAM) stream bandwidth, bytes read plus written per second.
 
-    Copies one preallocated fp32 host tensor of ``numel`` elements into another, as torch
-    copies with its current number of CPU threads (the threads the host optimizer's steps
-    run with): one untimed copy first, which faults the destination's pages in (the
-    source's are written when it is filled), then the median of ``reps`` timed copies
-    (``time.perf_counter``). Each copy moves ``2 * 4 * numel`` bytes: every element read
-    once and written once. Write-allocate traffic (a destination line read into the cache
-    before it is written, on CPUs that do not stream the stores) is not counted, as
-    STREAM's copy does not count it, so the hardware may move up to 1.5x the rate
-    returned. The buffers must far exceed the last-level cache for this to be DRAM's rate
-    (the default, 256 MiB each, does; ``profile_hardware`` lowers it with
-    :func:`fit_convert_numel` to fit available host memory). Needs ``8 * numel`` bytes.
+    Adds one preallocated fp32 host tensor of ``numel`` elements into another in place,
+    with torch's current number of CPU threads (the threads the host optimizer's steps run
+    with): one untimed pass first, which faults the pages in, then the median of ``reps``
+    timed passes (``time.perf_counter``). Each pass moves ``3 * 4 * numel`` bytes: two
+    arrays read, one written. The pass works in place as the host Adam kernels do, so its
+    stores land on lines it has just read and make no write-allocate traffic, and its
+    bytes count the way ``offload_solver.HOST_STATE_BYTES`` counts a host step's (a copy
+    into a second buffer would also read every destination line before writing it, and
+    counting two passes for it would read the memory a third slower than it is). The
+    buffers must far exceed the last-level cache for this to be DRAM's rate (the default,
+    256 MiB each, does; ``profile_hardware`` lowers it with :func:`fit_convert_numel` to
+    fit available host memory). Needs ``8 * numel`` bytes.
     """
     if numel < 1 or reps < 1:
         raise ValueError(f"numel ({numel}) and reps ({reps}) must be >= 1")
-    src = torch.empty(numel, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    src.fill_(1.0)
-    dst.copy_(src)
+    src = torch.full((numel,), 1e-6, dtype=torch.float32)
+    dst = torch.zeros_like(src)
+    dst.add_(src)
     samples = []
     for _ in range(reps):
         started = time.perf_counter()
-        dst.copy_(src)
+        dst.add_(src)
         samples.append(time.perf_counter() - started)
-    return 2 * src.nbytes / max(statistics.median(samples), 1e-9)
+    return 3 * src.nbytes / max(statistics.median(samples), 1e-9)
 
 
 def measure_host_copy_contention(
