@@ -156,6 +156,35 @@ def test_module_for_rewrites_nested_graphs() -> None:
     assert out.requires_grad and torch.is_grad_enabled()
 
 
+class _DeviceBranchHistc(nn.Module):
+    """Counts token ids the way Hugging Face's grouped-matmul experts do: ``histc`` of
+    int32 ids off the CPU, of float ids on it (the CPU has no integer kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        counted = ids.float() if ids.device.type == "cpu" else ids.int()
+        counts = torch.histc(counted, bins=4, min=0, max=3)
+        return self.proj(x) * torch.cumsum(counts, dim=0, dtype=torch.int32)
+
+
+def test_module_for_cpu_counts_integer_histc_in_float64() -> None:
+    torch.manual_seed(0)
+    model = _DeviceBranchHistc()
+    x, ids = torch.randn(3, 4), torch.tensor([3, 0, 1, 3, 3, 2, 0])
+    traced = trace(model, (x, ids), dtype=torch.float32, target_device="cpu")
+    # The premise: traced on meta, the branch for other devices put an int32 histc in.
+    histc = [n for n in traced.graph_module.graph.nodes if n.target is torch.ops.aten.histc.default]
+    assert [n.args[0].meta["val"].dtype for n in histc] == [torch.int32]
+    gm = assign_real(traced.module_for("cpu"), model)
+    ops = ("call_function", "call_method", "call_module")
+    names = tuple(n.name for n in gm.graph.nodes if n.op in ops)
+    assert names == traced.operation_names  # the node keeps its name; only its target changes
+    torch.testing.assert_close(gm(x, ids), model(x, ids), rtol=0, atol=0)
+
+
 def test_module_for_rejects_a_bad_device() -> None:
     traced = trace(ThreeWayTied(), (torch.randn(4, 16),), target_device="cpu")
     with pytest.raises(ValueError, match="'meta'"):

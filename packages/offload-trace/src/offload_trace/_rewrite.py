@@ -91,3 +91,37 @@ def move_device_constants(gm: fx.GraphModule, device: torch.device) -> int:
             node.kwargs = new_kwargs
             changed += 1
     return changed
+
+
+def _histc_through_float64(
+    input: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0
+) -> torch.Tensor:
+    """``aten.histc`` of an integer tensor on the CPU, which has no integer kernel: counted
+    in float64 (exact for every int32, and int64 up to 2**53) and cast back, so the result
+    has the dtype and values the integer kernel (CUDA's) gives."""
+    counts: torch.Tensor = torch.histc(input.to(torch.float64), bins, min, max)
+    return counts.to(input.dtype)
+
+
+def widen_integer_histc(gm: fx.GraphModule, device: torch.device) -> int:
+    """On the CPU, run ``aten.histc`` nodes with an integer input through float64.
+
+    Python code that branches on its tensors' device type sees ``meta`` while tracing,
+    so it takes the non-CPU branch; Hugging Face's grouped-matmul experts (the default
+    for Mixtral, Qwen2-MoE, OLMoE, ...) then call ``histc`` on an ``int32`` tensor, which
+    CUDA counts but the CPU rejects (``"histogram_cpu" not implemented for 'Int'``). The
+    node keeps its name (operation names index the plan's regions); only its target
+    changes. Returns how many nodes changed.
+    """
+    if device.type != "cpu":
+        return 0
+    changed = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.histc.default:
+            continue
+        source = node.args[0] if node.args else node.kwargs.get("input")
+        val = source.meta.get("val") if isinstance(source, fx.Node) else None
+        if isinstance(val, torch.Tensor) and not val.is_floating_point():
+            node.target = _histc_through_float64
+            changed += 1
+    return changed

@@ -14,7 +14,7 @@ from offload_solver import ModelProfile, Operation, Parameter
 from offload_trace._causal import apply_causal_attention
 from offload_trace._costs import CALL_OPS, OpCost
 from offload_trace._gelu import apply_tanh_gelu
-from offload_trace._rewrite import move_device_constants, to_eval
+from offload_trace._rewrite import move_device_constants, to_eval, widen_integer_histc
 
 _aten = torch.ops.aten
 ATTENTION_OPS = frozenset(
@@ -164,6 +164,8 @@ class TracedModel:
         :attr:`fused_gelu` are rewritten as in :func:`~offload_trace.trace`. Device
         constants baked in at trace time (``arange(device=meta)``, ``.to(meta)``,
         metadata asserts) point at ``device``; lifted tensor constants are moved there.
+        On the CPU, ``histc`` nodes of integer tensors (a branch taken for the meta device,
+        which the CPU has no kernel for) count in float64 instead.
         Parameters and buffers stay meta placeholders: assign real tensors with
         ``setattr`` along the original names (both names of a tied group). Call it with
         the same argument structure as the example inputs.
@@ -205,12 +207,13 @@ class TracedModel:
                 "module_for: torch.export produced different node names on a second "
                 "unlift; this torch version is not supported by offload-trace"
             )
-        moved = flipped = 0
+        moved = flipped = widened = 0
         # Regions such as `with torch.no_grad():` are exported as higher-order ops whose
         # bodies are nested graph modules: rewrite every graph, not only the top one.
         graphs = [m for m in gm.modules() if isinstance(m, fx.GraphModule)]
         for graph_module in graphs:
             moved += move_device_constants(graph_module, dev)
+            widened += widen_integer_histc(graph_module, dev)
             flipped += 0 if training else to_eval(graph_module)
         for target in _lifted_constants(self):
             value = _get_attr(gm, target)
@@ -219,11 +222,13 @@ class TracedModel:
         for graph_module in graphs:
             graph_module.recompile()
         logger.info(
-            "module_for(%s, training=%s): %d device constants moved, %d nodes set to eval",
+            "module_for(%s, training=%s): %d device constants moved, %d nodes set to eval, "
+            "%d integer histc nodes widened",
             dev,
             training,
             moved,
             flipped,
+            widened,
         )
         return gm
 
