@@ -190,11 +190,9 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
         eos_token_id=1,
         decoder_start_token_id=0,
     ),
-    # BART ties its head to the shared embeddings (its default): with an untied head the
-    # runtime fails (region 5 needs pool slot 0, still held by region 6) at this budget.
-    "bart": _seq2seq(
-        hf.BartConfig, hf.BartForConditionalGeneration, 2, tie_word_embeddings=True, **_BART
-    ),
+    # Untied: its `shared` embedding is then read by no operation (the encoder and decoder
+    # have their own), which gets no gradient; its region must still release its slot.
+    "bart": _seq2seq(hf.BartConfig, hf.BartForConditionalGeneration, 2, **_BART),
 }
 
 # AdamW's weights are compared where they agree to 1e-5 after three steps. A key-projection
@@ -243,9 +241,13 @@ def test_gradients_match_plain_pytorch(family: str) -> None:
     expected.backward()  # type: ignore[no-untyped-call]
     torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
     ref = dict(reference.named_parameters(remove_duplicate=False))
-    assert set(grads) == set(ref)
-    for name, p in ref.items():
-        assert p.grad is not None, name
+    # A parameter no operation reads (untied BART's `shared`) has a gradient in neither.
+    with_grad = {name for name, p in ref.items() if p.grad is not None}
+    assert set(grads) == with_grad
+    assert len(with_grad) >= len(ref) - 1
+    for name in with_grad:
+        p = ref[name]
+        assert p.grad is not None
         torch.testing.assert_close(
             grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
         )

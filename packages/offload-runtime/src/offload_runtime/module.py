@@ -81,7 +81,19 @@ class OffloadModule:
         with others is refused (:meth:`InputSpec.check_call`)."""
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
-        requires_grad = {name: bool(state[name].requires_grad) for name in shapes}
+        # A parameter no operation of the training graph reads (export keeps an attribute
+        # read without users for it) gets no gradient, as a frozen one: it
+        # is laid out and stepped as frozen (no gradient link, no optimizer state, as
+        # torch's AdamW skips a parameter whose .grad stays None), so that its region's
+        # backward is complete without it and the region releases its pool slot.
+        read = {
+            canonical[param_targets[node.target]]
+            for node in graph_train.graph.nodes
+            if node.op == "get_attr" and node.target in param_targets and node.users
+        }
+        requires_grad = {
+            name: bool(state[name].requires_grad) and (name in read or not read) for name in shapes
+        }
         options = plan.options
         if options.fp16_io and dtype != torch.float16:
             raise ValueError(
