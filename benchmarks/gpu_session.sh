@@ -14,9 +14,10 @@
 #   configs3 W4's defaults and the two candidates forced (~2.5 min each)           ~7.5 min
 #   peers1   full GPU and FSDP2 at W2 and W3                                      ~3.5 min
 #   peers2   W4's FSDP2 (2 to 4.5 min; cut at the phase's limit)                  ~2-5 min
-#   ladder1  the bf16-master rungs at torchao's numerics and with stochastic
-#            rounding, and torchao, at W3 and W4                                   ~8 min
-#   ladder2  the same at W5                                                        ~6 min
+#   ladder1  W3: the bf16-master rungs (torchao's numerics, stochastic rounding,
+#            8-bit moments) and torchao                                            ~4 min
+#   ladder2  the same at W4 (~1.5 min a row)                                       ~6 min
+#   ladder3  the same at W5 (~1 min a row)                                         ~4 min
 #   w5a      W5 (llama_3b): the defaults, the two candidates forced, streaming off
 #            (estimated from W4's rows, ~2 min each; the last cut at the limit)    ~8 min
 #   w5b      W5's peers: full GPU, then FSDP2 (estimated; FSDP2 last, cut at the
@@ -37,7 +38,7 @@
 # torchao are installed from WHEELS (default shared/device-wheels, its bench/ for
 # torchao) when the interpreter lacks them.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|ladder1|ladder2|w5a|w5b|bench|all [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|ladder1|ladder2|ladder3|w5a|w5b|bench|all [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 root=$(cd "$(dirname "$0")/.." && pwd)
 limit=${LIMIT:-570}
@@ -109,14 +110,10 @@ case "$phase" in
   peers2)
     bench W4 fsdp2
     report ;;
-  ladder1)
+  ladder1 | ladder2 | ladder3)
     need torchao "$wheels/bench"
-    bench W3 ours_bf16_rn,ours_bf16_sr,torchao
-    bench W4 ours_bf16_rn,ours_bf16_sr,torchao
-    report ;;
-  ladder2)
-    need torchao "$wheels/bench"
-    bench W5 ours_bf16_rn,ours_bf16_sr,torchao
+    w=W$((${phase#ladder} + 2))
+    bench "$w" ours_bf16_rn,ours_bf16_sr,ours_bf16_8bit,torchao
     report ;;
   w5a)
     bench W5 ours,ours_io_spec1_stream,ours_device_conv,ours_no_stream
@@ -126,8 +123,8 @@ case "$phase" in
     report ;;
   bench | all)
     if [ "$phase" = all ]; then bash "$0" tests "$out"; fi
-    for p in configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 w5a w5b; do
+    for p in configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 ladder3 w5a w5b; do
       bash "$0" "$p" "$out"
     done ;;
-  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 w5a w5b bench all" >&2; exit 2 ;;
+  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 ladder3 w5a w5b bench all" >&2; exit 2 ;;
 esac

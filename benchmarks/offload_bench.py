@@ -211,6 +211,7 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "ours_no_stream",
         "ours_bf16_rn",
         "ours_bf16_sr",
+        "ours_bf16_8bit",
         FULL_GPU,
         "fsdp2",
         "torchao",
@@ -221,6 +222,7 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "ours_io_spec1_stream",
         "ours_bf16_rn",
         "ours_bf16_sr",
+        "ours_bf16_8bit",
         "torchao",
         "fsdp2",
     ),
@@ -231,6 +233,7 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "ours_no_stream",
         "ours_bf16_rn",
         "ours_bf16_sr",
+        "ours_bf16_8bit",
         FULL_GPU,
         "torchao",
         "fsdp2",
@@ -238,7 +241,9 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
 }
 """The rows each workload's targets need (``targets.py``), in the order they run: the
 defaults, the other configurations the benchmark builds with the same numerics (the
-defaults' target is the fastest of them), and the peers. W1's plan keeps every region's
+defaults' target is the fastest of them), the rungs of the host-state ladder set beside
+torchao (the 8-bit rung has no target: it is reported beside the others), and the peers.
+W1's plan keeps every region's
 state on the device, where every configuration plans alike. W4 has no full-GPU row: the
 fp32 masters, gradients and Adam state of its 6 B parameters alone take about 120 GB.
 W5's full-GPU row holds 20 bytes a parameter (fp16 weights and gradients, fp32 masters,

@@ -20,6 +20,7 @@ PHASES = (
     "peers2",
     "ladder1",
     "ladder2",
+    "ladder3",
     "w5a",
     "w5b",
 )
@@ -83,7 +84,7 @@ def test_the_tests_phase_runs_the_gpu_session_of_nox(tmp_path: Path) -> None:
 def test_all_runs_the_tests_then_every_bench_phase(tmp_path: Path) -> None:
     commands = dry_run("all", tmp_path)
     assert "-s gpu_tests" in commands[0]
-    assert len(bench_rows(commands)) == len(bench_rows(dry_run("bench", tmp_path))) == 33
+    assert len(bench_rows(commands)) == len(bench_rows(dry_run("bench", tmp_path))) == 36
 
 
 def test_an_unknown_phase_is_refused(tmp_path: Path) -> None:
