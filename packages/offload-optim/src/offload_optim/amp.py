@@ -244,16 +244,11 @@ class AMPOptimizer(torch.optim.Optimizer):
             last=w.micro + 1 == self.accumulation_steps,
             overlap=self.overlap,
             needs_answer=self._needs_answer(),
-            speculate=self.speculate_fp16
-            and self.scaling
-            and self.clipping_norm == 0
-            and not self.clips_on_demand
-            and self._windows_done > 0,
+            speculate=self.speculate_fp16 and self.scaling and self.clipping_norm == 0,
             answer_on_device=self._answer_on_device(),
+            # A clip_grad_norm() to come must find no region stepped early.
+            early_steps=self._windows_done > 0 and not self.clips_on_demand,
         )
-        if mode is OverlapMode.SPECULATIVE and (self.clips_on_demand or not self._windows_done):
-            # No undo for these steps: a clip_grad_norm() to come must find them unstepped.
-            mode = OverlapMode.NONE
         # Device partials serve every window whose answer they can give, with or without
         # the overlap, so that both combine the very same partials. SPECULATIVE_UNDO takes
         # them too: a region that lands after backward then needs no host pass over its

@@ -230,19 +230,29 @@ def transition(current: OverlapMode, new: OverlapMode) -> OverlapMode:
 
 
 def choose_mode(
-    *, last: bool, overlap: bool, needs_answer: bool, speculate: bool, answer_on_device: bool
+    *,
+    last: bool,
+    overlap: bool,
+    needs_answer: bool,
+    speculate: bool,
+    answer_on_device: bool,
+    early_steps: bool = True,
 ) -> OverlapMode:
     """The mode of a backward: NONE unless it is the window's ``last`` micro-batch with
     ``overlap``; then SPECULATIVE_UNDO when asked to ``speculate`` (fp16, no clipping),
     else DEVICE_ANSWER when the ``answer_on_device`` can be taken, else PARTIALS when the
-    step ``needs_answer``, else SPECULATIVE."""
+    step ``needs_answer``, else SPECULATIVE. Without ``early_steps`` no region steps
+    before ``step()`` (no SPECULATIVE_UNDO, SPECULATIVE becomes NONE: ``AMPOptimizer``'s
+    [Note: clipping on demand])."""
     if not (last and overlap):
         return OverlapMode.NONE
-    if speculate:
+    if speculate and early_steps:
         return OverlapMode.SPECULATIVE_UNDO
     if answer_on_device:
         return OverlapMode.DEVICE_ANSWER
-    return OverlapMode.PARTIALS if needs_answer else OverlapMode.SPECULATIVE
+    if needs_answer:
+        return OverlapMode.PARTIALS
+    return OverlapMode.SPECULATIVE if early_steps else OverlapMode.NONE
 
 
 @dataclass

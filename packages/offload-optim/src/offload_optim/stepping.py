@@ -74,36 +74,9 @@ class Stepper:
     ) -> None:
         """Step segment ``seg`` of a bf16 host master from bf16 ``grad`` (see [Note: bf16
         masters]); its step count is already this step's."""
-        step = int(seg.step)
         region = -1 if seg.storage is None else seg.storage.index
-        seed = low_precision.rounding_seed(step, region, seg.start)
-        stochastic = self.host_state != "bf16_nearest"
-        if self.host_state == "bf16_8bit":
-            assert seg.scales is not None
-            kernel8 = (
-                low_precision.adam_bf16_8bit_
-                if self.single_pass(seg.param.device)
-                else low_precision.reference_adam_bf16_8bit_
-            )
-            kernel8(
-                seg.param,
-                grad,
-                seg.exp_avg,
-                seg.scales[0],
-                seg.exp_avg_sq,
-                seg.scales[1],
-                seg.step,
-                hyper,
-                scale,
-                seed=seed,
-            )
-            return
-        kernel = (
-            low_precision.adam_bf16_
-            if self.single_pass(seg.param.device)
-            else low_precision.reference_adam_bf16_
-        )
-        kernel(
+        low_precision.step_bf16_master_(
+            self.host_state,
             seg.param,
             grad,
             seg.exp_avg,
@@ -111,8 +84,9 @@ class Stepper:
             seg.step,
             hyper,
             scale,
-            stochastic=stochastic,
-            seed=seed,
+            seed=low_precision.rounding_seed(int(seg.step), region, seg.start),
+            scales=seg.scales,
+            numba=self.single_pass(seg.param.device),
         )
 
     def single_pass(self, device: torch.device) -> bool:

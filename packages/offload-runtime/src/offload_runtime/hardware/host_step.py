@@ -297,32 +297,23 @@ def bf16_master_step(state: str, numel: int, host_kernel: str) -> HostStep:
     param = torch.zeros(numel, dtype=torch.bfloat16)
     grad = torch.full((numel,), 1e-3, dtype=torch.bfloat16)
     hyper = AdamHyper(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adamw=True)
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None
     if state == "bf16_8bit":
         codes = low_precision.QUANT_DTYPES
         m, v = torch.zeros(numel, dtype=codes[0]), torch.zeros(numel, dtype=codes[1])
         blocks = low_precision.quantized_numel(numel)
-        m_scale, v_scale = torch.zeros(blocks), torch.zeros(blocks)
-        kernel8 = (
-            low_precision.adam_bf16_8bit_ if numba else low_precision.reference_adam_bf16_8bit_
-        )
+        scales = (torch.zeros(blocks), torch.zeros(blocks))
+    else:
+        m, v = torch.zeros_like(param), torch.zeros_like(param)
 
-        def step8(count: int) -> object:
-            step = torch.tensor(float(count))
-            kernel8(param, grad, m, m_scale, v, v_scale, step, hyper, seed=count)
-            return None
-
-        return step8
-    exp_avg = torch.zeros(numel, dtype=torch.bfloat16)
-    exp_avg_sq = torch.zeros(numel, dtype=torch.bfloat16)
-    kernel = low_precision.adam_bf16_ if numba else low_precision.reference_adam_bf16_
-    stochastic = state != "bf16_nearest"
-
-    def step16(count: int) -> object:
-        step = torch.tensor(float(count))
-        kernel(param, grad, exp_avg, exp_avg_sq, step, hyper, stochastic=stochastic, seed=count)
+    def step(count: int) -> object:
+        low_precision.step_bf16_master_(
+            state, param, grad, m, v, torch.tensor(float(count)), hyper,
+            seed=count, scales=scales, numba=numba,
+        )  # fmt: skip
         return None
 
-    return step16
+    return step
 
 
 def host_step_configurations() -> list[tuple[str, str, bool, bool]]:

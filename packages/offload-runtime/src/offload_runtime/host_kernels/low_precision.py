@@ -255,9 +255,9 @@ def _check_quantized(
     _check_numel(n, m_q=m_q, v_q=v_q)
     _check_numel(quantized_numel(n), m_scale=m_scale, v_scale=v_scale)
     return [
-        _flat(m_q, "m_q", torch.int8),
+        _flat(m_q, "m_q", QUANT_DTYPES[0]),
         _flat(m_scale, "m_scale"),
-        _flat(v_q, "v_q", torch.uint8),
+        _flat(v_q, "v_q", QUANT_DTYPES[1]),
         _flat(v_scale, "v_scale"),
     ]
 
@@ -407,6 +407,44 @@ def reference_adam_bf16_8bit_(
         )
         mq[s:e] = codes_m.view(-1)
         vq[s:e] = codes_v.view(-1)
+
+
+def step_bf16_master_(
+    state: str,
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyper: AdamHyper,
+    grad_scale: torch.Tensor | None = None,
+    *,
+    seed: int,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    numba: bool = True,
+) -> None:
+    """One step of a bf16-master rung ``state`` (``"bf16_stochastic"``, ``"bf16_8bit"``,
+    ``"bf16_nearest"``) as the optimizer runs it: :func:`adam_bf16_` (stochastic unless
+    ``"bf16_nearest"``), or for ``"bf16_8bit"`` :func:`adam_bf16_8bit_` with ``exp_avg``
+    / ``exp_avg_sq`` the codes and ``scales`` their per-block scales; the torch
+    references where ``numba`` is False (a plan that runs torch's host kernels)."""
+    if state == "bf16_8bit":
+        if scales is None:
+            raise ValueError("the 8-bit rung steps its moments' codes with their scales")
+        kernel8 = adam_bf16_8bit_ if numba else reference_adam_bf16_8bit_
+        m_scale, v_scale = scales
+        kernel8(
+            master, grad, exp_avg, m_scale, exp_avg_sq, v_scale, step, hyper, grad_scale,
+            seed=seed,
+        )  # fmt: skip
+        return
+    if state not in ("bf16_stochastic", "bf16_nearest"):
+        raise ValueError(f"{state!r} is not a bf16-master rung")
+    kernel = adam_bf16_ if numba else reference_adam_bf16_
+    kernel(
+        master, grad, exp_avg, exp_avg_sq, step, hyper, grad_scale,
+        stochastic=state == "bf16_stochastic", seed=seed,
+    )  # fmt: skip
 
 
 @torch.no_grad()
