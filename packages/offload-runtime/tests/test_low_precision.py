@@ -13,8 +13,8 @@ import torch
 
 from offload_runtime.host_kernels import AdamHyper, low_precision, single_pass
 from offload_runtime.host_kernels.low_precision import (
-    BYTES_PER_PARAMETER,
     QBLOCK,
+    QUANT_DTYPES,
     adam_bf16_,
     adam_bf16_8bit_,
     dequantize_moments,
@@ -25,6 +25,7 @@ from offload_runtime.host_kernels.low_precision import (
     round_bf16,
     seed_key,
 )
+from offload_solver import HOST_STATE_BYTES
 
 LENGTHS = (1, 255, 257, 70_003)
 """Odd lengths: one element, a partial quantization block, one block and a bit, and past
@@ -448,8 +449,12 @@ def test_bf16_master_trains_as_fp32_adamw() -> None:
 
 def test_sizes_and_bytes() -> None:
     assert [quantized_numel(n) for n in (0, 1, 256, 257, 70_003)] == [0, 1, 1, 2, 274]
-    assert BYTES_PER_PARAMETER["bf16_nearest"] == BYTES_PER_PARAMETER["bf16_stochastic"] == 14
-    assert BYTES_PER_PARAMETER["bf16_8bit"] == 10 + 16 / 256
+    # The solver's bytes per parameter are the kernels' arrays: the bf16 gradient read,
+    # the master read and written, each moment (bf16, or one 8-bit code) read and written.
+    grad, master = 2, 2 * 2
+    assert HOST_STATE_BYTES["bf16_nearest"] == HOST_STATE_BYTES["bf16_stochastic"]
+    assert HOST_STATE_BYTES["bf16_nearest"] == grad + master + 2 * 2 * 2
+    assert HOST_STATE_BYTES["bf16_8bit"] == grad + master + 2 * 2 * QUANT_DTYPES[0].itemsize
     assert seed_key(1) != seed_key(2) and seed_key(-1) == seed_key(2**64 - 1)
     assert all(0 <= k < 2**32 for k in seed_key(123))
 

@@ -114,8 +114,10 @@ class OffloadConfig:
 
     @property
     def host_moments(self) -> torch.dtype:
-        """The storage dtype of host-resident moments: fp32, bf16, or uint8 (the 8-bit
-        rung's quantized codes)."""
+        """The storage dtype of host-resident moments: fp32 or bf16; ``torch.uint8``
+        stands for the 8-bit rung's quantized codes (int8 for the first moment, uint8
+        for the second: ``low_precision.QUANT_DTYPES``), which the optimizer lays out per
+        segment."""
         return _MOMENTS_DTYPE[self.host_state]
 
     @property

@@ -13,13 +13,12 @@ The hardware profile times every kernel a host-state region can step with
 - ``low_precision.py``: the one-pass kernels for bf16 master weights ([Note: bf16 master
   weights]): bf16 moments (master rounded to nearest or stochastically) or 8-bit
   block-quantized moments, their torch references, the 8-bit state's (de)quantization,
-  and the bytes each rung moves (:data:`BYTES_PER_PARAMETER`);
+  and the one dispatch of a rung's step (``step_bf16_master_``);
 - ``_numba_lowp.py``: their numba code (imported only when used).
 """
 
 from offload_runtime.host_kernels import low_precision, single_pass
 from offload_runtime.host_kernels.low_precision import (
-    BYTES_PER_PARAMETER,
     QBLOCK,
     adam_bf16_,
     adam_bf16_8bit_,
@@ -28,6 +27,7 @@ from offload_runtime.host_kernels.low_precision import (
     quantized_numel,
     reference_adam_bf16_,
     reference_adam_bf16_8bit_,
+    step_bf16_master_,
 )
 from offload_runtime.host_kernels.torch_adam import (
     CHUNK_NUMEL,
@@ -41,7 +41,6 @@ from offload_runtime.host_kernels.torch_adam import (
 )
 
 __all__ = [
-    "BYTES_PER_PARAMETER",
     "CHUNK_NUMEL",
     "HOST_KERNELS",
     "QBLOCK",
@@ -60,4 +59,5 @@ __all__ = [
     "scale_tensor",
     "single_pass",
     "speculative_adam_",
+    "step_bf16_master_",
 ]

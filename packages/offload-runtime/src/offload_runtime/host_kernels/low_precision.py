@@ -12,7 +12,9 @@ torch_adam.py). The rungs here keep the master in bf16 too:
 Each step widens master, gradient (bf16 or fp32) and moments to fp32, computes torch's
 fused AdamW/Adam formula in fp32 with the arithmetic of _numba_adam.py statement for
 statement (decay or L2, lerp of the first moment, the bias-corrected update), and narrows
-the results, all in one pass over each element (bytes moved: :data:`BYTES_PER_PARAMETER`).
+the results, all in one pass over each element (bytes moved per parameter:
+``offload_solver.HOST_STATE_BYTES``; the 8-bit rung's per-block scales add 16 bytes a
+block of 256, which it rounds away).
 
 Rounding the master. Round-to-nearest-even loses every update smaller than half a bf16
 ulp (2**-9 to 2**-8 of the weight). An Adam update is about lr in size, so at small
@@ -89,20 +91,6 @@ QBLOCK = 256
 REFERENCE_CHUNK = 1 << 18
 """Elements per chunk of the torch references (a multiple of :data:`QBLOCK`): their
 temporaries stay a few MiB whatever the tensor's size."""
-
-BYTES_PER_PARAMETER: dict[str, float] = {
-    # Read the bf16 gradient (2), read and write the bf16 master (2 + 2) and both bf16
-    # moments (2 + 2 each): 2 + 4 + 4 + 4.
-    "bf16_nearest": 14.0,
-    # The same bytes: the random bits are computed, not read.
-    "bf16_stochastic": 14.0,
-    # Gradient 2, master 2 + 2, each moment's 8-bit code 1 + 1: 10; plus each moment's
-    # fp32 scale read and written once per 256 elements: 2 * (4 + 4) / 256.
-    "bf16_8bit": 10.0 + 16.0 / QBLOCK,
-}
-"""Host memory bytes moved per parameter per step by each rung, the gradient read as
-bf16 (an fp32 gradient adds 2). For scale: the fp32-master kernels move 20 with bf16
-moments and 28 with fp32 ones (single_pass.py, fp32 gradient written back)."""
 
 _FLT_MIN = 2.0**-126
 _MASK32 = (1 << 32) - 1
