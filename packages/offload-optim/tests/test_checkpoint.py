@@ -58,6 +58,7 @@ def test_state_dict_holds_masters_moments_scaler_and_steps() -> None:
     assert set(some) == {"step", "exp_avg", "exp_avg_sq"}
     assert state["scaler"]["scale"] == amp.loss_scale
     assert state["step_count"] == amp.step_count
+    assert set(amp.state_dict(masters=False)) == set(state) - {"module"}
 
 
 def test_loading_into_a_mismatched_optimizer_names_the_problem() -> None:

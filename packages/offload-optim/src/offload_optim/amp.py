@@ -614,20 +614,24 @@ class AMPOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ---------------------------------------------------------------
 
-    def state_dict(self) -> dict[str, Any]:
-        """Master weights (fp32, CPU), Adam moments and steps, the scaler and step count."""
+    def state_dict(self, *, masters: bool = True) -> dict[str, Any]:
+        """Master weights (fp32, CPU), Adam moments and steps, the scaler and step count.
+
+        ``masters=False`` leaves the master weights (the ``"module"`` entry) out, for a
+        checkpoint that keeps them in a weights file of its own (``OffloadTrainer``'s):
+        put them back under ``"module"`` to load it.
+        """
         micro = self._overlap.window.micro
         if micro:
             raise RuntimeError(
                 f"state_dict() in the middle of an accumulation window ({micro} of "
                 f"{self.accumulation_steps} micro-batches); save after step()"
             )
-        return {
-            "module": self.module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "step_count": self.step_count,
-        }
+        state: dict[str, Any] = {"module": self.module.state_dict()} if masters else {}
+        state["optimizer"] = self.optimizer.state_dict()
+        state["scaler"] = self.scaler.state_dict()
+        state["step_count"] = self.step_count
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved; the next step continues the run exactly."""

@@ -1,6 +1,7 @@
 """Training with the Hugging Face ``Trainer``: :class:`OffloadTrainer`.
 
-Needs ``transformers`` (and ``accelerate``, which its ``Trainer`` needs): the ``hf`` extra,
+Needs ``transformers`` (and ``accelerate``, which its ``Trainer`` needs, and
+``safetensors``, which checkpoints are read with): the ``hf`` extra,
 ``pip install 'offload-optim[hf]'``. Not imported by ``offload_optim`` itself.
 
 How it fits the ``Trainer`` (a subclass; only what offload changes is overridden):
@@ -22,6 +23,13 @@ How it fits the ``Trainer`` (a subclass; only what offload changes is overridden
   and ``model.zero_grad()`` reach :meth:`AMPOptimizer.step` and ``zero_grad``.
 - :meth:`OffloadTrainer.save_model` saves the fp32 master weights under the original
   model's state-dict names (``save_pretrained`` for a ``PreTrainedModel``).
+- Checkpoints: a ``checkpoint-N`` folder holds the masters as ``save_model`` writes them,
+  ``optimizer.pt`` with :meth:`AMPOptimizer.state_dict` but the masters (moments, step
+  counts, loss scaler), and the ``Trainer``'s scheduler, RNG and trainer state. Resuming
+  checks the files in :meth:`OffloadTrainer._load_from_checkpoint` (called before the
+  module exists) and restores masters and optimizer state in
+  :meth:`OffloadTrainer._load_optimizer_and_scheduler`, which the ``Trainer`` calls once
+  ``create_optimizer`` has built the module.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import json
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -42,11 +51,14 @@ from offload_runtime import OffloadConfig, memory_optimize
 from offload_runtime.module import OffloadModule
 
 try:
+    from safetensors.torch import load_file
     from transformers import Trainer, TrainingArguments
+    from transformers.trainer import OPTIMIZER_NAME, SCHEDULER_NAME
+    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME, WEIGHTS_NAME
 except ImportError as exc:  # pragma: no cover - the extra is installed in the tests
     raise ImportError(
-        "offload_optim.hf needs transformers and accelerate: install the 'hf' extra, "
-        "pip install 'offload-optim[hf]'"
+        "offload_optim.hf needs transformers, accelerate and safetensors: install the 'hf' "
+        "extra, pip install 'offload-optim[hf]'"
     ) from exc
 
 __all__ = ["OffloadShell", "OffloadTrainer", "causal_lm_loss"]
@@ -144,6 +156,68 @@ def _shapes(batch: Mapping[str, Any]) -> dict[str, tuple[tuple[int, ...], torch.
     return {k: (tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)}
 
 
+def _weights_file(folder: Path) -> Path:
+    """The file :meth:`OffloadTrainer.save_model` wrote the weights to in ``folder``:
+    ``model.safetensors``, its sharded index, or ``pytorch_model.bin``."""
+    for name in (SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME, WEIGHTS_NAME):
+        if (folder / name).is_file():
+            return folder / name
+    raise ValueError(
+        f"{folder} holds no model weights ({SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME} "
+        f"or {WEIGHTS_NAME}, as OffloadTrainer.save_model writes them): not a checkpoint "
+        "of an OffloadTrainer"
+    )
+
+
+def _read_weights(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of the weights file ``path`` (see :func:`_weights_file`), on the CPU."""
+    if path.name == SAFE_WEIGHTS_INDEX_NAME:
+        shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+        tensors: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            tensors.update(load_file(str(path.parent / shard), device="cpu"))
+        return tensors
+    if path.name == SAFE_WEIGHTS_NAME:
+        return load_file(str(path), device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _check_weights(
+    path: Path,
+    weights: Mapping[str, torch.Tensor],
+    model: torch.nn.Module,
+    module: OffloadModule,
+) -> None:
+    """Refuse ``weights`` (read from ``path``) unless they fit ``module`` (built from
+    ``model``): only ``model``'s state-dict names, with its shapes, and every parameter
+    under one of its tied names (``save_pretrained`` writes one name of a tied group)."""
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    unknown = sorted(set(weights) - set(shapes))
+    wrong = [
+        f"{name} {tuple(t.shape)} (the model's {shapes[name]})"
+        for name, t in weights.items()
+        if name in shapes and tuple(t.shape) != shapes[name]
+    ]
+    missing = [
+        layout.name
+        for st in module.storages
+        for layout in st.layouts
+        if not any(alias in weights for alias in layout.aliases)
+    ]
+    problems = []
+    if unknown:
+        problems.append(f"{len(unknown)} names the model lacks, e.g. {unknown[:3]}")
+    if wrong:
+        problems.append(f"{len(wrong)} tensors of other shapes, e.g. {wrong[:3]}")
+    if missing:
+        problems.append(f"{len(missing)} of the model's parameters missing, e.g. {missing[:3]}")
+    if problems:
+        raise ValueError(
+            f"{path} is not a checkpoint of this model: {'; '.join(problems)}. Resume with "
+            "the model the checkpoint was trained from"
+        )
+
+
 class OffloadTrainer(Trainer):
     """A ``transformers.Trainer`` that trains ``model`` under ``memory_budget`` bytes of
     device memory through ``memory_optimize``, ``HybridAdam`` and ``AMPOptimizer``.
@@ -163,11 +237,16 @@ class OffloadTrainer(Trainer):
     ``model.config.use_cache`` is set to False (a returned cache cannot be traced).
     Every batch must have the first batch's shapes (see ``FIXED_SHAPES``); one of other
     shapes raises a ``ValueError`` saying how to pad. Each epoch's batch count must be a
-    multiple of ``gradient_accumulation_steps``. Not supported: several processes (DDP,
-    FSDP, DeepSpeed), resuming from a ``Trainer`` checkpoint, ``args.fp16``/``bf16`` (use
-    ``offload_config``), and evaluation with other shapes than training's (evaluation with
-    the same shapes runs the module's eval graph, untested). ``grad_norm`` is not logged:
-    the clipping happens inside ``AMPOptimizer.step`` (``last_step.grad_norm``).
+    multiple of ``gradient_accumulation_steps``. ``train(resume_from_checkpoint=...)``
+    resumes from a ``checkpoint-N`` folder this trainer saved (``save_strategy``): the
+    module is planned from the first batch as in a fresh run, then the masters, the
+    optimizer and AMP state, the scheduler, RNG and trainer state are restored, and the
+    run continues as it would have without the interruption. Not supported: several
+    processes (DDP, FSDP, DeepSpeed), ``args.fp16``/``bf16`` (use ``offload_config``),
+    ``load_best_model_at_end``, and evaluation with other shapes than training's
+    (evaluation with the same shapes runs the module's eval graph, untested). ``grad_norm``
+    is not logged: the clipping happens inside ``AMPOptimizer.step``
+    (``last_step.grad_norm``).
     """
 
     def __init__(
@@ -211,15 +290,6 @@ class OffloadTrainer(Trainer):
         # No device placement: the module places its own parameters and the optimizer's
         # state; the Trainer's _prepare_inputs moves the batches.
         self.accelerator.device_placement = False
-
-    def train(self, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if resume_from_checkpoint:
-            raise ValueError(
-                "OffloadTrainer does not resume from a Trainer checkpoint (its optimizer "
-                "state is not restored): load the weights save_model wrote into the model "
-                "before building the trainer, and train from there"
-            )
-        return super().train(None, *args, **kwargs)
 
     def create_optimizer(self, model: Any = None) -> torch.optim.Optimizer:
         """Plan and build the module from the first training batch; the AMPOptimizer."""
@@ -305,6 +375,63 @@ class OffloadTrainer(Trainer):
 
     def _get_grad_norm(self, model: torch.nn.Module, grad_norm: Any = None) -> None:
         return None  # known only inside AMPOptimizer.step (amp.last_step.grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """``optimizer.pt``: the AMPOptimizer's state but the masters, which ``save_model``
+        wrote to the weights file beside it; ``scheduler.pt``: the scheduler's."""
+        if not self.args.should_save:
+            return
+        amp = self.shell.amp
+        assert amp is not None and self.lr_scheduler is not None, "saved while training"
+        out = Path(output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(amp.state_dict(masters=False), out / OPTIMIZER_NAME)
+        torch.save(self.lr_scheduler.state_dict(), out / SCHEDULER_NAME)
+
+    def _load_from_checkpoint(
+        self, resume_from_checkpoint: str, model: torch.nn.Module | None = None
+    ) -> None:
+        """Called by ``train`` before the module exists: only check that the checkpoint
+        has the files resuming reads (before the planning, so that a wrong path fails
+        fast). :meth:`_load_optimizer_and_scheduler` loads them."""
+        folder = Path(resume_from_checkpoint)
+        if not folder.is_dir():
+            raise ValueError(f"resume_from_checkpoint={str(folder)!r} is not a folder")
+        for name in (OPTIMIZER_NAME, SCHEDULER_NAME):
+            if not (folder / name).is_file():
+                raise ValueError(
+                    f"{folder / name} is missing: OffloadTrainer resumes the optimizer, AMP "
+                    "and scheduler state from it (a checkpoint saved with "
+                    "save_only_model=True, or not by an OffloadTrainer, has none)"
+                )
+        _weights_file(folder)  # the weights file must be there too
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Restore the masters from the checkpoint's weights file, the AMPOptimizer's state
+        from ``optimizer.pt`` and the scheduler's; the ``Trainer`` calls this once
+        ``create_optimizer`` has built the module."""
+        if checkpoint is None:
+            return
+        amp = self.shell.amp
+        assert amp is not None and self.lr_scheduler is not None, "create_optimizer ran"
+        folder = Path(checkpoint)
+        weights_path = _weights_file(folder)
+        weights = _read_weights(weights_path)
+        _check_weights(weights_path, weights, self.shell.original, amp.module)
+        optimizer_path = folder / OPTIMIZER_NAME
+        state = torch.load(optimizer_path, map_location="cpu", weights_only=True)
+        if not isinstance(state, dict):
+            raise ValueError(f"{optimizer_path} holds a {type(state).__name__}, not a state dict")
+        try:
+            # The weights file is the masters' one copy (an optimizer.pt with masters of
+            # its own, as AMPOptimizer.state_dict() writes by default, is overridden).
+            amp.load_state_dict({**state, "module": weights})
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{optimizer_path} does not fit this OffloadTrainer's optimizer: {exc}"
+            ) from exc
+        scheduler = torch.load(folder / SCHEDULER_NAME, map_location="cpu", weights_only=True)
+        self.lr_scheduler.load_state_dict(scheduler)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """Save the fp32 master weights under the original model's state-dict names
