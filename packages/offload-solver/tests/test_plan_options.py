@@ -9,7 +9,7 @@ import json
 import pytest
 from solver_helpers import chain, flat_hardware
 
-from offload_solver import Plan, PlanOptions, solve
+from offload_solver import ActivationPlacement, Plan, PlanOptions, solve
 
 
 def _plan(**kwargs: object) -> Plan:
@@ -81,3 +81,25 @@ def test_options_read_back_from_json_and_an_older_plan_reads_the_defaults() -> N
 def test_contradictory_or_bad_options_are_named(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PlanOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_region_activations_read_back_from_json_and_default_to_keep() -> None:
+    plan = _plan()
+    assert all(rp.activations is ActivationPlacement.KEEP for rp in plan.regions)
+    choices = list(ActivationPlacement)
+    marked = dataclasses.replace(
+        plan,
+        regions=tuple(
+            dataclasses.replace(rp, activations=choices[i % len(choices)])
+            for i, rp in enumerate(plan.regions)
+        ),
+    )
+    doc = json.loads(marked.to_json())
+    assert [rp["activations"] for rp in doc["regions"][:3]] == ["keep", "recompute", "host"]
+    assert Plan.from_json(marked.to_json()) == marked
+    for rp in doc["regions"]:  # a plan written before regions recorded their activations
+        del rp["activations"]
+    assert Plan.from_json(json.dumps(doc)) == plan
+    doc["regions"][0]["activations"] = "disk"
+    with pytest.raises(ValueError, match=r"regions\[0\]\.activations is 'disk'"):
+        Plan.from_json(json.dumps(doc))

@@ -17,6 +17,7 @@ from offload_solver.host_rates import (
     default_host_step_rates,
 )
 from offload_solver.plan import (
+    ActivationPlacement,
     MemorySample,
     ParamPlacement,
     Plan,
@@ -52,6 +53,7 @@ __all__ = [
     "HOST_STATES",
     "HOST_STATE_BYTES",
     "SCHEMA_VERSION",
+    "ActivationPlacement",
     "BandwidthPoint",
     "CostModel",
     "HardwareProfile",

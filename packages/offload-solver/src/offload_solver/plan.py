@@ -47,6 +47,20 @@ class StatePlacement(str, Enum):
     placement."""
 
 
+class ActivationPlacement(str, Enum):
+    """What happens to the activations a region's forward saves for its backward."""
+
+    KEEP = "keep"
+    """On the device from the region's forward to its backward (plain training)."""
+    RECOMPUTE = "recompute"
+    """Dropped after the forward; the region's forward runs again from its inputs just
+    before its backward, with the random-number state it first ran with, so the result
+    is exact."""
+    HOST = "host"
+    """Copied to pinned host memory after the forward (device-to-host stream) and
+    brought back ahead of the region's backward (host-to-device stream)."""
+
+
 class Stream(str, Enum):
     """Lanes of the simulated timeline."""
 
@@ -194,6 +208,8 @@ class RegionPlan:
     prefetch (a later region in forward order). ``None`` for the other placements."""
     pool_offset_bytes: int | None = None
     """Offloaded regions: byte offset of the region's buffer in the device pool."""
+    activations: ActivationPlacement = ActivationPlacement.KEEP
+    """What happens to the activations the region's forward saves for its backward."""
 
 
 @dataclass(frozen=True)
@@ -292,6 +308,11 @@ class Plan:
                         state=enum_value(StatePlacement, rp.get("state"), f"{where}.state"),
                         prefetch_at=rp.get("prefetch_at"),
                         pool_offset_bytes=rp.get("pool_offset_bytes"),
+                        activations=enum_value(
+                            ActivationPlacement,
+                            rp.get("activations", ActivationPlacement.KEEP.value),
+                            f"{where}.activations",
+                        ),
                     )
                 )
             timeline = []
