@@ -3,8 +3,11 @@ operations, other failures TraceErrors."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
 import logging
+import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,10 +191,23 @@ def _export_once(
 
         patched[path] = module.__dict__.get("forward")
         module.forward = opaque_forward(module, entries, on_unknown)
+    # torch.export prints the partial graph of a failed export to stderr: held back
+    # here, and written out unless the failure is one the fallback handles.
+    printed = io.StringIO()
     try:
-        return torch.export.export(twin, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with contextlib.redirect_stderr(printed):
+            ep = torch.export.export(
+                twin, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
+            )
+        sys.stderr.write(printed.getvalue())
+        return ep
     except Exception as exc:
-        return exc, (stack[-1] if stack else None)
+        frame = stack[-1] if stack else None
+        if unknown or (frame is not None and frame.path and frame.path not in sites):
+            logger.debug("export printed, for a failure handled by the fallback:\n%s", printed.getvalue())
+        else:
+            sys.stderr.write(printed.getvalue())
+        return exc, frame
     finally:
         for handle in handles:
             handle.remove()
