@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from tiny_models import uploads_per_step
+from torch import nn
 
 from offload_runtime import OffloadConfig, OffloadModule
 from offload_runtime.hardware import default_cpu_profile
@@ -80,7 +80,9 @@ def test_an_opaque_modules_offloaded_parameters_are_uploaded_before_it_runs(
     assert region.offloaded
     # Another offloaded region shares its pool slot: without an upload before the
     # operation it would read that region's values.
-    assert any(st.offloaded and st.slot == region.slot for st in module.storages if st is not region)
+    assert any(
+        st.offloaded and st.slot == region.slot for st in module.storages if st is not region
+    )
     # Every run of the module (forward, and the recomputation in backward) sees the
     # model's own parameter values.
     expected = [p.detach().clone() for p in model.body.parameters()]

@@ -170,9 +170,7 @@ def _export_once(
     handles = []
     for path, module in modules.items():
 
-        def push(
-            m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], _path: str = path
-        ) -> None:
+        def push(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], _path: str = path) -> None:
             stack.append(_Frame(_path, m, a, k))
 
         def pop(_m: nn.Module, _a: Any, _o: Any) -> None:
@@ -204,7 +202,9 @@ def _export_once(
     except Exception as exc:
         frame = stack[-1] if stack else None
         if unknown or (frame is not None and frame.path and frame.path not in sites):
-            logger.debug("export printed, for a failure handled by the fallback:\n%s", printed.getvalue())
+            logger.debug(
+                "export printed, for a failure handled by the fallback:\n%s", printed.getvalue()
+            )
         else:
             sys.stderr.write(printed.getvalue())
         return exc, frame

@@ -72,7 +72,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -210,11 +210,12 @@ class _RngStates(NamedTuple):
     devices: tuple[tuple[torch.device, torch.Tensor], ...]
 
 
-def _rng_states(tensors: Sequence[torch.Tensor]) -> _RngStates:
-    devices = dict.fromkeys(t.device for t in tensors if t.device.type not in ("cpu", "meta"))
+def _rng_states(devices: Iterable[torch.device]) -> _RngStates:
+    """The CPU's random-number state and that of each of ``devices`` other than the CPU."""
+    wanted = dict.fromkeys(d for d in devices if d.type not in ("cpu", "meta"))
     return _RngStates(
         torch.get_rng_state(),
-        tuple((d, torch.get_device_module(d.type).get_rng_state(d)) for d in devices),
+        tuple((d, torch.get_device_module(d.type).get_rng_state(d)) for d in wanted),
     )
 
 
@@ -227,7 +228,7 @@ def _set_rng_states(states: _RngStates) -> None:
 @contextmanager
 def _replayed_rng(states: _RngStates) -> Iterator[None]:
     """Run with ``states`` as the random-number states; restore the current ones after."""
-    now = _rng_states([torch.empty(0, device=d) for d, _ in states.devices])
+    now = _rng_states(d for d, _ in states.devices)
     _set_rng_states(states)
     try:
         yield
@@ -245,12 +246,12 @@ class _Stash(threading.local):
 _STASH = _Stash()
 
 
-@torch.library.custom_op("offload_trace::opaque", mutates_args=())  # type: ignore[misc]
+@torch.library.custom_op("offload_trace::opaque", mutates_args=())
 def _opaque(
     key: str, training: bool, inputs: list[torch.Tensor], state: list[torch.Tensor]
 ) -> list[torch.Tensor]:
     entry = lookup(key)
-    _STASH.rng = _rng_states([*inputs, *state])
+    _STASH.rng = _rng_states(t.device for t in (*inputs, *state))
     with torch.no_grad():
         outputs = entry.run(training, inputs, state)
     return _unaliased(outputs, [*inputs, *state])
@@ -271,7 +272,7 @@ def _unaliased(outputs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[
     return out
 
 
-@_opaque.register_fake  # type: ignore[untyped-decorator]
+@_opaque.register_fake
 def _opaque_fake(
     key: str, training: bool, inputs: list[torch.Tensor], state: list[torch.Tensor]
 ) -> list[torch.Tensor]:
@@ -300,7 +301,9 @@ def _backward(
     if any(t.device.type == "meta" for t in saved):
         # The cost run: rerunning data-dependent Python on meta is neither possible nor
         # needed; the gradients' bytes are what it measures.
-        empty = [torch.empty_like(t) if need else None for t, need in zip(saved, needs)]
+        empty = [
+            torch.empty_like(t) if need else None for t, need in zip(saved, needs, strict=True)
+        ]
         return None, None, empty[:n], empty[n:]
     entry = lookup(ctx.key)
     if ctx.rng is None:
@@ -308,12 +311,14 @@ def _backward(
             f"opaque operation of {entry.label}: no random-number state was taken when its "
             "forward ran; call it through the traced graph"
         )
-    detached = [_detached(t, need) for t, need in zip(saved, needs)]
+    detached = [_detached(t, need) for t, need in zip(saved, needs, strict=True)]
     for i in range(n + entry.num_params, len(detached)):
         detached[i] = detached[i].clone()  # buffers: an in-place update happens once
     with _replayed_rng(ctx.rng), torch.enable_grad():
         outputs = entry.run(ctx.training, detached[:n], detached[n:])
-    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    pairs = [
+        (o, g) for o, g in zip(outputs, grads, strict=True) if g is not None and o.requires_grad
+    ]
     targets = [t for t in detached if t.requires_grad]
     result: list[torch.Tensor | None] = [None] * len(detached)
     if pairs and targets:
@@ -555,9 +560,7 @@ def record_entry(
         state_names=(*params, *buffers),
         num_params=len(params),
         out_spec=out_spec,
-        out_leaves=tuple(
-            _TENSOR if isinstance(t, torch.Tensor) else t for t in out_leaves
-        ),
+        out_leaves=tuple(_TENSOR if isinstance(t, torch.Tensor) else t for t in out_leaves),
         out_tensors=out_tensors,
         cost=ExtraCost(
             fwd_flop=flop,
