@@ -35,16 +35,17 @@ becomes the device of the operation's tensors).
 Running it (the real kernel): the module's forward runs under ``no_grad`` through
 ``torch.func.functional_call`` with the real state tensors in place of the template's.
 Autograd is recomputation, as in activation checkpointing: the forward saves only its
-inputs and state (``ctx.save_for_backward``, so the runtime's saved-tensor hooks re-upload
-an offloaded region before its backward reads them) and the CPU and device random-number
-states taken just before it ran; the backward restores those states, reruns the forward
-with gradients enabled, takes ``torch.autograd.grad`` with respect to the inputs and
-parameters that need one (``None`` where unused: a dropped layer's parameters get no
-gradient, as in eager training) and restores the random-number states it found, so the
-stream of draws is the one eager training makes. Buffers are copied for the rerun, so a
-buffer the module updates in place (batch-norm statistics) is updated once. On the meta
-device the backward returns empty gradients of the right shapes without rerunning
-anything (the cost run, ``_costs.py``).
+inputs and parameters (``ctx.save_for_backward``, so the runtime's saved-tensor hooks
+re-upload an offloaded region before its backward reads them), holds its buffers, and
+keeps the CPU and device random-number states taken just before it ran. The backward
+restores those states, reruns the forward with gradients enabled, takes
+``torch.autograd.grad`` with respect to the inputs and parameters that need one (``None``
+where unused: a dropped layer's parameters get no gradient, as in eager training) and
+restores the random-number states it found, so the stream of draws is the one eager
+training makes. Buffers are copied, as they are at backward, for the rerun, so a buffer
+the module updates in place (batch-norm statistics) is updated once. On the meta device
+the backward returns empty gradients of the right shapes without rerunning anything (the
+cost run, ``_costs.py``).
 
 Costs the meta cost run cannot see, estimated from the meta runs above
 (:class:`~offload_trace._costs.ExtraCost`):
@@ -138,7 +139,7 @@ class OpaqueEntry:
     """Flat output leaves; ``_TENSOR`` where the operation's outputs go."""
     out_tensors: tuple[TensorSpec, ...]
     cost: ExtraCost
-    _meta_devices: tuple[int, ...] = field(default=(), repr=False)
+    meta_device_leaves: tuple[int, ...] = field(default=(), repr=False)
     """Positions in ``in_leaves`` of device constants that name the meta device."""
 
     def __deepcopy__(self, memo: dict[int, Any]) -> OpaqueEntry:
@@ -156,7 +157,7 @@ class OpaqueEntry:
         given = iter(inputs)
         leaves = [next(given) if leaf is _TENSOR else leaf for leaf in self.in_leaves]
         if device is not None:
-            for i in self._meta_devices:
+            for i in self.meta_device_leaves:
                 leaves[i] = device if isinstance(leaves[i], torch.device) else str(device)
         args, kwargs = pytree.tree_unflatten(leaves, self.in_spec)
         return tuple(args), dict(kwargs)
@@ -284,17 +285,21 @@ def _opaque_fake(
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     key, training, ins, state = inputs
+    params = lookup(key).num_params
     ctx.key = key
     ctx.training = training
     ctx.num_inputs = len(ins)
     ctx.rng, _STASH.rng = _STASH.rng, None
-    ctx.save_for_backward(*ins, *state)
+    ctx.save_for_backward(*ins, *state[:params])
+    # Buffers are held, not saved: a later forward may update them in place (batch-norm
+    # statistics), which a saved tensor's version check would refuse at backward.
+    ctx.buffers = [b.detach() for b in state[params:]]
 
 
 def _backward(
     ctx: Any, grads: list[torch.Tensor | None]
 ) -> tuple[None, None, list[torch.Tensor | None], list[torch.Tensor | None]]:
-    saved: tuple[torch.Tensor, ...] = ctx.saved_tensors
+    saved: tuple[torch.Tensor, ...] = (*ctx.saved_tensors, *ctx.buffers)
     _, _, needs_inputs, needs_state = ctx.needs_input_grad
     needs: list[bool] = [*needs_inputs, *needs_state]
     n = ctx.num_inputs
@@ -568,7 +573,7 @@ def record_entry(
             fwd_transient_bytes=ran.fwd_peak_bytes,
             bwd_transient_bytes=ran.bwd_peak_bytes,
         ),
-        _meta_devices=tuple(
+        meta_device_leaves=tuple(
             i
             for i, leaf in enumerate(constants)
             if (isinstance(leaf, torch.device) and leaf.type == "meta")
