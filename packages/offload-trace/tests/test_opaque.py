@@ -123,6 +123,25 @@ def test_a_random_branch_runs_opaquely_and_trains_exactly_like_eager(
     assert int(twin.body.norm.num_batches_tracked) == 6
 
 
+def test_two_forwards_before_one_backward_train_like_eager() -> None:
+    # The second forward updates the batch-norm statistics in place before the first
+    # forward's backward reruns the module.
+    torch.manual_seed(0)
+    model = _Net()
+    x = torch.randn(6, 4)
+    traced = trace(model, (x,), dtype=torch.float32, target_device="cpu")
+    twin = copy.deepcopy(model)
+    gm = assign_real(traced.module_for("cpu"), twin)
+    for module in (gm, model):
+        torch.manual_seed(3)
+        (module(x).sum() + module(x * 2).sum()).backward()  # type: ignore[no-untyped-call]
+    for (name, got), expected in zip(twin.named_parameters(), model.parameters(), strict=True):
+        assert (got.grad is None) == (expected.grad is None), name
+        if got.grad is not None:
+            torch.testing.assert_close(got.grad, expected.grad, rtol=0, atol=0)
+    torch.testing.assert_close(twin.body.norm.running_var, model.body.norm.running_var)
+
+
 def test_the_eval_graph_runs_the_module_in_eval_mode() -> None:
     torch.manual_seed(0)
     model = _Net()
