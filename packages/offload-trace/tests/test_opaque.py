@@ -166,6 +166,30 @@ def test_item_reads_and_two_call_shapes_share_one_opaque_module() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+class _OnDevice(nn.Module):
+    def forward(self, x: torch.Tensor, device: torch.device) -> torch.Tensor:
+        bias = torch.ones(x.shape, device=device)
+        return x + bias if bool(x.sum() > 0) else x - bias
+
+
+class _PassesDevice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _OnDevice()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x, device=x.device) * 2
+
+
+def test_a_device_argument_traced_on_meta_points_at_the_run_device() -> None:
+    model = _PassesDevice()
+    x = torch.randn(2, 3)
+    traced = trace(model, (x,), dtype=torch.float32, target_device="cpu")
+    assert traced.opaque_modules == ("inner",)
+    torch.testing.assert_close(traced.module_for("cpu")(x), model(x), rtol=0, atol=0)
+    torch.testing.assert_close(traced.module_for("cpu")(-x), model(-x), rtol=0, atol=0)
+
+
 def test_entries_live_as_long_as_a_graph_that_calls_them() -> None:
     model = _ItemNet()
     traced = trace(model, (torch.randn(3, 4),), dtype=torch.float32, target_device="cpu")
