@@ -79,6 +79,10 @@ class OffloadModule:
         self.inputs: InputSpec | None = None
         """The input tensors the model was traced with, when built by the planner: a call
         with others is refused (:meth:`InputSpec.check_call`)."""
+        self.opaque_modules: tuple[str, ...] = ()
+        """Paths of the model's modules that torch.export could not capture, each run as
+        one opaque operation whose forward is recomputed in backward (see [Note: opaque
+        operations] in ``offload_trace/_opaque.py``), when built by the planner."""
         self._canonical = dict(canonical)
         shapes = {name: torch.Size(state[name].shape) for name in set(canonical.values())}
         # A parameter no operation of the training graph reads (export keeps an attribute

@@ -20,6 +20,10 @@ kernel workspaces aside):
 - FLOPs use ``torch.utils.flop_counter``'s formulas for each ATen call.
 - Operations whose real kernel saves less than the meta decomposition are replaced by
   stand-ins (see [Note: kernel models] in ``_kernels.py``).
+- Operations whose work the meta run cannot see (an opaque module's one operation, whose
+  meta kernel only allocates its outputs) bring an :class:`ExtraCost`: FLOPs and
+  transient bytes estimated beforehand, added to what the run measures (see [Note:
+  opaque operations] in ``_opaque.py``).
 
 The numbers are then expressed in the solver's memory model (see [Note: memory model] in
 ``offload_solver.profile``): ``fwd_tmp_bytes`` / ``bwd_tmp_bytes`` take whatever is alive
@@ -29,7 +33,7 @@ bytes measured here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,7 +90,21 @@ class OpCost:
     """Activation bytes alive at the peak of its backward."""
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
+@dataclass(frozen=True)
+class ExtraCost:
+    """Work of one operation that the meta run cannot see, estimated elsewhere."""
+
+    fwd_flop: int
+    bwd_flop: int
+    fwd_transient_bytes: int
+    """Activation bytes the operation's forward allocates at its peak (its outputs
+    included), on top of whatever is alive when it starts."""
+    bwd_transient_bytes: int
+    """Activation bytes its backward allocates at its peak (input gradients included,
+    parameter gradients left out), on top of whatever is alive when it starts."""
+
+
+def storage_key(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
     try:
         storage = t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # sparse / nested tensors have none
@@ -94,18 +112,18 @@ def _storage_key(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
     return storage._cdata, storage
 
 
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
         for v in value:
-            yield from _tensors(v)
+            yield from tensors_in(v)
     elif isinstance(value, dict):
         for v in value.values():
-            yield from _tensors(v)
+            yield from tensors_in(v)
 
 
-class _Liveness:
+class Liveness:
     """Live storages, grouped in pools so a sweep only visits those that may have died."""
 
     def __init__(self, ignored_keys: set[int]) -> None:
@@ -166,8 +184,11 @@ class _Liveness:
 class _CostRun:
     """State of one forward + backward cost run (see [Note: cost run])."""
 
-    def __init__(self, num_ops: int, ignored_keys: set[int]) -> None:
-        self.live = _Liveness(ignored_keys)
+    def __init__(
+        self, num_ops: int, ignored_keys: set[int], extra: Mapping[int, ExtraCost]
+    ) -> None:
+        self.live = Liveness(ignored_keys)
+        self.extra = extra
         self.n = num_ops
         self.backward = False
         self.cur = -1
@@ -187,8 +208,8 @@ class _CostRun:
     def on_op(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
         pool = _BACKWARD if self.backward else _UNSAVED
         grew = False
-        for t in _tensors(out):
-            got = _storage_key(t)
+        for t in tensors_in(out):
+            got = storage_key(t)
             if got is None:
                 continue
             key, storage = got
@@ -218,6 +239,9 @@ class _CostRun:
         self.cur = i
         self.new_keys = []
         self.fwd_peak[i] = self.live.live_bytes
+        extra = self.extra.get(i)
+        if extra is not None:
+            self.fwd_peak[i] += extra.fwd_transient_bytes
 
     def end_forward_op(self, i: int) -> None:
         self.live.sweep(self.new_keys)
@@ -227,7 +251,7 @@ class _CostRun:
         self.new_keys = []
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        got = _storage_key(t)
+        got = storage_key(t)
         if got is None or self.cur < 0:
             return t
         key, storage = got
@@ -248,7 +272,9 @@ class _CostRun:
         self._close_backward_node()
         self.cur = i
         self.new_keys = []
-        self.bwd_peak[i] = max(self.bwd_peak[i], self.live.live_bytes)
+        extra = self.extra.get(i)
+        transient = extra.bwd_transient_bytes if extra is not None else 0
+        self.bwd_peak[i] = max(self.bwd_peak[i], self.live.live_bytes + transient)
 
     def _close_backward_node(self) -> None:
         # Frees since the previous node: its saved tensors, consumed gradients, and
@@ -320,7 +346,7 @@ class _CostInterpreter(fx.Interpreter):
 
     def _claim_autograd_nodes(self, out: Any, i: int) -> None:
         """Attribute to op ``i`` every autograd node its outputs reach that is new."""
-        stack = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
+        stack = [t.grad_fn for t in tensors_in(out) if t.grad_fn is not None]
         run = self.run_state
         while stack:
             node = stack.pop()
@@ -346,17 +372,19 @@ def measure_costs(
     kwargs: dict[str, torch.Tensor],
     op_nodes: list[fx.Node],
     device_type: str,
+    extra: Mapping[int, ExtraCost] | None = None,
 ) -> list[OpCost]:
     """Run ``gm`` forward and backward on meta and return the cost of each op node.
 
     ``gm``'s parameters and buffers must be meta tensors; ``args`` / ``kwargs`` are meta
-    inputs in the structure ``gm`` was traced with.
+    inputs in the structure ``gm`` was traced with. ``extra``: by op index, work the meta
+    run cannot see, added to what it measures.
     """
     index = {n: i for i, n in enumerate(op_nodes)}
     ignored: set[int] = set()
     params: list[torch.nn.Parameter] = []
     for t in [*gm.parameters(), *gm.buffers()]:
-        got = _storage_key(t)
+        got = storage_key(t)
         if got is not None:
             ignored.add(got[0])
         if isinstance(t, torch.nn.Parameter):
@@ -365,12 +393,12 @@ def measure_costs(
         if n.op == "get_attr":
             value = _fetch_attr(gm, n.target)
             if isinstance(value, torch.Tensor):
-                got = _storage_key(value)
+                got = storage_key(value)
                 if got is not None:
                     ignored.add(got[0])
-    run = _CostRun(len(op_nodes), ignored)
+    run = _CostRun(len(op_nodes), ignored, extra or {})
     for t in [*args, *kwargs.values()]:
-        got = _storage_key(t)
+        got = storage_key(t)
         if got is not None and got[0] not in ignored:
             # User inputs are alive for the whole step; tracked so that saving one counts.
             run.live.add(got[0], got[1], _UNSAVED)
@@ -389,7 +417,7 @@ def measure_costs(
             ):
                 outputs = interp.run(*_flat_inputs(gm, args, kwargs))
             interp.env.clear()
-            roots = [t for t in _tensors(outputs) if t.requires_grad and t.is_floating_point()]
+            roots = [t for t in tensors_in(outputs) if t.requires_grad and t.is_floating_point()]
             del outputs
             if roots:
                 run.backward = True
@@ -450,6 +478,12 @@ def _to_op_costs(run: _CostRun, op_nodes: list[fx.Node]) -> list[OpCost]:
     for i, node in enumerate(op_nodes):
         fwd_tmp = run.fwd_peak[i] - saved_before[i] - run.fwd_out[i]
         bwd_tmp = bwd_peak[i] - saved_before[i + 1] - run.bwd_out[i]
+        extra = run.extra.get(i)
+        fwd_flop, bwd_flop = run.fwd_flop[i], run.bwd_flop[i]
+        if extra is not None:
+            fwd_flop += extra.fwd_flop
+            # No backward FLOPs where no gradient flowed through the operation.
+            bwd_flop += extra.bwd_flop if run.bwd_peak[i] >= 0 else 0
         costs.append(
             OpCost(
                 name=node.name,
@@ -458,8 +492,8 @@ def _to_op_costs(run: _CostRun, op_nodes: list[fx.Node]) -> list[OpCost]:
                 saved_bytes=run.saved[i],
                 bwd_out_bytes=run.bwd_out[i],
                 bwd_tmp_bytes=max(0, bwd_tmp),
-                fwd_flop=run.fwd_flop[i],
-                bwd_flop=run.bwd_flop[i],
+                fwd_flop=fwd_flop,
+                bwd_flop=bwd_flop,
                 fwd_peak_bytes=run.fwd_peak[i],
                 bwd_peak_bytes=bwd_peak[i],
             )

@@ -1,16 +1,25 @@
-"""Running ``torch.export`` on the meta twin, and turning its failures into TraceErrors."""
+"""Running ``torch.export`` on the meta twin: modules it cannot capture become opaque
+operations, other failures TraceErrors."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import io
+import logging
+import sys
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from offload_trace._opaque import OpaqueEntry, entries_of, opaque_forward, record_entry
 from offload_trace.errors import TraceError
+
+logger = logging.getLogger(__name__)
 
 # Frames inside these folders are library internals; the frame that names the user's
 # operation is the last one outside them.
@@ -65,6 +74,24 @@ def _hint(message: str) -> str:
     )
 
 
+@dataclass
+class _Frame:
+    """A module call running when export failed, or an unrecorded call of an opaque one."""
+
+    path: str
+    module: nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return f"{self.path or '<root>'} ({type(self.module).__name__})"
+
+
+class _UnknownCall(Exception):
+    """An opaque module was called with a signature that has no entry yet."""
+
+
 def export_twin(
     twin: nn.Module,
     args: tuple[torch.Tensor, ...],
@@ -72,29 +99,21 @@ def export_twin(
     *,
     model_name: str,
     dynamic_batch: bool,
-) -> torch.export.ExportedProgram:
-    """``torch.export.export(twin, args, kwargs, strict=False)`` with named failures.
+) -> tuple[torch.export.ExportedProgram, tuple[OpaqueEntry, ...]]:
+    """``torch.export.export(twin, args, kwargs, strict=False)``, falling back to opaque
+    operations for modules it cannot capture (see [Note: opaque operations] in
+    ``_opaque.py``); the program and the entries its opaque operations call.
+
+    When export fails inside a module other than the root, that module's forward becomes
+    one opaque operation and export runs again, until it succeeds.
 
     Raises:
-        TraceError: export failed; the message names the innermost module being run, the
-            user-code line, the cause and a remedy.
+        TraceError: export failed in the root module's own code, again in a module already
+            opaque, or with ``dynamic_batch`` in a module that would have to be opaque;
+            or a module to make opaque cannot run on meta tensors. The message names the
+            innermost module being run, the user-code line, the cause and a remedy.
     """
-    # A stack of the module paths being run, so a failure can name where it happened.
-    # Non-strict export runs the Python forward, so plain hooks observe it.
-    stack: list[str] = []
-    handles = []
-    for path, module in twin.named_modules():
-        label = f"{path or '<root>'} ({type(module).__name__})"
-
-        def push(_m: nn.Module, _a: Any, _label: str = label) -> None:
-            stack.append(_label)
-
-        def pop(_m: nn.Module, _a: Any, _o: Any) -> None:
-            if stack:
-                stack.pop()
-
-        handles.append(module.register_forward_pre_hook(push))
-        handles.append(module.register_forward_hook(pop))
+    modules = dict(twin.named_modules())
     dynamic_shapes: Any = None
     if dynamic_batch:
         batch = torch.export.Dim("batch", min=1)
@@ -103,19 +122,115 @@ def export_twin(
             "kwargs": {k: ({0: batch} if t.dim() > 0 else None) for k, t in kwargs.items()},
         }
         dynamic_shapes = _shapes_for_signature(twin, args, kwargs, dynamic_shapes)
+    sites: dict[str, list[OpaqueEntry]] = {}
+    # Each failed attempt makes one more module opaque or records one more call signature
+    # of an opaque module; a model that keeps failing past this gets an error.
+    attempts = 2 * len(modules) + 2
+    for _ in range(attempts):
+        unknown: list[_Frame] = []
+        outcome = _export_once(twin, args, kwargs, dynamic_shapes, modules, sites, unknown)
+        if isinstance(outcome, torch.export.ExportedProgram):
+            return outcome, tuple(entries_of(outcome.graph_module))
+        exc, frame = outcome
+        if unknown:
+            call = unknown[0]
+            sites[call.path].append(record_entry(call.path, call.module, call.args, call.kwargs))
+            continue
+        if frame is None or not frame.path or frame.path in sites:
+            raise _export_error(exc, frame, model_name)
+        if dynamic_batch:
+            raise TraceError(
+                f"cannot trace {model_name} with dynamic_batch=True: torch.export failed in "
+                f"module {frame.label} ({_cause(exc)}), which would then run as one opaque "
+                "operation, and opaque operations need static shapes; trace with "
+                "dynamic_batch=False"
+            ) from exc
+        logger.debug("export failed in %s; running it as an opaque operation", frame.label)
+        sites[frame.path] = [record_entry(frame.path, frame.module, frame.args, frame.kwargs)]
+    raise TraceError(
+        f"cannot trace {model_name}: export still failed after {attempts} attempts with "
+        "opaque modules; the modules' calls keep changing signature (shapes or constants)"
+    )
+
+
+def _export_once(
+    twin: nn.Module,
+    args: tuple[torch.Tensor, ...],
+    kwargs: dict[str, torch.Tensor],
+    dynamic_shapes: Any,
+    modules: dict[str, nn.Module],
+    sites: dict[str, list[OpaqueEntry]],
+    unknown: list[_Frame],
+) -> torch.export.ExportedProgram | tuple[Exception, _Frame | None]:
+    """One export attempt with the modules in ``sites`` opaque: the program, or the error
+    and the innermost module call running when it was raised."""
+    # A stack of the module calls being run, so a failure can name where it happened.
+    # Non-strict export runs the Python forward, so plain hooks observe it.
+    stack: list[_Frame] = []
+    handles = []
+    for path, module in modules.items():
+
+        def push(m: nn.Module, a: tuple[Any, ...], k: dict[str, Any], _path: str = path) -> None:
+            stack.append(_Frame(_path, m, a, k))
+
+        def pop(_m: nn.Module, _a: Any, _o: Any) -> None:
+            if stack:
+                stack.pop()
+
+        handles.append(module.register_forward_pre_hook(push, with_kwargs=True))
+        handles.append(module.register_forward_hook(pop))
+    patched: dict[str, Any] = {}
+    for path, entries in sites.items():
+        module = modules[path]
+
+        def on_unknown(a: tuple[Any, ...], k: dict[str, Any], _path: str = path) -> None:
+            unknown.append(_Frame(_path, modules[_path], a, k))
+            raise _UnknownCall(_path)
+
+        patched[path] = module.__dict__.get("forward")
+        module.forward = opaque_forward(module, entries, on_unknown)
+    # torch.export prints the partial graph of a failed export to stderr: held back
+    # here, and written out unless the failure is one the fallback handles.
+    printed = io.StringIO()
     try:
-        return torch.export.export(twin, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False)
+        with contextlib.redirect_stderr(printed):
+            ep = torch.export.export(
+                twin, args, kwargs, dynamic_shapes=dynamic_shapes, strict=False
+            )
+        sys.stderr.write(printed.getvalue())
+        return ep
     except Exception as exc:
-        where = stack[-1] if stack else f"<root> ({model_name})"
-        first = str(exc).strip().splitlines()
-        cause = f"{type(exc).__name__}: {first[0] if first else ''}"
-        raise TraceError(
-            f"cannot trace {model_name}: torch.export failed in module {where} at "
-            f"{_user_frame(exc)}. Cause: {cause}. Try: {_hint(str(exc))}"
-        ) from exc
+        frame = stack[-1] if stack else None
+        if unknown or (frame is not None and frame.path and frame.path not in sites):
+            logger.debug(
+                "export printed, for a failure handled by the fallback:\n%s", printed.getvalue()
+            )
+        else:
+            sys.stderr.write(printed.getvalue())
+        return exc, frame
     finally:
         for handle in handles:
             handle.remove()
+        for path, original in patched.items():
+            if original is None:
+                del modules[path].forward
+            else:
+                modules[path].forward = original
+
+
+def _cause(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {first[0] if first else ''}"
+
+
+def _export_error(exc: Exception, frame: _Frame | None, model_name: str) -> TraceError:
+    where = frame.label if frame is not None else f"<root> ({model_name})"
+    error = TraceError(
+        f"cannot trace {model_name}: torch.export failed in module {where} at "
+        f"{_user_frame(exc)}. Cause: {_cause(exc)}. Try: {_hint(str(exc))}"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _shapes_for_signature(

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from offload_trace._opaque import OPAQUE_OP
+
 logger = logging.getLogger(__name__)
 
 aten = torch.ops.aten
@@ -26,6 +28,7 @@ _EVAL_FLAGS: dict[Any, tuple[int, str, bool | float]] = {
     aten.rrelu.default: (3, "training", False),
     aten.rrelu_with_noise.default: (4, "training", False),
     aten.scaled_dot_product_attention.default: (4, "dropout_p", 0.0),
+    OPAQUE_OP: (1, "training", False),
 }
 
 

@@ -14,6 +14,8 @@ from offload_solver import ModelProfile, Operation, Parameter
 from offload_trace._causal import apply_causal_attention
 from offload_trace._costs import CALL_OPS, OpCost
 from offload_trace._gelu import apply_tanh_gelu
+from offload_trace._opaque import META_KEY as OPAQUE_META_KEY
+from offload_trace._opaque import OpaqueEntry
 from offload_trace._rewrite import move_device_constants, to_eval, widen_integer_histc
 
 _aten = torch.ops.aten
@@ -96,6 +98,13 @@ class TracedModel:
     """Output nodes (names before the rewrite) of written-out tanh GELUs replaced by one
     ``aten.gelu(approximate="tanh")`` each (``trace(fuse_gelu=True)``, see [Note: fused
     tanh GELU] in ``_gelu.py``); :meth:`module_for` applies the same rewrite."""
+    opaque_modules: tuple[str, ...] = ()
+    """Paths of the modules ``torch.export`` could not capture, each run as one opaque
+    operation whose backward recomputes its forward (see [Note: opaque operations] in
+    ``_opaque.py``)."""
+    opaque_entries: tuple[OpaqueEntry, ...] = ()
+    """What those operations run (one per module and call signature); held here and by
+    every graph :meth:`module_for` returns, which keeps them registered."""
 
     @property
     def forward_peak_bytes(self) -> int:
@@ -165,7 +174,8 @@ class TracedModel:
         constants baked in at trace time (``arange(device=meta)``, ``.to(meta)``,
         metadata asserts) point at ``device``; lifted tensor constants are moved there.
         On the CPU, ``histc`` nodes of integer tensors (a branch taken for the meta device,
-        which the CPU has no kernel for) count in float64 instead.
+        which the CPU has no kernel for) count in float64 instead. Opaque operations
+        (:attr:`opaque_modules`) run their module's own code on ``device``.
         Parameters and buffers stay meta placeholders: assign real tensors with
         ``setattr`` along the original names (both names of a tied group). Call it with
         the same argument structure as the example inputs.
@@ -173,7 +183,8 @@ class TracedModel:
         Args:
             device: where the module will run.
             training: ``False`` flips dropout, batch norm and attention dropout to eval
-                behaviour by rewriting their arguments.
+                behaviour by rewriting their arguments, and runs opaque modules in eval
+                mode.
 
         Raises:
             ValueError: ``device`` is not a valid device or is ``meta``.
@@ -199,6 +210,8 @@ class TracedModel:
                 "(self.register_buffer(name, tensor, persistent=False)) and trace again"
             )
         gm = self.exported.module()
+        # The opaque operations' entries live as long as a graph that calls them.
+        gm.meta[OPAQUE_META_KEY] = self.opaque_entries
         apply_causal_attention(gm, self.causal_attention)
         apply_tanh_gelu(gm, self.fused_gelu)
         names = tuple(n.name for n in gm.graph.nodes if n.op in CALL_OPS)

@@ -17,6 +17,8 @@ from offload_trace._costs import CALL_OPS, measure_costs
 from offload_trace._export import export_twin
 from offload_trace._gelu import fuse_tanh_gelu
 from offload_trace._inputs import check_example_inputs
+from offload_trace._opaque import META_KEY as OPAQUE_META_KEY
+from offload_trace._opaque import is_opaque, lookup
 from offload_trace._twin import MetaTwin, build_meta_twin
 from offload_trace.errors import TraceError
 from offload_trace.traced import TracedModel
@@ -63,7 +65,11 @@ def trace(
     The model may live on meta, the CPU or a GPU; it is never modified, and no real
     weights or activations are allocated: a meta twin in ``dtype`` is traced with
     ``torch.export`` (non-strict) in training mode, then run forward and backward on meta
-    to measure bytes and FLOPs (see [Note: cost run] in ``_costs.py``).
+    to measure bytes and FLOPs (see [Note: cost run] in ``_costs.py``). A module that
+    export cannot capture (data-dependent Python such as layer drop, ``.item()``, an
+    unsupported operation) runs as one opaque operation, recomputed in backward, and is
+    named in :attr:`TracedModel.opaque_modules` (see [Note: opaque operations] in
+    ``_opaque.py``).
 
     Args:
         model: the module to train.
@@ -74,7 +80,8 @@ def trace(
         target_device: device type whose kernels the costs describe (``"cuda"`` or
             ``"cpu"``).
         dynamic_batch: trace with a symbolic batch dimension (dimension 0 of every input);
-            costs are still measured at the example batch size.
+            costs are still measured at the example batch size. Refused (TraceError)
+            where a module would have to run as an opaque operation.
         causal_attention: rewrite attention whose mask is provably the constant causal
             mask into ``is_causal=True`` attention, as eager mode runs it (see
             [Note: causal attention] in ``_causal.py``). The returned graph, the costs and
@@ -90,8 +97,9 @@ def trace(
         ValueError: a bad argument: ``model`` not a module, ``example_inputs`` of the
             wrong type or with a tensor on an unexpected device, a non-floating ``dtype``,
             an invalid ``target_device``.
-        TraceError: the model could not be traced; the message names the module and
-            operation, the cause and what to try.
+        TraceError: the model could not be traced (export failed in the root module's
+            own code, or a module to run opaquely cannot run on meta tensors); the
+            message names the module and operation, the cause and what to try.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model is a {type(model).__name__}; trace() needs a torch.nn.Module")
@@ -110,17 +118,29 @@ def trace(
     name = type(model).__name__
     start = time.perf_counter()
     twin = build_meta_twin(model, dtype)
-    ep = export_twin(
+    ep, opaque = export_twin(
         twin.module, inputs.args, inputs.kwargs, model_name=name, dynamic_batch=dynamic_batch
     )
     exported_s = time.perf_counter() - start
+    opaque_modules = tuple(dict.fromkeys(e.path for e in opaque))
+    if opaque:
+        labels = dict.fromkeys(e.label for e in opaque)
+        logger.info(
+            "%s: %d modules torch.export cannot capture run as opaque operations (forward "
+            "recomputed in backward): %s",
+            name,
+            len(labels),
+            ", ".join(labels),
+        )
     gm = ep.module()
+    gm.meta[OPAQUE_META_KEY] = opaque
     causal = rewrite_causal_attention(gm, model) if causal_attention else ()
     fused = rewrite_tanh_gelu(gm) if fuse_gelu else ()
     op_nodes = [n for n in gm.graph.nodes if n.op in CALL_OPS]
     param_names = _map_param_names(gm, twin)
+    extra = {i: lookup(str(n.args[0])).cost for i, n in enumerate(op_nodes) if is_opaque(n)}
     try:
-        costs = measure_costs(gm, inputs.args, inputs.kwargs, op_nodes, target.type)
+        costs = measure_costs(gm, inputs.args, inputs.kwargs, op_nodes, target.type, extra)
     except Exception as exc:
         raise TraceError(
             f"cannot cost {name}: running the traced graph on the meta device failed with "
@@ -162,6 +182,8 @@ def trace(
         valueless_constants=valueless,
         causal_attention=causal,
         fused_gelu=fused,
+        opaque_modules=opaque_modules,
+        opaque_entries=opaque,
     )
     logger.info(
         "traced %s: %d operations, %d parameters, %d tied groups; export %.1f s, total "

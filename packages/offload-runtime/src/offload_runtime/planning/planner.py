@@ -174,6 +174,11 @@ def plan_model(
     say(f"traced {len(base.operations)} operations in {time.perf_counter() - t0:.1f} s")
     if traced.fused_gelu:
         say(f"fused {len(traced.fused_gelu)} written-out tanh GELU(s) into one operation each")
+    if traced.opaque_modules:
+        say(
+            f"{len(traced.opaque_modules)} module(s) torch.export cannot capture run as "
+            f"opaque operations, recomputed in backward: {', '.join(traced.opaque_modules)}"
+        )
     attention = attention_shapes(traced.graph_module) if measure_attention else []
     if hardware is None:
         # Attention's rates with the matrix products' efficiency, cached per model shape.
@@ -406,6 +411,7 @@ def build_offload_module(model: torch.nn.Module, planned: PlannedModel) -> Offlo
     module.profile = planned.profile
     module.hardware = planned.hardware
     module.inputs = planned.inputs
+    module.opaque_modules = traced.opaque_modules
     return module
 
 
