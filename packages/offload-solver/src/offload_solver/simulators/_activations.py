@@ -14,9 +14,9 @@ caller picks otherwise with ``SimulationContext.with_activations``):
   forward ends only the region's input at its boundary stays until its backward
   (``boundary_bytes``); the profile records no inputs, so the boundary is approximated
   by the ``fwd_out_bytes`` of the operation just before the region's first (the tensor
-  that crosses into it), and for region 0 by the saved bytes of its first operation (an
-  operation that saves anything saves its input), in both cases at most the region's
-  saved bytes. Just before the region's backward, once its parameters are on the
+  that crosses into it), at most the region's saved bytes; region 0's input is the
+  model's, which the caller holds anyway (measured in ``device_bytes_in_use``), so it
+  holds nothing. Just before the region's backward, once its parameters are on the
   device (after its upload or the wait for its prefetch), its forward runs again on the
   compute lane (a ``recompute`` task of the region's forward seconds) and re-creates
   its saved bytes at the levels of a forward; its backward then releases them operation
@@ -90,12 +90,7 @@ def boundary_bytes(ops: Sequence[Operation], regions: Sequence[Region]) -> list[
     out = []
     for reg in regions:
         full = sum(ops[j].saved_bytes for j in range(reg.op_start, reg.op_end))
-        if reg.op_start > 0:
-            edge = ops[reg.op_start - 1].fwd_out_bytes
-        elif reg.op_end > reg.op_start:
-            edge = ops[reg.op_start].saved_bytes
-        else:
-            edge = 0
+        edge = ops[reg.op_start - 1].fwd_out_bytes if reg.op_start > 0 else 0
         out.append(min(edge, full))
     return out
 
