@@ -215,3 +215,16 @@ def test_plans_are_deterministic_and_read_back() -> None:
     again = Plan.from_json(plan.to_json())
     assert [r.activations for r in again.regions] == [r.activations for r in plan.regions]
     assert any(r.activations is not KEEP for r in again.regions)
+
+
+def test_the_command_line_option(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from offload_solver.cli import main
+
+    path = tmp_path / "profile.json"  # type: ignore[operator]
+    path.write_text(act_chain().to_json())
+    args = [str(path), "--budget", "500000", "--block-search-range", "0"]
+    assert main(args) == 2  # activations kept: too small
+    assert main([*args, "--activations"]) == 0
+    assert "activations recompute" in capsys.readouterr().out

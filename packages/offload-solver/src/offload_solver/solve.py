@@ -20,6 +20,10 @@ The steps, shared by every solver strategy:
    the fewest resident bytes). If even that does not fit, raise
    :class:`InfeasibleBudgetError` naming the least budget at which step 4 succeeds, so
    solving again with it always succeeds.
+   With ``activations=True``, where this fails with every region's activations kept,
+   the search runs again with some regions' activations recomputed or sent to the
+   host ([Note: activation search] in ``solvers._activations``), and the least budget
+   named is that of every region recomputed.
 5. With ``streamed`` costs, step some host-state regions on the device instead where
    that shortens the repeating step within the budget ([Note: streamed search] in
    ``solvers._streamed``).
