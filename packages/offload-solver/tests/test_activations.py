@@ -228,3 +228,22 @@ def test_the_command_line_option(
     assert main(args) == 2  # activations kept: too small
     assert main([*args, "--activations"]) == 0
     assert "activations recompute" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("in_use", [0, 5 * 2**20])
+def test_the_least_budget_named_works_on_the_gpt_like_profile(in_use: int) -> None:
+    from pathlib import Path
+
+    from offload_solver import default_hardware
+
+    text = (Path(__file__).parent / "data" / "gpt_like.profile.json").read_text()
+    profile, hw = ModelProfile.from_json(text), default_hardware()
+    kwargs = {"device_bytes_in_use": in_use, "activations": True}
+    with pytest.raises(InfeasibleBudgetError) as kept:
+        solve(profile, hw, 2**20, device_bytes_in_use=in_use)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(profile, hw, 2**20, **kwargs)  # type: ignore[arg-type]
+    least = e.value.least_budget_bytes
+    assert least <= kept.value.least_budget_bytes
+    plan = solve(profile, hw, least, **kwargs)  # type: ignore[arg-type]
+    assert plan.predicted_peak_bytes <= least * BUDGET_SAFETY_FACTOR

@@ -20,7 +20,9 @@ activation handling too ([Note: activations] in ``simulators._activations``):
    bisection (fitting is taken as monotone in the prefix), then the full placement search
    (``greedy``: steps 1 to 4 of ``solve``) with that prefix and with one region more,
    which leaves the placement search more room.
-4. The plan with the shortest repeating step wins (the earlier on a tie).
+4. The plan with the shortest repeating step wins (the earlier on a tie). Where none
+   fits, every region RECOMPUTE is tried last, so that the least budget ``solve`` names
+   for it always works.
 
 When no order fits, neither does every region RECOMPUTE, and ``solve`` reports the least
 budget of that choice (``least_peak`` of it).
@@ -154,6 +156,17 @@ def place_activations(
                 continue
             if found is None or cand.period_s < found[1].period_s:
                 found = (actx, cand, all_device)
+    if found is None:
+        # Every region recomputed, the choice whose least budget ``solve`` names, in case
+        # the orders' timings differ from it enough to miss a fit it has.
+        every = all_recompute(ctx)
+        if every.activations not in tried and least_peak(every, simulator, stats) <= cap_bytes:
+            try:
+                cand, all_device = greedy(every)
+            except ValueError:
+                return None
+            if cand.peak_bytes <= cap_bytes:
+                found = (every, cand, all_device)
     return found
 
 
