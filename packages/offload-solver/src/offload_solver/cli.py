@@ -24,7 +24,7 @@ from pathlib import Path
 from offload_solver._json import parse_bytes, write_atomic
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import HardwareProfile, default_hardware
-from offload_solver.plan import Plan, StatePlacement, StreamedStepCosts
+from offload_solver.plan import ActivationPlacement, Plan, StatePlacement, StreamedStepCosts
 from offload_solver.profile import ModelProfile
 from offload_solver.regions import BLOCK_SEARCH_RANGE_BYTES
 from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, solve
@@ -127,6 +127,13 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the greedy phases' placements: do not move host-state regions to later "
         "regions where the simulated step gets shorter (solve(late_host_work=False))",
     )
+    p.add_argument(
+        "--activations",
+        action="store_true",
+        help="where keeping every activation on the device does not fit, also choose "
+        "regions whose activations are recomputed before their backward or sent to the "
+        "host and back (solve(activations=True))",
+    )
     p.add_argument("-o", "--output", type=Path, help="write the plan JSON here")
     return p
 
@@ -210,6 +217,10 @@ def format_plan(plan: Plan) -> str:
     n_off = sum(rp.placement.value != "resident" for rp in plan.regions)
     n_streamed = sum(rp.state is StatePlacement.STREAMED for rp in plan.regions)
     streamed = f", {n_streamed} streamed" if n_streamed else ""
+    for mode in (ActivationPlacement.RECOMPUTE, ActivationPlacement.HOST):
+        n_act = sum(rp.activations is mode for rp in plan.regions)
+        if n_act:  # shown only where some region does not keep its activations
+            streamed += f", {n_act} activations {mode.value}"
     lines.append("(* pinned: owns a parameter used outside its operations)")
     lines.append(
         f"solver {plan.solver}: {n_off}/{len(plan.regions)} regions offloaded{streamed}; "
@@ -258,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             streamed=_streamed_costs(args.streamed, args.streamed_staged),
             late_host_work=args.late_host_work,
             cost_model=cost_model,
+            activations=args.activations,
         )
         if args.output is not None:
             try:

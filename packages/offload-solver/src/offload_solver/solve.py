@@ -20,6 +20,10 @@ The steps, shared by every solver strategy:
    the fewest resident bytes). If even that does not fit, raise
    :class:`InfeasibleBudgetError` naming the least budget at which step 4 succeeds, so
    solving again with it always succeeds.
+   With ``activations=True``, where this fails with every region's activations kept,
+   the search runs again with some regions' activations recomputed or sent to the
+   host ([Note: activation search] in ``solvers._activations``), and the least budget
+   named is that of every region recomputed.
 5. With ``streamed`` costs, step some host-state regions on the device instead where
    that shortens the repeating step within the budget ([Note: streamed search] in
    ``solvers._streamed``).
@@ -52,6 +56,7 @@ from offload_solver.simulators import RegionAssignment, SimulationContext, get_s
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers import get_solver
+from offload_solver.solvers._activations import all_recompute, least_peak, place_activations
 from offload_solver.solvers._late import move_host_work_late
 from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
@@ -65,18 +70,30 @@ GiB = 2**30
 
 
 class InfeasibleBudgetError(ValueError):
-    """No plan fits the budget; ``least_budget_bytes`` is the least budget that does."""
+    """No plan fits the budget; ``least_budget_bytes`` is the least budget that does.
+    ``activations``: the search chose activation handling too, and the least budget is
+    that of every region's activations recomputed."""
 
-    def __init__(self, budget_bytes: int, least_budget_bytes: int, floor_peak_bytes: int):
+    def __init__(
+        self,
+        budget_bytes: int,
+        least_budget_bytes: int,
+        floor_peak_bytes: int,
+        *,
+        activations: bool = False,
+    ):
         self.budget_bytes = budget_bytes
         self.least_budget_bytes = least_budget_bytes
         self.floor_peak_bytes = floor_peak_bytes
+        self.activations = activations
+        recomputed = " and every region's activations recomputed" if activations else ""
         super().__init__(
             f"memory budget {budget_bytes} bytes ({budget_bytes / GiB:.3f} GiB) is too small: "
             f"the least budget that works is {least_budget_bytes} bytes "
             f"({least_budget_bytes / GiB:.3f} GiB). Even with every non-pinned region "
-            f"offloaded and all optimizer state on the host the predicted peak is "
-            f"{floor_peak_bytes} bytes, and plans must fit {BUDGET_SAFETY_FACTOR} of the budget"
+            f"offloaded{recomputed} and all optimizer state on the host the predicted peak "
+            f"is {floor_peak_bytes} bytes, and plans must fit {BUDGET_SAFETY_FACTOR} of the "
+            "budget"
         )
 
 
@@ -122,6 +139,7 @@ def solve(
     streamed: StreamedStepCosts | None = None,
     late_host_work: bool = True,
     cost_model: CostModel | None = None,
+    activations: bool = False,
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """Plan which regions to offload, how to bring them back and where optimizer state lives.
@@ -182,6 +200,13 @@ def solve(
     ``CostModel()``, the fitted defaults. The plan records them (``Plan.cost_model``), and
     the arguments above that a runtime executes (``Plan.options``: :class:`PlanOptions`,
     whose other fields a runtime's planner fills).
+    ``activations``: where no plan fits with every region's activations kept on the
+    device, also choose which regions recompute their activations before their backward
+    or send them to the host and back (``RegionPlan.activations``; [Note: activation
+    search] in ``solvers._activations``, priced as [Note: activations] in
+    ``simulators._activations``); an infeasible budget then names the least budget with
+    every region recomputed. False (default): every region keeps its activations. A
+    budget that fits with them all kept gets the same plan either way.
     ``progress``: called with a line of text as each phase ends (the greedy placement,
     host work moved late, streamed regions), with its seconds and simulations so far;
     None (default): nothing is reported.
@@ -215,16 +240,32 @@ def solve(
     cap = budget * BUDGET_SAFETY_FACTOR - in_use
     stats = SolveStats()
     report = _reporter(progress, stats, ctx.num_regions)
-    found, all_device = _greedy_plan(
-        ctx,
-        strategy,
-        simulator,
-        cap,
-        stats,
-        state_on_device=state_on_device,
-        budget=budget,
-        in_use=in_use,
-    )
+
+    def greedy(c: SimulationContext) -> tuple[Candidate, bool]:
+        return _greedy_plan(
+            c,
+            strategy,
+            simulator,
+            cap,
+            stats,
+            state_on_device=state_on_device,
+            budget=budget,
+            in_use=in_use,
+        )
+
+    try:
+        found, all_device = greedy(ctx)
+    except InfeasibleBudgetError:
+        if not activations:
+            raise
+        chosen = place_activations(ctx, simulator, cap, stats, greedy)
+        if chosen is None:
+            peak = least_peak(all_recompute(ctx), simulator, stats) + in_use
+            raise InfeasibleBudgetError(
+                budget, least_budget_bytes(peak), peak, activations=True
+            ) from None
+        ctx, found, all_device = chosen
+        report("activations placed", found)
     report("greedy placement", found)
     if streamed is not None or not all_device:
         options = [found]
@@ -339,6 +380,7 @@ def _plan_of(
             state=a.state,
             prefetch_at=a.prefetch_at,
             pool_offset_bytes=(None if b is None else b * ctx.block_size_bytes),
+            activations=ctx.activations[r],
         )
         for r, (a, b) in enumerate(zip(chosen, detail.pool_blocks, strict=True))
     )

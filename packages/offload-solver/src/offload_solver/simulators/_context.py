@@ -8,13 +8,20 @@ is what a simulation is told about one region.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from offload_solver.cost_model import CostModel
 from offload_solver.hardware import HardwareProfile
-from offload_solver.plan import ParamPlacement, Region, StatePlacement, StreamedStepCosts
+from offload_solver.plan import (
+    ActivationPlacement,
+    ParamPlacement,
+    Region,
+    StatePlacement,
+    StreamedStepCosts,
+)
 from offload_solver.profile import ModelProfile
 from offload_solver.regions import (
     BLOCK_SEARCH_RANGE_BYTES,
@@ -22,6 +29,7 @@ from offload_solver.regions import (
     RegionLayout,
     build_regions,
 )
+from offload_solver.simulators._activations import activation_levels
 from offload_solver.simulators._timeline import KIND_GRAD_WIDEN
 
 # [Note: issuing ahead]
@@ -262,22 +270,12 @@ class SimulationContext:
         # Every operation takes at least its issue cost ([Note: issuing ahead]).
         fwd_op = [max(hw.operation_device_s(op), hw.op_overhead_s) for op in ops]
         bwd_dev = [hw.operation_device_s(op, backward=True) for op in ops]
-        saved = [0]
-        for op in ops:
-            saved.append(saved[-1] + op.saved_bytes)
-        self.saved_prefix = saved
-        """``saved_prefix[j]``: saved bytes of operations before ``j``."""
-        self.act_fwd = [saved[j] + op.fwd_out_bytes + op.fwd_tmp_bytes for j, op in enumerate(ops)]
-        self.act_bwd = [
-            saved[j + 1] + op.bwd_out_bytes + op.bwd_tmp_bytes for j, op in enumerate(ops)
-        ]
-        self.act_fwd_max = max(self.act_fwd)
+        self._cost_activations((ActivationPlacement.KEEP,) * self.num_regions)
 
         # Start offsets of each region's operations from the region's compute start:
         # forward in operation order, backward in reverse operation order.
         self.fwd_offsets: list[list[float]] = []
         self.fwd_s: list[float] = []
-        self.act_bwd_region_max: list[int] = []
         for reg in regions:
             acc, offs = 0.0, []
             for j in range(reg.op_start, reg.op_end):
@@ -285,7 +283,6 @@ class SimulationContext:
                 acc += fwd_op[j]
             self.fwd_offsets.append(offs)
             self.fwd_s.append(acc)
-            self.act_bwd_region_max.append(max(self.act_bwd[reg.op_start : reg.op_end], default=0))
 
         self.bwd_offsets, self.bwd_s = _backward_regions(
             regions, [max(d, hw.op_overhead_s) for d in bwd_dev]
@@ -306,6 +303,31 @@ class SimulationContext:
             if sum(loaded_s) > sum(self.bwd_s):
                 self.bwd_offsets_beside_host, self.bwd_s_beside_host = loaded_offsets, loaded_s
 
+    def _cost_activations(self, activations: Sequence[ActivationPlacement]) -> None:
+        """Per operation its activation levels, per region what its activation handling
+        costs, for ``activations`` (one per region; [Note: activations] in
+        ``_activations``)."""
+        ops, regions = self.profile.operations, self.regions
+        self.activations: tuple[ActivationPlacement, ...] = tuple(activations)
+        """Per region, what happens to its saved activations (all KEEP unless made with
+        :meth:`with_activations`)."""
+        self.moves_activations = any(a is not ActivationPlacement.KEEP for a in activations)
+        """Whether any region's activations are not simply kept (the peak is then read
+        off the memory curve's walk)."""
+        levels = activation_levels(ops, regions, self.hardware, self.activations)
+        self.act = levels
+        """The levels and per-region costs below, together."""
+        self.saved_prefix = levels.saved_prefix
+        """``saved_prefix[j]``: saved bytes held when operation ``j`` starts (those of
+        operations before ``j``, with every region KEEP)."""
+        self.saved_after = levels.saved_after
+        """``saved_after[j]``: saved bytes held once operation ``j`` has run forward."""
+        self.act_fwd = levels.act_fwd
+        self.act_bwd = levels.act_bwd
+        self.act_fwd_max = max(self.act_fwd)
+        self.act_bwd_region_max = [
+            max(self.act_bwd[reg.op_start : reg.op_end], default=0) for reg in regions
+        ]
         # Sparse table for range maxima of backward activation levels.
         table = [self.act_bwd]
         width = 1
@@ -314,6 +336,21 @@ class SimulationContext:
             table.append([max(prev[i], prev[i + width]) for i in range(len(prev) - width)])
             width *= 2
         self._rmq = table
+
+    def with_activations(self, activations: Sequence[ActivationPlacement]) -> SimulationContext:
+        """This context with ``activations`` (one per region) instead of its own; every
+        other cost is shared. Raises ``ValueError`` on a wrong length."""
+        if len(activations) != self.num_regions:
+            raise ValueError(
+                f"activations has {len(activations)} entries; the layout has "
+                f"{self.num_regions} regions"
+            )
+        for r, a in enumerate(activations):
+            if not isinstance(a, ActivationPlacement):
+                raise ValueError(f"activations[{r}] is {a!r}; use an ActivationPlacement")
+        other = copy.copy(self)
+        other._cost_activations(activations)
+        return other
 
     @classmethod
     def build(

@@ -9,6 +9,8 @@ The model is written down here, once; its parts live in modules of their own:
   (``EngineRun``, ``Lanes``, ``KINDS``), and the tasks' critical-path ``slack``;
 - ``_step``: one step, forward, backward and the host work after it (``run``);
 - ``_stream``: STREAMED regions' work in a step (``StreamWork``);
+- ``_activations``: what recomputing a region's activations or sending them to the host
+  does to the step's levels and tasks ([Note: activations]);
 - ``_steady``: the repeating step (``steady_state``; [Note: steady state]);
 - ``_memory``: the pool, the peak and the memory curves;
 - ``_result``: what a simulation predicts (``SimulationResult``, ``to_result``).
@@ -117,6 +119,11 @@ the lower bound, the most regions alive at once). The predicted peak is the
 maximum over time of static bytes (resident parameters, device optimizer state, the pool)
 + activations + gradients waiting for their copy. The raw curve counts each offloaded
 region only during its lifetimes, instead of the pool.
+
+Activations are kept from forward to backward unless the context says otherwise
+(``SimulationContext.activations``): a RECOMPUTE region runs its forward again on the
+compute lane before its backward, a HOST region copies its saved bytes down after its
+forward and back before its backward ([Note: activations] in ``_activations``).
 
 Compute is accounted per region (the sum of its operations' times); memory per operation,
 so a gradient copy that ends in the middle of a region lowers the level of the operations

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from offload_solver.plan import MemorySample
 from offload_solver.simulators._context import SimulationContext
-from offload_solver.simulators._timeline import RESIDENT, EngineRun
+from offload_solver.simulators._timeline import NEVER, RESIDENT, EngineRun
 
 
 def backward_level(
@@ -72,6 +72,11 @@ def settle_peak(ctx: SimulationContext, out: EngineRun, dyn: int, *, cold: bool)
     )
     assign_pool(ctx, out)
     curve_dyn = -1  # the memory curve's highest dynamic level, once walked
+    if ctx.moves_activations:
+        # HOST copies in flight and recomputations are events of the walk only
+        # ([Note: activations] in ``_activations``).
+        curve_dyn = curve_levels(ctx, out, math.inf)[0]
+        dyn = out.dyn_peak_bytes = curve_dyn
     if out.stage_start is not None:
         curve_dyn, out.stage_level = curve_levels(ctx, out, out.stage_start)
     stream_dyn = stream_level(ctx, out, dyn)
@@ -160,7 +165,8 @@ def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: floa
     as the memory curve counts them: an operation's level while it runs, what remains
     from its end until the next one starts (an instant level at ``ws`` counts)."""
     n_reg = ctx.num_regions
-    saved, act_fwd, act_bwd = ctx.saved_prefix, ctx.act_fwd, ctx.act_bwd
+    saved, after_fwd = ctx.saved_prefix, ctx.saved_after
+    act_fwd, act_bwd = ctx.act_fwd, ctx.act_bwd
     best = 0
 
     def scan(
@@ -176,7 +182,7 @@ def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: floa
             e = starts + offs[k + 1] if k < last else end
             if fwd:
                 j = ctx.op_start[r] + k
-                during, after = act_fwd[j], saved[j + 1]
+                during, after = act_fwd[j], after_fwd[j]
             else:
                 j = ctx.op_end[r] - 1 - k
                 during, after = act_bwd[j], saved[j]
@@ -259,6 +265,13 @@ def _walk_memory(
             # Held from its upload's start or prefetch's issue to the end of its compute.
             side.append((s, 1, 0, ctx.size[r]))
             side.append((e, 0, 0, -ctx.size[r]))
+    act_host = ctx.act.host
+    if any(act_host):
+        # HOST activations: on the device from the copy back's start until the region's
+        # backward, whose levels count them from its start ([Note: activations]).
+        for r in range(n_reg):
+            if act_host[r] and out.act_h2d_start[r] > NEVER:
+                side.append((out.act_h2d_start[r], 1, ctx.act.saved_bytes[r], 0))
     heapq.heapify(side)
     act = 0
     grads = 0
@@ -289,10 +302,33 @@ def _walk_memory(
             act = ctx.act_fwd[j]
             emit(ts)
             flush(te, inclusive=False)
-            act = saved[j + 1]
+            act = ctx.saved_after[j]
             emit(te)
+        if act_host[r]:
+            # Its saved bytes wait for their copy down, counted with the gradients.
+            act = saved[ctx.op_start[r]]
+            grads += ctx.act.saved_bytes[r]
+            emit(out.ce_f[r])
+            heapq.heappush(side, (out.act_d2h_end[r], 0, -ctx.act.saved_bytes[r], 0))
     adds = {r: nbytes for r, _, _, nbytes in out.grads}
     for r in range(n_reg - 1, -1, -1):
+        if out.recompute_start[r] > NEVER:
+            # The forward again: its levels as in a forward ([Note: activations]).
+            rs = out.recompute_start[r]
+            offs = ctx.fwd_offsets[r]
+            for k, off in enumerate(offs):
+                j = ctx.op_start[r] + k
+                ts = rs + off
+                te = rs + offs[k + 1] if k + 1 < len(offs) else out.cs_b[r]
+                flush(ts)
+                act = ctx.act_fwd[j]
+                emit(ts)
+                flush(te, inclusive=False)
+                act = ctx.saved_after[j]
+                emit(te)
+        if act_host[r] and out.act_h2d_start[r] > NEVER:
+            flush(out.cs_b[r])
+            grads -= ctx.act.saved_bytes[r]  # from here on the backward's levels
         start = out.cs_b[r]
         offs = out.bwd_offsets[r]
         for k, off in enumerate(offs):

@@ -20,6 +20,8 @@ from offload_solver.simulators._stream import StreamWork
 from offload_solver.simulators._timeline import (
     ASYNC,
     CODES,
+    KIND_ACT_FETCH,
+    KIND_ACT_OFFLOAD,
     KIND_BWD,
     KIND_DEVICE_STEP,
     KIND_FWD,
@@ -27,6 +29,7 @@ from offload_solver.simulators._timeline import (
     KIND_HOST_STEP,
     KIND_PREFETCH,
     KIND_PUBLISH,
+    KIND_RECOMPUTE,
     KIND_UPLOAD,
     LANE_COMPUTE,
     LANE_D2H,
@@ -102,6 +105,11 @@ class _Step:
         out.h2d_free_after_b, out.h2d_pos_after_b = [0.0] * n_reg, [0] * n_reg
         out.update_end = [NEVER] * n_reg
         out.param_upload_end = [NEVER] * n_reg
+        out.recompute_start = [NEVER] * n_reg
+        out.act_d2h_end = [NEVER] * n_reg
+        out.act_h2d_start = [NEVER] * n_reg
+        self.act_fetch_task = [-1] * n_reg
+        """Per HOST region, the task copying its activations back ([Note: activations])."""
         self.pf_issue = [0.0] * n_reg
         """When each region's current prefetch was issued."""
         self.lanes = Lanes(out, ctx.upload_s)
@@ -227,6 +235,15 @@ class _Step:
         lanes.t = out.ce_f[r] = e
         if c:
             out.lifetimes[r].append((life_start, e))
+        act = self.ctx.act
+        if act.host[r]:
+            # Its activations go down after its forward ([Note: activations]).
+            s = e if e > lanes.d2h_free else lanes.d2h_free
+            d = s + act.d2h_s[r]
+            lanes.last_d = lanes.add(
+                LANE_D2H, r, KIND_ACT_OFFLOAD, s, d, lanes.last_d, out.f_task[r]
+            )
+            lanes.d2h_free = out.act_d2h_end[r] = d
 
     # ---- backward
 
@@ -242,6 +259,8 @@ class _Step:
         up, bwd_s, add = ctx.upload_s, self.bwd_s, lanes.add
         saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
         region_max, pf_issue = ctx.act_bwd_region_max, self.pf_issue
+        recompute, act_host = ctx.act.recompute, ctx.act.host
+        act_host_any = any(act_host)
         by_host: list[list[int]] = [[] for _ in range(n_reg)]
         for i in range(n_reg - 1, -1, -1):
             if codes[i] == ASYNC:
@@ -278,6 +297,13 @@ class _Step:
                 )
                 lanes.h2d_order.append(lanes.last_h)
                 lanes.h2d_free = e
+            if act_host_any:
+                # Activations of HOST regions come back one region ahead, after the
+                # parameter prefetches issued here; the last region's at its own start.
+                if r == n_reg - 1 and act_host[r]:
+                    self._fetch_activations(r, reach)
+                if r > 0 and act_host[r - 1]:
+                    self._fetch_activations(r - 1, reach)
             out.h2d_free_after_b[r] = lanes.h2d_free
             out.h2d_pos_after_b[r] = len(lanes.h2d_order)
             c = codes[r]
@@ -293,6 +319,20 @@ class _Step:
                 pe = lanes.end[wait_task]
                 if pe > lanes.t:
                     lanes.t = pe
+            if act_host_any and act_host[r]:
+                fetch = self.act_fetch_task[r]
+                if lanes.end[fetch] > lanes.t:
+                    lanes.t = lanes.end[fetch]
+                    wait_task = fetch
+            if recompute[r]:
+                # The forward again, parameters on the device ([Note: activations]).
+                e = lanes.t + ctx.fwd_s[r]
+                out.recompute_start[r] = lanes.t
+                lanes.last_c = add(
+                    LANE_COMPUTE, r, KIND_RECOMPUTE, lanes.t, e, lanes.last_c, wait_task
+                )
+                lanes.t = e
+                wait_task = -1
             start = out.cs_b[r] = lanes.t
             end = start + bwd_s[r]
             lanes.last_c = out.b_task[r] = add(
@@ -320,6 +360,21 @@ class _Step:
             if c:
                 out.lifetimes[r].append((life_start, end))
         self.dyn = dyn
+
+    def _fetch_activations(self, r: int, reach: float) -> None:
+        """Issue the copy back of HOST region r's activations at ``reach``, on the H2D
+        lane, no earlier than its copy down's end ([Note: activations])."""
+        lanes, out = self.lanes, self.out
+        s = reach if reach > lanes.h2d_free else lanes.h2d_free
+        if out.act_d2h_end[r] > s:
+            s = out.act_d2h_end[r]
+        e = s + self.ctx.act.h2d_s[r]
+        lanes.last_h = self.act_fetch_task[r] = lanes.add(
+            LANE_H2D, r, KIND_ACT_FETCH, s, e, lanes.last_h, lanes.last_c
+        )
+        lanes.h2d_order.append(lanes.last_h)
+        lanes.h2d_free = e
+        out.act_h2d_start[r] = s
 
     def _copy_gradient(self, r: int, end: float) -> int:
         """Region r's gradient copy down after its backward ends at ``end``; returns the

@@ -24,6 +24,7 @@ KIND_GRAD_OFFLOAD, KIND_HOST_STEP, KIND_DEVICE_STEP, KIND_PARAM_UPLOAD = 4, 5, 6
 KIND_GRAD_WIDEN, KIND_PUBLISH = 8, 9
 KIND_STREAM_UP, KIND_STREAM_STEP, KIND_STREAM_DOWN, KIND_STREAM_CONTENTION = 10, 11, 12, 13
 KIND_STREAM_STAGE = 14
+KIND_RECOMPUTE, KIND_ACT_OFFLOAD, KIND_ACT_FETCH = 15, 16, 17
 KINDS = (
     "fwd",
     "bwd",
@@ -40,6 +41,9 @@ KINDS = (
     "stream_down",
     "stream_contention",
     "stream_stage",
+    "recompute",
+    "act_offload",
+    "act_fetch",
 )
 
 NEVER = float("-inf")
@@ -90,6 +94,13 @@ class EngineRun:
         self.h2d_pos_after_b: list[int] = []
         """Number of H2D tasks issued up to and including region r's backward start."""
         self.h2d_order: list[int] = []
+        self.recompute_start: list[float] = []
+        """Per region, when its forward's recomputation starts before its backward
+        (RECOMPUTE, [Note: activations] in ``_activations``); ``-inf`` if none."""
+        self.act_d2h_end: list[float] = []
+        """Per region, when its activations' copy down ends (HOST); ``-inf`` if none."""
+        self.act_h2d_start: list[float] = []
+        """Per region, when its activations' copy back starts (HOST); ``-inf`` if none."""
         self.lifetimes: list[list[tuple[float, float]]] = []
         self.grads: list[tuple[int, float, float, int]] = []
         """(region, added, copied, bytes) of each gradient waiting on the device for its copy."""

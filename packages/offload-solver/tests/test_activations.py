@@ -1,0 +1,249 @@
+"""Activation handling in plans: the simulator's pricing of RECOMPUTE and HOST regions
+([Note: activations] in ``simulators._activations``) and the solver's choice of them
+(``solve(..., activations=True)``, [Note: activation search] in ``solvers._activations``).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from solver_helpers import flat_hardware
+
+from offload_solver import (
+    ActivationPlacement,
+    HardwareProfile,
+    ModelProfile,
+    Operation,
+    Parameter,
+    ParamPlacement,
+    Plan,
+    SimulationContext,
+    StatePlacement,
+    get_simulator,
+    solve,
+)
+from offload_solver.simulators import RegionAssignment, SimulationResult
+from offload_solver.solve import BUDGET_SAFETY_FACTOR, InfeasibleBudgetError, least_budget_bytes
+from offload_solver.solvers._activations import least_peak
+from offload_solver.solvers._search import SolveStats
+
+KEEP, RECOMPUTE, HOST = (
+    ActivationPlacement.KEEP,
+    ActivationPlacement.RECOMPUTE,
+    ActivationPlacement.HOST,
+)
+N = 8
+SAVED, OUT = 100_000, 10_000
+
+
+def act_chain(n: int = N) -> ModelProfile:
+    """A chain as ``solver_helpers.chain`` builds one, whose activations dominate: per
+    operation a 200-byte parameter, 100 kB saved for backward, a 10 kB output (the next
+    region's boundary input), 1000 FLOP forward, 2000 backward."""
+    params = tuple(Parameter(f"w{i}", 100, 200) for i in range(n))
+    ops = tuple(
+        Operation(
+            f"op{i}",
+            (f"w{i}",),
+            fwd_out_bytes=OUT,
+            saved_bytes=SAVED,
+            fwd_flop=1000,
+            bwd_flop=2000,
+        )
+        for i in range(n)
+    )
+    return ModelProfile("act_chain", params, ops, host_grad_bytes_per_param=0)
+
+
+def slow_copies() -> HardwareProfile:
+    """Copies of a region's activations (5 s) cost more than its forward (1 s)."""
+    return flat_hardware(h2d_bytes_per_s=2e4, d2h_bytes_per_s=2e4, flop_per_s=1000.0)
+
+
+def fast_copies() -> HardwareProfile:
+    """Copies of a region's activations (0.1 s) hide under the compute."""
+    return flat_hardware(h2d_bytes_per_s=1e6, d2h_bytes_per_s=1e6, flop_per_s=1000.0)
+
+
+def _solve(hw: HardwareProfile, budget: int, **kwargs: object) -> Plan:
+    return solve(act_chain(), hw, budget, block_search_range_bytes=0, **kwargs)  # type: ignore[arg-type]
+
+
+def _least(hw: HardwareProfile, activations: bool) -> int:
+    with pytest.raises(InfeasibleBudgetError) as e:
+        _solve(hw, 1000, activations=activations)
+    return e.value.least_budget_bytes
+
+
+def _ctx(hw: HardwareProfile) -> SimulationContext:
+    return SimulationContext.build(act_chain(), hw, block_search_range_bytes=0)
+
+
+def _count(plan: Plan, mode: ActivationPlacement) -> int:
+    return sum(r.activations is mode for r in plan.regions)
+
+
+def test_bounds_order_and_the_error_names_the_all_recompute_budget() -> None:
+    hw = slow_copies()
+    keep, rec = _least(hw, False), _least(hw, True)
+    assert rec < keep
+    with pytest.raises(InfeasibleBudgetError) as e:
+        _solve(hw, rec - 1, activations=True)
+    ctx = _ctx(hw)
+    every = ctx.with_activations([RECOMPUTE] * ctx.num_regions)
+    peak = least_peak(every, get_simulator("async"), SolveStats())
+    assert e.value.least_budget_bytes == rec == least_budget_bytes(peak)
+    assert str(rec) in str(e.value) and "recomputed" in str(e.value)
+    plan = _solve(hw, rec, activations=True)  # the least budget named works
+    assert plan.predicted_peak_bytes <= rec * BUDGET_SAFETY_FACTOR
+
+
+def test_a_budget_between_the_bounds_recomputes_some_regions() -> None:
+    hw = slow_copies()
+    keep, rec = _least(hw, False), _least(hw, True)
+    budget = (keep + rec) // 2
+    with pytest.raises(InfeasibleBudgetError):
+        _solve(hw, budget)
+    plan = _solve(hw, budget, activations=True)
+    assert 0 < _count(plan, RECOMPUTE) + _count(plan, HOST) < N
+    assert plan.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR
+    # The plan's prediction is a simulation of its own choices.
+    ctx = _ctx(hw).with_activations([r.activations for r in plan.regions])
+    asg = [RegionAssignment(r.placement, r.state, r.prefetch_at) for r in plan.regions]
+    sim = get_simulator("async").simulate(ctx, asg)
+    assert sim.peak_bytes == plan.predicted_peak_bytes
+    assert sim.steady_step_time_s == plan.predicted_step_time_s
+
+
+def test_fewer_regions_recompute_as_the_budget_grows_and_beat_recomputing_all() -> None:
+    hw = slow_copies()
+    keep, rec = _least(hw, False), _least(hw, True)
+    ctx = _ctx(hw)
+    every = ctx.with_activations([RECOMPUTE] * ctx.num_regions)
+    fastest = [RegionAssignment(ParamPlacement.RESIDENT, StatePlacement.DEVICE)] * N
+    all_recompute_s = get_simulator("async").simulate(every, fastest).steady_step_time_s
+    counts = []
+    for share in (0.25, 0.5, 0.75):
+        plan = _solve(hw, int(rec + share * (keep - rec)), activations=True)
+        counts.append(_count(plan, RECOMPUTE))
+        assert _count(plan, HOST) == 0  # slow copies: recomputing is cheaper
+        assert plan.predicted_step_time_s < all_recompute_s
+    assert counts[0] > counts[1] > counts[2] > 0
+
+
+def test_fast_copies_send_activations_to_the_host() -> None:
+    hw = fast_copies()
+    keep, rec = _least(hw, False), _least(hw, True)
+    budget = (keep + rec) // 2
+    plan = _solve(hw, budget, activations=True)
+    assert _count(plan, HOST) > 0
+    assert plan.predicted_peak_bytes <= budget * BUDGET_SAFETY_FACTOR
+    kinds = {(iv.stream.value, iv.kind) for iv in plan.timeline}
+    assert {("d2h", "act_offload"), ("h2d", "act_fetch")} <= kinds
+
+
+def _simulate(
+    hw: HardwareProfile, acts: list[ActivationPlacement], simulator: str = "async"
+) -> SimulationResult:
+    ctx = _ctx(hw).with_activations(acts)
+    return get_simulator(simulator).simulate(ctx, [RegionAssignment()] * N)
+
+
+@pytest.mark.parametrize("simulator", ["async", "sync"])
+def test_a_recomputed_region_runs_its_forward_again_before_its_backward(simulator: str) -> None:
+    hw = slow_copies()
+    r = 3
+    acts = [KEEP] * N
+    acts[r] = RECOMPUTE
+    keep, rec = _simulate(hw, [KEEP] * N, simulator), _simulate(hw, acts, simulator)
+    on = [iv for iv in rec.timeline if iv.region == r and iv.stream.value == "compute"]
+    by_kind = {iv.kind: iv for iv in on}
+    again, fwd, bwd = by_kind["recompute"], by_kind["fwd"], by_kind["bwd"]
+    assert again.end_s - again.start_s == pytest.approx(fwd.end_s - fwd.start_s)
+    assert again.end_s == pytest.approx(bwd.start_s)
+    assert not any(iv.kind == "recompute" for iv in keep.timeline)
+    assert rec.step_time_s == pytest.approx(keep.step_time_s + (fwd.end_s - fwd.start_s))
+    # Between its forward and backward it holds its boundary input, not its saved bytes.
+    assert keep.peak_bytes - rec.peak_bytes == SAVED - OUT
+
+
+def test_a_host_region_copies_its_saved_bytes_down_and_back() -> None:
+    hw = fast_copies()  # the copy down ends before the backward starts
+    r = 2
+    acts = [KEEP] * N
+    acts[r] = HOST
+    res = _simulate(hw, acts)
+    mine = {iv.kind: iv for iv in res.timeline if iv.region == r}
+    down, back = mine["act_offload"], mine["act_fetch"]
+    assert down.stream.value == "d2h" and back.stream.value == "h2d"
+    assert down.start_s == pytest.approx(mine["fwd"].end_s)
+    assert down.end_s - down.start_s == pytest.approx(SAVED / 1e6)
+    assert back.end_s - back.start_s == pytest.approx(SAVED / 1e6)
+    assert back.end_s <= mine["bwd"].start_s
+    # Issued at the next region's backward start, or its copy down's end.
+    nxt = next(iv for iv in res.timeline if iv.region == r + 1 and iv.kind == "bwd")
+    assert back.start_s == pytest.approx(max(nxt.start_s, down.end_s))
+    keep = _simulate(hw, [KEEP] * N)
+    assert res.peak_bytes == keep.peak_bytes - SAVED
+    # The saved bytes are off the device from the copy down's end to the copy back's start.
+    gap = [m.bytes for m in res.memory_curve if down.end_s < m.time_s < back.start_s]
+    on_keep = [m.bytes for m in keep.memory_curve if down.end_s < m.time_s < back.start_s]
+    assert gap and max(gap) <= max(on_keep) - SAVED
+
+
+def test_budgets_that_fit_with_activations_kept_give_the_same_plan() -> None:
+    hw = slow_copies()
+    keep = _least(hw, False)
+    for budget in (keep, 2 * keep):
+        a = json.loads(_solve(hw, budget).to_json())
+        b = json.loads(_solve(hw, budget, activations=True).to_json())
+        for doc in (a, b):
+            doc.pop("solve_time_s")
+        assert a == b
+
+
+def test_plans_are_deterministic_and_read_back() -> None:
+    hw = fast_copies()
+    keep, rec = _least(hw, False), _least(hw, True)
+    budget = (keep + 2 * rec) // 3
+    docs = [json.loads(_solve(hw, budget, activations=True).to_json()) for _ in range(2)]
+    for doc in docs:
+        doc.pop("solve_time_s")
+    assert docs[0] == docs[1]
+    plan = _solve(hw, budget, activations=True)
+    again = Plan.from_json(plan.to_json())
+    assert [r.activations for r in again.regions] == [r.activations for r in plan.regions]
+    assert any(r.activations is not KEEP for r in again.regions)
+
+
+def test_the_command_line_option(
+    tmp_path: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from offload_solver.cli import main
+
+    path = tmp_path / "profile.json"  # type: ignore[operator]
+    path.write_text(act_chain().to_json())
+    args = [str(path), "--budget", "500000", "--block-search-range", "0"]
+    assert main(args) == 2  # activations kept: too small
+    assert main([*args, "--activations"]) == 0
+    assert "activations recompute" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("in_use", [0, 5 * 2**20])
+def test_the_least_budget_named_works_on_the_gpt_like_profile(in_use: int) -> None:
+    from pathlib import Path
+
+    from offload_solver import default_hardware
+
+    text = (Path(__file__).parent / "data" / "gpt_like.profile.json").read_text()
+    profile, hw = ModelProfile.from_json(text), default_hardware()
+    kwargs = {"device_bytes_in_use": in_use, "activations": True}
+    with pytest.raises(InfeasibleBudgetError) as kept:
+        solve(profile, hw, 2**20, device_bytes_in_use=in_use)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(profile, hw, 2**20, **kwargs)  # type: ignore[arg-type]
+    least = e.value.least_budget_bytes
+    assert least <= kept.value.least_budget_bytes
+    plan = solve(profile, hw, least, **kwargs)  # type: ignore[arg-type]
+    assert plan.predicted_peak_bytes <= least * BUDGET_SAFETY_FACTOR
