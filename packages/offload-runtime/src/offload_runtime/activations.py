@@ -11,26 +11,32 @@ taken over: the module holds them anyway, and the controller already uploads an 
 region's parameters again before its backward unpacks them.
 
 [Note: recomputed regions]
-Region ``r`` with RECOMPUTE runs its forward under a *frame* that the graph pass opens
-right before its first operation (``offload_activations`` node): the frame records the
-values the region's operations read from outside the region (its inputs, parameters
-read by ``get_attr`` included) and the CPU and device random-number states. Each tensor
-the region then saves is dropped: autograd keeps a :class:`_Handle` (the frame and the
-tensor's position among the region's saves) instead. The first handle unpacked in
-backward runs the region's operations again, with the same fx nodes (an ``Interpreter``
-over the region's op range), from detached copies of the inputs that require grad as the
-originals did, under the recorded random-number states (restored afterwards, so the
-generators end where they were), with grad enabled and hooks that keep the saved tensors
-at the positions that were dropped. Each recomputed tensor is handed to the backward once
-and forgotten, so they are freed as the backward proceeds; a second backward through a
-retained graph recomputes again. This is torch.utils.checkpoint's non-reentrant scheme
-(``use_reentrant=False, preserve_rng_state=True``) applied to an op range of the one graph
-instead of a split-out function: the graph and its offload nodes stay as they are, and
-the controller's own hooks (uploads before backward, frozen-parameter counts) keep
-working, which a nested checkpoint's hooks would hide. The parameters are on the device
-during recomputation: the controller's unpack hook runs ``pre_backward`` (the region's
-upload) before it hands the handle here. The frame lives as long as a handle refers to it,
-that is, as long as autograd holds one of the region's saved tensors.
+Mechanism: saved-tensor hooks over the region's op range of the one traced graph, the
+scheme of torch.utils.checkpoint with ``use_reentrant=False, preserve_rng_state=True``.
+The graph is not split per region: its offload nodes and op-range indices stay as they
+are, and the controller's hooks (the upload before a region's backward, the counts of
+frozen parameters) keep seeing the region's saves, which the hooks of a nested
+``checkpoint`` call would hide from them.
+
+Forward: a node the graph pass puts right before region ``r``'s first operation
+(``offload_activations``) opens a *frame* that records the values the region's operations
+read from outside it (its inputs, parameters read by ``get_attr`` included), the CPU and
+device random-number states and the autocast setting. Each tensor the region then saves,
+other than a parameter or buffer, is dropped: autograd keeps a :class:`_Handle` (the
+frame and the tensor's position among the region's saves) instead.
+
+Backward: the controller's unpack hook first runs ``pre_backward`` for the region (so an
+offloaded region's parameters are uploaded again), then hands the handle here. The first
+handle unpacked runs the region's fx nodes again (an ``Interpreter`` over the op range)
+from detached copies of the inputs that require grad as the originals did, under the
+recorded random-number states (restored afterwards, so the generators end where plain
+training leaves them) and autocast setting, with grad enabled and hooks that keep the
+tensors saved at the dropped positions. Each recomputed tensor is handed to the backward
+once and forgotten, so they are freed as the backward proceeds; a second backward through
+a retained graph recomputes again. The frame lives as long as autograd holds a handle to
+it. A recomputation that saves a different number of tensors than the forward did is an
+error; a region with an operation that may write in place into one of its inputs is
+refused when the graph pass registers it (a recomputation would read the changed value).
 
 [Note: activations in host memory]
 Region ``r`` with HOST keeps the tensors it saves in its frame during the forward (one
@@ -87,6 +93,18 @@ class _Program:
                 if arg not in inside:
                     inputs[arg] = None
         self.inputs = list(inputs)
+        for node in self.body:
+            schema = getattr(node.target, "_schema", None)
+            if (
+                schema is not None
+                and schema.is_mutable
+                and set(node.all_input_nodes) & inputs.keys()
+            ):
+                raise ValueError(
+                    f"region {region} cannot be recomputed: its operation {node.name} "
+                    f"({node.target}) may write into a value the region reads from outside, "
+                    "which a recomputation would read changed; keep its activations instead"
+                )
         self.interpreter = fx.Interpreter(gm, garbage_collect_values=False)
 
 
@@ -102,6 +120,8 @@ class _Frame:
         self.program: _Program | None = None
         self.inputs: tuple[Any, ...] = ()
         self.rng: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.autocast: torch.dtype | None = None
+        """The device's autocast dtype where the forward ran under autocast."""
         self.dropped: set[int] = set()
         self.recomputed: dict[int, torch.Tensor] = {}
         # HOST
@@ -189,6 +209,9 @@ class SavedActivations:
             frame.inputs = inputs
             cuda = torch.cuda.get_rng_state(self.device) if self.streams.is_cuda else None
             frame.rng = (torch.get_rng_state(), cuda)
+            kind = self.device.type
+            if torch.is_autocast_enabled(kind):
+                frame.autocast = torch.get_autocast_dtype(kind)
         self._open[r] = frame
         self._recent = [ref for ref in self._recent if ref() is not None]
         self._recent.append(weakref.ref(frame))
@@ -309,7 +332,9 @@ class SavedActivations:
         cpu_state, cuda_state = frame.rng
         devices = [self.device] if cuda_state is not None else []
         interpreter = program.interpreter
-        with torch.random.fork_rng(devices=devices), torch.enable_grad():
+        kind = self.device.type
+        cast = torch.autocast(kind, frame.autocast or torch.float32, frame.autocast is not None)
+        with torch.random.fork_rng(devices=devices), torch.enable_grad(), cast:
             torch.set_rng_state(cpu_state)
             if cuda_state is not None:
                 torch.cuda.set_rng_state(cuda_state, self.device)
