@@ -247,3 +247,84 @@ def test_a_retained_graph_runs_backward_twice(
         torch.testing.assert_close(grads[name], 2 * ref, rtol=1e-5, atol=1e-7, msg=name)
     assert module.controller.activations.stats["recomputes"] == 6
     module.close()
+
+
+def test_host_tensors_come_back_when_the_next_region_starts_its_backward(
+    setup: tuple[torch.nn.Module, dict[str, torch.Tensor], PlannedModel],
+) -> None:
+    model, inp, base = setup
+    modes = MIXES["host"]
+    module = with_activations(model, base, modes)
+    controller = module.controller
+    acts = controller.activations
+    order: list[tuple[str, int]] = []
+    pre_backward, fetch = controller.pre_backward, acts._fetch
+
+    def logged_pre_backward(r: int) -> None:
+        order.append(("backward", r))
+        pre_backward(r)
+
+    def logged_fetch(frame: object, indices: object) -> None:
+        order.append(("fetch", frame.region))  # type: ignore[attr-defined]
+        fetch(frame, indices)  # type: ignore[arg-type]
+
+    controller.pre_backward = logged_pre_backward  # type: ignore[method-assign]
+    acts._fetch = logged_fetch  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    module.backward(loss_of(module(**inp), inp["input_ids"]))
+    fetched = [r for kind, r in order if kind == "fetch"]
+    assert sorted(fetched) == sorted(modes)  # each HOST region's tensors once
+    for r in modes:
+        at = order.index(("fetch", r))
+        # Issued at the backward start of region r + 1 (or of r itself for the last
+        # region), and before r's backward starts when r + 1 comes first.
+        assert order[at - 1] in (("backward", r + 1), ("backward", r)), order
+        if r + 1 < len(base.plan.regions):
+            assert order.index(("backward", r + 1)) < at
+    module.close()
+
+
+class BatchNormed(torch.nn.Module):
+    """Linear, batch norm, linear: training mode updates the norm's running statistics
+    (and counts batches) in place, buffers its regions read from outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.bn(self.a(x)))  # type: ignore[no-any-return]
+
+
+def test_a_region_that_updates_what_it_reads_in_place_is_not_recomputed() -> None:
+    torch.manual_seed(0)
+    model = BatchNormed()
+    inp = {"x": torch.randn(4, 8)}
+    base = plan_model(
+        model,
+        inp,
+        2**30,
+        "asyn",
+        config=OffloadConfig(dtype=torch.float32),
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        force=PlanForce(block_search_range_bytes=0),
+    )
+    # Recomputing would count the batch, and update the running statistics, twice.
+    with pytest.raises(ValueError, match="cannot be recomputed"):
+        with_activations(model, base, dict.fromkeys(range(3), RECOMPUTE))
+    # Holding its activations on the host changes nothing of the kind.
+    module = with_activations(model, base, dict.fromkeys(range(3), HOST))
+    module.backward(module(**inp).square().sum())
+    model(**inp).square().sum().backward()  # type: ignore[no-untyped-call]
+    grads = dict(module.named_gradients())
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        torch.testing.assert_close(grads[name], param.grad, rtol=1e-5, atol=1e-7, msg=name)
+    state = module.state_dict()
+    for name, buf in model.named_buffers():
+        torch.testing.assert_close(state[name], buf, msg=name)
+    module.close()

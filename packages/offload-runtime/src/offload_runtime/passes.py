@@ -184,8 +184,9 @@ def insert_activation_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """RECOMPUTE and HOST regions: the controller's saved-tensor hooks around their forward
     (enter/exit nodes), as around the forward of the region after a HOST region (its
     backward start brings the HOST region's tensors back), and a frame node right before
-    each one's first operation, after its enter node, that passes the values the region
-    reads from outside it (see the notes in activations.py)."""
+    each one's first operation, after its enter node, that opens the region's frame (for
+    RECOMPUTE, with the values the region reads from outside it; see the notes in
+    activations.py)."""
     controller = _controller(gm.meta[META_CONTROLLER])
     acts = controller.activations
     hooked = [rp.region.index for rp in plan.regions if acts.hooked(rp.region.index)]
@@ -197,7 +198,11 @@ def insert_activation_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
         if rp.activations is ActivationPlacement.KEEP or _has_marker(gm, offload_activations, r):
             continue
         first, last = _region_bounds(gm, plan, r)
-        program, inputs = acts.add_program(gm, r, first, last, markers)
+        # A HOST frame needs neither the region's operations nor their inputs.
+        program = -1
+        inputs: list[fx.Node] = []
+        if rp.activations is ActivationPlacement.RECOMPUTE:
+            program, inputs = acts.add_program(gm, r, first, last, markers)
         with gm.graph.inserting_before(first):
             gm.graph.call_function(
                 offload_activations, (gm.meta[META_CONTROLLER], r, program, *inputs)
