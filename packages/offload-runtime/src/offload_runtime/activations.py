@@ -105,6 +105,18 @@ class _Program:
                     f"({node.target}) may write into a value the region reads from outside, "
                     "which a recomputation would read changed; keep its activations instead"
                 )
+        # Values a recomputation can drop after each body node: those it reads for the
+        # last time there, and its own result when nothing later in the region reads it
+        # (what a recomputation needs are the saved tensors, which its hooks hold).
+        final_use: dict[fx.Node, fx.Node] = {}
+        for node in self.body:
+            final_use[node] = node
+            for arg in node.all_input_nodes:
+                final_use[arg] = node
+        self.drop_after: list[list[fx.Node]] = [[] for _ in self.body]
+        position = {node: i for i, node in enumerate(self.body)}
+        for value, user in final_use.items():
+            self.drop_after[position[user]].append(value)
         self.interpreter = fx.Interpreter(gm, garbage_collect_values=False)
 
 
@@ -341,8 +353,10 @@ class SavedActivations:
             _push_saved_tensors_default_hooks(keep, never)
             try:
                 interpreter.env = env
-                for node in program.body:
+                for node, drop in zip(program.body, program.drop_after, strict=True):
                     env[node] = interpreter.run_node(node)
+                    for value in drop:
+                        del env[value]
             finally:
                 _pop_saved_tensors_default_hooks()
                 interpreter.env = {}
