@@ -275,6 +275,11 @@ class SavedActivations:
         self.stats["host_copies_down"] += len(frame.host)
         self._on_host.setdefault(r, []).append(weakref.ref(frame))
 
+    def close_frames(self) -> None:
+        """After a forward: forget frames a forward that raised left open, so that no
+        later save lands in them."""
+        self._open.clear()
+
     # ---- backward -----------------------------------------------------------------------
 
     def before_backward(self, r: int) -> None:

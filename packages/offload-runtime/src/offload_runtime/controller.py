@@ -304,9 +304,10 @@ class OffloadController:
         self._pushed_region = -1
 
     def pop_all_hooks(self) -> None:
-        """Undo hooks left pushed by a forward that raised."""
+        """Undo hooks (and close activation frames) left open by a forward that raised."""
         while self._hook_depth:
             self._pop_hooks()
+        self.activations.close_frames()
 
     def pre_backward(self, r: int) -> None:
         """Region ``r``'s backward is about to use its saved tensors."""
