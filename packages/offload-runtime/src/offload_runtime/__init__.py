@@ -24,7 +24,13 @@ from offload_runtime.hardware import (
     profile_hardware,
 )
 from offload_runtime.module import OffloadModule
-from offload_runtime.passes import apply_plan, insert_async_ops, insert_state_ops, insert_sync_ops
+from offload_runtime.passes import (
+    apply_plan,
+    insert_activation_ops,
+    insert_async_ops,
+    insert_state_ops,
+    insert_sync_ops,
+)
 from offload_runtime.planning import PlanForce, PlannedModel, build_offload_module, plan_model
 from offload_runtime.storage import RegionStorage, region_of
 
@@ -42,6 +48,7 @@ __all__ = [
     "default_cpu_profile",
     "describe_plan",
     "device_identity",
+    "insert_activation_ops",
     "insert_async_ops",
     "insert_state_ops",
     "insert_sync_ops",

@@ -29,6 +29,7 @@ from torch._C._autograd import (
     _push_saved_tensors_default_hooks,
 )
 
+from offload_runtime.activations import SavedActivations
 from offload_runtime.conversions import copy_up, widen_down
 from offload_runtime.frozen import SavedParams
 from offload_runtime.storage import RegionStorage
@@ -44,20 +45,6 @@ that runs backward."""
 DeviceGradHook = Callable[[int, list[torch.Tensor]], None]
 """Called with a host-state region's index and its training-dtype device gradients just
 before they are copied to the host (see :meth:`OffloadController.add_device_grad_hook`)."""
-
-
-def _take_grads(st: RegionStorage) -> tuple[list[torch.Tensor], list[Any]]:
-    """Detach region ``st``'s training-dtype gradients from its parameters: the gradients
-    present and their layouts, in layout order (``.grad`` is ``None`` afterwards)."""
-    grads = []
-    layouts = []
-    for layout in st.layouts:
-        param = st.params[layout.name]
-        if param.grad is not None:
-            grads.append(param.grad)
-            layouts.append(layout)
-        param.grad = None
-    return grads, layouts
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
@@ -153,6 +140,8 @@ class OffloadController:
         self._received: list[int] = [0] * n
         self._expected = [sum(p.requires_grad for p in st.params.values()) for st in storages]
         self._saved = SavedParams(storages)  # [Note: releasing regions with frozen parameters]
+        # What RECOMPUTE and HOST regions do with their saved tensors (activations.py).
+        self.activations = SavedActivations(plan, storages, streams)
         self._callback_queued = False
         self._hook_depth = 0
         self._grad_hooks: list[GradReadyHook] = []
@@ -278,28 +267,32 @@ class OffloadController:
             self._push_hooks(r)
 
     def end_forward(self, r: int) -> None:
+        self.activations.end_forward(r)
         if self._hook_depth and self._pushed_region == r:
             self._pop_hooks()
         self.release(r)
 
     def _needs_backward_trigger(self, r: int) -> bool:
-        return self.storages[r].offloaded or r in self.prefetch_at
+        st = self.storages[r]
+        return st.offloaded or r in self.prefetch_at or self.activations.hooked(r)
 
     # ---- backward-side triggers ----------------------------------------------------------
 
     _pushed_region = -1
 
     def _push_hooks(self, r: int) -> None:
-        def pack(t: torch.Tensor) -> tuple[int, torch.Tensor, bool]:
-            return (r, t, self._saved.packed(r, t))
+        acts = self.activations
 
-        def unpack(packed: tuple[int, torch.Tensor, bool]) -> torch.Tensor:
-            region, t, counted = packed
+        def pack(t: torch.Tensor) -> tuple[int, Any, bool]:
+            return (r, acts.pack(r, t), self._saved.packed(r, t))
+
+        def unpack(packed: tuple[int, Any, bool]) -> torch.Tensor:
+            region, value, counted = packed
             if region not in self._bwd_started:
                 self.pre_backward(region)
             if counted:
                 self._saved.unpacked(region, self._expected[region] == 0)
-            return t
+            return acts.unpack(value)
 
         _push_saved_tensors_default_hooks(pack, unpack)
         self._hook_depth += 1
@@ -311,9 +304,10 @@ class OffloadController:
         self._pushed_region = -1
 
     def pop_all_hooks(self) -> None:
-        """Undo hooks left pushed by a forward that raised."""
+        """Undo hooks (and close activation frames) left open by a forward that raised."""
         while self._hook_depth:
             self._pop_hooks()
+        self.activations.close_frames()
 
     def pre_backward(self, r: int) -> None:
         """Region ``r``'s backward is about to use its saved tensors."""
@@ -324,6 +318,7 @@ class OffloadController:
         for q in self.prefetch_at.get(r, ()):
             if q not in self._grads_done:
                 self.prefetch(q)
+        self.activations.before_backward(r)
         if self.storages[r].offloaded:
             self.upload(r)
 
@@ -391,7 +386,7 @@ class OffloadController:
             return
         self._grads_done.add(r)
         st = self.storages[r]
-        grads, views = _take_grads(st)
+        grads, views = st.take_grads()
         if st.host_state:
             self._offload_grads(st, grads, views)
         else:
@@ -404,9 +399,9 @@ class OffloadController:
         self, items: list[tuple[RegionStorage, list[torch.Tensor], list[Any]]]
     ) -> None:
         """Fold device-state regions' training-dtype gradients (with their layouts, as
-        :func:`_take_grads` returns them) into the fp32 accumulators: one copy over every
-        region whose accumulator is logically zero and gets all its gradients, one add over
-        the rest."""
+        :meth:`RegionStorage.take_grads` returns them) into the fp32 accumulators: one copy
+        over every region whose accumulator is logically zero and gets all its gradients,
+        one add over the rest."""
         copy_dst: list[torch.Tensor] = []
         copy_src: list[torch.Tensor] = []
         add_dst: list[torch.Tensor] = []
@@ -452,7 +447,7 @@ class OffloadController:
             with torch.no_grad():
                 st.materialize_grad()
             self.stats["staged_grads_widened_late"] += 1
-        # _take_grads keeps the region's layout order, so the gradients cover the whole
+        # take_grads keeps the region's layout order, so the gradients cover the whole
         # region exactly when every parameter has one. Otherwise the copies and the host's
         # add go by each present parameter's (offset, numel).
         present = (
@@ -580,7 +575,7 @@ class OffloadController:
         done = []
         for r in regions:
             st = self.storages[r]
-            grads, layouts = _take_grads(st)
+            grads, layouts = st.take_grads()
             if grads:
                 items.append((st, grads, layouts))
                 done.append(r)

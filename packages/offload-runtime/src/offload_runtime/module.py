@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from offload_runtime.activations import log_activations
 from offload_runtime.attr_reads import flatten_attribute_reads
 from offload_runtime.config import OffloadConfig
 from offload_runtime.controller import OffloadController
@@ -156,6 +157,8 @@ class OffloadModule:
             name: b.to(device, dtype if b.is_floating_point() else b.dtype)
             for name, b in buffers.items()
         }
+        self.controller.activations.keep_storages(self._buffers.values())
+        log_activations(plan, log)
         for gm in (graph_train, graph_eval):
             for target, original in param_targets.items():
                 canon = self._canonical[original]

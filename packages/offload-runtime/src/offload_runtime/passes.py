@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Iterable
+from typing import Any
 
 from torch import fx
 
 from offload_runtime.controller import OffloadController
-from offload_solver import ParamPlacement, Plan, StatePlacement
+from offload_solver import ActivationPlacement, ParamPlacement, Plan, StatePlacement
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +63,15 @@ def offload_prefetch(key: int, region: int) -> None:
     _controller(key).prefetch(region)
 
 
+def offload_activations(key: int, region: int, program: int, *inputs: Any) -> None:
+    """Before region ``region``'s first operation: open the frame that takes over what it
+    saves, with the values it reads from outside (see [Note: recomputed regions] in
+    activations.py)."""
+    _controller(key).activations.begin_region(region, program, inputs)
+
+
 # Inserted nodes have no users; mark them impure so dead-code elimination keeps them.
-for _fn in (offload_enter, offload_exit, offload_prefetch):
+for _fn in (offload_enter, offload_exit, offload_prefetch, offload_activations):
     fx.node.has_side_effect(_fn)
 
 
@@ -172,9 +180,42 @@ def insert_state_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     return gm
 
 
+def insert_activation_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
+    """RECOMPUTE and HOST regions: the controller's saved-tensor hooks around their forward
+    (enter/exit nodes), as around the forward of the region after a HOST region (its
+    backward start brings the HOST region's tensors back), and a frame node right before
+    each one's first operation, after its enter node, that opens the region's frame (for
+    RECOMPUTE, with the values the region reads from outside it; see the notes in
+    activations.py)."""
+    controller = _controller(gm.meta[META_CONTROLLER])
+    acts = controller.activations
+    hooked = [rp.region.index for rp in plan.regions if acts.hooked(rp.region.index)]
+    _insert_enter_exit(gm, plan, hooked)
+    framed = []
+    markers = {offload_enter, offload_exit, offload_prefetch, offload_activations}
+    for rp in plan.regions:
+        r = rp.region.index
+        if rp.activations is ActivationPlacement.KEEP or _has_marker(gm, offload_activations, r):
+            continue
+        first, last = _region_bounds(gm, plan, r)
+        # A HOST frame needs neither the region's operations nor their inputs.
+        program = -1
+        inputs: list[fx.Node] = []
+        if rp.activations is ActivationPlacement.RECOMPUTE:
+            program, inputs = acts.add_program(gm, r, first, last, markers)
+        with gm.graph.inserting_before(first):
+            gm.graph.call_function(
+                offload_activations, (gm.meta[META_CONTROLLER], r, program, *inputs)
+            )
+        framed.append(r)
+    gm.recompile()
+    log.info("activation pass: frames before regions %s, saved-tensor hooks in %s", framed, hooked)
+    return gm
+
+
 def apply_plan(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     """All passes a plan needs, in order."""
-    for pass_fn in (insert_sync_ops, insert_async_ops, insert_state_ops):
+    for pass_fn in (insert_sync_ops, insert_async_ops, insert_state_ops, insert_activation_ops):
         gm = pass_fn(gm, plan)
     return gm
 
@@ -196,9 +237,11 @@ def count_inserted(gm: fx.GraphModule) -> dict[str, int]:
 __all__ = [
     "apply_plan",
     "count_inserted",
+    "insert_activation_ops",
     "insert_async_ops",
     "insert_state_ops",
     "insert_sync_ops",
+    "offload_activations",
     "offload_enter",
     "offload_exit",
     "offload_prefetch",

@@ -261,6 +261,19 @@ class RegionStorage:
                 self.master_views[layout.name].grad = self.grad_views[layout.name]
             _OWNER[self.master_views[layout.name]] = weakref.ref(self)
 
+    def take_grads(self) -> tuple[list[torch.Tensor], list[ParamLayout]]:
+        """Detach the training-dtype gradients from the parameters: the gradients present
+        and their layouts, in layout order (``.grad`` is ``None`` afterwards)."""
+        grads = []
+        layouts = []
+        for layout in self.layouts:
+            param = self.params[layout.name]
+            if param.grad is not None:
+                grads.append(param.grad)
+                layouts.append(layout)
+            param.grad = None
+        return grads, layouts
+
     def staging(self) -> torch.Tensor:
         """The pinned training-dtype gradient staging buffer, allocated at first use.
 
