@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from offload_runtime import OffloadConfig, OffloadModule, PlanForce
 from offload_runtime.hardware import default_cpu_profile
 from offload_runtime.planning import PlannedModel, build_offload_module, plan_model
-from offload_solver import ActivationPlacement, ParamPlacement
+from offload_solver import ActivationPlacement, InfeasibleBudgetError, ParamPlacement
 
 KEEP = ActivationPlacement.KEEP
 RECOMPUTE = ActivationPlacement.RECOMPUTE
@@ -327,4 +327,56 @@ def test_a_region_that_updates_what_it_reads_in_place_is_not_recomputed() -> Non
     state = module.state_dict()
     for name, buf in model.named_buffers():
         torch.testing.assert_close(state[name], buf, msg=name)
+    module.close()
+
+
+def _plan_at(
+    model: torch.nn.Module, inp: dict[str, torch.Tensor], budget: int, **force: object
+) -> PlannedModel:
+    return plan_model(
+        model,
+        inp,
+        budget,
+        "asyn",
+        config=OffloadConfig(dtype=torch.float32, fuse_gelu=False),
+        hardware=default_cpu_profile(),
+        device="cpu",
+        progress=False,
+        force=PlanForce(block_search_range_bytes=0, **force),  # type: ignore[arg-type]
+    )
+
+
+def _least_budget(model: torch.nn.Module, inp: dict[str, torch.Tensor], **force: object) -> int:
+    with pytest.raises(InfeasibleBudgetError) as info:
+        _plan_at(model, inp, 1, **force)
+    return info.value.least_budget_bytes
+
+
+def test_planner_moves_activations_where_keeping_them_does_not_fit(
+    setup: tuple[torch.nn.Module, dict[str, torch.Tensor], PlannedModel],
+) -> None:
+    """Between the least budget with every region's activations kept and the least with
+    every region's recomputed, the planner recomputes or moves some regions' activations,
+    and the module it builds trains exactly as plain PyTorch with dropout on."""
+    model, inp, _ = setup
+    keep_least = _least_budget(model, inp, activations=False)
+    least = _least_budget(model, inp)
+    assert least < keep_least
+    budget = (least + keep_least) // 2
+    with pytest.raises(InfeasibleBudgetError):
+        _plan_at(model, inp, budget, activations=False)
+    planned_model = _plan_at(model, inp, budget)
+    modes = [rp.activations for rp in planned_model.plan.regions]
+    assert any(m is not KEEP for m in modes)
+    assert any(m is KEEP for m in modes), "a budget above the least should keep some"
+    assert planned_model.plan.predicted_peak_bytes <= budget
+    module = build_offload_module(model, planned_model)
+    ref_logits, ref_grads = plain_gradients(model, inp, seed=11)
+    torch.manual_seed(11)
+    logits = module(**inp)
+    module.backward(loss_of(logits, inp["input_ids"]))
+    torch.testing.assert_close(logits.detach(), ref_logits, rtol=1e-5, atol=1e-7)
+    grads = dict(module.named_gradients())
+    for name, ref in ref_grads.items():
+        torch.testing.assert_close(grads[name], ref, rtol=1e-5, atol=1e-7, msg=name)
     module.close()

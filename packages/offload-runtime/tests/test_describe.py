@@ -15,7 +15,7 @@ from tiny_models import inputs, tiny_gpt2
 from offload_runtime import OffloadConfig, PlanForce, default_cpu_profile, describe_plan
 from offload_runtime.api import describe_options, print_summary, speculating_regions, summary_line
 from offload_runtime.planning import plan_model
-from offload_solver import ParamPlacement, Plan, PlanOptions, StatePlacement
+from offload_solver import ActivationPlacement, ParamPlacement, Plan, PlanOptions, StatePlacement
 
 MiB = 2**20
 
@@ -73,16 +73,16 @@ def test_the_table_groups_regions_that_agree_and_marks_those_that_speculate() ->
     lines = describe_plan(plan).splitlines()
     assert lines[0] == f"plan: {describe_options(plan)}"
     assert lines[1].startswith("  regions    param MB  parameters")
-    assert lines[1].endswith("optimizer state  speculative")
+    assert lines[1].endswith("optimizer state  speculative  activations")
 
     def mb(*i: int) -> str:
         return f"{sum(r[k].region.size_bytes for k in i) / MiB:.3f}"
 
     assert [line.split() for line in lines[2:]] == [
-        ["0-1", mb(0, 1), "resident", "device", "-"],
-        ["2", mb(2), "offloaded", "(sync)", "host", "no"],
-        ["3-4", mb(3, 4), "offloaded", "(async)", "host", "yes"],
-        ["5", mb(5), "offloaded", "(async)", "streamed", "-"],
+        ["0-1", mb(0, 1), "resident", "device", "-", "keep"],
+        ["2", mb(2), "offloaded", "(sync)", "host", "no", "keep"],
+        ["3-4", mb(3, 4), "offloaded", "(async)", "host", "yes", "keep"],
+        ["5", mb(5), "offloaded", "(async)", "streamed", "-", "keep"],
     ]
     assert (
         f"speculative host steps (undo buffers for {limit} parameters, 1.00x a plain step, "
@@ -95,7 +95,7 @@ def test_the_table_groups_regions_that_agree_and_marks_those_that_speculate() ->
     assert "undo buffers for all host-state parameters" in describe_options(unlimited)
     plain = dataclasses.replace(plan, options=PlanOptions(host_step_after_backward=True))
     assert speculating_regions(plain) == frozenset()
-    assert [line.split()[-1] for line in describe_plan(plain).splitlines()[2:]] == [
+    assert [line.split()[-2] for line in describe_plan(plain).splitlines()[2:]] == [
         "-",
         "no",
         "no",
@@ -143,3 +143,17 @@ def test_the_table_groups_regions_that_agree_and_marks_those_that_speculate() ->
 def test_the_options_line_names_each_choice(options: PlanOptions, words: str) -> None:
     base, _ = _plan(OffloadConfig(dtype=torch.float32, fuse_gelu=False))
     assert describe_options(dataclasses.replace(base, options=options)) == words
+
+
+def test_the_table_and_the_plan_line_say_what_each_region_does_with_its_activations() -> None:
+    base, _ = _plan(OffloadConfig(dtype=torch.float32, fuse_gelu=False))
+    modes = [ActivationPlacement.KEEP, ActivationPlacement.RECOMPUTE, ActivationPlacement.HOST]
+    regions = tuple(
+        dataclasses.replace(rp, activations=modes[min(i, 2)]) for i, rp in enumerate(base.regions)
+    )
+    plan = dataclasses.replace(base, regions=regions)
+    lines = describe_plan(plan).splitlines()
+    assert [line.split()[-1] for line in lines[2:]][:3] == ["keep", "recompute", "host"]
+    hosted = len(regions) - 2
+    assert f"activations recomputed in 1 regions, sent to the host in {hosted}" in lines[0]
+    assert "activations" not in describe_options(base)

@@ -16,7 +16,14 @@ import torch
 from offload_runtime.config import OffloadConfig
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning import build_offload_module, plan_model
-from offload_solver import HardwareProfile, ModelProfile, ParamPlacement, Plan, StatePlacement
+from offload_solver import (
+    ActivationPlacement,
+    HardwareProfile,
+    ModelProfile,
+    ParamPlacement,
+    Plan,
+    StatePlacement,
+)
 from offload_trace import device_state_bytes_per_param
 
 MiB = 2**20
@@ -124,6 +131,12 @@ def describe_options(plan: Plan) -> str:
     if not o.state_on_device:
         parts.append("all optimizer state on the host")
     parts.append("late host work" if o.late_host_work else "no late host work")
+    recomputed = sum(rp.activations is ActivationPlacement.RECOMPUTE for rp in plan.regions)
+    hosted = sum(rp.activations is ActivationPlacement.HOST for rp in plan.regions)
+    if recomputed or hosted:
+        parts.append(
+            f"activations recomputed in {recomputed} regions, sent to the host in {hosted}"
+        )
     if o.micro_batches > 1:
         parts.append(f"{o.micro_batches} micro-batches per step")
     return ", ".join(parts)
@@ -136,9 +149,10 @@ def describe_plan(plan: Plan) -> str:
     (``resident``, or offloaded ``async``: prefetched, or ``sync``: uploaded when needed),
     where the optimizer state lives and steps (``device``, ``host`` or ``streamed``), and
     whether the host steps speculatively under backward (``yes``, ``no``; ``-`` where the
-    host takes no step)."""
+    host takes no step), and what happens to the activations its forward saves for
+    backward (``keep``, ``recompute`` or ``host``: ``RegionPlan.activations``)."""
     speculating = speculating_regions(plan)
-    rows: list[tuple[int, int, int, str, str, str]] = []  # first, last, bytes, ...
+    rows: list[tuple[int, int, int, str, str, str, str]] = []  # first, last, bytes, ...
     for rp in plan.regions:
         where = rp.placement.value
         where = where if rp.placement is ParamPlacement.RESIDENT else f"offloaded ({where})"
@@ -146,7 +160,7 @@ def describe_plan(plan: Plan) -> str:
             spec = "-"
         else:
             spec = "yes" if rp.region.index in speculating else "no"
-        key = (where, rp.state.value, spec)
+        key = (where, rp.state.value, spec, rp.activations.value)
         if rows and rows[-1][3:] == key and rows[-1][1] == rp.region.index - 1:
             first, _, size, *_ = rows[-1]
             rows[-1] = (first, rp.region.index, size + rp.region.size_bytes, *key)
@@ -155,11 +169,13 @@ def describe_plan(plan: Plan) -> str:
     lines = [
         f"plan: {describe_options(plan)}",
         f"{'regions':>9}  {'param MB':>10}  {'parameters':<17}  {'optimizer state':<15}  "
-        "speculative",
+        "speculative  activations",
     ]
-    for first, last, size, where, state, spec in rows:
+    for first, last, size, where, state, spec, acts in rows:
         span = str(first) if first == last else f"{first}-{last}"
-        lines.append(f"{span:>9}  {size / MiB:>10.3f}  {where:<17}  {state:<15}  {spec}")
+        lines.append(
+            f"{span:>9}  {size / MiB:>10.3f}  {where:<17}  {state:<15}  {spec:<11}  {acts}"
+        )
     return "\n".join(lines)
 
 

@@ -45,6 +45,10 @@ class PlanForce:
     staged)."""
     late_host_work: bool | None = None
     """False: the greedy phases' placements, host work not moved late."""
+    activations: bool | None = None
+    """False: every region keeps its activations on the device from forward to backward
+    (the planner: where no plan fits so, some regions recompute their activations in
+    backward or send them to the host and back; ``RegionPlan.activations``)."""
     measure_attention: bool | None = None
     """Measure fused attention at the model's shapes on the training GPU (the planner: on
     a CUDA device unless the profile has its rates; True elsewhere is an error)."""

@@ -363,6 +363,7 @@ def _solve_one(
             micro_batches=options.micro_batches,
             streamed=streamed,
             late_host_work=options.late_host_work,
+            activations=force.activations is not False,
             cost_model=force.cost_model,
             progress=lambda line: say(f"{c.describe()}: {line}"),
         )
