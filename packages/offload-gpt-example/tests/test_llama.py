@@ -115,9 +115,11 @@ def test_random_batch_follows_the_vocabulary() -> None:
 def test_llama_3b_at_w5_plans_on_the_default_gpu_profile() -> None:
     """llama_3b at 2 x 2048 under 24 GiB (the benchmark's W5) traces and plans on meta
     for the default GPU: a plan that offloads, inside the budget. At 4 x 2048 the
-    activations alone exceed it, and the planner says so."""
-    from offload_runtime import plan
-    from offload_solver import InfeasibleBudgetError, default_hardware
+    activations alone exceed it: the planner recomputes or moves some, and without that
+    lever (``PlanForce(activations=False)``) names a least budget above it."""
+    from offload_runtime import PlanForce, plan
+    from offload_runtime.planning import plan_model
+    from offload_solver import ActivationPlacement, InfeasibleBudgetError, default_hardware
 
     model = build_model("llama_3b", device="meta", dtype=torch.float16, seq_len=2048)
     vocab = get_spec("llama_3b").vocab_size
@@ -128,8 +130,10 @@ def test_llama_3b_at_w5_plans_on_the_default_gpu_profile() -> None:
     )  # type: ignore[arg-type]
     assert found.predicted_peak_bytes <= budget
     assert len(found.regions) > 1
+    batch4 = random_batch(4, 2048, device="meta", vocab_size=vocab)
+    moved = plan(model, batch4, budget, "asyn", **kwargs)  # type: ignore[arg-type]
+    assert moved.predicted_peak_bytes <= budget
+    assert any(rp.activations is not ActivationPlacement.KEEP for rp in moved.regions)
     with pytest.raises(InfeasibleBudgetError) as info:
-        plan(
-            model, random_batch(4, 2048, device="meta", vocab_size=vocab), budget, "asyn", **kwargs
-        )  # type: ignore[arg-type]
+        plan_model(model, batch4, budget, "asyn", force=PlanForce(activations=False), **kwargs)  # type: ignore[arg-type]
     assert info.value.least_budget_bytes > budget

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -247,3 +248,25 @@ def test_the_least_budget_named_works_on_the_gpt_like_profile(in_use: int) -> No
     assert least <= kept.value.least_budget_bytes
     plan = solve(profile, hw, least, **kwargs)  # type: ignore[arg-type]
     assert plan.predicted_peak_bytes <= least * BUDGET_SAFETY_FACTOR
+
+
+def test_a_region_that_writes_into_its_inputs_is_never_recomputed() -> None:
+    """An operation that writes in place (``Operation.mutates``) rules out RECOMPUTE for
+    its region, at every budget: at the least one named its activations go to the host."""
+    base = act_chain()
+    ops = tuple(
+        dataclasses.replace(op, mutates=i in (2, 5)) for i, op in enumerate(base.operations)
+    )
+    profile = dataclasses.replace(base, operations=ops)
+    hw = slow_copies()
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(profile, hw, 1000, block_search_range_bytes=0, activations=True)
+    least = e.value.least_budget_bytes
+    for budget in (least, (least + _least(hw, False)) // 2):
+        plan = solve(profile, hw, budget, block_search_range_bytes=0, activations=True)
+        for rp in plan.regions:
+            mutating = any(op.mutates for op in ops[rp.region.op_start : rp.region.op_end])
+            if mutating:
+                assert rp.activations is not RECOMPUTE, rp.region.index
+        assert any(rp.activations is not KEEP for rp in plan.regions)
+    assert ModelProfile.from_json(profile.to_json()) == profile

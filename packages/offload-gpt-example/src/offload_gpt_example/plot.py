@@ -50,6 +50,11 @@ _KIND_COLORS: dict[str, str] = {
     "stream_down": "#9edae5",
     "stream_contention": "#dbdb8d",
     "stream_stage": "#2ca02c",
+    # Activations: a region's forward run again before its backward, and its saved
+    # activations sent to the host after its forward and fetched back before its backward.
+    "recompute": "#1f77b4",
+    "act_offload": "#e377c2",
+    "act_fetch": "#ff9896",
 }
 _OTHER_COLOR = "#999999"
 _BUDGET_SAFETY = 0.95

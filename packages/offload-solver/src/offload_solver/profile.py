@@ -87,6 +87,10 @@ class Operation:
     """A fused attention operation (scaled dot-product attention): priced at the
     hardware's attention rates where known (``HardwareProfile.attention_fwd_flop_per_s``),
     which can be well under the matrix-multiply rate."""
+    mutates: bool = False
+    """The operation writes in place into one of its inputs: a region holding one never
+    recomputes its activations (``ActivationPlacement.RECOMPUTE``), since the second run
+    could read a value the first one changed; it may send them to the host."""
 
     @property
     def fwd_traffic_bytes(self) -> int:

@@ -141,6 +141,15 @@ class TracedModel:
             for n in self.graph_module.graph.nodes
             if n.op == "call_function" and n.target in ATTENTION_OPS
         }
+        # Operations that write in place into an input (a mutable ATen schema): their
+        # regions are never recomputed (``offload_solver.Operation.mutates``).
+        mutating = {
+            n.name
+            for n in self.graph_module.graph.nodes
+            if n.op == "call_function"
+            and getattr(n.target, "_schema", None) is not None
+            and n.target._schema.is_mutable
+        }
         operations = tuple(
             Operation(
                 name=c.name,
@@ -153,6 +162,7 @@ class TracedModel:
                 fwd_flop=c.fwd_flop,
                 bwd_flop=c.bwd_flop,
                 attention=c.name in attention,
+                mutates=c.name in mutating,
             )
             for c, pnames in zip(self.op_costs, self.op_param_names, strict=True)
         )

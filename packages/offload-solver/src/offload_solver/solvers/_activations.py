@@ -24,6 +24,11 @@ activation handling too ([Note: activations] in ``simulators._activations``):
    fits, every region RECOMPUTE is tried last, so that the least budget ``solve`` names
    for it always works.
 
+A region with an operation that writes in place into an input (``Operation.mutates``:
+Mixture-of-Experts scatters, for one) is never RECOMPUTE: its second run could read what
+the first changed. It may be HOST, and "every region RECOMPUTE" sends its activations to
+the host instead.
+
 When no order fits, neither does every region RECOMPUTE, and ``solve`` reports the least
 budget of that choice (``least_peak`` of it).
 """
@@ -62,9 +67,20 @@ def least_peak(ctx: SimulationContext, simulator: Simulator, stats: SolveStats) 
     return min(resident, simulator.run(ctx, floor).peak_bytes)
 
 
+def recomputable(ctx: SimulationContext) -> list[bool]:
+    """Per region, whether its activations may be recomputed: none of its operations
+    writes in place into an input (``Operation.mutates``)."""
+    ops = ctx.profile.operations
+    return [
+        not any(op.mutates for op in ops[ctx.op_start[r] : ctx.op_end[r]])
+        for r in range(ctx.num_regions)
+    ]
+
+
 def all_recompute(ctx: SimulationContext) -> SimulationContext:
-    """``ctx`` with every region's activations recomputed."""
-    return ctx.with_activations([RECOMPUTE] * ctx.num_regions)
+    """``ctx`` with every region's activations recomputed, or sent to the host where a
+    region may not be recomputed (:func:`recomputable`)."""
+    return ctx.with_activations([RECOMPUTE if ok else HOST for ok in recomputable(ctx)])
 
 
 def _orders(
@@ -76,13 +92,14 @@ def _orders(
     stats.num_simulations += 1
     base_s = simulator.run(ctx, start).step_time_s
     act = ctx.act
+    may_recompute = recomputable(ctx)
     scored: dict[ActivationPlacement, list[tuple[float, int, int]]] = {RECOMPUTE: [], HOST: []}
     for r in range(n):
         for mode, freed in (
             (RECOMPUTE, act.saved_bytes[r] - act.boundary_bytes[r]),
             (HOST, act.saved_bytes[r]),
         ):
-            if freed <= 0:
+            if freed <= 0 or (mode is RECOMPUTE and not may_recompute[r]):
                 continue
             acts = [KEEP] * n
             acts[r] = mode
