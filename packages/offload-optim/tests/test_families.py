@@ -92,6 +92,8 @@ _BART = {
 }
 _MOE = {"num_experts_per_tok": 2, **_DECODER}
 # Two layers each, every layer dropped with probability one half in training.
+# OPT with layer drop: seed 0 runs the second layer and drops the first, seed 1 the reverse.
+OPT_SEEDS = (0, 1)
 _BART_LAYERDROP = {
     **_BART,
     "encoder_layers": 2,
@@ -205,17 +207,39 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
     # have their own), which gets no gradient; its region must still release its slot.
     "bart": _seq2seq(hf.BartConfig, hf.BartForConditionalGeneration, 2, **_BART),
 }
-# Families whose forward draws random numbers in Python, with the modules that therefore
-# run as opaque operations.
-RANDOM_FAMILIES: dict[str, tuple[Callable[[], torch.nn.Module], tuple[str, ...]]] = {
+# Families whose forward draws random numbers in Python: the model, the modules that
+# therefore run as opaque operations (each a stack of layers that may be dropped), and the
+# seeds of the layer-drop draws, chosen so that every layer runs under one and is dropped
+# under another (BART: with seed 1 the first encoder and the second decoder layer run and
+# the other two are dropped, with 6 every layer runs).
+RANDOM_FAMILIES: dict[
+    str, tuple[Callable[[], torch.nn.Module], tuple[str, ...], tuple[int, ...]]
+] = {
     "bart_layerdrop": (
         _seq2seq(hf.BartConfig, hf.BartForConditionalGeneration, 2, **_BART_LAYERDROP),
         ("model.model.encoder", "model.model.decoder"),
+        (1, 6),
+    ),
+    # A causal LM: OPT's decoder draws for each layer whether to skip it.
+    "opt_layerdrop": (
+        _causal(
+            hf.OPTConfig,
+            hf.OPTForCausalLM,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=32,
+            word_embed_proj_dim=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            layerdrop=0.5,
+            **_TOKENS,
+        ),
+        ("model.model.decoder",),
+        OPT_SEEDS,
     ),
 }
-# Seeds of the layer-drop draws: with seed 1 the first encoder and the second decoder
-# layer run and the other two are dropped; with seed 6 every layer runs.
-LAYERDROP_SEEDS = (1, 6)
 
 # AdamW's weights are compared where they agree to 1e-5 after three steps. A key-projection
 # bias (BART, GPT-2, GPT-NeoX, OPT, Phi, Qwen2-MoE) has an exactly zero gradient in exact
@@ -251,13 +275,13 @@ def _offloaded(model: torch.nn.Module) -> OffloadModule:
     return module
 
 
-def _layer_grads(model: torch.nn.Module) -> dict[str, bool]:
-    """Whether each encoder and decoder layer got a gradient (ran) in the last backward."""
-    seq2seq = model.model.model  # type: ignore[union-attr]
+def _layer_grads(model: torch.nn.Module, stacks: tuple[str, ...]) -> dict[str, bool]:
+    """Whether each layer of the layer stacks at ``stacks`` (module paths) got a gradient
+    (ran) in the last backward."""
     return {
-        f"{part}.layers.{i}": layer.fc1.weight.grad is not None
-        for part in ("encoder", "decoder")
-        for i, layer in enumerate(getattr(seq2seq, part).layers)
+        f"{stack}.layers.{i}": layer.fc1.weight.grad is not None
+        for stack in stacks
+        for i, layer in enumerate(model.get_submodule(stack).layers)  # type: ignore[arg-type]
     }
 
 
@@ -293,7 +317,7 @@ def test_gradients_match_plain_pytorch(family: str) -> None:
 
 @pytest.mark.parametrize("family", sorted(RANDOM_FAMILIES))
 def test_random_layer_drop_gradients_match_plain_pytorch(family: str) -> None:
-    build, opaque = RANDOM_FAMILIES[family]
+    build, opaque, seeds = RANDOM_FAMILIES[family]
     model = build()
     reference = copy.deepcopy(model)
     module = _offloaded(model)
@@ -301,7 +325,7 @@ def test_random_layer_drop_gradients_match_plain_pytorch(family: str) -> None:
     amp = AMPOptimizer(HybridAdam(module.parameters(), lr=LR, weight_decay=WD), module)
     b = batch(0, SIZE)
     ran: dict[str, set[bool]] = {}
-    for seed in LAYERDROP_SEEDS:
+    for seed in seeds:
         amp.zero_grad()
         reference.zero_grad(set_to_none=True)
         torch.manual_seed(seed)
@@ -312,7 +336,7 @@ def test_random_layer_drop_gradients_match_plain_pytorch(family: str) -> None:
         expected = loss_of(reference(**b), b["input_ids"])
         expected.backward()  # type: ignore[no-untyped-call]
         torch.testing.assert_close(loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-        for layer, got_grad in _layer_grads(reference).items():
+        for layer, got_grad in _layer_grads(reference, opaque).items():
             ran.setdefault(layer, set()).add(got_grad)
         for name, p in reference.named_parameters(remove_duplicate=False):
             if p.grad is None:
@@ -322,12 +346,10 @@ def test_random_layer_drop_gradients_match_plain_pytorch(family: str) -> None:
             torch.testing.assert_close(
                 grads[name], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
             )
-    # The seeds exercise both branches of every encoder and decoder draw somewhere.
-    assert any(False in r for r in ran.values()) and all(True in r for r in ran.values())
-    assert {part for layer, r in ran.items() if False in r for part in [layer[:7]]} == {
-        "encoder",
-        "decoder",
-    }
+    # The seeds run every layer somewhere and drop a layer of every stack somewhere.
+    assert all(True in r for r in ran.values())
+    dropped = {layer.rsplit(".layers.", 1)[0] for layer, r in ran.items() if False in r}
+    assert dropped == set(opaque)
     module.close()
 
 
