@@ -22,6 +22,13 @@
 #            (estimated from W4's rows, ~2 min each; the last cut at the limit)    ~8 min
 #   w5b      W5's peers: full GPU, then FSDP2 (estimated; FSDP2 last, cut at the
 #            limit)                                                                ~4-7 min
+#   w6a      W6a (gpt2_xl 8 x 8192, activations beyond the budget): the defaults, the
+#            checkpointing FSDP2 arms (on the device, saved inputs on the host) and
+#            checkpointed full GPU (estimated: steps of seconds, 8 a row with warm-up,
+#            planning and setup ~1 min; ~1.5-2 min a row, full GPU last, cut at the
+#            limit or out of memory)                                               ~6-8 min
+#   w6b      W6b (llama_3b 1 x 32768): the defaults and the two checkpointing FSDP2
+#            arms (estimated as w6a, ~2 min a row)                                 ~5-6 min
 #   bench    every phase above but tests, in turn (a machine without the 10-minute limit)
 #   all      tests, then bench
 # A bench phase writes each row to OUT_DIR/<workload>_<kind>.json as it is measured and
@@ -38,7 +45,7 @@
 # torchao are installed from WHEELS (default shared/device-wheels, its bench/ for
 # torchao) when the interpreter lacks them.
 set -euo pipefail
-phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|ladder1|ladder2|ladder3|w5a|w5b|bench|all [OUT_DIR]}
+phase=${1:?usage: gpu_session.sh tests|configs1|configs2|configs3|peers1|peers2|ladder1|ladder2|ladder3|w5a|w5b|w6a|w6b|bench|all [OUT_DIR]}
 out=${2:-${OUT:-gpu_out}}
 root=$(cd "$(dirname "$0")/.." && pwd)
 limit=${LIMIT:-570}
@@ -121,10 +128,16 @@ case "$phase" in
   w5b)
     bench W5 full_gpu_master,fsdp2
     report ;;
+  w6a)
+    bench W6a ours,fsdp2_ckpt,fsdp2_ckpt_host,full_gpu_ckpt
+    report ;;
+  w6b)
+    bench W6b ours,fsdp2_ckpt,fsdp2_ckpt_host
+    report ;;
   bench | all)
     if [ "$phase" = all ]; then bash "$0" tests "$out"; fi
-    for p in configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 ladder3 w5a w5b; do
+    for p in configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 ladder3 w5a w5b w6a w6b; do
       bash "$0" "$p" "$out"
     done ;;
-  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 ladder3 w5a w5b bench all" >&2; exit 2 ;;
+  *) echo "unknown phase $phase; known: tests configs1 configs2 configs3 peers1 peers2 ladder1 ladder2 ladder3 w5a w5b w6a w6b bench all" >&2; exit 2 ;;
 esac

@@ -19,12 +19,15 @@ Workloads (fp16; GPT-2's vocabulary 1024, Llama's 32000; budgets in GiB = 2**30 
     W1 gpt2_medium 64 x 8    16     W2 gpt2_xl 64 x 8     3
     W3 gpt2_xl     8 x 1024  40     W4 gpt2_6b 4 x 512   24
     W5 llama_3b    2 x 2048  24     (a current architecture: :data:`WORKLOADS`)
+    W6a gpt2_xl    8 x 8192  40     W6b llama_3b 1 x 32768 24  (activations: issue 62)
 
 Kinds: ours in the configurations of :data:`OURS` (``memory_optimize(asyn)`` and
 ``AMPOptimizer(HybridAdam)``; ``ours`` is the libraries' defaults), and the peers:
 ``full_gpu_master`` (full-GPU training with fp32 master weights and Adam state, the
 precision ours keeps), ``fsdp2`` (FSDP2 with ``CPUOffloadPolicy``, world size 1) and
-``torchao`` (torchao's ``CPUOffloadOptimizer`` on a bf16 model). Without ``--kinds`` each
+``torchao`` (torchao's ``CPUOffloadOptimizer`` on a bf16 model), and W6's peers that
+checkpoint every block (``ckpt_peers.py``: ``fsdp2_ckpt``, ``fsdp2_ckpt_host``,
+``full_gpu_ckpt``). Without ``--kinds`` each
 workload runs the report's rows (:data:`REPORT_KINDS`), and without ``--steps`` its
 report's step count (:data:`REPORT_STEPS`).
 
@@ -51,6 +54,7 @@ when running from a copy of the tree that is not a git checkout.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import gc
@@ -67,6 +71,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ckpt_peers import (
+    CKPT_PEERS,
+    FSDP2_CKPT,
+    FSDP2_CKPT_HOST,
+    FULL_GPU_CKPT,
+    CkptPeer,
+    checkpoint_blocks,
+)
+
 ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
@@ -77,6 +90,8 @@ WORKLOADS: dict[str, tuple[str, int, int, float]] = {
     "W3": ("gpt2_xl", 8, 1024, 40),
     "W4": ("gpt2_6b", 4, 512, 24),
     "W5": ("llama_3b", 2, 2048, 24),
+    "W6a": ("gpt2_xl", 8, 8192, 40),
+    "W6b": ("llama_3b", 1, 32768, 24),
 }
 """W5 is a current architecture: transformers' Llama (rotary embeddings, grouped-query
 attention through SDPA, RMSNorm, SiLU-gated MLP, untied 32000-token head) of 3.0 B
@@ -85,7 +100,12 @@ at 4 x 2048 come to about 30 GiB by the trace (RMSNorm keeps its fp32 input, the
 8192-wide tensors a layer), beyond a 24 GiB budget whatever the plan places where (the
 planner's least budget there is 33.2 GiB: it offloads parameters and state, it does not
 recompute activations), and with full-GPU training's 56 GiB of weights and fp32 state
-beyond an 80 GB card."""
+beyond an 80 GB card.
+
+W6a and W6b (issue 62) are bound by activations: the activations plain training keeps for
+backward exceed the budget whatever the plan places where, so the planner recomputes some
+regions' forwards in backward or sends their saved activations to the host
+(``RegionPlan.activations``), and the peers checkpoint every block (:mod:`ckpt_peers`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +196,7 @@ host-state ladder below fp32 (bf16 moments; bf16 masters with stochastic roundin
 ``ablation`` the reference's behaviour."""
 
 FULL_GPU = "full_gpu_master"
-PEERS = (FULL_GPU, "fsdp2", "torchao")
+PEERS = (FULL_GPU, "fsdp2", "torchao", *CKPT_PEERS)
 KINDS = (*OURS, *PEERS)
 PEER_ACTIVATION = "gelu_pytorch_tanh"
 """The peers' MLP activation for GPT-2: its tanh GELU as one ``aten.gelu``, the operation
@@ -234,6 +254,8 @@ REPORT_KINDS: dict[str, tuple[str, ...]] = {
         "torchao",
         "fsdp2",
     ),
+    "W6a": ("ours", FSDP2_CKPT, FSDP2_CKPT_HOST, FULL_GPU_CKPT),
+    "W6b": ("ours", FSDP2_CKPT, FSDP2_CKPT_HOST),
 }
 """The rows each workload's targets need (``targets.py``), in the order they run: the
 defaults, the other configurations the benchmark builds with the same numerics (the
@@ -244,9 +266,12 @@ state on the device, where every configuration plans alike. W4 has no full-GPU r
 fp32 masters, gradients and Adam state of its 6 B parameters alone take about 120 GB.
 W5's full-GPU row holds 20 bytes a parameter (fp16 weights and gradients, fp32 masters,
 their gradients and two moments: 56 GiB for 3.0 B parameters) and about 15 GiB of
-activations: it fits an 80 GB card, not with much to spare."""
-REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10, "W5": 10}
-"""Timed steps per row: more where steps are short and bound by issuing operations."""
+activations: it fits an 80 GB card, not with much to spare. W6's rows are the defaults
+and the checkpointing peers; W6b has no full-GPU row (W5's 56 GiB of weights and fp32
+state, and 16 times its tokens)."""
+REPORT_STEPS = {"W1": 30, "W2": 20, "W3": 10, "W4": 10, "W5": 10, "W6a": 5, "W6b": 5}
+"""Timed steps per row: more where steps are short and bound by issuing operations, the
+fewest where a step takes seconds (W6)."""
 
 HOST_PROBE_NUMEL = 64 << 20
 """Parameters of this process's fused host Adam read (:func:`reprofile_if_disturbed`)."""
@@ -526,7 +551,7 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
 
     from offload_runtime.hardware import profile_hardware
     from offload_runtime.planning import stream_copy_bytes
-    from offload_solver import ParamPlacement, StatePlacement
+    from offload_solver import ActivationPlacement, ParamPlacement, StatePlacement
 
     plan = module.plan
     offloaded = [rp for rp in plan.regions if rp.placement is not ParamPlacement.RESIDENT]
@@ -553,6 +578,13 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
         "offloaded_regions": len(offloaded),
         "host_state_regions": len(host),
         "streamed_regions": len(streamed),
+        # Where the plan does not keep a region's saved activations on the device.
+        "recompute_regions": sum(
+            rp.activations is ActivationPlacement.RECOMPUTE for rp in plan.regions
+        ),
+        "host_activation_regions": sum(
+            rp.activations is ActivationPlacement.HOST for rp in plan.regions
+        ),
         "profile_host_adam_gparam": hw.host_adam_params_per_s / 1e9,
         "profile_host_memory_gbps": hw.host_memory_bytes_per_s / 1e9,
         "floor_parts_ms": {
@@ -778,7 +810,9 @@ def _grads(tensors: list[Any]) -> list[Any]:
     return out
 
 
-def _full_gpu_steps(workload: str, device: str = "cuda") -> FullGpuSteps:
+def _full_gpu_steps(
+    workload: str, device: str = "cuda", ckpt: CkptPeer | None = None
+) -> FullGpuSteps:
     """Full-GPU training of ``workload`` on ``device`` at the precision ours keeps: fp16
     weights with fp32 master copies and fp32 Adam state, all on the device. Forward and
     backward run in fp16 as ours runs them (no autocast casts), the gradients are widened
@@ -786,7 +820,7 @@ def _full_gpu_steps(workload: str, device: str = "cuda") -> FullGpuSteps:
     masters are narrowed back into the weights. The loss is scaled (2**16 to start, as
     ours' dynamic loss scale): unscaled fp16 gradients underflow. With fp16 Adam state
     instead, the weights diverge within a few steps ("The full-GPU peer keeps fp32
-    masters")."""
+    masters"). ``ckpt``: a checkpointing peer's blocks and forward (:mod:`ckpt_peers`)."""
     import torch
 
     from offload_gpt_example.models import build_model, lm_loss
@@ -795,6 +829,9 @@ def _full_gpu_steps(workload: str, device: str = "cuda") -> FullGpuSteps:
     model = build_model(
         name, device=device, dtype=torch.float16, seq_len=seq, activation=peer_activation(name)
     )
+    forward_context = contextlib.nullcontext if ckpt is None else ckpt.forward_context()
+    if ckpt is not None:
+        checkpoint_blocks(model)
     data = workload_batch(workload, device)
     params: list[torch.Tensor] = list(model.parameters())
     masters: list[torch.Tensor] = [torch.nn.Parameter(p.detach().float()) for p in params]
@@ -805,7 +842,8 @@ def _full_gpu_steps(workload: str, device: str = "cuda") -> FullGpuSteps:
     scaler = torch.amp.GradScaler(device)
 
     def fwd_bwd() -> None:
-        loss = lm_loss(model(**data), data["input_ids"])
+        with forward_context():
+            loss = lm_loss(model(**data), data["input_ids"])
         torch.autograd.backward(scaler.scale(loss))
 
     def zero() -> None:
@@ -837,12 +875,13 @@ def _full_gpu(
     steps: int,
     profile_dir: Path | None = None,
     device: str = "cuda",
+    kind: str = FULL_GPU,
 ) -> dict[str, Any]:
-    """Full-GPU training's row (:func:`_full_gpu_steps`): its steps, whether it trained
-    (the loss before the first step and after the last, and the scale the scaler ended
-    at), and its forward and backward alone after the steps (``fwd_bwd_ms``, the floor's
-    compute part)."""
-    full = _full_gpu_steps(workload, device)
+    """Full-GPU training's row (:func:`_full_gpu_steps`; ``kind`` ``full_gpu_ckpt``: with
+    every block checkpointed): its steps, whether it trained (the loss before the first
+    step and after the last, and the scale the scaler ended at), and its forward and
+    backward alone after the steps (``fwd_bwd_ms``, the floor's compute part)."""
+    full = _full_gpu_steps(workload, device, CKPT_PEERS.get(kind))
 
     def compute_only() -> None:
         full.fwd_bwd()
@@ -857,14 +896,15 @@ def _full_gpu(
     out["loss_scale_after"] = full.loss_scale()
     out["fwd_bwd_ms"] = fastest5_mean(_timed_steps(compute_only, warmup, steps, device)) * 1e3
     if profile_dir is not None:
-        _profile_steps(out, full.step, profile_dir / f"{workload}_{FULL_GPU}")
+        _profile_steps(out, full.step, profile_dir / f"{workload}_{kind}")
     return out
 
 
-def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
+def _fsdp2(workload: str, warmup: int, steps: int, ckpt: CkptPeer | None = None) -> dict[str, Any]:
     """FSDP2 with every block (GPT-2's ``GPT2Block``, Llama's ``LlamaDecoderLayer``) and
     the root on ``CPUOffloadPolicy`` (parameters, gradients and Adam state on the host,
-    fused Adam there), fp16 compute, world size 1."""
+    fused Adam there), fp16 compute, world size 1. ``ckpt``: each block checkpointed
+    before it is sharded, the forward under the peer's context (:mod:`ckpt_peers`)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -887,6 +927,9 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
         init_device="cuda",
         activation=peer_activation(name),
     )
+    forward_context = contextlib.nullcontext if ckpt is None else ckpt.forward_context()
+    if ckpt is not None:
+        checkpoint_blocks(model)
     mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for block in model.blocks():
@@ -896,7 +939,9 @@ def _fsdp2(workload: str, warmup: int, steps: int) -> dict[str, Any]:
     data = workload_batch(workload, "cuda")
 
     def step() -> None:
-        torch.autograd.backward(lm_loss(model(**data), data["input_ids"]))
+        with forward_context():
+            loss = lm_loss(model(**data), data["input_ids"])
+        torch.autograd.backward(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -951,6 +996,10 @@ def measure(
             result = _fsdp2(workload, warmup, steps)
         elif kind == "torchao":
             result = _torchao(workload, warmup, steps)
+        elif kind in CKPT_PEERS and CKPT_PEERS[kind].fsdp:
+            result = _fsdp2(workload, warmup, steps, CKPT_PEERS[kind])
+        elif kind in CKPT_PEERS:
+            result = _full_gpu(workload, warmup, steps, profile_dir, kind=kind)
         else:
             raise ValueError(f"unknown kind {kind!r}; known: {', '.join(KINDS)}")
         if kind not in OURS:
@@ -1037,6 +1086,8 @@ SUMMARY_KEYS = (
     "timed_steps",
     "peak_alloc_gib",
     "budget_gib",
+    "recompute_regions",
+    "host_activation_regions",
     "pred_step_ms",
     "pred_peak_gib",
     "floor_parts_ms",

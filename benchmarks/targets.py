@@ -31,7 +31,12 @@ The targets:
   (:func:`offload_bench.issue_floor`), and W3 to W5 at most 0.5x FSDP2 CPU offload's step;
 - W3, W4 and W5 at torchao's numerics (``ours_bf16_rn``) at most 0.75x torchao's
   ``CPUOffloadOptimizer`` step, and with stochastic rounding (``ours_bf16_sr``) at most
-  0.85x.
+  0.85x;
+- W6 (issue 62: activations beyond the budget) every row of ours within its budget and its
+  predicted peak within 5% of the measured; the defaults at most 0.8x the faster of the
+  checkpointing FSDP2 arms (``fsdp2_ckpt``, ``fsdp2_ckpt_host``: their median steps), and
+  at most 1.1x full-GPU training with every block checkpointed (``full_gpu_ckpt``) where
+  that row ran and trained (at W6a, if it fit).
 
 A ratio target is "met" when every row meets it, "met by the median" when the median row
 does, else "missed" with the median's distance from it. Full-GPU rows whose loss did not
@@ -52,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ckpt_peers import FSDP2_ARMS, FULL_GPU_CKPT
 from offload_bench import (
     FULL_GPU,
     OURS,
@@ -71,6 +77,14 @@ AGAINST_TORCHAO = {"ours_bf16_rn": 0.75, "ours_bf16_sr": 0.85}
 """Each rung's bound on its step over torchao's, at W3, W4 and W5."""
 FASTEST_WITHIN = 1.03
 """The defaults' bound against the fastest configuration of the same numerics."""
+W6 = ("W6a", "W6b")
+"""The workloads bound by activations (issue 62)."""
+FULL_GPU_KINDS = (FULL_GPU, FULL_GPU_CKPT)
+"""The full-GPU peers: no reference where their loss did not fall."""
+W6_FSDP2_WITHIN = 0.8
+"""W6's bound on the defaults' step over the faster checkpointing FSDP2 arm's."""
+W6_FULL_GPU_WITHIN = 1.1
+"""W6's bound on the defaults' step over checkpointed full-GPU training's."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +111,7 @@ class Run:
     def of(self, workload: str, kind: str) -> list[Row]:
         """The rows of ``kind`` at ``workload`` that ran; of full GPU, those that trained."""
         rows = [r for r in self.ok if r["workload"] == workload and r["kind"] == kind]
-        if kind == FULL_GPU:
+        if kind in FULL_GPU_KINDS:
             rows = [r for r in rows if trained(r) is not False]
         return rows
 
@@ -130,6 +144,12 @@ class Run:
             statistics.median(r["step_ms"] for r in rows),
             statistics.median(r["step_mean_ms"] for r in rows),
         )
+
+    def fastest_peer(self, workload: str, kinds: Sequence[str]) -> str | None:
+        """Of ``kinds``, the one whose median step at ``workload`` is the fastest (None
+        where none ran)."""
+        ran = [(peer[0], k) for k in kinds if (peer := self.peer(workload, k)) is not None]
+        return min(ran)[1] if ran else None
 
     def compute_ms(self, workload: str) -> float | None:
         """Full-GPU training's forward and backward at ``workload`` (the median over its
@@ -298,7 +318,8 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
                     False,
                 )
             )
-    full = [r for r in run.ok if r["kind"] == FULL_GPU and trained(r) is not None]
+    out += w6_verdicts(run, every, ours)
+    full = [r for r in run.ok if r["kind"] in FULL_GPU_KINDS and trained(r) is not None]
     if full:
         out.append(
             bound_verdict(
@@ -313,6 +334,53 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
                 ],
             )
         )
+    return out
+
+
+def w6_verdicts(run: Run, every: list[Row], ours: list[Row]) -> list[Verdict]:
+    """W6's targets: the budget and the predicted peak over ``every`` W6 row of ours, and
+    the defaults' rows (``ours``) against the faster checkpointing FSDP2 arm and, where it
+    ran and trained, checkpointed full-GPU training."""
+    w6 = [r for r in every if r["workload"] in W6]
+    out = [
+        bound_verdict(
+            "W6 peak allocated <= budget",
+            [
+                (
+                    label(r),
+                    f"{r['peak_alloc_gib']:.2f} / {r['budget_gib']:g} GiB",
+                    r["peak_alloc_gib"] <= r["budget_gib"],
+                )
+                for r in w6
+            ],
+        )
+    ]
+    peaks = []
+    for r in w6:
+        err = error(r["pred_peak_gib"], r["peak_alloc_gib"])
+        peaks.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.05))
+    out.append(bound_verdict("W6 predicted peak within 5%", peaks))
+    for w in W6:
+        rows = [r for r in ours if r["workload"] == w]
+        arm = run.fastest_peer(w, FSDP2_ARMS)
+        verdict = ratio_verdict(
+            f"{w} <= {W6_FSDP2_WITHIN}x the faster FSDP2 checkpointing arm",
+            W6_FSDP2_WITHIN,
+            [] if arm is None else against(run, arm, rows),
+            False,
+        )
+        if arm is not None and rows:
+            verdict.cells.append(f"the faster arm: {arm}")
+        out.append(verdict)
+        if w == "W6a" or run.of(w, FULL_GPU_CKPT):
+            out.append(
+                ratio_verdict(
+                    f"{w} <= {W6_FULL_GPU_WITHIN}x {FULL_GPU_CKPT}",
+                    W6_FULL_GPU_WITHIN,
+                    against(run, FULL_GPU_CKPT, rows),
+                    False,
+                )
+            )
     return out
 
 
@@ -339,7 +407,8 @@ def results_table(rows: Sequence[Row]) -> str:
     """The run's rows as BENCHMARKS.md's results table: each row's step (the mean of its 5
     fastest steps) and run mean, its peak against the budget, and for ours the predictions
     (off the run mean and the measured peak), the floor and the ratios to it and to each
-    peer (by the 5 fastest, the run means' in brackets)."""
+    peer (by the 5 fastest, the run means' in brackets; at W6, the checkpointing peers:
+    ``full_gpu_ckpt`` as full GPU, the faster checkpointing arm as FSDP2)."""
     run = Run(rows)
     ordered = sorted_rows(list(rows))
     lines = [
@@ -367,7 +436,11 @@ def results_table(rows: Sequence[Row]) -> str:
             step_err = 100 * error(r["pred_step_ms"], r["step_mean_ms"])
             peak_err = 100 * error(r["pred_peak_gib"], r["peak_alloc_gib"])
             found = run.floor(r)
-            full = _ratio_cell(run, r, FULL_GPU)
+            # W6's peers are the checkpointing ones: its full-GPU row checkpoints, and
+            # its FSDP2 column is the faster arm.
+            w6 = r["workload"] in W6
+            full = _ratio_cell(run, r, FULL_GPU_CKPT if w6 else FULL_GPU)
+            arm = run.fastest_peer(r["workload"], FSDP2_ARMS) if w6 else "fsdp2"
             pair = r.get("paired_full_gpu")
             if isinstance(pair, dict) and "ratio" in pair:
                 full += f"; in turn {pair['ratio']:.3f}x ({pair['run_ratio']:.3f}x)"
@@ -379,7 +452,7 @@ def results_table(rows: Sequence[Row]) -> str:
                 if found is None
                 else f"{r['step_ms'] / found[0]:.3f}x ({r['step_mean_ms'] / found[0]:.3f}x)",
                 full,
-                _ratio_cell(run, r, "fsdp2"),
+                "-" if arm is None else _ratio_cell(run, r, arm),
                 _ratio_cell(run, r, "torchao"),
             ]
         else:

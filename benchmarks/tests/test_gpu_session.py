@@ -23,6 +23,8 @@ PHASES = (
     "ladder3",
     "w5a",
     "w5b",
+    "w6a",
+    "w6b",
 )
 
 
@@ -84,7 +86,7 @@ def test_the_tests_phase_runs_the_gpu_session_of_nox(tmp_path: Path) -> None:
 def test_all_runs_the_tests_then_every_bench_phase(tmp_path: Path) -> None:
     commands = dry_run("all", tmp_path)
     assert "-s gpu_tests" in commands[0]
-    assert len(bench_rows(commands)) == len(bench_rows(dry_run("bench", tmp_path))) == 36
+    assert len(bench_rows(commands)) == len(bench_rows(dry_run("bench", tmp_path))) == 43
 
 
 def test_an_unknown_phase_is_refused(tmp_path: Path) -> None:
@@ -102,3 +104,12 @@ def test_a_bench_phase_passes_what_is_left_of_its_limit(phase: str, tmp_path: Pa
             args = parse_args(shlex.split(command)[2:])
             assert 0 < args.time_limit_s <= 570
             assert args.out == tmp_path
+
+
+def test_the_w6_phases_run_the_defaults_and_the_checkpointing_peers(tmp_path: Path) -> None:
+    assert bench_rows(dry_run("w6a", tmp_path)) == [
+        ("W6a", kind, False) for kind in ("ours", "fsdp2_ckpt", "fsdp2_ckpt_host", "full_gpu_ckpt")
+    ]
+    assert bench_rows(dry_run("w6b", tmp_path)) == [
+        ("W6b", kind, False) for kind in ("ours", "fsdp2_ckpt", "fsdp2_ckpt_host")
+    ]

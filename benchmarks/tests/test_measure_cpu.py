@@ -42,6 +42,9 @@ def test_each_row_of_ours_records_its_steps_plan_and_floor(
         spans = row["cpu_span_ms"]
         assert spans["calls"] == 5 and spans["backward"] > 0
         assert row["regions"] >= row["host_state_regions"] >= row["streamed_regions"] >= 0
+        # Where the plan's regions' saved activations go, beside the other placements.
+        moved = row["recompute_regions"] + row["host_activation_regions"]
+        assert 0 <= moved <= row["regions"]
 
 
 def test_the_fastest_configuration_plans_with_the_profiles_rate_of_its_kernel(

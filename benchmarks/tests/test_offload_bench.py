@@ -60,7 +60,7 @@ def test_the_kinds_are_ours_configurations_and_the_peers() -> None:
 
 
 def test_the_report_runs_every_row_its_targets_need() -> None:
-    assert set(REPORT_KINDS) == set(REPORT_STEPS) == {"W1", "W2", "W3", "W4", "W5"}
+    assert set(REPORT_KINDS) == set(REPORT_STEPS) == {"W1", "W2", "W3", "W4", "W5", "W6a", "W6b"}
     assert set(REPORT_KINDS) <= set(WORKLOADS)
     assert all(k in KINDS for kinds in REPORT_KINDS.values() for k in kinds)
     assert REPORT_KINDS["W1"] == ("ours", FULL_GPU)
@@ -93,6 +93,26 @@ def test_w5_is_llama_3b_in_its_own_vocabulary() -> None:
     # GPT-2's peers run the fused tanh GELU ours traces; Llama's keep their SiLU.
     assert peer_activation("gpt2_xl") == PEER_ACTIVATION
     assert peer_activation("llama_3b") == "silu"
+
+
+def test_w6_is_bound_by_activations_beside_the_checkpointing_peers() -> None:
+    assert WORKLOADS["W6a"] == ("gpt2_xl", 8, 8192, 40)
+    assert WORKLOADS["W6b"] == ("llama_3b", 1, 32768, 24)
+    assert {"fsdp2_ckpt", "fsdp2_ckpt_host", "full_gpu_ckpt"} <= set(PEERS)
+    assert REPORT_KINDS["W6a"] == ("ours", "fsdp2_ckpt", "fsdp2_ckpt_host", "full_gpu_ckpt")
+    assert REPORT_KINDS["W6b"] == ("ours", "fsdp2_ckpt", "fsdp2_ckpt_host")
+    # The plan's activation handling reaches the summary.
+    assert {"recompute_regions", "host_activation_regions"} <= set(offload_bench.SUMMARY_KEYS)
+    args = parse_args(
+        [
+            "--workloads",
+            "W6a,W6b",
+            "--kinds",
+            "ours,fsdp2_ckpt,fsdp2_ckpt_host,full_gpu_ckpt",
+        ]
+    )
+    assert args.workloads == ["W6a", "W6b"]
+    assert args.kinds == ["ours", "fsdp2_ckpt", "fsdp2_ckpt_host", "full_gpu_ckpt"]
 
 
 def test_the_command_line_defaults_to_the_reports_rows(tmp_path: Path) -> None:
