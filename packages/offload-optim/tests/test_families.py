@@ -92,6 +92,17 @@ _BART = {
 }
 _MOE = {"num_experts_per_tok": 2, **_DECODER}
 # Two layers each, every layer dropped with probability one half in training.
+_OPT = {
+    "hidden_size": 32,
+    "ffn_dim": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "max_position_embeddings": 32,
+    "word_embed_proj_dim": 32,
+    "dropout": 0.0,
+    "attention_dropout": 0.0,
+    **_TOKENS,
+}
 # OPT with layer drop: seed 0 runs the second layer and drops the first, seed 1 the reverse.
 OPT_SEEDS = (0, 1)
 _BART_LAYERDROP = {
@@ -151,20 +162,7 @@ FAMILIES: dict[str, Callable[[], torch.nn.Module]] = {
         attn_pdrop=0.0,
         **_TOKENS,
     ),
-    "opt": _causal(
-        hf.OPTConfig,
-        hf.OPTForCausalLM,
-        hidden_size=32,
-        ffn_dim=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=32,
-        word_embed_proj_dim=32,
-        dropout=0.0,
-        attention_dropout=0.0,
-        layerdrop=0.0,
-        **_TOKENS,
-    ),
+    "opt": _causal(hf.OPTConfig, hf.OPTForCausalLM, **_OPT, layerdrop=0.0),
     "gpt_neox": _causal(
         hf.GPTNeoXConfig,
         hf.GPTNeoXForCausalLM,
@@ -222,20 +220,7 @@ RANDOM_FAMILIES: dict[
     ),
     # A causal LM: OPT's decoder draws for each layer whether to skip it.
     "opt_layerdrop": (
-        _causal(
-            hf.OPTConfig,
-            hf.OPTForCausalLM,
-            hidden_size=32,
-            ffn_dim=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            max_position_embeddings=32,
-            word_embed_proj_dim=32,
-            dropout=0.0,
-            attention_dropout=0.0,
-            layerdrop=0.5,
-            **_TOKENS,
-        ),
+        _causal(hf.OPTConfig, hf.OPTForCausalLM, **_OPT, layerdrop=0.5),
         ("model.model.decoder",),
         OPT_SEEDS,
     ),

@@ -12,8 +12,7 @@ from collections.abc import Mapping
 
 import pytest
 import torch
-from tiny_models import VOCAB, LogitsOnly, forcing_budget, inputs, loss_of
-from transformers import GPT2Config, GPT2LMHeadModel
+from tiny_models import VOCAB, forcing_budget, gpt2, inputs, loss_of
 
 from offload_runtime import OffloadConfig, OffloadModule, PlanForce
 from offload_runtime.hardware import default_cpu_profile
@@ -40,21 +39,8 @@ MIXES: dict[str, dict[int, ActivationPlacement]] = {
 
 def dropout_gpt2() -> torch.nn.Module:
     """A tiny GPT-2 with every dropout at 0.1, in training mode."""
-    cfg = GPT2Config(
-        n_embd=32,
-        n_layer=3,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=32,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
     torch.manual_seed(0)
-    return LogitsOnly(GPT2LMHeadModel(cfg)).train()
+    return gpt2(32, 3, 4, vocab=VOCAB, positions=32, dropout=0.1).train()
 
 
 def planned(model: torch.nn.Module, inp: dict[str, torch.Tensor]) -> PlannedModel:

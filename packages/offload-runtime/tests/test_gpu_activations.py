@@ -14,8 +14,7 @@ import gc
 
 import pytest
 import torch
-from tiny_models import LogitsOnly, loss_of
-from transformers import GPT2Config, GPT2LMHeadModel
+from tiny_models import gpt2, loss_of
 
 from offload_runtime import OffloadConfig, PlanForce, memory_optimize, profile_hardware
 from offload_runtime.planning import build_offload_module, plan_model
@@ -37,21 +36,8 @@ def _cuda() -> None:
 
 def dropout_gpt2(hidden: int, layers: int, heads: int) -> torch.nn.Module:
     """A GPT-2 of this shape with every dropout at 0.1, fp32 on the CPU, training."""
-    cfg = GPT2Config(
-        n_embd=hidden,
-        n_layer=layers,
-        n_head=heads,
-        vocab_size=1024,
-        n_positions=2048,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
     torch.manual_seed(0)
-    return LogitsOnly(GPT2LMHeadModel(cfg)).train()
+    return gpt2(hidden, layers, heads, positions=2048, dropout=0.1).train()
 
 
 def tokens(b: int, s: int) -> dict[str, torch.Tensor]:

@@ -114,18 +114,25 @@ def loss_of(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
 
 
 def gpt2(
-    hidden: int, layers: int, heads: int, *, vocab: int = 1024, positions: int = 1024
+    hidden: int,
+    layers: int,
+    heads: int,
+    *,
+    vocab: int = 1024,
+    positions: int = 1024,
+    dropout: float = 0.0,
 ) -> torch.nn.Module:
-    """A GPT-2 of the given shape with dropout off, fp32 on the CPU."""
+    """A GPT-2 of the given shape, fp32 on the CPU, with every dropout at ``dropout`` (off
+    by default)."""
     cfg = GPT2Config(
         n_embd=hidden,
         n_layer=layers,
         n_head=heads,
         vocab_size=vocab,
         n_positions=positions,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,

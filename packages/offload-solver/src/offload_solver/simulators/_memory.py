@@ -288,22 +288,26 @@ def _walk_memory(
             live += dp
             emit(t)
 
-    # An operation sees what happened up to and including its start; what happens at the
-    # instant it ends is applied after its level drops.
-    saved = ctx.saved_prefix
-    for r in range(n_reg):
-        start = out.cs_f[r]
+    def forward_levels(r: int, start: float, end: float) -> None:
+        """Region r's forward operations from ``start`` (the last ending at ``end``): an
+        operation sees what happened up to and including its start; what happens at the
+        instant it ends is applied after its level drops."""
+        nonlocal act
         offs = ctx.fwd_offsets[r]
         for k, off in enumerate(offs):
             j = ctx.op_start[r] + k
             ts = start + off
-            te = start + offs[k + 1] if k + 1 < len(offs) else out.ce_f[r]
+            te = start + offs[k + 1] if k + 1 < len(offs) else end
             flush(ts)
             act = ctx.act_fwd[j]
             emit(ts)
             flush(te, inclusive=False)
             act = ctx.saved_after[j]
             emit(te)
+
+    saved = ctx.saved_prefix
+    for r in range(n_reg):
+        forward_levels(r, out.cs_f[r], out.ce_f[r])
         if act_host[r]:
             # Its saved bytes wait for their copy down, counted with the gradients.
             act = saved[ctx.op_start[r]]
@@ -314,18 +318,7 @@ def _walk_memory(
     for r in range(n_reg - 1, -1, -1):
         if out.recompute_start[r] > NEVER:
             # The forward again: its levels as in a forward ([Note: activations]).
-            rs = out.recompute_start[r]
-            offs = ctx.fwd_offsets[r]
-            for k, off in enumerate(offs):
-                j = ctx.op_start[r] + k
-                ts = rs + off
-                te = rs + offs[k + 1] if k + 1 < len(offs) else out.cs_b[r]
-                flush(ts)
-                act = ctx.act_fwd[j]
-                emit(ts)
-                flush(te, inclusive=False)
-                act = ctx.saved_after[j]
-                emit(te)
+            forward_levels(r, out.recompute_start[r], out.cs_b[r])
         if act_host[r] and out.act_h2d_start[r] > NEVER:
             flush(out.cs_b[r])
             grads -= ctx.act.saved_bytes[r]  # from here on the backward's levels
