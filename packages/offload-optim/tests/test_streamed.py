@@ -499,10 +499,13 @@ class _Gate:
         return self.opened.is_set()
 
     def synchronize(self) -> None:
-        assert self.opened.wait(timeout=20.0), "waited for downloads never let land"
+        assert self.opened.wait(timeout=60.0), "waited for downloads never let land"
 
 
-def _wait_until(condition: Callable[[], bool], timeout_s: float = 10.0) -> bool:
+def _wait_until(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Whether ``condition`` holds within ``timeout_s``: a bound for something expected to
+    happen, generous because a loaded machine (a first numba compilation, other test
+    workers) can hold a thread for seconds."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -804,7 +807,7 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
 
     def gated(self: StreamedSteps, ring: StreamRing, r: int, *args: Any) -> Any:
         if r == second:
-            assert release.wait(timeout=20.0), "the test never let the issuing go on"
+            assert release.wait(timeout=60.0), "the test never let the issuing go on"
         _, written = issue_streamed(self, ring, r, *args)  # on the CPU: done here
         return (_Gate(landed) if r == first else None), written
 
@@ -825,7 +828,7 @@ def test_landed_regions_are_published_while_the_issuing_thread_still_issues(
     finally:
         landed.set()
         release.set()
-        stepping.join(timeout=20.0)
+        stepping.join(timeout=60.0)
     module.close()
     assert not errors and not stepping.is_alive()
     assert published_while_issuing, "the landed region waited for the issuing thread"
@@ -861,7 +864,7 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
     def holding(self: Stepper, r: int, *args: Any, **kwargs: Any) -> Any:
         if r == held:
             entered.set()
-            assert release.wait(timeout=20.0), "the test never let the host step go on"
+            assert release.wait(timeout=60.0), "the test never let the host step go on"
         return step_segments(self, r, *args, **kwargs)
 
     monkeypatch.setattr(Stepper, "step_segments", holding)
@@ -870,7 +873,7 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
     stepping, errors = _step_on_a_thread(amp)
     by_issuer = fp16_io
     try:
-        assert entered.wait(timeout=20.0), "the held host step began"
+        assert entered.wait(timeout=60.0), "the held host step began"
         during = _wait_until(
             lambda: streamed_r in {r for r, _ in published},
             timeout_s=5.0 if by_issuer else 0.5,
@@ -878,7 +881,7 @@ def test_the_issuing_thread_publishes_a_region_that_lands_during_a_host_step(
         assert held not in {r for r, _ in published}
     finally:
         release.set()
-        stepping.join(timeout=20.0)
+        stepping.join(timeout=60.0)
     module.close()
     assert not errors and not stepping.is_alive()
     by = dict(published)
@@ -1120,7 +1123,7 @@ def test_a_written_regions_next_forward_does_not_wait_for_its_downloads(
         assert _wait_until(lambda: r in controller._early), "the region was issued"
         running = threading.Thread(target=forward)
         running.start()
-        assert forwarded.wait(timeout=20.0), "the forward waited for the downloads"
+        assert forwarded.wait(timeout=60.0), "the forward waited for the downloads"
         assert not errors
         assert r not in published, "published before its downloads landed"
         # What the forward read: the stepped master, narrowed on the device.
@@ -1128,7 +1131,7 @@ def test_a_written_regions_next_forward_does_not_wait_for_its_downloads(
         assert torch.equal(target.device_params, target.master.half())
         landed.set()
         controller.wait_host()
-        running.join(timeout=20.0)
+        running.join(timeout=60.0)
         assert published == [r]
     finally:
         landed.set()
