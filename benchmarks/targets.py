@@ -250,26 +250,11 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
     run = Run(rows)
     every = run.ours(kinds)
     ours = run.judged(kinds)
-    out = [
-        bound_verdict(
-            "peak allocated <= budget",
-            [
-                (
-                    label(r),
-                    f"{r['peak_alloc_gib']:.2f} / {r['budget_gib']:g} GiB",
-                    r["peak_alloc_gib"] <= r["budget_gib"],
-                )
-                for r in every
-            ],
-        )
-    ]
-    pred_peak, pred_step = [], []
+    out = peak_verdicts("", every)
+    pred_step = []
     for r in every:
-        err = error(r["pred_peak_gib"], r["peak_alloc_gib"])
-        pred_peak.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.05))
         err = error(r["pred_step_ms"], r["step_mean_ms"])
         pred_step.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.15))
-    out.append(bound_verdict("predicted peak within 5%", pred_peak))
     out.append(bound_verdict("predicted step within 15% of the run mean", pred_step))
     out.append(fastest_verdict(run))
 
@@ -337,29 +322,26 @@ def verdicts(rows: Sequence[Row], kinds: set[str] | None = None) -> list[Verdict
     return out
 
 
+def peak_verdicts(prefix: str, rows: Sequence[Row]) -> list[Verdict]:
+    """``rows``' peaks within their budgets and their predicted peaks within 5% of them,
+    the targets' names led by ``prefix``."""
+    within, predicted = [], []
+    for r in rows:
+        peak, budget = r["peak_alloc_gib"], r["budget_gib"]
+        within.append((label(r), f"{peak:.2f} / {budget:g} GiB", peak <= budget))
+        err = error(r["pred_peak_gib"], peak)
+        predicted.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.05))
+    return [
+        bound_verdict(f"{prefix}peak allocated <= budget", within),
+        bound_verdict(f"{prefix}predicted peak within 5%", predicted),
+    ]
+
+
 def w6_verdicts(run: Run, every: list[Row], ours: list[Row]) -> list[Verdict]:
     """W6's targets: the budget and the predicted peak over ``every`` W6 row of ours, and
     the defaults' rows (``ours``) against the faster checkpointing FSDP2 arm and, where it
     ran and trained, checkpointed full-GPU training."""
-    w6 = [r for r in every if r["workload"] in W6]
-    out = [
-        bound_verdict(
-            "W6 peak allocated <= budget",
-            [
-                (
-                    label(r),
-                    f"{r['peak_alloc_gib']:.2f} / {r['budget_gib']:g} GiB",
-                    r["peak_alloc_gib"] <= r["budget_gib"],
-                )
-                for r in w6
-            ],
-        )
-    ]
-    peaks = []
-    for r in w6:
-        err = error(r["pred_peak_gib"], r["peak_alloc_gib"])
-        peaks.append((label(r), f"{100 * err:+.1f}%", abs(err) <= 0.05))
-    out.append(bound_verdict("W6 predicted peak within 5%", peaks))
+    out = peak_verdicts("W6 ", [r for r in every if r["workload"] in W6])
     for w in W6:
         rows = [r for r in ours if r["workload"] == w]
         arm = run.fastest_peer(w, FSDP2_ARMS)

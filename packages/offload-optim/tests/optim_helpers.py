@@ -50,8 +50,11 @@ class LogitsOnly(torch.nn.Module):
         return out.logits  # type: ignore[no-any-return]
 
 
-def tiny_gpt2(layers: int = 3, width: int = 32, seed: int = 0) -> torch.nn.Module:
-    """A deterministic (dropout off) GPT-2 small enough for fast CPU tests."""
+def tiny_gpt2(
+    layers: int = 3, width: int = 32, seed: int = 0, *, dropout: float = 0.0
+) -> torch.nn.Module:
+    """A GPT-2 small enough for fast CPU tests, every dropout at ``dropout`` (off by
+    default: deterministic)."""
     torch.manual_seed(seed)
     cfg = GPT2Config(
         n_embd=width,
@@ -59,9 +62,9 @@ def tiny_gpt2(layers: int = 3, width: int = 32, seed: int = 0) -> torch.nn.Modul
         n_head=4,
         vocab_size=VOCAB,
         n_positions=32,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
         use_cache=False,
         bos_token_id=0,
         eos_token_id=0,

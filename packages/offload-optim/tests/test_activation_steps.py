@@ -1,8 +1,8 @@
 """AdamW steps of a module whose plan recomputes or moves to the host what some regions
 save for backward equal plain PyTorch training's, with dropout on.
 
-The solver does not choose those placements yet: the plans here are the solver's, with
-placements set by hand per region (dataclasses.replace on its RegionPlans).
+The plans here are the solver's, with placements set by hand per region
+(dataclasses.replace on its RegionPlans), so that every mix is exercised.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import dataclasses
 
 import pytest
 import torch
-from optim_helpers import VOCAB, LogitsOnly, batch, train_offload, train_plain
-from transformers import GPT2Config, GPT2LMHeadModel
+from optim_helpers import batch, tiny_gpt2, train_offload, train_plain
 
 from offload_optim import AMPOptimizer, HybridAdam
 from offload_runtime import OffloadConfig, PlanForce
@@ -29,21 +28,7 @@ STEPS = 3
 
 def dropout_gpt2() -> torch.nn.Module:
     """A tiny GPT-2 with every dropout at 0.1, in training mode."""
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_embd=32,
-        n_layer=3,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=32,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-        use_cache=False,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return LogitsOnly(GPT2LMHeadModel(cfg)).train()
+    return tiny_gpt2(dropout=0.1).train()
 
 
 def offloading_plan(model: torch.nn.Module) -> PlannedModel:

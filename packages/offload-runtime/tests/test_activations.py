@@ -1,7 +1,8 @@
 """A plan's activation placements (keep, recompute, host) train exactly as plain PyTorch.
 
-The solver does not choose RECOMPUTE or HOST yet, so the plans here are the solver's
-plan for a tiny GPT-2 with dropout on, with placements set by hand per region.
+The plans here are the solver's plan for a tiny GPT-2 with dropout on, with placements
+set by hand per region so that every mix is exercised; the last test lets the planner
+choose them.
 """
 
 from __future__ import annotations
