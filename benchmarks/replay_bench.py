@@ -199,17 +199,22 @@ def _issue_cost_arg(text: str) -> float | str:
     return value
 
 
-def workload_profile(workload: str, *, fuse_gelu: bool, device: str = "cuda") -> Any:
+def workload_profile(
+    workload: str, *, fuse_gelu: bool, device: str = "cuda", with_loss: bool = False
+) -> Any:
     """The workload's ``ModelProfile``: its model traced on the meta device in fp16 for
     ``device`` (nothing allocated), its GELU fused into one operation as ``fuse_gelu``
-    says."""
+    says, followed by its loss where ``with_loss`` says (rows that planned
+    ``WithLMLoss``)."""
     import torch
 
-    from offload_gpt_example.models import build_model, random_batch
+    from offload_gpt_example.models import WithLMLoss, build_model, random_batch
     from offload_trace import trace
 
     name, batch, seq, _ = WORKLOADS[workload]
-    model = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
+    model: torch.nn.Module = build_model(name, device="meta", dtype=torch.float16, seq_len=seq)
+    if with_loss:
+        model = WithLMLoss(model)
     inputs = random_batch(batch, seq, device="meta")
     traced = trace(model, inputs, dtype=torch.float16, target_device=device, fuse_gelu=fuse_gelu)
     return traced.to_profile()
@@ -367,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     from offload_runtime.planning.planner import block_search_range
     from offload_solver import ParamPlacement, StatePlacement, StreamedStepCosts, solve
 
-    traced: dict[tuple[str, bool, str], Any] = {}
+    traced: dict[tuple[str, bool, str, bool], Any] = {}
     cost_fields = {f.name for f in dataclasses.fields(StreamedStepCosts)}
     print(
         "| file | workload | kind | measured step (run mean) | predicted then (of run "
@@ -386,9 +391,16 @@ def main(argv: list[str] | None = None) -> int:
             if f"{name}:{kind}" in args.exclude:
                 print(f"| {name} | {workload} | {kind} | excluded |" + " |" * 7)
                 continue
-            key = (workload, bool(row.get("fuse_gelu")), str(row.get("device", "cuda")))
+            key = (
+                workload,
+                bool(row.get("fuse_gelu")),
+                str(row.get("device", "cuda")),
+                bool(row.get("loss_in_module")),
+            )
             if key not in traced:
-                traced[key] = workload_profile(workload, fuse_gelu=key[1], device=key[2])
+                traced[key] = workload_profile(
+                    workload, fuse_gelu=key[1], device=key[2], with_loss=key[3]
+                )
             base = traced[key]
             variant = device_conversion_profile(base) if row.get("convert_on_device") else base
             budget = int(float(row.get("budget_gib", WORKLOADS[workload][3])) * GiB)

@@ -21,7 +21,13 @@ import pytest
 import torch
 
 from offload_gpt_example.__main__ import main
-from offload_gpt_example.models import build_model, labels_for, lm_loss, random_batch
+from offload_gpt_example.models import (
+    WithLMLoss,
+    build_model,
+    labels_for,
+    lm_loss,
+    random_batch,
+)
 from offload_runtime import describe_plan
 from offload_solver import ParamPlacement, Plan, StatePlacement
 
@@ -436,8 +442,9 @@ def test_plan_only_plans_as_the_planner_does_for_a_run(
     assert "no CUDA device: planning for default-h200-pcie5" in out
     got = Plan.from_json((tmp_path / "gpt2_medium_bs_8_st_asyn.plan.json").read_text())
     assert _plan_text(out) == describe_plan(got)
-    model = build_model(
-        "gpt2_medium", device="meta", dtype=torch.float16, seq_len=1024, dropout=0.1
+    # The example plans its model with the loss (WithLMLoss).
+    model = WithLMLoss(
+        build_model("gpt2_medium", device="meta", dtype=torch.float16, seq_len=1024, dropout=0.1)
     )
     model.train()
     want = plan(

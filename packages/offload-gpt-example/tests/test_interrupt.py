@@ -15,6 +15,7 @@ import torch
 
 import offload_gpt_example.__main__ as example
 from offload_gpt_example.interrupt import StopOnInterrupt, load_checkpoint
+from offload_optim import AMPOptimizer
 
 TINY = ["--model_type", "gpt2_tiny", "--device", "cpu", "--no_progress", "--dtype", "fp32"]
 BASE = [*TINY, "--batch_size", "2", "--steps", "6", "--memory_budget", "0.004"]
@@ -27,15 +28,15 @@ def run(
     interrupt_at: int | None = None,
 ) -> tuple[int, str, dict[str, torch.Tensor]]:
     """(exit code, stdout, the masters after the last step) of the example; with
-    ``interrupt_at``, SIGINT arrives during that training step's loss (1-based)."""
+    ``interrupt_at``, SIGINT arrives during that training step's backward (1-based)."""
     calls = [0]
-    loss_of = example.lm_loss
+    backward_of = AMPOptimizer.backward
 
-    def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def backward(self: AMPOptimizer, loss: torch.Tensor) -> None:
         calls[0] += 1
         if calls[0] == interrupt_at:
             os.kill(os.getpid(), signal.SIGINT)
-        return loss_of(logits, labels)
+        backward_of(self, loss)
 
     masters: dict[str, torch.Tensor] = {}
     report = example.report_run
@@ -44,7 +45,7 @@ def run(
         masters.update({k: v.clone() for k, v in module.state_dict().items()})
         report(args, module, *rest)
 
-    monkeypatch.setattr(example, "lm_loss", lm_loss)
+    monkeypatch.setattr(AMPOptimizer, "backward", backward)
     monkeypatch.setattr(example, "report_run", report_run)
     code = example.main(argv)
     out = capsys.readouterr().out

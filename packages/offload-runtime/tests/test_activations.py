@@ -19,6 +19,7 @@ from offload_runtime import OffloadConfig, OffloadModule, PlanForce
 from offload_runtime.hardware import default_cpu_profile
 from offload_runtime.planning import PlannedModel, build_offload_module, plan_model
 from offload_solver import ActivationPlacement, InfeasibleBudgetError, ParamPlacement
+from offload_solver.simulators._activations import boundary_bytes
 
 KEEP = ActivationPlacement.KEEP
 RECOMPUTE = ActivationPlacement.RECOMPUTE
@@ -202,6 +203,34 @@ def test_recompute_and_host_hold_fewer_device_bytes(
     all_device, all_host = measured["host_all"]
     assert all_device < 0.1 * keep_device
     assert all_host > 0.9 * keep_device
+
+
+@pytest.mark.parametrize("mix", ["recompute", "recompute_all", "mix"])
+def test_recomputed_regions_hold_the_inputs_the_simulator_prices(
+    setup: tuple[torch.nn.Module, dict[str, torch.Tensor], PlannedModel], mix: str
+) -> None:
+    """What the frames of RECOMPUTE regions hold between forward and backward (their
+    inputs: views hold whole storages, each storage once, the model's inputs left out) is
+    what the simulator's ``boundary_bytes`` prices for that choice."""
+    model, inp, base = setup
+    modes = [MIXES[mix].get(r, KEEP) for r in range(len(base.plan.regions))]
+    module = with_activations(model, base, MIXES[mix])
+    acts = module.controller.activations
+    torch.manual_seed(3)
+    loss = loss_of(module(**inp), inp["input_ids"])
+    inputs = {t.untyped_storage().data_ptr() for t in inp.values()}
+    held = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in acts.held_tensors()[0]
+        if t.untyped_storage().data_ptr() not in inputs
+    }
+    regions = [rp.region for rp in base.plan.regions]
+    priced = boundary_bytes(base.profile.operations, regions, modes)
+    want = sum(b for b, m in zip(priced, modes, strict=True) if m is RECOMPUTE)
+    assert want > 0
+    assert sum(held.values()) == want
+    module.backward(loss)
+    module.close()
 
 
 def test_log_names_each_region_that_does_not_keep_its_activations(

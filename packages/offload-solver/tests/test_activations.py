@@ -270,3 +270,28 @@ def test_a_region_that_writes_into_its_inputs_is_never_recomputed() -> None:
                 assert rp.activations is not RECOMPUTE, rp.region.index
         assert any(rp.activations is not KEEP for rp in plan.regions)
     assert ModelProfile.from_json(profile.to_json()) == profile
+
+
+def test_a_recomputed_region_holds_every_storage_it_reads_once() -> None:
+    """With ``Operation.reads``, a RECOMPUTE region holds each storage made before it that
+    its operations read (not only the previous operation's output), and a storage an
+    earlier RECOMPUTE region holds already is not counted twice."""
+    from offload_solver.plan import Region
+    from offload_solver.simulators._activations import boundary_bytes
+
+    ops = (
+        Operation("a", fwd_out_bytes=307, out_storage_bytes=(300, 7), saved_bytes=50),
+        Operation("b", fwd_out_bytes=40, out_storage_bytes=(40,), reads=(0,), saved_bytes=50),
+        Operation("c", reads=(0, 2), saved_bytes=50),  # a view: makes nothing
+        Operation("d", fwd_out_bytes=5, out_storage_bytes=(5,), reads=(1, 0), saved_bytes=50),
+    )  # storages: 0 and 1 made by a, 2 by b, 3 by d
+    regions = [Region(i, i, i + 1, (), 0, 0) for i in range(4)]
+    # Alone, each region holds what it reads from before it, however small the output of
+    # the operation just before it (the old approximation's edge).
+    assert boundary_bytes(ops, regions) == [0, 300, 340, 307]
+    # Region 1 recomputed holds storage 0: regions 2 and 3 add only what it does not.
+    both = [KEEP, RECOMPUTE, RECOMPUTE, RECOMPUTE]
+    assert boundary_bytes(ops, regions, both) == [0, 300, 40, 7]
+    # A profile without reads keeps the approximation: the edge, at most the saved bytes.
+    bare = tuple(dataclasses.replace(op, reads=()) for op in ops)
+    assert boundary_bytes(bare, regions) == [0, 50, 40, 0]

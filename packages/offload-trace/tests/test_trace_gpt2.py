@@ -223,3 +223,34 @@ def test_other_reference_sizes_trace_on_meta(name: str) -> None:
     profile = traced.to_profile(name)
     assert profile.total_param_numel == param_count(model)
     assert traced.tied_groups[0][0] == "lm.lm_head.weight"
+
+
+class _Split(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.lin(x).split(8, dim=-1)
+        return (torch.tanh(q * k) + v).sum()
+
+
+def test_operations_number_their_storages_and_read_views_as_their_storage() -> None:
+    """``out_storage_bytes`` splits ``fwd_out_bytes`` into storages, numbered in forward
+    order; ``reads`` names the storages an operation's inputs live in, so two views of
+    one output are one storage, and the model's inputs and parameters none."""
+    x = torch.randn(4, 8)
+    profile = trace(_Split(), (x,), dtype=torch.float32, target_device="cpu").to_profile()
+    ops = profile.operations
+    made = 0
+    for op in ops:
+        assert sum(op.out_storage_bytes) == op.fwd_out_bytes
+        assert all(s < made for s in op.reads)  # only storages made before it
+        made += len(op.out_storage_bytes)
+    by_name = {op.name.rstrip("_0123456789"): op for op in ops}
+    linear = [i for i, op in enumerate(ops) if op.name.startswith("linear")]
+    assert len(linear) == 1 and ops[linear[0]].reads == ()  # x and the weights: none
+    first = sum(len(op.out_storage_bytes) for op in ops[: linear[0]])
+    assert ops[linear[0]].out_storage_bytes == (4 * 24 * 4,)
+    assert by_name["mul"].reads == (first,)  # q and k: views of the linear's output
+    assert first in by_name["add"].reads  # v, a view of it too

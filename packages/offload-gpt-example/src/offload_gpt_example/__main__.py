@@ -62,10 +62,9 @@ from tqdm import tqdm
 
 from offload_gpt_example.interrupt import StopOnInterrupt, load_checkpoint, save_checkpoint
 from offload_gpt_example.models import (
+    WithLMLoss,
     build_model,
     get_spec,
-    labels_for,
-    lm_loss,
     model_names,
     parameter_bytes,
     random_batch,
@@ -419,9 +418,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         )
     target = training_target(args.device)
     show = not args.no_progress
-    model = build(args, model_type, target.device, show)
+    # The module planned returns the loss, so the plan prices the loss's memory too.
+    model = WithLMLoss(build(args, model_type, target.device, show))
     batches = draw_batches(args, model_type, batch_size, target)
-    labels = [labels_for(b) for b in batches]  # shaped from the batch, not a fixed (64, 8)
 
     # ---- trace, profile the hardware, solve, build the offloaded module; the planner
     # reports each of these phases itself when progress is on
@@ -455,7 +454,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(f"resumed from {args.resume} after {done} of {args.steps} steps", flush=True)
     with StopOnInterrupt() as stop:
         step_times, loss = train(
-            module, optimizer, batches, labels, args.steps - done, target.device, show, stop
+            module, optimizer, batches, args.steps - done, target.device, show, stop
         )
     done += len(step_times)
     if step_times:
@@ -477,7 +476,6 @@ def train(
     module: OffloadModule,
     optimizer: AMPOptimizer,
     batches: list[dict[str, torch.Tensor]],
-    labels: list[torch.Tensor],
     steps: int,
     device: torch.device,
     show: bool,
@@ -497,8 +495,8 @@ def train(
         t0 = time.perf_counter()
         optimizer.zero_grad()
         micro_losses = []
-        for batch, batch_labels in zip(batches, labels, strict=True):
-            micro = lm_loss(module(**batch), batch_labels)
+        for batch in batches:
+            micro = module(**batch)  # WithLMLoss: the loss on the batch's own tokens
             # The step's gradient is the mean over its micro-batches.
             optimizer.backward(micro if len(batches) == 1 else micro / len(batches))
             micro_losses.append(micro.detach())
@@ -591,17 +589,14 @@ def plan_only(args: argparse.Namespace) -> int:
         target = Target(torch.device("cuda"), default_hardware())
         print(f"no CUDA device: planning for {default_hardware().name}", flush=True)
     show = not args.no_progress
-    model = build(args, args.model_type, "meta", show)
-    # The batches and labels a run keeps on the device, there too: the planner counts
-    # them in use.
+    model = WithLMLoss(build(args, args.model_type, "meta", show))
+    # The batches a run keeps on the device, there too: the planner counts them in use.
     batches = draw_batches(args, args.model_type, args.batch_size, target)
-    labels = [labels_for(b) for b in batches]
     what = f"{args.model_type} at batch {args.batch_size}, seq {args.seq_len}, {args.dtype}"
     found = planned(args, model, batches[0], target, show, what)
     if found is None:
         return EXIT_FAILURE
     plan = found[0]
-    del labels
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
     title = f"{args.model_type} bs {args.batch_size} seq {args.seq_len} {args.dtype}"
     write_plan_files(plan, Path(args.log_dir), stem, title)

@@ -467,11 +467,22 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     )
 
 
-class LMLoss(nn.Module):
-    """:func:`lm_loss` as a module."""
+class WithLMLoss(nn.Module):
+    """``model`` followed by :func:`lm_loss`: its forward returns the loss, not the logits.
 
-    def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return lm_loss(logits, labels)
+    Plan this module, not ``model``: the planner prices only what the module it traces
+    computes, and at long sequences the loss is among the largest parts of a step (its fp32
+    logits and their log-softmax, 8 bytes per logit, can exceed the model's own
+    activations). Labels default to the batch's own ``input_ids`` (:func:`labels_for`).
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.model(input_ids=input_ids)
+        return lm_loss(logits, input_ids if labels is None else labels)
 
 
 def random_batch(
@@ -510,11 +521,11 @@ __all__ = [
     "VOCAB_SIZE",
     "GPTLMModel",
     "GPTSpec",
-    "LMLoss",
     "LMModel",
     "LlamaLMModel",
     "LlamaSpec",
     "ModelSpec",
+    "WithLMLoss",
     "build_model",
     "get_spec",
     "gpt2_config",

@@ -91,6 +91,16 @@ class Operation:
     """The operation writes in place into one of its inputs: a region holding one never
     recomputes its activations (``ActivationPlacement.RECOMPUTE``), since the second run
     could read a value the first one changed; it may send them to the host."""
+    out_storage_bytes: tuple[int, ...] = ()
+    """Bytes of each storage its forward allocates that is alive when it returns, in
+    order (together ``fwd_out_bytes``). Numbered across the profile in operation order
+    (the first operation's first storage is 0), these are the storages ``reads`` names."""
+    reads: tuple[int, ...] = ()
+    """The activation storages its forward reads, by their numbers (see
+    ``out_storage_bytes``); parameters, buffers and the model's inputs have none. A
+    RECOMPUTE region holds the storages its operations read from before it until its
+    backward ([Note: activations] in ``offload_solver.simulators._activations``); a
+    profile without reads has that approximated."""
 
     @property
     def fwd_traffic_bytes(self) -> int:

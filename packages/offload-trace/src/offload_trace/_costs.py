@@ -88,6 +88,12 @@ class OpCost:
     """Activation bytes alive at the peak of its forward (the memory model's left side)."""
     bwd_peak_bytes: int
     """Activation bytes alive at the peak of its backward."""
+    out_storage_bytes: tuple[int, ...] = ()
+    """Bytes of each storage counted in ``fwd_out_bytes``, in order. Numbered across the
+    operations in forward order, these are the storages ``reads`` names."""
+    reads: tuple[int, ...] = ()
+    """The activation storages (numbers as above) among its forward's inputs; parameters,
+    buffers and the model's inputs are not numbered."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,15 @@ class Liveness:
     def sweep_pool(self, pool: int) -> None:
         self.sweep(self.pools.get(pool, ()))
 
+    def alive_sizes(self, keys: list[int]) -> list[tuple[int, int]]:
+        """(key, bytes) of each of ``keys`` still alive, in order."""
+        out = []
+        for key in keys:
+            entry = self.entries.get(key)
+            if entry is not None and not entry[0].expired():
+                out.append((key, entry[1]))
+        return out
+
     def alive_bytes(self, keys: list[int]) -> int:
         total = 0
         for key in keys:
@@ -202,6 +217,11 @@ class _CostRun:
         self.bwd_peak = [-1] * num_ops
         self.bwd_level_after = [-1] * num_ops
         self.last_bwd_op = -1
+        # Storages numbered in the order forward operations return them (see OpCost).
+        self.numbers: dict[int, int] = {}
+        self.next_number = 0
+        self.out_storages: list[list[int]] = [[] for _ in range(num_ops)]
+        self.reads: list[list[int]] = [[] for _ in range(num_ops)]
 
     # -- allocation tracking (called from the dispatch mode) -------------------------
 
@@ -243,9 +263,27 @@ class _CostRun:
         if extra is not None:
             self.fwd_peak[i] += extra.fwd_transient_bytes
 
+    def note_reads(self, i: int, values: Any) -> None:
+        """Op ``i`` is about to run forward on ``values``: record the numbered activation
+        storages among them (a storage key seen again after its storage died names the
+        new one, numbered when it was made)."""
+        seen = self.reads[i]
+        for t in tensors_in(values):
+            got = storage_key(t)
+            if got is None or got[0] not in self.numbers or not self.live.is_live(got[0]):
+                continue
+            number = self.numbers[got[0]]
+            if number not in seen:
+                seen.append(number)
+
     def end_forward_op(self, i: int) -> None:
         self.live.sweep(self.new_keys)
-        self.fwd_out[i] = self.live.alive_bytes(self.new_keys)
+        sizes = self.live.alive_sizes(self.new_keys)
+        for key, nbytes in sizes:
+            self.numbers[key] = self.next_number
+            self.next_number += 1
+            self.out_storages[i].append(nbytes)
+        self.fwd_out[i] = sum(nbytes for _, nbytes in sizes)
         self.fwd_peak[i] = max(self.fwd_peak[i], self.live.live_bytes)
         self.cur = -1
         self.new_keys = []
@@ -330,6 +368,7 @@ class _CostInterpreter(fx.Interpreter):
         i = self.index.get(n)
         if i is None:
             return super().run_node(n)
+        self.run_state.note_reads(i, [self.env.get(a) for a in n.all_input_nodes])
         self.run_state.begin_forward_op(i)
         out = super().run_node(n)
         self.run_state.end_forward_op(i)
@@ -496,6 +535,8 @@ def _to_op_costs(run: _CostRun, op_nodes: list[fx.Node]) -> list[OpCost]:
                 bwd_flop=bwd_flop,
                 fwd_peak_bytes=run.fwd_peak[i],
                 bwd_peak_bytes=bwd_peak[i],
+                out_storage_bytes=tuple(run.out_storages[i]),
+                reads=tuple(run.reads[i]),
             )
         )
     return costs

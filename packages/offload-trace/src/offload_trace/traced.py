@@ -163,6 +163,8 @@ class TracedModel:
                 bwd_flop=c.bwd_flop,
                 attention=c.name in attention,
                 mutates=c.name in mutating,
+                out_storage_bytes=c.out_storage_bytes,
+                reads=c.reads,
             )
             for c, pnames in zip(self.op_costs, self.op_param_names, strict=True)
         )

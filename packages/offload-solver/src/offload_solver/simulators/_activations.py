@@ -11,12 +11,13 @@ caller picks otherwise with ``SimulationContext.with_activations``):
 - RECOMPUTE: while the region's forward runs, its saved bytes accumulate as under KEEP
   (an upper bound: a checkpointed forward runs without saving, but its backward's
   recomputation re-creates them all at once anyway, so the peak is the same). When the
-  forward ends only the region's input at its boundary stays until its backward
-  (``boundary_bytes``); the profile records no inputs, so the boundary is approximated
-  by the ``fwd_out_bytes`` of the operation just before the region's first (the tensor
-  that crosses into it), at most the region's saved bytes; region 0's input is the
-  model's, which the caller holds anyway (measured in ``device_bytes_in_use``), so it
-  holds nothing. Just before the region's backward, once its parameters are on the
+  forward ends only its inputs stay until its backward (``boundary_bytes``): every
+  storage made before the region that its operations read (``Operation.reads``; a view
+  holds its whole storage), counted once: a storage that an earlier RECOMPUTE region
+  holds already costs nothing more. The model's own inputs and the parameters are held
+  anyway and count nothing. A profile without reads approximates them by the
+  ``fwd_out_bytes`` of the operation just before the region's first, at most the
+  region's saved bytes. Just before the region's backward, once its parameters are on the
   device (after its upload or the wait for its prefetch), its forward runs again on the
   compute lane (a ``recompute`` task of the region's forward seconds) and re-creates
   its saved bytes at the levels of a forward; its backward then releases them operation
@@ -85,8 +86,41 @@ class ActivationLevels:
     """Per region, seconds of its activations' copy back (HOST)."""
 
 
-def boundary_bytes(ops: Sequence[Operation], regions: Sequence[Region]) -> list[int]:
-    """Per region, the input activation RECOMPUTE keeps (see the note)."""
+def boundary_bytes(
+    ops: Sequence[Operation],
+    regions: Sequence[Region],
+    activations: Sequence[ActivationPlacement] | None = None,
+) -> list[int]:
+    """Per region, what it holds from its forward to its backward under RECOMPUTE (see
+    the note): the storages its operations read that were made before it, less those
+    that an earlier RECOMPUTE region of ``activations`` (None: none) holds already."""
+    if not any(op.reads for op in ops):
+        return _approximate_boundary(ops, regions)
+    sizes = [b for op in ops for b in op.out_storage_bytes]
+    first = []  # per region, the number of the first storage it makes
+    made = 0
+    for reg in regions:
+        first.append(made)
+        for j in range(reg.op_start, reg.op_end):
+            made += len(ops[j].out_storage_bytes)
+    held: set[int] = set()
+    out = []
+    for r, reg in enumerate(regions):
+        mine = {
+            s
+            for j in range(reg.op_start, reg.op_end)
+            for s in ops[j].reads
+            if s < first[r] and s not in held
+        }
+        out.append(sum(sizes[s] for s in mine if s < len(sizes)))
+        if activations is not None and activations[r] is RECOMPUTE:
+            held |= mine
+    return out
+
+
+def _approximate_boundary(ops: Sequence[Operation], regions: Sequence[Region]) -> list[int]:
+    """A profile without ``Operation.reads``: the output of the operation just before
+    the region's first, at most the region's saved bytes."""
     out = []
     for reg in regions:
         full = sum(ops[j].saved_bytes for j in range(reg.op_start, reg.op_end))
@@ -106,7 +140,7 @@ def activation_levels(
     pre = [0] * (n_ops + 1)
     base = 0
     full_bytes: list[int] = []
-    edges = boundary_bytes(ops, regions)
+    edges = boundary_bytes(ops, regions, activations)
     for r, reg in enumerate(regions):
         acc = base
         for j in range(reg.op_start, reg.op_end):
