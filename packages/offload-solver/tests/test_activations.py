@@ -287,7 +287,7 @@ def test_a_recomputed_region_holds_every_storage_it_reads_once() -> None:
     )  # storages: 0 and 1 made by a, 2 by b, 3 by d
     regions = [Region(i, i, i + 1, (), 0, 0) for i in range(4)]
     # Alone, each region holds what it reads from before it, however small the output of
-    # the operation just before it (the old approximation's edge).
+    # the operation just before it (what a profile without reads counts).
     assert boundary_bytes(ops, regions) == [0, 300, 340, 307]
     # Region 1 recomputed holds storage 0: regions 2 and 3 add only what it does not.
     both = [KEEP, RECOMPUTE, RECOMPUTE, RECOMPUTE]
