@@ -47,19 +47,8 @@ def dropout_gpt2() -> torch.nn.Module:
 
 def planned(model: torch.nn.Module, inp: dict[str, torch.Tensor]) -> PlannedModel:
     """The solver's fp32 plan of ``model`` at a budget that offloads half its regions."""
-    hw = default_cpu_profile()
-    budget = forcing_budget(model, inp, "asyn", torch.float32, hw)
-    return plan_model(
-        model,
-        inp,
-        budget,
-        "asyn",
-        config=OffloadConfig(dtype=torch.float32, fuse_gelu=False),
-        hardware=hw,
-        device="cpu",
-        progress=False,
-        force=PlanForce(block_search_range_bytes=0),
-    )
+    budget = forcing_budget(model, inp, "asyn", torch.float32, default_cpu_profile())
+    return _plan_at(model, inp, budget)
 
 
 def with_activations(
