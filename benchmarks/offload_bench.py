@@ -581,6 +581,11 @@ def _floor_record(module: Any, device: str) -> dict[str, Any]:
         "streamed_regions": len(streamed),
         # Where the plan does not keep a region's saved activations on the device.
         "recompute_regions": sum(
+            rp.activations
+            in (ActivationPlacement.RECOMPUTE, ActivationPlacement.RECOMPUTE_WITH_PREVIOUS)
+            for rp in plan.regions
+        ),
+        "recompute_runs": sum(
             rp.activations is ActivationPlacement.RECOMPUTE for rp in plan.regions
         ),
         "host_activation_regions": sum(

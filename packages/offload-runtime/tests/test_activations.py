@@ -24,11 +24,14 @@ from offload_solver.simulators._activations import boundary_bytes
 KEEP = ActivationPlacement.KEEP
 RECOMPUTE = ActivationPlacement.RECOMPUTE
 HOST = ActivationPlacement.HOST
+WITH_PREVIOUS = ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
 
 # Region indices of the plan below (14 regions: 0 the embeddings, resident; 13 the final
 # norm and head, sync; the rest async). Each mix has resident and offloaded regions, and
 # HOST regions next to each other, so that one HOST region's backward start is the one that
-# brings back the next's tensors.
+# brings back the next's tensors. In "runs" and "runs_mix" regions are recomputed in runs,
+# one ending in the offloaded last region; ``with_activations`` makes every region of a
+# run but the last resident, as plans must.
 MIXES: dict[str, dict[int, ActivationPlacement]] = {
     "keep": {},
     "recompute": {0: RECOMPUTE, 1: RECOMPUTE, 4: RECOMPUTE, 8: RECOMPUTE, 12: RECOMPUTE},
@@ -36,6 +39,30 @@ MIXES: dict[str, dict[int, ActivationPlacement]] = {
     "mix": {0: HOST, 1: RECOMPUTE, 2: HOST, 3: HOST, 6: RECOMPUTE, 7: RECOMPUTE, 10: HOST},
     "recompute_all": dict.fromkeys(range(14), RECOMPUTE),
     "host_all": dict.fromkeys(range(14), HOST),
+    "runs": {
+        0: RECOMPUTE,
+        1: WITH_PREVIOUS,
+        2: WITH_PREVIOUS,
+        5: RECOMPUTE,
+        6: WITH_PREVIOUS,
+        9: RECOMPUTE,
+        10: WITH_PREVIOUS,
+        11: WITH_PREVIOUS,
+        12: WITH_PREVIOUS,
+        13: WITH_PREVIOUS,
+    },
+    "runs_mix": {
+        1: HOST,
+        2: RECOMPUTE,
+        3: WITH_PREVIOUS,
+        4: HOST,
+        6: RECOMPUTE,
+        8: RECOMPUTE,
+        9: WITH_PREVIOUS,
+        10: KEEP,
+        11: RECOMPUTE,
+        12: WITH_PREVIOUS,
+    },
 }
 
 
@@ -54,9 +81,18 @@ def planned(model: torch.nn.Module, inp: dict[str, torch.Tensor]) -> PlannedMode
 def with_activations(
     model: torch.nn.Module, base: PlannedModel, modes: Mapping[int, ActivationPlacement]
 ) -> OffloadModule:
-    """``base``'s plan with ``modes`` (region index to placement; KEEP elsewhere), built."""
+    """``base``'s plan with ``modes`` (region index to placement; KEEP elsewhere), built;
+    a region that a later one is recomputed with is made resident."""
     regions = tuple(
         dataclasses.replace(rp, activations=modes.get(rp.region.index, KEEP))
+        if modes.get(rp.region.index + 1) is not WITH_PREVIOUS
+        else dataclasses.replace(
+            rp,
+            activations=modes.get(rp.region.index, KEEP),
+            placement=ParamPlacement.RESIDENT,
+            prefetch_at=None,
+            pool_offset_bytes=None,
+        )
         for rp in base.plan.regions
     )
     plan = dataclasses.replace(base.plan, regions=regions)
@@ -194,13 +230,13 @@ def test_recompute_and_host_hold_fewer_device_bytes(
     assert all_host > 0.9 * keep_device
 
 
-@pytest.mark.parametrize("mix", ["recompute", "recompute_all", "mix"])
+@pytest.mark.parametrize("mix", ["recompute", "recompute_all", "mix", "runs", "runs_mix"])
 def test_recomputed_regions_hold_the_inputs_the_simulator_prices(
     setup: tuple[torch.nn.Module, dict[str, torch.Tensor], PlannedModel], mix: str
 ) -> None:
-    """What the frames of RECOMPUTE regions hold between forward and backward (their
-    inputs: views hold whole storages, each storage once, the model's inputs left out) is
-    what the simulator's ``boundary_bytes`` prices for that choice."""
+    """What the frames of recomputed regions and runs hold between forward and backward
+    (their inputs: views hold whole storages, each storage once, the model's inputs left
+    out) is what the simulator's ``boundary_bytes`` prices for that choice."""
     model, inp, base = setup
     modes = [MIXES[mix].get(r, KEEP) for r in range(len(base.plan.regions))]
     module = with_activations(model, base, MIXES[mix])
@@ -215,7 +251,7 @@ def test_recomputed_regions_hold_the_inputs_the_simulator_prices(
     }
     regions = [rp.region for rp in base.plan.regions]
     priced = boundary_bytes(base.profile.operations, regions, modes)
-    want = sum(b for b, m in zip(priced, modes, strict=True) if m is RECOMPUTE)
+    want = sum(b for b, m in zip(priced, modes, strict=True) if m in (RECOMPUTE, WITH_PREVIOUS))
     assert want > 0
     assert sum(held.values()) == want
     module.backward(loss)
@@ -228,12 +264,19 @@ def test_log_names_each_region_that_does_not_keep_its_activations(
 ) -> None:
     model, _, base = setup
     with caplog.at_level(logging.INFO, logger="offload_runtime"):
-        module = with_activations(model, base, MIXES["mix"])
+        module = with_activations(model, base, MIXES["runs_mix"])
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("activations:")]
-    for r, mode in MIXES["mix"].items():
-        word = "recomputes" if mode is RECOMPUTE else "host memory"
-        assert sum(f"region {r} " in line and word in line for line in lines) == 1, (r, lines)
-    assert "7 regions keep them on the device, 3 recompute them, 4 hold them" in lines[-1]
+    words = {RECOMPUTE: "recomputes", WITH_PREVIOUS: "recomputed with region", HOST: "host memory"}
+    for r, mode in MIXES["runs_mix"].items():
+        if mode is KEEP:
+            continue
+        assert sum(f"region {r} " in line and words[mode] in line for line in lines) == 1, (
+            r,
+            lines,
+        )
+    assert (
+        "5 regions keep them on the device, 7 recompute them in 4 runs, 2 hold them" in (lines[-1])
+    )
     module.close()
 
 

@@ -295,3 +295,82 @@ def test_a_recomputed_region_holds_every_storage_it_reads_once() -> None:
     # A profile without reads keeps the approximation: the edge, at most the saved bytes.
     bare = tuple(dataclasses.replace(op, reads=()) for op in ops)
     assert boundary_bytes(bare, regions) == [0, 50, 40, 0]
+
+
+WITH_PREVIOUS = ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
+RES = 60_000
+
+
+def residual_chain(n: int = N) -> ModelProfile:
+    """``act_chain`` whose operations also make a 60 kB residual storage and read both
+    storages of the operation before: a region recomputed alone holds 70 kB, a run of
+    regions holds 70 kB in all."""
+    base = act_chain(n)
+    ops = tuple(
+        dataclasses.replace(
+            op,
+            fwd_out_bytes=OUT + RES,
+            out_storage_bytes=(OUT, RES),
+            reads=(2 * i - 2, 2 * i - 1) if i else (),
+        )
+        for i, op in enumerate(base.operations)
+    )
+    return dataclasses.replace(base, operations=ops)
+
+
+def test_a_run_holds_what_it_reads_from_before_its_first_region() -> None:
+    from offload_solver.plan import Region
+    from offload_solver.simulators._activations import activation_levels, boundary_bytes
+
+    ops = residual_chain(4).operations
+    regions = [Region(i, i, i + 1, (), 0, 0) for i in range(4)]
+    single = [KEEP, RECOMPUTE, RECOMPUTE, RECOMPUTE]
+    run = [KEEP, RECOMPUTE, WITH_PREVIOUS, WITH_PREVIOUS]
+    assert boundary_bytes(ops, regions, single) == [0, OUT + RES, OUT + RES, OUT + RES]
+    assert boundary_bytes(ops, regions, run) == [0, OUT + RES, 0, 0]
+    levels = activation_levels(ops, regions, flat_hardware(), run)
+    # One recomputation, of regions 1 to 3, before region 3's backward.
+    assert levels.recompute == [False, False, False, True]
+    assert levels.recompute_from == [-1, -1, -1, 1]
+    # The forward holds region 0's saved bytes and the run's input; each backward of the
+    # run also sees the saved bytes its recomputation re-created for the earlier regions.
+    assert levels.saved_prefix[1:4] == [SAVED, SAVED + OUT + RES, SAVED + OUT + RES]
+    assert levels.saved_prefix_bwd[1:4] == [SAVED, 2 * SAVED, 3 * SAVED]
+
+
+def test_a_run_is_recomputed_once_before_its_last_regions_backward() -> None:
+    hw = slow_copies()
+    ctx = SimulationContext.build(residual_chain(), hw, block_search_range_bytes=0)
+    acts = [KEEP] * N
+    acts[2:5] = [RECOMPUTE, WITH_PREVIOUS, WITH_PREVIOUS]
+    result = get_simulator("async").simulate(ctx.with_activations(acts), [RegionAssignment()] * N)
+    again = [iv for iv in result.timeline if iv.kind == "recompute"]
+    assert [iv.region for iv in again] == [4]
+    fwd = {iv.region: iv for iv in result.timeline if iv.kind == "fwd"}
+    bwd = {iv.region: iv for iv in result.timeline if iv.kind == "bwd"}
+    seconds = sum(fwd[r].end_s - fwd[r].start_s for r in (2, 3, 4))
+    assert again[0].end_s - again[0].start_s == pytest.approx(seconds)
+    assert again[0].end_s == pytest.approx(bwd[4].start_s)
+    # Its regions but the last must stay resident.
+    assert ctx.with_activations(acts).pinned[2:5] == [True, True, False]
+
+
+def test_runs_lower_the_least_budget_and_it_works() -> None:
+    hw = slow_copies()
+    profile = residual_chain()
+    ctx = SimulationContext.build(profile, hw, block_search_range_bytes=0)
+    singles = least_budget_bytes(
+        least_peak(ctx.with_activations([RECOMPUTE] * N), get_simulator("async"), SolveStats())
+    )
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(profile, hw, 1000, block_search_range_bytes=0, activations=True)
+    least = e.value.least_budget_bytes
+    assert least < singles
+    plan = solve(profile, hw, least, block_search_range_bytes=0, activations=True)
+    assert plan.predicted_peak_bytes <= least * BUDGET_SAFETY_FACTOR
+    assert _count(plan, WITH_PREVIOUS) > 0
+    for before, after in zip(plan.regions, plan.regions[1:], strict=False):
+        if after.activations is WITH_PREVIOUS:
+            assert before.activations in (RECOMPUTE, WITH_PREVIOUS)
+            assert before.placement is ParamPlacement.RESIDENT
+    assert Plan.from_json(plan.to_json()) == plan

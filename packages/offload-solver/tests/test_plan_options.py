@@ -9,7 +9,7 @@ import json
 import pytest
 from solver_helpers import chain, flat_hardware
 
-from offload_solver import ActivationPlacement, Plan, PlanOptions, solve
+from offload_solver import ActivationPlacement, ParamPlacement, Plan, PlanOptions, solve
 
 
 def _plan(**kwargs: object) -> Plan:
@@ -83,19 +83,65 @@ def test_contradictory_or_bad_options_are_named(kwargs: dict[str, object], match
         PlanOptions(**kwargs)  # type: ignore[arg-type]
 
 
-def test_region_activations_read_back_from_json_and_default_to_keep() -> None:
-    plan = _plan()
-    assert all(rp.activations is ActivationPlacement.KEEP for rp in plan.regions)
-    choices = list(ActivationPlacement)
-    marked = dataclasses.replace(
+def _with_activations(plan: Plan, modes: list[ActivationPlacement]) -> Plan:
+    """``plan`` with ``modes``, each region that a later one is recomputed with resident."""
+    chained = ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
+    return dataclasses.replace(
         plan,
         regions=tuple(
-            dataclasses.replace(rp, activations=choices[i % len(choices)])
+            dataclasses.replace(
+                rp,
+                activations=modes[i],
+                placement=ParamPlacement.RESIDENT
+                if i + 1 < len(modes) and modes[i + 1] is chained
+                else rp.placement,
+                prefetch_at=None
+                if i + 1 < len(modes) and modes[i + 1] is chained
+                else rp.prefetch_at,
+            )
             for i, rp in enumerate(plan.regions)
         ),
     )
+
+
+def test_a_region_is_recomputed_with_a_recomputed_resident_region_before_it() -> None:
+    plan = _plan()
+    n = len(plan.regions)
+    keep, host = ActivationPlacement.KEEP, ActivationPlacement.HOST
+    recompute = ActivationPlacement.RECOMPUTE
+    chained = ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
+    ok = _with_activations(plan, [recompute, chained, chained] + [keep] * (n - 3))
+    assert Plan.from_json(ok.to_json()) == ok
+    with pytest.raises(ValueError, match="region 0 is recompute_with_previous"):
+        _with_activations(plan, [chained] + [keep] * (n - 1))
+    with pytest.raises(
+        ValueError, match="region 1 is recompute_with_previous, but region 0 is not"
+    ):
+        _with_activations(plan, [host, chained] + [keep] * (n - 2))
+    regions = list(ok.regions)
+    regions[1] = dataclasses.replace(regions[1], placement=ParamPlacement.SYNC)
+    with pytest.raises(ValueError, match="every region of a recomputed run but the last"):
+        dataclasses.replace(ok, regions=tuple(regions))
+
+
+def test_region_activations_read_back_from_json_and_default_to_keep() -> None:
+    plan = _plan()
+    assert all(rp.activations is ActivationPlacement.KEEP for rp in plan.regions)
+    choices = [
+        ActivationPlacement.KEEP,
+        ActivationPlacement.HOST,
+        ActivationPlacement.RECOMPUTE,
+        ActivationPlacement.RECOMPUTE_WITH_PREVIOUS,
+    ]
+    assert set(choices) == set(ActivationPlacement)
+    marked = _with_activations(plan, [choices[i % 4] for i in range(len(plan.regions))])
     doc = json.loads(marked.to_json())
-    assert [rp["activations"] for rp in doc["regions"][:3]] == ["keep", "recompute", "host"]
+    assert [rp["activations"] for rp in doc["regions"][:4]] == [
+        "keep",
+        "host",
+        "recompute",
+        "recompute_with_previous",
+    ]
     assert Plan.from_json(marked.to_json()) == marked
     for rp in doc["regions"]:  # a plan written before regions recorded their activations
         del rp["activations"]

@@ -38,6 +38,17 @@ it. A recomputation that saves a different number of tensors than the forward di
 error; a region with an operation that may write in place into one of its inputs is
 refused when the graph pass registers it (a recomputation would read the changed value).
 
+[Note: recomputed runs]
+A RECOMPUTE region followed by RECOMPUTE_WITH_PREVIOUS regions is one *run*: the graph
+pass registers one program over the op range from the run's first region to its last and
+puts one frame node before the first, which records the values the whole run reads from
+outside it. The later regions' saves land in that frame, counted on in forward order, so
+the first unpack (in the last region's backward) recomputes the whole run once and every
+region of it then takes its own tensors. The plan keeps the parameters of every region of
+a run but the last resident (``offload_solver.check_activation_runs``); the controller
+starts the last region's backward (its upload) before the run is recomputed, whichever
+region's tensor is unpacked first.
+
 [Note: activations in host memory]
 Region ``r`` with HOST keeps the tensors it saves in its frame during the forward (one
 copy per tensor object, however often it is saved). When its forward ends, the frame
@@ -163,6 +174,17 @@ class SavedActivations:
         self.modes = [ActivationPlacement.KEEP] * len(storages)
         for rp in plan.regions:
             self.modes[rp.region.index] = rp.activations
+        self.run_end: dict[int, int] = {}
+        """Per recomputed region, the last region of its run (itself unless regions are
+        recomputed with it; see [Note: recomputed runs])."""
+        start = -1
+        for r, mode in enumerate(self.modes):
+            if mode is ActivationPlacement.RECOMPUTE:
+                start = r
+            elif mode is not ActivationPlacement.RECOMPUTE_WITH_PREVIOUS:
+                continue
+            for q in range(start, r + 1):
+                self.run_end[q] = r
         self.streams = streams
         self.device = streams.device
         self._fixed: set[int] = {
@@ -224,6 +246,9 @@ class SavedActivations:
             kind = self.device.type
             if torch.is_autocast_enabled(kind):
                 frame.autocast = torch.get_autocast_dtype(kind)
+            # The regions recomputed with this one save into the same frame.
+            for q in range(r + 1, self.run_end[r] + 1):
+                self._open[q] = frame
         self._open[r] = frame
         self._recent = [ref for ref in self._recent if ref() is not None]
         self._recent.append(weakref.ref(frame))
@@ -405,6 +430,13 @@ def log_activations(plan: Plan, log: logging.Logger) -> None:
                 "before its backward",
                 rp.region.index,
             )
+        elif rp.activations is ActivationPlacement.RECOMPUTE_WITH_PREVIOUS:
+            log.info(
+                "activations: region %d drops what its forward saves; it is recomputed "
+                "with region %d, from the inputs of their run",
+                rp.region.index,
+                rp.region.index - 1,
+            )
         elif rp.activations is ActivationPlacement.HOST:
             log.info(
                 "activations: region %d moves what its forward saves to host memory and "
@@ -412,9 +444,10 @@ def log_activations(plan: Plan, log: logging.Logger) -> None:
                 rp.region.index,
             )
     log.info(
-        "activations: %d regions keep them on the device, %d recompute them, %d hold them "
-        "in host memory",
+        "activations: %d regions keep them on the device, %d recompute them in %d runs, "
+        "%d hold them in host memory",
         counts[ActivationPlacement.KEEP],
+        counts[ActivationPlacement.RECOMPUTE] + counts[ActivationPlacement.RECOMPUTE_WITH_PREVIOUS],
         counts[ActivationPlacement.RECOMPUTE],
         counts[ActivationPlacement.HOST],
     )

@@ -131,11 +131,15 @@ def describe_options(plan: Plan) -> str:
     if not o.state_on_device:
         parts.append("all optimizer state on the host")
     parts.append("late host work" if o.late_host_work else "no late host work")
-    recomputed = sum(rp.activations is ActivationPlacement.RECOMPUTE for rp in plan.regions)
+    runs = sum(rp.activations is ActivationPlacement.RECOMPUTE for rp in plan.regions)
+    chained = sum(
+        rp.activations is ActivationPlacement.RECOMPUTE_WITH_PREVIOUS for rp in plan.regions
+    )
     hosted = sum(rp.activations is ActivationPlacement.HOST for rp in plan.regions)
-    if recomputed or hosted:
+    if runs or hosted:
         parts.append(
-            f"activations recomputed in {recomputed} regions, sent to the host in {hosted}"
+            f"activations recomputed in {runs + chained} regions ({runs} runs), sent to the "
+            f"host in {hosted}"
         )
     if o.micro_batches > 1:
         parts.append(f"{o.micro_batches} micro-batches per step")

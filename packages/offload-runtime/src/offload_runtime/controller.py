@@ -288,6 +288,10 @@ class OffloadController:
 
         def unpack(packed: tuple[int, Any, bool]) -> torch.Tensor:
             region, value, counted = packed
+            last = acts.run_end.get(region, region)
+            if last not in self._bwd_started:
+                # Its run is recomputed now: the last region's parameters must be up.
+                self.pre_backward(last)
             if region not in self._bwd_started:
                 self.pre_backward(region)
             if counted:

@@ -181,12 +181,12 @@ def insert_state_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
 
 
 def insert_activation_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
-    """RECOMPUTE and HOST regions: the controller's saved-tensor hooks around their forward
-    (enter/exit nodes), as around the forward of the region after a HOST region (its
-    backward start brings the HOST region's tensors back), and a frame node right before
-    each one's first operation, after its enter node, that opens the region's frame (for
-    RECOMPUTE, with the values the region reads from outside it; see the notes in
-    activations.py)."""
+    """Regions that do not keep their activations: the controller's saved-tensor hooks
+    around their forward (enter/exit nodes), as around the forward of the region after a
+    HOST region (its backward start brings the HOST region's tensors back), and a frame
+    node right before the first operation of each HOST region and each run of recomputed
+    regions, after its enter node, that opens the frame (for a run, with the values it
+    reads from outside it; see the notes in activations.py)."""
     controller = _controller(gm.meta[META_CONTROLLER])
     acts = controller.activations
     hooked = [rp.region.index for rp in plan.regions if acts.hooked(rp.region.index)]
@@ -195,13 +195,19 @@ def insert_activation_ops(gm: fx.GraphModule, plan: Plan) -> fx.GraphModule:
     markers = {offload_enter, offload_exit, offload_prefetch, offload_activations}
     for rp in plan.regions:
         r = rp.region.index
-        if rp.activations is ActivationPlacement.KEEP or _has_marker(gm, offload_activations, r):
+        if rp.activations in (
+            ActivationPlacement.KEEP,
+            ActivationPlacement.RECOMPUTE_WITH_PREVIOUS,
+        ) or _has_marker(gm, offload_activations, r):
+            # A region recomputed with the one before it saves into its run's frame.
             continue
         first, last = _region_bounds(gm, plan, r)
         # A HOST frame needs neither the region's operations nor their inputs.
         program = -1
         inputs: list[fx.Node] = []
         if rp.activations is ActivationPlacement.RECOMPUTE:
+            # One program over the region's whole run ([Note: recomputed runs]).
+            last = _region_bounds(gm, plan, acts.run_end[r])[1]
             program, inputs = acts.add_program(gm, r, first, last, markers)
         with gm.graph.inserting_before(first):
             gm.graph.call_function(

@@ -217,7 +217,11 @@ def format_plan(plan: Plan) -> str:
     n_off = sum(rp.placement.value != "resident" for rp in plan.regions)
     n_streamed = sum(rp.state is StatePlacement.STREAMED for rp in plan.regions)
     streamed = f", {n_streamed} streamed" if n_streamed else ""
-    for mode in (ActivationPlacement.RECOMPUTE, ActivationPlacement.HOST):
+    for mode in (
+        ActivationPlacement.RECOMPUTE,
+        ActivationPlacement.RECOMPUTE_WITH_PREVIOUS,
+        ActivationPlacement.HOST,
+    ):
         n_act = sum(rp.activations is mode for rp in plan.regions)
         if n_act:  # shown only where some region does not keep its activations
             streamed += f", {n_act} activations {mode.value}"

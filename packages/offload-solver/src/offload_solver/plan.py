@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 
@@ -59,6 +60,37 @@ class ActivationPlacement(str, Enum):
     HOST = "host"
     """Copied to pinned host memory after the forward (device-to-host stream) and
     brought back ahead of the region's backward (host-to-device stream)."""
+    RECOMPUTE_WITH_PREVIOUS = "recompute_with_previous"
+    """Dropped after the forward, as RECOMPUTE, but recomputed together with the region
+    before it, which is RECOMPUTE or this too: such a run of regions holds only the
+    values its operations read from before its first region, and its forward runs again,
+    from the first region on, just before the backward of its last region. Every region
+    of a run but the last must keep its parameters RESIDENT (:func:`check_activation_runs`)."""
+
+
+def check_activation_runs(
+    activations: Sequence[ActivationPlacement], placements: Sequence[ParamPlacement]
+) -> None:
+    """Raise ``ValueError`` naming the region where a RECOMPUTE_WITH_PREVIOUS region does
+    not follow a RECOMPUTE or RECOMPUTE_WITH_PREVIOUS one whose parameters are RESIDENT:
+    the run is recomputed at its last region's backward, when the parameters of every
+    region of it must be on the device."""
+    chained = ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
+    for r, mode in enumerate(activations):
+        if mode is not chained:
+            continue
+        if r == 0 or activations[r - 1] not in (ActivationPlacement.RECOMPUTE, chained):
+            raise ValueError(
+                f"region {r} is recompute_with_previous, but region {r - 1} is not "
+                "recomputed; chain a region only onto a recompute or "
+                "recompute_with_previous region"
+            )
+        if placements[r - 1] is not ParamPlacement.RESIDENT:
+            raise ValueError(
+                f"region {r} is recompute_with_previous, but region {r - 1}'s parameters "
+                f"are {placements[r - 1].value}: every region of a recomputed run but the "
+                "last must be resident"
+            )
 
 
 class Stream(str, Enum):
@@ -275,6 +307,11 @@ class Plan:
     execute: ``solve`` records those it was given, the runtime's planner the rest. A plan
     document without them reads with ``PlanOptions()``."""
 
+    def __post_init__(self) -> None:
+        check_activation_runs(
+            [rp.activations for rp in self.regions], [rp.placement for rp in self.regions]
+        )
+
     def to_json(self) -> str:
         data = to_jsonable(self)
         if self.streamed is None:
@@ -366,6 +403,7 @@ class Plan:
 
 
 __all__ = [
+    "ActivationPlacement",
     "MemorySample",
     "ParamPlacement",
     "Plan",
@@ -376,4 +414,5 @@ __all__ = [
     "Stream",
     "StreamedStepCosts",
     "TimelineInterval",
+    "check_activation_runs",
 ]

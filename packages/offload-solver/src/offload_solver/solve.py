@@ -56,7 +56,7 @@ from offload_solver.simulators import RegionAssignment, SimulationContext, get_s
 from offload_solver.simulators._engine import steady_state, to_result
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers import get_solver
-from offload_solver.solvers._activations import all_recompute, least_peak, place_activations
+from offload_solver.solvers._activations import least_recompute, place_activations
 from offload_solver.solvers._late import move_host_work_late
 from offload_solver.solvers._search import Candidate, GreedySearch, SolveStats
 from offload_solver.solvers._streamed import place_streamed
@@ -260,7 +260,7 @@ def solve(
             raise
         chosen = place_activations(ctx, simulator, cap, stats, greedy)
         if chosen is None:
-            peak = least_peak(all_recompute(ctx), simulator, stats) + in_use
+            peak = least_recompute(ctx, simulator, stats)[1] + in_use
             raise InfeasibleBudgetError(
                 budget, least_budget_bytes(peak), peak, activations=True
             ) from None

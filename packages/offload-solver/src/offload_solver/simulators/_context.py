@@ -175,7 +175,6 @@ class SimulationContext:
         without any has no optimizer work at all."""
         self.grad_bytes = [r.stepped_size_bytes for r in regions]
         """Per region, the training-dtype bytes of its gradients (trainable parameters)."""
-        self.pinned = [r.pinned for r in regions]
         self.op_start = [r.op_start for r in regions]
         self.op_end = [r.op_end for r in regions]
         self._cost_host_work()
@@ -270,7 +269,6 @@ class SimulationContext:
         # Every operation takes at least its issue cost ([Note: issuing ahead]).
         fwd_op = [max(hw.operation_device_s(op), hw.op_overhead_s) for op in ops]
         bwd_dev = [hw.operation_device_s(op, backward=True) for op in ops]
-        self._cost_activations((ActivationPlacement.KEEP,) * self.num_regions)
 
         # Start offsets of each region's operations from the region's compute start:
         # forward in operation order, backward in reverse operation order.
@@ -302,6 +300,7 @@ class SimulationContext:
             )
             if sum(loaded_s) > sum(self.bwd_s):
                 self.bwd_offsets_beside_host, self.bwd_s_beside_host = loaded_offsets, loaded_s
+        self._cost_activations((ActivationPlacement.KEEP,) * self.num_regions)
 
     def _cost_activations(self, activations: Sequence[ActivationPlacement]) -> None:
         """Per operation its activation levels, per region what its activation handling
@@ -322,6 +321,26 @@ class SimulationContext:
         operations before ``j``, with every region KEEP)."""
         self.saved_after = levels.saved_after
         """``saved_after[j]``: saved bytes held once operation ``j`` has run forward."""
+        self.saved_prefix_bwd = levels.saved_prefix_bwd
+        """``saved_prefix[j]`` as operation ``j``'s backward sees it (the same but in a
+        run of recomputed regions; [Note: activations])."""
+        self.recompute_s = [
+            sum(self.fwd_s[levels.recompute_from[r] : r + 1]) if rec else 0.0
+            for r, rec in enumerate(levels.recompute)
+        ]
+        """Per region, seconds of the recomputation that runs right before its backward."""
+        chained_through = [
+            r + 1 < self.num_regions
+            and activations[r + 1] is ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
+            for r in range(self.num_regions)
+        ]
+        self.pinned = [
+            reg.pinned or through
+            for reg, through in zip(self.regions, chained_through, strict=True)
+        ]
+        """Per region, whether its parameters must stay resident: it owns a parameter read
+        outside its operations, or a later region of its recomputed run needs them when
+        the run is recomputed (``check_activation_runs``)."""
         self.act_fwd = levels.act_fwd
         self.act_bwd = levels.act_bwd
         self.act_fwd_max = max(self.act_fwd)

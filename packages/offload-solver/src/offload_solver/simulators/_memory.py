@@ -165,7 +165,7 @@ def _activations_max(ctx: SimulationContext, out: EngineRun, ws: float, we: floa
     as the memory curve counts them: an operation's level while it runs, what remains
     from its end until the next one starts (an instant level at ``ws`` counts)."""
     n_reg = ctx.num_regions
-    saved, after_fwd = ctx.saved_prefix, ctx.saved_after
+    saved, after_fwd = ctx.saved_prefix_bwd, ctx.saved_after
     act_fwd, act_bwd = ctx.act_fwd, ctx.act_bwd
     best = 0
 
@@ -288,10 +288,13 @@ def _walk_memory(
             live += dp
             emit(t)
 
-    def forward_levels(r: int, start: float, end: float) -> None:
-        """Region r's forward operations from ``start`` (the last ending at ``end``): an
-        operation sees what happened up to and including its start; what happens at the
-        instant it ends is applied after its level drops."""
+    def forward_levels(
+        r: int, start: float, end: float, during: Sequence[int], after: Sequence[int]
+    ) -> None:
+        """Region r's forward operations from ``start`` (the last ending at ``end``) at
+        levels ``during`` and ``after`` (per operation): an operation sees what happened
+        up to and including its start; what happens at the instant it ends is applied
+        after its level drops."""
         nonlocal act
         offs = ctx.fwd_offsets[r]
         for k, off in enumerate(offs):
@@ -299,15 +302,18 @@ def _walk_memory(
             ts = start + off
             te = start + offs[k + 1] if k + 1 < len(offs) else end
             flush(ts)
-            act = ctx.act_fwd[j]
+            act = during[j]
             emit(ts)
             flush(te, inclusive=False)
-            act = ctx.saved_after[j]
+            act = after[j]
             emit(te)
 
-    saved = ctx.saved_prefix
+    saved, saved_bwd = ctx.saved_prefix, ctx.saved_prefix_bwd
+    after_rec = [
+        p + op.saved_bytes for p, op in zip(saved_bwd[:-1], ctx.profile.operations, strict=True)
+    ]
     for r in range(n_reg):
-        forward_levels(r, out.cs_f[r], out.ce_f[r])
+        forward_levels(r, out.cs_f[r], out.ce_f[r], ctx.act_fwd, ctx.saved_after)
         if act_host[r]:
             # Its saved bytes wait for their copy down, counted with the gradients.
             act = saved[ctx.op_start[r]]
@@ -317,8 +323,13 @@ def _walk_memory(
     adds = {r: nbytes for r, _, _, nbytes in out.grads}
     for r in range(n_reg - 1, -1, -1):
         if out.recompute_start[r] > NEVER:
-            # The forward again: its levels as in a forward ([Note: activations]).
-            forward_levels(r, out.recompute_start[r], out.cs_b[r])
+            # The forward again, of the region's whole run: its levels as in a forward,
+            # each region's saved bytes kept for its backward ([Note: activations]).
+            t = out.recompute_start[r]
+            for q in range(ctx.act.recompute_from[r], r + 1):
+                end = out.cs_b[r] if q == r else t + ctx.fwd_s[q]
+                forward_levels(q, t, end, ctx.act.act_rec, after_rec)
+                t = end
         if act_host[r] and out.act_h2d_start[r] > NEVER:
             flush(out.cs_b[r])
             grads -= ctx.act.saved_bytes[r]  # from here on the backward's levels
@@ -332,7 +343,7 @@ def _walk_memory(
             act = ctx.act_bwd[j]
             emit(ts)
             flush(te, inclusive=False)
-            act = saved[j]
+            act = saved_bwd[j]
             emit(te)
         end = out.ce_b[r]
         flush(end)

@@ -257,7 +257,7 @@ class _Step:
         optimizer_step = self.optimizer_step
         after_backward = ctx.host_step_after_backward
         up, bwd_s, add = ctx.upload_s, self.bwd_s, lanes.add
-        saved_prefix, op_start, op_end = ctx.saved_prefix, ctx.op_start, ctx.op_end
+        saved_prefix, op_start, op_end = ctx.saved_prefix_bwd, ctx.op_start, ctx.op_end
         region_max, pf_issue = ctx.act_bwd_region_max, self.pf_issue
         recompute, act_host = ctx.act.recompute, ctx.act.host
         act_host_any = any(act_host)
@@ -325,8 +325,9 @@ class _Step:
                     lanes.t = lanes.end[fetch]
                     wait_task = fetch
             if recompute[r]:
-                # The forward again, parameters on the device ([Note: activations]).
-                e = lanes.t + ctx.fwd_s[r]
+                # The forward again (of its whole run), parameters on the device
+                # ([Note: activations]).
+                e = lanes.t + ctx.recompute_s[r]
                 out.recompute_start[r] = lanes.t
                 lanes.last_c = add(
                     LANE_COMPUTE, r, KIND_RECOMPUTE, lanes.t, e, lanes.last_c, wait_task

@@ -20,17 +20,34 @@ activation handling too ([Note: activations] in ``simulators._activations``):
    bisection (fitting is taken as monotone in the prefix), then the full placement search
    (``greedy``: steps 1 to 4 of ``solve``) with that prefix and with one region more,
    which leaves the placement search more room.
-4. The plan with the shortest repeating step wins (the earlier on a tie). Where none
-   fits, every region RECOMPUTE is tried last, so that the least budget ``solve`` names
-   for it always works.
+4. Runs ([Note: recomputed runs]): every region RECOMPUTE, and the best plan of step 3
+   if any, with their recomputed regions grouped into runs; for each, the grouping with
+   the least floor peak gets the full placement search when that floor fits.
+5. The plan with the shortest repeating step wins (the earlier on a tie).
+
+[Note: recomputed runs]
+A recomputed region holds the values it reads from before it until its backward; where
+regions cut a transformer layer into pieces, each piece holds two to four of the
+layer's widest values (the residual stream and the branch being computed), so that
+every region recomputed can still need several times a layer's saved bytes per layer.
+Chaining consecutive RECOMPUTE regions into runs (``RECOMPUTE_WITH_PREVIOUS``) holds only
+what a run reads from before its first region, at the price of the run's whole saved
+bytes being back on the device during its backward, and of its regions but the last
+keeping their parameters resident. ``chain`` groups the consecutive RECOMPUTE regions of
+an activation choice into runs of at most ``cap`` saved bytes each, with the least total
+held bytes (dynamic programming over where runs start; a run's held bytes are the
+storages its regions read from before it, each counted once). The search tries caps of
+``RUN_CAPS`` times the largest recomputed region's saved bytes and keeps the grouping
+whose floor peak (``least_peak``) is least, so the least budget ``solve`` names counts
+runs too.
 
 A region with an operation that writes in place into an input (``Operation.mutates``:
 Mixture-of-Experts scatters, for one) is never RECOMPUTE: its second run could read what
 the first changed. It may be HOST, and "every region RECOMPUTE" sends its activations to
 the host instead.
 
-When no order fits, neither does every region RECOMPUTE, and ``solve`` reports the least
-budget of that choice (``least_peak`` of it).
+When nothing fits, ``solve`` reports the least budget of every region recomputed, in runs
+(``least_recompute``).
 """
 
 from __future__ import annotations
@@ -39,16 +56,21 @@ import math
 from collections.abc import Callable, Sequence
 
 from offload_solver.plan import ActivationPlacement, ParamPlacement
+from offload_solver.simulators._activations import StorageReads, approximate_boundary
 from offload_solver.simulators._engine import RegionAssignment, SimulationContext
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers._search import Candidate, SolveStats
 
-KEEP, RECOMPUTE, HOST = (
+KEEP, RECOMPUTE, HOST, WITH_PREVIOUS = (
     ActivationPlacement.KEEP,
     ActivationPlacement.RECOMPUTE,
     ActivationPlacement.HOST,
+    ActivationPlacement.RECOMPUTE_WITH_PREVIOUS,
 )
 _EPS_S = 1e-12
+RUN_CAPS = (1, 2, 3, 4, 6, 8)
+"""Caps on a recomputed run's saved bytes, in multiples of the largest recomputed
+region's, that the search tries ([Note: recomputed runs])."""
 
 
 def least_peak(ctx: SimulationContext, simulator: Simulator, stats: SolveStats) -> int:
@@ -81,6 +103,90 @@ def all_recompute(ctx: SimulationContext) -> SimulationContext:
     """``ctx`` with every region's activations recomputed, or sent to the host where a
     region may not be recomputed (:func:`recomputable`)."""
     return ctx.with_activations([RECOMPUTE if ok else HOST for ok in recomputable(ctx)])
+
+
+def chain(
+    ctx: SimulationContext, activations: Sequence[ActivationPlacement], cap_bytes: int
+) -> tuple[ActivationPlacement, ...]:
+    """``activations`` with each stretch of consecutive RECOMPUTE regions grouped into
+    runs of at most ``cap_bytes`` saved bytes (a single region may exceed it) that hold
+    the least bytes in all ([Note: recomputed runs])."""
+    ops, regions = ctx.profile.operations, ctx.regions
+    reads = StorageReads.of(ops, regions)
+    edge = approximate_boundary(ops, regions, None)
+    saved = ctx.act.saved_bytes
+    out = list(activations)
+    n = len(out)
+    lo = 0
+    while lo < n:
+        if activations[lo] is not RECOMPUTE:
+            lo += 1
+            continue
+        hi = lo
+        while hi < n and activations[hi] is RECOMPUTE:
+            hi += 1
+        # best[k]: least held bytes of regions lo .. lo+k-1 in runs; cut[k]: where the
+        # last of those runs starts.
+        best = [0.0] + [math.inf] * (hi - lo)
+        cut = [lo] * (hi - lo + 1)
+        for a in range(lo, hi):
+            if best[a - lo] == math.inf:
+                continue
+            held: set[int] = set()
+            run_saved = 0
+            for b in range(a, hi):
+                run_saved += saved[b]
+                if b > a and run_saved > cap_bytes:
+                    break
+                if reads is not None:
+                    held |= reads.held(b, a, held)
+                cost = best[a - lo] + (reads.bytes(held) if reads is not None else edge[a])
+                if cost < best[b + 1 - lo]:
+                    best[b + 1 - lo] = cost
+                    cut[b + 1 - lo] = a
+        b = hi
+        while b > lo:
+            a = cut[b - lo]
+            for q in range(a + 1, b):
+                out[q] = WITH_PREVIOUS
+            b = a
+        lo = hi
+    return tuple(out)
+
+
+def least_in_runs(
+    ctx: SimulationContext,
+    activations: Sequence[ActivationPlacement],
+    simulator: Simulator,
+    stats: SolveStats,
+) -> tuple[SimulationContext, int]:
+    """Of ``activations`` and its groupings into runs for each of ``RUN_CAPS``, the
+    context with the least floor peak (``least_peak``), and that peak; the earlier on a
+    tie."""
+    largest = max(
+        (ctx.act.saved_bytes[r] for r, a in enumerate(activations) if a is RECOMPUTE), default=0
+    )
+    choices = [tuple(activations)]
+    for k in RUN_CAPS:
+        grouped = chain(ctx, activations, k * largest)
+        if grouped not in choices:
+            choices.append(grouped)
+    best: tuple[SimulationContext, int] | None = None
+    for acts in choices:
+        c = ctx.with_activations(acts)
+        peak = least_peak(c, simulator, stats)
+        if best is None or peak < best[1]:
+            best = (c, peak)
+    assert best is not None
+    return best
+
+
+def least_recompute(
+    ctx: SimulationContext, simulator: Simulator, stats: SolveStats
+) -> tuple[SimulationContext, int]:
+    """Every region recomputed (:func:`all_recompute`), in the runs with the least floor
+    peak, and that peak: the least budget of any activation choice the search makes."""
+    return least_in_runs(ctx, all_recompute(ctx).activations, simulator, stats)
 
 
 def _orders(
@@ -173,18 +279,31 @@ def place_activations(
                 continue
             if found is None or cand.period_s < found[1].period_s:
                 found = (actx, cand, all_device)
-    if found is None:
-        # Every region recomputed, the choice whose least budget ``solve`` names, in case
-        # the orders' timings differ from it enough to miss a fit it has.
-        every = all_recompute(ctx)
-        if every.activations not in tried and least_peak(every, simulator, stats) <= cap_bytes:
-            try:
-                cand, all_device = greedy(every)
-            except ValueError:
-                return None
-            if cand.peak_bytes <= cap_bytes:
-                found = (every, cand, all_device)
+    # Step 4: runs, of every region recomputed and of the best plan so far.
+    bases = [all_recompute(ctx).activations]
+    if found is not None:
+        bases.append(found[0].activations)
+    for base in bases:
+        actx, floor = least_in_runs(ctx, base, simulator, stats)
+        if floor > cap_bytes or actx.activations in tried:
+            continue
+        tried.add(actx.activations)
+        try:
+            cand, all_device = greedy(actx)
+        except ValueError:
+            continue
+        if cand.peak_bytes > cap_bytes:
+            continue
+        if found is None or cand.period_s < found[1].period_s:
+            found = (actx, cand, all_device)
     return found
 
 
-__all__ = ["all_recompute", "least_peak", "place_activations"]
+__all__ = [
+    "all_recompute",
+    "chain",
+    "least_in_runs",
+    "least_peak",
+    "least_recompute",
+    "place_activations",
+]
