@@ -155,5 +155,5 @@ def test_the_table_and_the_plan_line_say_what_each_region_does_with_its_activati
     lines = describe_plan(plan).splitlines()
     assert [line.split()[-1] for line in lines[2:]][:3] == ["keep", "recompute", "host"]
     hosted = len(regions) - 2
-    assert f"activations recomputed in 1 regions, sent to the host in {hosted}" in lines[0]
+    assert f"activations recomputed in 1 regions (1 runs), sent to the host in {hosted}" in lines[0]
     assert "activations" not in describe_options(base)
