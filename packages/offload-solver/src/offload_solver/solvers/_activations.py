@@ -20,9 +20,11 @@ activation handling too ([Note: activations] in ``simulators._activations``):
    bisection (fitting is taken as monotone in the prefix), then the full placement search
    (``greedy``: steps 1 to 4 of ``solve``) with that prefix and with one region more,
    which leaves the placement search more room.
-4. Runs ([Note: recomputed runs]): every region RECOMPUTE, and the best plan of step 3
-   if any, with their recomputed regions grouped into runs; for each, the grouping with
-   the least floor peak gets the full placement search when that floor fits.
+4. Runs ([Note: recomputed runs]): where no prefix fits, step 3 again for the RECOMPUTE
+   order, each prefix's recomputed regions grouped into runs (the grouping with the least
+   floor peak). Then the best plan so far if it recomputes any region, else every region
+   RECOMPUTE (or sent to the host where it may not be), grouped the same way, gets the
+   full placement search when its floor fits.
 5. The plan with the shortest repeating step wins (the earlier on a tie).
 
 [Note: recomputed runs]
@@ -248,54 +250,58 @@ def place_activations(
     raises ``ValueError`` where it finds no plan."""
     found: tuple[SimulationContext, Candidate, bool] | None = None
     tried: set[tuple[ActivationPlacement, ...]] = set()
-    for order in _orders(ctx, simulator, stats):
-        if not order:
-            continue
 
-        def fits(k: int, order: Sequence[tuple[int, ActivationPlacement]] = order) -> bool:
-            return least_peak(_with_prefix(ctx, order, k), simulator, stats) <= cap_bytes
-
-        if not fits(len(order)):
-            continue
-        lo, hi = 1, len(order)  # the least fitting prefix lies in [lo, hi]
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        for k in (lo, lo + 1):
-            if k > len(order):
-                break
-            actx = _with_prefix(ctx, order, k)
-            if actx.activations in tried:
-                continue
-            tried.add(actx.activations)
-            try:
-                cand, all_device = greedy(actx)
-            except ValueError:
-                continue
-            if cand.peak_bytes > cap_bytes:
-                continue
-            if found is None or cand.period_s < found[1].period_s:
-                found = (actx, cand, all_device)
-    # Step 4: runs, of every region recomputed and of the best plan so far.
-    bases = [all_recompute(ctx).activations]
-    if found is not None:
-        bases.append(found[0].activations)
-    for base in bases:
-        actx, floor = least_in_runs(ctx, base, simulator, stats)
-        if floor > cap_bytes or actx.activations in tried:
-            continue
+    def consider(actx: SimulationContext) -> None:
+        nonlocal found
+        if actx.activations in tried:
+            return
         tried.add(actx.activations)
         try:
             cand, all_device = greedy(actx)
         except ValueError:
-            continue
-        if cand.peak_bytes > cap_bytes:
-            continue
-        if found is None or cand.period_s < found[1].period_s:
+            return
+        if cand.peak_bytes <= cap_bytes and (found is None or cand.period_s < found[1].period_s):
             found = (actx, cand, all_device)
+
+    orders = _orders(ctx, simulator, stats)
+    # Steps 3 and 4: the orders' prefixes; where none fits, the prefixes of the RECOMPUTE
+    # order in runs.
+    for runs in (False, True):
+        if runs and (found is not None or len(orders) < 2):
+            break
+        for order in orders if not runs else orders[1:2]:
+            if not order:
+                continue
+
+            def at(
+                k: int, order: Sequence[tuple[int, ActivationPlacement]] = order, runs: bool = runs
+            ) -> tuple[SimulationContext, int]:
+                actx = _with_prefix(ctx, order, k)
+                if runs:
+                    return least_in_runs(ctx, actx.activations, simulator, stats)
+                return actx, least_peak(actx, simulator, stats)
+
+            if at(len(order))[1] > cap_bytes:
+                continue
+            lo, hi = 1, len(order)  # the least fitting prefix lies in [lo, hi]
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if at(mid)[1] <= cap_bytes:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            for k in (lo, lo + 1):
+                if k <= len(order):
+                    consider(at(k)[0])
+    # Runs of the best plan so far, or of every region recomputed where none fits.
+    if found is None:
+        bases = [all_recompute(ctx).activations]
+    else:
+        bases = [found[0].activations] if RECOMPUTE in found[0].activations else []
+    for base in bases:
+        actx, floor = least_in_runs(ctx, base, simulator, stats)
+        if floor <= cap_bytes:
+            consider(actx)
     return found
 
 
