@@ -432,6 +432,9 @@ def main(argv: list[str] | None = None) -> int:
                 # Rows planned before host work was moved late record no such key.
                 "late_host_work": bool(row.get("late_host_work", False)),
                 "state_on_device": not config.reference,
+                # As the planner: activations are recomputed or moved where keeping them
+                # does not fit.
+                "activations": True,
             }
             if options:
                 planning["state_on_device"] = options["state_on_device"]
