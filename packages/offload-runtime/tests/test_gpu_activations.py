@@ -18,7 +18,7 @@ from tiny_models import gpt2, loss_of
 
 from offload_runtime import OffloadConfig, PlanForce, memory_optimize, profile_hardware
 from offload_runtime.planning import build_offload_module, plan_model
-from offload_solver import ActivationPlacement, InfeasibleBudgetError
+from offload_solver import ActivationPlacement, InfeasibleBudgetError, ParamPlacement
 
 pytestmark = pytest.mark.gpu
 
@@ -45,7 +45,7 @@ def tokens(b: int, s: int) -> dict[str, torch.Tensor]:
     return {"input_ids": torch.randint(0, 1024, (b, s), generator=gen).cuda()}
 
 
-def test_recompute_and_host_regions_match_plain_fp32_training_with_dropout() -> None:
+def test_recomputed_runs_and_host_regions_match_plain_fp32_training_with_dropout() -> None:
     model = dropout_gpt2(256, 6, 4)
     inp = tokens(4, 256)
     reference = copy.deepcopy(model).cuda()
@@ -59,13 +59,23 @@ def test_recompute_and_host_regions_match_plain_fp32_training_with_dropout() -> 
         progress=False,
         force=PlanForce(block_search_range_bytes=0, device_bytes_in_use=0),
     )
-    # Every third region recomputes, the next sends its activations to the host.
-    modes = [KEEP, ActivationPlacement.RECOMPUTE, ActivationPlacement.HOST]
+    # Of every four regions: one keeps its activations, the next two are recomputed as one
+    # run (the first of them resident, as a run needs), the last sends them to the host.
+    with_previous = ActivationPlacement.RECOMPUTE_WITH_PREVIOUS
+    modes = [KEEP, ActivationPlacement.RECOMPUTE, with_previous, ActivationPlacement.HOST]
     regions = tuple(
-        dataclasses.replace(rp, activations=modes[i % 3])
+        dataclasses.replace(rp, activations=modes[i % 4])
+        if i % 4 != 1
+        else dataclasses.replace(
+            rp,
+            activations=modes[1],
+            placement=ParamPlacement.RESIDENT,
+            prefetch_at=None,
+            pool_offset_bytes=None,
+        )
         for i, rp in enumerate(planned.plan.regions)
     )
-    assert len(regions) >= 6
+    assert len(regions) >= 8
     plan = dataclasses.replace(planned.plan, regions=regions)
     module = build_offload_module(model, dataclasses.replace(planned, plan=plan))
     torch.manual_seed(5)
