@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from offload_runtime.config import OffloadConfig
+from offload_runtime.distributed import average_gradients, check_same_weights, share_plan
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning import build_offload_module, plan_model
 from offload_solver import (
@@ -248,15 +249,23 @@ def memory_optimize(
         device: where to train; default CUDA when available, else the CPU.
         progress: print the phases and the summary line.
 
+    Under an initialised ``torch.distributed`` process group of several ranks (e.g. from
+    ``torchrun``), every rank must pass the same weights and inputs of the same shapes; the
+    module then trains data-parallel: rank 0's plan on every rank, each region's
+    gradients averaged over the ranks, optimizer state replicated (see [Note: data
+    parallel] in ``offload_runtime.distributed``).
+
     The expert path, which fixes the planner's choices, is
     ``offload_runtime.planning.build_offload_module(model, plan_model(..., force=PlanForce(
     ...)))``.
 
     Raises:
-        ValueError: bad arguments, or (``InfeasibleBudgetError``) a budget below the least
-            feasible one, which the message names.
+        ValueError: bad arguments, ranks with different weights, or
+            (``InfeasibleBudgetError``) a budget below the least feasible one, which the
+            message names.
         RuntimeError: host memory too small for the plan's host-resident state.
     """
+    check_same_weights(model)
     planned = plan_model(
         model,
         inputs,
@@ -267,7 +276,9 @@ def memory_optimize(
         device=device,
         progress=progress,
     )
+    planned = share_plan(planned)
     module = build_offload_module(model, planned)
+    average_gradients(module)
     if progress:  # the reference's summary line, on stdout
         print_summary(planned.profile, planned.plan)
     return module

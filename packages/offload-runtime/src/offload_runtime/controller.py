@@ -146,6 +146,8 @@ class OffloadController:
         self._hook_depth = 0
         self._grad_hooks: list[GradReadyHook] = []
         self._device_grad_hooks: list[DeviceGradHook] = []
+        self.grad_reducer: DeviceGradHook | None = None
+        """Averages a region's gradients over data-parallel ranks (``distributed.py``)."""
         self._lock = threading.Lock()
         # Host-side gradient work (and optimizer steps that hang off the grad-ready hooks)
         # runs on the host worker that ``streams`` owns, or inline (see [Note: streams and
@@ -391,6 +393,8 @@ class OffloadController:
         self._grads_done.add(r)
         st = self.storages[r]
         grads, views = st.take_grads()
+        if self.grad_reducer is not None and grads:
+            self.grad_reducer(r, grads)
         if st.host_state:
             self._offload_grads(st, grads, views)
         else:
