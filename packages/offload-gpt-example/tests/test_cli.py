@@ -659,3 +659,40 @@ def test_fused_gelu_keeps_fewer_activations_and_trains(
         assert code == 0, err
         loss = LOSS_LINE.search(out)
         assert loss is not None and math.isfinite(float(loss.group(1))), out
+
+
+def test_torchrun_trains_data_parallel_and_says_so(tmp_path: Path) -> None:
+    """The done-when command of data-parallel training, with gloo on the CPU: both ranks
+    train, each says the world size and what it steps, and only rank 0 writes the plan."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "offload_gpt_example",
+            "--device",
+            "cpu",
+            "--model_type",
+            "gpt2_tiny",
+            "--batch_size",
+            "4",
+            "--steps",
+            "3",
+            "--no_progress",
+            "--log_dir",
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for rank in (0, 1):
+        assert f"data parallel: world size 2, rank {rank} of 2" in proc.stdout, proc.stdout
+    assert len(FINAL_LINE.findall(proc.stdout)) == 2
+    assert [p.name for p in tmp_path.glob("*.plan.json")] == ["gpt2_tiny_bs_4_st_asyn.plan.json"]

@@ -16,6 +16,14 @@ region's parameters and optimizer state live, the host kernel, fp16 I/O, specula
 steps, streamed state) is the planner's (``offload_runtime.memory_optimize``), and the
 log names what it chose: a ``plan:`` line and a table of the regions.
 
+Several processes train data-parallel when ``torchrun`` starts them (gloo on the CPU,
+NCCL on GPUs, one GPU a process): every rank draws its own batches, the gradients are
+averaged over the ranks, and the log says the world size and what each rank steps
+(``offload_runtime.distributed``); rank 0 writes the plan files and checkpoints:
+
+    torchrun --standalone --nproc_per_node=2 -m offload_gpt_example --device cpu \
+        --model_type gpt2_tiny --steps 3
+
 Plan only, on any machine (the model is built on the meta device; no weights allocated):
 
     python -m offload_gpt_example --model_type gpt2_24b --plan_only
@@ -49,6 +57,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator, Sequence
@@ -58,6 +67,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from offload_gpt_example.interrupt import StopOnInterrupt, load_checkpoint, save_checkpoint
@@ -390,12 +400,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+def start_ranks(device: str) -> tuple[int, int]:
+    """(rank, world size): a process group over the ranks ``torchrun`` started (its
+    ``WORLD_SIZE`` above 1), with this rank's GPU current; (0, 1) otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    gpus = device != "cpu" and torch.cuda.is_available()
+    if gpus:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if gpus else "gloo")
+    return dist.get_rank(), world
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     parser, args = parse_args(argv)
     check_args(parser, args)  # exits with EXIT_USAGE
     torch.manual_seed(args.seed)
     if args.plan_only:
         return plan_only(args)
+    rank, world = start_ranks(args.device)
+    try:
+        return train_run(args, rank, world)
+    finally:
+        if world > 1:
+            dist.destroy_process_group()
+
+
+def train_run(args: argparse.Namespace, rank: int, world: int) -> int:
+    """Build, plan and train (``run`` after the arguments; see the module docstring)."""
 
     # ---- pick the device
     has_cuda = torch.cuda.is_available()
@@ -420,6 +453,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     show = not args.no_progress
     # The module planned returns the loss, so the plan prices the loss's memory too.
     model = WithLMLoss(build(args, model_type, target.device, show))
+    torch.manual_seed(args.seed + rank)  # each rank trains on batches of its own
     batches = draw_batches(args, model_type, batch_size, target)
 
     # ---- trace, profile the hardware, solve, build the offloaded module; the planner
@@ -436,7 +470,15 @@ def run(argv: Sequence[str] | None = None) -> int:
     )
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
     title = f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
-    write_plan_files(module.plan, Path(args.log_dir), stem, title)
+    if world > 1:
+        print(
+            f"data parallel: world size {world}, rank {rank} of {world}: its gradients are "
+            f"averaged over the ranks, and it steps all {len(module.plan.regions)} regions "
+            "(optimizer state replicated on every rank)",
+            flush=True,
+        )
+    if rank == 0:
+        write_plan_files(module.plan, Path(args.log_dir), stem, title)
     module.train()
     if target.device.type == "cuda":
         # Tracing and hardware profiling used device memory too; the budget is about training.
@@ -462,7 +504,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if not stop.requested:
         return 0
     print(f"interrupted after {done} of {args.steps} steps", flush=True)
-    if args.save_on_interrupt is not None:
+    if args.save_on_interrupt is not None and rank == 0:
         save_checkpoint(args.save_on_interrupt, optimizer, done)
         print(
             f"checkpoint saved to {args.save_on_interrupt}; continue with --resume "
