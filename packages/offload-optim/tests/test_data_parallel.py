@@ -18,8 +18,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from optim_helpers import batch, loss_of, masters, tiny_gpt2
 
 from offload_optim import AMPOptimizer, HybridAdam
-from offload_runtime import OffloadConfig, OffloadModule, default_cpu_profile
-from offload_runtime import memory_optimize as plan_and_build
+from offload_runtime import OffloadConfig, OffloadModule, default_cpu_profile, memory_optimize
 from offload_solver import InfeasibleBudgetError, ParamPlacement
 
 STEPS = 4
@@ -35,7 +34,7 @@ def _least_budget(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> i
 
 
 def _build(model: torch.nn.Module, example: dict[str, torch.Tensor], budget: int) -> OffloadModule:
-    return plan_and_build(
+    return memory_optimize(
         model,
         example,
         budget,
