@@ -90,3 +90,30 @@ def test_two_rates_of_one_configuration_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="two rates of one configuration"):
         dataclasses.replace(default_hardware(), host_step_rates=twice)
+
+
+def test_ranks_sharing_the_host_each_plan_with_their_share_of_it() -> None:
+    hw = default_hardware()
+    base = dataclasses.replace(
+        hw, host_step_rates=default_host_step_rates(hw.host_adam_params_per_s)
+    )
+    assert base.shared_host(1) is base
+    shared = base.shared_host(4)
+    assert shared.host_adam_params_per_s == base.host_adam_params_per_s / 4
+    assert shared.host_memory_bytes_per_s == base.host_memory_bytes_per_s / 4
+    assert shared.host_convert_elems_per_s == base.host_convert_elems_per_s / 4
+    assert shared.host_memory_bytes == base.host_memory_bytes // 4
+    for mine, whole in zip(shared.host_step_rates, base.host_step_rates, strict=True):
+        assert mine.params_per_s == whole.params_per_s / 4
+    key = ("single_pass", "fp32", True, True)
+    assert shared.host_step_params_per_s(*key) == base.host_step_params_per_s(*key) / 4
+    # The device and the copies are each rank's own.
+    assert (shared.h2d, shared.d2h, shared.compute_flop_per_s) == (
+        base.h2d,
+        base.d2h,
+        base.compute_flop_per_s,
+    )
+    assert HardwareProfile.from_json(shared.to_json()) == shared
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="ranks is"):
+            base.shared_host(bad)  # type: ignore[arg-type]

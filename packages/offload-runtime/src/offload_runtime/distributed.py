@@ -17,9 +17,11 @@ Each rank of a process group trains the same module on its own share of the batc
   gradient of the mean loss over the group's batch, and the optimizer's overflow check,
   clipping norm and steps, which read only those gradients, agree on every rank.
 - Optimizer state: replicated. Every rank steps every region, so host-state regions
-  cost every rank the host time and memory of a whole step. Sharding host state by
-  region (each rank stepping only the regions it owns and sharing the updated weights)
-  is not built; the plan prices one rank alone on the host.
+  cost every rank the host time and memory of a whole step, on cores and DRAM the ranks
+  of one machine share: the planner plans each rank with its share of the host
+  (``HardwareProfile.shared_host`` over :func:`ranks_on_this_host`). Sharding host state
+  by region (each rank stepping only the regions it owns and sharing the updated
+  weights) is not built.
 
 With one process, or without an initialised process group, nothing changes.
 """
@@ -29,14 +31,18 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import os
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from offload_runtime.module import OffloadModule
-from offload_runtime.planning import PlannedModel
 from offload_solver import Plan
+
+if TYPE_CHECKING:  # planning imports this module
+    from offload_runtime.module import OffloadModule
+    from offload_runtime.planning import PlannedModel
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,15 @@ def world_size() -> int:
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size()
+
+
+def ranks_on_this_host() -> int:
+    """Ranks of the default process group on this machine (``torchrun``'s
+    ``LOCAL_WORLD_SIZE``; every rank where it is not set); 1 without a group."""
+    size = world_size()
+    if size == 1:
+        return 1
+    return int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
 
 
 def _weights_digest(model: torch.nn.Module) -> str:
@@ -124,4 +139,10 @@ def average_gradients(module: OffloadModule) -> None:
     )
 
 
-__all__ = ["average_gradients", "check_same_weights", "share_plan", "world_size"]
+__all__ = [
+    "average_gradients",
+    "check_same_weights",
+    "ranks_on_this_host",
+    "share_plan",
+    "world_size",
+]

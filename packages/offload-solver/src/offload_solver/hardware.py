@@ -8,6 +8,7 @@ model (:class:`~offload_solver.cost_model.CostModel`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -218,6 +219,29 @@ class HardwareProfile:
                 if rate.key == key:
                     return rate.params_per_s
         return self.host_adam_params_per_s / DEFAULT_HOST_STEP_TIMES[key]
+
+    def shared_host(self, ranks: int) -> HardwareProfile:
+        """This profile as one of ``ranks`` processes sharing the host sees it: host Adam,
+        dtype conversions and host memory bandwidth at ``1 / ranks`` of their rates, and
+        ``1 / ranks`` of the host memory (each rank steps its own host state on the same
+        cores and DRAM). Copy rates and the device are the rank's own. Raises
+        ``ValueError`` unless ``ranks >= 1``."""
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise ValueError(f"ranks is {ranks!r}; must be an int >= 1")
+        if ranks == 1:
+            return self
+        return dataclasses.replace(
+            self,
+            name=f"{self.name} (host shared by {ranks} ranks)",
+            host_memory_bytes=self.host_memory_bytes // ranks,
+            host_adam_params_per_s=self.host_adam_params_per_s / ranks,
+            host_convert_elems_per_s=self.host_convert_elems_per_s / ranks,
+            host_memory_bytes_per_s=self.host_memory_bytes_per_s / ranks,
+            host_step_rates=tuple(
+                dataclasses.replace(rate, params_per_s=rate.params_per_s / ranks)
+                for rate in self.host_step_rates
+            ),
+        )
 
     def h2d_bytes_per_s(self, size_bytes: int) -> float:
         return _interp_bandwidth(self.h2d, size_bytes)

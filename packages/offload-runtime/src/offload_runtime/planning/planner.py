@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from offload_runtime.config import OffloadConfig
+from offload_runtime.distributed import ranks_on_this_host
 from offload_runtime.hardware import (
     available_host_memory_bytes,
     measure_attention_at,
@@ -193,6 +194,11 @@ def plan_model(
         hardware = with_attention_rates(
             hardware, attention, lambda shape: measure_attention_at(dev, shape, dtype=config.dtype)
         )
+    ranks = ranks_on_this_host()
+    if ranks > 1:
+        # Data parallel: the ranks of this machine share its cores and DRAM.
+        hardware = hardware.shared_host(ranks)
+        say(f"host shared by {ranks} ranks: each plans with 1/{ranks} of its host rates")
     if attention:
         say(
             f"fused attention at {len(attention)} shape(s) of the model: forward "
