@@ -1,4 +1,4 @@
-"""The activation-checkpointing peers of W6 (issue 62): what they change in the peers that
+"""The activation-checkpointing peers of W6: what they change in the peers that
 ``offload_bench.py`` builds, which measures them with its own FSDP2 and full-GPU rows.
 
 W6's activations do not fit the device, so each peer recomputes every block's forward in

@@ -19,7 +19,7 @@ Workloads (fp16; GPT-2's vocabulary 1024, Llama's 32000; budgets in GiB = 2**30 
     W1 gpt2_medium 64 x 8    16     W2 gpt2_xl 64 x 8     3
     W3 gpt2_xl     8 x 1024  40     W4 gpt2_6b 4 x 512   24
     W5 llama_3b    2 x 2048  24     (a current architecture: :data:`WORKLOADS`)
-    W6a gpt2_xl    8 x 8192  40     W6b llama_3b 1 x 32768 24  (activations: issue 62)
+    W6a gpt2_xl    8 x 8192  40     W6b llama_3b 1 x 32768 24  (activations)
 
 Kinds: ours in the configurations of :data:`OURS` (``memory_optimize(asyn)`` and
 ``AMPOptimizer(HybridAdam)``; ``ours`` is the libraries' defaults), and the peers:
@@ -102,7 +102,7 @@ planner's least budget there is 33.2 GiB: it offloads parameters and state, it d
 recompute activations), and with full-GPU training's 56 GiB of weights and fp32 state
 beyond an 80 GB card.
 
-W6a and W6b (issue 62) are bound by activations: the activations plain training keeps for
+W6a and W6b are bound by activations: the activations plain training keeps for
 backward exceed the budget whatever the plan places where, so the planner recomputes some
 regions' forwards in backward or sends their saved activations to the host
 (``RegionPlan.activations``), and the peers checkpoint every block (:mod:`ckpt_peers`)."""

@@ -24,7 +24,7 @@ the solver's progress lines. The synthetic profile splits into fewer regions tha
 traced model of the same shape (29 against 182 at about 2,000 operations), so it solves
 faster than the traced one.
 
-Targets (issue 59): the planner's solves of about 2,000 operations within 10 s on one
+Targets: the planner's solves of about 2,000 operations within 10 s on one
 core, of about 10,000 operations within 60 s.
 """
 

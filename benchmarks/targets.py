@@ -32,7 +32,7 @@ The targets:
 - W3, W4 and W5 at torchao's numerics (``ours_bf16_rn``) at most 0.75x torchao's
   ``CPUOffloadOptimizer`` step, and with stochastic rounding (``ours_bf16_sr``) at most
   0.85x;
-- W6 (issue 62: activations beyond the budget) every row of ours within its budget and its
+- W6 (activations beyond the budget): every row of ours within its budget and its
   predicted peak within 5% of the measured; the defaults at most 0.8x the faster of the
   checkpointing FSDP2 arms (``fsdp2_ckpt``, ``fsdp2_ckpt_host``: their median steps), and
   at most 1.1x full-GPU training with every block checkpointed (``full_gpu_ckpt``) where
@@ -78,7 +78,7 @@ AGAINST_TORCHAO = {"ours_bf16_rn": 0.75, "ours_bf16_sr": 0.85}
 FASTEST_WITHIN = 1.03
 """The defaults' bound against the fastest configuration of the same numerics."""
 W6 = ("W6a", "W6b")
-"""The workloads bound by activations (issue 62)."""
+"""The workloads bound by activations."""
 FULL_GPU_KINDS = (FULL_GPU, FULL_GPU_CKPT)
 """The full-GPU peers: no reference where their loss did not fall."""
 W6_FSDP2_WITHIN = 0.8
