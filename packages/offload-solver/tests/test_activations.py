@@ -374,3 +374,14 @@ def test_runs_lower_the_least_budget_and_it_works() -> None:
             assert before.activations in (RECOMPUTE, WITH_PREVIOUS)
             assert before.placement is ParamPlacement.RESIDENT
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_region_a_run_is_recomputed_through_may_not_be_offloaded() -> None:
+    ctx = SimulationContext.build(residual_chain(), slow_copies(), block_search_range_bytes=0)
+    acts = [KEEP] * N
+    acts[2:4] = [RECOMPUTE, WITH_PREVIOUS]
+    assignment = [RegionAssignment()] * N
+    assignment[2] = RegionAssignment(ParamPlacement.SYNC)
+    with pytest.raises(ValueError, match=r"region 2 is pinned \(a later region of its recomputed"):
+        ctx.with_activations(acts).validate(assignment, allow_async=True)
+    ctx.validate(assignment, allow_async=True)  # alone, it may be

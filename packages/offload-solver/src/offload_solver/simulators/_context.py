@@ -427,9 +427,14 @@ class SimulationContext:
                 )
             if a.placement is not ParamPlacement.RESIDENT:
                 if self.pinned[r]:
+                    why = (
+                        "it owns a parameter used outside its operations"
+                        if self.regions[r].pinned
+                        else "a later region of its recomputed run needs its parameters"
+                    )
                     raise ValueError(
-                        f"region {r} is pinned (it owns a parameter used outside its operations) "
-                        f"and cannot be {a.placement.value}; keep it resident"
+                        f"region {r} is pinned ({why}) and cannot be {a.placement.value}; "
+                        "keep it resident"
                     )
                 if a.state is StatePlacement.DEVICE:
                     raise ValueError(
