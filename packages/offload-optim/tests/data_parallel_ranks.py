@@ -39,15 +39,17 @@ def _build(model: torch.nn.Module, example: dict[str, torch.Tensor], budget: int
     )
 
 
-def train(rank: int, world: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Train ``STEPS`` steps on rows ``rank::world`` of each batch; the final masters."""
+def train(rank: int, world: int, seed: int = 0, budget: int = 0) -> dict[str, torch.Tensor]:
+    """Train ``STEPS`` steps on rows ``rank::world`` of each batch at ``budget`` bytes
+    (0: the least the planner accepts); the final masters."""
     share = BATCH // world
 
     def part(step: int) -> dict[str, torch.Tensor]:
         return {k: v[rank * share : (rank + 1) * share] for k, v in batch(step, BATCH).items()}
 
     model = tiny_gpt2(seed=seed)
-    module = _build(model, part(0), _least_budget(model, part(0)))
+    least = _least_budget(model, part(0))  # on every rank: it plans collectively
+    module = _build(model, part(0), budget or least)
     assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
     # The ranks share this machine's host: each planned with its share of it.
     assert ("host shared by" in module.plan.hardware_name) == (world > 1)
@@ -68,12 +70,15 @@ def train(rank: int, world: int, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-def rank_main(rank: int, world: int, store: str, out: str, seed: int) -> None:
+def rank_main(rank: int, world: int, store: str, out: str, seed: int, fail_rank: int) -> None:
+    """One rank: its final masters to ``out.RANK``, or the error it raised to
+    ``out.RANK.error``. Rank 1 builds its model from ``seed`` (the others from 0), and rank
+    ``fail_rank`` plans at a 1-byte budget."""
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        # Rank 1 builds its model from another seed when asked to: the check must say so.
-        torch.save(train(rank, world, seed if rank == 1 else 0), f"{out}.{rank}")
-    except ValueError as exc:
-        Path(f"{out}.{rank}.error").write_text(str(exc))
+        final = train(rank, world, seed if rank == 1 else 0, 1 if rank == fail_rank else 0)
+        torch.save(final, f"{out}.{rank}")
+    except Exception as exc:
+        Path(f"{out}.{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group()

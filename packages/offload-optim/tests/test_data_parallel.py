@@ -13,10 +13,11 @@ import torch.multiprocessing as mp
 from data_parallel_ranks import rank_main, train
 
 
-def _spawn(tmp_path: Path, world: int, seed: int = 0) -> list[Path]:
+def _spawn(tmp_path: Path, world: int, seed: int = 0, fail_rank: int = -1) -> list[Path]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     out = tmp_path / "masters"
-    mp.spawn(rank_main, args=(world, str(tmp_path / "store"), str(out), seed), nprocs=world)
+    args = (world, str(tmp_path / "store"), str(out), seed, fail_rank)
+    mp.spawn(rank_main, args=args, nprocs=world)
     return [tmp_path / f"masters.{rank}" for rank in range(world)]
 
 
@@ -39,3 +40,14 @@ def test_ranks_with_different_weights_are_refused(tmp_path: Path) -> None:
     for rank in range(2):
         error = (tmp_path / f"masters.{rank}.error").read_text()
         assert "the weights of ranks [1] differ from rank 0's" in error
+
+
+def test_a_rank_whose_planning_fails_fails_every_rank(tmp_path: Path) -> None:
+    """Rank 1's budget is too small: it raises the planner's error, and rank 0, instead of
+    waiting for it in the next collective, raises an error that names it."""
+    _spawn(tmp_path, 2, fail_rank=1)
+    own = (tmp_path / "masters.1.error").read_text()
+    assert own.startswith("InfeasibleBudgetError: memory budget 1 bytes")
+    other = (tmp_path / "masters.0.error").read_text()
+    assert other.startswith("RuntimeError: data parallel: rank(s) [1] failed while planning")
+    assert "InfeasibleBudgetError: memory budget 1 bytes" in other

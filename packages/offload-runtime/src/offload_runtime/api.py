@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from offload_runtime.config import OffloadConfig
-from offload_runtime.distributed import average_gradients, check_same_weights, share_plan
+from offload_runtime.distributed import agree, average_gradients, check_same_weights, share_plan
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning import build_offload_module, plan_model
 from offload_solver import (
@@ -266,16 +266,21 @@ def memory_optimize(
         RuntimeError: host memory too small for the plan's host-resident state.
     """
     check_same_weights(model)
-    planned = plan_model(
-        model,
-        inputs,
-        memory_budget,
-        solver_name,
-        config=config,
-        hardware=hardware,
-        device=device,
-        progress=progress,
-    )
+    failure: Exception | None = None
+    try:
+        planned = plan_model(
+            model,
+            inputs,
+            memory_budget,
+            solver_name,
+            config=config,
+            hardware=hardware,
+            device=device,
+            progress=progress,
+        )
+    except Exception as exc:
+        failure = exc
+    agree(failure, "planning")  # data parallel: every rank raises if one failed
     planned = share_plan(planned)
     module = build_offload_module(model, planned)
     average_gradients(module)

@@ -7,9 +7,11 @@ Each rank of a process group trains the same module on its own share of the batc
   load one checkpoint); :func:`check_same_weights` compares a checksum of each rank's and
   names the ranks that differ.
 - Plan: one plan for all ranks. Each rank traces and plans (planning reads this rank's
-  hardware profile); :func:`share_plan` then gives every rank rank 0's plan, so that all
-  ranks offload, prefetch and recompute the same regions and issue their collectives in
-  the same order.
+  hardware profile), and the ranks agree on the outcome (:func:`agree`: a rank whose
+  planning failed raises its error, the others an error naming it, instead of waiting
+  for it in the next collective); :func:`share_plan` then gives every rank rank 0's
+  plan, so that all ranks offload, prefetch and recompute the same regions and issue
+  their collectives in the same order.
 - Gradients: when a region's gradients are complete on the device, before they are
   folded into device state or copied to the host, they are averaged over the group
   (:func:`average_gradients`: one all-reduce per region, on the backward thread, in the
@@ -89,6 +91,29 @@ def check_same_weights(model: torch.nn.Module) -> None:
         )
 
 
+def agree(failure: BaseException | None, what: str) -> None:
+    """Every rank's outcome of ``what`` (``failure``: this rank's error, None if it
+    succeeded), so that no rank goes on to a collective that a failed rank never joins.
+    Re-raise this rank's own error; where only other ranks failed, raise
+    ``RuntimeError`` naming them and the first one's message. A no-op (re-raising
+    ``failure``) with one rank."""
+    if world_size() == 1:
+        if failure is not None:
+            raise failure
+        return
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    outcomes: list[str | None] = [None] * world_size()
+    dist.all_gather_object(outcomes, mine)
+    if failure is not None:
+        raise failure
+    failed = [rank for rank, outcome in enumerate(outcomes) if outcome is not None]
+    if failed:
+        raise RuntimeError(
+            f"data parallel: rank(s) {failed} failed while {what}; the first said: "
+            f"{outcomes[failed[0]]}"
+        )
+
+
 def share_plan(planned: PlannedModel) -> PlannedModel:
     """``planned`` with rank 0's plan (see [Note: data parallel]); itself with one rank.
 
@@ -140,6 +165,7 @@ def average_gradients(module: OffloadModule) -> None:
 
 
 __all__ = [
+    "agree",
     "average_gradients",
     "check_same_weights",
     "ranks_on_this_host",
