@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from offload_runtime.config import OffloadConfig
-from offload_runtime.distributed import agree, average_gradients, check_same_weights, share_plan
+from offload_runtime.distributed import average_gradients, check_same_weights, plan_together
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning import build_offload_module, plan_model
 from offload_solver import (
@@ -266,9 +266,8 @@ def memory_optimize(
         RuntimeError: host memory too small for the plan's host-resident state.
     """
     check_same_weights(model)
-    failure: Exception | None = None
-    try:
-        planned = plan_model(
+    planned = plan_together(
+        lambda: plan_model(
             model,
             inputs,
             memory_budget,
@@ -278,10 +277,7 @@ def memory_optimize(
             device=device,
             progress=progress,
         )
-    except Exception as exc:
-        failure = exc
-    agree(failure, "planning")  # data parallel: every rank raises if one failed
-    planned = share_plan(planned)
+    )
     module = build_offload_module(model, planned)
     average_gradients(module)
     if progress:  # the reference's summary line, on stdout

@@ -34,7 +34,7 @@ import dataclasses
 import hashlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -114,6 +114,18 @@ def agree(failure: BaseException | None, what: str) -> None:
         )
 
 
+def plan_together(plan: Callable[[], PlannedModel]) -> PlannedModel:
+    """``plan()`` on this rank, the ranks agreeing on its outcome (:func:`agree`), then
+    rank 0's plan (:func:`share_plan`); ``plan()`` alone with one rank."""
+    try:
+        planned = plan()
+    except Exception as exc:
+        agree(exc, "planning")  # raises exc
+        raise
+    agree(None, "planning")
+    return share_plan(planned)
+
+
 def share_plan(planned: PlannedModel) -> PlannedModel:
     """``planned`` with rank 0's plan (see [Note: data parallel]); itself with one rank.
 
@@ -168,6 +180,7 @@ __all__ = [
     "agree",
     "average_gradients",
     "check_same_weights",
+    "plan_together",
     "ranks_on_this_host",
     "share_plan",
     "world_size",

@@ -88,6 +88,9 @@ class ActivationLevels:
     run's recomputation re-created, in place of their boundaries."""
     act_rec: list[int]
     """Per operation, its level while a recomputation runs it forward again."""
+    saved_after_bwd: list[int]
+    """Per operation, ``saved_prefix_bwd[j]`` plus its own saved bytes: what stays once a
+    recomputation has run it."""
     act_fwd: list[int]
     act_bwd: list[int]
     saved_bytes: list[int]
@@ -235,6 +238,7 @@ def activation_levels(
         saved_after=after,
         saved_prefix_bwd=pre_b,
         act_rec=[pre_b[j] + op.fwd_out_bytes + op.fwd_tmp_bytes for j, op in enumerate(ops)],
+        saved_after_bwd=after_b,
         act_fwd=[pre[j] + op.fwd_out_bytes + op.fwd_tmp_bytes for j, op in enumerate(ops)],
         act_bwd=[after_b[j] + op.bwd_out_bytes + op.bwd_tmp_bytes for j, op in enumerate(ops)],
         saved_bytes=full_bytes,

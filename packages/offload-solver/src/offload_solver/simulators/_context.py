@@ -29,7 +29,11 @@ from offload_solver.regions import (
     RegionLayout,
     build_regions,
 )
-from offload_solver.simulators._activations import activation_levels
+from offload_solver.simulators._activations import (
+    StorageReads,
+    activation_levels,
+    approximate_boundary,
+)
 from offload_solver.simulators._timeline import KIND_GRAD_WIDEN
 
 # [Note: issuing ahead]
@@ -300,6 +304,11 @@ class SimulationContext:
             )
             if sum(loaded_s) > sum(self.bwd_s):
                 self.bwd_offsets_beside_host, self.bwd_s_beside_host = loaded_offsets, loaded_s
+        self.storage_reads = StorageReads.of(self.profile.operations, regions)
+        """Which storages each region reads (None for a profile without reads), for the
+        search that groups recomputed regions into runs."""
+        self.approximate_boundary = approximate_boundary(self.profile.operations, regions, None)
+        """Per region, its input as a profile without reads approximates it."""
         self._cost_activations((ActivationPlacement.KEEP,) * self.num_regions)
 
     def _cost_activations(self, activations: Sequence[ActivationPlacement]) -> None:

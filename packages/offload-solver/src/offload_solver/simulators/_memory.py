@@ -309,9 +309,6 @@ def _walk_memory(
             emit(te)
 
     saved, saved_bwd = ctx.saved_prefix, ctx.saved_prefix_bwd
-    after_rec = [
-        p + op.saved_bytes for p, op in zip(saved_bwd[:-1], ctx.profile.operations, strict=True)
-    ]
     for r in range(n_reg):
         forward_levels(r, out.cs_f[r], out.ce_f[r], ctx.act_fwd, ctx.saved_after)
         if act_host[r]:
@@ -328,7 +325,7 @@ def _walk_memory(
             t = out.recompute_start[r]
             for q in range(ctx.act.recompute_from[r], r + 1):
                 end = out.cs_b[r] if q == r else t + ctx.fwd_s[q]
-                forward_levels(q, t, end, ctx.act.act_rec, after_rec)
+                forward_levels(q, t, end, ctx.act.act_rec, ctx.act.saved_after_bwd)
                 t = end
         if act_host[r] and out.act_h2d_start[r] > NEVER:
             flush(out.cs_b[r])

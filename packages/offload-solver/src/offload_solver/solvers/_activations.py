@@ -58,7 +58,6 @@ import math
 from collections.abc import Callable, Sequence
 
 from offload_solver.plan import ActivationPlacement, ParamPlacement
-from offload_solver.simulators._activations import StorageReads, approximate_boundary
 from offload_solver.simulators._engine import RegionAssignment, SimulationContext
 from offload_solver.simulators.base import Simulator
 from offload_solver.solvers._search import Candidate, SolveStats
@@ -113,9 +112,7 @@ def chain(
     """``activations`` with each stretch of consecutive RECOMPUTE regions grouped into
     runs of at most ``cap_bytes`` saved bytes (a single region may exceed it) that hold
     the least bytes in all ([Note: recomputed runs])."""
-    ops, regions = ctx.profile.operations, ctx.regions
-    reads = StorageReads.of(ops, regions)
-    edge = approximate_boundary(ops, regions, None)
+    reads, edge = ctx.storage_reads, ctx.approximate_boundary
     saved = ctx.act.saved_bytes
     out = list(activations)
     n = len(out)
