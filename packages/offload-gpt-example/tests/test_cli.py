@@ -663,7 +663,8 @@ def test_fused_gelu_keeps_fewer_activations_and_trains(
 
 def test_torchrun_trains_data_parallel_and_says_so(tmp_path: Path) -> None:
     """The done-when command of data-parallel training, with gloo on the CPU: both ranks
-    train, each says the world size and what it steps, and only rank 0 writes the plan."""
+    train at a budget that puts optimizer state on the host, each says the world size and
+    which host-state regions it owns (one owner each), and only rank 0 writes the plan."""
     proc = subprocess.run(
         [
             sys.executable,
@@ -681,6 +682,8 @@ def test_torchrun_trains_data_parallel_and_says_so(tmp_path: Path) -> None:
             "4",
             "--steps",
             "3",
+            "--memory_budget",
+            "0.01",
             "--no_progress",
             "--log_dir",
             str(tmp_path),
@@ -692,7 +695,19 @@ def test_torchrun_trains_data_parallel_and_says_so(tmp_path: Path) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    owned = {}
     for rank in (0, 1):
-        assert f"data parallel: world size 2, rank {rank} of 2" in proc.stdout, proc.stdout
+        line = re.search(
+            rf"data parallel: world size 2, rank {rank} of 2 owns host-state regions "
+            r"\[([\d, ]*)\] \((\d+) of (\d+):",
+            proc.stdout,
+        )
+        assert line is not None, proc.stdout
+        owned[rank] = {int(r) for r in line[1].split(",") if r.strip()}
+        assert len(owned[rank]) == int(line[2])
+        sharded = int(line[3])
+    # Each sharded region has one owner; at this budget some are sharded.
+    assert not owned[0] & owned[1]
+    assert len(owned[0] | owned[1]) == sharded > 1
     assert len(FINAL_LINE.findall(proc.stdout)) == 2
     assert [p.name for p in tmp_path.glob("*.plan.json")] == ["gpt2_tiny_bs_4_st_asyn.plan.json"]

@@ -1,38 +1,81 @@
 """Data-parallel training through ``memory_optimize`` under ``torch.distributed`` (gloo on
-the CPU): ranks that each train on a share of the batch end where one process training on
-the whole batch ends ([Note: data parallel] in ``offload_runtime.distributed``)."""
+the CPU): ranks that each train on a share of the batch, each stepping its own regions,
+end where one process training on the whole batch ends ([Note: data parallel] in
+``offload_runtime.distributed``); their distributed checkpoints resume on any number of
+ranks ([Note: distributed checkpoints] in ``offload_optim.dist_checkpoint``)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from data_parallel_ranks import rank_main, train
+from data_parallel_ranks import STEPS, rank_main, train
 
 
-def _spawn(tmp_path: Path, world: int, seed: int = 0, fail_rank: int = -1) -> list[Path]:
+def _spawn(tmp_path: Path, world: int, **options: Any) -> list[Path]:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tmp_path.mkdir(parents=True, exist_ok=True)
     out = tmp_path / "masters"
-    args = (world, str(tmp_path / "store"), str(out), seed, fail_rank)
-    mp.spawn(rank_main, args=args, nprocs=world)
+    store = tmp_path / "store"
+    mp.spawn(rank_main, args=(world, str(store), str(out), options), nprocs=world)
     return [tmp_path / f"masters.{rank}" for rank in range(world)]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_on_shares_of_the_batch_end_where_one_process_on_all_of_it_does(
-    tmp_path: Path, world: int
-) -> None:
-    expected = train(0, 1)
-    files = _spawn(tmp_path, world)
+def _same_everywhere(files: list[Path], expected: dict[str, torch.Tensor]) -> None:
+    """Every rank holds the same weights, bit for bit, and they equal ``expected`` up to
+    rounding (the ranks sum their shares of the batch in another order)."""
     ranks = [torch.load(f, weights_only=True) for f in files]
     for name, want in expected.items():
         for rank, got in enumerate(ranks):
-            # Every rank holds the same weights, bit for bit.
             assert torch.equal(got[name], ranks[0][name]), (rank, name)
         torch.testing.assert_close(ranks[0][name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize(
+    ("world", "options"),
+    [
+        (2, {}),
+        (4, {}),
+        # Clipping at a norm below the gradients': the ranks agree on the global norm.
+        (2, {"clip": 0.05}),
+        # Every region on the device, device-state: gradients all-reduced, folded in
+        # batches at the end of backward.
+        (2, {"budget": -1}),
+    ],
+    ids=["2", "4", "2-clip", "2-device"],
+)
+def test_ranks_on_shares_of_the_batch_end_where_one_process_on_all_of_it_does(
+    tmp_path: Path, world: int, options: dict[str, Any]
+) -> None:
+    """Each rank keeps and steps only its own host-state regions (checked in every rank:
+    ``_check_sharding``) and ends with the weights one process ends with."""
+    expected = train(0, 1, **options)
+    _same_everywhere(_spawn(tmp_path, world, **options), expected)
+
+
+def test_a_checkpoint_saved_on_two_ranks_resumes_on_four_and_on_one(tmp_path: Path) -> None:
+    """Two steps on 2 ranks, saved with ``save_distributed``; the last two steps resumed
+    from it on 4 ranks, and in one process, end where 4 uninterrupted steps end."""
+    expected = train(0, 1)
+    saved = tmp_path / "ckpt"
+    _spawn(tmp_path / "two", 2, steps=(0, 2), save=str(saved))
+    half = STEPS // 2
+    assert half == 2
+    _same_everywhere(_spawn(tmp_path / "four", 4, steps=(2, STEPS), resume=str(saved)), expected)
+    resumed = train(0, 1, steps=(2, STEPS), resume=str(saved))
+    for name, want in expected.items():
+        torch.testing.assert_close(resumed[name], want, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_rank_that_fails_mid_training_ends_every_rank(tmp_path: Path) -> None:
+    """Rank 1 raises in its second step while rank 0 waits for it in a collective: the
+    launcher ends both, and the error names the failed rank and its message."""
+    with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails in step 1"):
+        _spawn(tmp_path, 2, fail_at=1)
 
 
 def test_ranks_with_different_weights_are_refused(tmp_path: Path) -> None:

@@ -18,8 +18,10 @@ log names what it chose: a ``plan:`` line and a table of the regions.
 
 Several processes train data-parallel when ``torchrun`` starts them (gloo on the CPU,
 NCCL on GPUs, one GPU a process): every rank draws its own batches, the gradients are
-averaged over the ranks, and the log says the world size and what each rank steps
-(``offload_runtime.distributed``); rank 0 writes the plan files and checkpoints:
+averaged over the ranks, each rank keeps and steps the host optimizer state of its own
+regions, and the log says the world size and which regions each rank owns
+(``offload_runtime.distributed``); rank 0 writes the plan files, and every rank its share
+of a checkpoint (a directory: ``--resume`` takes it on any number of ranks):
 
     torchrun --standalone --nproc_per_node=2 -m offload_gpt_example --device cpu \
         --model_type gpt2_tiny --steps 3
@@ -226,8 +228,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"--{flag} is {getattr(args, flag)}; it must be a positive integer")
     if not args.memory_budget > 0:
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
-    if args.resume is not None and not args.resume.is_file():
-        parser.error(f"--resume {args.resume}: no such checkpoint file")
+    if args.resume is not None and not args.resume.exists():
+        parser.error(f"--resume {args.resume}: no such checkpoint")
     if args.host_state in BF16_MASTER_STATES and args.dtype != "bf16":
         parser.error(f"--host_state {args.host_state} keeps a bf16 master: add --dtype bf16")
     if args.plan_only and (args.resume or args.save_on_interrupt):
@@ -470,13 +472,8 @@ def train_run(args: argparse.Namespace, rank: int, world: int) -> int:
     )
     stem = run_name(args.model_type, args.batch_size, args.solver_type)
     title = f"{model_type} bs {batch_size} seq {args.seq_len} {args.dtype}"
-    if world > 1:
-        print(
-            f"data parallel: world size {world}, rank {rank} of {world}: its gradients are "
-            f"averaged over the ranks, and it steps all {len(module.plan.regions)} regions "
-            "(optimizer state replicated on every rank)",
-            flush=True,
-        )
+    if module.sharding is not None:
+        print(module.sharding.describe(), flush=True)
     if rank == 0:
         write_plan_files(module.plan, Path(args.log_dir), stem, title)
     module.train()
@@ -504,7 +501,7 @@ def train_run(args: argparse.Namespace, rank: int, world: int) -> int:
     if not stop.requested:
         return 0
     print(f"interrupted after {done} of {args.steps} steps", flush=True)
-    if args.save_on_interrupt is not None and rank == 0:
+    if args.save_on_interrupt is not None:
         save_checkpoint(args.save_on_interrupt, optimizer, done)
         print(
             f"checkpoint saved to {args.save_on_interrupt}; continue with --resume "
@@ -530,7 +527,7 @@ def train(
     loss = torch.tensor(math.nan)
     bar = tqdm(range(steps), desc="train", unit="step", disable=not show, file=sys.stderr)
     for _ in bar:
-        if stop is not None and stop.requested:
+        if stop is not None and stop.agreed():
             break
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # a sync point: the timer starts on an idle device

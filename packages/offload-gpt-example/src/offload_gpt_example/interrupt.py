@@ -9,7 +9,11 @@ checkpoint. A second Ctrl-C aborts at once, as Python's default does.
 A checkpoint (:func:`save_checkpoint`) holds ``AMPOptimizer.state_dict()`` (the fp32
 masters, the Adam state, the loss scaler and step count), the steps done and torch's CPU
 random state; :func:`load_checkpoint` restores them, so that a resumed run takes the
-steps an uninterrupted one would have, bit for bit.
+steps an uninterrupted one would have, bit for bit. Under data parallel the ranks stop
+after the same step (:meth:`StopOnInterrupt.agreed`) and the checkpoint is a directory
+that every rank writes its share of (``offload_optim.save_distributed``); it resumes on
+any number of ranks. It holds no random state (each rank's differs): a resumed
+data-parallel run draws other dropout masks than an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ from typing import Any
 
 import torch
 
-from offload_optim import AMPOptimizer
+from offload_optim import AMPOptimizer, load_distributed, save_distributed
+from offload_runtime.distributed import any_rank
 from offload_solver import write_atomic
 
 CHECKPOINT_FORMAT = 1
@@ -51,6 +56,11 @@ class StopOnInterrupt:
             flush=True,
         )
 
+    def agreed(self) -> bool:
+        """Whether to stop now: :attr:`requested` on this rank or, under data parallel,
+        on any rank (one all-reduce), so that every rank stops after the same step."""
+        return any_rank(self.requested)
+
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGINT, self._handle)
@@ -70,7 +80,12 @@ class StopOnInterrupt:
 
 def save_checkpoint(path: Path, optimizer: AMPOptimizer, steps_done: int) -> None:
     """Write the run's state after ``steps_done`` optimizer steps to ``path``, whole: a
-    temporary file beside it, then a rename (a crash never leaves half a checkpoint)."""
+    temporary file beside it, then a rename (a crash never leaves half a checkpoint).
+    Under data parallel, on every rank: a distributed checkpoint directory."""
+    if optimizer.sharding is not None:
+        extra = {"format": CHECKPOINT_FORMAT, "steps_done": steps_done}
+        save_distributed(optimizer, path, extra)
+        return
     state = {
         "format": CHECKPOINT_FORMAT,
         "steps_done": steps_done,
@@ -84,7 +99,17 @@ def save_checkpoint(path: Path, optimizer: AMPOptimizer, steps_done: int) -> Non
 def load_checkpoint(path: Path, optimizer: AMPOptimizer) -> int:
     """Restore what :func:`save_checkpoint` wrote into ``optimizer`` (and its module);
     returns the steps the saved run had done. ``ValueError`` for a file that is not such
-    a checkpoint."""
+    a checkpoint. A directory is a distributed checkpoint (saved on any number of ranks)."""
+    if path.is_dir():
+        try:
+            extra = load_distributed(optimizer, path)
+        except (OSError, RuntimeError) as exc:
+            raise ValueError(f"cannot read checkpoint {str(path)!r}: {exc}") from None
+        if extra.get("format") != CHECKPOINT_FORMAT:
+            raise ValueError(
+                f"{str(path)!r} is not a checkpoint of this example (format {CHECKPOINT_FORMAT})"
+            )
+        return int(extra["steps_done"])
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (OSError, RuntimeError, EOFError) as exc:

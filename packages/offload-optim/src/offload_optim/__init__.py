@@ -12,7 +12,9 @@
 - :func:`check_host_rate`: the host Adam rate the training loop ran at, against the one
   the plan assumed, to plan again with, :func:`check_stream_rate` the same for the
   streamed regions' copies up, and :func:`check_backward_issue` for the backward's issue
-  cost beside host-state regions (:mod:`offload_optim.calibration`).
+  cost beside host-state regions (:mod:`offload_optim.calibration`);
+- :func:`save_distributed` / :func:`load_distributed`: checkpoints of data-parallel
+  training (``torch.distributed.checkpoint``), saved on N ranks and resumed on M.
 """
 
 from offload_optim.amp import AMPOptimizer, OverlapMode, StepReport
@@ -25,6 +27,7 @@ from offload_optim.calibration import (
     check_stream_rate,
     planned_host_busy_s,
 )
+from offload_optim.dist_checkpoint import load_distributed, save_distributed
 from offload_optim.hybrid_adam import HybridAdam, RegionStepTiming
 from offload_optim.scaler import DynamicLossScaler
 
@@ -41,5 +44,7 @@ __all__ = [
     "check_backward_issue",
     "check_host_rate",
     "check_stream_rate",
+    "load_distributed",
     "planned_host_busy_s",
+    "save_distributed",
 ]

@@ -36,6 +36,7 @@ from offload_optim.overlap import (
 )
 from offload_optim.reports import Pending, RegionStepTiming, StepReport, completed
 from offload_optim.scaler import DynamicLossScaler
+from offload_runtime.distributed import across_ranks, share_updates
 from offload_runtime.host_kernels import AdamHyper
 from offload_runtime.module import OffloadModule
 
@@ -171,6 +172,9 @@ class AMPOptimizer(torch.optim.Optimizer):
         choice)."""
         self.speculative_params = options.speculative_params
         """Host-state parameters given undo buffers (None: all that fit)."""
+        self.sharding = module.sharding
+        """Which rank steps each region under data parallel (None: one process; see
+        [Note: data parallel] in ``offload_runtime.distributed``)."""
         self.step_count = 0
         """Optimizer steps taken (skipped steps excluded)."""
         self._windows_done = 0
@@ -321,6 +325,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         if staged and not outcome.futures:
             # Skipped: no task steps what was staged (a queued one would close the ring).
             self.optimizer.drop_staged()
+        if self.sharding is not None and not outcome.skipped:
+            # Each sharded region's owner has stepped it: every rank takes its new weights.
+            self.optimizer.synchronize()
+            share_updates(self.module, self.sharding)
         if self.scaling:
             self.scaler.update(outcome.skipped)
         if not outcome.skipped:
@@ -437,8 +445,7 @@ class AMPOptimizer(torch.optim.Optimizer):
                 notified = set(w.notified)
         else:
             notified = w.notified
-        total, is_norm = combine(
-            self.optimizer,
+        total, is_norm = self._combine(
             self.norm_type,
             as_norm=self.clipping_norm > 0,
             regions=notified,
@@ -454,6 +461,31 @@ class AMPOptimizer(torch.optim.Optimizer):
             if self.clipping_norm > 0 and not overflow:
                 out.clip_coef = clip_coefficient(self.clipping_norm, unscaled)
         out.skipped = self.scaling and overflow
+
+    def _combine(
+        self,
+        norm_type: float,
+        *,
+        as_norm: bool,
+        regions: set[int],
+        device_parts: dict[int, list[torch.Tensor]],
+        partials: dict[int, torch.Tensor],
+    ) -> tuple[torch.Tensor, bool]:
+        """:func:`combine` over the gradients this rank counts, then over the ranks under
+        data parallel (:func:`across_ranks`): the same answer on every rank."""
+        sharding = self.sharding
+        total, is_norm = combine(
+            self.optimizer,
+            norm_type,
+            as_norm=as_norm,
+            regions=regions,
+            device_parts=device_parts,
+            partials=partials,
+            replicated=sharding is None or sharding.rank == 0,
+        )
+        if sharding is not None:
+            total = across_ranks(total, is_norm, norm_type)
+        return total, is_norm
 
     def _step_regions(
         self,
@@ -588,13 +620,8 @@ class AMPOptimizer(torch.optim.Optimizer):
                 "clipping_norm=max_norm to AMPOptimizer; from the next step on, "
                 "clip_grad_norm() clips exactly"
             )
-        total, _ = combine(
-            self.optimizer,
-            norm_type,
-            as_norm=True,
-            regions=w.notified,
-            device_parts={},
-            partials={},
+        total, _ = self._combine(
+            norm_type, as_norm=True, regions=w.notified, device_parts={}, partials={}
         )
         unscaled = total / self.loss_scale
         if bool(torch.isfinite(unscaled)):
@@ -614,13 +641,25 @@ class AMPOptimizer(torch.optim.Optimizer):
 
     # ---- checkpoints ---------------------------------------------------------------
 
-    def state_dict(self, *, masters: bool = True) -> dict[str, Any]:
+    def _refuse_sharded(self, what: str, shard: bool) -> None:
+        if self.sharding is not None and not shard:
+            raise RuntimeError(
+                f"{what}: the optimizer state is sharded over {self.sharding.world} ranks "
+                "(each keeps only its regions' moments); save with "
+                "offload_optim.save_distributed(amp, path) and resume with "
+                "offload_optim.load_distributed(amp, path) on any number of ranks"
+            )
+
+    def state_dict(self, *, masters: bool = True, shard: bool = False) -> dict[str, Any]:
         """Master weights (fp32, CPU), Adam moments and steps, the scaler and step count.
 
         ``masters=False`` leaves the master weights (the ``"module"`` entry) out, for a
         checkpoint that keeps them in a weights file of its own (``OffloadTrainer``'s):
-        put them back under ``"module"`` to load it.
+        put them back under ``"module"`` to load it. Under data parallel the optimizer
+        state is sharded and this is refused unless ``shard=True`` (this rank's share:
+        the moments of the regions it steps), which :func:`save_distributed` writes.
         """
+        self._refuse_sharded("state_dict()", shard)
         micro = self._overlap.window.micro
         if micro:
             raise RuntimeError(
@@ -633,8 +672,10 @@ class AMPOptimizer(torch.optim.Optimizer):
         state["step_count"] = self.step_count
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved; the next step continues the run exactly."""
+    def load_state_dict(self, state_dict: dict[str, Any], *, shard: bool = False) -> None:
+        """Restore what :meth:`state_dict` saved; the next step continues the run exactly.
+        ``shard=True``: under data parallel, this rank's share (:func:`load_distributed`)."""
+        self._refuse_sharded("load_state_dict()", shard)
         missing = {"module", "optimizer", "scaler", "step_count"} - set(state_dict)
         if missing:
             raise ValueError(

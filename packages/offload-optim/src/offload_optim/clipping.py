@@ -40,6 +40,7 @@ def combine(
     regions: set[int],
     device_parts: dict[int, list[torch.Tensor]],
     partials: dict[int, torch.Tensor],
+    replicated: bool = True,
 ) -> tuple[torch.Tensor, bool]:
     """Combine every gradient's partial: (total on the CPU, whether it is a norm).
 
@@ -50,12 +51,17 @@ def combine(
     its hook's (``partials``); the rest are computed here, one batched call per device.
     They are combined in region order whoever computed them, so that the total does not
     depend on the overlap. Reads one value per device back to the host: a sync point.
+    ``replicated=False`` leaves out device-state regions and plain parameters, which
+    every data-parallel rank steps, so that one rank alone counts them
+    (``offload_runtime.distributed.across_ranks`` then combines the ranks' totals).
     """
     # Per device: (slot -> partial) in region order; missing ones computed below.
     slots: dict[torch.device, list[torch.Tensor | None]] = {}
     missing: dict[torch.device, tuple[list[int], list[torch.Tensor]]] = {}
     for r in sorted(regions | set(device_parts)):
         if not optimizer.has_region(r):
+            continue
+        if not replicated and not optimizer.region_storage(r).host_state:
             continue
         if r in device_parts:
             for dpart in device_parts[r]:
@@ -69,7 +75,7 @@ def combine(
             where.append(len(device_slots))
             grads.append(grad)
         device_slots.append(part)
-    for g in optimizer.plain_grads():
+    for g in optimizer.plain_grads() if replicated else ():
         where, grads = missing.setdefault(g.device, ([], []))
         device_slots = slots.setdefault(g.device, [])
         where.append(len(device_slots))

@@ -236,6 +236,7 @@ class HybridAdam(torch.optim.Optimizer):
         self._speculation.use_thread = options.speculation_thread
         self._streamed.stage_in_backward = options.stage_in_backward
         layout.masters = masters
+        layout.elsewhere = frozenset() if module.sharding is None else module.sharding.elsewhere
         layout.controller = module.controller
         self._streamed.planned = module.plan.streamed
         self._ensure_laid_out()

@@ -210,6 +210,8 @@ class StateLayout:
         """The bound module's master views by ``id``, with their region and name."""
         self.controller: OffloadController | None = None
         """The bound module's controller (``HybridAdam.bind``)."""
+        self.elsewhere: frozenset[int] = frozenset()
+        """Regions another data-parallel rank steps: no state here (``Sharding``)."""
         self.laid_out = False
 
     def require_controller(self) -> OffloadController:
@@ -255,8 +257,10 @@ class StateLayout:
                 self._add_plain(group, p, state)
                 continue
             st, name = owner
-            if name in st.frozen:
-                continue  # no gradient, no state: never stepped (as torch skips grad None)
+            if name in st.frozen or st.index in self.elsewhere:
+                # Frozen: no gradient, no state, never stepped (as torch skips grad None);
+                # or another rank steps it and shares its new weights.
+                continue
             if st.index not in self.regions:
                 dtype = self.moments_dtype if st.host_state else torch.float32
                 if dtype == torch.uint8 and not st.master_is_upload_copy:

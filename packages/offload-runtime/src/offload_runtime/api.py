@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from offload_runtime.config import OffloadConfig
-from offload_runtime.distributed import average_gradients, check_same_weights, plan_together
+from offload_runtime.distributed import check_same_weights, plan_together, shard_host_state
 from offload_runtime.module import OffloadModule
 from offload_runtime.planning import build_offload_module, plan_model
 from offload_solver import (
@@ -252,8 +252,8 @@ def memory_optimize(
     Under an initialised ``torch.distributed`` process group of several ranks (e.g. from
     ``torchrun``), every rank must pass the same weights and inputs of the same shapes; the
     module then trains data-parallel: rank 0's plan on every rank, each region's
-    gradients averaged over the ranks, optimizer state replicated (see [Note: data
-    parallel] in ``offload_runtime.distributed``).
+    gradients averaged over the ranks, host optimizer state sharded by region
+    (``module.sharding``; see [Note: data parallel] in ``offload_runtime.distributed``).
 
     The expert path, which fixes the planner's choices, is
     ``offload_runtime.planning.build_offload_module(model, plan_model(..., force=PlanForce(
@@ -279,7 +279,7 @@ def memory_optimize(
         )
     )
     module = build_offload_module(model, planned)
-    average_gradients(module)
+    shard_host_state(module)
     if progress:  # the reference's summary line, on stdout
         print_summary(planned.profile, planned.plan)
     return module

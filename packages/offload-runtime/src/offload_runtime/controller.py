@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from enum import Enum
 from typing import Any
@@ -32,6 +32,7 @@ from torch._C._autograd import (
 from offload_runtime.activations import SavedActivations
 from offload_runtime.conversions import copy_up, widen_down
 from offload_runtime.frozen import SavedParams
+from offload_runtime.inputs import tensors_in
 from offload_runtime.storage import RegionStorage
 from offload_runtime.streams import Event, StreamSet
 from offload_solver import ParamPlacement, Plan
@@ -45,19 +46,9 @@ that runs backward."""
 DeviceGradHook = Callable[[int, list[torch.Tensor]], None]
 """Called with a host-state region's index and its training-dtype device gradients just
 before they are copied to the host (see :meth:`OffloadController.add_device_grad_hook`)."""
-
-
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    """The tensors in ``value``, a tensor or tuples, lists and mappings of them (a
-    forward's result); anything else is skipped."""
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, Mapping):
-        for item in value.values():
-            yield from _tensors_in(item)
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item)
+GradReducer = Callable[[int, list[torch.Tensor]], bool]
+"""Reduces a region's device gradients over data-parallel ranks in place; False where
+another rank steps the region (this one then drops them): ``distributed.py``."""
 
 
 class RegionState(Enum):
@@ -107,10 +98,9 @@ class OffloadController:
         self.keep_staged_grads = False
         """Leave a host-state region's training-dtype gradients in its staging buffer when
         they replace the accumulator's content, instead of widening them into it
-        (``RegionStorage.grad_in_staging``): set by an optimizer whose host step reads
-        fp16 gradients itself (the module sets it from ``PlanOptions.fp16_io``). Whatever
-        else reads the
-        gradient widens it first (``RegionStorage.materialize_grad``)."""
+        (``RegionStorage.grad_in_staging``): set by an optimizer whose host step reads fp16
+        gradients itself (the module sets it from ``PlanOptions.fp16_io``). Whatever else
+        reads the gradient widens it first (``RegionStorage.materialize_grad``)."""
         self.plan = plan
         self.storages = storages
         self.batched_device_regions = frozenset(
@@ -146,8 +136,7 @@ class OffloadController:
         self._hook_depth = 0
         self._grad_hooks: list[GradReadyHook] = []
         self._device_grad_hooks: list[DeviceGradHook] = []
-        self.grad_reducer: DeviceGradHook | None = None
-        """Averages a region's gradients over data-parallel ranks (``distributed.py``)."""
+        self.grad_reducer: GradReducer | None = None
         self._lock = threading.Lock()
         # Host-side gradient work (and optimizer steps that hang off the grad-ready hooks)
         # runs on the host worker that ``streams`` owns, or inline (see [Note: streams and
@@ -358,7 +347,7 @@ class OffloadController:
         callback, which finds no gradients and leaves the accumulators as they were."""
         if not self.batched_device_regions:
             return  # every region's parameters carry a hook that queues it
-        for t in _tensors_in(outputs):
+        for t in tensors_in(outputs):
             if t.requires_grad:
                 t.register_hook(self._queue_hook)  # type: ignore[no-untyped-call]
 
@@ -393,9 +382,9 @@ class OffloadController:
         self._grads_done.add(r)
         st = self.storages[r]
         grads, views = st.take_grads()
-        if self.grad_reducer is not None and grads:
-            self.grad_reducer(r, grads)
-        if st.host_state:
+        if self.grad_reducer is not None and grads and not self.grad_reducer(r, grads):
+            pass  # another rank steps region r: its gradients went there
+        elif st.host_state:
             self._offload_grads(st, grads, views)
         else:
             self._fold_device_grads([(st, grads, views)])
@@ -585,6 +574,8 @@ class OffloadController:
             st = self.storages[r]
             grads, layouts = st.take_grads()
             if grads:
+                if self.grad_reducer is not None:  # every rank steps device-state regions
+                    self.grad_reducer(r, grads)
                 items.append((st, grads, layouts))
                 done.append(r)
                 self._grads_done.add(r)

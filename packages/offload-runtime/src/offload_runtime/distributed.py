@@ -12,18 +12,33 @@ Each rank of a process group trains the same module on its own share of the batc
   for it in the next collective); :func:`share_plan` then gives every rank rank 0's
   plan, so that all ranks offload, prefetch and recompute the same regions and issue
   their collectives in the same order.
+- Optimizer state: sharded by region. Each host-state region with something to step
+  has one *owner* (:func:`assign_owners`: in forward order, the rank that owns the
+  fewest trainable parameters so far, so that every rank's regions spread over the
+  backward). Only the owner keeps that region's Adam moments, brings its gradients down
+  and steps it on the host; the other ranks' optimizers leave it out
+  (:attr:`Sharding.elsewhere`), and they free its gradient buffers. Device-state regions
+  are stepped on every rank: their state costs device memory the plan counts on every
+  rank already, and their step is GPU work.
 - Gradients: when a region's gradients are complete on the device, before they are
-  folded into device state or copied to the host, they are averaged over the group
-  (:func:`average_gradients`: one all-reduce per region, on the backward thread, in the
-  backward's region order, which is the same on every rank). Every rank then sees the
-  gradient of the mean loss over the group's batch, and the optimizer's overflow check,
-  clipping norm and steps, which read only those gradients, agree on every rank.
-- Optimizer state: replicated. Every rank steps every region, so host-state regions
-  cost every rank the host time and memory of a whole step, on cores and DRAM the ranks
-  of one machine share: the planner plans each rank with its share of the host
-  (``HardwareProfile.shared_host`` over :func:`ranks_on_this_host`). Sharding host state
-  by region (each rank stepping only the regions it owns and sharing the updated
-  weights) is not built.
+  folded into device state or copied to the host, they are averaged over the group:
+  reduced to the owner of a sharded region (the others drop theirs), all-reduced for
+  the rest (:func:`shard_host_state` installs the reducer: one collective per region, on
+  the backward thread, in the backward's region order, which is the same on every rank).
+- Global answers: the fp16 overflow check and the clipping norm combine every rank's
+  partials over the regions it owns (device-state regions and plain parameters counted
+  on rank 0 alone) with one all-gather (:func:`across_ranks`), so every rank decides the
+  same skip and clip factor.
+- Updated weights: once a step's host steps are done, each sharded region's master
+  weights are broadcast from its owner (:func:`share_updates`, in region order) and the
+  other ranks copy them into their training-dtype copies. Every rank therefore holds
+  every master (4 bytes a parameter, 2 with bf16 masters) but only its regions' moments
+  and gradient work. The broadcast waits for the host steps: the next forward does not
+  overlap them under data parallel.
+- Host share: the ranks of one machine share its cores and DRAM, so the planner plans
+  each rank with its share of the host (``HardwareProfile.shared_host`` over
+  :func:`ranks_on_this_host`). The collectives are not in the simulation: on the CPU
+  they are cheap, and no machine with several GPUs has measured them yet.
 
 With one process, or without an initialised process group, nothing changes.
 """
@@ -35,6 +50,7 @@ import hashlib
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -149,39 +165,173 @@ def share_plan(planned: PlannedModel) -> PlannedModel:
     return dataclasses.replace(planned, plan=plan)
 
 
-def average_gradients(module: OffloadModule) -> None:
-    """Average each region's gradients over the default process group as the backward
-    completes them (see [Note: data parallel]); a no-op with one rank."""
+@dataclass(frozen=True)
+class Sharding:
+    """Which rank steps each region of a data-parallel module (see [Note: data parallel])."""
+
+    rank: int
+    world: int
+    owners: tuple[int | None, ...]
+    """Per region: the rank that keeps and steps its host state; None where every rank
+    steps it (device-state regions, and regions with no trainable parameter)."""
+
+    @property
+    def elsewhere(self) -> frozenset[int]:
+        """Regions another rank steps: this rank keeps no optimizer state for them."""
+        return frozenset(r for r, o in enumerate(self.owners) if o not in (None, self.rank))
+
+    @property
+    def owned(self) -> list[int]:
+        """Sharded regions this rank steps, in forward order."""
+        return [r for r, o in enumerate(self.owners) if o == self.rank]
+
+    def describe(self) -> str:
+        """One line: the world size and which regions this rank owns and steps."""
+        sharded = sum(o is not None for o in self.owners)
+        everywhere = [r for r, o in enumerate(self.owners) if o is None]
+        return (
+            f"data parallel: world size {self.world}, rank {self.rank} of {self.world} owns "
+            f"host-state regions {self.owned} ({len(self.owned)} of {sharded}: their "
+            f"optimizer state and host steps are on this rank) and steps regions "
+            f"{everywhere} as every rank does; gradients are averaged over the ranks"
+        )
+
+
+def assign_owners(trainable: Sequence[int | None], world: int) -> tuple[int | None, ...]:
+    """An owner per region: ``trainable[r]`` is region ``r``'s number of trainable
+    parameters where its state is sharded (host state), None where it is not. In forward
+    order, each sharded region with parameters to step goes to the rank that owns the
+    fewest so far (the lowest such rank on a tie)."""
+    loads = [0] * world
+    owners: list[int | None] = []
+    for n in trainable:
+        if not n:
+            owners.append(None)
+            continue
+        rank = min(range(world), key=lambda k: (loads[k], k))
+        loads[rank] += n
+        owners.append(rank)
+    return tuple(owners)
+
+
+def _collective_device() -> torch.device:
+    """Where the default group's collectives take tensors: the current GPU under NCCL,
+    else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def shard_host_state(module: OffloadModule) -> Sharding | None:
+    """Shard ``module``'s host state over the default process group and reduce each
+    region's gradients where they are stepped (see [Note: data parallel]); sets and
+    returns ``module.sharding``. None (and nothing changes) with one rank."""
     size = world_size()
     if size == 1:
-        return
+        return None
+    rank = dist.get_rank()
+    owners = assign_owners(
+        [st.trainable_numel if st.host_state else None for st in module.storages], size
+    )
+    sharding = Sharding(rank, size, owners)
+    module.sharding = sharding
+    for r in sharding.elsewhere:
+        module.storages[r].free_gradients()
 
-    def reduce(_: int, grads: Sequence[torch.Tensor]) -> None:
+    def reduce(r: int, grads: Sequence[torch.Tensor]) -> bool:
+        owner = owners[r]
         with torch.no_grad():
             flat = torch.cat([g.reshape(-1) for g in grads])
             flat.div_(size)
-            dist.all_reduce(flat)
+            if owner is None:
+                dist.all_reduce(flat)
+            else:
+                dist.reduce(flat, dst=owner)
+                if owner != rank:
+                    return False
             pieces = torch.split(flat, [g.numel() for g in grads])
             torch._foreach_copy_(
                 list(grads), [p.view_as(g) for p, g in zip(pieces, grads, strict=True)]
             )
+        return True
 
     module.controller.grad_reducer = reduce
-    log.info(
-        "data parallel: world size %d, rank %d; every rank steps all %d regions (optimizer "
-        "state replicated)",
-        size,
-        dist.get_rank(),
-        len(module.storages),
-    )
+    log.info("%s", sharding.describe())
+    return sharding
+
+
+def across_ranks(total: torch.Tensor, is_norm: bool, norm_type: float) -> torch.Tensor:
+    """The group's answer from each rank's ``total`` over the gradients it counts (see
+    [Note: data parallel]): the ``norm_type`` norm of the ranks' norms, or the sum of
+    their L1 sums (the overflow check); on the CPU, the same on every rank."""
+    if world_size() == 1:
+        return total
+    mine = total.detach().reshape(1).to(_collective_device(), torch.float32)
+    parts = [torch.empty_like(mine) for _ in range(world_size())]
+    dist.all_gather(parts, mine)
+    every = torch.cat(parts).cpu()
+    return torch.linalg.vector_norm(every, norm_type) if is_norm else every.sum()
+
+
+def any_rank(flag: bool) -> bool:
+    """Whether ``flag`` holds on any rank of the default process group (one all-reduce;
+    ``flag`` itself with one rank): e.g. for every rank to stop after the same step."""
+    if world_size() == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+SHARE_CHUNK_BYTES = 64 << 20
+"""Device staging for broadcasting host masters under NCCL, which takes device tensors."""
+
+
+def _broadcast_host(t: torch.Tensor, src: int) -> None:
+    """Broadcast the host tensor ``t`` from rank ``src``, through the collective device in
+    chunks of at most :data:`SHARE_CHUNK_BYTES` where that is not the CPU."""
+    device = _collective_device()
+    if device.type == "cpu":
+        dist.broadcast(t, src=src)
+        return
+    chunk = max(1, SHARE_CHUNK_BYTES // t.element_size())
+    buf = torch.empty(min(chunk, t.numel()), dtype=t.dtype, device=device)
+    mine = dist.get_rank() == src
+    for start in range(0, t.numel(), chunk):
+        piece = t[start : start + chunk]
+        staged = buf[: piece.numel()]
+        if mine:
+            staged.copy_(piece)
+        dist.broadcast(staged, src=src)
+        if not mine:
+            piece.copy_(staged)
+
+
+def share_updates(module: OffloadModule, sharding: Sharding) -> None:
+    """Give every rank the new master weights of each sharded region, from its owner, in
+    region order, and refresh the training-dtype copies of those it does not own (see
+    [Note: data parallel]). Call once the owners' steps are done."""
+    with torch.no_grad():
+        for r, owner in enumerate(sharding.owners):
+            if owner is None:
+                continue
+            st = module.storages[r]
+            _broadcast_host(st.master[: st.trainable_numel], owner)
+            if owner != sharding.rank:
+                st.publish_now()
 
 
 __all__ = [
+    "Sharding",
+    "across_ranks",
     "agree",
-    "average_gradients",
+    "any_rank",
+    "assign_owners",
     "check_same_weights",
     "plan_together",
     "ranks_on_this_host",
+    "shard_host_state",
     "share_plan",
+    "share_updates",
     "world_size",
 ]

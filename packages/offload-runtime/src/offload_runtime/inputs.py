@@ -10,7 +10,7 @@ ones, naming the traced shape and how to plan for another.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,3 +93,16 @@ def input_spec(inputs: Mapping[str, Any] | tuple[Any, ...]) -> InputSpec:
 
 
 __all__ = ["InputSpec", "InputTensor", "input_spec"]
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value``, a tensor or tuples, lists and mappings of them (a
+    forward's result); anything else is skipped."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from tensors_in(item)

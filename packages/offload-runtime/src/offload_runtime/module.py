@@ -13,6 +13,7 @@ from offload_runtime.activations import log_activations
 from offload_runtime.attr_reads import flatten_attribute_reads
 from offload_runtime.config import OffloadConfig
 from offload_runtime.controller import OffloadController
+from offload_runtime.distributed import Sharding
 from offload_runtime.inputs import InputSpec
 from offload_runtime.passes import META_CONTROLLER, META_OP_NAMES, apply_plan, register_controller
 from offload_runtime.storage import RegionStorage, build_storage
@@ -150,6 +151,9 @@ class OffloadModule:
         # fp16 I/O: a host-state region's fp16 gradient stays in its pinned staging buffer,
         # where the host step reads it ([Note: fp16 I/O steps] in offload_optim/stepping.py).
         # So too on a bf16-master rung: the step reads the bf16 gradient where it landed.
+        self.sharding: Sharding | None = None
+        """Which rank steps each region under data parallel (``distributed.py``); None with
+        one process."""
         self.controller.keep_staged_grads = options.fp16_io or config.bf16_master
         key = register_controller(self.controller)
         # The trace ran floating buffers in the training dtype; the graph expects them so.
@@ -223,7 +227,8 @@ class OffloadModule:
 
     def named_gradients(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Full-precision gradients by original name, every tied alias included; frozen
-        parameters (``requires_grad=False``) have none and are left out.
+        parameters (``requires_grad=False``) have none and are left out, and so are those
+        of regions another data-parallel rank steps (``sharding``).
 
         Waits for host-side gradient work first (a host sync point).
         """
@@ -231,8 +236,8 @@ class OffloadModule:
         for st in self.storages:
             st.materialize_grad()
             for layout in st.layouts:
-                if not layout.requires_grad:
-                    continue  # frozen: no gradient
+                if layout.name not in st.grad_views or not layout.requires_grad:
+                    continue  # frozen, or stepped by another rank: no gradient here
                 for alias in layout.aliases:
                     yield alias, st.grad_views[layout.name]
 
@@ -245,7 +250,7 @@ class OffloadModule:
         for st in self.storages:
             st.grad_stale = True
             for name, master in st.master_views.items():
-                if name not in st.frozen:
+                if name not in st.frozen and name in st.grad_views:
                     master.grad = st.grad_views[name]
 
     def named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:

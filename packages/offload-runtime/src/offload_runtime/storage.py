@@ -261,6 +261,17 @@ class RegionStorage:
                 self.master_views[layout.name].grad = self.grad_views[layout.name]
             _OWNER[self.master_views[layout.name]] = weakref.ref(self)
 
+    def free_gradients(self) -> None:
+        """Another data-parallel rank steps this region (``distributed.Sharding``): free
+        its gradient accumulator and staging buffer, which this rank never fills; its
+        masters have no ``.grad`` from now on."""
+        self.grad = self.grad.new_empty(0)
+        self.grad_views = {}
+        self.grad_staging = None
+        self._staging_slots = None
+        for master in self.master_views.values():
+            master.grad = None
+
     def take_grads(self) -> tuple[list[torch.Tensor], list[ParamLayout]]:
         """Detach the training-dtype gradients from the parameters: the gradients present
         and their layouts, in layout order (``.grad`` is ``None`` afterwards)."""

@@ -221,11 +221,14 @@ class HardwareProfile:
         return self.host_adam_params_per_s / DEFAULT_HOST_STEP_TIMES[key]
 
     def shared_host(self, ranks: int) -> HardwareProfile:
-        """This profile as one of ``ranks`` processes sharing the host sees it: host Adam,
-        dtype conversions and host memory bandwidth at ``1 / ranks`` of their rates, and
-        ``1 / ranks`` of the host memory (each rank steps its own host state on the same
-        cores and DRAM). Copy rates and the device are the rank's own. Raises
-        ``ValueError`` unless ``ranks >= 1``."""
+        """This profile as one of ``ranks`` data-parallel processes sharing the host sees
+        it: dtype conversions and host memory bandwidth at ``1 / ranks`` of their rates
+        (every rank casts every region's new weights and brings its own gradients down,
+        on the same cores and DRAM) and ``1 / ranks`` of the host memory. Host Adam rates
+        stay whole: each rank steps ``1 / ranks`` of the host state (it is sharded by
+        region) on ``1 / ranks`` of the cores, which takes as long as one process
+        stepping all of it on the whole host, the time the plan simulates. Copy rates and
+        the device are the rank's own. Raises ``ValueError`` unless ``ranks >= 1``."""
         if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
             raise ValueError(f"ranks is {ranks!r}; must be an int >= 1")
         if ranks == 1:
@@ -234,13 +237,8 @@ class HardwareProfile:
             self,
             name=f"{self.name} (host shared by {ranks} ranks)",
             host_memory_bytes=self.host_memory_bytes // ranks,
-            host_adam_params_per_s=self.host_adam_params_per_s / ranks,
             host_convert_elems_per_s=self.host_convert_elems_per_s / ranks,
             host_memory_bytes_per_s=self.host_memory_bytes_per_s / ranks,
-            host_step_rates=tuple(
-                dataclasses.replace(rate, params_per_s=rate.params_per_s / ranks)
-                for rate in self.host_step_rates
-            ),
         )
 
     def h2d_bytes_per_s(self, size_bytes: int) -> float:

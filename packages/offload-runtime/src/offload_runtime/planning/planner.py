@@ -198,7 +198,10 @@ def plan_model(
     if ranks > 1:
         # Data parallel: the ranks of this machine share its cores and DRAM.
         hardware = hardware.shared_host(ranks)
-        say(f"host shared by {ranks} ranks: each plans with 1/{ranks} of its host rates")
+        say(
+            f"host shared by {ranks} ranks: each plans with 1/{ranks} of its host memory "
+            f"and conversion rates (and steps 1/{ranks} of the host state)"
+        )
     if attention:
         say(
             f"fused attention at {len(attention)} shape(s) of the model: forward "
