@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +101,7 @@ def test_resume_names_a_missing_or_foreign_file(
 ) -> None:
     with pytest.raises(SystemExit):
         example.main([*BASE, "--resume", str(tmp_path / "none.pt")])
-    assert "no such checkpoint file" in capsys.readouterr().err
+    assert "no such checkpoint file (or directory)" in capsys.readouterr().err
     foreign = tmp_path / "foreign.pt"
     torch.save({"weights": torch.ones(2)}, foreign)
     with pytest.raises(ValueError, match="not a checkpoint of this example"):
@@ -107,3 +109,81 @@ def test_resume_names_a_missing_or_foreign_file(
     with pytest.raises(SystemExit):
         example.main([*TINY, "--plan_only", "--resume", str(foreign)])
     assert "do not go with --plan_only" in capsys.readouterr().err
+
+
+DRIVER = """
+import os, signal, sys
+import torch
+import offload_gpt_example.__main__ as example
+from offload_optim import AMPOptimizer
+
+rank, at = int(os.environ["RANK"]), int(os.environ["INTERRUPT_AT"])
+calls = [0]
+backward_of, report = AMPOptimizer.backward, example.report_run
+
+def backward(self, loss):
+    calls[0] += 1
+    if rank == 1 and calls[0] == at:
+        os.kill(os.getpid(), signal.SIGINT)
+    backward_of(self, loss)
+
+def report_run(args, module, *rest):
+    torch.save(module.state_dict(), os.environ["MASTERS"] + f".{rank}")
+    report(args, module, *rest)
+
+AMPOptimizer.backward, example.report_run = backward, report_run
+sys.exit(example.main(sys.argv[1:]))
+"""
+
+
+def test_a_data_parallel_run_interrupted_on_one_rank_stops_every_rank_and_resumes(
+    tmp_path: Path,
+) -> None:
+    """Under torchrun (2 ranks, gloo), a Ctrl-C that reaches rank 1 alone in step 3 stops
+    both ranks after that step; each saves its share of a distributed checkpoint, and the
+    run resumed from it on 2 ranks ends bit for bit where the uninterrupted run ends (no
+    dropout: the checkpoint holds no random state), and resumes on one process too."""
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    argv = [*BASE, "--dropout", "0", "--log_dir", str(tmp_path / "logs")]
+    ckpt = tmp_path / "ckpt"
+
+    def launch(name: str, *extra: str, at: int = 0, ranks: int = 2) -> str:
+        env = {**os.environ, "INTERRUPT_AT": str(at), "MASTERS": str(tmp_path / name)}
+        if ranks == 1:  # one process, no torchrun
+            env["RANK"] = "0"
+            command = [sys.executable, str(driver), *argv, *extra]
+        else:
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                str(driver),
+                *argv,
+                *extra,
+            ]
+        proc = subprocess.run(
+            command, env=env, capture_output=True, text=True, timeout=300, check=False
+        )
+        want = example.EXIT_INTERRUPTED if at else 0
+        if ranks == 1:
+            assert proc.returncode == want, proc.stdout + proc.stderr
+        else:  # torchrun fails when a rank exits with a non-zero code
+            assert (proc.returncode == 0) == (want == 0), proc.stdout + proc.stderr
+        return proc.stdout
+
+    launch("straight")
+    out = launch("stopped", "--save_on_interrupt", str(ckpt), at=3)
+    assert out.count("interrupted after 3 of 6 steps") == 2, out
+    assert ckpt.is_dir()
+    out = launch("resumed", "--resume", str(ckpt))
+    assert out.count("resumed from") == 2 and "after 3 of 6 steps" in out, out
+    for rank in range(2):
+        straight = torch.load(tmp_path / f"straight.{rank}", weights_only=True)
+        resumed = torch.load(tmp_path / f"resumed.{rank}", weights_only=True)
+        for name, value in straight.items():
+            assert torch.equal(value, resumed[name]), (rank, name)
+    out = launch("alone", "--resume", str(ckpt), ranks=1)
+    assert "resumed from" in out and "after 3 of 6 steps" in out, out

@@ -3,39 +3,53 @@ by name (the test module itself is imported under a path-derived name they canno
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from optim_helpers import batch, loss_of, masters, tiny_gpt2
 
 from offload_optim import AMPOptimizer, HybridAdam, load_distributed, save_distributed
 from offload_runtime import OffloadConfig, OffloadModule, default_cpu_profile, memory_optimize
-from offload_solver import InfeasibleBudgetError, ParamPlacement
+from offload_solver import InfeasibleBudgetError, ParamPlacement, default_hardware
 
 STEPS = 4
 BATCH = 4
+SKIPPED: list[bool] = []
+"""Whether each step :func:`train` took was skipped (fp16 overflow), in order."""
 
 
-def _least_budget(model: torch.nn.Module, example: dict[str, torch.Tensor]) -> int:
+def _least_budget(
+    model: torch.nn.Module, example: dict[str, torch.Tensor], dtype: torch.dtype, device: str
+) -> int:
     """The least budget the planner accepts for ``model`` (it offloads all it can there);
-    the same on every rank, planned for the CPU default profile."""
+    the same on every rank, planned for a default profile."""
     try:
-        _build(model, example, 1)
+        _build(model, example, 1, dtype, device)
     except InfeasibleBudgetError as exc:
         return exc.least_budget_bytes
     raise AssertionError("the planner accepted a 1-byte budget")
 
 
-def _build(model: torch.nn.Module, example: dict[str, torch.Tensor], budget: int) -> OffloadModule:
+def _build(
+    model: torch.nn.Module,
+    example: dict[str, torch.Tensor],
+    budget: int,
+    dtype: torch.dtype,
+    device: str,
+) -> OffloadModule:
     return memory_optimize(
         model,
         example,
         budget,
-        config=OffloadConfig(dtype=torch.float32),
-        hardware=default_cpu_profile(),
-        device="cpu",
+        config=OffloadConfig(dtype=dtype),
+        # Documented defaults: no rank measures the machine.
+        hardware=default_cpu_profile() if device == "cpu" else default_hardware(),
+        device=device,
         progress=False,
     )
 
@@ -51,20 +65,28 @@ def train(
     save: str = "",
     resume: str = "",
     fail_at: int = -1,
+    fp16_overflow_at: int = -1,
+    device: str = "cpu",
 ) -> dict[str, torch.Tensor]:
     """Train steps ``range(*steps)`` on rows ``rank::world`` of each batch at ``budget``
     bytes (0: the least the planner accepts; -1: 100 times that, where every region
     stays on the device); the final masters. ``clip``: the clipping norm; ``resume``:
     first load this distributed checkpoint; ``save``: save one after the last step;
-    ``fail_at``: raise in that step's backward instead."""
+    ``fail_at``: raise in that step's backward instead; ``fp16_overflow_at``: train in
+    fp16, and rank 1's gradients of the first region it does not own overflow in that
+    step before they are reduced. Each step's skip decision goes to :data:`SKIPPED`.
+    ``device``: where to train (every rank on the one GPU with ``"cuda"``)."""
     share = BATCH // world
 
     def part(step: int) -> dict[str, torch.Tensor]:
-        return {k: v[rank * share : (rank + 1) * share] for k, v in batch(step, BATCH).items()}
+        rows = batch(step, BATCH).items()
+        return {k: v[rank * share : (rank + 1) * share].to(device) for k, v in rows}
 
     model = tiny_gpt2(seed=seed)
-    least = _least_budget(model, part(0))  # on every rank: it plans collectively
-    module = _build(model, part(0), {0: least, -1: 100 * least}.get(budget, budget))
+    dtype = torch.float16 if fp16_overflow_at >= 0 else torch.float32
+    least = _least_budget(model, part(0), dtype, device)  # every rank: it plans collectively
+    chosen = {0: least, -1: 100 * least}.get(budget, budget)
+    module = _build(model, part(0), chosen, dtype, device)
     if budget == 0:
         assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
         # Host state to shard: every rank owns some.
@@ -74,12 +96,15 @@ def train(
         assert module.controller.batched_device_regions
     # The ranks share this machine's host: each planned with its share of it.
     assert ("host shared by" in module.plan.hardware_name) == (world > 1)
+    assert module.device.type == device
     # The attention's key bias gets a gradient that is zero up to rounding (softmax ignores
     # a shift shared by all keys), and Adam's normalised step turns zeros rounded another
     # way into steps of up to lr: an eps well above that rounding keeps them small.
     adam = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-5)
     amp = AMPOptimizer(adam, module, clipping_norm=clip)
     _check_sharding(module, adam, rank, world)
+    if fp16_overflow_at >= 0 and rank == 1:
+        _overflow_before_reducing(module, lambda: step == fp16_overflow_at)
     if resume:
         assert load_distributed(amp, resume) == {"done": steps[0]}
     before = masters(module)
@@ -90,15 +115,33 @@ def train(
             raise RuntimeError(f"rank {rank} fails in step {step}")
         amp.backward(loss_of(module(**b), b["input_ids"]))
         amp.step()
+        report = amp.last_step
+        assert report is not None
+        SKIPPED.append(report.skipped)
         if clip:
-            report = amp.last_step
-            assert report is not None and report.clip_coef < 1.0  # clipping did clip
+            assert report.clip_coef < 1.0  # clipping did clip
     if save:
         save_distributed(amp, save, {"done": steps[1]})
     out = masters(module)
     assert any(not torch.equal(before[name], out[name]) for name in out)
     module.close()
     return out
+
+
+def _overflow_before_reducing(module: OffloadModule, when: Callable[[], bool]) -> None:
+    """An inf in the first region's gradients that another rank steps, whenever
+    ``when()``, before they are reduced to that rank."""
+    sharding, reduce = module.sharding, module.controller.grad_reducer
+    assert sharding is not None and sharding.elsewhere and reduce is not None
+    first = min(sharding.elsewhere)
+
+    def poisoned(r: int, grads: list[torch.Tensor]) -> bool:
+        if r == first and when():
+            with torch.no_grad():
+                grads[0].view(-1)[0] = float("inf")
+        return reduce(r, grads)
+
+    module.controller.grad_reducer = poisoned
 
 
 def _check_sharding(module: OffloadModule, adam: HybridAdam, rank: int, world: int) -> None:
@@ -138,9 +181,31 @@ def rank_main(rank: int, world: int, store: str, out: str, options: dict[str, An
     try:
         final = train(rank, world, seed if rank == 1 else 0, **options)
         torch.save(final, f"{out}.{rank}")
+        Path(f"{out}.{rank}.skipped").write_text(repr(SKIPPED))
     except Exception as exc:
         if "fail_at" in options:
             raise
         Path(f"{out}.{rank}.error").write_text(f"{type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group()
+
+
+def spawn(tmp_path: Path, world: int, **options: Any) -> list[Path]:
+    """Run :func:`rank_main` on ``world`` processes, writing under ``tmp_path``; each
+    rank's final masters file."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / "masters"
+    store = tmp_path / "store"
+    mp.spawn(rank_main, args=(world, str(store), str(out), options), nprocs=world)
+    return [tmp_path / f"masters.{rank}" for rank in range(world)]
+
+
+def same_everywhere(files: list[Path], expected: dict[str, torch.Tensor]) -> None:
+    """Every rank holds the same weights, bit for bit, and they equal ``expected`` up to
+    rounding (the ranks sum their shares of the batch in another order)."""
+    ranks = [torch.load(f, weights_only=True) for f in files]
+    for name, want in expected.items():
+        for rank, got in enumerate(ranks):
+            assert torch.equal(got[name], ranks[0][name]), (rank, name)
+        torch.testing.assert_close(ranks[0][name], want, rtol=1e-5, atol=1e-6, msg=name)

@@ -6,33 +6,13 @@ ranks ([Note: distributed checkpoints] in ``offload_optim.dist_checkpoint``)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.multiprocessing as mp
-from data_parallel_ranks import STEPS, rank_main, train
-
-
-def _spawn(tmp_path: Path, world: int, **options: Any) -> list[Path]:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    out = tmp_path / "masters"
-    store = tmp_path / "store"
-    mp.spawn(rank_main, args=(world, str(store), str(out), options), nprocs=world)
-    return [tmp_path / f"masters.{rank}" for rank in range(world)]
-
-
-def _same_everywhere(files: list[Path], expected: dict[str, torch.Tensor]) -> None:
-    """Every rank holds the same weights, bit for bit, and they equal ``expected`` up to
-    rounding (the ranks sum their shares of the batch in another order)."""
-    ranks = [torch.load(f, weights_only=True) for f in files]
-    for name, want in expected.items():
-        for rank, got in enumerate(ranks):
-            assert torch.equal(got[name], ranks[0][name]), (rank, name)
-        torch.testing.assert_close(ranks[0][name], want, rtol=1e-5, atol=1e-6, msg=name)
+from data_parallel_ranks import STEPS, same_everywhere, spawn, train
 
 
 @pytest.mark.parametrize(
@@ -54,7 +34,19 @@ def test_ranks_on_shares_of_the_batch_end_where_one_process_on_all_of_it_does(
     """Each rank keeps and steps only its own host-state regions (checked in every rank:
     ``_check_sharding``) and ends with the weights one process ends with."""
     expected = train(0, 1, **options)
-    _same_everywhere(_spawn(tmp_path, world, **options), expected)
+    same_everywhere(spawn(tmp_path, world, **options), expected)
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) -> None:
+    """fp16: rank 1's gradients of a region rank 0 steps overflow in step 1. Only rank 0
+    sees the inf after the reduction, yet both ranks skip that step (and only it) and
+    stay bit-identical."""
+    files = spawn(tmp_path, 2, fp16_overflow_at=1)
+    skipped = [(tmp_path / f"masters.{rank}.skipped").read_text() for rank in range(2)]
+    assert skipped == [repr([False, True, False, False])] * 2
+    ranks = [torch.load(f, weights_only=True) for f in files]
+    for name, value in ranks[0].items():
+        assert torch.equal(value, ranks[1][name]), name
 
 
 def test_a_checkpoint_saved_on_two_ranks_resumes_on_four_and_on_one(tmp_path: Path) -> None:
@@ -62,10 +54,10 @@ def test_a_checkpoint_saved_on_two_ranks_resumes_on_four_and_on_one(tmp_path: Pa
     from it on 4 ranks, and in one process, end where 4 uninterrupted steps end."""
     expected = train(0, 1)
     saved = tmp_path / "ckpt"
-    _spawn(tmp_path / "two", 2, steps=(0, 2), save=str(saved))
+    spawn(tmp_path / "two", 2, steps=(0, 2), save=str(saved))
     half = STEPS // 2
     assert half == 2
-    _same_everywhere(_spawn(tmp_path / "four", 4, steps=(2, STEPS), resume=str(saved)), expected)
+    same_everywhere(spawn(tmp_path / "four", 4, steps=(2, STEPS), resume=str(saved)), expected)
     resumed = train(0, 1, steps=(2, STEPS), resume=str(saved))
     for name, want in expected.items():
         torch.testing.assert_close(resumed[name], want, rtol=1e-5, atol=1e-6, msg=name)
@@ -75,11 +67,11 @@ def test_a_rank_that_fails_mid_training_ends_every_rank(tmp_path: Path) -> None:
     """Rank 1 raises in its second step while rank 0 waits for it in a collective: the
     launcher ends both, and the error names the failed rank and its message."""
     with pytest.raises(mp.ProcessRaisedException, match="rank 1 fails in step 1"):
-        _spawn(tmp_path, 2, fail_at=1)
+        spawn(tmp_path, 2, fail_at=1)
 
 
 def test_ranks_with_different_weights_are_refused(tmp_path: Path) -> None:
-    _spawn(tmp_path, 2, seed=1)
+    spawn(tmp_path, 2, seed=1)
     for rank in range(2):
         error = (tmp_path / f"masters.{rank}.error").read_text()
         assert "the weights of ranks [1] differ from rank 0's" in error
@@ -88,7 +80,7 @@ def test_ranks_with_different_weights_are_refused(tmp_path: Path) -> None:
 def test_a_rank_whose_planning_fails_fails_every_rank(tmp_path: Path) -> None:
     """Rank 1's budget is too small: it raises the planner's error, and rank 0, instead of
     waiting for it in the next collective, raises an error that names it."""
-    _spawn(tmp_path, 2, fail_rank=1)
+    spawn(tmp_path, 2, fail_rank=1)
     own = (tmp_path / "masters.1.error").read_text()
     assert own.startswith("InfeasibleBudgetError: memory budget 1 bytes")
     other = (tmp_path / "masters.0.error").read_text()

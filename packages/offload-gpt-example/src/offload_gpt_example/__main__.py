@@ -229,7 +229,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not args.memory_budget > 0:
         parser.error(f"--memory_budget is {args.memory_budget:g}; give a positive number of GB")
     if args.resume is not None and not args.resume.exists():
-        parser.error(f"--resume {args.resume}: no such checkpoint")
+        parser.error(f"--resume {args.resume}: no such checkpoint file (or directory)")
     if args.host_state in BF16_MASTER_STATES and args.dtype != "bf16":
         parser.error(f"--host_state {args.host_state} keeps a bf16 master: add --dtype bf16")
     if args.plan_only and (args.resume or args.save_on_interrupt):
@@ -498,7 +498,7 @@ def train_run(args: argparse.Namespace, rank: int, world: int) -> int:
     done += len(step_times)
     if step_times:
         report_run(args, module, optimizer, step_times, loss, target.device)
-    if not stop.requested:
+    if not stop.agreed():  # a Ctrl-C in the last step is every rank's too
         return 0
     print(f"interrupted after {done} of {args.steps} steps", flush=True)
     if args.save_on_interrupt is not None:

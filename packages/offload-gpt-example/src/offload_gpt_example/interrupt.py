@@ -58,8 +58,10 @@ class StopOnInterrupt:
 
     def agreed(self) -> bool:
         """Whether to stop now: :attr:`requested` on this rank or, under data parallel,
-        on any rank (one all-reduce), so that every rank stops after the same step."""
-        return any_rank(self.requested)
+        on any rank (one all-reduce; :attr:`requested` is then set here too), so that
+        every rank stops after the same step."""
+        self.requested = any_rank(self.requested)
+        return self.requested
 
     def __enter__(self) -> StopOnInterrupt:
         if threading.current_thread() is threading.main_thread():

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from offload_optim.amp import AMPOptimizer
+from offload_runtime.distributed import agree
 
 _STATE = "optimizer.state."
 _META = "meta"
@@ -100,16 +101,25 @@ def load_distributed(amp: AMPOptimizer, path: str | os.PathLike[str]) -> dict[st
     Raises:
         ValueError: ``path`` is not such a checkpoint of this model (a missing entry, or
             one of another shape).
+        RuntimeError: another rank could not read it (the message names the rank).
     """
     mine = amp.state_dict(shard=True)
     flat = _flat(amp, mine, {})
-    saved = FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
-    missing = sorted(k for k in flat if k not in saved)
-    if missing:
-        raise ValueError(
-            f"{os.fspath(path)} lacks {len(missing)} entries this model needs, e.g. "
-            f"{missing[:3]}: load a checkpoint that save_distributed wrote for this model"
-        )
+    # Every rank checks what it needs before the collective read, and the ranks agree
+    # on the outcome: one that lacks its entries must not leave the others waiting.
+    failure: ValueError | None = None
+    try:
+        saved = FileSystemReader(os.fspath(path)).read_metadata().state_dict_metadata
+    except OSError as exc:
+        failure = ValueError(f"{os.fspath(path)} is not a distributed checkpoint: {exc}")
+    else:
+        missing = sorted(k for k in flat if k not in saved)
+        if missing:
+            failure = ValueError(
+                f"{os.fspath(path)} lacks {len(missing)} entries this model needs, e.g. "
+                f"{missing[:3]}: load a checkpoint that save_distributed wrote for this model"
+            )
+    agree(failure, f"reading checkpoint {os.fspath(path)}")
     flat[_META] = io.BytesIO()
     try:
         with _quiet_single_process():

@@ -238,17 +238,20 @@ def shard_host_state(module: OffloadModule) -> Sharding | None:
     for r in sharding.elsewhere:
         module.storages[r].free_gradients()
 
+    # gloo reduces CPU tensors only: with device gradients it all-reduces them instead.
+    to_owner = dist.get_backend() != "gloo" or module.device.type == "cpu"
+
     def reduce(r: int, grads: Sequence[torch.Tensor]) -> bool:
         owner = owners[r]
         with torch.no_grad():
             flat = torch.cat([g.reshape(-1) for g in grads])
             flat.div_(size)
-            if owner is None:
-                dist.all_reduce(flat)
-            else:
+            if owner is not None and to_owner:
                 dist.reduce(flat, dst=owner)
-                if owner != rank:
-                    return False
+            else:
+                dist.all_reduce(flat)
+            if owner not in (None, rank):
+                return False
             pieces = torch.split(flat, [g.numel() for g in grads])
             torch._foreach_copy_(
                 list(grads), [p.view_as(g) for p, g in zip(pieces, grads, strict=True)]
