@@ -907,24 +907,17 @@ def _full_gpu(
     return out
 
 
-def _fsdp2(workload: str, warmup: int, steps: int, ckpt: CkptPeer | None = None) -> dict[str, Any]:
-    """FSDP2 with every block (GPT-2's ``GPT2Block``, Llama's ``LlamaDecoderLayer``) and
-    the root on ``CPUOffloadPolicy`` (parameters, gradients and Adam state on the host,
-    fused Adam there), fp16 compute, world size 1. ``ckpt``: each block checkpointed
-    before it is sharded, the forward under the peer's context (:mod:`ckpt_peers`)."""
+def fsdp2_step(workload: str, mesh: Any, ckpt: CkptPeer | None = None) -> Callable[[], None]:
+    """One training step of FSDP2 over ``mesh`` (a CUDA device mesh of the ranks) with
+    every block (GPT-2's ``GPT2Block``, Llama's ``LlamaDecoderLayer``) and the root on
+    ``CPUOffloadPolicy`` (parameters, gradients and Adam state on the host, fused Adam
+    there), fp16 compute. ``ckpt``: each block checkpointed before it is sharded, the
+    forward under the peer's context (:mod:`ckpt_peers`)."""
     import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from offload_gpt_example.models import build_model, lm_loss
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
-    dist.init_process_group("nccl", rank=0, world_size=1)
-    torch.cuda.set_device(0)
     name, _, seq, _ = WORKLOADS[workload]
     model = build_model(
         name,
@@ -937,7 +930,6 @@ def _fsdp2(workload: str, warmup: int, steps: int, ckpt: CkptPeer | None = None)
     forward_context = contextlib.nullcontext if ckpt is None else ckpt.forward_context()
     if ckpt is not None:
         checkpoint_blocks(model)
-    mesh = init_device_mesh("cuda", (1,))
     mp = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for block in model.blocks():
         fully_shard(block, mesh=mesh, mp_policy=mp, offload_policy=CPUOffloadPolicy())
@@ -952,6 +944,22 @@ def _fsdp2(workload: str, warmup: int, steps: int, ckpt: CkptPeer | None = None)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def _fsdp2(workload: str, warmup: int, steps: int, ckpt: CkptPeer | None = None) -> dict[str, Any]:
+    """:func:`fsdp2_step` at world size 1, timed."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    torch.cuda.set_device(0)
+    step = fsdp2_step(workload, init_device_mesh("cuda", (1,)), ckpt)
     _reset_peak("cuda")
     out: dict[str, Any] = step_times(_timed_steps(step, warmup, steps))
     out.update(_memory("cuda"))
