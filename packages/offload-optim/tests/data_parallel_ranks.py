@@ -67,6 +67,7 @@ def train(
     fail_at: int = -1,
     fp16_overflow_at: int = -1,
     device: str = "cpu",
+    plain: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Train steps ``range(*steps)`` on rows ``rank::world`` of each batch at ``budget``
     bytes (0: the least the planner accepts; -1: 100 times that, where every region
@@ -75,7 +76,8 @@ def train(
     ``fail_at``: raise in that step's backward instead; ``fp16_overflow_at``: train in
     fp16, and rank 1's gradients of the first region it does not own overflow in that
     step before they are reduced. Each step's skip decision goes to :data:`SKIPPED`.
-    ``device``: where to train (every rank on the one GPU with ``"cuda"``)."""
+    ``device``: where to train (every rank on the one GPU with ``"cuda"``); ``plain``:
+    give the optimizer a tensor besides the module's parameters."""
     share = BATCH // world
 
     def part(step: int) -> dict[str, torch.Tensor]:
@@ -100,7 +102,8 @@ def train(
     # The attention's key bias gets a gradient that is zero up to rounding (softmax ignores
     # a shift shared by all keys), and Adam's normalised step turns zeros rounded another
     # way into steps of up to lr: an eps well above that rounding keeps them small.
-    adam = HybridAdam(module.parameters(), lr=1e-2, weight_decay=0.01, eps=1e-5)
+    params = [*module.parameters(), *([torch.zeros(3, requires_grad=True)] if plain else [])]
+    adam = HybridAdam(params, lr=1e-2, weight_decay=0.01, eps=1e-5)
     amp = AMPOptimizer(adam, module, clipping_norm=clip)
     _check_sharding(module, adam, rank, world)
     if fp16_overflow_at >= 0 and rank == 1:

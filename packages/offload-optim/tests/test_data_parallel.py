@@ -70,6 +70,14 @@ def test_a_rank_that_fails_mid_training_ends_every_rank(tmp_path: Path) -> None:
         spawn(tmp_path, 2, fail_at=1)
 
 
+def test_an_optimizer_over_tensors_outside_the_module_is_refused(tmp_path: Path) -> None:
+    """No rank averages the gradients of a tensor the module does not own."""
+    spawn(tmp_path, 2, plain=True)
+    for rank in range(2):
+        error = (tmp_path / f"masters.{rank}.error").read_text()
+        assert error.startswith("ValueError: data parallel: the HybridAdam steps 1 tensors")
+
+
 def test_ranks_with_different_weights_are_refused(tmp_path: Path) -> None:
     spawn(tmp_path, 2, seed=1)
     for rank in range(2):

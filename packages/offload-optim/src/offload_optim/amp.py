@@ -148,6 +148,12 @@ class AMPOptimizer(torch.optim.Optimizer):
         self.state = optimizer.state
         self._initialized = True
         optimizer.bind(module)
+        if module.sharding is not None and optimizer.plain_params:
+            raise ValueError(
+                f"data parallel: the HybridAdam steps {optimizer.plain_params} tensors that "
+                "are not the module's parameters, whose gradients no rank averages; train "
+                "the OffloadModule's parameters() only"
+            )
         self.optimizer = optimizer
         self.module = module
         self.controller = module.controller

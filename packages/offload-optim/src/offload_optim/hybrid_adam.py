@@ -273,6 +273,12 @@ class HybridAdam(torch.optim.Optimizer):
             storage.materialize_grad()
         return storage.grad
 
+    @property
+    def plain_params(self) -> int:
+        """How many of the parameters are not the bound module's masters ("plain")."""
+        self._ensure_laid_out()
+        return len(self._layout.plain)
+
     def plain_grads(self) -> Iterator[torch.Tensor]:
         """Gradients of the plain (non-region) parameters that have one."""
         self._ensure_laid_out()
