@@ -3,9 +3,18 @@ across processes is tested in offload-optim's ``test_data_parallel.py``."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
-from offload_runtime.distributed import Sharding, across_ranks, any_rank, assign_owners
+from offload_runtime.distributed import (
+    Sharding,
+    across_ranks,
+    any_rank,
+    assign_owners,
+    host_threads_per_rank,
+)
 
 
 def test_owners_balance_trainable_parameters_in_forward_order() -> None:
@@ -38,3 +47,13 @@ def test_one_process_answers_alone() -> None:
     total = torch.tensor(3.0)
     assert across_ranks(total, True, 2.0) is total
     assert any_rank(True) and not any_rank(False)
+
+
+def test_each_rank_takes_its_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    assert host_threads_per_rank(4) == 4
+    assert host_threads_per_rank(32) == 1
+    # A launcher bound this rank to 3 cores already: all of them.
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _: {0, 1, 2}, raising=False)
+    assert host_threads_per_rank(4) == 3

@@ -61,7 +61,9 @@ class OffloadConfig:
     host_threads: int | None = None
     """CPU threads for host optimizer steps, set as torch's intra-op thread count
     (``torch.set_num_threads``, process-wide) when the model is planned, so that the host
-    steps are planned at the rate they will run; None: torch's count as it is."""
+    steps are planned at the rate they will run; None: torch's count as it is, or under
+    data parallel this rank's share of the machine's cores
+    (``distributed.host_threads_per_rank``)."""
     accumulation_steps: int = 1
     """Micro-batches (forward and backward passes) per optimizer step. The plan prices
     them all per step; the optimizer accumulates that many (``AMPOptimizer`` reads it

@@ -37,8 +37,11 @@ Each rank of a process group trains the same module on its own share of the batc
   overlap them under data parallel.
 - Host share: the ranks of one machine share its cores and DRAM, so the planner plans
   each rank with its share of the host (``HardwareProfile.shared_host`` over
-  :func:`ranks_on_this_host`). The collectives are not in the simulation: on the CPU
-  they are cheap, and no machine with several GPUs has measured them yet.
+  :func:`ranks_on_this_host`), and, unless ``OffloadConfig.host_threads`` says otherwise,
+  gives each rank its share of the cores as host threads (:func:`host_threads_per_rank`:
+  ``torchrun`` sets ``OMP_NUM_THREADS=1``, which would step the host state on one core).
+  The collectives are not in the simulation: on the CPU they are cheap, and no machine
+  with several GPUs has measured them yet.
 
 With one process, or without an initialised process group, nothing changes.
 """
@@ -79,6 +82,15 @@ def ranks_on_this_host() -> int:
     if size == 1:
         return 1
     return int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
+
+
+def host_threads_per_rank(ranks: int) -> int:
+    """CPU threads for one of ``ranks`` processes on this machine: the cores this process
+    may run on, divided among the ranks unless a launcher already bound it to fewer than
+    the machine's (then all of them)."""
+    every = os.cpu_count() or 1
+    mine = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else every
+    return mine if mine < every else max(1, mine // ranks)
 
 
 def _weights_digest(model: torch.nn.Module) -> str:
@@ -331,6 +343,7 @@ __all__ = [
     "any_rank",
     "assign_owners",
     "check_same_weights",
+    "host_threads_per_rank",
     "plan_together",
     "ranks_on_this_host",
     "shard_host_state",

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from offload_runtime.config import OffloadConfig
-from offload_runtime.distributed import ranks_on_this_host
+from offload_runtime.distributed import host_threads_per_rank, ranks_on_this_host
 from offload_runtime.hardware import (
     available_host_memory_bytes,
     measure_attention_at,
@@ -158,9 +158,13 @@ def plan_model(
     measure_attention = here and measures_attention(force.measure_attention, dev, hardware)
     chosen = candidates(config, force)
     say = _say if progress else log.info
-    if config.host_threads is not None and config.host_threads != torch.get_num_threads():
-        torch.set_num_threads(config.host_threads)  # process-wide: see OffloadConfig
-        say(f"host threads: {config.host_threads} (torch.set_num_threads)")
+    ranks = ranks_on_this_host()
+    threads = config.host_threads
+    if threads is None and ranks > 1:
+        threads = host_threads_per_rank(ranks)  # data parallel: this rank's share of cores
+    if threads is not None and threads != torch.get_num_threads():
+        torch.set_num_threads(threads)  # process-wide: see OffloadConfig
+        say(f"host threads: {threads} (torch.set_num_threads)")
     # What the caller holds on the device, read before tracing and measuring allocate
     # anything: the same whatever the planner's own work leaves in the allocator, so a plan
     # of a model on meta (``plan``) and of the model itself (``memory_optimize``) agree.
@@ -194,7 +198,6 @@ def plan_model(
         hardware = with_attention_rates(
             hardware, attention, lambda shape: measure_attention_at(dev, shape, dtype=config.dtype)
         )
-    ranks = ranks_on_this_host()
     if ranks > 1:
         # Data parallel: the ranks of this machine share its cores and DRAM.
         hardware = hardware.shared_host(ranks)
