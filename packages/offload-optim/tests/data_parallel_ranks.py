@@ -23,13 +23,11 @@ SKIPPED: list[bool] = []
 """Whether each step :func:`train` took was skipped (fp16 overflow), in order."""
 
 
-def _least_budget(
-    model: torch.nn.Module, example: dict[str, torch.Tensor], dtype: torch.dtype, device: str
-) -> int:
+def _least_budget(model: torch.nn.Module, example: dict[str, torch.Tensor], **kw: Any) -> int:
     """The least budget the planner accepts for ``model`` (it offloads all it can there);
     the same on every rank, planned for a default profile."""
     try:
-        _build(model, example, 1, dtype, device)
+        _build(model, example, 1, **kw)
     except InfeasibleBudgetError as exc:
         return exc.least_budget_bytes
     raise AssertionError("the planner accepted a 1-byte budget")
@@ -41,12 +39,13 @@ def _build(
     budget: int,
     dtype: torch.dtype,
     device: str,
+    accumulate: int,
 ) -> OffloadModule:
     return memory_optimize(
         model,
         example,
         budget,
-        config=OffloadConfig(dtype=dtype),
+        config=OffloadConfig(dtype=dtype, accumulation_steps=accumulate),
         # Documented defaults: no rank measures the machine.
         hardware=default_cpu_profile() if device == "cpu" else default_hardware(),
         device=device,
@@ -68,6 +67,7 @@ def train(
     fp16_overflow_at: int = -1,
     device: str = "cpu",
     plain: bool = False,
+    accumulate: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Train steps ``range(*steps)`` on rows ``rank::world`` of each batch at ``budget``
     bytes (0: the least the planner accepts; -1: 100 times that, where every region
@@ -77,18 +77,19 @@ def train(
     fp16, and rank 1's gradients of the first region it does not own overflow in that
     step before they are reduced. Each step's skip decision goes to :data:`SKIPPED`.
     ``device``: where to train (every rank on the one GPU with ``"cuda"``); ``plain``:
-    give the optimizer a tensor besides the module's parameters."""
-    share = BATCH // world
+    give the optimizer a tensor besides the module's parameters; ``accumulate``: each
+    rank's share of the batch in that many micro-batches a step."""
+    micro = BATCH // world // accumulate
 
-    def part(step: int) -> dict[str, torch.Tensor]:
-        rows = batch(step, BATCH).items()
-        return {k: v[rank * share : (rank + 1) * share].to(device) for k, v in rows}
+    def part(step: int, j: int = 0) -> dict[str, torch.Tensor]:
+        start = (rank * accumulate + j) * micro
+        return {k: v[start : start + micro].to(device) for k, v in batch(step, BATCH).items()}
 
     model = tiny_gpt2(seed=seed)
     dtype = torch.float16 if fp16_overflow_at >= 0 else torch.float32
-    least = _least_budget(model, part(0), dtype, device)  # every rank: it plans collectively
-    chosen = {0: least, -1: 100 * least}.get(budget, budget)
-    module = _build(model, part(0), chosen, dtype, device)
+    kw = {"dtype": dtype, "device": device, "accumulate": accumulate}
+    least = _least_budget(model, part(0), **kw)  # on every rank: it plans collectively
+    module = _build(model, part(0), {0: least, -1: 100 * least}.get(budget, budget), **kw)
     if budget == 0:
         assert any(rp.placement is not ParamPlacement.RESIDENT for rp in module.plan.regions)
         # Host state to shard: every rank owns some.
@@ -113,10 +114,11 @@ def train(
     before = masters(module)
     for step in range(*steps):
         amp.zero_grad()
-        b = part(step)
         if step == fail_at:
             raise RuntimeError(f"rank {rank} fails in step {step}")
-        amp.backward(loss_of(module(**b), b["input_ids"]))
+        for j in range(accumulate):
+            b = part(step, j)
+            amp.backward(loss_of(module(**b), b["input_ids"]) / accumulate)
         amp.step()
         report = amp.last_step
         assert report is not None

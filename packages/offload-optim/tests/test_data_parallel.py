@@ -25,8 +25,10 @@ from data_parallel_ranks import STEPS, same_everywhere, spawn, train
         # Every region on the device, device-state: gradients all-reduced, folded in
         # batches at the end of backward.
         (2, {"budget": -1}),
+        # Two micro-batches a step, clipped: the norm of the owners' accumulated sums.
+        (2, {"accumulate": 2, "clip": 0.05}),
     ],
-    ids=["2", "4", "2-clip", "2-device"],
+    ids=["2", "4", "2-clip", "2-device", "2-accumulate-clip"],
 )
 def test_ranks_on_shares_of_the_batch_end_where_one_process_on_all_of_it_does(
     tmp_path: Path, world: int, options: dict[str, Any]
