@@ -41,6 +41,11 @@ def test_a_sharding_says_what_each_rank_keeps() -> None:
         "their optimizer state and host steps are on this rank) and steps regions [1, 4] as "
         "every rank does; gradients are averaged over the ranks"
     )
+    assert Sharding(1, 2, (None, None)).describe() == (
+        "data parallel: world size 2, rank 1 of 2 owns no regions: the plan keeps all "
+        "optimizer state on the device, and every rank steps regions [0, 1]; gradients are "
+        "averaged over the ranks"
+    )
 
 
 def test_one_process_answers_alone() -> None:

@@ -201,6 +201,12 @@ class Sharding:
         """One line: the world size and which regions this rank owns and steps."""
         sharded = sum(o is not None for o in self.owners)
         everywhere = [r for r, o in enumerate(self.owners) if o is None]
+        if not sharded:
+            return (
+                f"data parallel: world size {self.world}, rank {self.rank} of {self.world} "
+                "owns no regions: the plan keeps all optimizer state on the device, and "
+                f"every rank steps regions {everywhere}; gradients are averaged over the ranks"
+            )
         return (
             f"data parallel: world size {self.world}, rank {self.rank} of {self.world} owns "
             f"host-state regions {self.owned} ({len(self.owned)} of {sharded}: their "
