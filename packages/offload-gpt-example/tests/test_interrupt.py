@@ -118,12 +118,13 @@ import offload_gpt_example.__main__ as example
 from offload_optim import AMPOptimizer
 
 rank, at = int(os.environ["RANK"]), int(os.environ["INTERRUPT_AT"])
+target = int(os.environ.get("INTERRUPT_RANK", "1"))
 calls = [0]
 backward_of, report = AMPOptimizer.backward, example.report_run
 
 def backward(self, loss):
     calls[0] += 1
-    if rank == 1 and calls[0] == at:
+    if rank == target and calls[0] == at:
         os.kill(os.getpid(), signal.SIGINT)
     backward_of(self, loss)
 
@@ -142,7 +143,8 @@ def test_a_data_parallel_run_interrupted_on_one_rank_stops_every_rank_and_resume
     """Under torchrun (2 ranks, gloo), a Ctrl-C that reaches rank 1 alone in step 3 stops
     both ranks after that step; each saves its share of a distributed checkpoint, and the
     run resumed from it on 2 ranks ends bit for bit where the uninterrupted run ends (no
-    dropout: the checkpoint holds no random state), and resumes on one process too."""
+    dropout: the checkpoint holds no random state), and resumes on one process too; a
+    one-process checkpoint resumes on 2 ranks."""
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER)
     argv = [*BASE, "--dropout", "0", "--log_dir", str(tmp_path / "logs")]
@@ -151,7 +153,7 @@ def test_a_data_parallel_run_interrupted_on_one_rank_stops_every_rank_and_resume
     def launch(name: str, *extra: str, at: int = 0, ranks: int = 2) -> str:
         env = {**os.environ, "INTERRUPT_AT": str(at), "MASTERS": str(tmp_path / name)}
         if ranks == 1:  # one process, no torchrun
-            env["RANK"] = "0"
+            env["RANK"] = env["INTERRUPT_RANK"] = "0"
             command = [sys.executable, str(driver), *argv, *extra]
         else:
             command = [
@@ -187,3 +189,8 @@ def test_a_data_parallel_run_interrupted_on_one_rank_stops_every_rank_and_resume
             assert torch.equal(value, resumed[name]), (rank, name)
     out = launch("alone", "--resume", str(ckpt), ranks=1)
     assert "resumed from" in out and "after 3 of 6 steps" in out, out
+    # And a one-process checkpoint (a file) resumes on 2 ranks, each taking its share.
+    single = tmp_path / "single.pt"
+    launch("one", "--save_on_interrupt", str(single), at=3, ranks=1)
+    out = launch("shared", "--resume", str(single))
+    assert out.count("resumed from") == 2 and "after 3 of 6 steps" in out, out

@@ -101,7 +101,8 @@ def save_checkpoint(path: Path, optimizer: AMPOptimizer, steps_done: int) -> Non
 def load_checkpoint(path: Path, optimizer: AMPOptimizer) -> int:
     """Restore what :func:`save_checkpoint` wrote into ``optimizer`` (and its module);
     returns the steps the saved run had done. ``ValueError`` for a file that is not such
-    a checkpoint. A directory is a distributed checkpoint (saved on any number of ranks)."""
+    a checkpoint. A directory is a distributed checkpoint (saved on any number of ranks);
+    a file, one process's, loads under data parallel too."""
     if path.is_dir():
         try:
             extra = load_distributed(optimizer, path)
@@ -120,7 +121,8 @@ def load_checkpoint(path: Path, optimizer: AMPOptimizer) -> int:
         raise ValueError(
             f"{str(path)!r} is not a checkpoint of this example (format {CHECKPOINT_FORMAT})"
         )
-    optimizer.load_state_dict(state["amp"])
+    # A whole optimizer state: under data parallel each rank takes its share of it.
+    optimizer.load_state_dict(state["amp"], shard=True)
     torch.set_rng_state(state["cpu_rng"])
     return int(state["steps_done"])
 
