@@ -206,11 +206,16 @@ def spawn(tmp_path: Path, world: int, **options: Any) -> list[Path]:
     return [tmp_path / f"masters.{rank}" for rank in range(world)]
 
 
-def same_everywhere(files: list[Path], expected: dict[str, torch.Tensor]) -> None:
+def same_everywhere(
+    files: list[Path], expected: dict[str, torch.Tensor], rtol: float = 1e-5, atol: float = 1e-6
+) -> None:
     """Every rank holds the same weights, bit for bit, and they equal ``expected`` up to
     rounding (the ranks sum their shares of the batch in another order)."""
     ranks = [torch.load(f, weights_only=True) for f in files]
     for name, want in expected.items():
         for rank, got in enumerate(ranks):
             assert torch.equal(got[name], ranks[0][name]), (rank, name)
-        torch.testing.assert_close(ranks[0][name], want, rtol=1e-5, atol=1e-6, msg=name)
+        got, where = ranks[0][name].cpu(), name
+        torch.testing.assert_close(
+            got, want.cpu(), rtol=rtol, atol=atol, msg=lambda m, w=where: f"{w}: {m}"
+        )
