@@ -6,7 +6,7 @@
 #
 # PHASE (times from the rows' wall times, process start included, on an H100 host with 16
 # cores; an H200 host with 16 cores is alike):
-#   tests    nox -s gpu_tests: every package's gpu-marked tests (gpu_tests.log)    ~3.5 min
+#   tests    nox -s gpu_tests: every package's gpu-marked tests (gpu_tests.log)    ~6.5 min
 #   configs1 W1's defaults (stepped in turn with full GPU too) and full GPU (~1.5 min);
 #            W2's defaults and the other configurations of the same numerics: the
 #            planner's two fp16 candidates forced, streaming off (~1 min each)     ~5.5 min
