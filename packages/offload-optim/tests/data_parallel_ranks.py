@@ -69,7 +69,7 @@ def train(
     plain: bool = False,
     accumulate: int = 1,
 ) -> dict[str, torch.Tensor]:
-    """Train steps ``range(*steps)`` on rows ``rank::world`` of each batch at ``budget``
+    """Train steps ``range(*steps)`` on share ``rank`` of ``world`` of each batch at ``budget``
     bytes (0: the least the planner accepts; -1: 100 times that, where every region
     stays on the device); the final masters. ``clip``: the clipping norm; ``resume``:
     first load this distributed checkpoint; ``save``: save one after the last step;
