@@ -52,15 +52,14 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(tmp_path: Path) ->
 
 
 def test_a_checkpoint_saved_on_two_ranks_resumes_on_four_and_on_one(tmp_path: Path) -> None:
-    """Two steps on 2 ranks, saved with ``save_distributed``; the last two steps resumed
-    from it on 4 ranks, and in one process, end where 4 uninterrupted steps end."""
+    """Half the steps on 2 ranks, saved with ``save_distributed``; the other half resumed
+    from it on 4 ranks, and in one process, end where the uninterrupted steps end."""
     expected = train(0, 1)
-    saved = tmp_path / "ckpt"
-    spawn(tmp_path / "two", 2, steps=(0, 2), save=str(saved))
-    half = STEPS // 2
-    assert half == 2
-    same_everywhere(spawn(tmp_path / "four", 4, steps=(2, STEPS), resume=str(saved)), expected)
-    resumed = train(0, 1, steps=(2, STEPS), resume=str(saved))
+    saved, half = tmp_path / "ckpt", STEPS // 2
+    spawn(tmp_path / "two", 2, steps=(0, half), save=str(saved))
+    resumed_on_4 = spawn(tmp_path / "four", 4, steps=(half, STEPS), resume=str(saved))
+    same_everywhere(resumed_on_4, expected)
+    resumed = train(0, 1, steps=(half, STEPS), resume=str(saved))
     for name, want in expected.items():
         torch.testing.assert_close(resumed[name], want, rtol=1e-5, atol=1e-6, msg=name)
 
