@@ -61,9 +61,9 @@ def _names(amp: AMPOptimizer) -> list[str]:
     return [named.get(id(p), f"#{i}") for i, p in enumerate(params)]
 
 
-def _flat(amp: AMPOptimizer, state: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    """``AMPOptimizer.state_dict(shard=True)`` output as DCP's flat keys (see the note)."""
-    names = _names(amp)
+def _flat(state: dict[str, Any], names: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+    """``AMPOptimizer.state_dict(shard=True)`` output as DCP's flat keys (see the note),
+    ``names`` the optimizer's parameters' keys (:func:`_names`)."""
     flat: dict[str, Any] = {f"module.{k}": v for k, v in state["module"].items()}
     for i, entry in state["optimizer"]["state"].items():
         for key, value in entry.items():
@@ -88,7 +88,7 @@ def save_distributed(
     ``extra``: the caller's JSON-serialisable values (e.g. the number of batches done),
     returned by :func:`load_distributed`. Call after :meth:`AMPOptimizer.step`.
     """
-    flat = _flat(amp, amp.state_dict(shard=True), extra or {})
+    flat = _flat(amp.state_dict(shard=True), _names(amp), extra or {})
     with _quiet_single_process():
         dcp_save(flat, checkpoint_id=os.fspath(path), no_dist=_no_dist())
 
@@ -103,8 +103,8 @@ def load_distributed(amp: AMPOptimizer, path: str | os.PathLike[str]) -> dict[st
             one of another shape).
         RuntimeError: another rank could not read it (the message names the rank).
     """
-    mine = amp.state_dict(shard=True)
-    flat = _flat(amp, mine, {})
+    mine, names = amp.state_dict(shard=True), _names(amp)
+    flat = _flat(mine, names, {})
     # Every rank checks what it needs before the collective read, and the ranks agree
     # on the outcome: one that lacks its entries must not leave the others waiting.
     failure: ValueError | None = None
@@ -127,7 +127,6 @@ def load_distributed(amp: AMPOptimizer, path: str | os.PathLike[str]) -> dict[st
     except (RuntimeError, ValueError) as exc:
         raise ValueError(f"{os.fspath(path)} does not fit this model: {exc}") from exc
     meta = json.loads(flat[_META].getvalue())
-    names = _names(amp)
     state = {
         i: {key: flat[f"{_STATE}{names[i]}.{key}"] for key in entry}
         for i, entry in mine["optimizer"]["state"].items()

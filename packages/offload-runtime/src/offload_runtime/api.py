@@ -8,6 +8,7 @@ that only changes speed (see [Note: the planner's candidates] in
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -267,7 +268,8 @@ def memory_optimize(
     """
     check_same_weights(model)
     planned = plan_together(
-        lambda: plan_model(
+        functools.partial(
+            plan_model,
             model,
             inputs,
             memory_budget,

@@ -382,11 +382,12 @@ class OffloadController:
         self._grads_done.add(r)
         st = self.storages[r]
         grads, views = st.take_grads()
-        if self.grad_reducer is not None and grads and not self.grad_reducer(r, grads):
-            pass  # another rank steps region r: its gradients went there
-        elif st.host_state:
+        # Under data parallel the reducer says whether this rank steps region r (else its
+        # gradients went to the rank that does).
+        here = self.grad_reducer is None or not grads or self.grad_reducer(r, grads)
+        if here and st.host_state:
             self._offload_grads(st, grads, views)
-        else:
+        elif here:
             self._fold_device_grads([(st, grads, views)])
             self._notify(r)
         if not self._saved.holds(r):
